@@ -1,0 +1,57 @@
+/* ts_backend_host.c - slot data in the shared segment, after the control area. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "ts_backend.h"
+#include "ts_ring.h"
+
+/* Map the data area: read-write for the producer, read-only for consumers. */
+static ts_status ts_host_open(ts_ring *ring, int fd, ts_err *err)
+{
+    const ts_header *h = ring->hdr;
+    size_t bytes = (size_t)(h->segment_bytes - h->data_offset);
+    int prot = ring->is_producer ? PROT_READ | PROT_WRITE : PROT_READ;
+    void *p = mmap(NULL, bytes, prot, MAP_SHARED, fd, (off_t)h->data_offset);
+    if (p == MAP_FAILED)
+        return ts_err_set(err, TS_E_SYS, errno, "mmap of %zu bytes of slot data: %s", bytes,
+                          strerror(errno));
+    ring->data = p;
+    ring->data_bytes = bytes;
+    return TS_OK;
+}
+
+/* Unmap the data area. */
+static void ts_host_close(ts_ring *ring)
+{
+    if (ring->data != NULL) munmap(ring->data, ring->data_bytes);
+    ring->data = NULL;
+}
+
+/* Plain memcpy into the mapping. */
+static ts_status ts_host_copy_in(ts_ring *ring, uint64_t off, const void *src, uint64_t n,
+                                 ts_err *err)
+{
+    (void)err;
+    memcpy(ring->data + off, src, (size_t)n);
+    return TS_OK;
+}
+
+/* Host writes are made visible by the release store that publishes the slot. */
+static ts_status ts_host_fence(ts_ring *ring, uint32_t slot, ts_err *err)
+{
+    (void)ring;
+    (void)slot;
+    (void)err;
+    return TS_OK;
+}
+
+const ts_backend ts_backend_host = {
+    .name = "host",
+    .device_type = kDLCPU,
+    .open = ts_host_open,
+    .close = ts_host_close,
+    .copy_in = ts_host_copy_in,
+    .fence = ts_host_fence,
+};

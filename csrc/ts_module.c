@@ -1,0 +1,1144 @@
+/* ts_module.c - tensorsocket._core: the CPython binding of the ring.
+ *
+ * The only file of the core that includes Python.h. Types (all heap types,
+ * created per module with multi-phase init):
+ *   Ring      a process's handle on a ring segment (producer or consumer)
+ *   Slot      a consumer's lease on one published slot
+ *   SlotView  one tensor of a slot, exported with __dlpack__
+ * Every blocking call releases the GIL, sleeps at most one slice at a time,
+ * and checks for signals (Ctrl-C) between slices.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <unistd.h>
+
+#include "ts_clock.h"
+#include "ts_export.h"
+#include "ts_proc.h"
+#include "ts_ring.h"
+
+/* How long a blocking call may sleep before it checks for signals. */
+#define TS_SIGNAL_SLICE_NS 100000000ULL
+
+/* ==========================================================================
+ * Module state
+ * ========================================================================== */
+
+typedef struct {
+    PyTypeObject *Ring_type;
+    PyTypeObject *Slot_type;
+    PyTypeObject *SlotView_type;
+    PyObject *TensorSocketError;
+    PyObject *ProducerGone;
+    PyObject *ProducerFinished;
+    PyObject *ConsumerDetached;
+    PyObject *BatchTooLarge;
+    PyObject *SharedMemoryTooSmall;
+    PyObject *TooManyConsumers;
+    PyObject *VersionMismatch;
+} ts_state;
+
+static struct PyModuleDef ts_module_def;
+
+/* Module state of one of our objects (our types are not subclassable). */
+static ts_state *ts_get_state(PyObject *self)
+{
+    return PyType_GetModuleState(Py_TYPE(self));
+}
+
+/* The one error funnel: turn a core error into the matching exception. */
+static PyObject *ts_raise(ts_state *state, const ts_err *err)
+{
+    PyObject *type;
+    switch (err->code) {
+    case TS_E_SYS:
+        errno = err->sys_errno;
+        return PyErr_Format(PyExc_OSError, "[Errno %d] %s", err->sys_errno, err->msg);
+    case TS_E_INVALID: type = PyExc_ValueError; break;
+    case TS_E_TOO_BIG: type = state->BatchTooLarge; break;
+    case TS_E_NOSPACE: type = state->SharedMemoryTooSmall; break;
+    case TS_E_TIMEOUT: type = PyExc_TimeoutError; break;
+    case TS_E_FINISHED: type = state->ProducerFinished; break;
+    case TS_E_PRODUCER_GONE: type = state->ProducerGone; break;
+    case TS_E_DETACHED: type = state->ConsumerDetached; break;
+    case TS_E_FULL: type = state->TooManyConsumers; break;
+    case TS_E_VERSION: type = state->VersionMismatch; break;
+    case TS_E_EXISTS: type = PyExc_FileExistsError; break;
+    case TS_E_NOT_FOUND: type = PyExc_FileNotFoundError; break;
+    case TS_E_INTR: type = PyExc_InterruptedError; break;
+    default: type = state->TensorSocketError; break;
+    }
+    PyErr_SetString(type, err->msg);
+    return NULL;
+}
+
+/* Parse a timeout in seconds (None: forever) into an absolute deadline. */
+static int ts_parse_timeout(PyObject *obj, uint64_t *deadline)
+{
+    if (obj == NULL || obj == Py_None) {
+        *deadline = TS_NO_DEADLINE;
+        return 0;
+    }
+    double t = PyFloat_AsDouble(obj);
+    if (t == -1.0 && PyErr_Occurred()) return -1;
+    if (t < 0) t = 0;
+    *deadline = ts_deadline_after(t);
+    return 0;
+}
+
+/* Deadline of the next slice: the overall deadline or one slice from now. */
+static uint64_t ts_slice(uint64_t deadline)
+{
+    uint64_t s = ts_now_ns() + TS_SIGNAL_SLICE_NS;
+    return s < deadline ? s : deadline;
+}
+
+/* After a slice ended: 1 to sleep again, 0 to report st, -1 on a Python
+ * exception (Ctrl-C). */
+static int ts_slice_again(ts_status st, uint64_t deadline)
+{
+    if (st != TS_E_INTR && st != TS_E_TIMEOUT) return 0;
+    if (PyErr_CheckSignals() < 0) return -1;
+    if (st == TS_E_TIMEOUT && ts_now_ns() >= deadline) return 0;
+    return 1;
+}
+
+/* ==========================================================================
+ * SlotView: one tensor of a leased slot
+ * ========================================================================== */
+
+typedef struct {
+    PyObject_HEAD
+    ts_lease *lease; /* owns one lease reference */
+    uint32_t leaf;
+} SlotViewObject;
+
+/* Capsule destructor for legacy "dltensor" capsules never consumed. */
+static void ts_capsule_destructor_legacy(PyObject *capsule)
+{
+    if (PyCapsule_IsValid(capsule, "used_dltensor")) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    void *m = PyCapsule_GetPointer(capsule, "dltensor");
+    if (m != NULL) ts_export_delete(m, 0);
+    else PyErr_WriteUnraisable(capsule);
+    PyErr_Restore(type, value, tb);
+}
+
+/* Capsule destructor for "dltensor_versioned" capsules never consumed. */
+static void ts_capsule_destructor_versioned(PyObject *capsule)
+{
+    if (PyCapsule_IsValid(capsule, "used_dltensor_versioned")) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    void *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+    if (m != NULL) ts_export_delete(m, 1);
+    else PyErr_WriteUnraisable(capsule);
+    PyErr_Restore(type, value, tb);
+}
+
+/* Wrap leaf i of lease in a new DLPack capsule. */
+static PyObject *ts_make_capsule(ts_state *state, ts_lease *lease, uint32_t i, int versioned,
+                                 uint32_t minor, int copy)
+{
+    ts_err err = {0};
+    void *m = ts_export_leaf(lease, i, versioned, minor, copy, &err);
+    if (m == NULL) return ts_raise(state, &err);
+    PyObject *cap = versioned
+                        ? PyCapsule_New(m, "dltensor_versioned", ts_capsule_destructor_versioned)
+                        : PyCapsule_New(m, "dltensor", ts_capsule_destructor_legacy);
+    if (cap == NULL) ts_export_delete(m, versioned);
+    return cap;
+}
+
+/* SlotView.__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) */
+static PyObject *SlotView_dlpack(SlotViewObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    ts_state *state = ts_get_state((PyObject *)self);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOO:__dlpack__", kwlist, &stream,
+                                     &max_version, &dl_device, &copy))
+        return NULL;
+    if (stream != Py_None) {
+        long s = PyLong_Check(stream) ? PyLong_AsLong(stream) : 0;
+        if (s == -1 && PyErr_Occurred()) return NULL;
+        if (s != -1) {
+            PyErr_SetString(PyExc_BufferError,
+                            "tensorsocket host tensors take stream=None (or -1)");
+            return NULL;
+        }
+    }
+    if (dl_device != Py_None) {
+        int dev_type = 0, dev_id = 0;
+        if (!PyArg_ParseTuple(dl_device, "ii:dl_device", &dev_type, &dev_id)) return NULL;
+        if (dev_type != kDLCPU || dev_id != 0) {
+            PyErr_Format(PyExc_BufferError,
+                         "tensorsocket cannot export a host tensor to device (%d, %d)",
+                         dev_type, dev_id);
+            return NULL;
+        }
+    }
+    int do_copy = 0;
+    if (copy != Py_None) {
+        do_copy = PyObject_IsTrue(copy);
+        if (do_copy < 0) return NULL;
+    }
+    int versioned = 0;
+    uint32_t minor = 0;
+    if (max_version != Py_None) {
+        int major = 0, mv = 0;
+        if (!PyArg_ParseTuple(max_version, "ii:max_version", &major, &mv)) return NULL;
+        if (major >= 1) {
+            versioned = 1;
+            minor = (major > 1 || mv > TS_DLPACK_MINOR) ? TS_DLPACK_MINOR : (uint32_t)mv;
+        }
+    }
+    return ts_make_capsule(state, self->lease, self->leaf, versioned, minor, do_copy);
+}
+
+/* SlotView.__dlpack_device__() -> (device_type, device_id) */
+static PyObject *SlotView_dlpack_device(SlotViewObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("(ii)", (int)self->lease->ring->hdr->device_type, 0);
+}
+
+/* SlotView.shape */
+static PyObject *SlotView_get_shape(SlotViewObject *self, void *Py_UNUSED(closure))
+{
+    const ts_leaf *leaf = ts_lease_leaf(self->lease, self->leaf);
+    PyObject *shape = PyTuple_New(leaf->ndim);
+    if (shape == NULL) return NULL;
+    for (int32_t d = 0; d < leaf->ndim; d++) {
+        PyObject *v = PyLong_FromLongLong(leaf->shape[d]);
+        if (v == NULL) {
+            Py_DECREF(shape);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(shape, d, v);
+    }
+    return shape;
+}
+
+/* SlotView.dtype -> (code, bits, lanes) */
+static PyObject *SlotView_get_dtype(SlotViewObject *self, void *Py_UNUSED(closure))
+{
+    const ts_leaf *leaf = ts_lease_leaf(self->lease, self->leaf);
+    return Py_BuildValue("(iii)", leaf->dtype.code, leaf->dtype.bits, leaf->dtype.lanes);
+}
+
+/* SlotView.nbytes */
+static PyObject *SlotView_get_nbytes(SlotViewObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(ts_lease_leaf(self->lease, self->leaf)->nbytes);
+}
+
+/* SlotView.data_ptr: address of the first element in this process. */
+static PyObject *SlotView_get_data_ptr(SlotViewObject *self, void *Py_UNUSED(closure))
+{
+    const ts_leaf *leaf = ts_lease_leaf(self->lease, self->leaf);
+    uint8_t *base = ts_ring_slot_data(self->lease->ring, self->lease->slot);
+    return PyLong_FromVoidPtr(base + leaf->offset);
+}
+
+/* Drop the lease reference. */
+static void SlotView_dealloc(SlotViewObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->lease != NULL) ts_lease_unref(self->lease);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef SlotView_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))SlotView_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "Export this tensor as a DLPack capsule (zero-copy, read-only)."},
+    {"__dlpack_device__", (PyCFunction)SlotView_dlpack_device, METH_NOARGS,
+     "The (device_type, device_id) of this tensor."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef SlotView_getset[] = {
+    {"shape", (getter)SlotView_get_shape, NULL, "Shape of the tensor.", NULL},
+    {"dtype", (getter)SlotView_get_dtype, NULL, "DLPack (code, bits, lanes).", NULL},
+    {"nbytes", (getter)SlotView_get_nbytes, NULL, "Bytes of data.", NULL},
+    {"data_ptr", (getter)SlotView_get_data_ptr, NULL, "Address of the data.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot SlotView_slots[] = {
+    {Py_tp_doc, "One tensor of a ring slot; implements the DLPack protocol."},
+    {Py_tp_dealloc, SlotView_dealloc},
+    {Py_tp_methods, SlotView_methods},
+    {Py_tp_getset, SlotView_getset},
+    {0, NULL},
+};
+
+static PyType_Spec SlotView_spec = {
+    .name = "tensorsocket._core.SlotView",
+    .basicsize = sizeof(SlotViewObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = SlotView_slots,
+};
+
+/* ==========================================================================
+ * Slot: a consumer's lease on one published entry
+ * ========================================================================== */
+
+typedef struct {
+    PyObject_HEAD
+    ts_lease *lease; /* owns one lease reference until release() */
+    uint32_t kind;
+    uint32_t n_leaves;
+    uint64_t seq;
+    uint64_t epoch;
+    uint64_t index;
+    PyObject *meta; /* owns: bytes of the structure blob */
+} SlotObject;
+
+/* Raise if the slot was released. */
+static int ts_slot_check(SlotObject *self)
+{
+    if (self->lease != NULL) return 0;
+    PyErr_SetString(PyExc_ValueError, "this slot was released");
+    return -1;
+}
+
+/* Slot.views() -> tuple of SlotView, one per tensor. */
+static PyObject *Slot_views(SlotObject *self, PyObject *Py_UNUSED(ignored))
+{
+    ts_state *state = ts_get_state((PyObject *)self);
+    if (ts_slot_check(self) < 0) return NULL;
+    PyObject *out = PyTuple_New(self->n_leaves);
+    if (out == NULL) return NULL;
+    for (uint32_t i = 0; i < self->n_leaves; i++) {
+        SlotViewObject *v = PyObject_New(SlotViewObject, state->SlotView_type);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        ts_lease_ref(self->lease);
+        v->lease = self->lease;
+        v->leaf = i;
+        PyTuple_SET_ITEM(out, i, (PyObject *)v);
+    }
+    return out;
+}
+
+/* Slot.capsules(versioned=False, copy=False) -> tuple of DLPack capsules. */
+static PyObject *Slot_capsules(SlotObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"versioned", "copy", NULL};
+    int versioned = 0, copy = 0;
+    ts_state *state = ts_get_state((PyObject *)self);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pp:capsules", kwlist, &versioned, &copy))
+        return NULL;
+    if (ts_slot_check(self) < 0) return NULL;
+    PyObject *out = PyTuple_New(self->n_leaves);
+    if (out == NULL) return NULL;
+    for (uint32_t i = 0; i < self->n_leaves; i++) {
+        PyObject *cap = ts_make_capsule(state, self->lease, i, versioned, TS_DLPACK_MINOR, copy);
+        if (cap == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, cap);
+    }
+    return out;
+}
+
+/* Slot.release(): drop this object's hold; views and tensors keep theirs. */
+static PyObject *Slot_release(SlotObject *self, PyObject *Py_UNUSED(ignored))
+{
+    ts_lease *lease = self->lease;
+    self->lease = NULL;
+    if (lease != NULL) ts_lease_unref(lease);
+    Py_RETURN_NONE;
+}
+
+/* Slot.__enter__ */
+static PyObject *Slot_enter(SlotObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return Py_NewRef(self);
+}
+
+/* Slot.__exit__ releases. */
+static PyObject *Slot_exit(SlotObject *self, PyObject *Py_UNUSED(args))
+{
+    return Slot_release(self, NULL);
+}
+
+/* Release and free. */
+static void Slot_dealloc(SlotObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->lease != NULL) ts_lease_unref(self->lease);
+    Py_XDECREF(self->meta);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+/* Slot.is_end_of_epoch */
+static PyObject *Slot_get_end(SlotObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->kind == TS_ENTRY_END_EPOCH);
+}
+
+/* Slot.meta */
+static PyObject *Slot_get_meta(SlotObject *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->meta);
+}
+
+/* Slot.seq, .epoch, .index, .n_leaves, .slot */
+static PyObject *Slot_get_u64(SlotObject *self, void *closure)
+{
+    switch ((intptr_t)closure) {
+    case 0: return PyLong_FromUnsignedLongLong(self->seq);
+    case 1: return PyLong_FromUnsignedLongLong(self->epoch);
+    case 2: return PyLong_FromUnsignedLongLong(self->index);
+    case 3: return PyLong_FromUnsignedLong(self->n_leaves);
+    default:
+        if (ts_slot_check(self) < 0) return NULL;
+        return PyLong_FromUnsignedLong(self->lease->slot);
+    }
+}
+
+static PyMethodDef Slot_methods[] = {
+    {"views", (PyCFunction)Slot_views, METH_NOARGS, "One SlotView per tensor."},
+    {"capsules", (PyCFunction)(void (*)(void))Slot_capsules, METH_VARARGS | METH_KEYWORDS,
+     "One DLPack capsule per tensor."},
+    {"release", (PyCFunction)Slot_release, METH_NOARGS,
+     "Drop this object's hold on the slot (views and tensors keep their own)."},
+    {"__enter__", (PyCFunction)Slot_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Slot_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Slot_getset[] = {
+    {"is_end_of_epoch", (getter)Slot_get_end, NULL, "This entry ends an epoch.", NULL},
+    {"meta", (getter)Slot_get_meta, NULL, "The batch-structure blob.", NULL},
+    {"seq", (getter)Slot_get_u64, NULL, "Ring sequence number.", (void *)0},
+    {"epoch", (getter)Slot_get_u64, NULL, "Producer epoch.", (void *)1},
+    {"index", (getter)Slot_get_u64, NULL, "Batch index in the epoch.", (void *)2},
+    {"n_leaves", (getter)Slot_get_u64, NULL, "Number of tensors.", (void *)3},
+    {"slot", (getter)Slot_get_u64, NULL, "Slot number in the ring.", (void *)4},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Slot_slots[] = {
+    {Py_tp_doc, "A consumer's hold on one published ring slot."},
+    {Py_tp_dealloc, Slot_dealloc},
+    {Py_tp_methods, Slot_methods},
+    {Py_tp_getset, Slot_getset},
+    {0, NULL},
+};
+
+static PyType_Spec Slot_spec = {
+    .name = "tensorsocket._core.Slot",
+    .basicsize = sizeof(SlotObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = Slot_slots,
+};
+
+/* ==========================================================================
+ * Ring
+ * ========================================================================== */
+
+typedef struct {
+    PyObject_HEAD
+    ts_ring *ring; /* owns one ring reference; NULL once closed */
+} RingObject;
+
+/* Raise if the ring was closed. */
+static int ts_ring_check(RingObject *self)
+{
+    if (self->ring != NULL) return 0;
+    PyErr_SetString(PyExc_ValueError, "this ring is closed");
+    return -1;
+}
+
+/* Raise unless the ring is a producer's (want=1) or a consumer's (want=0). */
+static int ts_role_check(RingObject *self, int want)
+{
+    if (ts_ring_check(self) < 0) return -1;
+    if (self->ring->is_producer == want) return 0;
+    PyErr_SetString(PyExc_ValueError, want ? "only the producer's ring handle can do this"
+                                           : "only a consumer's ring handle can do this");
+    return -1;
+}
+
+/* Wrap a core ring handle in a new Ring object (steals the reference). */
+static PyObject *ts_wrap_ring(ts_state *state, ts_ring *ring)
+{
+    RingObject *obj = PyObject_New(RingObject, state->Ring_type);
+    if (obj == NULL) {
+        ts_ring_unref(ring);
+        return NULL;
+    }
+    obj->ring = ring;
+    return (PyObject *)obj;
+}
+
+/* Ring.create(name, slot_count, slot_bytes, max_leaves) -> producer Ring */
+static PyObject *Ring_create(PyTypeObject *cls, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"name", "slot_count", "slot_bytes", "max_leaves", NULL};
+    const char *name;
+    unsigned int slot_count, max_leaves;
+    unsigned long long slot_bytes;
+    ts_state *state = PyType_GetModuleState(cls);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sIKI:create", kwlist, &name, &slot_count,
+                                     &slot_bytes, &max_leaves))
+        return NULL;
+    ts_geometry g = {slot_count, max_leaves, slot_bytes};
+    ts_ring *ring = NULL;
+    ts_err err = {0};
+    ts_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ts_ring_create(name, &g, &ring, &err);
+    Py_END_ALLOW_THREADS
+    if (st != TS_OK) return ts_raise(state, &err);
+    return ts_wrap_ring(state, ring);
+}
+
+/* Ring.open(name) -> consumer Ring */
+static PyObject *Ring_open(PyTypeObject *cls, PyObject *args)
+{
+    const char *name;
+    ts_state *state = PyType_GetModuleState(cls);
+    if (!PyArg_ParseTuple(args, "s:open", &name)) return NULL;
+    ts_ring *ring = NULL;
+    ts_err err = {0};
+    if (ts_ring_open(name, &ring, &err) != TS_OK) return ts_raise(state, &err);
+    return ts_wrap_ring(state, ring);
+}
+
+/* Ring.unlink_name(name): remove a segment name (missing is fine). */
+static PyObject *Ring_unlink_name(PyTypeObject *cls, PyObject *args)
+{
+    const char *name;
+    ts_state *state = PyType_GetModuleState(cls);
+    if (!PyArg_ParseTuple(args, "s:unlink_name", &name)) return NULL;
+    ts_err err = {0};
+    if (ts_ring_unlink_name(name, &err) != TS_OK) return ts_raise(state, &err);
+    Py_RETURN_NONE;
+}
+
+/* Ring.close(): drop this handle (views keep the mapping alive). */
+static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    ts_ring *ring = self->ring;
+    self->ring = NULL;
+    if (ring != NULL) ts_ring_unref(ring);
+    Py_RETURN_NONE;
+}
+
+/* Ring.reserve(pid, start_time) -> (index, token) */
+static PyObject *Ring_reserve(RingObject *self, PyObject *args)
+{
+    int pid;
+    unsigned long long start_time;
+    if (!PyArg_ParseTuple(args, "iK:reserve", &pid, &start_time)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    uint32_t index = 0;
+    uint64_t token = 0;
+    ts_err err = {0};
+    if (ts_ring_reserve(self->ring, pid, start_time, &index, &token, &err) != TS_OK)
+        return ts_raise(ts_get_state((PyObject *)self), &err);
+    return Py_BuildValue("(IK)", index, (unsigned long long)token);
+}
+
+/* Ring.activate(index) -> first sequence number the consumer receives */
+static PyObject *Ring_activate(RingObject *self, PyObject *args)
+{
+    unsigned int index;
+    if (!PyArg_ParseTuple(args, "I:activate", &index)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    uint64_t start = 0;
+    ts_err err = {0};
+    if (ts_ring_activate(self->ring, index, &start, &err) != TS_OK)
+        return ts_raise(ts_get_state((PyObject *)self), &err);
+    return PyLong_FromUnsignedLongLong(start);
+}
+
+/* Ring.retire(index) / Ring.evict(index) */
+static PyObject *Ring_retire_or_evict(RingObject *self, PyObject *args, int evict)
+{
+    unsigned int index;
+    if (!PyArg_ParseTuple(args, "I", &index)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    if (evict) ts_ring_evict(self->ring, index);
+    else ts_ring_retire(self->ring, index);
+    Py_RETURN_NONE;
+}
+
+/* Ring.retire(index): a live consumer left. */
+static PyObject *Ring_retire(RingObject *self, PyObject *args)
+{
+    return Ring_retire_or_evict(self, args, 0);
+}
+
+/* Ring.evict(index): a dead consumer. */
+static PyObject *Ring_evict(RingObject *self, PyObject *args)
+{
+    return Ring_retire_or_evict(self, args, 1);
+}
+
+/* Map a DLPack (code, bits, lanes) from a Python tuple. */
+static int ts_parse_dtype(PyObject *obj, DLDataType *out)
+{
+    int code, bits, lanes;
+    if (!PyArg_ParseTuple(obj, "iii", &code, &bits, &lanes)) return -1;
+    out->code = (uint8_t)code;
+    out->bits = (uint8_t)bits;
+    out->lanes = (uint16_t)lanes;
+    return 0;
+}
+
+/* Ring.publish(leaves, meta, *, end_of_epoch=False, epoch=0, index=0, timeout=None)
+ * leaves: sequence of (buffer, (code, bits, lanes)). Returns the sequence number. */
+static PyObject *Ring_publish(RingObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"leaves", "meta", "end_of_epoch", "epoch", "index", "timeout",
+                             NULL};
+    PyObject *leaves_obj, *timeout = Py_None, *result = NULL, *seq_fast = NULL;
+    Py_buffer meta = {0};
+    int end = 0;
+    unsigned long long epoch = 0, index = 0;
+    Py_buffer *bufs = NULL;
+    ts_src_leaf *src = NULL;
+    int64_t *dims = NULL;
+    Py_ssize_t n = 0, got = 0;
+    ts_state *state = ts_get_state((PyObject *)self);
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oy*|$pKKO:publish", kwlist, &leaves_obj,
+                                     &meta, &end, &epoch, &index, &timeout))
+        return NULL;
+    if (ts_role_check(self, 1) < 0) goto done;
+    uint64_t deadline;
+    if (ts_parse_timeout(timeout, &deadline) < 0) goto done;
+    seq_fast = PySequence_Fast(leaves_obj, "leaves must be a sequence");
+    if (seq_fast == NULL) goto done;
+    n = PySequence_Fast_GET_SIZE(seq_fast);
+    if (n > (Py_ssize_t)UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "too many tensors");
+        goto done;
+    }
+    bufs = PyMem_Calloc(n ? (size_t)n : 1, sizeof *bufs);
+    src = PyMem_Calloc(n ? (size_t)n : 1, sizeof *src);
+    dims = PyMem_Calloc(n ? (size_t)n * 2 * TS_MAX_NDIM : 1, sizeof *dims);
+    if (bufs == NULL || src == NULL || dims == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq_fast, i);
+        PyObject *buf_obj, *dtype_obj;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_SetString(PyExc_TypeError, "each leaf must be (buffer, (code, bits, lanes))");
+            goto done;
+        }
+        buf_obj = PyTuple_GET_ITEM(item, 0);
+        dtype_obj = PyTuple_GET_ITEM(item, 1);
+        if (ts_parse_dtype(dtype_obj, &src[i].dtype) < 0) goto done;
+        if (PyObject_GetBuffer(buf_obj, &bufs[i], PyBUF_RECORDS_RO) < 0) goto done;
+        got = i + 1;
+        Py_buffer *b = &bufs[i];
+        if (b->ndim > TS_MAX_NDIM) {
+            PyErr_Format(PyExc_ValueError, "a tensor has %d dimensions, at most %d are supported",
+                         b->ndim, TS_MAX_NDIM);
+            goto done;
+        }
+        int64_t *shape = dims + (size_t)i * 2 * TS_MAX_NDIM;
+        int64_t *strides = shape + TS_MAX_NDIM;
+        for (int d = 0; d < b->ndim; d++) {
+            shape[d] = b->shape[d];
+            strides[d] = b->strides[d];
+        }
+        src[i].data = b->buf;
+        src[i].ndim = b->ndim;
+        src[i].shape = shape;
+        src[i].strides = strides;
+        src[i].itemsize = (uint64_t)b->itemsize;
+        if ((uint64_t)b->itemsize * 8 != (uint64_t)src[i].dtype.bits * src[i].dtype.lanes) {
+            PyErr_Format(PyExc_ValueError,
+                         "leaf %zd: buffer item size %zd does not match dtype bits %d", i,
+                         b->itemsize, src[i].dtype.bits);
+            goto done;
+        }
+    }
+
+    ts_err err = {0};
+    ts_status st;
+    uint64_t seq_before = atomic_load_explicit(&self->ring->hdr->published, memory_order_relaxed);
+    for (;;) {
+        uint64_t slice = ts_slice(deadline);
+        Py_BEGIN_ALLOW_THREADS
+        st = ts_ring_publish(self->ring, end ? TS_ENTRY_END_EPOCH : TS_ENTRY_BATCH, epoch, index,
+                             src, (uint32_t)n, meta.buf, (uint64_t)meta.len, slice, &err);
+        Py_END_ALLOW_THREADS
+        int again = ts_slice_again(st, deadline);
+        if (again < 0) goto done;
+        if (again == 0) break;
+    }
+    if (st != TS_OK) {
+        ts_raise(state, &err);
+        goto done;
+    }
+    result = PyLong_FromUnsignedLongLong(seq_before);
+
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(src);
+    PyMem_Free(dims);
+    Py_XDECREF(seq_fast);
+    PyBuffer_Release(&meta);
+    return result;
+}
+
+/* Run a waiting core call in slices; 0 when done, 1 on timeout, -1 on error. */
+typedef ts_status (*ts_wait_fn)(ts_ring *ring, uint32_t arg, uint64_t deadline, ts_err *err);
+
+/* Slice a wait so that Ctrl-C is honoured; the GIL is released while asleep. */
+static int ts_run_wait(RingObject *self, ts_wait_fn fn, uint32_t arg, PyObject *timeout)
+{
+    uint64_t deadline;
+    ts_err err = {0};
+    ts_status st;
+    if (ts_parse_timeout(timeout, &deadline) < 0) return -1;
+    for (;;) {
+        uint64_t slice = ts_slice(deadline);
+        Py_BEGIN_ALLOW_THREADS
+        st = fn(self->ring, arg, slice, &err);
+        Py_END_ALLOW_THREADS
+        int again = ts_slice_again(st, deadline);
+        if (again < 0) return -1;
+        if (again == 0) break;
+    }
+    if (st == TS_OK) return 0;
+    if (st == TS_E_TIMEOUT) return 1;
+    ts_raise(ts_get_state((PyObject *)self), &err);
+    return -1;
+}
+
+/* Adapter: wait for n consumers. */
+static ts_status ts_wait_consumers_fn(ts_ring *ring, uint32_t n, uint64_t deadline, ts_err *err)
+{
+    return ts_ring_wait_consumers(ring, n, deadline, err);
+}
+
+/* Adapter: wait for the consumers to drain. */
+static ts_status ts_wait_drained_fn(ts_ring *ring, uint32_t unused, uint64_t deadline,
+                                    ts_err *err)
+{
+    (void)unused;
+    return ts_ring_wait_drained(ring, deadline, err);
+}
+
+/* Ring.wait_consumers(n, timeout=None) -> True, or False on timeout */
+static PyObject *Ring_wait_consumers(RingObject *self, PyObject *args)
+{
+    unsigned int n;
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTuple(args, "I|O:wait_consumers", &n, &timeout)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    int rc = ts_run_wait(self, ts_wait_consumers_fn, n, timeout);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc == 0);
+}
+
+/* Ring.wait_drained(timeout=None) -> True, or False on timeout */
+static PyObject *Ring_wait_drained(RingObject *self, PyObject *args)
+{
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:wait_drained", &timeout)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    int rc = ts_run_wait(self, ts_wait_drained_fn, 0, timeout);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc == 0);
+}
+
+/* Ring.finish(): no more entries; wake every consumer. */
+static PyObject *Ring_finish(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_role_check(self, 1) < 0) return NULL;
+    ts_ring_finish(self->ring);
+    Py_RETURN_NONE;
+}
+
+/* Ring.bind(index, token): make this handle the given consumer. */
+static PyObject *Ring_bind(RingObject *self, PyObject *args)
+{
+    unsigned int index;
+    unsigned long long token;
+    if (!PyArg_ParseTuple(args, "IK:bind", &index, &token)) return NULL;
+    if (ts_role_check(self, 0) < 0) return NULL;
+    ts_err err = {0};
+    if (ts_ring_bind_consumer(self->ring, index, token, &err) != TS_OK)
+        return ts_raise(ts_get_state((PyObject *)self), &err);
+    Py_RETURN_NONE;
+}
+
+/* Ring.acquire(timeout=None) -> Slot; raises TimeoutError, ProducerFinished,
+ * ProducerGone or ConsumerDetached. */
+static PyObject *Ring_acquire(RingObject *self, PyObject *args)
+{
+    PyObject *timeout = Py_None;
+    ts_state *state = ts_get_state((PyObject *)self);
+    if (!PyArg_ParseTuple(args, "|O:acquire", &timeout)) return NULL;
+    if (ts_role_check(self, 0) < 0) return NULL;
+    uint64_t deadline;
+    if (ts_parse_timeout(timeout, &deadline) < 0) return NULL;
+    ts_acquired got;
+    ts_err err = {0};
+    ts_status st;
+    for (;;) {
+        uint64_t slice = ts_slice(deadline);
+        Py_BEGIN_ALLOW_THREADS
+        st = ts_ring_acquire(self->ring, slice, &got, &err);
+        Py_END_ALLOW_THREADS
+        int again = ts_slice_again(st, deadline);
+        if (again < 0) return NULL;
+        if (again == 0) break;
+    }
+    if (st != TS_OK) return ts_raise(state, &err);
+
+    ts_lease *lease = ts_lease_new(self->ring, got.slot, got.seq);
+    if (lease == NULL) {
+        ts_ring_release(self->ring, got.slot, self->ring->consumer);
+        return PyErr_NoMemory();
+    }
+    SlotObject *slot = PyObject_New(SlotObject, state->Slot_type);
+    if (slot == NULL) {
+        ts_lease_unref(lease);
+        return NULL;
+    }
+    const ts_slot *s = ts_ring_slot(self->ring, got.slot);
+    slot->lease = lease;
+    slot->kind = got.kind;
+    slot->n_leaves = s->n_leaves;
+    slot->seq = got.seq;
+    slot->epoch = got.epoch;
+    slot->index = got.index;
+    slot->meta = PyBytes_FromStringAndSize(
+        (const char *)ts_ring_slot_data(self->ring, got.slot) + s->meta_offset,
+        (Py_ssize_t)s->meta_bytes);
+    if (slot->meta == NULL) {
+        Py_DECREF(slot);
+        return NULL;
+    }
+    return (PyObject *)slot;
+}
+
+/* Ring.consumers() -> list of dicts, one per used consumer entry. */
+static PyObject *Ring_consumers(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_ring_check(self) < 0) return NULL;
+    ts_header *h = self->ring->hdr;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
+        ts_consumer *c = &h->consumers[i];
+        uint32_t state = atomic_load_explicit(&c->state, memory_order_acquire);
+        if (state == TS_CONSUMER_FREE) continue;
+        uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_acquire);
+        PyObject *d = Py_BuildValue(
+            "{sIsIsisKsKsKsK}", "index", i, "state", state, "pid", c->pid, "cursor",
+            (unsigned long long)cursor, "delivered",
+            (unsigned long long)atomic_load_explicit(&c->delivered, memory_order_relaxed),
+            "progress_ns",
+            (unsigned long long)atomic_load_explicit(&c->progress_ns, memory_order_relaxed),
+            "start_time", (unsigned long long)c->start_time);
+        if (d == NULL || PyList_Append(out, d) < 0) {
+            Py_XDECREF(d);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(d);
+    }
+    return out;
+}
+
+/* Ring.slot_readers() -> tuple of reader bitmaps, one per slot. */
+static PyObject *Ring_slot_readers(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_ring_check(self) < 0) return NULL;
+    uint32_t k = self->ring->hdr->slot_count;
+    PyObject *out = PyTuple_New(k);
+    if (out == NULL) return NULL;
+    for (uint32_t i = 0; i < k; i++) {
+        ts_slot *s = ts_ring_slot(self->ring, i);
+        PyObject *v = PyLong_FromUnsignedLongLong(
+            atomic_load_explicit(&s->readers, memory_order_acquire));
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* Ring.info() -> dict of geometry and counters. */
+static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_ring_check(self) < 0) return NULL;
+    ts_ring *r = self->ring;
+    ts_header *h = r->hdr;
+    return Py_BuildValue(
+        "{sssIsIsKsKsisKsIsKsKsKsnsnsKsi}", "name", r->name, "slot_count", h->slot_count,
+        "max_leaves", h->max_leaves, "slot_bytes", (unsigned long long)h->slot_bytes,
+        "segment_bytes", (unsigned long long)h->segment_bytes, "producer_pid", h->producer_pid,
+        "producer_start_time", (unsigned long long)h->producer_start_time, "state",
+        atomic_load_explicit(&h->state, memory_order_acquire), "published",
+        (unsigned long long)atomic_load_explicit(&h->published, memory_order_acquire),
+        "active_mask",
+        (unsigned long long)atomic_load_explicit(&h->active_mask, memory_order_acquire),
+        "bytes_copied", (unsigned long long)r->bytes_copied, "data_address",
+        (Py_ssize_t)(intptr_t)r->data, "data_bytes", (Py_ssize_t)r->data_bytes,
+        "consumer", (unsigned long long)r->consumer, "is_producer", r->is_producer);
+}
+
+/* Ring.closed */
+static PyObject *Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->ring == NULL);
+}
+
+/* Drop the handle's reference. */
+static void Ring_dealloc(RingObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->ring != NULL) ts_ring_unref(self->ring);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"create", (PyCFunction)(void (*)(void))Ring_create,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS, "Create a ring segment (producer)."},
+    {"open", (PyCFunction)Ring_open, METH_VARARGS | METH_CLASS,
+     "Open a ring segment (consumer)."},
+    {"unlink_name", (PyCFunction)Ring_unlink_name, METH_VARARGS | METH_CLASS,
+     "Remove a segment name."},
+    {"close", (PyCFunction)Ring_close, METH_NOARGS, "Drop this handle."},
+    {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "Reserve a consumer entry."},
+    {"activate", (PyCFunction)Ring_activate, METH_VARARGS, "Start delivering to a consumer."},
+    {"retire", (PyCFunction)Ring_retire, METH_VARARGS, "A live consumer left."},
+    {"evict", (PyCFunction)Ring_evict, METH_VARARGS, "A dead consumer: drop its holds."},
+    {"publish", (PyCFunction)(void (*)(void))Ring_publish, METH_VARARGS | METH_KEYWORDS,
+     "Copy a batch into the next slot and publish it."},
+    {"wait_consumers", (PyCFunction)Ring_wait_consumers, METH_VARARGS,
+     "Wait until n consumers are active."},
+    {"wait_drained", (PyCFunction)Ring_wait_drained, METH_VARARGS,
+     "Wait until the consumers read everything published."},
+    {"finish", (PyCFunction)Ring_finish, METH_NOARGS, "Mark the ring finished."},
+    {"bind", (PyCFunction)Ring_bind, METH_VARARGS, "Bind to a consumer entry."},
+    {"acquire", (PyCFunction)Ring_acquire, METH_VARARGS, "Take the next entry."},
+    {"consumers", (PyCFunction)Ring_consumers, METH_NOARGS, "The consumer table."},
+    {"slot_readers", (PyCFunction)Ring_slot_readers, METH_NOARGS, "Reader bitmaps."},
+    {"info", (PyCFunction)Ring_info, METH_NOARGS, "Geometry and counters."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Ring_getset[] = {
+    {"closed", (getter)Ring_get_closed, NULL, "True once closed.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Ring_slots[] = {
+    {Py_tp_doc, "A process's handle on a shared-memory ring segment."},
+    {Py_tp_dealloc, Ring_dealloc},
+    {Py_tp_methods, Ring_methods},
+    {Py_tp_getset, Ring_getset},
+    {0, NULL},
+};
+
+static PyType_Spec Ring_spec = {
+    .name = "tensorsocket._core.Ring",
+    .basicsize = sizeof(RingObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = Ring_slots,
+};
+
+/* ==========================================================================
+ * Module functions and init
+ * ========================================================================== */
+
+/* process_start_time(pid) -> start time in clock ticks, 0 if no such process */
+static PyObject *ts_py_process_start_time(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    long pid = PyLong_AsLong(arg);
+    if (pid == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLongLong(ts_proc_start_time((pid_t)pid));
+}
+
+/* process_alive(pid, start_time) -> bool */
+static PyObject *ts_py_process_alive(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    int pid;
+    unsigned long long start;
+    if (!PyArg_ParseTuple(args, "iK:process_alive", &pid, &start)) return NULL;
+    return PyBool_FromLong(ts_proc_alive(pid, start));
+}
+
+/* segment_bytes(slot_count, slot_bytes, max_leaves) -> bytes a ring needs */
+static PyObject *ts_py_segment_bytes(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    unsigned int slot_count, max_leaves;
+    unsigned long long slot_bytes;
+    if (!PyArg_ParseTuple(args, "IKI:segment_bytes", &slot_count, &slot_bytes, &max_leaves))
+        return NULL;
+    ts_geometry g = {slot_count, max_leaves, slot_bytes};
+    return PyLong_FromUnsignedLongLong(ts_ring_segment_bytes(&g, NULL));
+}
+
+static PyMethodDef ts_module_methods[] = {
+    {"process_start_time", ts_py_process_start_time, METH_O,
+     "Start time of a process in clock ticks (0 if it does not exist)."},
+    {"process_alive", ts_py_process_alive, METH_VARARGS,
+     "True if pid exists and started at start_time."},
+    {"segment_bytes", ts_py_segment_bytes, METH_VARARGS,
+     "Bytes of shared memory a ring of this geometry needs."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* Create exception name deriving from bases; store it in *slot and the module. */
+static int ts_add_exception(PyObject *module, PyObject **slot, const char *name,
+                            PyObject *bases, const char *doc)
+{
+    char qualname[128];
+    snprintf(qualname, sizeof qualname, "tensorsocket.%s", name);
+    *slot = PyErr_NewExceptionWithDoc(qualname, doc, bases, NULL);
+    if (*slot == NULL) return -1;
+    return PyModule_AddObjectRef(module, name, *slot);
+}
+
+/* Fill the module: types, exceptions, constants. */
+static int ts_module_exec(PyObject *module)
+{
+    ts_state *st = PyModule_GetState(module);
+    PyObject *bases = NULL;
+    int rc = -1;
+
+    st->Ring_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Ring_spec, NULL);
+    st->Slot_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Slot_spec, NULL);
+    st->SlotView_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &SlotView_spec, NULL);
+    if (st->Ring_type == NULL || st->Slot_type == NULL || st->SlotView_type == NULL) goto done;
+    if (PyModule_AddType(module, st->Ring_type) < 0 ||
+        PyModule_AddType(module, st->Slot_type) < 0 ||
+        PyModule_AddType(module, st->SlotView_type) < 0)
+        goto done;
+
+    if (ts_add_exception(module, &st->TensorSocketError, "TensorSocketError",
+                         PyExc_RuntimeError, "Base class of tensorsocket errors.") < 0)
+        goto done;
+    PyObject *base = st->TensorSocketError;
+    if (ts_add_exception(module, &st->ProducerGone, "ProducerGone", base,
+                         "The producer process died.") < 0 ||
+        ts_add_exception(module, &st->ProducerFinished, "ProducerFinished", base,
+                         "The producer finished: no more batches will come.") < 0 ||
+        ts_add_exception(module, &st->ConsumerDetached, "ConsumerDetached", base,
+                         "The producer detached this consumer.") < 0 ||
+        ts_add_exception(module, &st->TooManyConsumers, "TooManyConsumers", base,
+                         "The ring has no free consumer place.") < 0 ||
+        ts_add_exception(module, &st->VersionMismatch, "VersionMismatch", base,
+                         "Producer and consumer speak different versions.") < 0)
+        goto done;
+    bases = PyTuple_Pack(2, base, PyExc_ValueError);
+    if (bases == NULL ||
+        ts_add_exception(module, &st->BatchTooLarge, "BatchTooLarge", bases,
+                         "A batch does not fit in a ring slot.") < 0)
+        goto done;
+    Py_CLEAR(bases);
+    bases = PyTuple_Pack(2, base, PyExc_OSError);
+    if (bases == NULL ||
+        ts_add_exception(module, &st->SharedMemoryTooSmall, "SharedMemoryTooSmall", bases,
+                         "/dev/shm cannot hold the ring.") < 0)
+        goto done;
+
+    if (PyModule_AddIntConstant(module, "MAX_CONSUMERS", TS_MAX_CONSUMERS) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_NDIM", TS_MAX_NDIM) < 0 ||
+        PyModule_AddIntConstant(module, "LAYOUT_VERSION", TS_LAYOUT_VERSION) < 0 ||
+        PyModule_AddIntConstant(module, "DLPACK_MAJOR", TS_DLPACK_MAJOR) < 0 ||
+        PyModule_AddIntConstant(module, "DLPACK_MINOR", TS_DLPACK_MINOR) < 0 ||
+        PyModule_AddIntConstant(module, "CONSUMER_PENDING", TS_CONSUMER_PENDING) < 0 ||
+        PyModule_AddIntConstant(module, "CONSUMER_ACTIVE", TS_CONSUMER_ACTIVE) < 0 ||
+        PyModule_AddIntConstant(module, "CONSUMER_LEAVING", TS_CONSUMER_LEAVING) < 0 ||
+        PyModule_AddIntConstant(module, "RING_OPEN", TS_RING_OPEN) < 0 ||
+        PyModule_AddIntConstant(module, "RING_FINISHED", TS_RING_FINISHED) < 0)
+        goto done;
+    rc = 0;
+done:
+    Py_XDECREF(bases);
+    return rc;
+}
+
+/* GC traversal of the module state. */
+static int ts_module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    ts_state *st = PyModule_GetState(module);
+    Py_VISIT(st->Ring_type);
+    Py_VISIT(st->Slot_type);
+    Py_VISIT(st->SlotView_type);
+    Py_VISIT(st->TensorSocketError);
+    Py_VISIT(st->ProducerGone);
+    Py_VISIT(st->ProducerFinished);
+    Py_VISIT(st->ConsumerDetached);
+    Py_VISIT(st->BatchTooLarge);
+    Py_VISIT(st->SharedMemoryTooSmall);
+    Py_VISIT(st->TooManyConsumers);
+    Py_VISIT(st->VersionMismatch);
+    return 0;
+}
+
+/* Drop the module state's references. */
+static int ts_module_clear(PyObject *module)
+{
+    ts_state *st = PyModule_GetState(module);
+    Py_CLEAR(st->Ring_type);
+    Py_CLEAR(st->Slot_type);
+    Py_CLEAR(st->SlotView_type);
+    Py_CLEAR(st->TensorSocketError);
+    Py_CLEAR(st->ProducerGone);
+    Py_CLEAR(st->ProducerFinished);
+    Py_CLEAR(st->ConsumerDetached);
+    Py_CLEAR(st->BatchTooLarge);
+    Py_CLEAR(st->SharedMemoryTooSmall);
+    Py_CLEAR(st->TooManyConsumers);
+    Py_CLEAR(st->VersionMismatch);
+    return 0;
+}
+
+/* Module free hook. */
+static void ts_module_free(void *module)
+{
+    ts_module_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot ts_module_slots[] = {
+    {Py_mod_exec, ts_module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef ts_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tensorsocket._core",
+    .m_doc = "The C core of tensorsocket: a shared-memory ring of tensor slots.",
+    .m_size = sizeof(ts_state),
+    .m_methods = ts_module_methods,
+    .m_slots = ts_module_slots,
+    .m_traverse = ts_module_traverse,
+    .m_clear = ts_module_clear,
+    .m_free = ts_module_free,
+};
+
+/* Module entry point (multi-phase init). */
+PyMODINIT_FUNC PyInit__core(void)
+{
+    return PyModuleDef_Init(&ts_module_def);
+}

@@ -1,0 +1,54 @@
+/* ts_proc.c - read a process's start time and state from /proc. */
+#define _GNU_SOURCE
+#include "ts_proc.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Read /proc/pid/stat; fill state and start time. Returns 0 on success. */
+static int ts_proc_read_stat(pid_t pid, char *state, uint64_t *start_time)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = '\0';
+    /* comm (field 2) may contain spaces and parentheses: skip to the last ')'. */
+    char *p = strrchr(buf, ')');
+    if (p == NULL || p[1] == '\0') return -1;
+    p += 2;
+    *state = *p;
+    /* p now points at field 3; the start time is field 22. */
+    for (int field = 3; field < 22; field++) {
+        p = strchr(p, ' ');
+        if (p == NULL) return -1;
+        p++;
+    }
+    *start_time = strtoull(p, NULL, 10);
+    return 0;
+}
+
+/* Start time of pid in clock ticks since boot, or 0 if it does not exist. */
+uint64_t ts_proc_start_time(pid_t pid)
+{
+    char state;
+    uint64_t start = 0;
+    if (pid <= 0 || ts_proc_read_stat(pid, &state, &start) != 0) return 0;
+    return start;
+}
+
+/* 1 if pid exists, is not a zombie, and started at start_time. */
+int ts_proc_alive(pid_t pid, uint64_t start_time)
+{
+    char state;
+    uint64_t start = 0;
+    if (pid <= 0 || ts_proc_read_stat(pid, &state, &start) != 0) return 0;
+    if (state == 'Z' || state == 'X' || state == 'x') return 0;
+    return start == start_time;
+}

@@ -1,0 +1,16 @@
+/* ts_proc.h - process identity that survives pid reuse: pid + start time. */
+#ifndef TS_PROC_H
+#define TS_PROC_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+/* Start time of pid in clock ticks since boot (field 22 of /proc/pid/stat),
+ * or 0 if the process does not exist. */
+uint64_t ts_proc_start_time(pid_t pid);
+
+/* 1 if the process pid exists and started at start_time, else 0. A zombie
+ * counts as gone: it can no longer touch the ring. */
+int ts_proc_alive(pid_t pid, uint64_t start_time);
+
+#endif /* TS_PROC_H */

@@ -1,0 +1,689 @@
+/* ts_ring.c - the ring protocol over a shared segment (see ts_ring.h). */
+#define _GNU_SOURCE
+#include "ts_ring.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "ts_backend.h"
+#include "ts_clock.h"
+#include "ts_futex.h"
+#include "ts_proc.h"
+#include "ts_segment.h"
+
+#define TS_PAGE 4096ULL
+/* Longest single sleep: liveness of the other side is re-checked this often. */
+#define TS_SLICE_NS 100000000ULL
+
+/* ==========================================================================
+ * Geometry
+ * ========================================================================== */
+
+/* Round x up to a multiple of a (a power of two). */
+static uint64_t ts_round_up(uint64_t x, uint64_t a)
+{
+    return (x + a - 1) & ~(a - 1);
+}
+
+/* Offset of the slot table inside the segment. */
+static uint64_t ts_slot_table_offset(void)
+{
+    return ts_round_up(sizeof(ts_header), 64);
+}
+
+/* Stride of the slot table for max_leaves leaves per slot. */
+static uint64_t ts_slot_desc_bytes(uint32_t max_leaves)
+{
+    return ts_round_up(sizeof(ts_slot) + (uint64_t)max_leaves * sizeof(ts_leaf), 64);
+}
+
+/* Bytes a segment of geometry g needs, and the control-area size. */
+uint64_t ts_ring_segment_bytes(const ts_geometry *g, uint64_t *ctrl_bytes)
+{
+    uint64_t ctrl = ts_round_up(
+        ts_slot_table_offset() + (uint64_t)g->slot_count * ts_slot_desc_bytes(g->max_leaves),
+        TS_PAGE);
+    uint64_t slot = ts_round_up(g->slot_bytes, TS_PAGE);
+    if (ctrl_bytes != NULL) *ctrl_bytes = ctrl;
+    return ctrl + (uint64_t)g->slot_count * slot;
+}
+
+/* Slot descriptor i. */
+ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i)
+{
+    return (ts_slot *)((uint8_t *)ring->hdr + ts_slot_table_offset() +
+                       (uint64_t)i * ring->hdr->slot_desc_bytes);
+}
+
+/* Host address of slot data (NULL for device backends). */
+uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot)
+{
+    if (ring->data == NULL) return NULL;
+    return ring->data + (uint64_t)slot * ring->hdr->slot_bytes;
+}
+
+/* ==========================================================================
+ * Futex helpers: a word bumped by wakers, a waiter count checked by them
+ * ========================================================================== */
+
+/* Bump word and wake its sleepers, if any. */
+static void ts_signal(_Atomic uint32_t *word, _Atomic uint32_t *waiters)
+{
+    atomic_fetch_add_explicit(word, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(waiters, memory_order_seq_cst) != 0) ts_futex_wake_all(word);
+}
+
+/* Sleep on word (last seen value seen) for at most one slice before deadline.
+ * The caller re-checks its condition after waiters was raised, so a wake
+ * between the check and the sleep is never lost. Returns 0, ETIMEDOUT (the
+ * slice or the deadline passed) or EINTR. */
+static int ts_sleep(_Atomic uint32_t *word, uint32_t seen, uint64_t deadline)
+{
+    uint64_t now = ts_now_ns();
+    uint64_t until = now + TS_SLICE_NS;
+    if (deadline < until) until = deadline;
+    return ts_futex_wait(word, seen, until);
+}
+
+/* Clear bit in a slot's readers; wake the producer if the slot became free. */
+static void ts_slot_drop(ts_header *h, ts_slot *s, uint64_t bit)
+{
+    uint64_t old = atomic_fetch_and_explicit(&s->readers, ~bit, memory_order_acq_rel);
+    if ((old & bit) != 0 && (old & ~bit) == 0) ts_signal(&h->free_word, &h->free_waiters);
+}
+
+/* ==========================================================================
+ * Life cycle
+ * ========================================================================== */
+
+/* Allocate the process-local handle. */
+static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
+{
+    if (strlen(name) + 1 > sizeof(((ts_ring *)0)->name)) {
+        ts_err_set(err, TS_E_INVALID, 0, "segment name too long: %s", name);
+        return NULL;
+    }
+    ts_ring *ring = calloc(1, sizeof *ring);
+    if (ring == NULL) {
+        ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
+        return NULL;
+    }
+    atomic_init(&ring->refs, 1);
+    ring->is_producer = is_producer;
+    ring->fd = -1;
+    ring->backend = &ts_backend_host;
+    ring->consumer = UINT32_MAX;
+    strcpy(ring->name, name);
+    pthread_mutex_init(&ring->lock, NULL);
+    return ring;
+}
+
+/* Release everything the handle owns. */
+static void ts_ring_free(ts_ring *ring)
+{
+    if (ring->backend != NULL && ring->hdr != NULL) ring->backend->close(ring);
+    if (ring->hdr != NULL) munmap(ring->hdr, ring->ctrl_bytes);
+    if (ring->fd >= 0) close(ring->fd);
+    pthread_mutex_destroy(&ring->lock);
+    free(ring);
+}
+
+/* Create a new segment `name` (mode 0600) with geometry g, as producer. */
+ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, ts_err *err)
+{
+    ts_status st = TS_OK;
+    int created = 0;
+    if (g->slot_count < 2 || g->slot_count > 4096)
+        return ts_err_set(err, TS_E_INVALID, 0, "slot count %u is outside 2..4096",
+                          g->slot_count);
+    if (g->max_leaves < 1 || g->max_leaves > 65536)
+        return ts_err_set(err, TS_E_INVALID, 0, "max_leaves %u is outside 1..65536",
+                          g->max_leaves);
+    if (g->slot_bytes < 1 || g->slot_bytes > (1ULL << 40))
+        return ts_err_set(err, TS_E_INVALID, 0, "slot size %llu is outside 1 B..1 TiB",
+                          (unsigned long long)g->slot_bytes);
+
+    ts_ring *ring = ts_ring_alloc(name, 1, err);
+    if (ring == NULL) return err ? err->code : TS_E_SYS;
+
+    uint64_t ctrl = 0;
+    uint64_t total = ts_ring_segment_bytes(g, &ctrl);
+    st = ts_segment_create(name, total, &ring->fd, err);
+    if (st != TS_OK) goto error;
+    created = 1;
+
+    void *p = mmap(NULL, ctrl, PROT_READ | PROT_WRITE, MAP_SHARED, ring->fd, 0);
+    if (p == MAP_FAILED) {
+        st = ts_err_set(err, TS_E_SYS, errno, "mmap of the ring header: %s", strerror(errno));
+        goto error;
+    }
+    ring->hdr = p;
+    ring->ctrl_bytes = ctrl;
+
+    /* The pages are fresh (zero). Fill in the geometry, then the tables. */
+    ts_header *h = ring->hdr;
+    h->layout_version = TS_LAYOUT_VERSION;
+    h->slot_count = g->slot_count;
+    h->max_leaves = g->max_leaves;
+    h->slot_desc_bytes = (uint32_t)ts_slot_desc_bytes(g->max_leaves);
+    h->slot_bytes = ts_round_up(g->slot_bytes, TS_PAGE);
+    h->ctrl_bytes = ctrl;
+    h->data_offset = ctrl;
+    h->segment_bytes = total;
+    h->producer_pid = (int32_t)getpid();
+    h->producer_start_time = ts_proc_start_time(getpid());
+    h->device_type = ring->backend->device_type;
+    for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++)
+        atomic_store_explicit(&h->consumers[i].state, TS_CONSUMER_FREE, memory_order_relaxed);
+    for (uint32_t i = 0; i < g->slot_count; i++) {
+        ts_slot *s = ts_ring_slot(ring, i);
+        atomic_store_explicit(&s->seq, TS_SEQ_NONE, memory_order_relaxed);
+        atomic_store_explicit(&s->readers, 0, memory_order_relaxed);
+    }
+    atomic_store_explicit(&h->state, TS_RING_OPEN, memory_order_relaxed);
+    /* Written last: a reader that sees the magic sees a complete header. */
+    atomic_thread_fence(memory_order_release);
+    h->magic = TS_MAGIC;
+
+    st = ring->backend->open(ring, ring->fd, err);
+    if (st != TS_OK) goto error;
+    close(ring->fd);
+    ring->fd = -1;
+    *out = ring;
+    return TS_OK;
+
+error:
+    if (created) ts_segment_unlink(name, NULL);
+    ts_ring_free(ring);
+    return st;
+}
+
+/* Open an existing segment as consumer. */
+ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err)
+{
+    ts_status st = TS_OK;
+    uint64_t bytes = 0;
+    ts_ring *ring = ts_ring_alloc(name, 0, err);
+    if (ring == NULL) return err ? err->code : TS_E_SYS;
+
+    st = ts_segment_open(name, &ring->fd, &bytes, err);
+    if (st != TS_OK) goto error;
+    if (bytes < sizeof(ts_header)) {
+        st = ts_err_set(err, TS_E_VERSION, 0, "segment %s is too small to be a ring", name);
+        goto error;
+    }
+    /* Read the header alone first, to learn the geometry. */
+    ts_header probe;
+    if (pread(ring->fd, &probe, sizeof probe, 0) != (ssize_t)sizeof probe) {
+        st = ts_err_set(err, TS_E_SYS, errno, "reading the header of %s failed", name);
+        goto error;
+    }
+    if (probe.magic != TS_MAGIC) {
+        st = ts_err_set(err, TS_E_VERSION, 0, "segment %s is not a tensorsocket ring", name);
+        goto error;
+    }
+    if (probe.layout_version != TS_LAYOUT_VERSION) {
+        st = ts_err_set(err, TS_E_VERSION, 0,
+                        "segment %s has ring layout %u, this build reads layout %u", name,
+                        probe.layout_version, TS_LAYOUT_VERSION);
+        goto error;
+    }
+    ts_geometry g = {probe.slot_count, probe.max_leaves, probe.slot_bytes};
+    uint64_t ctrl = 0;
+    if (probe.segment_bytes != bytes || ts_ring_segment_bytes(&g, &ctrl) != bytes ||
+        ctrl != probe.ctrl_bytes || probe.data_offset != ctrl) {
+        st = ts_err_set(err, TS_E_VERSION, 0, "segment %s has an inconsistent geometry", name);
+        goto error;
+    }
+    void *p = mmap(NULL, ctrl, PROT_READ | PROT_WRITE, MAP_SHARED, ring->fd, 0);
+    if (p == MAP_FAILED) {
+        st = ts_err_set(err, TS_E_SYS, errno, "mmap of the ring header: %s", strerror(errno));
+        goto error;
+    }
+    ring->hdr = p;
+    ring->ctrl_bytes = ctrl;
+    st = ring->backend->open(ring, ring->fd, err);
+    if (st != TS_OK) goto error;
+    close(ring->fd);
+    ring->fd = -1;
+    *out = ring;
+    return TS_OK;
+
+error:
+    ts_ring_free(ring);
+    return st;
+}
+
+/* Take one more reference on the mapping. */
+void ts_ring_ref(ts_ring *ring)
+{
+    atomic_fetch_add_explicit(&ring->refs, 1, memory_order_relaxed);
+}
+
+/* Drop a reference; unmaps and frees at zero. Safe on any thread. */
+void ts_ring_unref(ts_ring *ring)
+{
+    if (atomic_fetch_sub_explicit(&ring->refs, 1, memory_order_acq_rel) == 1) ts_ring_free(ring);
+}
+
+/* Remove the segment's name (the mapping stays valid). */
+ts_status ts_ring_unlink_name(const char *name, ts_err *err)
+{
+    return ts_segment_unlink(name, err);
+}
+
+/* ==========================================================================
+ * Producer: the consumer table
+ * ========================================================================== */
+
+/* 1 if any slot still carries bit. */
+static int ts_ring_bit_in_use(const ts_ring *ring, uint64_t bit)
+{
+    for (uint32_t i = 0; i < ring->hdr->slot_count; i++)
+        if (atomic_load_explicit(&ts_ring_slot(ring, i)->readers, memory_order_acquire) & bit)
+            return 1;
+    return 0;
+}
+
+/* Reserve a consumer table entry for process pid. */
+ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_t *index,
+                          uint64_t *token, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    ts_status st = TS_E_FULL;
+    pthread_mutex_lock(&ring->lock);
+    for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
+        ts_consumer *c = &h->consumers[i];
+        uint32_t state = atomic_load_explicit(&c->state, memory_order_acquire);
+        if (state == TS_CONSUMER_LEAVING && !ts_ring_bit_in_use(ring, 1ULL << i))
+            state = TS_CONSUMER_FREE;
+        if (state != TS_CONSUMER_FREE) continue;
+        c->pid = (int32_t)pid;
+        c->start_time = start_time;
+        c->token = c->token + 1 + ((uint64_t)ts_now_ns() << 8);
+        atomic_store_explicit(&c->cursor, TS_SEQ_NONE, memory_order_relaxed);
+        atomic_store_explicit(&c->delivered, 0, memory_order_relaxed);
+        atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
+        atomic_store_explicit(&c->state, TS_CONSUMER_PENDING, memory_order_release);
+        *index = i;
+        *token = c->token;
+        st = TS_OK;
+        break;
+    }
+    pthread_mutex_unlock(&ring->lock);
+    if (st != TS_OK)
+        ts_err_set(err, st, 0, "all %d consumer places of this ring are taken",
+                   TS_MAX_CONSUMERS);
+    return st;
+}
+
+/* Make a reserved consumer receive every entry from the next one published. */
+ts_status ts_ring_activate(ts_ring *ring, uint32_t index, uint64_t *start_seq, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    ts_status st = TS_OK;
+    if (index >= TS_MAX_CONSUMERS)
+        return ts_err_set(err, TS_E_INVALID, 0, "no consumer %u", index);
+    ts_consumer *c = &h->consumers[index];
+    pthread_mutex_lock(&ring->lock);
+    if (atomic_load_explicit(&c->state, memory_order_acquire) != TS_CONSUMER_PENDING) {
+        st = ts_err_set(err, TS_E_INVALID, 0, "consumer %u is not waiting to start", index);
+        goto done;
+    }
+    /* published only changes under this lock, so nothing slips in between. */
+    uint64_t start = atomic_load_explicit(&h->published, memory_order_relaxed);
+    atomic_store_explicit(&c->cursor, start, memory_order_relaxed);
+    atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
+    atomic_store_explicit(&c->state, TS_CONSUMER_ACTIVE, memory_order_release);
+    atomic_fetch_or_explicit(&h->active_mask, 1ULL << index, memory_order_seq_cst);
+    *start_seq = start;
+done:
+    pthread_mutex_unlock(&ring->lock);
+    if (st == TS_OK) ts_signal(&h->roster_word, &h->roster_waiters);
+    return st;
+}
+
+/* A live consumer left: stop sending, drop its unread entries. */
+void ts_ring_retire(ts_ring *ring, uint32_t index)
+{
+    ts_header *h = ring->hdr;
+    if (index >= TS_MAX_CONSUMERS) return;
+    ts_consumer *c = &h->consumers[index];
+    uint64_t bit = 1ULL << index;
+    pthread_mutex_lock(&ring->lock);
+    uint32_t state = atomic_load_explicit(&c->state, memory_order_acquire);
+    if (state == TS_CONSUMER_ACTIVE) {
+        atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
+        uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_acquire);
+        uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
+        /* Entries at or after the cursor were never handed out: drop them.
+         * Entries before it may back live views: their deleters drop them. */
+        for (uint32_t i = 0; i < h->slot_count; i++) {
+            ts_slot *s = ts_ring_slot(ring, i);
+            uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
+            if (seq != TS_SEQ_NONE && seq >= cursor && seq < published) ts_slot_drop(h, s, bit);
+        }
+        atomic_store_explicit(&c->state,
+                              ts_ring_bit_in_use(ring, bit) ? TS_CONSUMER_LEAVING
+                                                            : TS_CONSUMER_FREE,
+                              memory_order_release);
+    } else if (state == TS_CONSUMER_PENDING) {
+        atomic_store_explicit(&c->state, TS_CONSUMER_FREE, memory_order_release);
+    }
+    pthread_mutex_unlock(&ring->lock);
+    ts_signal(&h->roster_word, &h->roster_waiters);
+}
+
+/* A dead consumer: drop every reference it had. */
+void ts_ring_evict(ts_ring *ring, uint32_t index)
+{
+    ts_header *h = ring->hdr;
+    if (index >= TS_MAX_CONSUMERS) return;
+    uint64_t bit = 1ULL << index;
+    pthread_mutex_lock(&ring->lock);
+    atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
+    for (uint32_t i = 0; i < h->slot_count; i++) ts_slot_drop(h, ts_ring_slot(ring, i), bit);
+    atomic_store_explicit(&h->consumers[index].state, TS_CONSUMER_FREE, memory_order_release);
+    pthread_mutex_unlock(&ring->lock);
+    ts_signal(&h->roster_word, &h->roster_waiters);
+}
+
+/* ==========================================================================
+ * Producer: publishing
+ * ========================================================================== */
+
+/* Bytes of one leaf's data (0 for an empty tensor). */
+static uint64_t ts_leaf_nbytes(const ts_src_leaf *l)
+{
+    uint64_t n = l->itemsize;
+    for (int32_t d = 0; d < l->ndim; d++) n *= (uint64_t)l->shape[d];
+    return n;
+}
+
+/* Bytes a batch of these leaves and meta occupies in a slot. */
+uint64_t ts_ring_batch_bytes(const ts_src_leaf *leaves, uint32_t n_leaves, uint64_t meta_bytes)
+{
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < n_leaves; i++)
+        off = ts_round_up(off, TS_DATA_ALIGN) + ts_leaf_nbytes(&leaves[i]);
+    return ts_round_up(off, 8) + meta_bytes;
+}
+
+/* Copy a strided array to consecutive bytes at dst_off, run by run. */
+static ts_status ts_copy_leaf(ts_ring *ring, uint64_t dst_off, const ts_src_leaf *l,
+                              ts_err *err)
+{
+    /* Find the longest contiguous tail: dims [inner, ndim) form one run. */
+    int32_t inner = l->ndim;
+    uint64_t run = l->itemsize;
+    while (inner > 0 && l->strides[inner - 1] == (int64_t)run) {
+        inner--;
+        run *= (uint64_t)l->shape[inner];
+    }
+    uint64_t total = ts_leaf_nbytes(l);
+    if (total == 0) return TS_OK;
+    if (inner == 0) return ring->backend->copy_in(ring, dst_off, l->data, total, err);
+
+    /* Odometer over the outer dims [0, inner). */
+    int64_t idx[TS_MAX_NDIM] = {0};
+    const uint8_t *src = l->data;
+    for (uint64_t done = 0; done < total; done += run) {
+        ts_status st = ring->backend->copy_in(ring, dst_off + done, src, run, err);
+        if (st != TS_OK) return st;
+        for (int32_t d = inner - 1; d >= 0; d--) {
+            src += l->strides[d];
+            if (++idx[d] < l->shape[d]) break;
+            src -= l->strides[d] * l->shape[d];
+            idx[d] = 0;
+        }
+    }
+    return TS_OK;
+}
+
+/* Wait until the slot for the next entry has no readers. */
+static ts_status ts_wait_slot_free(ts_ring *ring, ts_slot *s, uint64_t deadline, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    for (;;) {
+        if (atomic_load_explicit(&s->readers, memory_order_acquire) == 0) return TS_OK;
+        uint32_t seen = atomic_load_explicit(&h->free_word, memory_order_seq_cst);
+        atomic_fetch_add_explicit(&h->free_waiters, 1, memory_order_seq_cst);
+        int rc = 0;
+        if (atomic_load_explicit(&s->readers, memory_order_seq_cst) != 0)
+            rc = ts_sleep(&h->free_word, seen, deadline);
+        atomic_fetch_sub_explicit(&h->free_waiters, 1, memory_order_seq_cst);
+        if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
+        if (ts_now_ns() >= deadline)
+            return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT,
+                              "timed out waiting for consumers to release a slot");
+    }
+}
+
+/* Copy leaves and meta into the next slot and publish it. */
+ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t index,
+                          const ts_src_leaf *leaves, uint32_t n_leaves, const void *meta,
+                          uint64_t meta_bytes, uint64_t deadline, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    ts_status st;
+    if (n_leaves > h->max_leaves)
+        return ts_err_set(err, TS_E_TOO_BIG, 0,
+                          "the batch has %u tensors but a slot holds at most %u (max_leaves)",
+                          n_leaves, h->max_leaves);
+    for (uint32_t i = 0; i < n_leaves; i++)
+        if (leaves[i].ndim < 0 || leaves[i].ndim > TS_MAX_NDIM)
+            return ts_err_set(err, TS_E_INVALID, 0, "a tensor has %d dimensions, at most %d "
+                              "are supported", leaves[i].ndim, TS_MAX_NDIM);
+    uint64_t need = ts_ring_batch_bytes(leaves, n_leaves, meta_bytes);
+    if (need > h->slot_bytes)
+        return ts_err_set(err, TS_E_TOO_BIG, 0,
+                          "the batch needs %llu bytes but a slot holds %llu (slot_bytes)",
+                          (unsigned long long)need, (unsigned long long)h->slot_bytes);
+
+    uint64_t seq = atomic_load_explicit(&h->published, memory_order_relaxed);
+    uint32_t k = (uint32_t)(seq % h->slot_count);
+    ts_slot *s = ts_ring_slot(ring, k);
+    st = ts_wait_slot_free(ring, s, deadline, err);
+    if (st != TS_OK) return st;
+
+    atomic_store_explicit(&s->seq, TS_SEQ_NONE, memory_order_relaxed);
+    uint64_t base = (uint64_t)k * h->slot_bytes, off = 0;
+    for (uint32_t i = 0; i < n_leaves; i++) {
+        const ts_src_leaf *l = &leaves[i];
+        ts_leaf *d = &s->leaves[i];
+        off = ts_round_up(off, TS_DATA_ALIGN);
+        d->offset = off;
+        d->nbytes = ts_leaf_nbytes(l);
+        d->dtype = l->dtype;
+        d->ndim = l->ndim;
+        for (int32_t j = 0; j < l->ndim; j++) d->shape[j] = l->shape[j];
+        st = ts_copy_leaf(ring, base + off, l, err);
+        if (st != TS_OK) return st;
+        off += d->nbytes;
+    }
+    off = ts_round_up(off, 8);
+    if (meta_bytes > 0) {
+        st = ring->backend->copy_in(ring, base + off, meta, meta_bytes, err);
+        if (st != TS_OK) return st;
+    }
+    s->kind = kind;
+    s->n_leaves = n_leaves;
+    s->epoch = epoch;
+    s->index = index;
+    s->meta_offset = off;
+    s->meta_bytes = meta_bytes;
+    s->used_bytes = off + meta_bytes;
+    st = ring->backend->fence(ring, k, err);
+    if (st != TS_OK) return st;
+
+    pthread_mutex_lock(&ring->lock);
+    uint64_t mask = atomic_load_explicit(&h->active_mask, memory_order_seq_cst);
+    atomic_store_explicit(&s->readers, mask, memory_order_relaxed);
+    atomic_store_explicit(&s->seq, seq, memory_order_release);
+    atomic_store_explicit(&h->published, seq + 1, memory_order_seq_cst);
+    pthread_mutex_unlock(&ring->lock);
+    ring->bytes_copied += off + meta_bytes;
+    ts_signal(&h->pub_word, &h->pub_waiters);
+    return TS_OK;
+}
+
+/* Number of active consumers. */
+static uint32_t ts_active_count(const ts_header *h)
+{
+    return (uint32_t)__builtin_popcountll(
+        atomic_load_explicit(&h->active_mask, memory_order_seq_cst));
+}
+
+/* Wait until at least n consumers are active. */
+ts_status ts_ring_wait_consumers(ts_ring *ring, uint32_t n, uint64_t deadline, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    for (;;) {
+        if (ts_active_count(h) >= n) return TS_OK;
+        uint32_t seen = atomic_load_explicit(&h->roster_word, memory_order_seq_cst);
+        atomic_fetch_add_explicit(&h->roster_waiters, 1, memory_order_seq_cst);
+        int rc = 0;
+        if (ts_active_count(h) < n) rc = ts_sleep(&h->roster_word, seen, deadline);
+        atomic_fetch_sub_explicit(&h->roster_waiters, 1, memory_order_seq_cst);
+        if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
+        if (ts_active_count(h) >= n) return TS_OK;
+        if (ts_now_ns() >= deadline)
+            return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT,
+                              "timed out waiting for %u consumers (%u attached)", n,
+                              ts_active_count(h));
+    }
+}
+
+/* 1 if every active consumer has read every published entry. */
+static int ts_ring_is_drained(const ts_ring *ring)
+{
+    const ts_header *h = ring->hdr;
+    uint64_t published = atomic_load_explicit(&h->published, memory_order_seq_cst);
+    uint64_t mask = atomic_load_explicit(&h->active_mask, memory_order_seq_cst);
+    for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
+        if (!(mask & (1ULL << i))) continue;
+        if (atomic_load_explicit(&h->consumers[i].cursor, memory_order_acquire) < published)
+            return 0;
+    }
+    return 1;
+}
+
+/* Wait until every active consumer has read every published entry. */
+ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    for (;;) {
+        if (ts_ring_is_drained(ring)) return TS_OK;
+        uint32_t seen = atomic_load_explicit(&h->free_word, memory_order_seq_cst);
+        atomic_fetch_add_explicit(&h->free_waiters, 1, memory_order_seq_cst);
+        int rc = 0;
+        if (!ts_ring_is_drained(ring)) rc = ts_sleep(&h->free_word, seen, deadline);
+        atomic_fetch_sub_explicit(&h->free_waiters, 1, memory_order_seq_cst);
+        if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
+        if (ts_ring_is_drained(ring)) return TS_OK;
+        if (ts_now_ns() >= deadline)
+            return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT,
+                              "timed out waiting for consumers to read the last batches");
+    }
+}
+
+/* Mark the ring finished and wake every consumer. */
+void ts_ring_finish(ts_ring *ring)
+{
+    ts_header *h = ring->hdr;
+    atomic_store_explicit(&h->state, TS_RING_FINISHED, memory_order_seq_cst);
+    atomic_fetch_add_explicit(&h->pub_word, 1, memory_order_seq_cst);
+    ts_futex_wake_all(&h->pub_word);
+}
+
+/* ==========================================================================
+ * Consumer
+ * ========================================================================== */
+
+/* Bind this handle to consumer entry index (token from the handshake). */
+ts_status ts_ring_bind_consumer(ts_ring *ring, uint32_t index, uint64_t token, ts_err *err)
+{
+    if (index >= TS_MAX_CONSUMERS)
+        return ts_err_set(err, TS_E_INVALID, 0, "consumer index %u out of range", index);
+    ts_consumer *c = &ring->hdr->consumers[index];
+    if (c->token != token || c->pid != (int32_t)getpid())
+        return ts_err_set(err, TS_E_INVALID, 0, "consumer entry %u is not ours", index);
+    ring->consumer = index;
+    ring->token = token;
+    return TS_OK;
+}
+
+/* Our entry is still ours and active. */
+static int ts_still_active(const ts_ring *ring, const ts_consumer *c)
+{
+    return atomic_load_explicit(&c->state, memory_order_acquire) == TS_CONSUMER_ACTIVE &&
+           c->token == ring->token;
+}
+
+/* Take the next entry for our consumer, waiting until deadline. */
+ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    if (ring->consumer >= TS_MAX_CONSUMERS)
+        return ts_err_set(err, TS_E_INVALID, 0, "this ring handle is not a consumer");
+    ts_consumer *c = &h->consumers[ring->consumer];
+    uint64_t bit = 1ULL << ring->consumer;
+    for (;;) {
+        if (!ts_still_active(ring, c))
+            return ts_err_set(err, TS_E_DETACHED, 0,
+                              "this consumer was detached from the ring by the producer");
+        uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_relaxed);
+        if (atomic_load_explicit(&h->published, memory_order_acquire) > cursor) {
+            ts_slot *s = ts_ring_slot(ring, (uint32_t)(cursor % h->slot_count));
+            uint64_t readers = atomic_load_explicit(&s->readers, memory_order_acquire);
+            uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
+            if (!(readers & bit) || seq != cursor)
+                return ts_err_set(err, TS_E_DETACHED, 0,
+                                  "entry %llu was withdrawn from this consumer",
+                                  (unsigned long long)cursor);
+            out->slot = (uint32_t)(cursor % h->slot_count);
+            out->seq = cursor;
+            out->kind = s->kind;
+            out->epoch = s->epoch;
+            out->index = s->index;
+            atomic_store_explicit(&c->cursor, cursor + 1, memory_order_release);
+            atomic_fetch_add_explicit(&c->delivered, 1, memory_order_relaxed);
+            atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
+            /* The producer may be waiting for this consumer to drain. */
+            if (atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0 &&
+                s->kind == TS_ENTRY_END_EPOCH)
+                ts_signal(&h->free_word, &h->free_waiters);
+            return TS_OK;
+        }
+        if (atomic_load_explicit(&h->state, memory_order_acquire) == TS_RING_FINISHED)
+            return ts_err_set(err, TS_E_FINISHED, 0, "the producer has finished");
+
+        uint32_t seen = atomic_load_explicit(&h->pub_word, memory_order_seq_cst);
+        atomic_fetch_add_explicit(&h->pub_waiters, 1, memory_order_seq_cst);
+        int rc = 0;
+        if (atomic_load_explicit(&h->published, memory_order_seq_cst) <= cursor &&
+            atomic_load_explicit(&h->state, memory_order_seq_cst) != TS_RING_FINISHED)
+            rc = ts_sleep(&h->pub_word, seen, deadline);
+        atomic_fetch_sub_explicit(&h->pub_waiters, 1, memory_order_seq_cst);
+        if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
+        if (rc == ETIMEDOUT) {
+            if (atomic_load_explicit(&h->published, memory_order_acquire) > cursor) continue;
+            if (!ts_proc_alive(h->producer_pid, h->producer_start_time))
+                return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
+                                  "the producer process (pid %d) is gone", h->producer_pid);
+            if (ts_now_ns() >= deadline)
+                return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT,
+                                  "timed out waiting for the next batch");
+        }
+    }
+}
+
+/* Drop our consumer's reference on slot (safe on any thread, no GIL). */
+void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
+{
+    if (slot >= ring->hdr->slot_count || consumer >= TS_MAX_CONSUMERS) return;
+    ts_slot_drop(ring->hdr, ts_ring_slot(ring, slot), 1ULL << consumer);
+}

@@ -1,0 +1,236 @@
+/* ts_ring.h - the shared-memory ring: segment layout and the ring protocol.
+ *
+ * One segment per producer. It starts with a control area (header, consumer
+ * table, slot table), mapped read-write by everyone, followed by the slot data
+ * of the host backend, mapped read-write by the producer and read-only by the
+ * consumers (a batch is shared by every consumer: nobody may write to it).
+ *
+ * Protocol (single producer, up to 64 consumers):
+ *  - Every published entry has a sequence number seq = 0, 1, 2, ...; it lives
+ *    in slot seq % slot_count. `published` counts the published entries.
+ *  - A slot carries a bitmap `readers` of the consumers that still have to
+ *    read it or still hold views of it. The producer fills a slot only when
+ *    its bitmap is zero, writes the data, then (under its process-local lock)
+ *    sets readers = active_mask, stores seq with release order and bumps
+ *    `published`. Consumers clear their bit when the last view is freed.
+ *  - Sleepers use futexes on 32-bit words with waiter counts, so publishing
+ *    and releasing cost no system call when nobody sleeps.
+ */
+#ifndef TS_RING_H
+#define TS_RING_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "ts_dlpack.h"
+#include "ts_error.h"
+
+#define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
+#define TS_LAYOUT_VERSION 1
+#define TS_MAX_CONSUMERS 64
+#define TS_MAX_NDIM 16
+#define TS_SEQ_NONE UINT64_MAX
+#define TS_DATA_ALIGN 64
+
+/* Ring states (header.state). */
+enum { TS_RING_OPEN = 1, TS_RING_FINISHED = 2 };
+
+/* Consumer table entry states. */
+enum {
+    TS_CONSUMER_FREE = 0,    /* unused */
+    TS_CONSUMER_PENDING = 1, /* reserved at handshake, not yet receiving */
+    TS_CONSUMER_ACTIVE = 2,  /* receives every new publication */
+    TS_CONSUMER_LEAVING = 3, /* left; some slots may still carry its bit */
+};
+
+/* Kinds of published entries. */
+enum { TS_ENTRY_BATCH = 1, TS_ENTRY_END_EPOCH = 2 };
+
+/* One tensor inside a slot (written by the producer before publication). */
+typedef struct ts_leaf {
+    uint64_t offset; /* bytes from the start of the slot's data */
+    uint64_t nbytes;
+    DLDataType dtype;
+    int32_t ndim;
+    int64_t shape[TS_MAX_NDIM];
+} ts_leaf;
+
+/* Descriptor of one slot. Its size is rounded to a cache line and followed
+ * by header.max_leaves ts_leaf records. */
+typedef struct ts_slot {
+    _Alignas(64) _Atomic uint64_t seq; /* seq of the content; NONE while written */
+    _Atomic uint64_t readers;          /* consumers that still hold this slot */
+    uint32_t kind;                     /* TS_ENTRY_* */
+    uint32_t n_leaves;
+    uint64_t epoch;      /* producer epoch of this entry */
+    uint64_t index;      /* batch index inside that epoch */
+    uint64_t used_bytes; /* bytes of data used, leaves and meta */
+    uint64_t meta_offset; /* structure blob (opaque to C) */
+    uint64_t meta_bytes;
+    ts_leaf leaves[];
+} ts_slot;
+
+/* One consumer. pid/start_time/token are written by the producer before the
+ * entry becomes PENDING; cursor and progress fields by the consumer. */
+typedef struct ts_consumer {
+    _Alignas(64) _Atomic uint32_t state;
+    int32_t pid;
+    uint64_t start_time;    /* of pid, to survive pid reuse */
+    uint64_t token;         /* changes each time the entry is handed out */
+    _Atomic uint64_t cursor;       /* next seq this consumer reads */
+    _Atomic uint64_t delivered;    /* batches handed to the consumer */
+    _Atomic uint64_t progress_ns;  /* CLOCK_MONOTONIC of the last acquire */
+} ts_consumer;
+
+/* The header at offset 0 of the segment. */
+typedef struct ts_header {
+    uint64_t magic;
+    uint32_t layout_version;
+    uint32_t slot_count;
+    uint32_t max_leaves;
+    uint32_t slot_desc_bytes; /* stride of the slot table */
+    uint64_t slot_bytes;      /* data capacity of one slot */
+    uint64_t ctrl_bytes;      /* header + tables, page aligned */
+    uint64_t data_offset;     /* where slot 0's data starts */
+    uint64_t segment_bytes;
+    int32_t producer_pid;
+    int32_t device_type; /* DLDeviceType of the slot data */
+    uint64_t producer_start_time;
+
+    _Alignas(64) _Atomic uint32_t state;
+    _Atomic uint32_t pub_word;     /* futex: bumped on publish and state change */
+    _Atomic uint32_t pub_waiters;
+    _Atomic uint32_t free_word;    /* futex: bumped when a slot becomes free */
+    _Atomic uint32_t free_waiters;
+    _Atomic uint32_t roster_word;  /* futex: bumped when consumers come or go */
+    _Atomic uint32_t roster_waiters;
+    _Atomic uint64_t published;    /* entries published so far */
+    _Atomic uint64_t active_mask;  /* consumers that receive new entries */
+    _Atomic uint64_t epoch;        /* producer's current epoch */
+
+    ts_consumer consumers[TS_MAX_CONSUMERS];
+} ts_header;
+
+/* Ring geometry chosen by the producer. */
+typedef struct ts_geometry {
+    uint32_t slot_count;
+    uint32_t max_leaves;
+    uint64_t slot_bytes;
+} ts_geometry;
+
+struct ts_backend;
+
+/* A process's handle on a ring segment. Reference counted: the owner (the
+ * Python object) holds one reference and every consumer lease one more, so
+ * the mapping outlives the object for as long as any view of it lives. */
+typedef struct ts_ring {
+    _Atomic int refs;
+    int is_producer;
+    int fd;                  /* owns: segment fd; closed after mapping */
+    ts_header *hdr;          /* owns: control mapping, read-write */
+    size_t ctrl_bytes;
+    uint8_t *data;           /* owns (host backend): slot data mapping */
+    size_t data_bytes;
+    const struct ts_backend *backend;
+    void *backend_state;     /* owns: backend private state */
+    pthread_mutex_t lock;    /* producer: publish vs roster changes */
+    uint32_t consumer;       /* consumer side: our table index */
+    uint64_t token;          /* consumer side: token of our entry */
+    uint64_t bytes_copied;   /* producer: bytes copied into slots */
+    char name[256];          /* shm name, with the leading '/' */
+} ts_ring;
+
+/* A tensor the producer copies into a slot: any strided host array. */
+typedef struct ts_src_leaf {
+    const void *data;
+    int32_t ndim;
+    const int64_t *shape;
+    const int64_t *strides; /* in bytes */
+    uint64_t itemsize;
+    DLDataType dtype;
+} ts_src_leaf;
+
+/* What a consumer acquired. */
+typedef struct ts_acquired {
+    uint32_t slot;
+    uint32_t kind;
+    uint64_t seq;
+    uint64_t epoch;
+    uint64_t index;
+} ts_acquired;
+
+/* ---- life cycle ---------------------------------------------------------- */
+
+/* Create a new segment `name` (mode 0600) with geometry g, as producer. */
+ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, ts_err *err);
+
+/* Open an existing segment as consumer. */
+ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err);
+
+/* Take one more reference on the mapping. */
+void ts_ring_ref(ts_ring *ring);
+
+/* Drop a reference; unmaps and frees at zero. Safe on any thread. */
+void ts_ring_unref(ts_ring *ring);
+
+/* Remove the segment's name (the mapping stays valid). */
+ts_status ts_ring_unlink_name(const char *name, ts_err *err);
+
+/* Bytes a segment of geometry g needs, and the control-area size. */
+uint64_t ts_ring_segment_bytes(const ts_geometry *g, uint64_t *ctrl_bytes);
+
+/* Slot descriptor i. */
+ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i);
+
+/* ---- producer -------------------------------------------------------------- */
+
+/* Reserve a consumer table entry for process pid. */
+ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_t *index,
+                          uint64_t *token, ts_err *err);
+
+/* Make a reserved consumer receive every entry from the next one published. */
+ts_status ts_ring_activate(ts_ring *ring, uint32_t index, uint64_t *start_seq, ts_err *err);
+
+/* A live consumer left: stop sending, drop its unread entries. Slots it still
+ * holds views of stay held until those views are freed. */
+void ts_ring_retire(ts_ring *ring, uint32_t index);
+
+/* A dead consumer: drop every reference it had. */
+void ts_ring_evict(ts_ring *ring, uint32_t index);
+
+/* Copy leaves and meta into the next slot and publish it. Waits for the slot
+ * until deadline (TS_E_TIMEOUT, TS_E_INTR: nothing was written, call again). */
+ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t index,
+                          const ts_src_leaf *leaves, uint32_t n_leaves, const void *meta,
+                          uint64_t meta_bytes, uint64_t deadline, ts_err *err);
+
+/* Bytes a batch of these leaves and meta occupies in a slot. */
+uint64_t ts_ring_batch_bytes(const ts_src_leaf *leaves, uint32_t n_leaves, uint64_t meta_bytes);
+
+/* Wait until at least n consumers are active. */
+ts_status ts_ring_wait_consumers(ts_ring *ring, uint32_t n, uint64_t deadline, ts_err *err);
+
+/* Wait until every active consumer has read every published entry. */
+ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err);
+
+/* Mark the ring finished and wake every consumer. */
+void ts_ring_finish(ts_ring *ring);
+
+/* ---- consumer -------------------------------------------------------------- */
+
+/* Bind this handle to consumer entry index (token from the handshake). */
+ts_status ts_ring_bind_consumer(ts_ring *ring, uint32_t index, uint64_t token, ts_err *err);
+
+/* Take the next entry for our consumer, waiting until deadline. */
+ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts_err *err);
+
+/* Drop our consumer's reference on slot (safe on any thread, no GIL). */
+void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer);
+
+/* Host address of slot data (NULL for device backends). */
+uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot);
+
+#endif /* TS_RING_H */

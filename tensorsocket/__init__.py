@@ -1,0 +1,45 @@
+"""tensorsocket: shared data loading for collocated training jobs.
+
+One producer process runs the data loader once and publishes every batch into
+a shared-memory ring; each training process iterates a TensorConsumer like
+the DataLoader it replaces and receives zero-copy tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .consumer import TensorConsumer
+from .errors import (
+    BatchTooLarge,
+    ConsumerDetached,
+    ProducerFinished,
+    ProducerGone,
+    ProducerNotFound,
+    ProtocolError,
+    SharedMemoryTooSmall,
+    TensorSocketError,
+    TooManyConsumers,
+    VersionMismatch,
+)
+from .producer import TensorProducer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchTooLarge",
+    "ConsumerDetached",
+    "ProducerFinished",
+    "ProducerGone",
+    "ProducerNotFound",
+    "ProtocolError",
+    "SharedMemoryTooSmall",
+    "TensorConsumer",
+    "TensorProducer",
+    "TensorSocketError",
+    "TooManyConsumers",
+    "VersionMismatch",
+    "__version__",
+]
+
+logging.getLogger("tensorsocket").addHandler(logging.NullHandler())

@@ -1,0 +1,328 @@
+"""The control plane over pyzmq: ROUTER in the producer, DEALER per consumer.
+
+Only handshakes, heartbeats and leaves travel here; batches never do. The
+producer's server runs in a background thread that owns its socket; it
+answers consumers even while the producer's main thread is blocked waiting
+for a free slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from . import _core, protocol
+from .errors import ProducerNotFound, ProtocolError, TensorSocketError, VersionMismatch
+
+log = logging.getLogger("tensorsocket")
+
+HEARTBEAT_INTERVAL = 1.0  # seconds between consumer heartbeats
+PENDING_TIMEOUT = 10.0  # a consumer that never says "ready" is dropped after this
+LIVENESS_INTERVAL = 0.25  # how often the server checks consumer processes
+
+
+@dataclass
+class _Peer:
+    """What the server knows of one connected consumer."""
+
+    index: int
+    token: int
+    pid: int
+    start_time: int
+    since: float
+    active: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class ControlServer:
+    """Producer side: answers handshakes, heartbeats and leaves in a thread.
+
+    welcome_info() supplies the handshake reply fields; ring() the ring once
+    it exists (hellos that arrive before are answered when it does).
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        address: str,
+        ring: Callable[[], Any],
+        welcome_info: Callable[[], dict],
+    ) -> None:
+        self._ring = ring
+        self._welcome_info = welcome_info
+        self._sock = context.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError as e:
+            self._sock.close(0)
+            raise TensorSocketError(
+                f"cannot listen on {address}: {e}; is another producer using it? "
+                "choose another name= or port="
+            ) from None
+        self.address = address
+        self._peers: dict[bytes, _Peer] = {}
+        self._waiting: list[tuple[bytes, dict]] = []  # hellos before the ring exists
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.rejected = 0  # malformed messages seen
+        self._thread = threading.Thread(target=self._run, name="tensorsocket-control", daemon=True)
+        self._thread.start()
+
+    # -- thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_check = 0.0
+        try:
+            while not self._stop.is_set():
+                if poller.poll(100):
+                    self._drain()
+                now = time.monotonic()
+                if self._waiting and self._ring() is not None:
+                    waiting, self._waiting = self._waiting, []
+                    for ident, msg in waiting:
+                        self._hello(ident, msg)
+                if now >= next_check:
+                    next_check = now + LIVENESS_INTERVAL
+                    self._check_peers(now)
+        except Exception:  # the thread must never die silently
+            log.exception("tensorsocket control thread failed")
+        finally:
+            self._sock.close(0)
+
+    def _drain(self) -> None:
+        """Handle every message waiting on the socket."""
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.rejected += 1
+                continue
+            ident, payload = frames
+            try:
+                msg = protocol.decode(payload)
+            except ProtocolError as e:
+                self.rejected += 1
+                log.debug("rejected control message: %s", e)
+                self._send(ident, "error", code="protocol", message=str(e))
+                continue
+            handler = getattr(self, "_" + msg["type"], None)
+            if handler is None or msg["type"] not in ("hello", "ready", "heartbeat", "bye"):
+                self.rejected += 1
+                self._send(ident, "error", code="protocol",
+                           message=f"{msg['type']} is not a consumer message")
+                continue
+            handler(ident, msg)
+
+    def _send(self, ident: bytes, kind: str, **fields: Any) -> None:
+        try:
+            self._sock.send_multipart([ident, protocol.encode(kind, **fields)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the peer is gone or its queue is full: it will time out
+
+    def _peer(self, ident: bytes, msg: dict) -> _Peer | None:
+        """The peer this message claims to be, if it really is that peer."""
+        peer = self._peers.get(ident)
+        if peer is None or peer.index != msg["consumer"] or peer.token != msg["token"]:
+            self.rejected += 1
+            self._send(ident, "error", code="unknown", message="no such consumer on this socket")
+            return None
+        peer.last_seen = time.monotonic()
+        return peer
+
+    # -- messages ----------------------------------------------------------------
+
+    def _hello(self, ident: bytes, msg: dict) -> None:
+        if msg["protocol"] != protocol.PROTOCOL_VERSION:
+            self.rejected += 1
+            log.warning("consumer pid %s speaks protocol %s, this producer %s",
+                        msg["pid"], msg["protocol"], protocol.PROTOCOL_VERSION)
+            self._send(ident, "error", code="version",
+                       message=f"producer speaks protocol {protocol.PROTOCOL_VERSION}, consumer "
+                       f"{msg['protocol']}: install the same tensorsocket version on both sides")
+            return
+        if msg["batch_size"] is not None:
+            self._send(ident, "error", code="unsupported",
+                       message="per-consumer batch sizes are not supported by this producer")
+            return
+        ring = self._ring()
+        if ring is None:
+            self._waiting.append((ident, msg))
+            return
+        if ident in self._peers:
+            self._retire(ident)
+        try:
+            index, token = ring.reserve(msg["pid"], msg["start_time"])
+        except _core.TooManyConsumers as e:
+            self._send(ident, "error", code="full", message=str(e))
+            return
+        with self._lock:
+            self._peers[ident] = _Peer(index, token, msg["pid"], msg["start_time"],
+                                       time.monotonic())
+        self._send(ident, "welcome", protocol=protocol.PROTOCOL_VERSION, consumer=index,
+                   token=token, **self._welcome_info())
+
+    def _ready(self, ident: bytes, msg: dict) -> None:
+        peer = self._peer(ident, msg)
+        if peer is None:
+            return
+        ring = self._ring()
+        if peer.active or ring is None:
+            return
+        start = ring.activate(peer.index)
+        peer.active = True
+        log.info("consumer %d (pid %d) joined at batch %d", peer.index, peer.pid, start)
+        self._send(ident, "started", start_seq=start)
+
+    def _heartbeat(self, ident: bytes, msg: dict) -> None:
+        self._peer(ident, msg)
+
+    def _bye(self, ident: bytes, msg: dict) -> None:
+        if self._peer(ident, msg) is None:
+            return
+        self._retire(ident)
+        self._send(ident, "bye_ok")
+
+    def _retire(self, ident: bytes) -> None:
+        with self._lock:
+            peer = self._peers.pop(ident, None)
+        ring = self._ring()
+        if peer is not None and ring is not None:
+            ring.retire(peer.index)
+            log.info("consumer %d (pid %d) left", peer.index, peer.pid)
+
+    def _check_peers(self, now: float) -> None:
+        """Evict consumers whose process died; drop handshakes never finished."""
+        ring = self._ring()
+        if ring is None:
+            return
+        for ident, peer in list(self._peers.items()):
+            if not _core.process_alive(peer.pid, peer.start_time):
+                with self._lock:
+                    self._peers.pop(ident, None)
+                ring.evict(peer.index)
+                log.warning("consumer %d (pid %d) died; its slots were released",
+                            peer.index, peer.pid)
+            elif not peer.active and now - peer.since > PENDING_TIMEOUT:
+                self._retire(ident)
+
+    # -- owner -------------------------------------------------------------------
+
+    def consumer_count(self) -> int:
+        """Consumers attached now."""
+        with self._lock:
+            return sum(1 for p in self._peers.values() if p.active)
+
+    def close(self) -> None:
+        """Stop the thread; it closes the socket."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+
+class ControlClient:
+    """Consumer side: handshake in the caller's thread, then heartbeats in a thread."""
+
+    def __init__(self, context: zmq.Context, address: str, timeout: float | None) -> None:
+        self.address = address
+        self._sock = context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self._sock.connect(address)
+        self._timeout = timeout
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.consumer = -1
+        self.token = 0
+
+    def hello(self, batch_size: int | None) -> dict:
+        """Send hello; return the welcome, waiting up to the timeout for a producer."""
+        pid = os.getpid()
+        self._sock.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=pid,
+                                        start_time=_core.process_start_time(pid),
+                                        batch_size=batch_size))
+        msg = self._receive(self._timeout, "welcome")
+        if msg is None:
+            raise ProducerNotFound(
+                f"no tensorsocket producer answered at {self.address} within {self._timeout} s; "
+                "start the producer (same name=/port=) or raise the consumer's timeout="
+            )
+        self.consumer, self.token = msg["consumer"], msg["token"]
+        return msg
+
+    def ready(self) -> int:
+        """Tell the producer we mapped the ring; return our first sequence number."""
+        self._sock.send(protocol.encode("ready", consumer=self.consumer, token=self.token))
+        msg = self._receive(PENDING_TIMEOUT, "started")
+        if msg is None:
+            raise ProducerNotFound(f"the producer at {self.address} stopped answering")
+        return msg["start_seq"]
+
+    def _receive(self, timeout: float | None, want: str) -> dict | None:
+        """The next message of type want; raises on an error reply; None on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            wait_ms = 100 if left is None else max(1, min(100, int(left * 1000)))
+            if not self._sock.poll(wait_ms):
+                continue
+            try:
+                msg = protocol.decode(self._sock.recv())
+            except ProtocolError as e:
+                raise ProtocolError(f"bad reply from the producer at {self.address}: {e}") from None
+            if msg["type"] == "error":
+                if msg["code"] == "version":
+                    raise VersionMismatch(msg["message"])
+                if msg["code"] == "unsupported":
+                    raise NotImplementedError(msg["message"])
+                raise TensorSocketError(f"producer refused: {msg['message']}")
+            if msg["type"] == want:
+                return msg
+
+    def start_heartbeats(self) -> None:
+        """Hand the socket to a thread that sends heartbeats until close()."""
+        self._thread = threading.Thread(target=self._beat, name="tensorsocket-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        beat = protocol.encode("heartbeat", consumer=self.consumer, token=self.token)
+        while not self._stop.wait(HEARTBEAT_INTERVAL):
+            try:
+                self._sock.send(beat, zmq.NOBLOCK)
+                while self._sock.poll(0):
+                    self._sock.recv()  # nothing is expected; drop stray replies
+            except zmq.ZMQError:
+                return
+
+    def close(self, say_bye: bool, wait: float = 1.0) -> None:
+        """Stop heartbeats, say bye (waiting briefly for the ack) and close."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        try:
+            if say_bye and self.consumer >= 0:
+                self._sock.send(protocol.encode("bye", consumer=self.consumer, token=self.token),
+                                zmq.NOBLOCK)
+                try:
+                    self._receive(wait, "bye_ok")
+                except TensorSocketError:
+                    pass
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._sock.close(0)

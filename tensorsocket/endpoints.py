@@ -1,0 +1,135 @@
+"""Rendezvous: where a producer named N listens and how its segments are named.
+
+With no arguments both sides use the name ``default`` and meet at an ipc://
+socket in a per-user runtime directory of mode 0700. A ``port`` gives a
+loopback TCP endpoint instead; an explicit ``address`` is used as given.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import stat
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_NAME = "default"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a producer is found: its name, control address and lock file."""
+
+    name: str
+    address: str
+    runtime_dir: Path
+
+    @property
+    def lock_path(self) -> Path:
+        """File a live producer holds an exclusive flock on."""
+        return self.runtime_dir / f"{self.name}.lock"
+
+    def segment_name(self, pid: int) -> str:
+        """POSIX shm name of the ring of producer pid."""
+        return f"/{segment_prefix(self.name)}{pid}"
+
+
+def segment_prefix(name: str) -> str:
+    """Prefix (without the leading '/') of every segment of producer `name`."""
+    return f"tensorsocket-{os.getuid()}-{name}-"
+
+
+def runtime_dir() -> Path:
+    """This user's private directory for sockets and locks (created 0700)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and _private_dir(Path(base), create=False):
+        path = Path(base) / "tensorsocket"
+    else:
+        path = Path("/tmp") / f"tensorsocket-{os.getuid()}"
+    if not _private_dir(path, create=True):
+        raise PermissionError(
+            f"{path} exists but is not a directory private to this user (owner and mode 0700); "
+            "remove it or set XDG_RUNTIME_DIR"
+        )
+    return path
+
+
+def _private_dir(path: Path, create: bool) -> bool:
+    """True if path is a real directory owned by us; tightens or creates it when asked."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    if create and stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return True
+
+
+def check_name(name: str) -> str:
+    """Validate a producer name (used in file and segment names)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"invalid producer name {name!r}: use 1-64 letters, digits, '_', '.' or '-'"
+        )
+    return name
+
+
+def resolve(
+    name: str | None = None,
+    port: int | str | None = None,
+    address: str | None = None,
+    *,
+    for_producer: bool = False,
+) -> Endpoint:
+    """The endpoint for these arguments (see the module docstring)."""
+    if name is None:
+        name = os.environ.get("TENSORSOCKET_NAME", DEFAULT_NAME)
+    if port is not None:
+        try:
+            port_no = int(port)
+        except (TypeError, ValueError):
+            raise ValueError(f"port must be an integer, got {port!r}") from None
+        if not 0 < port_no < 65536:
+            raise ValueError(f"port {port_no} is outside 1..65535")
+        if address is not None:
+            raise ValueError("give either port= or address=, not both")
+        address = f"tcp://127.0.0.1:{port_no}"
+        if name == DEFAULT_NAME:
+            name = f"port{port_no}"
+    check_name(name)
+    rdir = runtime_dir()
+    if address is None:
+        address = f"ipc://{rdir / (name + '.sock')}"
+        if len(address) - len("ipc://") > 100:
+            raise ValueError(f"socket path too long for ipc://: {address}; set XDG_RUNTIME_DIR")
+    elif address.startswith("tcp://"):
+        host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        if for_producer and not _is_loopback(host):
+            warnings.warn(
+                f"tensorsocket control plane bound to {address}, which is reachable from other "
+                "machines; use a loopback address unless you mean it",
+                stacklevel=3,
+            )
+    elif not address.startswith("ipc://"):
+        raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")
+    return Endpoint(name=name, address=address, runtime_dir=rdir)
+
+
+def _is_loopback(host: str) -> bool:
+    """True for localhost and loopback IP addresses."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,39 @@
+"""Exceptions raised by tensorsocket.
+
+Every error derives from :class:`TensorSocketError` (a ``RuntimeError``). The
+ones that the C core raises are created there and re-exported here.
+"""
+
+from __future__ import annotations
+
+from ._core import (
+    BatchTooLarge,
+    ConsumerDetached,
+    ProducerFinished,
+    ProducerGone,
+    SharedMemoryTooSmall,
+    TensorSocketError,
+    TooManyConsumers,
+    VersionMismatch,
+)
+
+__all__ = [
+    "BatchTooLarge",
+    "ConsumerDetached",
+    "ProducerFinished",
+    "ProducerGone",
+    "ProducerNotFound",
+    "ProtocolError",
+    "SharedMemoryTooSmall",
+    "TensorSocketError",
+    "TooManyConsumers",
+    "VersionMismatch",
+]
+
+
+class ProducerNotFound(TensorSocketError, TimeoutError):
+    """No producer answered at the endpoint within the consumer's timeout."""
+
+
+class ProtocolError(TensorSocketError):
+    """A control message was malformed or out of order."""

@@ -1,0 +1,366 @@
+"""TensorProducer: runs a data loader once and publishes every batch to the ring."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import time
+import weakref
+from typing import Any, Callable, Iterable, Iterator
+
+import zmq
+
+from . import _core
+from .control import ControlServer
+from .endpoints import Endpoint, resolve, segment_prefix
+from .errors import BatchTooLarge, SharedMemoryTooSmall, TensorSocketError
+from .structure import flatten
+
+log = logging.getLogger("tensorsocket")
+
+DEFAULT_SLOTS = 4
+SLOT_HEADROOM = 1.5  # slot size = first batch x this (plus room for the structure)
+MIN_SLOT_BYTES = 64 * 1024
+
+
+class TensorProducer:
+    """Publish the batches of ``data_loader`` to every attached consumer.
+
+    ``for batch in producer:`` runs one epoch of the loader, publishing each
+    batch before yielding it; iterating again runs the next epoch.
+    ``producer.join()`` waits until the consumers have read everything that
+    was published, then tears the ring and sockets down.
+
+    The positional parameters after ``data_loader`` are those of the original
+    TensorSocket (``port, ack_port, heart_ports, rubber_band_pct, pack_fn,
+    consumer_max_buffer_size, producer_batch_size``) so scripts written for it
+    run unchanged. ``port`` selects a loopback TCP control endpoint;
+    ``ack_port`` and ``heart_ports`` are accepted and unused (one socket does
+    it all); ``consumer_max_buffer_size`` is the number of ring slots.
+
+    Keyword-only:
+      name: producer name for rendezvous (default ``"default"``, or
+        ``$TENSORSOCKET_NAME``); consumers with the same name find it.
+      address: explicit ZeroMQ address (``ipc://...`` or ``tcp://host:port``).
+      min_consumers: consumers that must be attached before an epoch's
+        first batch is published (default 1).
+      start_timeout: seconds to wait for them (None: forever); TimeoutError after.
+      ring_slots: slots in the ring (default 4).
+      slot_bytes: capacity of one slot (default: first batch x 1.5).
+      ring_bytes: total slot memory; sets ring_slots from slot_bytes.
+      max_leaves: most tensors one batch may hold (default: from the first batch).
+      publish_timeout: seconds to wait for a free slot (None: forever).
+    """
+
+    def __init__(
+        self,
+        data_loader: Iterable,
+        port: int | str | None = None,
+        ack_port: int | str | None = None,
+        heart_ports: Any = None,
+        rubber_band_pct: float = 0.005,
+        pack_fn: Callable[[Any], Any] | None = None,
+        consumer_max_buffer_size: int | None = None,
+        producer_batch_size: int = 8,
+        *,
+        name: str | None = None,
+        address: str | None = None,
+        min_consumers: int = 1,
+        start_timeout: float | None = None,
+        ring_slots: int | None = None,
+        slot_bytes: int | None = None,
+        ring_bytes: int | None = None,
+        max_leaves: int | None = None,
+        publish_timeout: float | None = None,
+    ) -> None:
+        if ring_slots is not None and consumer_max_buffer_size is not None:
+            raise ValueError("give ring_slots= or consumer_max_buffer_size=, not both")
+        slots = ring_slots if ring_slots is not None else consumer_max_buffer_size
+        if slots is not None and not 2 <= int(slots) <= 4096:
+            raise ValueError(f"ring_slots must be in 2..4096, got {slots}")
+        if slot_bytes is not None and int(slot_bytes) <= 0:
+            raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
+        if min_consumers < 0 or min_consumers > _core.MAX_CONSUMERS:
+            raise ValueError(f"min_consumers must be in 0..{_core.MAX_CONSUMERS}")
+        self.data_loader = data_loader
+        self.rubber_band_pct = rubber_band_pct
+        self.producer_batch_size = producer_batch_size
+        self.pack_fn = pack_fn
+        self.min_consumers = int(min_consumers)
+        self.start_timeout = start_timeout
+        self.publish_timeout = publish_timeout
+        self._ring_slots = int(slots) if slots is not None else None
+        self._slot_bytes = int(slot_bytes) if slot_bytes is not None else None
+        self._ring_bytes = int(ring_bytes) if ring_bytes is not None else None
+        self._max_leaves = max_leaves
+        self.epoch = 0
+        self._ring_box: list = [None]  # the ring, shared with the control thread and finalizer
+        self._closed = False
+        self._batches = 0
+        self._wait_s = 0.0
+
+        self.endpoint: Endpoint = resolve(name, port, address, for_producer=True)
+        self._lock_fd = _take_name_lock(self.endpoint)
+        self._segment = self.endpoint.segment_name(os.getpid())
+        try:
+            _sweep_stale_segments(self.endpoint.name)
+            self._context = zmq.Context()
+            box, me = self._ring_box, weakref.ref(self)
+            self._server = ControlServer(self._context, self.endpoint.address,
+                                         lambda: box[0], lambda: _welcome_info(me))
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._finalizer = weakref.finalize(
+            self, _teardown, self._server, self._context, self._segment, self._lock_fd, box
+        )
+        log.info("producer %r listening on %s", self.endpoint.name, self.endpoint.address)
+
+    # -- handshake info ------------------------------------------------------------
+
+    @property
+    def _ring(self) -> Any:
+        return self._ring_box[0]
+
+    def _welcome_info(self) -> dict:
+        return {
+            "segment": self._segment,
+            "length": self._length(),
+            "loader_batch_size": _loader_batch_size(self.data_loader),
+            "epoch": self.epoch,
+            "producer_pid": os.getpid(),
+        }
+
+    def _length(self) -> int | None:
+        try:
+            return len(self.data_loader)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def __len__(self) -> int:
+        n = self._length()
+        if n is None:
+            raise TypeError("the data loader has no len()")
+        return n
+
+    # -- ring ------------------------------------------------------------------------
+
+    def _make_ring(self, meta: bytes, leaves: list) -> None:
+        """Create the ring sized from the first batch."""
+        size = _batch_bytes(leaves) + 2 * len(meta) + 4096
+        slot_bytes = self._slot_bytes or max(MIN_SLOT_BYTES, int(size * SLOT_HEADROOM))
+        slots = self._ring_slots
+        if slots is None:
+            slots = max(2, min(4096, self._ring_bytes // slot_bytes)) if self._ring_bytes \
+                else DEFAULT_SLOTS
+        max_leaves = self._max_leaves or max(64, 2 * len(leaves))
+        try:
+            ring = _core.Ring.create(self._segment, slots, slot_bytes, max_leaves)
+        except SharedMemoryTooSmall as e:
+            raise SharedMemoryTooSmall(
+                f"{e}. The ring is {slots} slots x {slot_bytes} bytes: lower ring_slots= or "
+                "slot_bytes=, or enlarge /dev/shm (docker run --shm-size=...)"
+            ) from None
+        self._ring_box[0] = ring
+        log.info("ring %s: %d slots of %d bytes", self._segment, slots, slot_bytes)
+
+    def _publish(self, meta: bytes, leaves: list, *, end: bool = False, index: int = 0) -> None:
+        start = time.perf_counter()
+        try:
+            self._ring.publish(leaves, meta, end_of_epoch=end, epoch=self.epoch, index=index,
+                               timeout=self.publish_timeout)
+        except BatchTooLarge as e:
+            raise BatchTooLarge(
+                f"{e}. Batch {index} of epoch {self.epoch} is larger than the ring's slots, "
+                "which were sized from the first batch: pass slot_bytes= (bytes per batch) to "
+                "TensorProducer. Nothing was published."
+            ) from None
+        except TimeoutError:
+            raise TimeoutError(
+                f"no ring slot became free within publish_timeout={self.publish_timeout} s: "
+                "a consumer holds its batches (or stopped reading)"
+            ) from None
+        finally:
+            self._wait_s += time.perf_counter() - start
+        if not end:
+            self._batches += 1
+
+    def _encode(self, batch: Any) -> tuple[bytes, list]:
+        if self.pack_fn is not None:
+            batch = self.pack_fn(batch)
+        return flatten(batch)
+
+    # -- iteration -------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise TensorSocketError("this producer was joined or closed")
+        return self._run_epoch()
+
+    def _run_epoch(self) -> Iterator[Any]:
+        it = iter(self.data_loader)
+        index = 0
+        try:
+            for batch in it:
+                meta, leaves = self._encode(batch)
+                if self._ring is None:
+                    self._make_ring(meta, leaves)
+                if index == 0:
+                    self._wait_for_consumers()
+                self._publish(meta, leaves, index=index)
+                index += 1
+                yield batch
+        except GeneratorExit:
+            # An epoch cut short (break) still ends with a marker: consumers never hang.
+            self._end_epoch(index)
+            raise
+        self._end_epoch(index)
+
+    def _end_epoch(self, index: int) -> None:
+        """Publish the end-of-epoch marker after `index` batches."""
+        if index == 0:
+            return
+        if self._ring is not None and not self._closed:
+            self._publish(b"", [], end=True, index=index)
+        self.epoch += 1
+
+    def _wait_for_consumers(self) -> None:
+        if self.min_consumers == 0:
+            return
+        start = time.perf_counter()
+        ok = self._ring.wait_consumers(self.min_consumers, self.start_timeout)
+        self._wait_s += time.perf_counter() - start
+        if not ok:
+            raise TimeoutError(
+                f"only {self._server.consumer_count()} of min_consumers={self.min_consumers} "
+                f"consumers attached within start_timeout={self.start_timeout} s "
+                f"(producer {self.endpoint.name!r} at {self.endpoint.address})"
+            )
+
+    # -- end ------------------------------------------------------------------------
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the consumers have read everything published, then tear down.
+
+        Returns False if the timeout passed first (teardown happens anyway).
+        """
+        if self._closed:
+            return True
+        drained = True
+        if self._ring is not None:
+            drained = self._ring.wait_drained(timeout)
+            if not drained:
+                log.warning("join(): consumers did not read everything within %s s", timeout)
+        self.close()
+        return drained
+
+    def close(self) -> None:
+        """Tear down now: consumers see the ring finished; segment and sockets go."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "TensorProducer":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.join()
+        else:
+            self.close()
+
+    # -- introspection --------------------------------------------------------------
+
+    @property
+    def ring(self) -> Any:
+        """The C ring handle (None before the first batch)."""
+        return self._ring
+
+    def stats(self) -> dict:
+        """Counters: batches and bytes published, time spent waiting, consumers."""
+        info = self._ring.info() if self._ring is not None and not self._ring.closed else {}
+        return {
+            "epoch": self.epoch,
+            "batches": self._batches,
+            "bytes_copied": info.get("bytes_copied", 0),
+            "wait_seconds": self._wait_s,
+            "consumers": self._server.consumer_count() if not self._closed else 0,
+            "slots": info.get("slot_count", 0),
+            "slot_bytes": info.get("slot_bytes", 0),
+        }
+
+
+# -- helpers (module level so the finalizer holds no reference to the producer) -------
+
+
+def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
+    """Handshake fields, or placeholders if the producer is being collected."""
+    producer = producer_ref()
+    if producer is None:
+        return {"segment": "", "length": None, "loader_batch_size": None, "epoch": 0,
+                "producer_pid": os.getpid()}
+    return producer._welcome_info()
+
+
+def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd: int,
+              ring_box: list) -> None:
+    """Finish the ring, stop the control thread, unlink the segment, drop the lock."""
+    ring = ring_box[0]
+    if ring is not None:
+        ring.finish()
+    server.close()
+    context.term()
+    if ring is not None:
+        ring.close()
+    _core.Ring.unlink_name(segment)
+    os.close(lock_fd)
+
+
+def _take_name_lock(endpoint: Endpoint) -> int:
+    """flock the name's lock file; the kernel drops it if we die."""
+    fd = os.open(endpoint.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        finally:
+            os.close(fd)
+        raise TensorSocketError(
+            f"a producer named {endpoint.name!r} is already running (pid {owner}); "
+            "give this one another name= or port="
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _sweep_stale_segments(name: str) -> None:
+    """Remove segments of earlier producers of this name (we hold the name lock,
+    so none of them is alive)."""
+    prefix = segment_prefix(name)
+    pattern = re.compile(re.escape(prefix) + r"\d+$")
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for entry in entries:
+        if pattern.match(entry):
+            log.info("removing stale segment /dev/shm/%s", entry)
+            _core.Ring.unlink_name("/" + entry)
+
+
+def _batch_bytes(leaves: list) -> int:
+    """Bytes of tensor data in a flattened batch."""
+    total = 0
+    for buf, _ in leaves:
+        total += memoryview(buf).nbytes + 64
+    return total
+
+
+def _loader_batch_size(loader: Any) -> int | None:
+    bs = getattr(loader, "batch_size", None)
+    return bs if isinstance(bs, int) and not isinstance(bs, bool) else None

@@ -1,0 +1,91 @@
+"""Control-plane messages: msgpack maps checked against a schema.
+
+Nothing received is ever unpickled or evaluated. A message is a msgpack map
+with a string ``type`` and exactly the typed fields its schema lists; anything
+else is rejected with ProtocolError.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+
+_INT = (int,)
+_OPT_INT = (int, type(None))
+_STR = (str,)
+
+# type -> {field: accepted python types}
+SCHEMAS: dict[str, dict[str, tuple]] = {
+    # consumer -> producer
+    "hello": {"protocol": _INT, "pid": _INT, "start_time": _INT, "batch_size": _OPT_INT},
+    "ready": {"consumer": _INT, "token": _INT},
+    "heartbeat": {"consumer": _INT, "token": _INT},
+    "bye": {"consumer": _INT, "token": _INT},
+    # producer -> consumer
+    "welcome": {
+        "protocol": _INT,
+        "consumer": _INT,
+        "token": _INT,
+        "segment": _STR,
+        "length": _OPT_INT,
+        "loader_batch_size": _OPT_INT,
+        "epoch": _INT,
+        "producer_pid": _INT,
+    },
+    "started": {"start_seq": _INT},
+    "bye_ok": {},
+    "error": {"code": _STR, "message": _STR},
+}
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    """Encode a message of type kind (checked against its schema)."""
+    msg = {"type": kind, **fields}
+    _check(msg)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """Decode and check one message; raises ProtocolError on anything unexpected."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=4096,
+            max_bin_len=0,
+            max_array_len=0,
+            max_map_len=32,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable control message: {type(e).__name__}: {e}") from None
+    _check(msg)
+    return msg
+
+
+def _check(msg: Any) -> None:
+    """Raise ProtocolError unless msg matches its schema exactly."""
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"control message is a {type(msg).__name__}, not a map")
+    kind = msg.get("type")
+    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown control message type {kind!r}")
+    extra = set(msg) - set(schema) - {"type"}
+    if extra:
+        raise ProtocolError(f"{kind} message has unexpected fields {sorted(extra)}")
+    for field, types in schema.items():
+        if field not in msg:
+            raise ProtocolError(f"{kind} message lacks field {field!r}")
+        value = msg[field]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ProtocolError(f"{kind} message field {field!r} has type {type(value).__name__}")
