@@ -109,26 +109,28 @@ class TensorConsumer:
             raise TypeError("the producer's loader has no len()")
         return self._length
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> "EpochIterator":
         if self._closed:
             raise TensorSocketError("this consumer is closed")
         if self._in_epoch:
             self._skip_rest_of_epoch()
         self._in_epoch = True
-        return self._epoch()
+        return EpochIterator(self)
 
-    def _epoch(self) -> Iterator[Any]:
-        while True:
-            slot = self._acquire()
-            if slot.is_end_of_epoch:
-                slot.release()
-                self._in_epoch = False
-                self.epoch += 1
-                return
-            index = slot.index
-            batch = self._build(slot)
-            self._batches += 1
-            yield (index, batch) if self.with_index else batch
+    def _next_batch(self) -> Any:
+        """The next batch of the current epoch; StopIteration at its end."""
+        if not self._in_epoch:
+            raise StopIteration
+        slot = self._acquire()
+        if slot.is_end_of_epoch:
+            slot.release()
+            self._in_epoch = False
+            self.epoch += 1
+            raise StopIteration
+        index = slot.index
+        batch = self._build(slot)
+        self._batches += 1
+        return (index, batch) if self.with_index else batch
 
     def _acquire(self) -> Any:
         try:
@@ -206,6 +208,28 @@ class TensorConsumer:
     def stats(self) -> dict:
         """Counters of this consumer."""
         return {"epoch": self.epoch, "batches": self._batches}
+
+
+class EpochIterator:
+    """One epoch of a TensorConsumer. Keeps no reference to the batches it returned,
+    so a batch's ring slot is released as soon as the caller drops it."""
+
+    __slots__ = ("_consumer", "_epoch")
+
+    def __init__(self, consumer: TensorConsumer) -> None:
+        self._consumer = consumer
+        self._epoch = consumer.epoch
+
+    def __iter__(self) -> "EpochIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self._consumer.epoch != self._epoch:
+            raise StopIteration
+        return self._consumer._next_batch()
+
+    def __len__(self) -> int:
+        return len(self._consumer)
 
 
 def _teardown(client: ControlClient, context: zmq.Context, ring: Any) -> None:

@@ -100,7 +100,7 @@ class Decoder:
         kinds: list[int] = []
         build = self._compile(spec, kinds)
         self._last_blob, self._last = blob, (build, kinds)
-        return build, kinds
+        return self._last
 
     def _compile(self, node: list, kinds: list[int]) -> Callable[[list], Any]:
         tag = node[0]

@@ -1,0 +1,96 @@
+"""Shared fixtures: unique producer names, role processes, leak checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = Path(__file__).resolve().parent / "roles.py"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run long soak tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="long run: pass --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def shm_segments(name: str | None = None) -> list[str]:
+    """tensorsocket segments in /dev/shm (of producer `name` if given)."""
+    prefix = f"tensorsocket-{os.getuid()}-" + (f"{name}-" if name else "")
+    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(prefix))
+
+
+@pytest.fixture
+def name():
+    """A producer name unique to this test; asserts no segment of it is left behind."""
+    n = f"t-{uuid.uuid4().hex[:10]}"
+    yield n
+    assert shm_segments(n) == [], f"leaked segments: {shm_segments(n)}"
+
+
+class Procs:
+    """Role processes started by one test; all are killed at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, role: str, *args: str) -> subprocess.Popen:
+        p = subprocess.Popen(
+            [sys.executable, str(ROLES), role, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        self.procs.append(p)
+        return p
+
+    def wait_ready(self, p: subprocess.Popen, timeout: float = 60) -> dict:
+        """Read the producer's first JSON line ('ready')."""
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(p.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise AssertionError("process did not become ready")
+        line = p.stdout.readline()
+        if not line:
+            raise AssertionError(f"process exited: {p.stderr.read()}")
+        return json.loads(line)
+
+    def result(self, p: subprocess.Popen, timeout: float = 120) -> dict:
+        """Wait for the process and parse its last JSON line."""
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"exit {p.returncode}\nstdout:{out}\nstderr:{err}"
+        return json.loads(out.strip().splitlines()[-1])
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            try:
+                p.communicate(timeout=10)
+            except Exception:
+                pass
+
+
+@pytest.fixture
+def procs():
+    ps = Procs()
+    yield ps
+    ps.kill_all()

@@ -1,0 +1,88 @@
+"""Scripts written for the original TensorSocket run unchanged."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+from conftest import ROOT
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port pair")
+
+
+PRODUCER = """
+import torch
+from tensorsocket.producer import TensorProducer
+
+class DummyLoader:
+    def __init__(self, length=20):
+        self.length = length
+        self.id = 0
+        self.batch_size = 8
+    def __len__(self):
+        return self.length
+    def __iter__(self):
+        self.id = 0
+        return self
+    def __next__(self):
+        if self.id >= self.length:
+            raise StopIteration
+        a, b = self.id * torch.ones((self.batch_size, 10)), self.id * torch.ones((self.batch_size,))
+        self.id += 1
+        return a, b
+
+data_loader = DummyLoader()
+producer = TensorProducer(data_loader, "{port}", "{ack}", rubber_band_pct=0.02)
+for epoch in range(2):
+    for i, _ in enumerate(producer):
+        pass
+producer.join()
+print("finished")
+"""
+
+CONSUMER = """
+from tensorsocket.consumer import TensorConsumer
+
+consumer = TensorConsumer("{port}", "{ack}")
+seen = []
+for epoch in range(2):
+    for i, batch in enumerate(consumer):
+        b, (inputs, labels) = batch
+        assert b == i and float(labels[0]) == i and inputs.shape == (8, 10)
+        seen.append(b)
+print(len(consumer), seen)
+"""
+
+
+def test_original_api_script_runs_unchanged():
+    port = _free_port_pair()
+    fill = dict(port=port, ack=port + 1)
+    prod = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PRODUCER).format(**fill)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cons = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CONSUMER).format(**fill)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        c_out, c_err = cons.communicate(timeout=90)
+        p_out, p_err = prod.communicate(timeout=60)
+    finally:
+        for p in (prod, cons):
+            if p.poll() is None:
+                p.kill()
+    assert cons.returncode == 0, c_err
+    assert prod.returncode == 0, p_err
+    assert c_out.strip() == f"20 {list(range(20)) * 2}"
+    assert p_out.strip() == "finished"

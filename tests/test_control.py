@@ -1,0 +1,155 @@
+"""The control plane: schema checks, garbage, version mismatch, duplicate names."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import msgpack
+import pytest
+import zmq
+
+from tensorsocket import (
+    ProtocolError,
+    TensorConsumer,
+    TensorProducer,
+    TensorSocketError,
+    VersionMismatch,
+)
+from tensorsocket import protocol
+from tensorsocket.endpoints import resolve
+
+
+def test_decode_rejects_garbage_and_wrong_types():
+    for data in [b"", b"\xc1", b"\x93\x01\x02\x03", msgpack.packb({"type": "nope"}),
+                 msgpack.packb({"type": "hello", "protocol": "1", "pid": 1, "start_time": 1,
+                                "batch_size": None}),
+                 msgpack.packb({"type": "bye", "consumer": 1, "token": 2, "extra": 1}),
+                 msgpack.packb({"type": "bye", "consumer": True, "token": 2}),
+                 b"\x80\x04\x95" + b"\x00" * 20]:  # a pickle header
+        with pytest.raises(ProtocolError):
+            protocol.decode(data)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        protocol.decode(b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1))
+
+
+def _raw_dealer(address: str) -> zmq.Socket:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(address)
+    return s
+
+
+def _loader():
+    import torch
+
+    return [(torch.full((2,), float(i)),) for i in range(5)]
+
+
+def test_garbage_and_version_mismatch_do_not_disturb_the_producer(name):
+    """Hostile bytes get error replies; a real consumer still works afterwards."""
+    p = TensorProducer(_loader(), name=name, min_consumers=1, start_timeout=30)
+    try:
+        s = _raw_dealer(p.endpoint.address)
+        for junk in [b"garbage", b"\xc1\xc1", msgpack.packb([1, 2, 3]),
+                     msgpack.packb({"type": "welcome"})]:
+            s.send(junk)
+            reply = protocol.decode(s.recv())
+            assert reply["type"] == "error"
+        s.send(protocol.encode("hello", protocol=999, pid=os.getpid(), start_time=0,
+                               batch_size=None))
+        reply = protocol.decode(s.recv())
+        assert reply["type"] == "error" and reply["code"] == "version"
+        assert "999" in reply["message"]
+        s.send(protocol.encode("bye", consumer=0, token=123))  # not ours
+        assert protocol.decode(s.recv())["code"] == "unknown"
+        s.close()
+        assert p._server.rejected >= 6
+        import threading
+
+        got = []
+
+        def consume():
+            with TensorConsumer(name=name, timeout=10) as c:
+                got.extend(float(b[0][0]) for b in c)
+
+        t = threading.Thread(target=consume)
+        t.start()
+        for _ in p:
+            pass
+        t.join(30)
+        assert got == [0.0, 1.0, 2.0, 3.0, 4.0]
+    finally:
+        p.close()
+
+
+def test_consumer_sees_version_mismatch_clearly(name):
+    """A producer answering with a version error makes the consumer raise VersionMismatch."""
+    ep = resolve(name)
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(ep.address)
+    import threading
+
+    def fake_producer():
+        ident, _ = router.recv_multipart()
+        router.send_multipart([ident, protocol.encode(
+            "error", code="version", message="producer speaks protocol 2, consumer 1")])
+
+    t = threading.Thread(target=fake_producer)
+    t.start()
+    try:
+        with pytest.raises(VersionMismatch, match="protocol 2"):
+            TensorConsumer(name=name, timeout=5)
+    finally:
+        t.join(5)
+        router.close(0)
+
+
+def test_second_producer_with_same_name_is_refused(name):
+    p = TensorProducer(_loader(), name=name)
+    try:
+        with pytest.raises(TensorSocketError, match="already running"):
+            TensorProducer(_loader(), name=name)
+    finally:
+        p.close()
+    TensorProducer(_loader(), name=name).close()  # free again
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_port_binds_loopback_only(name):
+    port = _free_port()
+    p = TensorProducer(_loader(), str(port), str(port + 1))
+    try:
+        assert p.endpoint.address == f"tcp://127.0.0.1:{port}"
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+    finally:
+        p.close()
+
+
+def test_non_loopback_address_warns(name):
+    port = _free_port()
+    with pytest.warns(UserWarning, match="reachable from other machines"):
+        p = TensorProducer(_loader(), name=name, address=f"tcp://0.0.0.0:{port}")
+    p.close()
+
+
+def test_runtime_dir_is_private():
+    ep = resolve("x")
+    st = os.stat(ep.runtime_dir)
+    assert st.st_mode & 0o777 == 0o700 and st.st_uid == os.getuid()
+
+
+def test_bad_names_are_rejected():
+    for bad in ["", "a/b", "../x", "x" * 100, "sp ace"]:
+        with pytest.raises(ValueError, match="invalid producer name"):
+            resolve(bad)

@@ -1,0 +1,77 @@
+"""Bad input gets a clear error naming the problem and the knob, and loses nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tensorsocket import (
+    BatchTooLarge,
+    SharedMemoryTooSmall,
+    TensorConsumer,
+    TensorProducer,
+)
+
+
+def test_unsupported_leaf_raises_in_producer_with_path(name):
+    loader = [(torch.zeros(2), {"meta": object()})]
+    with TensorProducer(loader, name=name, min_consumers=0) as p:
+        with pytest.raises(TypeError, match=r"batch\[1\]\['meta'\]"):
+            for _ in p:
+                pass
+
+
+def test_batch_bigger_than_slot_is_refused_and_loses_nothing(name):
+    loader = [torch.zeros(1000), torch.zeros(10), torch.zeros(100_000)]
+    got = []
+    p = TensorProducer(loader, name=name, min_consumers=1, start_timeout=30)
+
+    def consume():
+        with TensorConsumer(name=name, timeout=10) as c:
+            try:
+                for b in c:
+                    got.append(b.numel())
+            except Exception as e:  # the producer closes after its error
+                got.append(type(e).__name__)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    try:
+        with pytest.raises(BatchTooLarge, match="slot_bytes=") as ei:
+            for _ in p:
+                pass
+        assert "Nothing was published" in str(ei.value)
+        assert p.ring.info()["published"] == 2
+    finally:
+        p.close()
+        t.join(10)
+    assert got[:2] == [1000, 10]
+
+
+def test_explicit_slot_bytes_carries_large_batches(name):
+    loader = [torch.zeros(10), torch.ones(100_000)]
+    p = TensorProducer(loader, name=name, min_consumers=0, slot_bytes=1 << 20)
+    for _ in p:
+        pass
+    assert p.stats()["batches"] == 2
+    p.close()
+
+
+def test_shm_too_small_fails_early_naming_the_knobs(name):
+    huge = 1 << 40  # more than /dev/shm holds on any test machine
+    p = TensorProducer([torch.zeros(4)], name=name, min_consumers=0, slot_bytes=huge)
+    with pytest.raises(SharedMemoryTooSmall) as ei:
+        for _ in p:
+            pass
+    msg = str(ei.value)
+    assert "/dev/shm" in msg and "ring_slots=" in msg and "slot_bytes=" in msg
+    p.close()
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="ring_slots"):
+        TensorProducer([], ring_slots=1)
+    with pytest.raises(NotImplementedError, match="batch_size"):
+        TensorConsumer(batch_size=16)

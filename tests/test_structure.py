@@ -1,0 +1,106 @@
+"""Batch flattening and rebuilding (in-process: pure functions)."""
+
+from __future__ import annotations
+
+import collections
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from tensorsocket.structure import Decoder, flatten
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+def roundtrip(batch):
+    """Flatten, then rebuild from numpy views of the leaves (what a slot holds)."""
+    meta, leaves = flatten(batch)
+    build, kinds = Decoder().compile(meta)
+    rebuilt = []
+    for (buf, dl), kind in zip(leaves, kinds):
+        arr = np.asarray(buf)
+        rebuilt.append(arr if kind != 0 else torch.from_numpy(np.ascontiguousarray(arr)))
+    return build(rebuilt), leaves, kinds
+
+
+def test_nested_structure_is_preserved():
+    batch = {
+        "img": torch.zeros(2, 3),
+        "pair": (np.arange(3), [1, "a", None, 2.5, True, b"raw"]),
+        "pt": Point(torch.ones(1), 7),
+        3: {"deep": [torch.arange(4)]},
+    }
+    out, leaves, kinds = roundtrip(batch)
+    assert len(leaves) == 4
+    assert set(out) == {"img", "pair", "pt", 3}
+    assert isinstance(out["pair"], tuple) and isinstance(out["pair"][1], list)
+    assert out["pair"][1] == [1, "a", None, 2.5, True, b"raw"]
+    assert isinstance(out["pair"][0], np.ndarray)
+    assert type(out["pt"]).__name__ == "Point" and out["pt"].y == 7
+    assert out["pt"].x.tolist() == [1.0]
+    assert out[3]["deep"][0].tolist() == [0, 1, 2, 3]
+
+
+def test_numpy_scalar_comes_back_as_scalar():
+    out, _, _ = roundtrip((np.float32(1.5), np.int64(3)))
+    assert isinstance(out[0], np.float32) and out[0] == 1.5
+    assert isinstance(out[1], np.int64) and out[1] == 3
+
+
+@pytest.mark.parametrize(
+    "dtype,code,bits",
+    [
+        (torch.bool, 6, 8),
+        (torch.uint8, 1, 8),
+        (torch.int8, 0, 8),
+        (torch.int16, 0, 16),
+        (torch.int32, 0, 32),
+        (torch.int64, 0, 64),
+        (torch.float16, 2, 16),
+        (torch.bfloat16, 4, 16),
+        (torch.float32, 2, 32),
+        (torch.float64, 2, 64),
+        (torch.complex64, 5, 64),
+        (torch.complex128, 5, 128),
+    ],
+)
+def test_torch_dtypes_map_to_dlpack(dtype, code, bits):
+    _, leaves = flatten(torch.zeros(3, dtype=dtype))
+    (buf, dl), = leaves
+    assert dl == (code, bits, 1)
+    assert memoryview(buf).itemsize * 8 == bits
+
+
+def test_unsupported_leaf_names_its_path():
+    with pytest.raises(TypeError, match=r"batch\[1\]\['meta'\] is a builtins.object"):
+        flatten((torch.zeros(1), {"meta": object()}))
+
+
+def test_unsupported_tensor_names_its_path():
+    with pytest.raises(TypeError, match=r"batch\[0\]: .*layout"):
+        flatten([torch.zeros(2, 2).to_sparse()])
+
+
+def test_non_contiguous_and_special_tensors_flatten():
+    t = torch.arange(12).reshape(3, 4).t()
+    _, leaves = flatten((t, torch.tensor(5), torch.zeros(0, 3)))
+    assert [memoryview(b).shape for b, _ in leaves] == [(4, 3), (), (0, 3)]
+
+
+def test_huge_int_is_rejected():
+    with pytest.raises(TypeError, match="64-bit"):
+        flatten({"n": 2**70})
+
+
+def test_spec_is_msgpack_not_pickle():
+    meta, _ = flatten({"a": torch.zeros(1), "b": "x"})
+    assert isinstance(msgpack.unpackb(meta, strict_map_key=False), list)
+    assert b"\x80" not in meta[:1]  # not a pickle protocol header
+
+
+def test_decoder_caches_the_last_spec():
+    meta, _ = flatten((torch.zeros(1), 1))
+    d = Decoder()
+    assert d.compile(meta) is d.compile(bytes(meta))
