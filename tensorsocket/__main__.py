@@ -114,8 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prefix}: error: {message}", file=sys.stderr)
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
-        elif not debug:
-            print("hint: run again with --debug for the full traceback", file=sys.stderr)
+        if not debug:
+            what = "the output of the child processes" if getattr(e, "details", "") else \
+                "the full traceback"
+            print(f"hint: run again with --debug to see {what}", file=sys.stderr)
         return 1
 
 

@@ -233,14 +233,12 @@ class EpochIterator:
 
 
 def _teardown(client: ControlClient, context: zmq.Context, ring: Any) -> None:
-    """Say bye, close the socket and drop our ring handle."""
-    alive = True
-    try:
-        info = ring.info()
-        alive = info["state"] == _core.RING_OPEN and _core.process_alive(
-            info["producer_pid"], info["producer_start_time"])
-    except ValueError:
-        pass
-    client.close(say_bye=alive)
+    """Say bye, close the socket and drop our ring handle. If the producer died,
+    the last one out removes its segment name (nobody else will)."""
+    info = ring.info()
+    producer_alive = _core.process_alive(info["producer_pid"], info["producer_start_time"])
+    client.close(say_bye=producer_alive and info["state"] == _core.RING_OPEN)
     context.term()
     ring.close()
+    if not producer_alive:
+        _core.Ring.unlink_name(info["name"])

@@ -45,7 +45,7 @@ LEARNING_RATES = (0.02, 0.05, 0.1, 0.01)  # consumer k trains with LEARNING_RATE
 
 
 class DemoError(Exception):
-    """The demo failed; ``hint`` says what to try."""
+    """The demo failed; ``hint`` says what to try, ``details`` holds the children's output."""
 
     def __init__(self, message: str, hint: str = "", details: str = "") -> None:
         super().__init__(message)
@@ -223,7 +223,7 @@ def _run_consumer(name: str, rank: int, epochs: int) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                total += float(loss) * len(labels)
+                total += loss.item() * len(labels)
                 count += len(labels)
                 batches += 1
             samples += count
@@ -291,6 +291,7 @@ class _Child:
 
     label: str
     proc: subprocess.Popen
+    rank: int = 0  # 0 for the producer
     stderr_tail: deque = field(default_factory=lambda: deque(maxlen=40))
     result: dict | None = None
     exited: bool = False
@@ -330,13 +331,13 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _spawn(label: str, args: list[str], env: dict[str, str],
+def _spawn(label: str, rank: int, args: list[str], env: dict[str, str],
            events: "queue.Queue[tuple[_Child, dict]]") -> _Child:
     """Start one child and its reader threads."""
     proc = subprocess.Popen([sys.executable, "-m", "tensorsocket.demo", *args], env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, bufsize=1)
-    child = _Child(label, proc)
+    child = _Child(label, proc, rank)
     child.readers = [threading.Thread(target=_read_stdout, args=(child, events), daemon=True),
                      threading.Thread(target=_read_stderr, args=(child,), daemon=True)]
     for reader in child.readers:
@@ -417,14 +418,14 @@ def run(consumers: int = 3, epochs: int = 2, images: int = 1024, timeout: float 
     common = ["--name", name, "--epochs", str(epochs), "--parent-pid", str(os.getpid())]
     children: list[_Child] = []
     producer_result: dict | None = None
-    consumer_results: dict[str, dict] = {}
+    consumer_results: dict[int, dict] = {}
     try:
         try:
-            children.append(_spawn("producer", ["producer", *common, "--consumers",
+            children.append(_spawn("producer", 0, ["producer", *common, "--consumers",
                                                 str(consumers), "--images", str(images)],
                                    env, events))
             for rank in range(1, consumers + 1):
-                children.append(_spawn(f"consumer {rank}",
+                children.append(_spawn(f"consumer {rank}", rank,
                                        ["consumer", *common, "--rank", str(rank)], env, events))
         except OSError as e:
             raise DemoError(f"cannot start a child process: {e}",
@@ -450,7 +451,7 @@ def run(consumers: int = 3, epochs: int = 2, images: int = 1024, timeout: float 
                                  f"waiting for {consumers} consumer(s)")
             elif kind == "attached":
                 say(child.label, f"attached, training with lr {event['lr']:g}")
-            elif kind == "epoch" and child.label == "producer":
+            elif kind == "epoch" and child.rank == 0:
                 say(child.label, f"epoch {event['epoch']}/{epochs} published: "
                                  f"{event['batches']} batches, "
                                  f"loader CPU {event['loader_cpu_s']:.2f} s")
@@ -459,31 +460,29 @@ def run(consumers: int = 3, epochs: int = 2, images: int = 1024, timeout: float 
                                  f"mean loss {event['mean_loss']:.4f}")
             elif kind == "result":
                 child.result = event
-                if child.label == "producer":
+                if child.rank == 0:
                     producer_result = event
                     say(child.label, f"finished: {event['batches']} batches published")
                 else:
-                    consumer_results[child.label] = event
+                    consumer_results[child.rank] = event
                     say(child.label, f"finished: {event['batches']} batches, "
                                      f"{event['samples_per_s']:.0f} samples/s, "
                                      f"final loss {event['final_loss']:.4f}")
             elif kind == "error":
                 raise DemoError(f"{child.label} failed: {event.get('message', '?')}",
-                                "run again with --debug to see the output of every child",
-                                _child_output(children))
+                                details=_child_output(children))
             elif kind == "eof":
                 try:
                     code = child.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     raise DemoError(f"{child.label} closed its output but did not exit",
-                                    "run again with --debug", _child_output(children)) from None
+                                    details=_child_output(children)) from None
                 child.exited = True
                 if code != 0 or child.result is None:
                     why = f"exit code {code}" if code >= 0 else f"signal {-code}"
                     raise DemoError(f"{child.label} (pid {child.proc.pid}) ended with {why} "
                                     "without reporting a result",
-                                    "run again with --debug to see its output",
-                                    _child_output(children))
+                                    details=_child_output(children))
     finally:
         _stop_children(children)
         _remove_leftovers(name)
@@ -493,8 +492,8 @@ def run(consumers: int = 3, epochs: int = 2, images: int = 1024, timeout: float 
     loader_cpu = producer_result["loader_cpu_s"]
     saved = (consumers - 1) * loader_cpu
     print("\nSummary", file=out)
-    for label, result in consumer_results.items():
-        print(f"  {label:<11} lr {result['lr']:<5g} {result['samples']:6d} samples  "
+    for rank, result in sorted(consumer_results.items()):
+        print(f"  {'consumer ' + str(rank):<11} lr {result['lr']:<5g} {result['samples']:6d} samples  "
               f"{result['samples_per_s']:7.0f} samples/s  final loss {result['final_loss']:.4f}",
               file=out)
     print(f"  producer    {producer_result['batches']} batches published once "

@@ -119,6 +119,10 @@ def consumer(a: argparse.Namespace) -> dict:
             if idx is not None and idx != len(seen):
                 errors.append(f"index {idx} != {len(seen)}")
             seen.append(v)
+            if a.stall_after is not None and len(seen) == a.stall_after:
+                print(json.dumps({"stalled": True}), flush=True)
+                held = [batch]  # noqa: F841  (keep the batch's slot while we hang)
+                time.sleep(3600)
             if a.delay:
                 time.sleep(a.delay)
         epochs.append(seen)
@@ -140,6 +144,7 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=60)
     ap.add_argument("--timeout", type=float, default=30)
     ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--stall-after", type=int)
     a = ap.parse_args()
     result = producer(a) if a.role == "producer" else consumer(a)
     print(json.dumps(result), flush=True)

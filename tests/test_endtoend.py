@@ -150,3 +150,39 @@ def test_nothing_left_behind(procs, name):
     with TensorConsumer(name=name, timeout=30) as c:
         assert sum(1 for _ in c) == 2
     procs.result(prod2)
+
+
+def test_killed_consumer_does_not_block_the_others(procs, name):
+    """A SIGKILLed consumer holding batches is evicted; the survivor gets everything."""
+    prod = procs.start("producer", "--name", name, "--batches", "40", "--kind", "tuple",
+                       "--min-consumers", "2")
+    procs.wait_ready(prod)
+    victim = procs.start("consumer", "--name", name, "--kind", "tuple", "--stall-after", "3")
+    survivor = procs.start("consumer", "--name", name, "--kind", "tuple")
+    procs.wait_ready(victim)  # it holds batch 2 and hangs
+    t0 = time.monotonic()
+    victim.kill()
+    r = procs.result(survivor, timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert r["errors"] == [] and r["epochs"] == [list(range(40))]
+    assert procs.result(prod)["drained"] is True
+
+
+def test_dead_producer_makes_waiting_consumer_raise(procs, name):
+    """SIGKILL the producer: a consumer waiting for a batch raises ProducerGone promptly."""
+    from tensorsocket import ProducerGone
+
+    prod = procs.start("producer", "--name", name, "--batches", "5", "--delay", "3600")
+    procs.wait_ready(prod)
+    c = TensorConsumer(name=name, timeout=30)
+    it = iter(c)
+    first = next(it)  # the producer now sleeps after publishing batch 0
+    prod.kill()
+    prod.wait()
+    t0 = time.monotonic()
+    with pytest.raises(ProducerGone, match="gone"):
+        next(it)
+    assert time.monotonic() - t0 < 2.0
+    assert first["label"] == 0  # the batch in hand stays valid
+    del first
+    c.close()  # the last party out removes the dead producer's segment
