@@ -114,7 +114,8 @@ class TensorProducer:
             os.close(self._lock_fd)
             raise
         self._finalizer = weakref.finalize(
-            self, _teardown, self._server, self._context, self._segment, self._lock_fd, box
+            self, _teardown, self._server, self._context, self._segment, self._lock_fd, box,
+            self.endpoint,
         )
         log.info("producer %r listening on %s", self.endpoint.name, self.endpoint.address)
 
@@ -306,8 +307,9 @@ def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
 
 
 def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd: int,
-              ring_box: list) -> None:
-    """Finish the ring, stop the control thread, unlink the segment, drop the lock."""
+              ring_box: list, endpoint: Endpoint) -> None:
+    """Finish the ring, stop the control thread, unlink the segment, the socket file
+    and the lock file, then drop the lock."""
     ring = ring_box[0]
     if ring is not None:
         ring.finish()
@@ -316,6 +318,14 @@ def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd
     if ring is not None:
         ring.close()
     _core.Ring.unlink_name(segment)
+    paths = [endpoint.lock_path]
+    if endpoint.address.startswith("ipc://"):
+        paths.append(endpoint.address[len("ipc://"):])
+    for path in paths:  # we still hold the name lock: these files are ours
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
     os.close(lock_fd)
 
 

@@ -144,6 +144,9 @@ def test_nothing_left_behind(procs, name):
     assert procs.result(cons)["errors"] == []
     procs.result(prod)
     assert shm_segments(name) == []
+    from tensorsocket.endpoints import runtime_dir
+
+    assert sorted(p.name for p in runtime_dir().glob(name + ".*")) == []
     # The name is free again at once.
     prod2 = procs.start("producer", "--name", name, "--batches", "2")
     procs.wait_ready(prod2)

@@ -1,0 +1,128 @@
+"""pytest-benchmark benchmarks of the producer -> consumer handoff.
+
+Run explicitly (the default ``pytest`` run only collects ``tests/``):
+
+    python -m pytest benchmarks/ --benchmark-only
+
+The producer is a real subprocess (``benchmarks/handoff.py _producer``) whose
+loader yields the same pre-made batch every time; the consumer is this
+process, and each timed call takes one batch and touches it. The memcpy
+benchmark is the baseline to compare the 32 MiB handoff with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load_handoff():
+    """benchmarks/handoff.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("_tensorsocket_bench_handoff",
+                                                  _HERE / "handoff.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+handoff = _load_handoff()
+
+TINY_ROUNDS, TINY_ITERATIONS, TINY_WARMUP = 200, 50, 10
+LARGE_ROUNDS, LARGE_WARMUP = 40, 5
+MEMCPY_ROUNDS, MEMCPY_WARMUP = 40, 3
+
+
+@contextlib.contextmanager
+def producer_process(kind: str, batches: int):
+    """A producer subprocess publishing `batches` copies of the `kind` batch
+    to one consumer; yields its name. Always killed and cleaned up."""
+    name = f"bench-pytest-{os.getpid()}-{kind}-{time.monotonic_ns() % 10**9}"
+    proc = subprocess.Popen(
+        handoff._child_cmd("_producer", "--name", name, "--kind", kind,
+                           "--batches", str(batches), "--consumers", "1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        handoff._read_ready(proc, handoff.ATTACH_TIMEOUT)
+        yield name
+        _, err = proc.communicate(timeout=handoff.JOIN_TIMEOUT + 30)
+        assert proc.returncode == 0, f"producer failed (rc={proc.returncode}):\n{err[-4000:]}"
+    finally:
+        handoff._kill_all([proc])
+        handoff._remove_leftovers(name)
+
+
+@contextlib.contextmanager
+def consumer_of(name: str):
+    """A TensorConsumer in this process and its epoch iterator; drained and closed."""
+    from tensorsocket import TensorConsumer
+
+    consumer = TensorConsumer(name=name, timeout=handoff.ATTACH_TIMEOUT,
+                              batch_timeout=handoff.BATCH_TIMEOUT)
+    try:
+        it = iter(consumer)
+        yield it
+        for _ in it:  # read the rest of the epoch so that the producer can join
+            pass
+    finally:
+        consumer.close()
+
+
+def test_consumer_tiny_batch(benchmark):
+    """Consumer-side time per tiny batch (acquire, decode, build, touch, release)."""
+    calls = (TINY_WARMUP + TINY_ROUNDS + 2) * TINY_ITERATIONS  # + pytest-benchmark's extras
+    with producer_process("tiny", calls + 5000) as name, consumer_of(name) as it:
+
+        def take_one():
+            batch = next(it)
+            return int(batch[1][0])  # touch one element
+
+        benchmark.pedantic(take_one, rounds=TINY_ROUNDS, iterations=TINY_ITERATIONS,
+                           warmup_rounds=TINY_WARMUP)
+    benchmark.extra_info["batch_bytes"] = handoff.batch_bytes("tiny")
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["batches_per_s"] = 1.0 / median if median > 0 else None
+
+
+def test_consumer_32mib_batch(benchmark):
+    """Consumer-side time per 32 MiB batch, touching one byte per 4 KiB page."""
+    calls = LARGE_WARMUP + LARGE_ROUNDS + 2
+    with producer_process("32MiB", calls + 20) as name, consumer_of(name) as it:
+
+        def take_one():
+            batch = next(it)
+            return int(batch[0].view(-1)[:: handoff.PAGE].sum())
+
+        benchmark.pedantic(take_one, rounds=LARGE_ROUNDS, iterations=1,
+                           warmup_rounds=LARGE_WARMUP)
+    nbytes = handoff.batch_bytes("32MiB")
+    benchmark.extra_info["batch_bytes"] = nbytes
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["gb_per_s"] = nbytes / median / 1e9 if median > 0 else None
+
+
+def test_memcpy_32mib_baseline(benchmark):
+    """Baseline: single-threaded np.copyto of 32 MiB into a preallocated buffer."""
+    nbytes = handoff.batch_bytes("32MiB")
+    src = np.full(nbytes, 7, dtype=np.uint8)
+    dst = np.ones_like(src)  # written, so its pages are faulted in
+    benchmark.pedantic(np.copyto, args=(dst, src), rounds=MEMCPY_ROUNDS, iterations=1,
+                       warmup_rounds=MEMCPY_WARMUP)
+    assert dst[-1] == 7
+    benchmark.extra_info["batch_bytes"] = nbytes
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["gb_per_s"] = nbytes / median / 1e9 if median > 0 else None
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "--benchmark-only", *sys.argv[1:]]))
