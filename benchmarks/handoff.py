@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"handoff benchmark: python {platform.python_version()}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, {_cpu_model()}")
-    print(f"batches per run: " + ", ".join(f"{k}={nbatches[k]}" for k in kinds)
+    print("batches per run: " + ", ".join(f"{k}={nbatches[k]}" for k in kinds)
           + f"; repeats={repeats}; ring_slots={RING_SLOTS}")
 
     runs: dict[tuple[str, int], list[dict]] = {(k, n): [] for k in kinds for n in counts}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import traceback
-from typing import Sequence
+from typing import Any, Sequence
 
 PROG = "tensorsocket"
 
@@ -16,6 +17,15 @@ class UsageError(Exception):
     def __init__(self, message: str, hint: str = "") -> None:
         super().__init__(message)
         self.hint = hint
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by SIGTERM, so that commands clean up as on Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM handler: unwind the command."""
+    raise _Terminated()
 
 
 def _positive_int(text: str) -> int:
@@ -64,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, parents=[debug],
         description="tensorsocket: shared data loading for collocated PyTorch training jobs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     demo = sub.add_parser(
         "demo", parents=[debug], help="run one producer and several training consumers",
@@ -97,10 +107,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     prefix = f"{PROG} {args.command}"
     try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
         return args.func(args)
     except KeyboardInterrupt:
         print(f"\n{prefix}: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"{prefix}: terminated", file=sys.stderr)
+        return 143
     except Exception as e:
         # Errors that carry a hint (DemoError, UsageError) are expected failures: their
         # message is for the user. Anything else is shown with its type.
@@ -114,11 +131,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prefix}: error: {message}", file=sys.stderr)
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
-        if not debug:
-            what = "the output of the child processes" if getattr(e, "details", "") else \
-                "the full traceback"
-            print(f"hint: run again with --debug to see {what}", file=sys.stderr)
-        return 1
+        if not debug and getattr(e, "details", ""):
+            print("hint: run again with --debug to see the output of the child processes",
+                  file=sys.stderr)
+        elif not debug and hint is None:
+            print("hint: run again with --debug to see the full traceback", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ STD = (0.25, 0.25, 0.25)
 SEED = 0
 CHILD_TIMEOUT = 30.0  # library timeouts inside the children (handshake, batch, publish, join)
 KILL_GRACE = 3.0  # seconds between SIGTERM and SIGKILL when stopping children
-LEARNING_RATES = (0.02, 0.05, 0.1, 0.01)  # consumer k trains with LEARNING_RATES[k % 4]
+LEARNING_RATES = (0.02, 0.05, 0.1, 0.01)  # consumer k (from 1) uses LEARNING_RATES[(k - 1) % 4]
 
 
 class DemoError(Exception):
@@ -84,7 +84,7 @@ class SyntheticImages(torch.utils.data.Dataset):
 
 
 class RandomCropFlipNormalize:
-    """Random resized crop to size x size, random horizontal flip, to float, per-channel normalize."""
+    """Random resized crop to size x size, random flip, to float, per-channel normalization."""
 
     def __init__(self, size: int = CROP_SIZE, scale: tuple[float, float] = (0.25, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), mean: tuple[float, ...] = MEAN,
@@ -248,7 +248,10 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM unwinds the child so that producers and consumers tear down cleanly."""
+    """The first SIGTERM unwinds the child so that producers and consumers tear down cleanly."""
+    # Later ones are ignored so they cannot cut that teardown short: PR_SET_PDEATHSIG fires
+    # once per exiting thread of a dying parent. The parent escalates to SIGKILL if needed.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
@@ -294,6 +297,7 @@ class _Child:
     rank: int = 0  # 0 for the producer
     stderr_tail: deque = field(default_factory=lambda: deque(maxlen=40))
     result: dict | None = None
+    closed: bool = False  # its stdout reached EOF
     exited: bool = False
     readers: list = field(default_factory=list)
 
@@ -399,113 +403,158 @@ def _child_output(children: list[_Child]) -> str:
     return "\n".join(parts)
 
 
-def run(consumers: int = 3, epochs: int = 2, images: int = 1024, timeout: float = 120.0,
-        out: TextIO | None = None) -> dict:
-    """Run the demo; print progress and a summary to `out`; return the summary. DemoError on failure."""
-    out = out if out is not None else sys.stdout
-    name = f"demo-{os.getpid()}"
-    started = time.monotonic()
+class _Demo:
+    """The parent's side of one demo run: the children, their events, the results."""
 
-    def say(label: str, text: str) -> None:
-        print(f"[{time.monotonic() - started:5.1f}s] {label:<11} {text}", file=out, flush=True)
+    def __init__(self, consumers: int, epochs: int, images: int, timeout: float,
+                 out: TextIO) -> None:
+        self.consumers = consumers
+        self.epochs = epochs
+        self.images = images
+        self.timeout = timeout
+        self.out = out
+        self.name = f"demo-{os.getpid()}"
+        self.started = time.monotonic()
+        self.events: "queue.Queue[tuple[_Child, dict]]" = queue.Queue()
+        self.children: list[_Child] = []
+        self.producer_result: dict | None = None
+        self.consumer_results: dict[int, dict] = {}
 
-    batches_per_epoch = math.ceil(images / BATCH_SIZE)
-    print(f"tensorsocket demo: 1 producer + {consumers} consumer(s), {images} images "
-          f"({batches_per_epoch} batches of {BATCH_SIZE}), {epochs} epoch(s), "
-          f"producer name {name!r}", file=out, flush=True)
-    events: "queue.Queue[tuple[_Child, dict]]" = queue.Queue()
-    env = _child_env()
-    common = ["--name", name, "--epochs", str(epochs), "--parent-pid", str(os.getpid())]
-    children: list[_Child] = []
-    producer_result: dict | None = None
-    consumer_results: dict[int, dict] = {}
-    try:
+    def say(self, label: str, text: str) -> None:
+        """Print one progress line."""
+        print(f"[{time.monotonic() - self.started:5.1f}s] {label:<11} {text}", file=self.out,
+              flush=True)
+
+    def run(self) -> dict:
+        """Start the children, follow them to the end, print the summary."""
+        batches = math.ceil(self.images / BATCH_SIZE)
+        print(f"tensorsocket demo: 1 producer + {self.consumers} consumer(s), {self.images} "
+              f"images ({batches} batches of {BATCH_SIZE}), {self.epochs} epoch(s), "
+              f"producer name {self.name!r}", file=self.out, flush=True)
         try:
-            children.append(_spawn("producer", 0, ["producer", *common, "--consumers",
-                                                str(consumers), "--images", str(images)],
-                                   env, events))
-            for rank in range(1, consumers + 1):
-                children.append(_spawn(f"consumer {rank}", rank,
-                                       ["consumer", *common, "--rank", str(rank)], env, events))
+            self.start()
+            self.follow()
+        except DemoError as e:
+            _stop_children(self.children)  # first, so that the readers have every line
+            e.details = _child_output(self.children)
+            raise
+        finally:
+            _stop_children(self.children)
+            _remove_leftovers(self.name)
+        return self.summary()
+
+    def start(self) -> None:
+        """Start the producer and the consumers."""
+        env = _child_env()
+        common = ["--name", self.name, "--epochs", str(self.epochs),
+                  "--parent-pid", str(os.getpid())]
+        try:
+            self.children.append(_spawn("producer", 0, [
+                "producer", *common, "--consumers", str(self.consumers),
+                "--images", str(self.images)], env, self.events))
+            for rank in range(1, self.consumers + 1):
+                self.children.append(_spawn(f"consumer {rank}", rank, [
+                    "consumer", *common, "--rank", str(rank)], env, self.events))
         except OSError as e:
             raise DemoError(f"cannot start a child process: {e}",
                             f"check that {sys.executable} can run") from e
-        for child in children:
-            say(child.label, f"started (pid {child.proc.pid})")
-        deadline = started + timeout
-        while not all(child.exited for child in children):
+        for child in self.children:
+            self.say(child.label, f"started (pid {child.proc.pid})")
+
+    def follow(self) -> None:
+        """Report the children's events until all have exited; DemoError on any failure."""
+        deadline = self.started + self.timeout
+        while not all(child.exited for child in self.children):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                running = ", ".join(c.label for c in children if not c.exited)
+                running = ", ".join(c.label for c in self.children if not c.exited)
                 raise DemoError(
-                    f"the demo did not finish within {timeout:g} s (still running: {running})",
+                    f"the demo did not finish within {self.timeout:g} s "
+                    f"(still running: {running})",
                     "the machine may be busy: try fewer --images or --epochs, or a larger "
-                    "--timeout", _child_output(children))
+                    "--timeout")
+            closing = [c for c in self.children if c.closed and not c.exited]
             try:
-                child, event = events.get(timeout=min(remaining, 0.5))
+                child, event = self.events.get(timeout=min(remaining, 0.05 if closing else 0.5))
             except queue.Empty:
-                continue
-            kind = event.get("event")
-            if kind == "listening":
-                say(child.label, f"ready, {event['batches_per_epoch']} batches per epoch; "
-                                 f"waiting for {consumers} consumer(s)")
-            elif kind == "attached":
-                say(child.label, f"attached, training with lr {event['lr']:g}")
-            elif kind == "epoch" and child.rank == 0:
-                say(child.label, f"epoch {event['epoch']}/{epochs} published: "
-                                 f"{event['batches']} batches, "
-                                 f"loader CPU {event['loader_cpu_s']:.2f} s")
-            elif kind == "epoch":
-                say(child.label, f"epoch {event['epoch']}/{epochs} done, "
-                                 f"mean loss {event['mean_loss']:.4f}")
-            elif kind == "result":
-                child.result = event
-                if child.rank == 0:
-                    producer_result = event
-                    say(child.label, f"finished: {event['batches']} batches published")
-                else:
-                    consumer_results[child.rank] = event
-                    say(child.label, f"finished: {event['batches']} batches, "
-                                     f"{event['samples_per_s']:.0f} samples/s, "
-                                     f"final loss {event['final_loss']:.4f}")
-            elif kind == "error":
-                raise DemoError(f"{child.label} failed: {event.get('message', '?')}",
-                                details=_child_output(children))
-            elif kind == "eof":
-                try:
-                    code = child.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise DemoError(f"{child.label} closed its output but did not exit",
-                                    details=_child_output(children)) from None
-                child.exited = True
-                if code != 0 or child.result is None:
-                    why = f"exit code {code}" if code >= 0 else f"signal {-code}"
-                    raise DemoError(f"{child.label} (pid {child.proc.pid}) ended with {why} "
-                                    "without reporting a result",
-                                    details=_child_output(children))
-    finally:
-        _stop_children(children)
-        _remove_leftovers(name)
+                pass
+            else:
+                self.report(child, event)
+            for child in closing:
+                self.check_exit(child)
 
-    assert producer_result is not None
-    wall = time.monotonic() - started
-    loader_cpu = producer_result["loader_cpu_s"]
-    saved = (consumers - 1) * loader_cpu
-    print("\nSummary", file=out)
-    for rank, result in sorted(consumer_results.items()):
-        print(f"  {'consumer ' + str(rank):<11} lr {result['lr']:<5g} {result['samples']:6d} samples  "
-              f"{result['samples_per_s']:7.0f} samples/s  final loss {result['final_loss']:.4f}",
-              file=out)
-    print(f"  producer    {producer_result['batches']} batches published once "
-          f"({producer_result['bytes_copied'] / 2**20:.0f} MiB into shared memory), "
-          f"read by {consumers} consumer(s)", file=out)
-    print(f"  loader CPU time for {epochs} epoch(s): {loader_cpu:.2f} s "
-          f"({loader_cpu / epochs:.2f} s per epoch)", file=out)
-    print(f"  CPU time saved by sharing: ({consumers} - 1) x {loader_cpu:.2f} s = {saved:.2f} s "
-          f"(what {consumers} separate DataLoaders would have cost extra)", file=out)
-    print(f"  wall time {wall:.1f} s", file=out, flush=True)
-    return {"name": name, "consumers": consumer_results, "producer": producer_result,
-            "loader_cpu_s": loader_cpu, "cpu_saved_s": saved, "wall_s": wall}
+    def report(self, child: _Child, event: dict) -> None:
+        """Print one child's event; DemoError if it reports a failure."""
+        kind = event.get("event")
+        if kind == "listening":
+            self.say(child.label, f"ready, {event['batches_per_epoch']} batches per epoch; "
+                                  f"waiting for {self.consumers} consumer(s)")
+        elif kind == "attached":
+            self.say(child.label, f"attached, training with lr {event['lr']:g}")
+        elif kind == "epoch" and child.rank == 0:
+            self.say(child.label, f"epoch {event['epoch']}/{self.epochs} published: "
+                                  f"{event['batches']} batches, "
+                                  f"loader CPU {event['loader_cpu_s']:.2f} s")
+        elif kind == "epoch":
+            self.say(child.label, f"epoch {event['epoch']}/{self.epochs} done, "
+                                  f"mean loss {event['mean_loss']:.4f}")
+        elif kind == "result":
+            child.result = event
+            if child.rank == 0:
+                self.producer_result = event
+                self.say(child.label, f"finished: {event['batches']} batches published")
+            else:
+                self.consumer_results[child.rank] = event
+                self.say(child.label, f"finished: {event['batches']} batches, "
+                                      f"{event['samples_per_s']:.0f} samples/s, "
+                                      f"final loss {event['final_loss']:.4f}")
+        elif kind == "error":
+            raise DemoError(f"{child.label} failed: {event.get('message', '?')}")
+        elif kind == "eof":
+            child.closed = True
+
+    def check_exit(self, child: _Child) -> None:
+        """Note a child that has exited; DemoError if it failed or reported no result."""
+        code = child.proc.poll()
+        if code is None:
+            return
+        child.exited = True
+        if code != 0 or child.result is None:
+            why = f"exit code {code}" if code >= 0 else f"signal {-code}"
+            raise DemoError(f"{child.label} (pid {child.proc.pid}) ended with {why} "
+                            "without reporting a result")
+
+    def summary(self) -> dict:
+        """Print the summary and return it."""
+        producer = self.producer_result
+        assert producer is not None
+        wall = time.monotonic() - self.started
+        loader_cpu = producer["loader_cpu_s"]
+        saved = (self.consumers - 1) * loader_cpu
+        out = self.out
+        print("\nSummary", file=out)
+        for rank, result in sorted(self.consumer_results.items()):
+            label = f"consumer {rank}"
+            print(f"  {label:<11} lr {result['lr']:<5g} {result['samples']:6d} samples  "
+                  f"{result['samples_per_s']:7.0f} samples/s  "
+                  f"final loss {result['final_loss']:.4f}", file=out)
+        print(f"  producer    {producer['batches']} batches published once "
+              f"({producer['bytes_copied'] / 2**20:.0f} MiB into shared memory), "
+              f"read by {self.consumers} consumer(s)", file=out)
+        print(f"  loader CPU time for {self.epochs} epoch(s): {loader_cpu:.2f} s "
+              f"({loader_cpu / self.epochs:.2f} s per epoch)", file=out)
+        print(f"  CPU time saved by sharing: ({self.consumers} - 1) x {loader_cpu:.2f} s = "
+              f"{saved:.2f} s (what {self.consumers} separate DataLoaders would have cost "
+              "extra)", file=out)
+        print(f"  wall time {wall:.1f} s", file=out, flush=True)
+        return {"name": self.name, "consumers": self.consumer_results, "producer": producer,
+                "loader_cpu_s": loader_cpu, "cpu_saved_s": saved, "wall_s": wall}
+
+
+def run(consumers: int = 3, epochs: int = 2, images: int = 1024, timeout: float = 120.0,
+        out: TextIO | None = None) -> dict:
+    """Run the demo, printing progress and a summary to `out`; DemoError on any failure."""
+    return _Demo(consumers, epochs, images, timeout, out or sys.stdout).run()
 
 
 if __name__ == "__main__":

@@ -311,22 +311,25 @@ def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd
     """Finish the ring, stop the control thread, unlink the segment, the socket file
     and the lock file, then drop the lock."""
     ring = ring_box[0]
-    if ring is not None:
-        ring.finish()
-    server.close()
-    context.term()
-    if ring is not None:
-        ring.close()
-    _core.Ring.unlink_name(segment)
-    paths = [endpoint.lock_path]
-    if endpoint.address.startswith("ipc://"):
-        paths.append(endpoint.address[len("ipc://"):])
-    for path in paths:  # we still hold the name lock: these files are ours
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    os.close(lock_fd)
+    try:
+        if ring is not None:
+            ring.finish()
+        server.close()
+        context.term()
+    finally:
+        # Whatever happened above (a second Ctrl-C, say), the files must go.
+        if ring is not None:
+            ring.close()
+        _core.Ring.unlink_name(segment)
+        paths = [endpoint.lock_path]
+        if endpoint.address.startswith("ipc://"):
+            paths.append(endpoint.address[len("ipc://"):])
+        for path in paths:  # we still hold the name lock: these files are ours
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        os.close(lock_fd)
 
 
 def _take_name_lock(endpoint: Endpoint) -> int:
