@@ -1,0 +1,32 @@
+"""A training script whose only change is the loader line (see shared_producer.py)."""
+
+import argparse
+
+import torch
+import torch.nn as nn
+
+import tensorsocket
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lr", type=float, default=0.05)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+                          nn.Flatten(), nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    # loader = DataLoader(NoisyImages(), batch_size=64, shuffle=True, num_workers=2)
+    loader = tensorsocket.TensorConsumer(name="example")
+    for epoch in range(3):
+        for images, labels in loader:
+            loss = nn.functional.cross_entropy(model(images), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        print(f"lr {args.lr}: epoch {epoch} loss {loss.item():.3f}", flush=True)
+    loader.close()
+
+
+if __name__ == "__main__":
+    main()
