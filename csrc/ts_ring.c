@@ -95,6 +95,27 @@ static void ts_slot_drop(ts_header *h, ts_slot *s, uint64_t bit)
     if ((old & bit) != 0 && (old & ~bit) == 0) ts_signal(&h->free_word, &h->free_waiters);
 }
 
+/* A condition a waiter sleeps on. */
+typedef int (*ts_cond_fn)(const ts_ring *ring, const void *arg);
+
+/* Sleep on word until cond(ring, arg) holds or the deadline passes. Returns
+ * TS_OK, TS_E_TIMEOUT or TS_E_INTR; the caller describes the failure. */
+static ts_status ts_wait_for(ts_ring *ring, _Atomic uint32_t *word, _Atomic uint32_t *waiters,
+                             ts_cond_fn cond, const void *arg, uint64_t deadline)
+{
+    for (;;) {
+        if (cond(ring, arg)) return TS_OK;
+        uint32_t seen = atomic_load_explicit(word, memory_order_seq_cst);
+        atomic_fetch_add_explicit(waiters, 1, memory_order_seq_cst);
+        int rc = 0;
+        if (!cond(ring, arg)) rc = ts_sleep(word, seen, deadline);
+        atomic_fetch_sub_explicit(waiters, 1, memory_order_seq_cst);
+        if (rc == EINTR) return TS_E_INTR;
+        if (cond(ring, arg)) return TS_OK;
+        if (ts_now_ns() >= deadline) return TS_E_TIMEOUT;
+    }
+}
+
 /* ==========================================================================
  * Life cycle
  * ========================================================================== */
@@ -129,6 +150,16 @@ static void ts_ring_free(ts_ring *ring)
     if (ring->fd >= 0) close(ring->fd);
     pthread_mutex_destroy(&ring->lock);
     free(ring);
+}
+
+/* Let the backend map the slot data, then drop the segment fd (the mappings keep it). */
+static ts_status ts_ring_map_data(ts_ring *ring, ts_err *err)
+{
+    ts_status st = ring->backend->open(ring, ring->fd, err);
+    if (st != TS_OK) return st;
+    close(ring->fd);
+    ring->fd = -1;
+    return TS_OK;
 }
 
 /* Create a new segment `name` (mode 0600) with geometry g, as producer. */
@@ -188,10 +219,8 @@ ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, 
     atomic_thread_fence(memory_order_release);
     h->magic = TS_MAGIC;
 
-    st = ring->backend->open(ring, ring->fd, err);
+    st = ts_ring_map_data(ring, err);
     if (st != TS_OK) goto error;
-    close(ring->fd);
-    ring->fd = -1;
     *out = ring;
     return TS_OK;
 
@@ -245,10 +274,8 @@ ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err)
     }
     ring->hdr = p;
     ring->ctrl_bytes = ctrl;
-    st = ring->backend->open(ring, ring->fd, err);
+    st = ts_ring_map_data(ring, err);
     if (st != TS_OK) goto error;
-    close(ring->fd);
-    ring->fd = -1;
     *out = ring;
     return TS_OK;
 
@@ -443,23 +470,22 @@ static ts_status ts_copy_leaf(ts_ring *ring, uint64_t dst_off, const ts_src_leaf
     return TS_OK;
 }
 
+/* The slot has no readers. */
+static int ts_slot_is_free(const ts_ring *ring, const void *slot)
+{
+    (void)ring;
+    return atomic_load_explicit(&((const ts_slot *)slot)->readers, memory_order_seq_cst) == 0;
+}
+
 /* Wait until the slot for the next entry has no readers. */
 static ts_status ts_wait_slot_free(ts_ring *ring, ts_slot *s, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
-    for (;;) {
-        if (atomic_load_explicit(&s->readers, memory_order_acquire) == 0) return TS_OK;
-        uint32_t seen = atomic_load_explicit(&h->free_word, memory_order_seq_cst);
-        atomic_fetch_add_explicit(&h->free_waiters, 1, memory_order_seq_cst);
-        int rc = 0;
-        if (atomic_load_explicit(&s->readers, memory_order_seq_cst) != 0)
-            rc = ts_sleep(&h->free_word, seen, deadline);
-        atomic_fetch_sub_explicit(&h->free_waiters, 1, memory_order_seq_cst);
-        if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
-        if (ts_now_ns() >= deadline)
-            return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT,
-                              "timed out waiting for consumers to release a slot");
-    }
+    ts_status st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_slot_is_free, s, deadline);
+    if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
+    if (st == TS_E_TIMEOUT)
+        return ts_err_set(err, st, ETIMEDOUT, "timed out waiting for consumers to release a slot");
+    return st;
 }
 
 /* Copy leaves and meta into the next slot and publish it. */
@@ -537,29 +563,29 @@ static uint32_t ts_active_count(const ts_header *h)
         atomic_load_explicit(&h->active_mask, memory_order_seq_cst));
 }
 
+/* At least *(uint32_t *)n consumers are active. */
+static int ts_enough_consumers(const ts_ring *ring, const void *n)
+{
+    return ts_active_count(ring->hdr) >= *(const uint32_t *)n;
+}
+
 /* Wait until at least n consumers are active. */
 ts_status ts_ring_wait_consumers(ts_ring *ring, uint32_t n, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
-    for (;;) {
-        if (ts_active_count(h) >= n) return TS_OK;
-        uint32_t seen = atomic_load_explicit(&h->roster_word, memory_order_seq_cst);
-        atomic_fetch_add_explicit(&h->roster_waiters, 1, memory_order_seq_cst);
-        int rc = 0;
-        if (ts_active_count(h) < n) rc = ts_sleep(&h->roster_word, seen, deadline);
-        atomic_fetch_sub_explicit(&h->roster_waiters, 1, memory_order_seq_cst);
-        if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
-        if (ts_active_count(h) >= n) return TS_OK;
-        if (ts_now_ns() >= deadline)
-            return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT,
-                              "timed out waiting for %u consumers (%u attached)", n,
-                              ts_active_count(h));
-    }
+    ts_status st = ts_wait_for(ring, &h->roster_word, &h->roster_waiters, ts_enough_consumers,
+                               &n, deadline);
+    if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
+    if (st == TS_E_TIMEOUT)
+        return ts_err_set(err, st, ETIMEDOUT, "timed out waiting for %u consumers (%u attached)",
+                          n, ts_active_count(h));
+    return st;
 }
 
-/* 1 if every active consumer has read every published entry. */
-static int ts_ring_is_drained(const ts_ring *ring)
+/* Every active consumer has read every published entry. */
+static int ts_ring_is_drained(const ts_ring *ring, const void *unused)
 {
+    (void)unused;
     const ts_header *h = ring->hdr;
     uint64_t published = atomic_load_explicit(&h->published, memory_order_seq_cst);
     uint64_t mask = atomic_load_explicit(&h->active_mask, memory_order_seq_cst);
@@ -575,19 +601,13 @@ static int ts_ring_is_drained(const ts_ring *ring)
 ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
-    for (;;) {
-        if (ts_ring_is_drained(ring)) return TS_OK;
-        uint32_t seen = atomic_load_explicit(&h->free_word, memory_order_seq_cst);
-        atomic_fetch_add_explicit(&h->free_waiters, 1, memory_order_seq_cst);
-        int rc = 0;
-        if (!ts_ring_is_drained(ring)) rc = ts_sleep(&h->free_word, seen, deadline);
-        atomic_fetch_sub_explicit(&h->free_waiters, 1, memory_order_seq_cst);
-        if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
-        if (ts_ring_is_drained(ring)) return TS_OK;
-        if (ts_now_ns() >= deadline)
-            return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT,
-                              "timed out waiting for consumers to read the last batches");
-    }
+    ts_status st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_ring_is_drained, NULL,
+                               deadline);
+    if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
+    if (st == TS_E_TIMEOUT)
+        return ts_err_set(err, st, ETIMEDOUT,
+                          "timed out waiting for consumers to read the last batches");
+    return st;
 }
 
 /* Mark the ring finished and wake every consumer. */
