@@ -40,7 +40,16 @@ def name():
     """A producer name unique to this test; asserts no segment of it is left behind."""
     n = f"t-{uuid.uuid4().hex[:10]}"
     yield n
-    assert shm_segments(n) == [], f"leaked segments: {shm_segments(n)}"
+    leaked = shm_segments(n)
+    # A SIGKILLed producer cannot remove its socket and lock files (a later producer of
+    # the same name reuses them); test_nothing_left_behind checks a clean exit does.
+    from tensorsocket.endpoints import runtime_dir
+
+    for path in runtime_dir().glob(n + ".*"):
+        path.unlink()
+    for seg in leaked:
+        os.unlink(f"/dev/shm/{seg}")
+    assert leaked == [], f"leaked segments: {leaked}"
 
 
 class Procs:
