@@ -74,6 +74,8 @@ class ControlServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.rejected = 0  # malformed messages seen
+        self._handlers = {"hello": self._hello, "ready": self._ready,
+                          "heartbeat": self._heartbeat, "bye": self._bye}
         self._thread = threading.Thread(target=self._run, name="tensorsocket-control", daemon=True)
         self._thread.start()
 
@@ -118,8 +120,8 @@ class ControlServer:
                 log.debug("rejected control message: %s", e)
                 self._send(ident, "error", code="protocol", message=str(e))
                 continue
-            handler = getattr(self, "_" + msg["type"], None)
-            if handler is None or msg["type"] not in ("hello", "ready", "heartbeat", "bye"):
+            handler = self._handlers.get(msg["type"])
+            if handler is None:
                 self.rejected += 1
                 self._send(ident, "error", code="protocol",
                            message=f"{msg['type']} is not a consumer message")

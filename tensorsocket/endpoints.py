@@ -28,6 +28,13 @@ class Endpoint:
     runtime_dir: Path
 
     @property
+    def socket_path(self) -> Path | None:
+        """File of an ipc:// endpoint (None for tcp://)."""
+        if self.address.startswith("ipc://"):
+            return Path(self.address[len("ipc://"):])
+        return None
+
+    @property
     def lock_path(self) -> Path:
         """File a live producer holds an exclusive flock on."""
         return self.runtime_dir / f"{self.name}.lock"

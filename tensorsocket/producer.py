@@ -321,14 +321,9 @@ def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd
         if ring is not None:
             ring.close()
         _core.Ring.unlink_name(segment)
-        paths = [endpoint.lock_path]
-        if endpoint.address.startswith("ipc://"):
-            paths.append(endpoint.address[len("ipc://"):])
-        for path in paths:  # we still hold the name lock: these files are ours
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        for path in (endpoint.lock_path, endpoint.socket_path):
+            if path is not None:  # we still hold the name lock: these files are ours
+                path.unlink(missing_ok=True)
         os.close(lock_fd)
 
 
