@@ -295,6 +295,7 @@ typedef struct {
     uint64_t seq;
     uint64_t epoch;
     uint64_t index;
+    uint64_t nbytes; /* bytes of the entry in its slot */
     PyObject *meta; /* owns: bytes of the structure blob */
 } SlotObject;
 
@@ -400,6 +401,7 @@ static PyObject *Slot_get_u64(SlotObject *self, void *closure)
     case 1: return PyLong_FromUnsignedLongLong(self->epoch);
     case 2: return PyLong_FromUnsignedLongLong(self->index);
     case 3: return PyLong_FromUnsignedLong(self->n_leaves);
+    case 5: return PyLong_FromUnsignedLongLong(self->nbytes);
     default:
         if (ts_slot_check(self) < 0) return NULL;
         return PyLong_FromUnsignedLong(self->lease->slot);
@@ -425,6 +427,8 @@ static PyGetSetDef Slot_getset[] = {
     {"index", (getter)Slot_get_u64, NULL, "Batch index in the epoch.", (void *)2},
     {"n_leaves", (getter)Slot_get_u64, NULL, "Number of tensors.", (void *)3},
     {"slot", (getter)Slot_get_u64, NULL, "Slot number in the ring.", (void *)4},
+    {"nbytes", (getter)Slot_get_u64, NULL, "Bytes of the entry (tensors and structure).",
+     (void *)5},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -562,6 +566,28 @@ static PyObject *Ring_activate(RingObject *self, PyObject *args)
     if (ts_ring_activate(self->ring, index, &start, &err) != TS_OK)
         return ts_raise(ts_get_state((PyObject *)self), &err);
     return PyLong_FromUnsignedLongLong(start);
+}
+
+/* Ring.set_policy(window, max_lag): late-joiner window and lag limit (0: off). */
+static PyObject *Ring_set_policy(RingObject *self, PyObject *args)
+{
+    unsigned long long window, max_lag;
+    if (!PyArg_ParseTuple(args, "KK:set_policy", &window, &max_lag)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    ts_err err = {0};
+    if (ts_ring_set_policy(self->ring, window, max_lag, &err) != TS_OK)
+        return ts_raise(ts_get_state((PyObject *)self), &err);
+    Py_RETURN_NONE;
+}
+
+/* Ring.detach(index): take a live consumer off, as for lagging. */
+static PyObject *Ring_detach(RingObject *self, PyObject *args)
+{
+    unsigned int index;
+    if (!PyArg_ParseTuple(args, "I:detach", &index)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    ts_ring_detach(self->ring, index, TS_REASON_LAGGED);
+    Py_RETURN_NONE;
 }
 
 /* Ring.retire(index) / Ring.evict(index) */
@@ -824,6 +850,7 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *args)
     slot->seq = got.seq;
     slot->epoch = got.epoch;
     slot->index = got.index;
+    slot->nbytes = s->used_bytes;
     slot->meta = PyBytes_FromStringAndSize(
         (const char *)ts_ring_slot_data(self->ring, got.slot) + s->meta_offset,
         (Py_ssize_t)s->meta_bytes);
@@ -834,6 +861,31 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *args)
     return (PyObject *)slot;
 }
 
+/* One consumer table entry as a dict. */
+static PyObject *ts_consumer_dict(const ts_header *h, uint32_t i)
+{
+    const ts_consumer *c = &h->consumers[i];
+    uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_acquire);
+    uint64_t published = atomic_load_explicit(&h->published, memory_order_acquire);
+    uint64_t at = cursor & ~TS_CURSOR_DETACHED;
+    long long lag = (cursor == TS_SEQ_NONE || at > published) ? 0 : (long long)(published - at);
+    return Py_BuildValue(
+        "{sIsIsIsisKsKsLsKsKsKsKsKsK}", "index", i, "state",
+        atomic_load_explicit(&c->state, memory_order_acquire), "reason",
+        atomic_load_explicit(&c->reason, memory_order_relaxed), "pid", c->pid, "cursor",
+        (unsigned long long)(cursor == TS_SEQ_NONE ? cursor : at), "first_seq",
+        (unsigned long long)atomic_load_explicit(&c->first_seq, memory_order_relaxed), "lag",
+        lag, "delivered",
+        (unsigned long long)atomic_load_explicit(&c->delivered, memory_order_relaxed),
+        "delivered_bytes",
+        (unsigned long long)atomic_load_explicit(&c->delivered_bytes, memory_order_relaxed),
+        "wait_ns", (unsigned long long)atomic_load_explicit(&c->wait_ns, memory_order_relaxed),
+        "progress_ns",
+        (unsigned long long)atomic_load_explicit(&c->progress_ns, memory_order_relaxed),
+        "start_time", (unsigned long long)c->start_time, "token",
+        (unsigned long long)c->token);
+}
+
 /* Ring.consumers() -> list of dicts, one per used consumer entry. */
 static PyObject *Ring_consumers(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -842,17 +894,10 @@ static PyObject *Ring_consumers(RingObject *self, PyObject *Py_UNUSED(ignored))
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
     for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
-        ts_consumer *c = &h->consumers[i];
-        uint32_t state = atomic_load_explicit(&c->state, memory_order_acquire);
-        if (state == TS_CONSUMER_FREE) continue;
-        uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_acquire);
-        PyObject *d = Py_BuildValue(
-            "{sIsIsisKsKsKsK}", "index", i, "state", state, "pid", c->pid, "cursor",
-            (unsigned long long)cursor, "delivered",
-            (unsigned long long)atomic_load_explicit(&c->delivered, memory_order_relaxed),
-            "progress_ns",
-            (unsigned long long)atomic_load_explicit(&c->progress_ns, memory_order_relaxed),
-            "start_time", (unsigned long long)c->start_time);
+        if (atomic_load_explicit(&h->consumers[i].state, memory_order_acquire) ==
+            TS_CONSUMER_FREE)
+            continue;
+        PyObject *d = ts_consumer_dict(h, i);
         if (d == NULL || PyList_Append(out, d) < 0) {
             Py_XDECREF(d);
             Py_DECREF(out);
@@ -861,6 +906,17 @@ static PyObject *Ring_consumers(RingObject *self, PyObject *Py_UNUSED(ignored))
         Py_DECREF(d);
     }
     return out;
+}
+
+/* Ring.consumer(index) -> dict of that consumer table entry. */
+static PyObject *Ring_consumer(RingObject *self, PyObject *args)
+{
+    unsigned int index;
+    if (!PyArg_ParseTuple(args, "I:consumer", &index)) return NULL;
+    if (ts_ring_check(self) < 0) return NULL;
+    if (index >= TS_MAX_CONSUMERS)
+        return PyErr_Format(PyExc_IndexError, "no consumer %u", index);
+    return ts_consumer_dict(self->ring->hdr, index);
 }
 
 /* Ring.slot_readers() -> tuple of reader bitmaps, one per slot. */
@@ -889,7 +945,11 @@ static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
     if (ts_ring_check(self) < 0) return NULL;
     ts_ring *r = self->ring;
     ts_header *h = r->hdr;
-    return Py_BuildValue(
+    uint32_t occupied = 0;
+    for (uint32_t i = 0; i < h->slot_count; i++)
+        if (atomic_load_explicit(&ts_ring_slot(r, i)->readers, memory_order_relaxed) != 0)
+            occupied++;
+    PyObject *info = Py_BuildValue(
         "{sssIsIsKsKsisKsIsKsKsKsnsnsKsi}", "name", r->name, "slot_count", h->slot_count,
         "max_leaves", h->max_leaves, "slot_bytes", (unsigned long long)h->slot_bytes,
         "segment_bytes", (unsigned long long)h->segment_bytes, "producer_pid", h->producer_pid,
@@ -901,6 +961,24 @@ static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
         "bytes_copied", (unsigned long long)r->bytes_copied, "data_address",
         (Py_ssize_t)(intptr_t)r->data, "data_bytes", (Py_ssize_t)r->data_bytes,
         "consumer", (unsigned long long)r->consumer, "is_producer", r->is_producer);
+    if (info == NULL) return NULL;
+    PyObject *more = Py_BuildValue(
+        "{sIsKsKsKsKsK}", "occupied", occupied, "window",
+        (unsigned long long)atomic_load_explicit(&h->window, memory_order_relaxed), "max_lag",
+        (unsigned long long)atomic_load_explicit(&h->max_lag, memory_order_relaxed),
+        "epoch_first_seq",
+        (unsigned long long)atomic_load_explicit(&h->epoch_first_seq, memory_order_relaxed),
+        "lag_detached",
+        (unsigned long long)atomic_load_explicit(&h->lag_detached, memory_order_relaxed),
+        "publish_wait_ns",
+        (unsigned long long)atomic_load_explicit(&h->publish_wait_ns, memory_order_relaxed));
+    if (more == NULL || PyDict_Update(info, more) < 0) {
+        Py_XDECREF(more);
+        Py_DECREF(info);
+        return NULL;
+    }
+    Py_DECREF(more);
+    return info;
 }
 
 /* Ring.closed */
@@ -930,6 +1008,9 @@ static PyMethodDef Ring_methods[] = {
     {"activate", (PyCFunction)Ring_activate, METH_VARARGS, "Start delivering to a consumer."},
     {"retire", (PyCFunction)Ring_retire, METH_VARARGS, "A live consumer left."},
     {"evict", (PyCFunction)Ring_evict, METH_VARARGS, "A dead consumer: drop its holds."},
+    {"detach", (PyCFunction)Ring_detach, METH_VARARGS, "Take a live consumer off."},
+    {"set_policy", (PyCFunction)Ring_set_policy, METH_VARARGS,
+     "Set the late-joiner window and the lag limit."},
     {"publish", (PyCFunction)(void (*)(void))Ring_publish, METH_VARARGS | METH_KEYWORDS,
      "Copy a batch into the next slot and publish it."},
     {"wait_consumers", (PyCFunction)Ring_wait_consumers, METH_VARARGS,
@@ -940,6 +1021,7 @@ static PyMethodDef Ring_methods[] = {
     {"bind", (PyCFunction)Ring_bind, METH_VARARGS, "Bind to a consumer entry."},
     {"acquire", (PyCFunction)Ring_acquire, METH_VARARGS, "Take the next entry."},
     {"consumers", (PyCFunction)Ring_consumers, METH_NOARGS, "The consumer table."},
+    {"consumer", (PyCFunction)Ring_consumer, METH_VARARGS, "One consumer table entry."},
     {"slot_readers", (PyCFunction)Ring_slot_readers, METH_NOARGS, "Reader bitmaps."},
     {"info", (PyCFunction)Ring_info, METH_NOARGS, "Geometry and counters."},
     {NULL, NULL, 0, NULL},
@@ -1069,6 +1151,10 @@ static int ts_module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "CONSUMER_PENDING", TS_CONSUMER_PENDING) < 0 ||
         PyModule_AddIntConstant(module, "CONSUMER_ACTIVE", TS_CONSUMER_ACTIVE) < 0 ||
         PyModule_AddIntConstant(module, "CONSUMER_LEAVING", TS_CONSUMER_LEAVING) < 0 ||
+        PyModule_AddIntConstant(module, "CONSUMER_DETACHED", TS_CONSUMER_DETACHED) < 0 ||
+        PyModule_AddIntConstant(module, "REASON_LEFT", TS_REASON_LEFT) < 0 ||
+        PyModule_AddIntConstant(module, "REASON_LAGGED", TS_REASON_LAGGED) < 0 ||
+        PyModule_AddIntConstant(module, "REASON_DIED", TS_REASON_DIED) < 0 ||
         PyModule_AddIntConstant(module, "RING_OPEN", TS_RING_OPEN) < 0 ||
         PyModule_AddIntConstant(module, "RING_FINISHED", TS_RING_FINISHED) < 0)
         goto done;

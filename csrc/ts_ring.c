@@ -328,12 +328,17 @@ ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_
         if (state == TS_CONSUMER_LEAVING && !ts_ring_bit_in_use(ring, 1ULL << i))
             state = TS_CONSUMER_FREE;
         if (state != TS_CONSUMER_FREE) continue;
+        uint64_t now = ts_now_ns();
         c->pid = (int32_t)pid;
         c->start_time = start_time;
-        c->token = c->token + 1 + ((uint64_t)ts_now_ns() << 8);
+        c->token = c->token + 1 + (now << 8);
+        atomic_store_explicit(&c->reason, TS_REASON_NONE, memory_order_relaxed);
         atomic_store_explicit(&c->cursor, TS_SEQ_NONE, memory_order_relaxed);
+        atomic_store_explicit(&c->first_seq, TS_SEQ_NONE, memory_order_relaxed);
         atomic_store_explicit(&c->delivered, 0, memory_order_relaxed);
-        atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
+        atomic_store_explicit(&c->delivered_bytes, 0, memory_order_relaxed);
+        atomic_store_explicit(&c->wait_ns, 0, memory_order_relaxed);
+        atomic_store_explicit(&c->progress_ns, now, memory_order_relaxed);
         atomic_store_explicit(&c->state, TS_CONSUMER_PENDING, memory_order_release);
         *index = i;
         *token = c->token;
@@ -347,7 +352,40 @@ ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_
     return st;
 }
 
-/* Make a reserved consumer receive every entry from the next one published. */
+/* Set the late-joiner window and the lag limit (0: lossless, never detach). */
+ts_status ts_ring_set_policy(ts_ring *ring, uint64_t window, uint64_t max_lag, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    if (window >= h->slot_count)
+        return ts_err_set(err, TS_E_INVALID, 0,
+                          "a window of %llu entries needs more than %u ring slots",
+                          (unsigned long long)window, h->slot_count);
+    if (max_lag != 0 && (max_lag <= window || max_lag >= h->slot_count))
+        return ts_err_set(err, TS_E_INVALID, 0,
+                          "max_lag %llu must exceed the window (%llu) and be below the slot "
+                          "count (%u)",
+                          (unsigned long long)max_lag, (unsigned long long)window,
+                          h->slot_count);
+    pthread_mutex_lock(&ring->lock);
+    atomic_store_explicit(&h->window, window, memory_order_relaxed);
+    atomic_store_explicit(&h->max_lag, max_lag, memory_order_relaxed);
+    pthread_mutex_unlock(&ring->lock);
+    return TS_OK;
+}
+
+/* First seq a consumer activated now starts at (caller holds the lock). */
+static uint64_t ts_join_seq(const ts_ring *ring)
+{
+    const ts_header *h = ring->hdr;
+    uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
+    uint64_t window = atomic_load_explicit(&h->window, memory_order_relaxed);
+    uint64_t first = atomic_load_explicit(&h->epoch_first_seq, memory_order_relaxed);
+    uint64_t start = published > window ? published - window : 0;
+    return start > first ? start : first;
+}
+
+/* Make a reserved consumer receive entries: from the oldest retained entry of
+ * the current epoch inside the window, else from the next one published. */
 ts_status ts_ring_activate(ts_ring *ring, uint32_t index, uint64_t *start_seq, ts_err *err)
 {
     ts_header *h = ring->hdr;
@@ -355,22 +393,57 @@ ts_status ts_ring_activate(ts_ring *ring, uint32_t index, uint64_t *start_seq, t
     if (index >= TS_MAX_CONSUMERS)
         return ts_err_set(err, TS_E_INVALID, 0, "no consumer %u", index);
     ts_consumer *c = &h->consumers[index];
+    uint64_t bit = 1ULL << index;
     pthread_mutex_lock(&ring->lock);
     if (atomic_load_explicit(&c->state, memory_order_acquire) != TS_CONSUMER_PENDING) {
         st = ts_err_set(err, TS_E_INVALID, 0, "consumer %u is not waiting to start", index);
         goto done;
     }
-    /* published only changes under this lock, so nothing slips in between. */
-    uint64_t start = atomic_load_explicit(&h->published, memory_order_relaxed);
+    /* published only changes under this lock, so nothing slips in between. The
+     * slot being filled held seq published - slot_count, which is older than
+     * any retained entry (window < slot_count). */
+    uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
+    uint64_t start = ts_join_seq(ring);
+    for (uint64_t seq = start; seq < published; seq++) /* cannot trigger; stay safe */
+        if (atomic_load_explicit(&ts_ring_slot(ring, (uint32_t)(seq % h->slot_count))->seq,
+                                 memory_order_acquire) != seq)
+            start = seq + 1;
+    for (uint64_t seq = start; seq < published; seq++)
+        atomic_fetch_or_explicit(&ts_ring_slot(ring, (uint32_t)(seq % h->slot_count))->readers,
+                                 bit, memory_order_acq_rel);
     atomic_store_explicit(&c->cursor, start, memory_order_relaxed);
+    atomic_store_explicit(&c->first_seq, start, memory_order_relaxed);
     atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
     atomic_store_explicit(&c->state, TS_CONSUMER_ACTIVE, memory_order_release);
-    atomic_fetch_or_explicit(&h->active_mask, 1ULL << index, memory_order_seq_cst);
+    atomic_fetch_or_explicit(&h->active_mask, bit, memory_order_seq_cst);
     *start_seq = start;
 done:
     pthread_mutex_unlock(&ring->lock);
     if (st == TS_OK) ts_signal(&h->roster_word, &h->roster_waiters);
     return st;
+}
+
+/* Stop sending to consumer index and drop its unread entries (lock held).
+ * Setting TS_CURSOR_DETACHED settles the race with a concurrent acquire:
+ * entries before the returned cursor were handed out and stay held by their
+ * views; entries from it on were not, and are dropped here. */
+static void ts_stop_locked(ts_ring *ring, uint32_t index, uint32_t reason)
+{
+    ts_header *h = ring->hdr;
+    ts_consumer *c = &h->consumers[index];
+    uint64_t bit = 1ULL << index;
+    /* The reason first: an acquire that sees the flag reports it. */
+    if (reason != TS_REASON_NONE)
+        atomic_store_explicit(&c->reason, reason, memory_order_seq_cst);
+    atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
+    uint64_t cursor = atomic_fetch_or_explicit(&c->cursor, TS_CURSOR_DETACHED,
+                                               memory_order_seq_cst) & ~TS_CURSOR_DETACHED;
+    uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
+    for (uint32_t i = 0; i < h->slot_count; i++) {
+        ts_slot *s = ts_ring_slot(ring, i);
+        uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
+        if (seq != TS_SEQ_NONE && seq >= cursor && seq < published) ts_slot_drop(h, s, bit);
+    }
 }
 
 /* A live consumer left: stop sending, drop its unread entries. */
@@ -379,23 +452,14 @@ void ts_ring_retire(ts_ring *ring, uint32_t index)
     ts_header *h = ring->hdr;
     if (index >= TS_MAX_CONSUMERS) return;
     ts_consumer *c = &h->consumers[index];
-    uint64_t bit = 1ULL << index;
     pthread_mutex_lock(&ring->lock);
     uint32_t state = atomic_load_explicit(&c->state, memory_order_acquire);
-    if (state == TS_CONSUMER_ACTIVE) {
-        atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
-        uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_acquire);
-        uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
-        /* Entries at or after the cursor were never handed out: drop them.
-         * Entries before it may back live views: their deleters drop them. */
-        for (uint32_t i = 0; i < h->slot_count; i++) {
-            ts_slot *s = ts_ring_slot(ring, i);
-            uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
-            if (seq != TS_SEQ_NONE && seq >= cursor && seq < published) ts_slot_drop(h, s, bit);
-        }
+    if (state == TS_CONSUMER_ACTIVE || state == TS_CONSUMER_DETACHED) {
+        ts_stop_locked(ring, index,
+                       state == TS_CONSUMER_ACTIVE ? TS_REASON_LEFT : TS_REASON_NONE);
         atomic_store_explicit(&c->state,
-                              ts_ring_bit_in_use(ring, bit) ? TS_CONSUMER_LEAVING
-                                                            : TS_CONSUMER_FREE,
+                              ts_ring_bit_in_use(ring, 1ULL << index) ? TS_CONSUMER_LEAVING
+                                                                     : TS_CONSUMER_FREE,
                               memory_order_release);
     } else if (state == TS_CONSUMER_PENDING) {
         atomic_store_explicit(&c->state, TS_CONSUMER_FREE, memory_order_release);
@@ -404,18 +468,63 @@ void ts_ring_retire(ts_ring *ring, uint32_t index)
     ts_signal(&h->roster_word, &h->roster_waiters);
 }
 
+/* Take a live consumer off; the entry stays DETACHED until it retires. */
+static void ts_detach_locked(ts_ring *ring, uint32_t index, uint32_t reason)
+{
+    ts_consumer *c = &ring->hdr->consumers[index];
+    if (atomic_load_explicit(&c->state, memory_order_acquire) != TS_CONSUMER_ACTIVE) return;
+    ts_stop_locked(ring, index, reason);
+    atomic_store_explicit(&c->state, TS_CONSUMER_DETACHED, memory_order_release);
+}
+
+/* Take a live consumer off (reason TS_REASON_*). */
+void ts_ring_detach(ts_ring *ring, uint32_t index, uint32_t reason)
+{
+    ts_header *h = ring->hdr;
+    if (index >= TS_MAX_CONSUMERS) return;
+    pthread_mutex_lock(&ring->lock);
+    ts_detach_locked(ring, index, reason);
+    pthread_mutex_unlock(&ring->lock);
+    ts_signal(&h->roster_word, &h->roster_waiters);
+    ts_signal(&h->pub_word, &h->pub_waiters); /* wake it if it waits for an entry */
+}
+
 /* A dead consumer: drop every reference it had. */
 void ts_ring_evict(ts_ring *ring, uint32_t index)
 {
     ts_header *h = ring->hdr;
     if (index >= TS_MAX_CONSUMERS) return;
     uint64_t bit = 1ULL << index;
+    ts_consumer *c = &h->consumers[index];
     pthread_mutex_lock(&ring->lock);
+    atomic_store_explicit(&c->reason, TS_REASON_DIED, memory_order_seq_cst);
     atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
+    atomic_fetch_or_explicit(&c->cursor, TS_CURSOR_DETACHED, memory_order_seq_cst);
     for (uint32_t i = 0; i < h->slot_count; i++) ts_slot_drop(h, ts_ring_slot(ring, i), bit);
-    atomic_store_explicit(&h->consumers[index].state, TS_CONSUMER_FREE, memory_order_release);
+    atomic_store_explicit(&c->state, TS_CONSUMER_FREE, memory_order_release);
     pthread_mutex_unlock(&ring->lock);
     ts_signal(&h->roster_word, &h->roster_waiters);
+}
+
+/* Detach every consumer more than max_lag entries behind (lock held). */
+static int ts_detach_laggards_locked(ts_ring *ring, uint64_t published)
+{
+    ts_header *h = ring->hdr;
+    uint64_t max_lag = atomic_load_explicit(&h->max_lag, memory_order_relaxed);
+    int n = 0;
+    if (max_lag == 0) return 0;
+    uint64_t mask = atomic_load_explicit(&h->active_mask, memory_order_seq_cst);
+    for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
+        if (!(mask & (1ULL << i))) continue;
+        uint64_t cursor = atomic_load_explicit(&h->consumers[i].cursor, memory_order_acquire);
+        if (cursor & TS_CURSOR_DETACHED) continue;
+        if (published - cursor > max_lag) {
+            ts_detach_locked(ring, i, TS_REASON_LAGGED);
+            atomic_fetch_add_explicit(&h->lag_detached, 1, memory_order_relaxed);
+            n++;
+        }
+    }
+    return n;
 }
 
 /* ==========================================================================
@@ -481,7 +590,10 @@ static int ts_slot_is_free(const ts_ring *ring, const void *slot)
 static ts_status ts_wait_slot_free(ts_ring *ring, ts_slot *s, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
+    if (ts_slot_is_free(ring, s)) return TS_OK;
+    uint64_t t0 = ts_now_ns();
     ts_status st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_slot_is_free, s, deadline);
+    atomic_fetch_add_explicit(&h->publish_wait_ns, ts_now_ns() - t0, memory_order_relaxed);
     if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
     if (st == TS_E_TIMEOUT)
         return ts_err_set(err, st, ETIMEDOUT, "timed out waiting for consumers to release a slot");
@@ -550,8 +662,12 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
     atomic_store_explicit(&s->readers, mask, memory_order_relaxed);
     atomic_store_explicit(&s->seq, seq, memory_order_release);
     atomic_store_explicit(&h->published, seq + 1, memory_order_seq_cst);
+    if (kind == TS_ENTRY_END_EPOCH)
+        atomic_store_explicit(&h->epoch_first_seq, seq + 1, memory_order_relaxed);
+    int detached = ts_detach_laggards_locked(ring, seq + 1);
     pthread_mutex_unlock(&ring->lock);
     ring->bytes_copied += off + meta_bytes;
+    if (detached) ts_signal(&h->roster_word, &h->roster_waiters);
     ts_signal(&h->pub_word, &h->pub_waiters);
     return TS_OK;
 }
@@ -591,8 +707,8 @@ static int ts_ring_is_drained(const ts_ring *ring, const void *unused)
     uint64_t mask = atomic_load_explicit(&h->active_mask, memory_order_seq_cst);
     for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
         if (!(mask & (1ULL << i))) continue;
-        if (atomic_load_explicit(&h->consumers[i].cursor, memory_order_acquire) < published)
-            return 0;
+        uint64_t cursor = atomic_load_explicit(&h->consumers[i].cursor, memory_order_acquire);
+        if ((cursor & ~TS_CURSOR_DETACHED) < published) return 0;
     }
     return 1;
 }
@@ -636,11 +752,25 @@ ts_status ts_ring_bind_consumer(ts_ring *ring, uint32_t index, uint64_t token, t
     return TS_OK;
 }
 
-/* Our entry is still ours and active. */
-static int ts_still_active(const ts_ring *ring, const ts_consumer *c)
+/* Why our consumer no longer receives: the error for acquire to return. */
+static ts_status ts_detached_error(const ts_ring *ring, const ts_consumer *c, ts_err *err)
 {
-    return atomic_load_explicit(&c->state, memory_order_acquire) == TS_CONSUMER_ACTIVE &&
-           c->token == ring->token;
+    if (c->token != ring->token)
+        return ts_err_set(err, TS_E_DETACHED, 0,
+                          "this consumer's place in the ring was taken back by the producer");
+    switch (atomic_load_explicit(&c->reason, memory_order_relaxed)) {
+    case TS_REASON_LAGGED:
+        return ts_err_set(err, TS_E_DETACHED, 0,
+                          "this consumer fell more than max_lag=%llu batches behind the "
+                          "producer and was detached",
+                          (unsigned long long)atomic_load_explicit(&ring->hdr->max_lag,
+                                                                   memory_order_relaxed));
+    case TS_REASON_LEFT:
+        return ts_err_set(err, TS_E_DETACHED, 0, "this consumer has left the ring");
+    default:
+        return ts_err_set(err, TS_E_DETACHED, 0,
+                          "this consumer was detached from the ring by the producer");
+    }
 }
 
 /* Take the next entry for our consumer, waiting until deadline. */
@@ -652,29 +782,40 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
     ts_consumer *c = &h->consumers[ring->consumer];
     uint64_t bit = 1ULL << ring->consumer;
     for (;;) {
-        if (!ts_still_active(ring, c))
-            return ts_err_set(err, TS_E_DETACHED, 0,
-                              "this consumer was detached from the ring by the producer");
-        uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_relaxed);
+        uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_seq_cst);
+        if ((cursor & TS_CURSOR_DETACHED) || c->token != ring->token ||
+            atomic_load_explicit(&c->state, memory_order_acquire) != TS_CONSUMER_ACTIVE)
+            return ts_detached_error(ring, c, err);
         if (atomic_load_explicit(&h->published, memory_order_acquire) > cursor) {
-            ts_slot *s = ts_ring_slot(ring, (uint32_t)(cursor % h->slot_count));
+            uint32_t k = (uint32_t)(cursor % h->slot_count);
+            ts_slot *s = ts_ring_slot(ring, k);
             uint64_t readers = atomic_load_explicit(&s->readers, memory_order_acquire);
             uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
-            if (!(readers & bit) || seq != cursor)
+            if (!(readers & bit) || seq != cursor) {
+                /* Only a detach (which sets the cursor flag) takes entries back. */
+                if (atomic_load_explicit(&c->cursor, memory_order_seq_cst) != cursor) continue;
                 return ts_err_set(err, TS_E_DETACHED, 0,
                                   "entry %llu was withdrawn from this consumer",
                                   (unsigned long long)cursor);
-            out->slot = (uint32_t)(cursor % h->slot_count);
+            }
+            /* Claim the entry; fails only if the producer detached us meanwhile.
+             * Once claimed, our bit keeps the slot's content stable. */
+            if (!atomic_compare_exchange_strong_explicit(&c->cursor, &cursor, cursor + 1,
+                                                         memory_order_seq_cst,
+                                                         memory_order_seq_cst))
+                continue;
+            out->slot = k;
             out->seq = cursor;
             out->kind = s->kind;
             out->epoch = s->epoch;
             out->index = s->index;
-            atomic_store_explicit(&c->cursor, cursor + 1, memory_order_release);
+            uint64_t used = s->used_bytes;
             atomic_fetch_add_explicit(&c->delivered, 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&c->delivered_bytes, used, memory_order_relaxed);
             atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
             /* The producer may be waiting for this consumer to drain. */
             if (atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0 &&
-                s->kind == TS_ENTRY_END_EPOCH)
+                out->kind == TS_ENTRY_END_EPOCH)
                 ts_signal(&h->free_word, &h->free_waiters);
             return TS_OK;
         }
@@ -684,10 +825,13 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
         uint32_t seen = atomic_load_explicit(&h->pub_word, memory_order_seq_cst);
         atomic_fetch_add_explicit(&h->pub_waiters, 1, memory_order_seq_cst);
         int rc = 0;
+        uint64_t t0 = ts_now_ns();
         if (atomic_load_explicit(&h->published, memory_order_seq_cst) <= cursor &&
-            atomic_load_explicit(&h->state, memory_order_seq_cst) != TS_RING_FINISHED)
+            atomic_load_explicit(&h->state, memory_order_seq_cst) != TS_RING_FINISHED &&
+            atomic_load_explicit(&c->cursor, memory_order_seq_cst) == cursor)
             rc = ts_sleep(&h->pub_word, seen, deadline);
         atomic_fetch_sub_explicit(&h->pub_waiters, 1, memory_order_seq_cst);
+        atomic_fetch_add_explicit(&c->wait_ns, ts_now_ns() - t0, memory_order_relaxed);
         if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
         if (rc == ETIMEDOUT) {
             if (atomic_load_explicit(&h->published, memory_order_acquire) > cursor) continue;

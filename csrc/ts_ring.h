@@ -15,6 +15,17 @@
  *    `published`. Consumers clear their bit when the last view is freed.
  *  - Sleepers use futexes on 32-bit words with waiter counts, so publishing
  *    and releasing cost no system call when nobody sleeps.
+ *  - A consumer's cursor is the next seq it reads. The consumer advances it
+ *    with compare-and-swap; the producer detaches a consumer by setting
+ *    TS_CURSOR_DETACHED in it. Whoever wins decides who owns the entry at the
+ *    cursor, so an entry is never both handed out and taken back.
+ *  - Late joiners: the last `window` published entries of the current epoch
+ *    stay readable (window <= slot_count - 1, so the slot being written is
+ *    never among them). A consumer activated mid-epoch starts at the oldest of
+ *    them: activation ORs its bit into their reader bitmaps.
+ *  - Laggards: with max_lag > 0, after each publication every consumer more
+ *    than max_lag entries behind is detached (its unread entries are dropped;
+ *    slots it holds views of stay held until the views die).
  */
 #ifndef TS_RING_H
 #define TS_RING_H
@@ -29,11 +40,13 @@
 #include "ts_error.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
-#define TS_LAYOUT_VERSION 1
+#define TS_LAYOUT_VERSION 2
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_NDIM 16
 #define TS_SEQ_NONE UINT64_MAX
 #define TS_DATA_ALIGN 64
+/* Set in a consumer's cursor by the producer when it takes the consumer off. */
+#define TS_CURSOR_DETACHED (1ULL << 63)
 
 /* Ring states (header.state). */
 enum { TS_RING_OPEN = 1, TS_RING_FINISHED = 2 };
@@ -44,6 +57,15 @@ enum {
     TS_CONSUMER_PENDING = 1, /* reserved at handshake, not yet receiving */
     TS_CONSUMER_ACTIVE = 2,  /* receives every new publication */
     TS_CONSUMER_LEAVING = 3, /* left; some slots may still carry its bit */
+    TS_CONSUMER_DETACHED = 4, /* taken off by the producer; the consumer has not left yet */
+};
+
+/* Why a consumer stopped receiving (ts_consumer.reason). */
+enum {
+    TS_REASON_NONE = 0,
+    TS_REASON_LEFT = 1,   /* it said bye */
+    TS_REASON_LAGGED = 2, /* it fell more than max_lag entries behind */
+    TS_REASON_DIED = 3,   /* its process is gone */
 };
 
 /* Kinds of published entries. */
@@ -77,11 +99,16 @@ typedef struct ts_slot {
  * entry becomes PENDING; cursor and progress fields by the consumer. */
 typedef struct ts_consumer {
     _Alignas(64) _Atomic uint32_t state;
+    _Atomic uint32_t reason; /* TS_REASON_* once it stopped receiving */
     int32_t pid;
+    uint32_t pad;
     uint64_t start_time;    /* of pid, to survive pid reuse */
     uint64_t token;         /* changes each time the entry is handed out */
-    _Atomic uint64_t cursor;       /* next seq this consumer reads */
-    _Atomic uint64_t delivered;    /* batches handed to the consumer */
+    _Atomic uint64_t cursor;       /* next seq this consumer reads (| TS_CURSOR_DETACHED) */
+    _Atomic uint64_t first_seq;    /* seq it started at */
+    _Atomic uint64_t delivered;    /* entries handed to the consumer */
+    _Atomic uint64_t delivered_bytes; /* slot bytes of those entries */
+    _Atomic uint64_t wait_ns;      /* time spent asleep waiting for entries */
     _Atomic uint64_t progress_ns;  /* CLOCK_MONOTONIC of the last acquire */
 } ts_consumer;
 
@@ -109,7 +136,11 @@ typedef struct ts_header {
     _Atomic uint32_t roster_waiters;
     _Atomic uint64_t published;    /* entries published so far */
     _Atomic uint64_t active_mask;  /* consumers that receive new entries */
-    _Atomic uint64_t epoch;        /* producer's current epoch */
+    _Atomic uint64_t epoch_first_seq; /* seq of the current epoch's first entry */
+    _Atomic uint64_t window;       /* entries kept readable for late joiners */
+    _Atomic uint64_t max_lag;      /* detach consumers further behind (0: never) */
+    _Atomic uint64_t lag_detached; /* consumers detached for lagging */
+    _Atomic uint64_t publish_wait_ns; /* producer time asleep waiting for free slots */
 
     ts_consumer consumers[TS_MAX_CONSUMERS];
 } ts_header;
@@ -191,12 +222,20 @@ ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i);
 ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_t *index,
                           uint64_t *token, ts_err *err);
 
-/* Make a reserved consumer receive every entry from the next one published. */
+/* Set the late-joiner window and the lag limit (0: lossless, never detach). */
+ts_status ts_ring_set_policy(ts_ring *ring, uint64_t window, uint64_t max_lag, ts_err *err);
+
+/* Make a reserved consumer receive entries: from the oldest entry of the
+ * current epoch still inside the window, else from the next one published. */
 ts_status ts_ring_activate(ts_ring *ring, uint32_t index, uint64_t *start_seq, ts_err *err);
 
 /* A live consumer left: stop sending, drop its unread entries. Slots it still
  * holds views of stay held until those views are freed. */
 void ts_ring_retire(ts_ring *ring, uint32_t index);
+
+/* Take a live consumer off (reason TS_REASON_*): like retire, but the entry
+ * stays DETACHED (not reusable) until the consumer retires or is evicted. */
+void ts_ring_detach(ts_ring *ring, uint32_t index, uint32_t reason);
 
 /* A dead consumer: drop every reference it had. */
 void ts_ring_evict(ts_ring *ring, uint32_t index);

@@ -13,12 +13,14 @@ from .consumer import TensorConsumer
 from .errors import (
     BatchTooLarge,
     ConsumerDetached,
+    LagWarning,
     ProducerFinished,
     ProducerGone,
     ProducerNotFound,
     ProtocolError,
     SharedMemoryTooSmall,
     TensorSocketError,
+    TensorSocketWarning,
     TooManyConsumers,
     VersionMismatch,
 )
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchTooLarge",
     "ConsumerDetached",
+    "LagWarning",
     "ProducerFinished",
     "ProducerGone",
     "ProducerNotFound",
@@ -37,6 +40,7 @@ __all__ = [
     "TensorConsumer",
     "TensorProducer",
     "TensorSocketError",
+    "TensorSocketWarning",
     "TooManyConsumers",
     "VersionMismatch",
     "__version__",

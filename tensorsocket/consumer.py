@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -13,7 +15,15 @@ import zmq
 from . import _core
 from .control import ControlClient
 from .endpoints import resolve
-from .errors import ConsumerDetached, ProducerFinished, ProducerGone, TensorSocketError
+from .errors import (
+    ConsumerDetached,
+    LagWarning,
+    ProducerFinished,
+    ProducerGone,
+    TensorSocketError,
+    TensorSocketWarning,
+)
+from .rebatch import EpochEnd, Rebatcher, batch_samples, consumer_len
 from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
 
 log = logging.getLogger("tensorsocket")
@@ -25,27 +35,39 @@ class TensorConsumer:
     """Receive the batches of a TensorProducer; a drop-in for a DataLoader.
 
     ``for batch in consumer:`` is one epoch and ends with StopIteration;
-    iterating again gives the next epoch. ``len(consumer)`` is the loader's
-    length. Batches keep the loader's structure; tensors are zero-copy,
-    read-only views of the shared ring (in-place ops on them are not allowed:
-    pass ``copy=True`` for private writable copies, or ``.clone()``). A batch
-    holds its ring slot for as long as any tensor (or slice of one) from it is
-    alive.
+    iterating again gives the next epoch. Batches keep the loader's
+    structure; tensors are zero-copy, read-only views of the shared ring
+    (in-place ops on them are not allowed: pass ``copy=True`` for private
+    writable copies, or ``.clone()``). A batch holds its ring slot for as long
+    as any tensor (or slice of one) from it is alive.
+
+    Epochs: a consumer attached before the producer's first batch, or between
+    two epochs, sees the producer's epochs. A late joiner starts at the oldest
+    batch of the producer's window (see TensorProducer) and each of its epochs
+    is the next ``len(consumer)`` batches, wrapping into the producer's next
+    epoch. A new iteration started mid-epoch skips the rest of the epoch.
 
     Positional parameters follow the original TensorSocket
     (``port, ack_port, heart_ports, unpack_fn, batch_size``). When ``port`` is
     given the consumer yields ``(batch_index, batch)`` pairs like the original
-    did (override with ``with_index=``). ``batch_size=None`` means the
-    loader's own batch size.
+    did (override with ``with_index=``).
+
+    batch_size: samples per batch (None: the loader's own batches, untouched).
+      When it divides the loader's batch size, batches are zero-copy slices;
+      otherwise samples are concatenated across loader batches (one copy of
+      those samples). Every sample comes exactly once per epoch, in order.
 
     Keyword-only:
+      drop_last: drop the last batch of an epoch if it has fewer than
+        batch_size samples (as DataLoader(drop_last=True)).
       name / address: rendezvous, as for TensorProducer.
       timeout: seconds to wait for the producer to answer (default 60); then
         ProducerNotFound.
       batch_timeout: seconds to wait for one batch (None: as long as the
         producer lives); then TimeoutError.
       copy: deliver private, writable copies instead of views.
-      with_index: yield (batch_index, batch) pairs.
+      with_index: yield (batch_index, batch) pairs; batch_index counts the
+        batches of the current epoch from 0.
     """
 
     def __init__(
@@ -56,6 +78,7 @@ class TensorConsumer:
         unpack_fn: Callable[[Any], Any] | None = None,
         batch_size: int | None = None,
         *,
+        drop_last: bool = False,
         name: str | None = None,
         address: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
@@ -63,22 +86,33 @@ class TensorConsumer:
         copy: bool = False,
         with_index: bool | None = None,
     ) -> None:
-        if batch_size is not None:
-            raise NotImplementedError(
-                f"batch_size={batch_size}: per-consumer batch sizes are not supported yet; "
-                "use batch_size=None to receive the loader's own batches"
-            )
+        self._rebatcher = Rebatcher(batch_size, drop_last) if batch_size is not None else None
         self.unpack_fn = unpack_fn
         self.batch_size = batch_size
+        self.drop_last = bool(drop_last)
         self.batch_timeout = batch_timeout
         self.copy = bool(copy)
         self.with_index = (port is not None) if with_index is None else bool(with_index)
         self.endpoint = resolve(name, port, address)
         self.epoch = 0
         self._decoder = Decoder()
-        self._in_epoch = False
         self._closed = False
+        # Epoch bookkeeping: the consumer's epochs run from producer position
+        # (epoch, index) = (e, i0) up to, not including, (e + 1, i0).
+        self._in_epoch = False
+        self._epoch_end: tuple[int, int] | None = None  # first position past this epoch
+        self._source_done = False  # no more loader batches in this epoch
+        self._epoch_pulled = 0  # loader batches taken in this epoch
+        self._epoch_batches = 0  # batches returned in this epoch
+        self._after_end_marker = False  # the last entry taken ended a producer epoch
+        # Counters for stats().
         self._batches = 0
+        self._samples = 0
+        self._loader_batches = 0
+        self._bytes = 0
+        self._wait_s = 0.0
+        self._rejoins = 0
+        self._skipped = 0
 
         self._context = zmq.Context()
         self._client = ControlClient(self._context, self.endpoint.address, timeout)
@@ -95,19 +129,33 @@ class TensorConsumer:
             self._context.term()
             raise
         self._ring = ring
+        self._segment: str = welcome["segment"]
+        self._index: int = welcome["consumer"]
         self._length: int | None = welcome["length"]
         self.loader_batch_size: int | None = welcome["loader_batch_size"]
+        self.samples_per_epoch: int | None = welcome["samples"]
         self.producer_pid: int = welcome["producer_pid"]
+        self.window: int = welcome["window"]
+        self.max_lag: int | None = welcome["max_lag"] or None
+        self.lag_policy: str = welcome["lag_policy"]
         self._client.start_heartbeats()
         self._finalizer = weakref.finalize(self, _teardown, self._client, self._context, ring)
-        log.info("consumer %d attached to %s", welcome["consumer"], self.endpoint.address)
+        log.info("consumer %d attached to %s at entry %d", self._index, self.endpoint.address,
+                 self.start_seq)
 
     # -- DataLoader protocol -----------------------------------------------------------
 
     def __len__(self) -> int:
         if self._length is None:
             raise TypeError("the producer's loader has no len()")
-        return self._length
+        if self.batch_size is None:
+            return self._length
+        if self.samples_per_epoch is None:
+            raise TypeError(
+                "the producer's loader does not tell its sample count (no batch_size), so "
+                "the number of batch_size= batches per epoch is unknown"
+            )
+        return consumer_len(self.samples_per_epoch, self.batch_size, self.drop_last)
 
     def __iter__(self) -> "EpochIterator":
         if self._closed:
@@ -115,53 +163,153 @@ class TensorConsumer:
         if self._in_epoch:
             self._skip_rest_of_epoch()
         self._in_epoch = True
+        self._source_done = False
+        self._epoch_pulled = 0
+        self._epoch_batches = 0
         return EpochIterator(self)
 
     def _next_batch(self) -> Any:
         """The next batch of the current epoch; StopIteration at its end."""
         if not self._in_epoch:
             raise StopIteration
-        slot = self._acquire()
-        if slot.is_end_of_epoch:
-            slot.release()
-            self._in_epoch = False
-            self.epoch += 1
-            raise StopIteration
-        index = slot.index
-        batch = self._build(slot)
+        try:
+            if self._rebatcher is None:
+                batch = self._pull()
+            else:
+                batch = self._rebatcher.next_batch(self._pull)
+        except EpochEnd:
+            self._end_epoch()
+            raise StopIteration from None
+        if self.unpack_fn is not None:
+            batch = self.unpack_fn(batch)
+        index = self._epoch_batches
+        self._epoch_batches += 1
         self._batches += 1
         return (index, batch) if self.with_index else batch
 
-    def _acquire(self) -> Any:
-        try:
-            return self._ring.acquire(self.batch_timeout)
-        except ProducerFinished:
-            self._in_epoch = False
-            raise ProducerFinished(
-                f"the producer finished after {self.epoch} epoch(s) seen by this consumer; "
-                "no more batches will come"
-            ) from None
-        except ProducerGone as e:
-            raise ProducerGone(f"{e}: no more batches will come from {self.endpoint.address}") \
-                from None
-        except ConsumerDetached as e:
-            raise ConsumerDetached(f"{e}; create a new TensorConsumer to attach again") from None
-        except TimeoutError:
-            raise TimeoutError(
-                f"no batch within batch_timeout={self.batch_timeout} s from "
-                f"{self.endpoint.address}"
-            ) from None
+    def _end_epoch(self) -> None:
+        self._in_epoch = False
+        if self._rebatcher is not None:
+            self._rebatcher.reset()
+        self.epoch += 1
 
     def _skip_rest_of_epoch(self) -> None:
         """A new epoch was asked for mid-epoch: drop the old epoch's remaining batches."""
+        try:
+            while True:
+                self._pull(build=False)
+        except EpochEnd:
+            pass
+        self._end_epoch()
+
+    # -- the loader batches of this consumer's epoch ----------------------------------
+
+    def _pull(self, build: bool = True) -> Any:
+        """The next loader batch of this consumer's epoch; EpochEnd after its last."""
         while True:
+            if self._source_done:
+                raise EpochEnd
             slot = self._acquire()
-            end = slot.is_end_of_epoch
-            slot.release()
-            if end:
-                self.epoch += 1
+            self._after_end_marker = slot.is_end_of_epoch
+            if slot.is_end_of_epoch:
+                epoch = slot.epoch
+                slot.release()
+                if self._epoch_end is not None and (epoch + 1, 0) >= self._epoch_end:
+                    self._close_source()
+                    raise EpochEnd
+                continue
+            position = (slot.epoch, slot.index)
+            if self._epoch_end is None:  # the first batch since we attached: anchor epochs
+                self._epoch_end = (slot.epoch + 1, slot.index)
+            self._epoch_pulled += 1
+            self._loader_batches += 1
+            self._bytes += slot.nbytes
+            batch = self._build(slot) if build else slot.release()
+            if (position[0], position[1] + 1) >= self._epoch_end:
+                self._close_source()
+            if build and self._rebatcher is None:
+                self._samples += _samples_or_zero(batch)
+            return batch
+
+    def _close_source(self) -> None:
+        """This epoch has no more loader batches; the next one ends a producer epoch later."""
+        self._source_done = True
+        assert self._epoch_end is not None
+        self._epoch_end = (self._epoch_end[0] + 1, self._epoch_end[1])
+
+    def _acquire(self) -> Any:
+        """The next ring entry for us, with errors turned into what the caller needs."""
+        while True:
+            start = time.perf_counter()
+            try:
+                return self._ring.acquire(self.batch_timeout)
+            except ProducerFinished:
+                if self._epoch_pulled > 0 and self._after_end_marker:
+                    # A late joiner's epoch spans two producer epochs, and the producer
+                    # stopped after the first of them. End the epoch with what came.
+                    warnings.warn(
+                        f"the producer finished in the middle of this consumer's epoch "
+                        f"{self.epoch} (it joined late, so its epochs span two of the "
+                        f"producer's); the epoch ends after {self._epoch_pulled} loader batches",
+                        TensorSocketWarning, stacklevel=5)
+                    self._source_done = True
+                    raise EpochEnd from None
                 self._in_epoch = False
-                return
+                if self._epoch_pulled > 0:
+                    raise ProducerFinished(
+                        f"the producer stopped in the middle of its epoch, after "
+                        f"{self._epoch_pulled} batches of this consumer's epoch {self.epoch}; "
+                        "no more batches will come"
+                    ) from None
+                raise ProducerFinished(
+                    f"the producer finished after {self.epoch} epoch(s) seen by this "
+                    "consumer; no more batches will come"
+                ) from None
+            except ProducerGone as e:
+                raise ProducerGone(
+                    f"{e}: no more batches will come from {self.endpoint.address}") from None
+            except ConsumerDetached as e:
+                if not self._lagged() or self.lag_policy != "rejoin":
+                    raise ConsumerDetached(
+                        f"{e}; create a new TensorConsumer to attach again") from None
+                self._rejoin()
+                if self._epoch_pulled > 0:
+                    self._source_done = True
+                    raise EpochEnd from None
+            except TimeoutError:
+                raise TimeoutError(
+                    f"no batch within batch_timeout={self.batch_timeout} s from "
+                    f"{self.endpoint.address}"
+                ) from None
+            finally:
+                self._wait_s += time.perf_counter() - start
+
+    def _lagged(self) -> bool:
+        entry = self._ring.consumer(self._index)
+        return entry["token"] == self._client.token and entry["reason"] == _core.REASON_LAGGED
+
+    def _rejoin(self) -> None:
+        """Attach again as a late joiner after the producer detached us for lagging."""
+        old_cursor = self._ring.consumer(self._index)["cursor"]
+        self._client.stop_heartbeats()
+        welcome = self._client.hello(self.batch_size)
+        if welcome["segment"] != self._segment:
+            raise ConsumerDetached(
+                "this consumer was detached for lagging, and the producer that answered is a "
+                "new one; create a new TensorConsumer to attach to it")
+        self._ring.bind(welcome["consumer"], welcome["token"])
+        start = self._client.ready()
+        self._client.start_heartbeats()
+        self._index = welcome["consumer"]
+        skipped = max(0, start - old_cursor)
+        self._rejoins += 1
+        self._skipped += skipped
+        self._epoch_end = None  # re-anchored at the next batch
+        ended = " The current epoch ends here." if self._epoch_pulled > 0 else ""
+        warnings.warn(
+            f"this consumer fell more than max_lag={self.max_lag} batches behind the producer, "
+            f"was detached and attached again as a late joiner; it skipped {skipped} ring "
+            f"entries.{ended}", LagWarning, stacklevel=6)
 
     def _build(self, slot: Any) -> Any:
         """Turn a slot into the loader's batch structure of tensors and values."""
@@ -178,10 +326,7 @@ class TensorConsumer:
                     array = np.from_dlpack(view)
                     leaves.append(array.copy() if self.copy else array)
         slot.release()
-        batch = build(leaves)
-        if self.unpack_fn is not None:
-            batch = self.unpack_fn(batch)
-        return batch
+        return build(leaves)
 
     # -- end ---------------------------------------------------------------------------
 
@@ -206,8 +351,30 @@ class TensorConsumer:
         return self._ring
 
     def stats(self) -> dict:
-        """Counters of this consumer."""
-        return {"epoch": self.epoch, "batches": self._batches}
+        """Counters of this consumer.
+
+        batches / samples: delivered so far; loader_batches and bytes: ring
+        entries taken (bytes of tensor data and structure); wait_seconds: time
+        spent waiting for batches; lag: batches (ring entries) published but
+        not yet taken; rejoins / skipped_entries: re-attachments after being
+        detached for lagging and the entries they skipped; dropped_samples:
+        samples dropped by drop_last.
+        """
+        lag = None
+        if not self._closed:
+            lag = self._ring.consumer(self._index)["lag"]
+        return {
+            "epoch": self.epoch,
+            "batches": self._batches,
+            "samples": self._samples,
+            "loader_batches": self._loader_batches,
+            "bytes": self._bytes,
+            "wait_seconds": self._wait_s,
+            "lag": lag,
+            "rejoins": self._rejoins,
+            "skipped_entries": self._skipped,
+            "dropped_samples": self._rebatcher.dropped_samples if self._rebatcher else 0,
+        }
 
 
 class EpochIterator:
@@ -242,3 +409,10 @@ def _teardown(client: ControlClient, context: zmq.Context, ring: Any) -> None:
     ring.close()
     if not producer_alive:
         _core.Ring.unlink_name(info["name"])
+
+
+def _samples_or_zero(batch: Any) -> int:
+    try:
+        return batch_samples(batch)
+    except ValueError:
+        return 0

@@ -36,7 +36,9 @@ class _Peer:
     pid: int
     start_time: int
     since: float
+    batch_size: int | None = None
     active: bool = False
+    detached: bool = False
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -155,10 +157,6 @@ class ControlServer:
                        message=f"producer speaks protocol {protocol.PROTOCOL_VERSION}, consumer "
                        f"{msg['protocol']}: install the same tensorsocket version on both sides")
             return
-        if msg["batch_size"] is not None:
-            self._send(ident, "error", code="unsupported",
-                       message="per-consumer batch sizes are not supported by this producer")
-            return
         ring = self._ring()
         if ring is None:
             self._waiting.append((ident, msg))
@@ -172,7 +170,7 @@ class ControlServer:
             return
         with self._lock:
             self._peers[ident] = _Peer(index, token, msg["pid"], msg["start_time"],
-                                       time.monotonic())
+                                       time.monotonic(), msg["batch_size"])
         self._send(ident, "welcome", protocol=protocol.PROTOCOL_VERSION, consumer=index,
                    token=token, **self._welcome_info())
 
@@ -185,7 +183,8 @@ class ControlServer:
             return
         start = ring.activate(peer.index)
         peer.active = True
-        log.info("consumer %d (pid %d) joined at batch %d", peer.index, peer.pid, start)
+        log.info("consumer %d (pid %d) joined at entry %d (%d published)", peer.index,
+                 peer.pid, start, ring.info()["published"])
         self._send(ident, "started", start_seq=start)
 
     def _heartbeat(self, ident: bytes, msg: dict) -> None:
@@ -206,11 +205,17 @@ class ControlServer:
             log.info("consumer %d (pid %d) left", peer.index, peer.pid)
 
     def _check_peers(self, now: float) -> None:
-        """Evict consumers whose process died; drop handshakes never finished."""
+        """Evict consumers whose process died; note consumers the ring detached for
+        lagging; drop handshakes never finished."""
         ring = self._ring()
         if ring is None:
             return
         for ident, peer in list(self._peers.items()):
+            if peer.active and not peer.detached and \
+                    ring.consumer(peer.index)["state"] == _core.CONSUMER_DETACHED:
+                peer.detached = True
+                log.warning("consumer %d (pid %d) fell more than max_lag batches behind and "
+                            "was detached", peer.index, peer.pid)
             if not _core.process_alive(peer.pid, peer.start_time):
                 with self._lock:
                     self._peers.pop(ident, None)
@@ -223,9 +228,19 @@ class ControlServer:
     # -- owner -------------------------------------------------------------------
 
     def consumer_count(self) -> int:
-        """Consumers attached now."""
+        """Consumers attached and receiving now."""
+        ring = self._ring()
         with self._lock:
-            return sum(1 for p in self._peers.values() if p.active)
+            peers = [p for p in self._peers.values() if p.active]
+        if ring is None or ring.closed:
+            return len(peers)
+        return sum(1 for p in peers
+                   if ring.consumer(p.index)["state"] == _core.CONSUMER_ACTIVE)
+
+    def batch_sizes(self) -> dict[int, int | None]:
+        """Batch size each attached consumer asked for, by consumer index."""
+        with self._lock:
+            return {p.index: p.batch_size for p in self._peers.values()}
 
     def close(self) -> None:
         """Stop the thread; it closes the socket."""
@@ -296,10 +311,18 @@ class ControlClient:
                 return msg
 
     def start_heartbeats(self) -> None:
-        """Hand the socket to a thread that sends heartbeats until close()."""
+        """Hand the socket to a thread that sends heartbeats until stopped."""
+        self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="tensorsocket-heartbeat",
                                         daemon=True)
         self._thread.start()
+
+    def stop_heartbeats(self) -> None:
+        """Take the socket back from the heartbeat thread."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._thread = None
 
     def _beat(self) -> None:
         beat = protocol.encode("heartbeat", consumer=self.consumer, token=self.token)
@@ -313,9 +336,7 @@ class ControlClient:
 
     def close(self, say_bye: bool, wait: float = 1.0) -> None:
         """Stop heartbeats, say bye (waiting briefly for the ack) and close."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        self.stop_heartbeats()
         try:
             if say_bye and self.consumer >= 0:
                 self._sock.send(protocol.encode("bye", consumer=self.consumer, token=self.token),

@@ -20,12 +20,14 @@ from ._core import (
 __all__ = [
     "BatchTooLarge",
     "ConsumerDetached",
+    "LagWarning",
     "ProducerFinished",
     "ProducerGone",
     "ProducerNotFound",
     "ProtocolError",
     "SharedMemoryTooSmall",
     "TensorSocketError",
+    "TensorSocketWarning",
     "TooManyConsumers",
     "VersionMismatch",
 ]
@@ -37,3 +39,11 @@ class ProducerNotFound(TensorSocketError, TimeoutError):
 
 class ProtocolError(TensorSocketError):
     """A control message was malformed or out of order."""
+
+
+class TensorSocketWarning(UserWarning):
+    """Base class of tensorsocket warnings."""
+
+
+class LagWarning(TensorSocketWarning):
+    """A consumer fell behind, was detached and attached again, skipping batches."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import re
 import time
@@ -21,6 +22,7 @@ from .structure import flatten
 log = logging.getLogger("tensorsocket")
 
 DEFAULT_SLOTS = 4
+LAG_POLICIES = ("raise", "rejoin")
 SLOT_HEADROOM = 1.5  # slot size = first batch x this (plus room for the structure)
 MIN_SLOT_BYTES = 64 * 1024
 
@@ -38,7 +40,14 @@ class TensorProducer:
     consumer_max_buffer_size, producer_batch_size``) so scripts written for it
     run unchanged. ``port`` selects a loopback TCP control endpoint;
     ``ack_port`` and ``heart_ports`` are accepted and unused (one socket does
-    it all); ``consumer_max_buffer_size`` is the number of ring slots.
+    it all); ``consumer_max_buffer_size`` is the number of ring slots;
+    ``producer_batch_size`` is accepted and ignored (every loader batch is
+    published as it is; consumers choose their own ``batch_size``).
+
+    Late joiners: the last ``rubber_band_pct`` of an epoch's batches (rounded
+    up), or ``rubber_band=`` batches, stay readable in the ring. A consumer
+    that attaches mid-epoch starts at the oldest of them (never before the
+    current epoch's first batch); see the README for the exact semantics.
 
     Keyword-only:
       name: producer name for rendezvous (default ``"default"``, or
@@ -47,7 +56,14 @@ class TensorProducer:
       min_consumers: consumers that must be attached before an epoch's
         first batch is published (default 1).
       start_timeout: seconds to wait for them (None: forever); TimeoutError after.
-      ring_slots: slots in the ring (default 4).
+      rubber_band: the late-joiner window in batches (overrides rubber_band_pct).
+      max_lag: detach a consumer that falls more than this many batches behind
+        the producer, so the others are not held back (default None: lossless,
+        the producer waits for the slowest consumer).
+      lag_policy: what a detached laggard does: ``"raise"`` (ConsumerDetached)
+        or ``"rejoin"`` (a LagWarning, then it attaches again as a late joiner).
+      ring_slots: slots in the ring (default: 4, or the window + 2, or
+        max_lag + 1, whichever is largest).
       slot_bytes: capacity of one slot (default: first batch x 1.5).
       ring_bytes: total slot memory; sets ring_slots from slot_bytes.
       max_leaves: most tensors one batch may hold (default: from the first batch).
@@ -74,6 +90,9 @@ class TensorProducer:
         ring_bytes: int | None = None,
         max_leaves: int | None = None,
         publish_timeout: float | None = None,
+        rubber_band: int | None = None,
+        max_lag: int | None = None,
+        lag_policy: str = "raise",
     ) -> None:
         if ring_slots is not None and consumer_max_buffer_size is not None:
             raise ValueError("give ring_slots= or consumer_max_buffer_size=, not both")
@@ -84,8 +103,35 @@ class TensorProducer:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         if min_consumers < 0 or min_consumers > _core.MAX_CONSUMERS:
             raise ValueError(f"min_consumers must be in 0..{_core.MAX_CONSUMERS}")
+        if not 0 <= float(rubber_band_pct) <= 1:
+            raise ValueError(f"rubber_band_pct must be in 0..1, got {rubber_band_pct}")
+        if rubber_band is not None and int(rubber_band) < 0:
+            raise ValueError(f"rubber_band must be >= 0 batches, got {rubber_band}")
+        if max_lag is not None and int(max_lag) < 1:
+            raise ValueError(f"max_lag must be >= 1 batch, got {max_lag}")
+        if lag_policy not in LAG_POLICIES:
+            raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {lag_policy!r}")
+        self.rubber_band_pct = float(rubber_band_pct)
+        self.rubber_band = int(rubber_band) if rubber_band is not None else None
+        self.max_lag = int(max_lag) if max_lag is not None else None
+        self.lag_policy = lag_policy
+        self.window = self._window_batches(data_loader)
+        if self.max_lag is not None and self.max_lag <= self.window:
+            raise ValueError(
+                f"max_lag={self.max_lag} must exceed the late-joiner window of {self.window} "
+                "batches (rubber_band= / rubber_band_pct=): a late joiner starts that far behind"
+            )
+        if slots is not None and int(slots) <= self.window:
+            raise ValueError(
+                f"ring_slots={slots} cannot keep a late-joiner window of {self.window} batches: "
+                "raise ring_slots= or lower rubber_band= / rubber_band_pct="
+            )
+        if slots is not None and self.max_lag is not None and self.max_lag >= int(slots):
+            raise ValueError(
+                f"max_lag={self.max_lag} needs ring_slots > max_lag (ring_slots={slots}): a "
+                "consumer cannot fall further behind than the ring is long"
+            )
         self.data_loader = data_loader
-        self.rubber_band_pct = rubber_band_pct
         self.producer_batch_size = producer_batch_size
         self.pack_fn = pack_fn
         self.min_consumers = int(min_consumers)
@@ -96,10 +142,10 @@ class TensorProducer:
         self._ring_bytes = int(ring_bytes) if ring_bytes is not None else None
         self._max_leaves = max_leaves
         self.epoch = 0
+        self._wait_consumers_s = 0.0
         self._ring_box: list = [None]  # the ring, shared with the control thread and finalizer
         self._closed = False
         self._batches = 0
-        self._wait_s = 0.0
 
         self.endpoint: Endpoint = resolve(name, port, address, for_producer=True)
         self._lock_fd = _take_name_lock(self.endpoint)
@@ -130,9 +176,23 @@ class TensorProducer:
             "segment": self._segment,
             "length": self._length(),
             "loader_batch_size": _loader_batch_size(self.data_loader),
+            "samples": _samples_per_epoch(self.data_loader),
             "epoch": self.epoch,
             "producer_pid": os.getpid(),
+            "window": self.window,
+            "max_lag": self.max_lag or 0,
+            "lag_policy": self.lag_policy,
         }
+
+    def _window_batches(self, loader: Any) -> int:
+        """The late-joiner window in batches."""
+        if self.rubber_band is not None:
+            return self.rubber_band
+        try:
+            n = len(loader)
+        except TypeError:
+            return 0
+        return math.ceil(self.rubber_band_pct * n - 1e-9)
 
     def _length(self) -> int | None:
         try:
@@ -156,19 +216,31 @@ class TensorProducer:
         if slots is None:
             slots = max(2, min(4096, self._ring_bytes // slot_bytes)) if self._ring_bytes \
                 else DEFAULT_SLOTS
+            slots = max(slots, self.window + 2, (self.max_lag or 0) + 1)
+            if slots > 4096:
+                raise ValueError(
+                    f"a late-joiner window of {self.window} batches needs {slots} ring slots, "
+                    "more than the 4096 a ring holds: lower rubber_band= / rubber_band_pct="
+                )
         max_leaves = self._max_leaves or max(64, 2 * len(leaves))
         try:
             ring = _core.Ring.create(self._segment, slots, slot_bytes, max_leaves)
         except SharedMemoryTooSmall as e:
             raise SharedMemoryTooSmall(
-                f"{e}. The ring is {slots} slots x {slot_bytes} bytes: lower ring_slots= or "
-                "slot_bytes=, or enlarge /dev/shm (docker run --shm-size=...)"
+                f"{e}. The ring is {slots} slots x {slot_bytes} bytes (a late-joiner window "
+                f"of {self.window}): lower ring_slots=, slot_bytes= or rubber_band_pct=, or "
+                "enlarge /dev/shm (docker run --shm-size=...)"
             ) from None
+        try:
+            ring.set_policy(self.window, self.max_lag or 0)
+        except BaseException:
+            ring.close()
+            _core.Ring.unlink_name(self._segment)
+            raise
         self._ring_box[0] = ring
         log.info("ring %s: %d slots of %d bytes", self._segment, slots, slot_bytes)
 
     def _publish(self, meta: bytes, leaves: list, *, end: bool = False, index: int = 0) -> None:
-        start = time.perf_counter()
         try:
             self._ring.publish(leaves, meta, end_of_epoch=end, epoch=self.epoch, index=index,
                                timeout=self.publish_timeout)
@@ -183,8 +255,6 @@ class TensorProducer:
                 f"no ring slot became free within publish_timeout={self.publish_timeout} s: "
                 "a consumer holds its batches (or stopped reading)"
             ) from None
-        finally:
-            self._wait_s += time.perf_counter() - start
         if not end:
             self._batches += 1
 
@@ -232,7 +302,7 @@ class TensorProducer:
             return
         start = time.perf_counter()
         ok = self._ring.wait_consumers(self.min_consumers, self.start_timeout)
-        self._wait_s += time.perf_counter() - start
+        self._wait_consumers_s += time.perf_counter() - start
         if not ok:
             raise TimeoutError(
                 f"only {self._server.consumer_count()} of min_consumers={self.min_consumers} "
@@ -281,17 +351,56 @@ class TensorProducer:
         return self._ring
 
     def stats(self) -> dict:
-        """Counters: batches and bytes published, time spent waiting, consumers."""
-        info = self._ring.info() if self._ring is not None and not self._ring.closed else {}
+        """Counters of the producer and of each consumer.
+
+        batches: batches published; bytes_copied: bytes copied into the ring
+        (one copy per batch, whatever the number of consumers); wait_seconds:
+        time spent waiting for a free slot (the slowest consumer's pace);
+        consumer_wait_seconds: time spent waiting for min_consumers; occupied:
+        slots some consumer still has to read or still holds; consumer_table:
+        per consumer, its lag in ring entries (batches plus one end marker per
+        epoch) behind the producer, entries and bytes delivered, and the time
+        it spent waiting for batches.
+        """
+        ring = self._ring if self._ring is not None and not self._ring.closed else None
+        info = ring.info() if ring is not None else {}
+        table = []
+        if ring is not None:
+            sizes = self._server.batch_sizes()
+            for c in ring.consumers():
+                table.append({
+                    "index": c["index"],
+                    "pid": c["pid"],
+                    "state": _STATE_NAMES.get(c["state"], str(c["state"])),
+                    "batch_size": sizes.get(c["index"]),
+                    "lag": c["lag"],
+                    "delivered": c["delivered"],
+                    "delivered_bytes": c["delivered_bytes"],
+                    "wait_seconds": c["wait_ns"] / 1e9,
+                })
         return {
             "epoch": self.epoch,
             "batches": self._batches,
             "bytes_copied": info.get("bytes_copied", 0),
-            "wait_seconds": self._wait_s,
+            "wait_seconds": info.get("publish_wait_ns", 0) / 1e9,
+            "consumer_wait_seconds": self._wait_consumers_s,
             "consumers": self._server.consumer_count() if not self._closed else 0,
             "slots": info.get("slot_count", 0),
             "slot_bytes": info.get("slot_bytes", 0),
+            "occupied": info.get("occupied", 0),
+            "window": self.window,
+            "max_lag": self.max_lag,
+            "lag_detached": info.get("lag_detached", 0),
+            "consumer_table": table,
         }
+
+
+_STATE_NAMES = {
+    _core.CONSUMER_PENDING: "joining",
+    _core.CONSUMER_ACTIVE: "active",
+    _core.CONSUMER_LEAVING: "leaving",
+    _core.CONSUMER_DETACHED: "detached",
+}
 
 
 # -- helpers (module level so the finalizer holds no reference to the producer) -------
@@ -301,8 +410,9 @@ def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
     """Handshake fields, or placeholders if the producer is being collected."""
     producer = producer_ref()
     if producer is None:
-        return {"segment": "", "length": None, "loader_batch_size": None, "epoch": 0,
-                "producer_pid": os.getpid()}
+        return {"segment": "", "length": None, "loader_batch_size": None, "samples": None,
+                "epoch": 0, "producer_pid": os.getpid(), "window": 0, "max_lag": 0,
+                "lag_policy": "raise"}
     return producer._welcome_info()
 
 
@@ -367,6 +477,30 @@ def _batch_bytes(leaves: list) -> int:
     for buf, _ in leaves:
         total += memoryview(buf).nbytes + 64
     return total
+
+
+def _samples_per_epoch(loader: Any) -> int | None:
+    """Samples one epoch of a DataLoader-like loader yields, if it can be known."""
+    bs = _loader_batch_size(loader)
+    if bs is None:
+        return None
+    try:
+        batches = len(loader)
+    except TypeError:
+        return None
+    if getattr(loader, "drop_last", False):
+        return batches * bs
+    sampler = getattr(loader, "sampler", None)
+    if sampler is not None and getattr(loader, "batch_sampler", None) is not None:
+        try:
+            return min(len(sampler), batches * bs)
+        except TypeError:
+            return None
+    dataset = getattr(loader, "dataset", None)
+    try:
+        return min(len(dataset), batches * bs) if dataset is not None else batches * bs
+    except TypeError:
+        return batches * bs
 
 
 def _loader_batch_size(loader: Any) -> int | None:

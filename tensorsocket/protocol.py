@@ -13,7 +13,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024
 
 _INT = (int,)
@@ -35,8 +35,12 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "segment": _STR,
         "length": _OPT_INT,
         "loader_batch_size": _OPT_INT,
+        "samples": _OPT_INT,
         "epoch": _INT,
         "producer_pid": _INT,
+        "window": _INT,
+        "max_lag": _INT,
+        "lag_policy": _STR,
     },
     "started": {"start_seq": _INT},
     "bye_ok": {},

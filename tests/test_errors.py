@@ -73,5 +73,16 @@ def test_shm_too_small_fails_early_naming_the_knobs(name):
 def test_argument_errors():
     with pytest.raises(ValueError, match="ring_slots"):
         TensorProducer([], ring_slots=1)
-    with pytest.raises(NotImplementedError, match="batch_size"):
-        TensorConsumer(batch_size=16)
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="batch_size"):
+            TensorConsumer(batch_size=bad)
+    with pytest.raises(ValueError, match="lag_policy"):
+        TensorProducer([], lag_policy="drop")
+    with pytest.raises(ValueError, match="max_lag=3 must exceed the late-joiner window of 5"):
+        TensorProducer([], rubber_band=5, max_lag=3)
+    with pytest.raises(ValueError, match="ring_slots=4 cannot keep a late-joiner window of 4"):
+        TensorProducer([], rubber_band=4, ring_slots=4)
+    with pytest.raises(ValueError, match="max_lag=6 needs ring_slots > max_lag"):
+        TensorProducer([], max_lag=6, ring_slots=6)
+    with pytest.raises(ValueError, match="rubber_band_pct"):
+        TensorProducer([], rubber_band_pct=1.5)

@@ -7,6 +7,7 @@
  * The last line is "N passed, M failed"; the exit status is non-zero if any failed. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -95,6 +96,12 @@ static void sleep_ms(long ms)
     while (nanosleep(&t, &t) != 0) {}
 }
 
+static void sleep_us(long us)
+{
+    struct timespec t = {us / 1000000, (us % 1000000) * 1000L};
+    while (nanosleep(&t, &t) != 0) {}
+}
+
 /* Create a ring with a fresh unique name; 0 on success. */
 static int fx_create(fixture *fx, uint32_t slots, uint32_t max_leaves, uint64_t slot_bytes)
 {
@@ -138,6 +145,23 @@ static uint64_t readers_of(const ts_ring *r, uint32_t k) { return ts_ring_slot(r
 static uint64_t seq_of(const ts_ring *r, uint32_t k) { return ts_ring_slot(r, k)->seq; }
 static uint32_t state_of(const ts_ring *r, uint32_t i) { return r->hdr->consumers[i].state; }
 static uint64_t published(const fixture *fx) { return fx->prod->hdr->published; }
+static uint32_t reason_of(const ts_ring *r, uint32_t i) { return r->hdr->consumers[i].reason; }
+static uint64_t cursor_of(const ts_ring *r, uint32_t i) { return r->hdr->consumers[i].cursor; }
+
+/* 1 if any slot's readers bitmap carries bit. */
+static int bit_in_use(const ts_ring *r, uint64_t bit)
+{
+    for (uint32_t k = 0; k < r->hdr->slot_count; k++)
+        if (readers_of(r, k) & bit) return 1;
+    return 0;
+}
+
+/* Publish an END_EPOCH marker (no leaves, no meta). */
+static ts_status publish_end(ts_ring *prod, uint64_t epoch, uint64_t index, ts_err *err)
+{
+    return ts_ring_publish(prod, TS_ENTRY_END_EPOCH, epoch, index, NULL, 0, NULL, 0,
+                           deadline_ms(1000), err);
+}
 
 static size_t meta_for(uint64_t tag, char *buf, size_t cap)
 {
@@ -765,6 +789,547 @@ out:
     fx_destroy(&fx);
 }
 
+/* set_policy: window < slot_count, max_lag 0 or window < max_lag < slot_count; else INVALID. */
+static void test_policy(void)
+{
+    fixture fx = {0};
+    ts_err err = {0};
+    static const struct {
+        uint64_t window, max_lag;
+        ts_status want;
+    } cases[] = {
+        {0, 0, TS_OK},           {5, 0, TS_OK},           {6, 0, TS_E_INVALID},
+        {UINT64_MAX, 0, TS_E_INVALID}, {0, 1, TS_OK},     {0, 5, TS_OK},
+        {0, 6, TS_E_INVALID},    {3, 4, TS_OK},           {3, 5, TS_OK},
+        {3, 3, TS_E_INVALID},    {3, 2, TS_E_INVALID},    {3, 6, TS_E_INVALID},
+        {4, 5, TS_OK},           {5, 5, TS_E_INVALID},    {5, 6, TS_E_INVALID},
+        {6, 7, TS_E_INVALID},    {0, UINT64_MAX, TS_E_INVALID},
+    };
+    REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);
+    ts_header *h = fx.prod->hdr;
+    CHECK_EQ(h->window, 0); /* a new ring is lossless and has no window */
+    CHECK_EQ(h->max_lag, 0);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, 4, &err));
+        memset(&err, 0, sizeof err);
+        ts_status st = ts_ring_set_policy(fx.prod, cases[i].window, cases[i].max_lag, &err);
+        if (!CHECK_EQ(st, cases[i].want))
+            printf("    (window %llu, max_lag %llu: %s)\n", (unsigned long long)cases[i].window,
+                   (unsigned long long)cases[i].max_lag, err.msg);
+        if (st == TS_OK) {
+            CHECK_EQ(h->window, cases[i].window);
+            CHECK_EQ(h->max_lag, cases[i].max_lag);
+        } else { /* a rejected policy changes nothing and says why */
+            CHECK_EQ(err.code, TS_E_INVALID);
+            CHECK(err.msg[0] != '\0');
+            CHECK_EQ(h->window, 2);
+            CHECK_EQ(h->max_lag, 4);
+        }
+    }
+out:
+    fx_destroy(&fx);
+}
+
+/* A late joiner starts `window` entries back, reads them in order, then new ones; A unaffected. */
+static void test_late_joiner(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    uint64_t bytes = 0;
+    REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);
+    ts_header *h = fx.prod->hdr;
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 3, 0, &err));
+    REQUIRE(consumer_add(&fx, &A, 1) == 0);
+    CHECK_EQ(A.start_seq, 0); /* nothing published yet: the window is empty */
+    for (uint64_t t = 0; t < 5; t++) {
+        PUBLISH(t);
+        TAKE(A, t, 1);
+    }
+    uint64_t bitA = 1ULL << A.index;
+
+    /* B joins after 5 entries: it starts at 5 - 3 = 2, its bit is on entries 2..4 only. */
+    REQUIRE(consumer_add(&fx, &B, 1) == 0);
+    uint64_t bitB = 1ULL << B.index;
+    ts_consumer *cb = &h->consumers[B.index];
+    CHECK_EQ(B.start_seq, 2);
+    CHECK_EQ(cb->first_seq, 2);
+    CHECK_EQ(cb->cursor, 2);
+    CHECK_EQ(cb->delivered, 0);
+    CHECK_EQ(cb->delivered_bytes, 0);
+    CHECK_EQ(h->active_mask, bitA | bitB);
+    for (uint32_t k = 0; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), k >= 2 && k < 5 ? bitB : 0);
+
+    PUBLISH(5);
+    PUBLISH(6); /* slot 0 */
+    CHECK_EQ(readers_of(fx.prod, 5), bitA | bitB);
+    CHECK_EQ(readers_of(fx.prod, 0), bitA | bitB);
+    TAKE(A, 5, 1);
+    TAKE(A, 6, 1);
+    CHECK_ST(ts_ring_acquire(A.ring, deadline_ms(20), &a, &err), TS_E_TIMEOUT); /* nothing twice */
+    for (uint64_t seq = 2; seq < 7; seq++) {
+        TAKE(B, seq, 0);
+        CHECK(readers_of(fx.prod, a.slot) & bitB);
+        bytes += ts_ring_slot(fx.prod, a.slot)->used_bytes;
+        ts_ring_release(B.ring, a.slot, B.index);
+    }
+    CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(20), &a, &err), TS_E_TIMEOUT);
+    for (uint32_t k = 0; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), 0);
+    CHECK_EQ(cb->delivered, 5);
+    CHECK_EQ(cb->delivered_bytes, bytes);
+    CHECK(bytes > 5 * 72);
+    CHECK_EQ(cb->first_seq, 2);
+    CHECK_EQ(cb->cursor, 7);
+    CHECK_EQ(h->consumers[A.index].delivered, 7);
+    CHECK_EQ(h->consumers[A.index].first_seq, 0);
+    CHECK_EQ(h->consumers[A.index].cursor, 7);
+out:
+    consumer_drop(&A);
+    consumer_drop(&B);
+    fx_destroy(&fx);
+}
+
+/* The producer never overwrites a retained entry a late joiner has not read, or still holds. */
+static void test_window_holds_slot(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    job pj = {.fx = &fx, .n = 9};
+    pthread_t th;
+    REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 3, 0, &err));
+    REQUIRE(consumer_add(&fx, &A, 1) == 0);
+    for (uint64_t t = 0; t < 6; t++) {
+        PUBLISH(t);
+        TAKE(A, t, 1);
+    }
+    REQUIRE(consumer_add(&fx, &B, 1) == 0);
+    CHECK_EQ(B.start_seq, 3);
+    uint64_t bitA = 1ULL << A.index, bitB = 1ULL << B.index;
+    for (uint64_t t = 6; t < 9; t++) { /* slots 0..2 were free */
+        PUBLISH(t);
+        TAKE(A, t, 1);
+    }
+    /* Entry 9 goes to slot 3, which still carries B's bit for unread entry 3. */
+    CHECK_EQ(readers_of(fx.prod, 3), bitB);
+    uint64_t dl = deadline_ms(50);
+    CHECK_ST(publish_tagged(fx.prod, 9, dl, &err), TS_E_TIMEOUT);
+    CHECK(ts_now_ns() >= dl);
+    CHECK_EQ(published(&fx), 9);
+    CHECK_EQ(seq_of(fx.prod, 3), 3);
+    a.slot = 3, a.seq = 3;
+    CHECK(entry_ok(B.ring, &a, 3)); /* untouched */
+    TAKE(B, 3, 0); /* read but held: still not writable */
+    CHECK_ST(publish_tagged(fx.prod, 9, deadline_ms(20), &err), TS_E_TIMEOUT);
+    CHECK_EQ(published(&fx), 9);
+
+    /* A publisher blocked on slot 3 proceeds once B lets go. */
+    REQUIRE(pthread_create(&th, NULL, pub_run, &pj) == 0);
+    sleep_ms(30);
+    CHECK_EQ(published(&fx), 9);
+    ts_ring_release(B.ring, 3, B.index);
+    pthread_join(th, NULL);
+    CHECK_EQ(pj.st, TS_OK);
+    CHECK_EQ(published(&fx), 10);
+    CHECK_EQ(seq_of(fx.prod, 3), 9);
+    CHECK_EQ(readers_of(fx.prod, 3), bitA | bitB);
+    for (uint64_t seq = 4; seq < 10; seq++) TAKE(B, seq, 1);
+    TAKE(A, 9, 1);
+    for (uint32_t k = 0; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), 0);
+out:
+    consumer_drop(&A);
+    consumer_drop(&B);
+    fx_destroy(&fx);
+}
+
+/* Joining never reaches back across an END_EPOCH marker; with window 0 it starts at published. */
+static void test_join_epoch(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0}, C = {0}, D = {0}, E = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);
+    ts_header *h = fx.prod->hdr;
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 3, 0, &err));
+    REQUIRE(consumer_add(&fx, &A, 1) == 0);
+    PUBLISH(0);
+    PUBLISH(1);
+    REQUIRE_OK(publish_end(fx.prod, 0, 2, &err)); /* seq 2 */
+    CHECK_EQ(h->epoch_first_seq, 3);
+    uint64_t bitA = 1ULL << A.index;
+
+    /* Right after the marker: B starts at the next entry, no retained entry gets its bit. */
+    REQUIRE(consumer_add(&fx, &B, 1) == 0);
+    uint64_t bitB = 1ULL << B.index;
+    CHECK_EQ(B.start_seq, 3);
+    CHECK_EQ(h->consumers[B.index].first_seq, 3);
+    for (uint32_t k = 0; k < 3; k++) CHECK_EQ(readers_of(fx.prod, k), bitA);
+
+    /* One entry into the epoch: the window (4 - 3 = 1) is cut at the epoch start, 3. */
+    PUBLISH(3);
+    REQUIRE(consumer_add(&fx, &C, 1) == 0);
+    uint64_t bitC = 1ULL << C.index;
+    CHECK_EQ(C.start_seq, 3);
+    for (uint32_t k = 0; k < 3; k++) CHECK_EQ(readers_of(fx.prod, k), bitA);
+    CHECK_EQ(readers_of(fx.prod, 3), bitA | bitB | bitC);
+
+    /* Three entries in: the window reaches exactly the epoch start. */
+    PUBLISH(4);
+    PUBLISH(5);
+    REQUIRE(consumer_add(&fx, &D, 1) == 0);
+    uint64_t bitD = 1ULL << D.index;
+    CHECK_EQ(D.start_seq, 3);
+    for (uint32_t k = 3; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), bitA | bitB | bitC | bitD);
+
+    TAKE(A, 0, 1);
+    TAKE(A, 1, 1);
+    REQUIRE_OK(ts_ring_acquire(A.ring, deadline_ms(1000), &a, &err));
+    CHECK_EQ(a.seq, 2);
+    CHECK_EQ(a.kind, TS_ENTRY_END_EPOCH);
+    CHECK_EQ(a.epoch, 0);
+    CHECK_EQ(a.index, 2);
+    CHECK_EQ(ts_ring_slot(A.ring, a.slot)->n_leaves, 0);
+    ts_ring_release(A.ring, a.slot, A.index);
+    for (uint64_t seq = 3; seq < 6; seq++) {
+        TAKE(A, seq, 1);
+        TAKE(B, seq, 1);
+        TAKE(C, seq, 1);
+        TAKE(D, seq, 1);
+    }
+
+    /* Window 0: a joiner starts at published, no entry gets its bit. */
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 0, 0, &err));
+    REQUIRE(consumer_add(&fx, &E, 1) == 0);
+    CHECK_EQ(E.start_seq, 6);
+    CHECK_EQ(E.start_seq, published(&fx));
+    CHECK(!bit_in_use(fx.prod, 1ULL << E.index));
+    PUBLISH(6);
+    TAKE(E, 6, 1);
+    TAKE(A, 6, 1);
+    CHECK_ST(ts_ring_acquire(E.ring, deadline_ms(20), &a, &err), TS_E_TIMEOUT);
+out:
+    consumer_drop(&A), consumer_drop(&B), consumer_drop(&C), consumer_drop(&D), consumer_drop(&E);
+    fx_destroy(&fx);
+}
+
+/* max_lag: a consumer more than max_lag behind is detached after a publish; the others go on. */
+static void test_laggard(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0}, C = {0}, D = {0}, E = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);
+    ts_header *h = fx.prod->hdr;
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, 3, &err));
+    REQUIRE(consumer_add(&fx, &A, 1) == 0 && consumer_add(&fx, &B, 1) == 0);
+    uint64_t bitA = 1ULL << A.index, bitB = 1ULL << B.index;
+    PUBLISH(0);
+    TAKE(A, 0, 1);
+    TAKE(B, 0, 0); /* B holds entry 0 and reads no further */
+    for (uint64_t t = 1; t < 4; t++) {
+        PUBLISH(t);
+        TAKE(A, t, 1);
+    }
+    /* 4 published, B's cursor 1: exactly max_lag behind is still fine. */
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_ACTIVE);
+    CHECK_EQ(h->lag_detached, 0);
+
+    /* A late joiner starts window (2) back: not a laggard at the next publish (lag 3). */
+    REQUIRE(consumer_add(&fx, &C, 1) == 0);
+    uint64_t bitC = 1ULL << C.index;
+    CHECK_EQ(C.start_seq, 2);
+    PUBLISH(4); /* 5 published: B is 4 behind */
+    TAKE(A, 4, 1);
+    CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_ACTIVE);
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_DETACHED);
+    CHECK_EQ(reason_of(fx.prod, B.index), TS_REASON_LAGGED);
+    CHECK_EQ(h->lag_detached, 1);
+    CHECK_EQ(h->active_mask, bitA | bitC);
+    CHECK_EQ(cursor_of(fx.prod, B.index), 1 | TS_CURSOR_DETACHED);
+    CHECK_EQ(readers_of(fx.prod, 0), bitB); /* held: kept until released */
+    for (uint32_t k = 1; k < 5; k++) CHECK_EQ(readers_of(fx.prod, k) & bitB, 0); /* unread */
+    CHECK_EQ(readers_of(fx.prod, 4), bitC);
+    CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+    CHECK(strstr(err.msg, "max_lag=3") != NULL);
+    CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+    a.slot = 0, a.seq = 0;
+    CHECK(entry_ok(B.ring, &a, 0)); /* the held entry is intact */
+
+    /* A DETACHED entry is not handed out again, even once its bits are gone. */
+    REQUIRE(consumer_add(&fx, &D, 0) == 0);
+    CHECK(D.index != B.index);
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_DETACHED);
+    ts_ring_retire(fx.prod, D.index);
+    /* Retiring it while it still holds entry 0: LEAVING, the reason stays LAGGED. */
+    ts_ring_retire(fx.prod, B.index);
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_LEAVING);
+    CHECK_EQ(reason_of(fx.prod, B.index), TS_REASON_LAGGED);
+    CHECK_EQ(readers_of(fx.prod, 0), bitB);
+    CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+    ts_ring_release(B.ring, 0, B.index);
+    CHECK_EQ(readers_of(fx.prod, 0), 0);
+
+    /* A and C go on losslessly; the slots B dropped are free for the producer. */
+    for (uint64_t seq = 2; seq < 5; seq++) TAKE(C, seq, 1);
+    for (uint64_t t = 5; t < 17; t++) {
+        PUBLISH(t);
+        TAKE(A, t, 1);
+        TAKE(C, t, 1);
+    }
+    CHECK_EQ(h->lag_detached, 1);
+    CHECK_EQ(h->consumers[A.index].delivered, 17);
+    CHECK_EQ(h->consumers[C.index].delivered, 15);
+    REQUIRE(consumer_add(&fx, &E, 0) == 0); /* LEAVING without bits: reusable */
+    CHECK_EQ(E.index, B.index);
+
+    /* C stops reading (holds nothing): detached after max_lag + 1 more entries, no bit left,
+     * and retiring it frees its entry at once. */
+    for (uint64_t t = 17; t < 21; t++) {
+        PUBLISH(t);
+        TAKE(A, t, 1);
+        CHECK_EQ(state_of(fx.prod, C.index), t < 20 ? TS_CONSUMER_ACTIVE : TS_CONSUMER_DETACHED);
+    }
+    CHECK_EQ(h->lag_detached, 2);
+    CHECK(!bit_in_use(fx.prod, bitC));
+    CHECK_ST(ts_ring_acquire(C.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+    CHECK(strstr(err.msg, "max_lag=3") != NULL);
+    ts_ring_retire(fx.prod, C.index);
+    CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_FREE);
+    CHECK_EQ(h->active_mask, bitA);
+out:
+    consumer_drop(&A), consumer_drop(&B), consumer_drop(&C), consumer_drop(&D), consumer_drop(&E);
+    fx_destroy(&fx);
+}
+
+/* ts_ring_detach: unread entries dropped, held ones kept, a sleeping acquire woken. */
+static void test_detach_api(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0}, P = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    job dj = {.c = &A};
+    pthread_t th;
+    REQUIRE(fx_create(&fx, 4, 2, 4096) == 0);
+    ts_header *h = fx.prod->hdr;
+    REQUIRE(consumer_add(&fx, &A, 1) == 0 && consumer_add(&fx, &B, 1) == 0);
+    REQUIRE(consumer_add(&fx, &P, 0) == 0);
+    uint64_t bitA = 1ULL << A.index, bitB = 1ULL << B.index;
+    PUBLISH(0);
+    PUBLISH(1);
+    PUBLISH(2);
+    TAKE(B, 0, 0); /* holds 0 */
+    TAKE(B, 1, 1); /* read 1 */
+    ts_ring_detach(fx.prod, B.index, TS_REASON_DIED);
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_DETACHED);
+    CHECK_EQ(reason_of(fx.prod, B.index), TS_REASON_DIED);
+    CHECK_EQ(cursor_of(fx.prod, B.index), 2 | TS_CURSOR_DETACHED);
+    CHECK_EQ(h->active_mask, bitA);
+    CHECK_EQ(readers_of(fx.prod, 0), bitA | bitB);
+    CHECK_EQ(readers_of(fx.prod, 1), bitA);
+    CHECK_EQ(readers_of(fx.prod, 2), bitA);
+    CHECK_EQ(h->lag_detached, 0);
+    CHECK_EQ(h->consumers[B.index].delivered, 2);
+    CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+    PUBLISH(3);
+    CHECK_EQ(readers_of(fx.prod, 3), bitA);
+
+    /* Detaching again, a pending or an unknown consumer changes nothing. */
+    ts_ring_detach(fx.prod, B.index, TS_REASON_LAGGED);
+    CHECK_EQ(reason_of(fx.prod, B.index), TS_REASON_DIED);
+    ts_ring_detach(fx.prod, P.index, TS_REASON_LAGGED);
+    CHECK_EQ(state_of(fx.prod, P.index), TS_CONSUMER_PENDING);
+    ts_ring_detach(fx.prod, TS_MAX_CONSUMERS, TS_REASON_LAGGED);
+    CHECK_EQ(h->active_mask, bitA);
+
+    /* Not reused while DETACHED; retire: LEAVING while entry 0 is held, reusable after. */
+    uint32_t idx;
+    uint64_t tok;
+    REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, &idx, &tok, &err));
+    CHECK(idx != B.index);
+    ts_ring_retire(fx.prod, idx);
+    ts_ring_retire(fx.prod, B.index);
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_LEAVING);
+    ts_ring_release(B.ring, 0, B.index);
+    CHECK(!bit_in_use(fx.prod, bitB));
+    REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, &idx, &tok, &err));
+    CHECK_EQ(idx, B.index);
+
+    /* A consumer asleep in acquire is woken by detach. */
+    for (uint64_t seq = 0; seq < 4; seq++) TAKE(A, seq, 1);
+    REQUIRE(pthread_create(&th, NULL, drain_run, &dj) == 0);
+    sleep_ms(30);
+    uint64_t t = ts_now_ns();
+    ts_ring_detach(fx.prod, A.index, TS_REASON_LAGGED);
+    pthread_join(th, NULL);
+    CHECK_EQ(dj.st, TS_E_DETACHED);
+    CHECK(dj.t_end - t < 80 * MS); /* woken, not the 100 ms re-check */
+    CHECK_EQ(state_of(fx.prod, A.index), TS_CONSUMER_DETACHED);
+    CHECK(!bit_in_use(fx.prod, bitA));
+    ts_ring_retire(fx.prod, A.index); /* DETACHED with no bits: FREE at once */
+    CHECK_EQ(state_of(fx.prod, A.index), TS_CONSUMER_FREE);
+    CHECK_EQ(reason_of(fx.prod, A.index), TS_REASON_LAGGED);
+    CHECK_EQ(h->active_mask, 0);
+out:
+    consumer_drop(&A), consumer_drop(&B), consumer_drop(&P);
+    fx_destroy(&fx);
+}
+
+#define DR_BUDGET_MS 1000
+#define DR_MAX_ROUNDS 2000
+
+/* One consumer of the detach race: acquires until detached, checking what it got. */
+typedef struct racer {
+    consumer *c;
+    unsigned seed;
+    uint64_t next;     /* seq it expects next */
+    uint64_t got, bytes;
+    _Atomic int go;   /* 1: activated, start; -1: give up */
+    _Atomic int done;
+    ts_status st;
+    ts_err err;
+} racer;
+
+/* The producer side of the detach race: publish tag = seq until told to stop. */
+typedef struct race_producer {
+    fixture *fx;
+    _Atomic int stop;
+    uint64_t n;
+    ts_status st;
+    ts_err err;
+} race_producer;
+
+/* Publish in bursts of 1..7 entries with short pauses (a held slot only delays it) until stop. */
+static void *dr_producer(void *p)
+{
+    race_producer *j = p;
+    unsigned seed = 7;
+    j->st = TS_OK;
+    while (!atomic_load(&j->stop)) {
+        for (unsigned burst = (unsigned)rand_r(&seed) % 7 + 1; burst > 0; burst--) {
+            ts_status st = publish_tagged(j->fx->prod, j->n, deadline_ms(5), &j->err);
+            if (st == TS_OK) j->n++;
+            else if (st != TS_E_TIMEOUT) {
+                j->st = st;
+                return NULL;
+            }
+        }
+        /* Spin a few µs: the consumer catches up and races the next burst. */
+        for (uint64_t t = ts_now_ns() + (uint64_t)(rand_r(&seed) % 30) * 1000; ts_now_ns() < t;) {}
+    }
+    return NULL;
+}
+
+/* Acquire and release, sometimes slowly, until acquire fails; every entry must be ours. */
+static void *dr_consumer(void *p)
+{
+    racer *r = p;
+    consumer *c = r->c;
+    uint64_t bit = 1ULL << c->index;
+    ts_acquired a;
+    while (atomic_load(&r->go) == 0) sched_yield(); /* running when it is activated */
+    r->next = c->start_seq;
+    for (r->st = TS_E_INVALID; atomic_load(&r->go) > 0;) {
+        r->st = ts_ring_acquire(c->ring, deadline_ms(2000), &a, &r->err);
+        if (r->st != TS_OK) break;
+        /* Ours until released: our bit, consecutive seqs (never one twice), intact content. */
+        if (!CHECK(readers_of(c->ring, a.slot) & bit) || !CHECK_EQ(a.seq, r->next) ||
+            !CHECK(entry_ok(c->ring, &a, a.seq)))
+            break;
+        r->next = a.seq + 1;
+        r->got++;
+        r->bytes += ts_ring_slot(c->ring, a.slot)->used_bytes;
+        unsigned dice = (unsigned)rand_r(&r->seed) % 64;
+        if (dice == 0) sleep_us(500); /* slow while holding: detach must leave this entry */
+        if (!CHECK(readers_of(c->ring, a.slot) & bit) || !CHECK(entry_ok(c->ring, &a, a.seq)))
+            break;
+        ts_ring_release(c->ring, a.slot, c->index);
+        if (dice == 1) sleep_us(500); /* slow between entries: falls behind */
+    }
+    /* A detach sets the cursor flag before it takes any entry back. */
+    if (r->st == TS_E_DETACHED)
+        CHECK(atomic_load(&c->ring->hdr->consumers[c->index].cursor) & TS_CURSOR_DETACHED);
+    atomic_store(&r->done, 1);
+    return NULL;
+}
+
+/* Detach (for lag by the producer, or by ts_ring_detach from a third thread) races acquire. */
+static void test_detach_race(void)
+{
+    fixture fx = {0};
+    consumer c = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    race_producer pj = {.fx = &fx};
+    pthread_t tp, tc;
+    int rounds = 0, lagged = 0, started = 0;
+    uint64_t entries = 0;
+    unsigned seed = 20240611;
+    ts_header *h = NULL;
+    REQUIRE(fx_create(&fx, 8, 2, 4096) == 0);
+    h = fx.prod->hdr;
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, 4, &err));
+    REQUIRE(pthread_create(&tp, NULL, dr_producer, &pj) == 0);
+    started = 1;
+    for (uint64_t until = deadline_ms(DR_BUDGET_MS);
+         ts_now_ns() < until && rounds < DR_MAX_ROUNDS && atomic_load(&g_failed_checks) == 0;
+         rounds++) {
+        racer r = {.c = &c, .seed = seed + (unsigned)rounds};
+        if (consumer_add(&fx, &c, 0) != 0) break;
+        uint64_t bit = 1ULL << c.index;
+        if (!CHECK(pthread_create(&tc, NULL, dr_consumer, &r) == 0)) break;
+        ts_status st = ts_ring_activate(fx.prod, c.index, &c.start_seq, &err);
+        atomic_store(&r.go, st == TS_OK ? 1 : -1);
+        if (!CHECK_ST(st, TS_OK)) {
+            pthread_join(tc, NULL);
+            break;
+        }
+        /* Odd rounds: detach it ourselves after a random short while, if it still runs.
+         * Even rounds: let it lag, but never wait more than 100 ms. */
+        uint64_t give_up = ts_now_ns() + (rounds % 2 ? (uint64_t)(rand_r(&seed) % 300) * 1000
+                                                     : 100 * MS);
+        while (!atomic_load(&r.done) && ts_now_ns() < give_up) sleep_us(20);
+        ts_ring_detach(fx.prod, c.index, TS_REASON_DIED);
+        pthread_join(tc, NULL);
+        if (!CHECK_EQ(r.st, TS_E_DETACHED)) printf("  consumer: %s\n", r.err.msg);
+        ts_consumer *ce = &h->consumers[c.index];
+        uint32_t reason = reason_of(fx.prod, c.index);
+        CHECK_EQ(state_of(fx.prod, c.index), TS_CONSUMER_DETACHED);
+        CHECK(reason == TS_REASON_LAGGED || reason == TS_REASON_DIED);
+        lagged += reason == TS_REASON_LAGGED;
+        CHECK_EQ(ce->cursor, r.next | TS_CURSOR_DETACHED);
+        CHECK_EQ(ce->first_seq, c.start_seq);
+        CHECK_EQ(ce->delivered, r.got);
+        CHECK_EQ(ce->delivered_bytes, r.bytes);
+        CHECK(!bit_in_use(fx.prod, bit)); /* all released, the rest dropped */
+        CHECK_ST(ts_ring_acquire(c.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+        ts_ring_retire(fx.prod, c.index);
+        CHECK_EQ(state_of(fx.prod, c.index), TS_CONSUMER_FREE);
+        consumer_drop(&c);
+        entries += r.got;
+    }
+out:
+    if (started) {
+        atomic_store(&pj.stop, 1);
+        pthread_join(tp, NULL);
+        if (!CHECK_EQ(pj.st, TS_OK)) printf("  producer: %s\n", pj.err.msg);
+        CHECK_EQ(h->lag_detached, lagged);
+        CHECK(rounds >= 10);
+        CHECK(lagged > 0);
+        CHECK(entries > 0);
+        if (atomic_load(&g_failed_checks) != 0)
+            printf("  %d rounds, %d lagged, %llu entries, %llu published\n", rounds, lagged,
+                   (unsigned long long)entries, (unsigned long long)pj.n);
+    }
+    consumer_drop(&c);
+    fx_destroy(&fx);
+}
+
 /* ---- registry and main ------------------------------------------------------------ */
 
 static const struct {
@@ -777,6 +1342,10 @@ static const struct {
     {"too_big", test_too_big},           {"finish", test_finish},
     {"cross_thread", test_cross_thread}, {"proc_alive", test_proc_alive},
     {"handshake_errors", test_handshake_errors},
+    {"policy", test_policy},             {"late_joiner", test_late_joiner},
+    {"window_holds_slot", test_window_holds_slot}, {"join_epoch", test_join_epoch},
+    {"laggard", test_laggard},           {"detach_api", test_detach_api},
+    {"detach_race", test_detach_race},
 };
 
 int main(int argc, char **argv)

@@ -1,0 +1,175 @@
+"""Re-batching: cut the producer's batches into batches of the consumer's size.
+
+A batch is a nest of tuples, lists, dicts and namedtuples over tensors and
+plain values, as the loader made it. Its *samples* run along dimension 0 of
+its tensors; the sample count is that of its first tensor (depth first) with
+at least one dimension. Cutting follows these rules:
+
+- torch tensors and numpy arrays with a batch dimension are sliced along it
+  (a view: zero-copy) or, when a consumer batch spans two loader batches,
+  concatenated (one copy of just those samples). Every such tensor must have
+  the batch's sample count as its first dimension.
+- A list of plain values (str, int, ...) as long as the batch is per-sample
+  data (``default_collate`` turns strings into such lists): it is sliced and
+  concatenated like a tensor.
+- Anything else - plain values, 0-d tensors, numpy scalars - is per-batch
+  data: it is passed through as is, and a consumer batch that spans two
+  loader batches carries the value of the first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+class EpochEnd(Exception):
+    """Raised by a batch source when the consumer's epoch has no more batches."""
+
+
+def batch_samples(batch: Any) -> int:
+    """Sample count of a batch: dim 0 of its first tensor with a dimension."""
+    n = _first_len(batch)
+    if n is None:
+        raise ValueError(
+            "batch_size= needs batches with a batch dimension, but this batch holds no "
+            "tensor or array with at least one dimension; use batch_size=None"
+        )
+    return n
+
+
+def _first_len(obj: Any) -> int | None:
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return int(obj.shape[0]) if obj.ndim >= 1 else None
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            n = _first_len(item)
+            if n is not None:
+                return n
+    return None
+
+
+def _is_sample_list(obj: Any, n: int) -> bool:
+    """A list of n plain values: per-sample data."""
+    return isinstance(obj, list) and len(obj) == n and n > 0 and \
+        all(isinstance(v, _PLAIN) for v in obj)
+
+
+# A piece of a consumer batch: samples [start, stop) of a loader batch of n samples.
+Piece = tuple[Any, int, int, int]
+
+
+def combine(pieces: list[Piece]) -> Any:
+    """The consumer batch made of these pieces, in order."""
+    obj, start, stop, n = pieces[0]
+    if len(pieces) == 1 and start == 0 and stop == n:
+        return obj  # a whole loader batch: hand it over untouched
+    return _combine(pieces, "batch")
+
+
+def _combine(pieces: list[Piece], path: str) -> Any:
+    first = pieces[0][0]
+    if isinstance(first, (torch.Tensor, np.ndarray)):
+        if first.ndim == 0:
+            return first
+        parts = []
+        for obj, start, stop, n in pieces:
+            if not isinstance(obj, type(first)) or obj.ndim == 0 or obj.shape[0] != n:
+                shape = tuple(getattr(obj, "shape", ()))
+                raise ValueError(
+                    f"cannot cut {path} (shape {shape}) into batch_size= batches: the batch has "
+                    f"{n} samples, and every tensor with a dimension must have them along "
+                    "dimension 0; use batch_size=None for this loader"
+                )
+            parts.append(obj[start:stop])
+        if len(parts) == 1:
+            return parts[0]
+        if isinstance(first, torch.Tensor):
+            return torch.cat(parts)
+        return np.concatenate(parts)
+    if isinstance(first, list) and _is_sample_list(first, pieces[0][3]):
+        out: list = []
+        for obj, start, stop, n in pieces:
+            if not _is_sample_list(obj, n):
+                raise ValueError(f"{path} is per-sample in one batch but not in the next")
+            out.extend(obj[start:stop])
+        return out
+    if isinstance(first, (list, tuple)):
+        width = len(first)
+        for obj, *_ in pieces[1:]:
+            if type(obj) is not type(first) or len(obj) != width:
+                raise ValueError(f"{path} changes structure between loader batches")
+        items = [_combine([(obj[j], s, e, n) for obj, s, e, n in pieces], f"{path}[{j}]")
+                 for j in range(width)]
+        if isinstance(first, list):
+            return items
+        if hasattr(type(first), "_fields"):
+            return type(first)(*items)
+        return tuple(items)
+    if isinstance(first, dict):
+        keys = list(first.keys())
+        for obj, *_ in pieces[1:]:
+            if not isinstance(obj, dict) or list(obj.keys()) != keys:
+                raise ValueError(f"{path} changes keys between loader batches")
+        return {k: _combine([(obj[k], s, e, n) for obj, s, e, n in pieces], f"{path}[{k!r}]")
+                for k in keys}
+    return first  # per-batch value: the first loader batch's
+
+
+class Rebatcher:
+    """Cuts a stream of loader batches into batches of batch_size samples.
+
+    next_batch(pull) returns the next consumer batch; pull() gives the next
+    loader batch of the consumer's epoch or raises EpochEnd. At the end of an
+    epoch the last, partial batch is returned unless drop_last; then EpochEnd
+    propagates. Samples never cross an epoch boundary.
+    """
+
+    def __init__(self, batch_size: int, drop_last: bool = False) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self._current: list | None = None  # [loader batch, n, offset]
+        self.dropped_samples = 0
+
+    def reset(self) -> None:
+        """Forget a partly used loader batch (the epoch was cut short)."""
+        self._current = None
+
+    def next_batch(self, pull: Callable[[], Any]) -> Any:
+        pieces: list[Piece] = []
+        need = self.batch_size
+        while need > 0:
+            if self._current is None:
+                try:
+                    batch = pull()
+                except EpochEnd:
+                    if pieces and not self.drop_last:
+                        return combine(pieces)
+                    self.dropped_samples += sum(stop - start for _, start, stop, _ in pieces)
+                    raise
+                n = batch_samples(batch)
+                if n == 0:
+                    continue
+                self._current = [batch, n, 0]
+            batch, n, offset = self._current
+            take = min(need, n - offset)
+            pieces.append((batch, offset, offset + take, n))
+            need -= take
+            if offset + take == n:
+                self._current = None
+            else:
+                self._current[2] = offset + take
+        return combine(pieces)
+
+
+def consumer_len(samples: int, batch_size: int, drop_last: bool) -> int:
+    """Batches per epoch for `samples` samples."""
+    return samples // batch_size if drop_last else -(-samples // batch_size)
