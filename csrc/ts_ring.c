@@ -506,25 +506,46 @@ void ts_ring_evict(ts_ring *ring, uint32_t index)
     ts_signal(&h->roster_word, &h->roster_waiters);
 }
 
-/* Detach every consumer more than max_lag entries behind (lock held). */
-static int ts_detach_laggards_locked(ts_ring *ring, uint64_t published)
+/* Detach every consumer more than max_lag entries behind the fastest one
+ * (lock held). A consumer alone, or all of them equally slow, hold nobody
+ * back and are never detached. Returns how many were detached. */
+static int ts_detach_laggards_locked(ts_ring *ring)
 {
     ts_header *h = ring->hdr;
     uint64_t max_lag = atomic_load_explicit(&h->max_lag, memory_order_relaxed);
+    uint64_t cursors[TS_MAX_CONSUMERS], lead = 0;
     int n = 0;
     if (max_lag == 0) return 0;
     uint64_t mask = atomic_load_explicit(&h->active_mask, memory_order_seq_cst);
     for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
+        cursors[i] = TS_CURSOR_DETACHED;
         if (!(mask & (1ULL << i))) continue;
-        uint64_t cursor = atomic_load_explicit(&h->consumers[i].cursor, memory_order_acquire);
-        if (cursor & TS_CURSOR_DETACHED) continue;
-        if (published - cursor > max_lag) {
+        cursors[i] = atomic_load_explicit(&h->consumers[i].cursor, memory_order_acquire);
+        if (!(cursors[i] & TS_CURSOR_DETACHED) && cursors[i] > lead) lead = cursors[i];
+    }
+    for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
+        if (cursors[i] & TS_CURSOR_DETACHED) continue;
+        if (lead - cursors[i] > max_lag) {
             ts_detach_locked(ring, i, TS_REASON_LAGGED);
             atomic_fetch_add_explicit(&h->lag_detached, 1, memory_order_relaxed);
             n++;
         }
     }
     return n;
+}
+
+/* Detach laggards now; wake whoever should notice. */
+static void ts_detach_laggards(ts_ring *ring)
+{
+    ts_header *h = ring->hdr;
+    if (atomic_load_explicit(&h->max_lag, memory_order_relaxed) == 0) return;
+    pthread_mutex_lock(&ring->lock);
+    int n = ts_detach_laggards_locked(ring);
+    pthread_mutex_unlock(&ring->lock);
+    if (n > 0) {
+        ts_signal(&h->roster_word, &h->roster_waiters);
+        ts_signal(&h->pub_word, &h->pub_waiters);
+    }
 }
 
 /* ==========================================================================
@@ -590,9 +611,18 @@ static int ts_slot_is_free(const ts_ring *ring, const void *slot)
 static ts_status ts_wait_slot_free(ts_ring *ring, ts_slot *s, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
+    ts_status st = TS_OK;
     if (ts_slot_is_free(ring, s)) return TS_OK;
     uint64_t t0 = ts_now_ns();
-    ts_status st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_slot_is_free, s, deadline);
+    for (;;) {
+        /* A consumer behind by more than max_lag must not hold the others back:
+         * look again after every slice, as the fastest one moves on meanwhile. */
+        ts_detach_laggards(ring);
+        uint64_t until = ts_now_ns() + TS_SLICE_NS;
+        st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_slot_is_free, s,
+                         until < deadline ? until : deadline);
+        if (st != TS_E_TIMEOUT || ts_now_ns() >= deadline) break;
+    }
     atomic_fetch_add_explicit(&h->publish_wait_ns, ts_now_ns() - t0, memory_order_relaxed);
     if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
     if (st == TS_E_TIMEOUT)
@@ -664,7 +694,7 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
     atomic_store_explicit(&h->published, seq + 1, memory_order_seq_cst);
     if (kind == TS_ENTRY_END_EPOCH)
         atomic_store_explicit(&h->epoch_first_seq, seq + 1, memory_order_relaxed);
-    int detached = ts_detach_laggards_locked(ring, seq + 1);
+    int detached = ts_detach_laggards_locked(ring);
     pthread_mutex_unlock(&ring->lock);
     ring->bytes_copied += off + meta_bytes;
     if (detached) ts_signal(&h->roster_word, &h->roster_waiters);

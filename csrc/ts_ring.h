@@ -23,9 +23,10 @@
  *    stay readable (window <= slot_count - 1, so the slot being written is
  *    never among them). A consumer activated mid-epoch starts at the oldest of
  *    them: activation ORs its bit into their reader bitmaps.
- *  - Laggards: with max_lag > 0, after each publication every consumer more
- *    than max_lag entries behind is detached (its unread entries are dropped;
- *    slots it holds views of stay held until the views die).
+ *  - Laggards: with max_lag > 0, a consumer more than max_lag entries behind
+ *    the fastest consumer is detached when the producer publishes or waits for
+ *    a slot (its unread entries are dropped; slots it holds views of stay held
+ *    until the views die).
  */
 #ifndef TS_RING_H
 #define TS_RING_H

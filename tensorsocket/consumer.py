@@ -291,6 +291,14 @@ class TensorConsumer:
     def _rejoin(self) -> None:
         """Attach again as a late joiner after the producer detached us for lagging."""
         old_cursor = self._ring.consumer(self._index)["cursor"]
+        info = self._ring.info()
+        if info["state"] == _core.RING_FINISHED or not _core.process_alive(
+                info["producer_pid"], info["producer_start_time"]):
+            self._in_epoch = False
+            raise ProducerFinished(
+                f"this consumer fell more than max_lag={self.max_lag} batches behind and was "
+                "detached, and the producer finished before it could attach again; it missed "
+                f"the last {info['published'] - old_cursor} ring entries")
         self._client.stop_heartbeats()
         welcome = self._client.hello(self.batch_size)
         if welcome["segment"] != self._segment:

@@ -53,13 +53,15 @@ class TensorProducer:
       name: producer name for rendezvous (default ``"default"``, or
         ``$TENSORSOCKET_NAME``); consumers with the same name find it.
       address: explicit ZeroMQ address (``ipc://...`` or ``tcp://host:port``).
-      min_consumers: consumers that must be attached before an epoch's
-        first batch is published (default 1).
+      min_consumers: consumers that must be attached before the first batch
+        is published (default 1). After that, whenever no consumer at all is
+        attached, the producer pauses (the loader is not run for nobody) until
+        one attaches; 0 never waits.
       start_timeout: seconds to wait for them (None: forever); TimeoutError after.
       rubber_band: the late-joiner window in batches (overrides rubber_band_pct).
       max_lag: detach a consumer that falls more than this many batches behind
-        the producer, so the others are not held back (default None: lossless,
-        the producer waits for the slowest consumer).
+        the fastest consumer, so the others are not held back (default None:
+        lossless, the producer waits for the slowest consumer).
       lag_policy: what a detached laggard does: ``"raise"`` (ConsumerDetached)
         or ``"rejoin"`` (a LagWarning, then it attaches again as a late joiner).
       ring_slots: slots in the ring (default: 4, or the window + 2, or
@@ -278,8 +280,7 @@ class TensorProducer:
                 meta, leaves = self._encode(batch)
                 if self._ring is None:
                     self._make_ring(meta, leaves)
-                if index == 0:
-                    self._wait_for_consumers()
+                self._wait_for_consumers()
                 self._publish(meta, leaves, index=index)
                 index += 1
                 yield batch
@@ -298,15 +299,22 @@ class TensorProducer:
         self.epoch += 1
 
     def _wait_for_consumers(self) -> None:
+        """Before the first batch: wait for min_consumers. Later: for at least one."""
         if self.min_consumers == 0:
             return
+        want = self.min_consumers if self._batches == 0 else 1
+        if self._ring.wait_consumers(want, 0):
+            return
+        if self._batches > 0:
+            log.info("no consumer attached: pausing until one attaches")
         start = time.perf_counter()
-        ok = self._ring.wait_consumers(self.min_consumers, self.start_timeout)
+        ok = self._ring.wait_consumers(want, self.start_timeout)
         self._wait_consumers_s += time.perf_counter() - start
         if not ok:
+            what = f"min_consumers={want}" if self._batches == 0 else "one"
             raise TimeoutError(
-                f"only {self._server.consumer_count()} of min_consumers={self.min_consumers} "
-                f"consumers attached within start_timeout={self.start_timeout} s "
+                f"only {self._server.consumer_count()} of {what} consumers attached within "
+                f"start_timeout={self.start_timeout} s "
                 f"(producer {self.endpoint.name!r} at {self.endpoint.address})"
             )
 

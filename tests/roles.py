@@ -13,12 +13,18 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tensorsocket import TensorConsumer, TensorProducer  # noqa: E402
+from tensorsocket import (  # noqa: E402
+    ConsumerDetached,
+    ProducerFinished,
+    TensorConsumer,
+    TensorProducer,
+)
 
 
 class CountingLoader:
@@ -38,6 +44,75 @@ class CountingLoader:
         for b in range(self.batches):
             yield make_batch(self.kind, self.epoch * 1000 + b)
         self.epoch += 1
+
+
+class SampleDataset(torch.utils.data.Dataset):
+    """Sample i of epoch e: id e * 100000 + i, a feature row and a per-sample name."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        sid = self.epoch * 100000 + i
+        return {"id": torch.tensor(sid), "x": torch.full((3,), float(sid)), "name": f"s{sid}"}
+
+
+def collate_with_tag(samples: list) -> dict:
+    """default_collate plus a per-batch plain value (passed through by re-batching)."""
+    batch = torch.utils.data.default_collate(samples)
+    batch["src"] = "loader"
+    return batch
+
+
+class SampleLoader(torch.utils.data.DataLoader):
+    """A real DataLoader whose dataset knows the epoch (for checkable sample ids)."""
+
+    def __iter__(self):
+        it = super().__iter__()
+        yield from it
+        self.dataset.epoch += 1
+
+
+class Gate:
+    """Hold the producer's loader before batch `index` of `epoch` until `consumers`
+    consumers are attached (a deterministic join point for late-joiner tests)."""
+
+    def __init__(self, spec: str | None, consumers: int) -> None:
+        self.at = tuple(int(x) for x in spec.split(":")) if spec else None
+        self.consumers = consumers
+        self.producer = None
+
+    def wrap(self, loader):
+        gate = self
+
+        class Gated:
+            def __init__(self):
+                self.epoch = 0
+                self.batch_size = getattr(loader, "batch_size", None)
+
+            def __len__(self):
+                return len(loader)
+
+            def __iter__(self):
+                for i, batch in enumerate(loader):
+                    if gate.at == (self.epoch, i):
+                        gate.hold()
+                    yield batch
+                self.epoch += 1
+
+        return Gated()
+
+    def hold(self) -> None:
+        print(json.dumps({"gate": True}), flush=True)
+        deadline = time.monotonic() + 60
+        while self.producer.stats()["consumers"] < self.consumers:
+            if time.monotonic() > deadline:
+                raise TimeoutError("nobody came to the gate")
+            time.sleep(0.01)
 
 
 def make_batch(kind: str, v: int):
@@ -78,14 +153,23 @@ def check_batch(kind: str, batch, v: int) -> None:
 
 
 def producer(a: argparse.Namespace) -> dict:
-    loader = CountingLoader(a.batches, a.kind)
-    kw = {} if a.port is None else {}
-    if a.port is not None:
-        p = TensorProducer(loader, str(a.port), str(a.port + 1), rubber_band_pct=0.02,
-                           min_consumers=a.min_consumers, ring_slots=a.slots, **kw)
+    if a.kind == "samples":
+        loader = SampleLoader(SampleDataset(a.samples), batch_size=a.loader_bs, shuffle=False,
+                              drop_last=a.loader_drop_last, collate_fn=collate_with_tag)
     else:
-        p = TensorProducer(loader, name=a.name, min_consumers=a.min_consumers,
-                           ring_slots=a.slots, start_timeout=a.start_timeout)
+        loader = CountingLoader(a.batches, a.kind)
+    gate = Gate(a.gate, a.gate_consumers)
+    if gate.at is not None:
+        loader = gate.wrap(loader)
+    kw = dict(min_consumers=a.min_consumers, ring_slots=a.slots, max_lag=a.max_lag,
+              lag_policy=a.lag_policy)
+    if a.window is not None:
+        kw["rubber_band"] = a.window
+    if a.port is not None:
+        p = TensorProducer(loader, str(a.port), str(a.port + 1), rubber_band_pct=0.02, **kw)
+    else:
+        p = TensorProducer(loader, name=a.name, start_timeout=a.start_timeout, **kw)
+    gate.producer = p
     print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     cpu0 = time.process_time()
     for _ in range(a.epochs):
@@ -97,37 +181,96 @@ def producer(a: argparse.Namespace) -> dict:
     return {"stats": stats, "drained": drained, "cpu": time.process_time() - cpu0}
 
 
+def _batch_value(kind: str, batch, e: int, seen: list) -> int:
+    """The value batch encodes (see make_batch)."""
+    if kind == "big":
+        return e * 1000 + len(seen)
+    first = batch[0] if kind == "tuple" else batch["x"]
+    return int(first.view(-1)[0].item())
+
+
 def consumer(a: argparse.Namespace) -> dict:
-    c = TensorConsumer(name=a.name, timeout=a.timeout) if a.port is None else \
-        TensorConsumer(str(a.port), str(a.port + 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _consume(a)
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return out
+
+
+def _open(a: argparse.Namespace) -> TensorConsumer:
+    kw = dict(batch_size=a.batch_size, drop_last=a.drop_last)
+    if a.port is None:
+        return TensorConsumer(name=a.name, timeout=a.timeout, **kw)
+    return TensorConsumer(str(a.port), str(a.port + 1), **kw)
+
+
+def _consume(a: argparse.Namespace) -> dict:
+    c = _open(a)
     info = c.ring.info()
     lo, hi = info["data_address"], info["data_address"] + info["data_bytes"]
-    epochs, inside, errors = [], True, []
-    for e in range(a.epochs):
-        seen = []
-        for item in c:
-            idx, batch = item if c.with_index else (None, item)
-            first = batch[0] if a.kind == "tuple" else batch if a.kind == "big" else batch["x"]
-            v = int(first.view(-1)[0].item()) if a.kind != "big" else None
-            if a.kind == "big":
-                v = e * 1000 + len(seen)
-            try:
-                check_batch(a.kind, batch, v)
-            except AssertionError as err:
-                errors.append(f"epoch {e} batch {len(seen)}: {err!r}"[:300])
-            inside &= lo <= first.data_ptr() < hi
-            if idx is not None and idx != len(seen):
-                errors.append(f"index {idx} != {len(seen)}")
-            seen.append(v)
-            if a.stall_after is not None and len(seen) == a.stall_after:
-                print(json.dumps({"stalled": True}), flush=True)
-                held = [batch]  # noqa: F841  (keep the batch's slot while we hang)
-                time.sleep(3600)
-            if a.delay:
-                time.sleep(a.delay)
-        epochs.append(seen)
-    out = {"epochs": epochs, "zero_copy": inside, "errors": errors, "len": len(c)}
+    epochs, sizes, inside, errors = [], [], True, []
+    outcome = "done"
+    n = 0
+    try:
+        for e in range(a.epochs):
+            seen: list = []
+            epoch_sizes: list = []
+            for item in c:
+                idx, batch = item if c.with_index else (None, item)
+                n += 1
+                if a.kind == "samples":
+                    ids = batch["id"].tolist()
+                    if batch["name"] != [f"s{i}" for i in ids] or batch["src"] != "loader":
+                        errors.append(f"epoch {e}: names {batch['name'][:3]} for ids {ids[:3]}")
+                    if not torch.equal(batch["x"][:, 0], batch["id"].float()):
+                        errors.append(f"epoch {e}: features do not match ids {ids[:3]}")
+                    seen.extend(ids)
+                    epoch_sizes.append(len(ids))
+                    first = batch["id"]
+                else:
+                    v = _batch_value(a.kind, batch, e, seen)
+                    try:
+                        check_batch(a.kind, batch, v)
+                    except AssertionError as err:
+                        errors.append(f"epoch {e} batch {len(seen)}: {err!r}"[:300])
+                    first = batch[0] if a.kind == "tuple" else batch if a.kind == "big" \
+                        else batch["x"]
+                    seen.append(v)
+                inside &= lo <= first.data_ptr() < hi
+                if idx is not None and idx != len(epoch_sizes or seen) - 1:
+                    errors.append(f"index {idx} at batch {len(seen)}")
+                if a.stall_after is not None and len(seen) == a.stall_after:
+                    print(json.dumps({"stalled": True}), flush=True)
+                    held = [batch]  # noqa: F841  (keep the batch's slot while we hang)
+                    time.sleep(3600)
+                del batch, item, first
+                if a.delay_first is None or n <= a.delay_first:
+                    time.sleep(a.delay)
+                else:
+                    time.sleep(a.delay_rest)
+                if a.leave_after is not None and n == a.leave_after:
+                    break
+            epochs.append(seen)
+            sizes.append(epoch_sizes)
+            if a.leave_after is not None and n == a.leave_after:
+                outcome = "left"
+                break
+    except (ConsumerDetached, ProducerFinished) as err:
+        outcome = f"{type(err).__name__}: {err}"
+    out = {"epochs": epochs, "sizes": sizes, "zero_copy": inside, "errors": errors,
+           "outcome": outcome, "stats": c.stats()}
+    try:
+        out["len"] = len(c)
+    except TypeError as err:
+        out["len"] = str(err)
     c.close()
+    if a.rejoin_epochs:
+        c2 = _open(a)
+        again = []
+        for _ in range(a.rejoin_epochs):
+            again.append([_batch_value(a.kind, b, 0, []) for b in c2])
+        out["rejoined"] = again
+        c2.close()
     return out
 
 
@@ -139,12 +282,27 @@ def main() -> None:
     ap.add_argument("--kind", default="mixed")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batches", type=int, default=10)
-    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--slots", type=int)
     ap.add_argument("--min-consumers", type=int, default=1)
     ap.add_argument("--start-timeout", type=float, default=60)
     ap.add_argument("--timeout", type=float, default=30)
     ap.add_argument("--delay", type=float, default=0.0)
     ap.add_argument("--stall-after", type=int)
+    ap.add_argument("--delay-first", type=int, help="sleep --delay only after the first N")
+    ap.add_argument("--delay-rest", type=float, default=0.0, help="... and this after them")
+    ap.add_argument("--samples", type=int, default=100)
+    ap.add_argument("--loader-bs", type=int, default=8)
+    ap.add_argument("--loader-drop-last", action="store_true")
+    ap.add_argument("--window", type=int)
+    ap.add_argument("--max-lag", type=int)
+    ap.add_argument("--lag-policy", default="raise")
+    ap.add_argument("--gate", help="EPOCH:INDEX where the producer waits for consumers")
+    ap.add_argument("--gate-consumers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--drop-last", action="store_true")
+    ap.add_argument("--leave-after", type=int, help="close after N batches")
+    ap.add_argument("--rejoin-epochs", type=int, default=0,
+                    help="after leaving, attach again in this process for N epochs")
     a = ap.parse_args()
     result = producer(a) if a.role == "producer" else consumer(a)
     print(json.dumps(result), flush=True)

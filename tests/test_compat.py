@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -68,12 +70,34 @@ print(len(consumer), seen)
 """
 
 
-def test_original_api_script_runs_unchanged():
+CONSUMER_BATCH_16 = """
+import torch
+from tensorsocket.consumer import TensorConsumer
+
+consumer = TensorConsumer("{port}", "{ack}", batch_size=16)
+seen = []
+for epoch in range(2):
+    for i, batch in enumerate(consumer):
+        b, (inputs, labels) = batch
+        want = torch.tensor([2 * i] * 8 + [2 * i + 1] * 8, dtype=labels.dtype)
+        assert b == i and inputs.shape == (16, 10) and torch.equal(labels, want), (b, labels)
+        assert torch.equal(inputs[:, 0], want)
+        seen.append(b)
+print(len(consumer), seen)
+"""
+
+
+@pytest.mark.parametrize("consumer, expected", [
+    (CONSUMER, f"20 {list(range(20)) * 2}"),
+    # The consumer asks for 16 samples per batch over a loader of batches of 8.
+    (CONSUMER_BATCH_16, f"10 {list(range(10)) * 2}"),
+], ids=["loader-batches", "batch_size-16"])
+def test_original_api_script_runs_unchanged(consumer, expected):
     port = _free_port_pair()
     fill = dict(port=port, ack=port + 1)
     prod = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PRODUCER).format(**fill)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    cons = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CONSUMER).format(**fill)],
+    cons = subprocess.Popen([sys.executable, "-c", textwrap.dedent(consumer).format(**fill)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         c_out, c_err = cons.communicate(timeout=90)
@@ -84,5 +108,5 @@ def test_original_api_script_runs_unchanged():
                 p.kill()
     assert cons.returncode == 0, c_err
     assert prod.returncode == 0, p_err
-    assert c_out.strip() == f"20 {list(range(20)) * 2}"
+    assert c_out.strip() == expected
     assert p_out.strip() == "finished"

@@ -243,6 +243,7 @@ static void *pub_run(void *p)
 {
     job *j = p;
     j->st = publish_tagged(j->fx->prod, j->n, deadline_ms(5000), &j->err);
+    j->t_end = ts_now_ns();
     return NULL;
 }
 
@@ -1016,7 +1017,8 @@ out:
     fx_destroy(&fx);
 }
 
-/* max_lag: a consumer more than max_lag behind is detached after a publish; the others go on. */
+/* max_lag: a consumer more than max_lag entries behind the FASTEST consumer is detached when
+ * the producer publishes; alone, equally behind, or a late joiner, it is not. */
 static void test_laggard(void)
 {
     fixture fx = {0};
@@ -1026,83 +1028,210 @@ static void test_laggard(void)
     REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);
     ts_header *h = fx.prod->hdr;
     REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, 3, &err));
-    REQUIRE(consumer_add(&fx, &A, 1) == 0 && consumer_add(&fx, &B, 1) == 0);
-    uint64_t bitA = 1ULL << A.index, bitB = 1ULL << B.index;
-    PUBLISH(0);
-    TAKE(A, 0, 1);
-    TAKE(B, 0, 0); /* B holds entry 0 and reads no further */
-    for (uint64_t t = 1; t < 4; t++) {
-        PUBLISH(t);
-        TAKE(A, t, 1);
-    }
-    /* 4 published, B's cursor 1: exactly max_lag behind is still fine. */
-    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_ACTIVE);
-    CHECK_EQ(h->lag_detached, 0);
 
-    /* A late joiner starts window (2) back: not a laggard at the next publish (lag 3). */
-    REQUIRE(consumer_add(&fx, &C, 1) == 0);
-    uint64_t bitC = 1ULL << C.index;
-    CHECK_EQ(C.start_seq, 2);
-    PUBLISH(4); /* 5 published: B is 4 behind */
-    TAKE(A, 4, 1);
-    CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_ACTIVE);
+    /* A consumer alone is never a laggard, however far behind the producer: 6 entries
+     * unread, the producer just blocks (its waits re-check the lag every 100 ms slice). */
+    REQUIRE(consumer_add(&fx, &A, 1) == 0);
+    uint64_t bitA = 1ULL << A.index;
+    for (uint64_t t = 0; t < 6; t++) PUBLISH(t);
+    uint64_t dl = deadline_ms(120);
+    CHECK_ST(publish_tagged(fx.prod, 6, dl, &err), TS_E_TIMEOUT);
+    CHECK(ts_now_ns() >= dl);
+    CHECK_EQ(published(&fx), 6);
+    CHECK_EQ(state_of(fx.prod, A.index), TS_CONSUMER_ACTIVE);
+    CHECK_EQ(cursor_of(fx.prod, A.index), 0);
+    CHECK_EQ(h->active_mask, bitA);
+    CHECK_EQ(h->lag_detached, 0);
+    for (uint64_t seq = 0; seq < 6; seq++) TAKE(A, seq, 1);
+
+    /* A late joiner starts window (2) back from the fastest: within max_lag, kept. */
+    REQUIRE(consumer_add(&fx, &B, 1) == 0);
+    uint64_t bitB = 1ULL << B.index;
+    CHECK_EQ(B.start_seq, 4);
+    for (uint32_t k = 0; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), k >= 4 ? bitB : 0);
+    PUBLISH(6); /* A 6, B 4 */
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_ACTIVE);
+    TAKE(A, 6, 1);
+    PUBLISH(7); /* A 7, B 4: exactly max_lag behind is still fine */
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_ACTIVE);
+    TAKE(B, 4, 0); /* B holds entry 4 and reads no further */
+    TAKE(A, 7, 1);
+    PUBLISH(8); /* A 8, B 5 */
+    TAKE(A, 8, 1);
+    /* A 9, B 5: too far behind, but only a publish (or a producer wait) looks. */
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_ACTIVE);
+    CHECK_EQ(h->active_mask, bitA | bitB);
+    CHECK_EQ(h->lag_detached, 0);
+    PUBLISH(9); /* slot 3 */
     CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_DETACHED);
     CHECK_EQ(reason_of(fx.prod, B.index), TS_REASON_LAGGED);
+    CHECK_EQ(state_of(fx.prod, A.index), TS_CONSUMER_ACTIVE);
     CHECK_EQ(h->lag_detached, 1);
-    CHECK_EQ(h->active_mask, bitA | bitC);
-    CHECK_EQ(cursor_of(fx.prod, B.index), 1 | TS_CURSOR_DETACHED);
-    CHECK_EQ(readers_of(fx.prod, 0), bitB); /* held: kept until released */
-    for (uint32_t k = 1; k < 5; k++) CHECK_EQ(readers_of(fx.prod, k) & bitB, 0); /* unread */
-    CHECK_EQ(readers_of(fx.prod, 4), bitC);
+    CHECK_EQ(h->active_mask, bitA);
+    CHECK_EQ(cursor_of(fx.prod, B.index), 5 | TS_CURSOR_DETACHED);
+    CHECK_EQ(readers_of(fx.prod, 4), bitB); /* held: kept until released */
+    for (uint32_t k = 0; k < 6; k++) /* unread 5..9, even entry 9 just published to it */
+        if (k != 4) CHECK_EQ(readers_of(fx.prod, k) & bitB, 0);
+    CHECK_EQ(readers_of(fx.prod, 3), bitA);
     CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
     CHECK(strstr(err.msg, "max_lag=3") != NULL);
     CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
-    a.slot = 0, a.seq = 0;
-    CHECK(entry_ok(B.ring, &a, 0)); /* the held entry is intact */
+    a.slot = 4, a.seq = 4;
+    CHECK(entry_ok(B.ring, &a, 4)); /* the held entry is intact */
 
     /* A DETACHED entry is not handed out again, even once its bits are gone. */
     REQUIRE(consumer_add(&fx, &D, 0) == 0);
     CHECK(D.index != B.index);
     CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_DETACHED);
     ts_ring_retire(fx.prod, D.index);
-    /* Retiring it while it still holds entry 0: LEAVING, the reason stays LAGGED. */
+    consumer_drop(&D);
+    /* Retiring it while it still holds entry 4: LEAVING, the reason stays LAGGED. */
     ts_ring_retire(fx.prod, B.index);
     CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_LEAVING);
     CHECK_EQ(reason_of(fx.prod, B.index), TS_REASON_LAGGED);
-    CHECK_EQ(readers_of(fx.prod, 0), bitB);
+    CHECK_EQ(readers_of(fx.prod, 4), bitB);
     CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
-    ts_ring_release(B.ring, 0, B.index);
-    CHECK_EQ(readers_of(fx.prod, 0), 0);
+    ts_ring_release(B.ring, 4, B.index);
+    CHECK_EQ(readers_of(fx.prod, 4), 0);
 
-    /* A and C go on losslessly; the slots B dropped are free for the producer. */
-    for (uint64_t seq = 2; seq < 5; seq++) TAKE(C, seq, 1);
-    for (uint64_t t = 5; t < 17; t++) {
-        PUBLISH(t);
-        TAKE(A, t, 1);
-        TAKE(C, t, 1);
-    }
+    /* Two consumers equally behind hold nobody back: 6 entries unread by both, the producer
+     * blocks, neither is detached. */
+    TAKE(A, 9, 1);
+    REQUIRE(consumer_add(&fx, &C, 1) == 0);
+    uint64_t bitC = 1ULL << C.index;
+    CHECK_EQ(C.start_seq, 8);
+    TAKE(C, 8, 1);
+    TAKE(C, 9, 1);
+    for (uint64_t t = 10; t < 16; t++) PUBLISH(t);
+    CHECK_ST(publish_tagged(fx.prod, 16, deadline_ms(20), &err), TS_E_TIMEOUT);
+    CHECK_EQ(published(&fx), 16);
+    CHECK_EQ(state_of(fx.prod, A.index), TS_CONSUMER_ACTIVE);
+    CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_ACTIVE);
+    CHECK_EQ(h->active_mask, bitA | bitC);
     CHECK_EQ(h->lag_detached, 1);
-    CHECK_EQ(h->consumers[A.index].delivered, 17);
-    CHECK_EQ(h->consumers[C.index].delivered, 15);
+
+    /* A and C go on losslessly; the slots B dropped were free for the producer. */
+    for (uint64_t seq = 10; seq < 16; seq++) {
+        TAKE(A, seq, 1);
+        TAKE(C, seq, 1);
+    }
+    for (uint32_t k = 0; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), 0);
+    CHECK_EQ(h->consumers[A.index].delivered, 16);
+    CHECK_EQ(h->consumers[C.index].delivered, 8);
     REQUIRE(consumer_add(&fx, &E, 0) == 0); /* LEAVING without bits: reusable */
     CHECK_EQ(E.index, B.index);
 
-    /* C stops reading (holds nothing): detached after max_lag + 1 more entries, no bit left,
-     * and retiring it frees its entry at once. */
-    for (uint64_t t = 17; t < 21; t++) {
+    /* C stops reading (holds nothing) while A goes on: detached at the first publish that
+     * finds A more than max_lag ahead of it (A 20, C 16), with no bit left; retiring it frees
+     * its entry at once. */
+    for (uint64_t t = 16; t < 21; t++) {
         PUBLISH(t);
-        TAKE(A, t, 1);
         CHECK_EQ(state_of(fx.prod, C.index), t < 20 ? TS_CONSUMER_ACTIVE : TS_CONSUMER_DETACHED);
+        TAKE(A, t, 1);
     }
     CHECK_EQ(h->lag_detached, 2);
+    CHECK_EQ(reason_of(fx.prod, C.index), TS_REASON_LAGGED);
+    CHECK_EQ(cursor_of(fx.prod, C.index), 16 | TS_CURSOR_DETACHED);
     CHECK(!bit_in_use(fx.prod, bitC));
     CHECK_ST(ts_ring_acquire(C.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
     CHECK(strstr(err.msg, "max_lag=3") != NULL);
     ts_ring_retire(fx.prod, C.index);
     CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_FREE);
     CHECK_EQ(h->active_mask, bitA);
+    CHECK_EQ(h->consumers[A.index].delivered, 21);
 out:
     consumer_drop(&A), consumer_drop(&B), consumer_drop(&C), consumer_drop(&D), consumer_drop(&E);
+    fx_destroy(&fx);
+}
+
+/* A producer blocked on a slow consumer's slot detaches it once the fastest consumer is more
+ * than max_lag ahead of it (within about one 100 ms wait slice), then publishes; a slot the
+ * laggard still holds stays held until released. */
+static void test_laggard_blocked(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0}, C = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    job pj = {.fx = &fx, .n = 6};
+    pthread_t th;
+    int running = 0;
+    REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);
+    ts_header *h = fx.prod->hdr;
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, 3, &err));
+    REQUIRE(consumer_add(&fx, &A, 1) == 0 && consumer_add(&fx, &B, 1) == 0);
+    uint64_t bitA = 1ULL << A.index, bitB = 1ULL << B.index;
+    for (uint64_t t = 0; t < 6; t++) PUBLISH(t);
+    for (uint64_t seq = 0; seq < 3; seq++) TAKE(A, seq, 1);
+    /* A 3, B 0: exactly max_lag behind; the producer waits for slot 0 without detaching. */
+    CHECK_ST(publish_tagged(fx.prod, 6, deadline_ms(20), &err), TS_E_TIMEOUT);
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_ACTIVE);
+
+    /* A publisher blocked on slot 0 for more than one slice: B still kept. */
+    REQUIRE(pthread_create(&th, NULL, pub_run, &pj) == 0);
+    running = 1;
+    sleep_ms(120);
+    CHECK_EQ(published(&fx), 6);
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_ACTIVE);
+    CHECK_EQ(h->lag_detached, 0);
+    /* A reads on (4 ahead): the waiting publisher detaches B at its next slice and goes on. */
+    TAKE(A, 3, 1);
+    uint64_t t = ts_now_ns();
+    pthread_join(th, NULL);
+    running = 0;
+    if (!CHECK_EQ(pj.st, TS_OK)) printf("  publisher: %s\n", pj.err.msg);
+    CHECK(pj.t_end - t < 250 * MS); /* one 100 ms slice, plus slack for a busy machine */
+    CHECK_EQ(published(&fx), 7);
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_DETACHED);
+    CHECK_EQ(reason_of(fx.prod, B.index), TS_REASON_LAGGED);
+    CHECK_EQ(h->lag_detached, 1);
+    CHECK_EQ(h->active_mask, bitA);
+    CHECK_EQ(cursor_of(fx.prod, B.index), 0 | TS_CURSOR_DETACHED);
+    CHECK_EQ(seq_of(fx.prod, 0), 6);
+    CHECK_EQ(readers_of(fx.prod, 0), bitA);
+    for (uint32_t k = 1; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), k >= 4 ? bitA : 0);
+    CHECK(!bit_in_use(fx.prod, bitB));
+    CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+    CHECK(strstr(err.msg, "max_lag=3") != NULL);
+    ts_ring_retire(fx.prod, B.index); /* no bit left: FREE at once */
+    CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_FREE);
+    for (uint64_t seq = 4; seq < 7; seq++) TAKE(A, seq, 1);
+
+    /* A late joiner (window 2 behind A) is kept; once it holds the slot the producer needs
+     * and A is 5 ahead, the waiting producer detaches it, but the held slot stays held. */
+    REQUIRE(consumer_add(&fx, &C, 1) == 0);
+    uint64_t bitC = 1ULL << C.index;
+    CHECK_EQ(C.start_seq, 5);
+    PUBLISH(7);
+    CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_ACTIVE);
+    TAKE(C, 5, 0); /* holds entry 5 (slot 5) */
+    for (uint64_t tag = 8; tag < 11; tag++) PUBLISH(tag);
+    CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_ACTIVE);
+    for (uint64_t seq = 7; seq < 11; seq++) TAKE(A, seq, 1);
+    CHECK_ST(publish_tagged(fx.prod, 11, deadline_ms(20), &err), TS_E_TIMEOUT);
+    CHECK_EQ(published(&fx), 11);
+    CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_DETACHED);
+    CHECK_EQ(reason_of(fx.prod, C.index), TS_REASON_LAGGED);
+    CHECK_EQ(h->lag_detached, 2);
+    CHECK_EQ(h->active_mask, bitA);
+    CHECK_EQ(cursor_of(fx.prod, C.index), 6 | TS_CURSOR_DETACHED);
+    for (uint32_t k = 0; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), k == 5 ? bitC : 0);
+    CHECK_ST(ts_ring_acquire(C.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+    a.slot = 5, a.seq = 5;
+    CHECK(entry_ok(C.ring, &a, 5)); /* the held entry is intact */
+    ts_ring_release(C.ring, 5, C.index);
+    PUBLISH(11);
+    CHECK_EQ(readers_of(fx.prod, 5), bitA);
+    TAKE(A, 11, 1);
+    ts_ring_retire(fx.prod, C.index);
+    CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_FREE);
+    CHECK_EQ(h->consumers[A.index].delivered, 12);
+out:
+    if (running) {
+        ts_ring_detach(fx.prod, B.index, TS_REASON_DIED); /* frees slot 0 for the publisher */
+        pthread_join(th, NULL);
+    }
+    consumer_drop(&A), consumer_drop(&B), consumer_drop(&C);
     fx_destroy(&fx);
 }
 
@@ -1344,7 +1473,8 @@ static const struct {
     {"handshake_errors", test_handshake_errors},
     {"policy", test_policy},             {"late_joiner", test_late_joiner},
     {"window_holds_slot", test_window_holds_slot}, {"join_epoch", test_join_epoch},
-    {"laggard", test_laggard},           {"detach_api", test_detach_api},
+    {"laggard", test_laggard},           {"laggard_blocked", test_laggard_blocked},
+    {"detach_api", test_detach_api},
     {"detach_race", test_detach_race},
 };
 

@@ -1,0 +1,182 @@
+"""Flexible consumers in real processes: late joiners, own batch sizes, different
+speeds, the laggard policy, leaving and attaching again."""
+
+from __future__ import annotations
+
+import pytest
+
+from roles import SampleDataset  # noqa: F401  (roles must import cleanly)
+
+
+def _batches(epoch: int, start: int, stop: int) -> list[int]:
+    """Values of batches [start, stop) of a producer epoch (CountingLoader: e*1000+b)."""
+    return [epoch * 1000 + b for b in range(start, stop)]
+
+
+@pytest.mark.parametrize(
+    "window, gate, first_epoch",
+    [
+        # Joins at epoch 1, batch 37 with a window of 10: starts at batch 27; its epoch
+        # is the next 100 batches, wrapping into the producer's epoch 2.
+        (10, "1:37", _batches(1, 27, 100) + _batches(2, 0, 27)),
+        # A window reaching back past the epoch start is cut there: an aligned epoch.
+        (50, "1:37", _batches(1, 0, 100)),
+        # No window: it starts at the current batch.
+        (0, "1:37", _batches(1, 37, 100) + _batches(2, 0, 37)),
+        # Between epochs: it starts at the next epoch's first batch.
+        (10, "1:0", _batches(1, 0, 100)),
+    ],
+    ids=["window-mid-epoch", "window-to-epoch-start", "no-window", "between-epochs"],
+)
+def test_late_joiner_sees_exact_batches(procs, name, window, gate, first_epoch):
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                       "--batches", "100", "--window", str(window), "--gate", gate)
+    procs.wait_ready(prod)
+    early = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3")
+    assert procs.wait_ready(prod) == {"gate": True}  # the producer holds before `gate`
+    late = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2")
+    e, l, p = procs.result(early), procs.result(late), procs.result(prod)
+
+    # The consumer that was there from the start got every batch once, in order.
+    assert e["epochs"] == [_batches(k, 0, 100) for k in range(3)] and e["errors"] == []
+    assert l["errors"] == [] and l["len"] == 100
+    assert l["epochs"][0] == first_epoch
+    # Its next epoch continues where the first ended. If that runs past the producer's
+    # last epoch, it ends early with a warning.
+    rest = first_epoch[-1] + 1
+    second = [v for v in range(rest, 3000) if v % 1000 < 100][:100]
+    if first_epoch[0] % 1000 == 0:
+        assert l["epochs"][1] == second and l["warnings"] == []
+    else:
+        assert l["epochs"][1] == [v for v in second if v < 2100]
+        assert any("finished in the middle" in w for w in l["warnings"]), l["warnings"]
+    assert p["drained"] is True and p["stats"]["window"] == window
+
+
+def _sample_ids(epoch: int, stop: int) -> list[int]:
+    return [epoch * 100000 + i for i in range(stop)]
+
+
+def test_own_batch_sizes_deliver_every_sample_once_in_order(procs, name):
+    """Loader batch size P = 8 over 100 samples (last loader batch: 4 samples);
+    consumers with B = P/4, 2P, 3 and 3 with drop_last, all from one producer."""
+    prod = procs.start("producer", "--name", name, "--kind", "samples", "--samples", "100",
+                       "--loader-bs", "8", "--epochs", "2", "--min-consumers", "4")
+    procs.wait_ready(prod)
+    args = {"2": [], "16": [], "3": [], "3-drop": ["--drop-last"]}
+    cons = {k: procs.start("consumer", "--name", name, "--kind", "samples", "--epochs", "2",
+                           "--batch-size", k.split("-")[0], *extra)
+            for k, extra in args.items()}
+    res = {k: procs.result(c) for k, c in cons.items()}
+    procs.result(prod)
+    for k, r in res.items():
+        assert r["errors"] == [], (k, r["errors"])
+        b = int(k.split("-")[0])
+        keep = 99 if k == "3-drop" else 100
+        assert r["epochs"] == [_sample_ids(0, keep), _sample_ids(1, keep)], k
+        full, tail = divmod(keep, b)
+        want = [b] * full + ([tail] if tail else [])
+        assert r["sizes"] == [want, want], k
+        assert r["len"] == len(want), k
+    # B divides P: every batch is a zero-copy slice of a ring slot.
+    assert res["2"]["zero_copy"] is True
+    # B = 2P: batches are concatenated in the consumer (one copy).
+    assert res["16"]["zero_copy"] is False
+    assert res["3-drop"]["stats"]["dropped_samples"] == 2  # one per epoch
+
+
+def test_slow_and_fast_consumers_are_both_lossless(procs, name):
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "2",
+                       "--batches", "30", "--min-consumers", "2")
+    procs.wait_ready(prod)
+    slow = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2",
+                       "--delay", "0.03")
+    fast = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2")
+    s, f, p = procs.result(slow), procs.result(fast), procs.result(prod)
+    for r in (s, f):
+        assert r["errors"] == [] and r["epochs"] == [_batches(0, 0, 30), _batches(1, 0, 30)]
+    # The fast one spent its spare time waiting for batches; the producer for slots.
+    assert f["stats"]["wait_seconds"] > s["stats"]["wait_seconds"]
+    assert p["stats"]["wait_seconds"] > 0
+    assert p["stats"]["lag_detached"] == 0
+
+
+def test_laggard_is_detached_with_a_clear_error(procs, name):
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "1",
+                       "--batches", "60", "--min-consumers", "2", "--max-lag", "3",
+                       "--window", "0")
+    procs.wait_ready(prod)
+    slow = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.5")
+    fast = procs.start("consumer", "--name", name, "--kind", "tuple")
+    f, s, p = procs.result(fast), procs.result(slow), procs.result(prod)
+    assert f["errors"] == [] and f["epochs"] == [_batches(0, 0, 60)]
+    assert s["outcome"].startswith("ConsumerDetached"), s["outcome"]
+    assert "max_lag=3" in s["outcome"]
+    # What it did get, it got once and in order, before it was detached.
+    got = [v for ep in s["epochs"] for v in ep]
+    assert got == sorted(set(got))
+    assert p["stats"]["lag_detached"] == 1 and p["stats"]["max_lag"] == 3
+
+
+def test_laggard_rejoins_as_a_late_joiner_with_a_warning(procs, name):
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                       "--batches", "40", "--min-consumers", "2", "--max-lag", "8",
+                       "--window", "2", "--lag-policy", "rejoin")
+    procs.wait_ready(prod)
+    # Slow on its first batch only: it lags once, rejoins, then keeps up. It asks
+    # for more epochs than its shortened ones add up to, and ends at ProducerFinished.
+    # Both then take 10 ms per batch, so that scheduling jitter cannot put either of
+    # them 8 batches behind the other.
+    slow = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "10",
+                       "--delay", "0.4", "--delay-first", "1", "--delay-rest", "0.01")
+    fast = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                       "--delay", "0.01")
+    f, s, p = procs.result(fast), procs.result(slow), procs.result(prod)
+    assert f["errors"] == [] and f["epochs"] == [_batches(k, 0, 40) for k in range(3)]
+    assert s["errors"] == [] and s["outcome"].startswith("ProducerFinished"), s["outcome"]
+    assert any(w.startswith("LagWarning") and "max_lag=8" in w for w in s["warnings"])
+    assert s["stats"]["rejoins"] == 1 and s["stats"]["skipped_entries"] > 0
+    # Nothing twice, nothing out of order, across all its epochs.
+    got = [v for ep in s["epochs"] for v in ep]
+    assert got == sorted(set(got)), got
+    # The epoch it was detached in ended early. The next starts where it rejoined (the
+    # oldest batch of the window) and is 40 consecutive batches, wrapping into the
+    # producer's next epoch.
+    assert 0 < len(s["epochs"][0]) < 40
+    order = [v for k in range(3) for v in _batches(k, 0, 40)]
+    second = s["epochs"][1]
+    start = order.index(second[0])
+    assert second == order[start:start + 40]
+    assert p["stats"]["lag_detached"] == 1
+
+
+def test_leave_and_attach_again_without_disturbing_others(procs, name):
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                       "--batches", "30", "--min-consumers", "2", "--window", "0")
+    procs.wait_ready(prod)
+    stay = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                       "--delay", "0.005")
+    # Leaves mid-epoch (close()), then the same process attaches again for one epoch.
+    leave = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                        "--leave-after", "5", "--rejoin-epochs", "1")
+    s, lv, p = procs.result(stay), procs.result(leave), procs.result(prod)
+    assert s["errors"] == [] and s["epochs"] == [_batches(k, 0, 30) for k in range(3)]
+    assert lv["outcome"] == "left" and lv["epochs"] == [_batches(0, 0, 5)]
+    again = lv["rejoined"][0]
+    # The second attachment is a late joiner: 30 consecutive batches from where it joined.
+    order = [v for k in range(3) for v in _batches(k, 0, 30)]
+    start = order.index(again[0])
+    assert again == order[start:start + len(again)]
+    assert len(again) == 30 or again[-1] == order[-1]
+    assert p["drained"] is True
+
+
+def test_consumer_wanting_more_epochs_than_the_producer_runs_gets_an_error(procs, name):
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "2",
+                       "--batches", "5")
+    procs.wait_ready(prod)
+    c = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "4")
+    r = procs.result(c)
+    procs.result(prod)
+    assert r["epochs"] == [_batches(0, 0, 5), _batches(1, 0, 5)]
+    assert r["outcome"].startswith("ProducerFinished: the producer finished after 2 epoch")

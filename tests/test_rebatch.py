@@ -1,0 +1,124 @@
+"""Re-batching rules, in process (the end-to-end cases are in test_flexible.py)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorsocket.rebatch import EpochEnd, Rebatcher, batch_samples, consumer_len
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+def loader_batch(start: int, n: int) -> dict:
+    ids = torch.arange(start, start + n)
+    return {
+        "ids": ids,
+        "np": np.arange(start, start + n, dtype=np.int32),
+        "pair": Pair(ids.float().unsqueeze(1).repeat(1, 2),
+                     [f"n{i}" for i in range(start, start + n)]),
+        "scalar": torch.tensor(7),
+        "tag": f"batch@{start}",
+    }
+
+
+def source(sizes: list[int]):
+    """pull() over loader batches of these sizes, then EpochEnd forever."""
+    batches = []
+    start = 0
+    for n in sizes:
+        batches.append(loader_batch(start, n))
+        start += n
+    it = iter(batches)
+
+    def pull():
+        try:
+            return next(it)
+        except StopIteration:
+            raise EpochEnd from None
+
+    return pull
+
+
+def drain(rebatcher: Rebatcher, pull) -> list:
+    out = []
+    while True:
+        try:
+            out.append(rebatcher.next_batch(pull))
+        except EpochEnd:
+            return out
+
+
+def test_divisor_gives_zero_copy_slices():
+    r = Rebatcher(2)
+    got = drain(r, source([8, 8]))
+    assert [b["ids"].tolist() for b in got] == [[i, i + 1] for i in range(0, 16, 2)]
+    # A slice shares its loader batch's storage.
+    whole = loader_batch(0, 8)
+    r2 = Rebatcher(4)
+    half = r2.next_batch(lambda: whole)
+    assert half["ids"].untyped_storage().data_ptr() == whole["ids"].untyped_storage().data_ptr()
+    assert np.shares_memory(half["np"], whole["np"])
+    assert half["pair"].x.untyped_storage().data_ptr() == \
+        whole["pair"].x.untyped_storage().data_ptr()
+
+
+def test_whole_batch_is_handed_over_untouched():
+    whole = loader_batch(0, 8)
+    assert Rebatcher(8).next_batch(lambda: whole) is whole
+
+
+def test_spanning_batches_are_concatenated_with_their_structure():
+    got = drain(Rebatcher(3), source([4, 4]))
+    assert [b["ids"].tolist() for b in got] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    b = got[1]
+    assert b["np"].tolist() == [3, 4, 5] and b["np"].dtype == np.int32
+    assert isinstance(b["pair"], Pair) and b["pair"].y == ["n3", "n4", "n5"]
+    assert b["pair"].x[:, 0].tolist() == [3.0, 4.0, 5.0]
+    # Per-batch values: 0-d tensors and plain values pass through from the first piece.
+    assert b["scalar"].item() == 7 and b["tag"] == "batch@0"
+    assert got[2]["tag"] == "batch@4"
+
+
+def test_drop_last_drops_the_partial_batch_and_counts_it():
+    r = Rebatcher(3, drop_last=True)
+    got = drain(r, source([4, 4]))
+    assert [b["ids"].tolist() for b in got] == [[0, 1, 2], [3, 4, 5]]
+    assert r.dropped_samples == 2
+
+
+def test_tensor_without_the_batch_dimension_is_named():
+    bad = {"x": torch.zeros(8, 2), "w": torch.zeros(5)}
+    with pytest.raises(ValueError, match=r"batch\['w'\] \(shape \(5,\)\).*8 samples"):
+        Rebatcher(3).next_batch(lambda: bad)
+
+
+def test_structure_change_between_batches_is_named():
+    batches = iter([{"x": torch.zeros(2)}, {"y": torch.zeros(2)}])
+    with pytest.raises(ValueError, match="changes keys"):
+        Rebatcher(3).next_batch(lambda: next(batches))
+
+
+def test_batch_without_batch_dimension_is_refused():
+    with pytest.raises(ValueError, match="batch_size=None"):
+        batch_samples({"a": 1, "b": torch.tensor(3)})
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+       b=st.integers(1, 30), drop_last=st.booleans())
+def test_every_sample_once_in_order(sizes, b, drop_last):
+    r = Rebatcher(b, drop_last)
+    got = drain(r, source(sizes))
+    total = sum(sizes)
+    ids = [i for batch in got for i in batch["ids"].tolist()]
+    keep = total - total % b if drop_last else total
+    assert ids == list(range(keep))
+    assert all(len(batch["ids"]) == b for batch in got[:-1])
+    assert len(got) == consumer_len(total, b, drop_last)
+    assert all(batch["pair"].y == [f"n{i}" for i in batch["ids"].tolist()] for batch in got)
