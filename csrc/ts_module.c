@@ -105,6 +105,17 @@ static int ts_slice_again(ts_status st, uint64_t deadline)
     return 1;
 }
 
+/* After a wait with the GIL released: -1 with an exception set if another
+ * thread closed the Ring object meanwhile (our own reference kept the mapping
+ * valid), else 0. */
+static int ts_check_not_closed(PyObject *self, void *ring_now, void *ring_before)
+{
+    if (ring_now == ring_before) return 0;
+    PyErr_SetString(ts_get_state(self)->TensorSocketError,
+                    "the ring was closed by another thread while this call waited");
+    return -1;
+}
+
 /* ==========================================================================
  * SlotView: one tensor of a leased slot
  * ========================================================================== */
@@ -638,6 +649,7 @@ static PyObject *Ring_publish(RingObject *self, PyObject *args, PyObject *kwds)
     ts_src_leaf *src = NULL;
     int64_t *dims = NULL;
     Py_ssize_t n = 0, got = 0;
+    ts_ring *ring = NULL; /* owns one reference while set */
     ts_state *state = ts_get_state((PyObject *)self);
 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oy*|$pKKO:publish", kwlist, &leaves_obj,
@@ -699,13 +711,16 @@ static PyObject *Ring_publish(RingObject *self, PyObject *args, PyObject *kwds)
 
     ts_err err = {0};
     ts_status st;
-    uint64_t seq_before = atomic_load_explicit(&self->ring->hdr->published, memory_order_relaxed);
+    ring = self->ring; /* our own reference: another thread may close the object */
+    ts_ring_ref(ring);
+    uint64_t seq_before = atomic_load_explicit(&ring->hdr->published, memory_order_relaxed);
     for (;;) {
         uint64_t slice = ts_slice(deadline);
         Py_BEGIN_ALLOW_THREADS
-        st = ts_ring_publish(self->ring, end ? TS_ENTRY_END_EPOCH : TS_ENTRY_BATCH, epoch, index,
-                             src, (uint32_t)n, meta.buf, (uint64_t)meta.len, slice, &err);
+        st = ts_ring_publish(ring, end ? TS_ENTRY_END_EPOCH : TS_ENTRY_BATCH, epoch, index, src,
+                             (uint32_t)n, meta.buf, (uint64_t)meta.len, slice, &err);
         Py_END_ALLOW_THREADS
+        if (ts_check_not_closed((PyObject *)self, self->ring, ring) < 0) goto done;
         int again = ts_slice_again(st, deadline);
         if (again < 0) goto done;
         if (again == 0) break;
@@ -717,6 +732,7 @@ static PyObject *Ring_publish(RingObject *self, PyObject *args, PyObject *kwds)
     result = PyLong_FromUnsignedLongLong(seq_before);
 
 done:
+    if (ring != NULL) ts_ring_unref(ring);
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
     PyMem_Free(bufs);
     PyMem_Free(src);
@@ -735,20 +751,26 @@ static int ts_run_wait(RingObject *self, ts_wait_fn fn, uint32_t arg, PyObject *
     uint64_t deadline;
     ts_err err = {0};
     ts_status st;
+    int rc = -1;
     if (ts_parse_timeout(timeout, &deadline) < 0) return -1;
+    ts_ring *ring = self->ring; /* our own reference: another thread may close the object */
+    ts_ring_ref(ring);
     for (;;) {
         uint64_t slice = ts_slice(deadline);
         Py_BEGIN_ALLOW_THREADS
-        st = fn(self->ring, arg, slice, &err);
+        st = fn(ring, arg, slice, &err);
         Py_END_ALLOW_THREADS
+        if (ts_check_not_closed((PyObject *)self, self->ring, ring) < 0) goto done;
         int again = ts_slice_again(st, deadline);
-        if (again < 0) return -1;
+        if (again < 0) goto done;
         if (again == 0) break;
     }
-    if (st == TS_OK) return 0;
-    if (st == TS_E_TIMEOUT) return 1;
-    ts_raise(ts_get_state((PyObject *)self), &err);
-    return -1;
+    if (st == TS_OK) rc = 0;
+    else if (st == TS_E_TIMEOUT) rc = 1;
+    else ts_raise(ts_get_state((PyObject *)self), &err);
+done:
+    ts_ring_unref(ring);
+    return rc;
 }
 
 /* Adapter: wait for n consumers. */
@@ -822,28 +844,39 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *args)
     ts_acquired got;
     ts_err err = {0};
     ts_status st;
+    SlotObject *slot = NULL;
+    ts_ring *ring = self->ring; /* our own reference: another thread may close the object */
+    ts_ring_ref(ring);
     for (;;) {
         uint64_t slice = ts_slice(deadline);
         Py_BEGIN_ALLOW_THREADS
-        st = ts_ring_acquire(self->ring, slice, &got, &err);
+        st = ts_ring_acquire(ring, slice, &got, &err);
         Py_END_ALLOW_THREADS
+        if (ts_check_not_closed((PyObject *)self, self->ring, ring) < 0) {
+            if (st == TS_OK) ts_ring_release(ring, got.slot, ring->consumer);
+            goto done;
+        }
         int again = ts_slice_again(st, deadline);
-        if (again < 0) return NULL;
+        if (again < 0) goto done;
         if (again == 0) break;
     }
-    if (st != TS_OK) return ts_raise(state, &err);
-
-    ts_lease *lease = ts_lease_new(self->ring, got.slot, got.seq);
-    if (lease == NULL) {
-        ts_ring_release(self->ring, got.slot, self->ring->consumer);
-        return PyErr_NoMemory();
+    if (st != TS_OK) {
+        ts_raise(state, &err);
+        goto done;
     }
-    SlotObject *slot = PyObject_New(SlotObject, state->Slot_type);
+
+    ts_lease *lease = ts_lease_new(ring, got.slot, got.seq);
+    if (lease == NULL) {
+        ts_ring_release(ring, got.slot, ring->consumer);
+        PyErr_NoMemory();
+        goto done;
+    }
+    slot = PyObject_New(SlotObject, state->Slot_type);
     if (slot == NULL) {
         ts_lease_unref(lease);
-        return NULL;
+        goto done;
     }
-    const ts_slot *s = ts_ring_slot(self->ring, got.slot);
+    const ts_slot *s = ts_ring_slot(ring, got.slot);
     slot->lease = lease;
     slot->kind = got.kind;
     slot->n_leaves = s->n_leaves;
@@ -852,12 +885,11 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *args)
     slot->index = got.index;
     slot->nbytes = s->used_bytes;
     slot->meta = PyBytes_FromStringAndSize(
-        (const char *)ts_ring_slot_data(self->ring, got.slot) + s->meta_offset,
+        (const char *)ts_ring_slot_data(ring, got.slot) + s->meta_offset,
         (Py_ssize_t)s->meta_bytes);
-    if (slot->meta == NULL) {
-        Py_DECREF(slot);
-        return NULL;
-    }
+    if (slot->meta == NULL) Py_CLEAR(slot);
+done:
+    ts_ring_unref(ring);
     return (PyObject *)slot;
 }
 

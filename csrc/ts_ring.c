@@ -792,7 +792,7 @@ static ts_status ts_detached_error(const ts_ring *ring, const ts_consumer *c, ts
     case TS_REASON_LAGGED:
         return ts_err_set(err, TS_E_DETACHED, 0,
                           "this consumer fell more than max_lag=%llu batches behind the "
-                          "producer and was detached",
+                          "fastest consumer and was detached by the producer",
                           (unsigned long long)atomic_load_explicit(&ring->hdr->max_lag,
                                                                    memory_order_relaxed));
     case TS_REASON_LEFT:

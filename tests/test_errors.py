@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -86,3 +87,39 @@ def test_argument_errors():
         TensorProducer([], max_lag=6, ring_slots=6)
     with pytest.raises(ValueError, match="rubber_band_pct"):
         TensorProducer([], rubber_band_pct=1.5)
+
+
+def test_close_from_another_thread_interrupts_a_waiting_call(name):
+    """close() while another thread waits in the ring: that call raises, nothing crashes."""
+    loader = [torch.zeros(4)] * 3
+    p = TensorProducer(loader, name=name, min_consumers=2, start_timeout=30)
+    raised: list = []
+
+    def produce():
+        try:
+            for _ in p:
+                pass
+        except Exception as e:
+            raised.append(e)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    c = TensorConsumer(name=name, timeout=10)  # one of two: the producer keeps waiting
+
+    def consume():
+        try:
+            for _ in c:
+                pass
+        except Exception as e:
+            raised.append(e)
+
+    t2 = threading.Thread(target=consume)
+    t2.start()
+    time.sleep(0.3)
+    c.close()
+    p.close()
+    t.join(10)
+    t2.join(10)
+    assert not t.is_alive() and not t2.is_alive()
+    assert len(raised) == 2
+    assert all("closed by another thread" in str(e) for e in raised), raised

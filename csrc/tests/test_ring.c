@@ -1022,7 +1022,7 @@ out:
 static void test_laggard(void)
 {
     fixture fx = {0};
-    consumer A = {0}, B = {0}, C = {0}, D = {0}, E = {0};
+    consumer A = {0}, B = {0}, C = {0}, D = {0};
     ts_err err = {0};
     ts_acquired a;
     REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);
@@ -1099,6 +1099,8 @@ static void test_laggard(void)
     TAKE(A, 9, 1);
     REQUIRE(consumer_add(&fx, &C, 1) == 0);
     uint64_t bitC = 1ULL << C.index;
+    CHECK_EQ(C.index, B.index); /* LEAVING without bits: reusable */
+    CHECK(C.token != B.token);
     CHECK_EQ(C.start_seq, 8);
     TAKE(C, 8, 1);
     TAKE(C, 9, 1);
@@ -1118,8 +1120,6 @@ static void test_laggard(void)
     for (uint32_t k = 0; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), 0);
     CHECK_EQ(h->consumers[A.index].delivered, 16);
     CHECK_EQ(h->consumers[C.index].delivered, 8);
-    REQUIRE(consumer_add(&fx, &E, 0) == 0); /* LEAVING without bits: reusable */
-    CHECK_EQ(E.index, B.index);
 
     /* C stops reading (holds nothing) while A goes on: detached at the first publish that
      * finds A more than max_lag ahead of it (A 20, C 16), with no bit left; retiring it frees
@@ -1140,7 +1140,7 @@ static void test_laggard(void)
     CHECK_EQ(h->active_mask, bitA);
     CHECK_EQ(h->consumers[A.index].delivered, 21);
 out:
-    consumer_drop(&A), consumer_drop(&B), consumer_drop(&C), consumer_drop(&D), consumer_drop(&E);
+    consumer_drop(&A), consumer_drop(&B), consumer_drop(&C), consumer_drop(&D);
     fx_destroy(&fx);
 }
 
@@ -1309,13 +1309,16 @@ out:
     fx_destroy(&fx);
 }
 
-#define DR_BUDGET_MS 1000
+#define DR_BUDGET_MS 700
 #define DR_MAX_ROUNDS 2000
+#define DR_MAX_LAG 4
 
 /* One consumer of the detach race: acquires until detached, checking what it got. */
 typedef struct racer {
     consumer *c;
     unsigned seed;
+    unsigned period;   /* 1 in `period` entries is held slowly, 1 in `period` followed by a pause */
+    unsigned spin_us;  /* and every entry is followed by a busy pause of 0..spin_us µs */
     uint64_t next;     /* seq it expects next */
     uint64_t got, bytes;
     _Atomic int go;   /* 1: activated, start; -1: give up */
@@ -1348,7 +1351,7 @@ static void *dr_producer(void *p)
                 return NULL;
             }
         }
-        /* Spin a few µs: the consumer catches up and races the next burst. */
+        /* Spin a few µs: the consumers catch up and race the next burst. */
         for (uint64_t t = ts_now_ns() + (uint64_t)(rand_r(&seed) % 30) * 1000; ts_now_ns() < t;) {}
     }
     return NULL;
@@ -1373,12 +1376,16 @@ static void *dr_consumer(void *p)
         r->next = a.seq + 1;
         r->got++;
         r->bytes += ts_ring_slot(c->ring, a.slot)->used_bytes;
-        unsigned dice = (unsigned)rand_r(&r->seed) % 64;
+        unsigned dice = (unsigned)rand_r(&r->seed) % r->period;
         if (dice == 0) sleep_us(500); /* slow while holding: detach must leave this entry */
         if (!CHECK(readers_of(c->ring, a.slot) & bit) || !CHECK(entry_ok(c->ring, &a, a.seq)))
             break;
         ts_ring_release(c->ring, a.slot, c->index);
         if (dice == 1) sleep_us(500); /* slow between entries: falls behind */
+        /* A little slow: falls behind while acquiring, so lag detaches race acquire too. */
+        if (r->spin_us > 0)
+            for (uint64_t t = ts_now_ns() + (uint64_t)(rand_r(&r->seed) % r->spin_us) * 1000;
+                 ts_now_ns() < t;) {}
     }
     /* A detach sets the cursor flag before it takes any entry back. */
     if (r->st == TS_E_DETACHED)
@@ -1387,60 +1394,105 @@ static void *dr_consumer(void *p)
     return NULL;
 }
 
-/* Detach (for lag by the producer, or by ts_ring_detach from a third thread) races acquire. */
+/* Check a racer after its thread ended and it was detached; 1 if it was detached for lag. */
+static int dr_check(const fixture *fx, racer *r)
+{
+    ts_err err = {0};
+    ts_acquired a;
+    consumer *c = r->c;
+    const ts_consumer *ce = &fx->prod->hdr->consumers[c->index];
+    uint32_t reason = reason_of(fx->prod, c->index);
+    if (!CHECK_EQ(r->st, TS_E_DETACHED)) printf("  consumer: %s\n", r->err.msg);
+    CHECK_EQ(state_of(fx->prod, c->index), TS_CONSUMER_DETACHED);
+    CHECK(reason == TS_REASON_LAGGED || reason == TS_REASON_DIED);
+    CHECK_EQ(ce->cursor, r->next | TS_CURSOR_DETACHED);
+    CHECK_EQ(ce->first_seq, c->start_seq);
+    CHECK_EQ(ce->delivered, r->got);
+    CHECK_EQ(ce->delivered_bytes, r->bytes);
+    CHECK(!bit_in_use(fx->prod, 1ULL << c->index)); /* all released, the rest dropped */
+    CHECK_ST(ts_ring_acquire(c->ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+    if (reason == TS_REASON_LAGGED) CHECK(strstr(err.msg, "max_lag=4") != NULL);
+    return reason == TS_REASON_LAGGED;
+}
+
+/* Detach (for lag by the producer, or by ts_ring_detach from a third thread) races acquire.
+ * A third of the rounds run one slow consumer, which, alone, must never be detached for lag;
+ * the others run a fast and a slow one, of which at most one, and only one more than max_lag
+ * behind the other, is detached for lag. */
 static void test_detach_race(void)
 {
     fixture fx = {0};
-    consumer c = {0};
+    consumer cs[2] = {{0}};
     ts_err err = {0};
-    ts_acquired a;
     race_producer pj = {.fx = &fx};
-    pthread_t tp, tc;
-    int rounds = 0, lagged = 0, started = 0;
+    pthread_t tp, tc[2];
+    int rounds = 0, lagged = 0, singles = 0, started = 0;
     uint64_t entries = 0;
     unsigned seed = 20240611;
     ts_header *h = NULL;
     REQUIRE(fx_create(&fx, 8, 2, 4096) == 0);
     h = fx.prod->hdr;
-    REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, 4, &err));
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, DR_MAX_LAG, &err));
     REQUIRE(pthread_create(&tp, NULL, dr_producer, &pj) == 0);
     started = 1;
     for (uint64_t until = deadline_ms(DR_BUDGET_MS);
          ts_now_ns() < until && rounds < DR_MAX_ROUNDS && atomic_load(&g_failed_checks) == 0;
          rounds++) {
-        racer r = {.c = &c, .seed = seed + (unsigned)rounds};
-        if (consumer_add(&fx, &c, 0) != 0) break;
-        uint64_t bit = 1ULL << c.index;
-        if (!CHECK(pthread_create(&tc, NULL, dr_consumer, &r) == 0)) break;
-        ts_status st = ts_ring_activate(fx.prod, c.index, &c.start_seq, &err);
-        atomic_store(&r.go, st == TS_OK ? 1 : -1);
-        if (!CHECK_ST(st, TS_OK)) {
-            pthread_join(tc, NULL);
-            break;
+        int kind = rounds % 3, n = kind == 0 ? 1 : 2, made = 0, ok = 1, lag_round = 0;
+        racer rs[2];
+        for (int i = 0; i < n; i++) /* the first of two is fast, the other one slow */
+            rs[i] = (racer){.c = &cs[i], .seed = seed + 2 * (unsigned)rounds + (unsigned)i,
+                            .period = n == 2 && i == 0 ? 64 : 16,
+                            .spin_us = n == 2 && i == 0 ? 0 : 20};
+        for (int i = 0; i < n && ok; i++) ok = consumer_add(&fx, &cs[i], 0) == 0;
+        for (int i = 0; i < n && ok; i++)
+            if ((ok = CHECK(pthread_create(&tc[i], NULL, dr_consumer, &rs[i]) == 0))) made++;
+        for (int i = 0; i < made; i++) {
+            ts_status st = ok ? ts_ring_activate(fx.prod, cs[i].index, &cs[i].start_seq, &err)
+                              : TS_E_INVALID;
+            if (ok) ok = CHECK_ST(st, TS_OK);
+            atomic_store(&rs[i].go, st == TS_OK ? 1 : -1);
         }
-        /* Odd rounds: detach it ourselves after a random short while, if it still runs.
-         * Even rounds: let it lag, but never wait more than 100 ms. */
-        uint64_t give_up = ts_now_ns() + (rounds % 2 ? (uint64_t)(rand_r(&seed) % 300) * 1000
-                                                     : 100 * MS);
-        while (!atomic_load(&r.done) && ts_now_ns() < give_up) sleep_us(20);
-        ts_ring_detach(fx.prod, c.index, TS_REASON_DIED);
-        pthread_join(tc, NULL);
-        if (!CHECK_EQ(r.st, TS_E_DETACHED)) printf("  consumer: %s\n", r.err.msg);
-        ts_consumer *ce = &h->consumers[c.index];
-        uint32_t reason = reason_of(fx.prod, c.index);
-        CHECK_EQ(state_of(fx.prod, c.index), TS_CONSUMER_DETACHED);
-        CHECK(reason == TS_REASON_LAGGED || reason == TS_REASON_DIED);
-        lagged += reason == TS_REASON_LAGGED;
-        CHECK_EQ(ce->cursor, r.next | TS_CURSOR_DETACHED);
-        CHECK_EQ(ce->first_seq, c.start_seq);
-        CHECK_EQ(ce->delivered, r.got);
-        CHECK_EQ(ce->delivered_bytes, r.bytes);
-        CHECK(!bit_in_use(fx.prod, bit)); /* all released, the rest dropped */
-        CHECK_ST(ts_ring_acquire(c.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
-        ts_ring_retire(fx.prod, c.index);
-        CHECK_EQ(state_of(fx.prod, c.index), TS_CONSUMER_FREE);
-        consumer_drop(&c);
-        entries += r.got;
+        /* Kind 0: one consumer, given 10 ms. Kind 1: detach them ourselves after a random
+         * short while. Kind 2: until one is detached for lag, but never more than 100 ms. */
+        uint64_t give_up = ts_now_ns() + (kind == 0   ? 10 * MS
+                                          : kind == 1 ? (uint64_t)(rand_r(&seed) % 300) * 1000
+                                                      : 100 * MS);
+        for (int done = 0; ok && ts_now_ns() < give_up && done < (kind == 2 ? 1 : n);) {
+            sleep_us(20);
+            done = 0;
+            for (int i = 0; i < n; i++) done += atomic_load(&rs[i].done);
+        }
+        for (int i = 0; i < n; i++)
+            if (cs[i].ring != NULL) ts_ring_detach(fx.prod, cs[i].index, TS_REASON_DIED);
+        for (int i = 0; i < made; i++) pthread_join(tc[i], NULL);
+        if (ok) {
+            for (int i = 0; i < n; i++) {
+                if (!dr_check(&fx, &rs[i])) continue;
+                /* The fastest consumer was more than max_lag ahead of its cursor when the
+                 * producer looked; cursors only grow, and its cursor then was at least
+                 * where it started. */
+                lag_round++;
+                if (n == 2) {
+                    uint64_t other = cursor_of(fx.prod, cs[1 - i].index) & ~TS_CURSOR_DETACHED;
+                    if (!CHECK(other > cs[i].start_seq + DR_MAX_LAG))
+                        printf("    lagged from %llu, the other one at %llu\n",
+                               (unsigned long long)cs[i].start_seq, (unsigned long long)other);
+                }
+            }
+            if (n == 1) CHECK_EQ(lag_round, 0); /* alone, never a laggard */
+            CHECK(lag_round <= 1);              /* the fastest is never behind */
+            for (int i = 0; i < n; i++) entries += rs[i].got;
+            lagged += lag_round;
+            singles += n == 1;
+        }
+        for (int i = 0; i < n; i++) {
+            if (cs[i].ring == NULL) continue;
+            ts_ring_retire(fx.prod, cs[i].index);
+            if (ok) CHECK_EQ(state_of(fx.prod, cs[i].index), TS_CONSUMER_FREE);
+            consumer_drop(&cs[i]);
+        }
+        if (!ok) break;
     }
 out:
     if (started) {
@@ -1449,13 +1501,15 @@ out:
         if (!CHECK_EQ(pj.st, TS_OK)) printf("  producer: %s\n", pj.err.msg);
         CHECK_EQ(h->lag_detached, lagged);
         CHECK(rounds >= 10);
+        CHECK(singles > 0);
         CHECK(lagged > 0);
         CHECK(entries > 0);
         if (atomic_load(&g_failed_checks) != 0)
             printf("  %d rounds, %d lagged, %llu entries, %llu published\n", rounds, lagged,
                    (unsigned long long)entries, (unsigned long long)pj.n);
     }
-    consumer_drop(&c);
+    consumer_drop(&cs[0]);
+    consumer_drop(&cs[1]);
     fx_destroy(&fx);
 }
 
