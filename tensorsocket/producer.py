@@ -23,6 +23,8 @@ log = logging.getLogger("tensorsocket")
 
 DEFAULT_SLOTS = 4
 LAG_POLICIES = ("raise", "rejoin")
+DEFAULT_RUBBER_BAND_PCT = 0.005  # of an epoch's batches ...
+DEFAULT_MAX_WINDOW = 8  # ... but at most this many, unless asked for explicitly
 SLOT_HEADROOM = 1.5  # slot size = first batch x this (plus room for the structure)
 MIN_SLOT_BYTES = 64 * 1024
 
@@ -48,6 +50,8 @@ class TensorProducer:
     up), or ``rubber_band=`` batches, stay readable in the ring. A consumer
     that attaches mid-epoch starts at the oldest of them (never before the
     current epoch's first batch); see the README for the exact semantics.
+    Without either, the window is 0.5% of an epoch but at most 8 batches (and
+    at most ring_slots - 2 when ring_slots is given), to keep memory bounded.
 
     Keyword-only:
       name: producer name for rendezvous (default ``"default"``, or
@@ -78,7 +82,7 @@ class TensorProducer:
         port: int | str | None = None,
         ack_port: int | str | None = None,
         heart_ports: Any = None,
-        rubber_band_pct: float = 0.005,
+        rubber_band_pct: float | None = None,
         pack_fn: Callable[[Any], Any] | None = None,
         consumer_max_buffer_size: int | None = None,
         producer_batch_size: int = 8,
@@ -105,7 +109,7 @@ class TensorProducer:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         if min_consumers < 0 or min_consumers > _core.MAX_CONSUMERS:
             raise ValueError(f"min_consumers must be in 0..{_core.MAX_CONSUMERS}")
-        if not 0 <= float(rubber_band_pct) <= 1:
+        if rubber_band_pct is not None and not 0 <= float(rubber_band_pct) <= 1:
             raise ValueError(f"rubber_band_pct must be in 0..1, got {rubber_band_pct}")
         if rubber_band is not None and int(rubber_band) < 0:
             raise ValueError(f"rubber_band must be >= 0 batches, got {rubber_band}")
@@ -113,11 +117,20 @@ class TensorProducer:
             raise ValueError(f"max_lag must be >= 1 batch, got {max_lag}")
         if lag_policy not in LAG_POLICIES:
             raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {lag_policy!r}")
-        self.rubber_band_pct = float(rubber_band_pct)
+        explicit_window = rubber_band is not None or rubber_band_pct is not None
+        self.rubber_band_pct = DEFAULT_RUBBER_BAND_PCT if rubber_band_pct is None \
+            else float(rubber_band_pct)
         self.rubber_band = int(rubber_band) if rubber_band is not None else None
         self.max_lag = int(max_lag) if max_lag is not None else None
         self.lag_policy = lag_policy
         self.window = self._window_batches(data_loader)
+        if not explicit_window:
+            # The default window stays small and fits the ring the user asked for.
+            self.window = min(self.window, DEFAULT_MAX_WINDOW)
+            if slots is not None:
+                self.window = max(0, min(self.window, int(slots) - 2))
+            if self.max_lag is not None:
+                self.window = min(self.window, self.max_lag - 1)
         if self.max_lag is not None and self.max_lag <= self.window:
             raise ValueError(
                 f"max_lag={self.max_lag} must exceed the late-joiner window of {self.window} "
