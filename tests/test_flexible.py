@@ -35,21 +35,21 @@ def test_late_joiner_sees_exact_batches(procs, name, window, gate, first_epoch):
     early = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3")
     assert procs.wait_ready(prod) == {"gate": True}  # the producer holds before `gate`
     late = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2")
-    e, l, p = procs.result(early), procs.result(late), procs.result(prod)
+    e, lt, p = procs.result(early), procs.result(late), procs.result(prod)
 
     # The consumer that was there from the start got every batch once, in order.
     assert e["epochs"] == [_batches(k, 0, 100) for k in range(3)] and e["errors"] == []
-    assert l["errors"] == [] and l["len"] == 100
-    assert l["epochs"][0] == first_epoch
+    assert lt["errors"] == [] and lt["len"] == 100
+    assert lt["epochs"][0] == first_epoch
     # Its next epoch continues where the first ended. If that runs past the producer's
     # last epoch, it ends early with a warning.
     rest = first_epoch[-1] + 1
     second = [v for v in range(rest, 3000) if v % 1000 < 100][:100]
     if first_epoch[0] % 1000 == 0:
-        assert l["epochs"][1] == second and l["warnings"] == []
+        assert lt["epochs"][1] == second and lt["warnings"] == []
     else:
-        assert l["epochs"][1] == [v for v in second if v < 2100]
-        assert any("finished in the middle" in w for w in l["warnings"]), l["warnings"]
+        assert lt["epochs"][1] == [v for v in second if v < 2100]
+        assert any("finished in the middle" in w for w in lt["warnings"]), lt["warnings"]
     assert p["drained"] is True and p["stats"]["window"] == window
 
 
