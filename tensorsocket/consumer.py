@@ -45,7 +45,9 @@ class TensorConsumer:
     two epochs, sees the producer's epochs. A late joiner starts at the oldest
     batch of the producer's window (see TensorProducer) and each of its epochs
     is the next ``len(consumer)`` batches, wrapping into the producer's next
-    epoch. A new iteration started mid-epoch skips the rest of the epoch.
+    epoch. Leaving an epoch mid-way (break, dropping the iterator, or a new
+    iteration) leaves the ring at once, so the others never wait for this
+    consumer; the next batch asked for attaches it again, as a late joiner.
 
     Positional parameters follow the original TensorSocket
     (``port, ack_port, heart_ports, unpack_fn, batch_size``). When ``port`` is
@@ -105,6 +107,7 @@ class TensorConsumer:
         self._epoch_pulled = 0  # loader batches taken in this epoch
         self._epoch_batches = 0  # batches returned in this epoch
         self._after_end_marker = False  # the last entry taken ended a producer epoch
+        self._attached = True  # False after leaving mid-epoch, until the next batch
         # Counters for stats().
         self._batches = 0
         self._samples = 0
@@ -160,8 +163,8 @@ class TensorConsumer:
     def __iter__(self) -> "EpochIterator":
         if self._closed:
             raise TensorSocketError("this consumer is closed")
-        if self._in_epoch:
-            self._skip_rest_of_epoch()
+        if self._in_epoch:  # an earlier iterator is still mid-epoch: it ends here
+            self._abandon_epoch(self.epoch)
         self._in_epoch = True
         self._source_done = False
         self._epoch_pulled = 0
@@ -193,14 +196,16 @@ class TensorConsumer:
             self._rebatcher.reset()
         self.epoch += 1
 
-    def _skip_rest_of_epoch(self) -> None:
-        """A new epoch was asked for mid-epoch: drop the old epoch's remaining batches."""
-        try:
-            while True:
-                self._pull(build=False)
-        except EpochEnd:
-            pass
+    def _abandon_epoch(self, epoch: int) -> None:
+        """The epoch was left mid-way (break, or a new iteration): leave the ring at
+        once, so that nobody waits for us; the next batch asked for attaches again,
+        as a late joiner. Safe from a finalizer: it only sets events."""
+        if self._closed or not self._in_epoch or self.epoch != epoch:
+            return
         self._end_epoch()
+        if self._attached:
+            self._attached = False
+            self._client.request_leave()
 
     # -- the loader batches of this consumer's epoch ----------------------------------
 
@@ -239,6 +244,8 @@ class TensorConsumer:
 
     def _acquire(self) -> Any:
         """The next ring entry for us, with errors turned into what the caller needs."""
+        if not self._attached:
+            self._attach_again()
         while True:
             start = time.perf_counter()
             try:
@@ -291,33 +298,39 @@ class TensorConsumer:
     def _rejoin(self) -> None:
         """Attach again as a late joiner after the producer detached us for lagging."""
         old_cursor = self._ring.consumer(self._index)["cursor"]
+        start = self._attach_again()
+        skipped = max(0, start - old_cursor)
+        self._rejoins += 1
+        self._skipped += skipped
+        ended = " The current epoch ends here." if self._epoch_pulled > 0 else ""
+        warnings.warn(
+            f"this consumer fell more than max_lag={self.max_lag} batches behind the fastest "
+            f"consumer, was detached and attached again as a late joiner; it skipped {skipped} "
+            f"ring entries.{ended}", LagWarning, stacklevel=6)
+
+    def _attach_again(self) -> int:
+        """Take a new place in the same producer's ring (a late joiner); its first seq."""
         info = self._ring.info()
         if info["state"] == _core.RING_FINISHED or not _core.process_alive(
                 info["producer_pid"], info["producer_start_time"]):
             self._in_epoch = False
             raise ProducerFinished(
-                f"this consumer fell more than max_lag={self.max_lag} batches behind and was "
-                "detached, and the producer finished before it could attach again; it missed "
-                f"the last {info['published'] - old_cursor} ring entries")
+                "the producer finished while this consumer was away from the ring (it had "
+                "left its epoch, or was detached); no more batches will come")
         self._client.stop_heartbeats()
         welcome = self._client.hello(self.batch_size)
         if welcome["segment"] != self._segment:
             raise ConsumerDetached(
-                "this consumer was detached for lagging, and the producer that answered is a "
-                "new one; create a new TensorConsumer to attach to it")
+                "the producer that answered is a new one, not the one this consumer was "
+                "attached to; create a new TensorConsumer to attach to it")
         self._ring.bind(welcome["consumer"], welcome["token"])
         start = self._client.ready()
         self._client.start_heartbeats()
         self._index = welcome["consumer"]
-        skipped = max(0, start - old_cursor)
-        self._rejoins += 1
-        self._skipped += skipped
-        self._epoch_end = None  # re-anchored at the next batch
-        ended = " The current epoch ends here." if self._epoch_pulled > 0 else ""
-        warnings.warn(
-            f"this consumer fell more than max_lag={self.max_lag} batches behind the producer, "
-            f"was detached and attached again as a late joiner; it skipped {skipped} ring "
-            f"entries.{ended}", LagWarning, stacklevel=6)
+        self._attached = True
+        self._epoch_end = None  # epochs are anchored again at the next batch
+        log.info("consumer attached again as %d at entry %d", self._index, start)
+        return start
 
     def _build(self, slot: Any) -> Any:
         """Turn a slot into the loader's batch structure of tensors and values."""
@@ -402,6 +415,16 @@ class EpochIterator:
         if self._consumer.epoch != self._epoch:
             raise StopIteration
         return self._consumer._next_batch()
+
+    def close(self) -> None:
+        """Leave this epoch now (as when the iterator is dropped mid-epoch)."""
+        self._consumer._abandon_epoch(self._epoch)
+
+    def __del__(self) -> None:
+        try:
+            self._consumer._abandon_epoch(self._epoch)
+        except Exception:  # never raise from a finalizer
+            pass
 
     def __len__(self) -> int:
         return len(self._consumer)

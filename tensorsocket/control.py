@@ -260,9 +260,12 @@ class ControlClient:
         self._sock.connect(address)
         self._timeout = timeout
         self._stop = threading.Event()
+        self._leave = threading.Event()  # leave the ring without closing (request_leave)
+        self._wake = threading.Event()  # cuts the heartbeat thread's wait short
         self._thread: threading.Thread | None = None
         self.consumer = -1
         self.token = 0
+        self.left = False  # bye sent for the current consumer entry
 
     def hello(self, batch_size: int | None) -> dict:
         """Send hello; return the welcome, waiting up to the timeout for a producer."""
@@ -277,6 +280,7 @@ class ControlClient:
                 "start the producer (same name=/port=) or raise the consumer's timeout="
             )
         self.consumer, self.token = msg["consumer"], msg["token"]
+        self.left = False
         return msg
 
     def ready(self) -> int:
@@ -313,20 +317,46 @@ class ControlClient:
     def start_heartbeats(self) -> None:
         """Hand the socket to a thread that sends heartbeats until stopped."""
         self._stop.clear()
+        self._leave.clear()
+        self._wake.clear()
         self._thread = threading.Thread(target=self._beat, name="tensorsocket-heartbeat",
                                         daemon=True)
         self._thread.start()
 
+    def request_leave(self) -> None:
+        """Leave the ring soon, from the heartbeat thread (which owns the socket): safe
+        from any thread, a finalizer included, as it only sets events."""
+        self._leave.set()
+        self._wake.set()
+
     def stop_heartbeats(self) -> None:
-        """Take the socket back from the heartbeat thread."""
+        """Take the socket back from the heartbeat thread (sending a requested bye)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._thread = None
+        if self._leave.is_set() and not self.left:
+            self._send_bye()
+
+    def _send_bye(self) -> None:
+        try:
+            self._sock.send(protocol.encode("bye", consumer=self.consumer, token=self.token),
+                            zmq.NOBLOCK)
+            self.left = True
+        except zmq.ZMQError:
+            pass
 
     def _beat(self) -> None:
         beat = protocol.encode("heartbeat", consumer=self.consumer, token=self.token)
-        while not self._stop.wait(HEARTBEAT_INTERVAL):
+        while True:
+            self._wake.wait(HEARTBEAT_INTERVAL)
+            self._wake.clear()
+            if self._leave.is_set():
+                self._send_bye()
+                return
+            if self._stop.is_set():
+                return
             try:
                 self._sock.send(beat, zmq.NOBLOCK)
                 while self._sock.poll(0):
@@ -338,7 +368,7 @@ class ControlClient:
         """Stop heartbeats, say bye (waiting briefly for the ack) and close."""
         self.stop_heartbeats()
         try:
-            if say_bye and self.consumer >= 0:
+            if say_bye and self.consumer >= 0 and not self.left:
                 self._sock.send(protocol.encode("bye", consumer=self.consumer, token=self.token),
                                 zmq.NOBLOCK)
                 try:

@@ -211,6 +211,7 @@ def _consume(a: argparse.Namespace) -> dict:
     epochs, sizes, inside, errors = [], [], True, []
     outcome = "done"
     n = 0
+    pause = None
     try:
         for e in range(a.epochs):
             seen: list = []
@@ -250,6 +251,13 @@ def _consume(a: argparse.Namespace) -> dict:
                     time.sleep(a.delay_rest)
                 if a.leave_after is not None and n == a.leave_after:
                     break
+                if a.break_after is not None and n == a.break_after:
+                    left_at = c.ring.info()["published"]
+                    break
+            if a.break_after is not None and n == a.break_after:
+                time.sleep(a.pause)  # "evaluating": the others must not wait for us
+                pause = {"left_at": left_at, "published_after": c.ring.info()["published"],
+                         "slots": c.ring.info()["slot_count"]}
             epochs.append(seen)
             sizes.append(epoch_sizes)
             if a.leave_after is not None and n == a.leave_after:
@@ -258,7 +266,7 @@ def _consume(a: argparse.Namespace) -> dict:
     except (ConsumerDetached, ProducerFinished) as err:
         outcome = f"{type(err).__name__}: {err}"
     out = {"epochs": epochs, "sizes": sizes, "zero_copy": inside, "errors": errors,
-           "outcome": outcome, "stats": c.stats()}
+           "outcome": outcome, "stats": c.stats(), "pause": pause}
     try:
         out["len"] = len(c)
     except TypeError as err:
@@ -301,6 +309,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--drop-last", action="store_true")
     ap.add_argument("--leave-after", type=int, help="close after N batches")
+    ap.add_argument("--break-after", type=int, help="break out of the loop after N batches")
+    ap.add_argument("--pause", type=float, default=0.0, help="... and sleep this long")
     ap.add_argument("--rejoin-epochs", type=int, default=0,
                     help="after leaving, attach again in this process for N epochs")
     a = ap.parse_args()

@@ -171,6 +171,32 @@ def test_leave_and_attach_again_without_disturbing_others(procs, name):
     assert p["drained"] is True
 
 
+def test_breaking_out_of_the_loop_leaves_at_once(procs, name):
+    """A consumer that breaks out of its loop and pauses (say, to evaluate) does not hold
+    the others up; its next iteration attaches it again as a late joiner."""
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                       "--batches", "40", "--min-consumers", "2", "--window", "4")
+    procs.wait_ready(prod)
+    stay = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                       "--delay", "0.02")
+    pauser = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2",
+                         "--break-after", "3", "--pause", "1.0")
+    s, b, p = procs.result(stay), procs.result(pauser), procs.result(prod)
+    assert s["errors"] == [] and s["epochs"] == [_batches(k, 0, 40) for k in range(3)]
+    assert b["errors"] == [] and b["epochs"][0] == _batches(0, 0, 3)
+    # While it paused, the producer went on far past what the ring could hold for it.
+    pause = b["pause"]
+    assert pause["published_after"] - pause["left_at"] > pause["slots"], pause
+    # Then it came back as a late joiner: 40 consecutive batches from where it joined.
+    order = [v for k in range(3) for v in _batches(k, 0, 40)]
+    assert b["outcome"] == "done", b["outcome"]
+    again = b["epochs"][1]
+    start = order.index(again[0])
+    assert again == order[start:start + len(again)]
+    assert len(again) == 40 or again[-1] == order[-1]
+    assert p["drained"] is True
+
+
 def test_consumer_wanting_more_epochs_than_the_producer_runs_gets_an_error(procs, name):
     prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "2",
                        "--batches", "5")
@@ -180,3 +206,37 @@ def test_consumer_wanting_more_epochs_than_the_producer_runs_gets_an_error(procs
     procs.result(prod)
     assert r["epochs"] == [_batches(0, 0, 5), _batches(1, 0, 5)]
     assert r["outcome"].startswith("ProducerFinished: the producer finished after 2 epoch")
+
+
+def test_peek_then_iterate_gets_a_whole_epoch(name):
+    """`next(iter(consumer))` (a common peek at one batch) leaves the ring; the loop that
+    follows attaches again and, with a window covering the epoch, gets a whole epoch."""
+    import threading
+
+    import torch
+
+    from tensorsocket import TensorConsumer, TensorProducer
+
+    loader = [torch.full((2,), float(i)) for i in range(12)]
+    producer = TensorProducer(loader, name=name, rubber_band=12, start_timeout=30)
+    def produce():
+        for _ in range(4):
+            for _ in producer:
+                pass
+        producer.join(timeout=10)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        with TensorConsumer(name=name, timeout=10) as c:
+            assert int(next(iter(c))[0]) == 0
+            assert [int(b[0]) for b in c] == list(range(12))
+            # An explicitly closed iterator leaves too, and the next one comes back.
+            it = iter(c)
+            next(it)
+            it.close()
+            assert next(it, None) is None
+            assert len([b for b in c]) == 12
+    finally:
+        producer.close()
+        thread.join(10)
