@@ -137,6 +137,7 @@ class TensorConsumer:
         self._length: int | None = welcome["length"]
         self.loader_batch_size: int | None = welcome["loader_batch_size"]
         self.samples_per_epoch: int | None = welcome["samples"]
+        self._samples_exact: bool = welcome["samples_exact"]
         self.producer_pid: int = welcome["producer_pid"]
         self.window: int = welcome["window"]
         self.max_lag: int | None = welcome["max_lag"] or None
@@ -177,9 +178,11 @@ class TensorConsumer:
             raise StopIteration
         try:
             if self._rebatcher is None:
-                batch = self._pull()
+                batch, n = self._pull()
+                self._samples += n if n is not None else _samples_or_zero(batch)
             else:
                 batch = self._rebatcher.next_batch(self._pull)
+                self._samples += self._rebatcher.last_samples
         except EpochEnd:
             self._end_epoch()
             raise StopIteration from None
@@ -209,8 +212,9 @@ class TensorConsumer:
 
     # -- the loader batches of this consumer's epoch ----------------------------------
 
-    def _pull(self, build: bool = True) -> Any:
-        """The next loader batch of this consumer's epoch; EpochEnd after its last."""
+    def _pull(self) -> tuple[Any, int | None]:
+        """The next loader batch of this consumer's epoch and its sample count if the
+        loader tells; EpochEnd after its last."""
         while True:
             if self._source_done:
                 raise EpochEnd
@@ -220,7 +224,10 @@ class TensorConsumer:
                 epoch = slot.epoch
                 slot.release()
                 if self._epoch_end is not None and (epoch + 1, 0) >= self._epoch_end:
-                    self._close_source()
+                    # The producer's epoch ended here (perhaps cut short): the next of
+                    # ours starts with its next epoch, aligned with it from now on.
+                    self._source_done = True
+                    self._epoch_end = (epoch + 2, 0)
                     raise EpochEnd
                 continue
             position = (slot.epoch, slot.index)
@@ -229,15 +236,24 @@ class TensorConsumer:
             self._epoch_pulled += 1
             self._loader_batches += 1
             self._bytes += slot.nbytes
-            batch = self._build(slot) if build else slot.release()
+            batch = self._build(slot)
             if (position[0], position[1] + 1) >= self._epoch_end:
                 self._close_source()
-            if build and self._rebatcher is None:
-                self._samples += _samples_or_zero(batch)
-            return batch
+            return batch, self._samples_in(position[1])
+
+    def _samples_in(self, index: int) -> int | None:
+        """Samples in loader batch `index` of an epoch, when the loader tells."""
+        size, length = self.loader_batch_size, self._length
+        if size is None or length is None:
+            return None
+        if index < length - 1:
+            return size
+        if self._samples_exact and self.samples_per_epoch is not None:
+            return self.samples_per_epoch - (length - 1) * size
+        return None
 
     def _close_source(self) -> None:
-        """This epoch has no more loader batches; the next one ends a producer epoch later."""
+        """This epoch had its last loader batch; the next one ends a producer epoch later."""
         self._source_done = True
         assert self._epoch_end is not None
         self._epoch_end = (self._epoch_end[0] + 1, self._epoch_end[1])
@@ -264,9 +280,9 @@ class TensorConsumer:
                 self._in_epoch = False
                 if self._epoch_pulled > 0:
                     raise ProducerFinished(
-                        f"the producer stopped in the middle of its epoch, after "
-                        f"{self._epoch_pulled} batches of this consumer's epoch {self.epoch}; "
-                        "no more batches will come"
+                        f"the producer stopped in the middle of its epoch, after this "
+                        f"consumer's epoch {self.epoch} had received {self._epoch_pulled} "
+                        "of the loader's batches; no more batches will come"
                     ) from None
                 raise ProducerFinished(
                     f"the producer finished after {self.epoch} epoch(s) seen by this "
@@ -311,8 +327,12 @@ class TensorConsumer:
     def _attach_again(self) -> int:
         """Take a new place in the same producer's ring (a late joiner); its first seq."""
         info = self._ring.info()
-        if info["state"] == _core.RING_FINISHED or not _core.process_alive(
-                info["producer_pid"], info["producer_start_time"]):
+        if not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
+            self._in_epoch = False
+            raise ProducerGone(
+                f"the producer process (pid {info['producer_pid']}) is gone; no more batches "
+                f"will come from {self.endpoint.address}")
+        if info["state"] == _core.RING_FINISHED:
             self._in_epoch = False
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
@@ -324,9 +344,9 @@ class TensorConsumer:
                 "the producer that answered is a new one, not the one this consumer was "
                 "attached to; create a new TensorConsumer to attach to it")
         self._ring.bind(welcome["consumer"], welcome["token"])
+        self._index = welcome["consumer"]
         start = self._client.ready()
         self._client.start_heartbeats()
-        self._index = welcome["consumer"]
         self._attached = True
         self._epoch_end = None  # epochs are anchored again at the next batch
         log.info("consumer attached again as %d at entry %d", self._index, start)

@@ -22,6 +22,7 @@ from .structure import flatten
 log = logging.getLogger("tensorsocket")
 
 DEFAULT_SLOTS = 4
+MAX_SLOTS = 4096
 LAG_POLICIES = ("raise", "rejoin")
 DEFAULT_RUBBER_BAND_PCT = 0.005  # of an epoch's batches ...
 DEFAULT_MAX_WINDOW = 8  # ... but at most this many, unless asked for explicitly
@@ -61,7 +62,8 @@ class TensorProducer:
         is published (default 1). After that, whenever no consumer at all is
         attached, the producer pauses (the loader is not run for nobody) until
         one attaches; 0 never waits.
-      start_timeout: seconds to wait for them (None: forever); TimeoutError after.
+      start_timeout: seconds to wait for them, and for one consumer while none
+        is attached (None: forever); TimeoutError after.
       rubber_band: the late-joiner window in batches (overrides rubber_band_pct).
       max_lag: detach a consumer that falls more than this many batches behind
         the fastest consumer, so the others are not held back (default None:
@@ -69,7 +71,7 @@ class TensorProducer:
       lag_policy: what a detached laggard does: ``"raise"`` (ConsumerDetached)
         or ``"rejoin"`` (a LagWarning, then it attaches again as a late joiner).
       ring_slots: slots in the ring (default: 4, or the window + 2, or
-        max_lag + 1, whichever is largest).
+        max_lag + 2, whichever is largest).
       slot_bytes: capacity of one slot (default: first batch x 1.5).
       ring_bytes: total slot memory; sets ring_slots from slot_bytes.
       max_leaves: most tensors one batch may hold (default: from the first batch).
@@ -103,8 +105,8 @@ class TensorProducer:
         if ring_slots is not None and consumer_max_buffer_size is not None:
             raise ValueError("give ring_slots= or consumer_max_buffer_size=, not both")
         slots = ring_slots if ring_slots is not None else consumer_max_buffer_size
-        if slots is not None and not 2 <= int(slots) <= 4096:
-            raise ValueError(f"ring_slots must be in 2..4096, got {slots}")
+        if slots is not None and not 2 <= int(slots) <= MAX_SLOTS:
+            raise ValueError(f"ring_slots must be in 2..{MAX_SLOTS}, got {slots}")
         if slot_bytes is not None and int(slot_bytes) <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         if min_consumers < 0 or min_consumers > _core.MAX_CONSUMERS:
@@ -113,8 +115,11 @@ class TensorProducer:
             raise ValueError(f"rubber_band_pct must be in 0..1, got {rubber_band_pct}")
         if rubber_band is not None and int(rubber_band) < 0:
             raise ValueError(f"rubber_band must be >= 0 batches, got {rubber_band}")
-        if max_lag is not None and int(max_lag) < 1:
-            raise ValueError(f"max_lag must be >= 1 batch, got {max_lag}")
+        if max_lag is not None and not 1 <= int(max_lag) <= MAX_SLOTS - 2:
+            raise ValueError(f"max_lag must be in 1..{MAX_SLOTS - 2} batches, got {max_lag}")
+        if rubber_band is not None and int(rubber_band) > MAX_SLOTS - 2:
+            raise ValueError(f"rubber_band must be at most {MAX_SLOTS - 2} batches, got "
+                             f"{rubber_band}")
         if lag_policy not in LAG_POLICIES:
             raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {lag_policy!r}")
         explicit_window = rubber_band is not None or rubber_band_pct is not None
@@ -131,6 +136,11 @@ class TensorProducer:
                 self.window = max(0, min(self.window, int(slots) - 2))
             if self.max_lag is not None:
                 self.window = min(self.window, self.max_lag - 1)
+        if self.window > MAX_SLOTS - 2:
+            raise ValueError(
+                f"a late-joiner window of {self.window} batches needs more than the "
+                f"{MAX_SLOTS} slots a ring holds: lower rubber_band_pct= or rubber_band="
+            )
         if self.max_lag is not None and self.max_lag <= self.window:
             raise ValueError(
                 f"max_lag={self.max_lag} must exceed the late-joiner window of {self.window} "
@@ -141,10 +151,11 @@ class TensorProducer:
                 f"ring_slots={slots} cannot keep a late-joiner window of {self.window} batches: "
                 "raise ring_slots= or lower rubber_band= / rubber_band_pct="
             )
-        if slots is not None and self.max_lag is not None and self.max_lag >= int(slots):
+        if slots is not None and self.max_lag is not None and self.max_lag + 2 > int(slots):
             raise ValueError(
-                f"max_lag={self.max_lag} needs ring_slots > max_lag (ring_slots={slots}): a "
-                "consumer cannot fall further behind than the ring is long"
+                f"max_lag={self.max_lag} needs ring_slots >= max_lag + 2 (ring_slots={slots}): "
+                "a consumer that holds its current batch while it trains can only fall "
+                "ring_slots - 1 batches behind"
             )
         self.data_loader = data_loader
         self.producer_batch_size = producer_batch_size
@@ -191,7 +202,8 @@ class TensorProducer:
             "segment": self._segment,
             "length": self._length(),
             "loader_batch_size": _loader_batch_size(self.data_loader),
-            "samples": _samples_per_epoch(self.data_loader),
+            "samples": _samples_per_epoch(self.data_loader)[0],
+            "samples_exact": _samples_per_epoch(self.data_loader)[1],
             "epoch": self.epoch,
             "producer_pid": os.getpid(),
             "window": self.window,
@@ -229,14 +241,18 @@ class TensorProducer:
         slot_bytes = self._slot_bytes or max(MIN_SLOT_BYTES, int(size * SLOT_HEADROOM))
         slots = self._ring_slots
         if slots is None:
-            slots = max(2, min(4096, self._ring_bytes // slot_bytes)) if self._ring_bytes \
-                else DEFAULT_SLOTS
-            slots = max(slots, self.window + 2, (self.max_lag or 0) + 1)
-            if slots > 4096:
-                raise ValueError(
-                    f"a late-joiner window of {self.window} batches needs {slots} ring slots, "
-                    "more than the 4096 a ring holds: lower rubber_band= / rubber_band_pct="
-                )
+            need = max(self.window + 2, (self.max_lag or 0) + 2)
+            if self._ring_bytes:
+                slots = min(MAX_SLOTS, self._ring_bytes // slot_bytes)
+                if slots < need:
+                    raise ValueError(
+                        f"ring_bytes={self._ring_bytes} holds {slots} slots of {slot_bytes} "
+                        f"bytes, but the late-joiner window ({self.window}) and max_lag "
+                        f"({self.max_lag}) need {need}: raise ring_bytes= or lower "
+                        "rubber_band= / rubber_band_pct= / max_lag="
+                    )
+            else:
+                slots = max(DEFAULT_SLOTS, need)
         max_leaves = self._max_leaves or max(64, 2 * len(leaves))
         try:
             ring = _core.Ring.create(self._segment, slots, slot_bytes, max_leaves)
@@ -324,11 +340,16 @@ class TensorProducer:
         ok = self._ring.wait_consumers(want, self.start_timeout)
         self._wait_consumers_s += time.perf_counter() - start
         if not ok:
-            what = f"min_consumers={want}" if self._batches == 0 else "one"
+            where = f"producer {self.endpoint.name!r} at {self.endpoint.address}"
+            if self._batches == 0:
+                raise TimeoutError(
+                    f"only {self._server.consumer_count()} of min_consumers={want} consumers "
+                    f"attached within start_timeout={self.start_timeout} s ({where})"
+                )
             raise TimeoutError(
-                f"only {self._server.consumer_count()} of {what} consumers attached within "
-                f"start_timeout={self.start_timeout} s "
-                f"(producer {self.endpoint.name!r} at {self.endpoint.address})"
+                f"every consumer left and none attached again within start_timeout="
+                f"{self.start_timeout} s ({where}); pass start_timeout=None to wait for "
+                "consumers indefinitely"
             )
 
     # -- end ------------------------------------------------------------------------
@@ -432,6 +453,7 @@ def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
     producer = producer_ref()
     if producer is None:
         return {"segment": "", "length": None, "loader_batch_size": None, "samples": None,
+                "samples_exact": False,
                 "epoch": 0, "producer_pid": os.getpid(), "window": 0, "max_lag": 0,
                 "lag_policy": "raise"}
     return producer._welcome_info()
@@ -500,28 +522,27 @@ def _batch_bytes(leaves: list) -> int:
     return total
 
 
-def _samples_per_epoch(loader: Any) -> int | None:
-    """Samples one epoch of a DataLoader-like loader yields, if it can be known."""
+def _samples_per_epoch(loader: Any) -> tuple[int | None, bool]:
+    """(samples one epoch of the loader yields, whether that count is exact).
+
+    Exact for a torch DataLoader (its sampler's length, or full batches with
+    drop_last); for another loader with a batch_size and a len(), full batches
+    are assumed."""
     bs = _loader_batch_size(loader)
     if bs is None:
-        return None
+        return None, False
     try:
         batches = len(loader)
     except TypeError:
-        return None
-    if getattr(loader, "drop_last", False):
-        return batches * bs
-    sampler = getattr(loader, "sampler", None)
-    if sampler is not None and getattr(loader, "batch_sampler", None) is not None:
+        return None, False
+    if getattr(loader, "batch_sampler", None) is not None:
+        if getattr(loader, "drop_last", False):
+            return batches * bs, True
         try:
-            return min(len(sampler), batches * bs)
-        except TypeError:
-            return None
-    dataset = getattr(loader, "dataset", None)
-    try:
-        return min(len(dataset), batches * bs) if dataset is not None else batches * bs
-    except TypeError:
-        return batches * bs
+            return min(len(loader.sampler), batches * bs), True
+        except (AttributeError, TypeError):
+            pass
+    return batches * bs, False
 
 
 def _loader_batch_size(loader: Any) -> int | None:

@@ -19,6 +19,7 @@ MAX_MESSAGE_BYTES = 64 * 1024
 _INT = (int,)
 _OPT_INT = (int, type(None))
 _STR = (str,)
+_BOOL = (bool,)
 
 # type -> {field: accepted python types}
 SCHEMAS: dict[str, dict[str, tuple]] = {
@@ -36,6 +37,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "length": _OPT_INT,
         "loader_batch_size": _OPT_INT,
         "samples": _OPT_INT,
+        "samples_exact": _BOOL,
         "epoch": _INT,
         "producer_pid": _INT,
         "window": _INT,

@@ -1,17 +1,21 @@
 """Re-batching: cut the producer's batches into batches of the consumer's size.
 
 A batch is a nest of tuples, lists, dicts and namedtuples over tensors and
-plain values, as the loader made it. Its *samples* run along dimension 0 of
-its tensors; the sample count is that of its first tensor (depth first) with
-at least one dimension. Cutting follows these rules:
+plain values, as the loader made it. Its sample count n is known from the
+loader (its batch_size, and for the last batch of a DataLoader epoch its
+sampler's length) or else taken from dimension 0 of its first tensor (depth
+first) with at least one dimension. Cutting follows these rules:
 
 - torch tensors and numpy arrays with a batch dimension are sliced along it
   (a view: zero-copy) or, when a consumer batch spans two loader batches,
   concatenated (one copy of just those samples). Every such tensor must have
-  the batch's sample count as its first dimension.
-- A list of plain values (str, int, ...) as long as the batch is per-sample
-  data (``default_collate`` turns strings into such lists): it is sliced and
-  concatenated like a tensor.
+  n as its first dimension, or the batch is refused with an error naming it.
+- A list or tuple (not a namedtuple) of n items that are not all n-sample
+  tensors is per-sample data: a list of strings from ``default_collate``, or
+  the tuple of images or of target dicts of a detection-style
+  ``collate_fn=lambda b: tuple(zip(*b))``. It is sliced and concatenated like
+  a tensor. (A tuple of n tensors that each have n rows is ambiguous and read
+  as n batched tensors.)
 - Anything else - plain values, 0-d tensors, numpy scalars - is per-batch
   data: it is passed through as is, and a consumer batch that spans two
   loader batches carries the value of the first.
@@ -55,10 +59,14 @@ def _first_len(obj: Any) -> int | None:
     return None
 
 
-def _is_sample_list(obj: Any, n: int) -> bool:
-    """A list of n plain values: per-sample data."""
-    return isinstance(obj, list) and len(obj) == n and n > 0 and \
-        all(isinstance(v, _PLAIN) for v in obj)
+def _is_sample_seq(obj: Any, n: int) -> bool:
+    """A list or tuple of the batch's n samples (not a structure of batched fields)."""
+    if not isinstance(obj, (list, tuple)) or hasattr(type(obj), "_fields"):
+        return False
+    if len(obj) != n or n == 0:
+        return False
+    fields = [v for v in obj if not isinstance(v, _PLAIN)]
+    return not fields or not all(_first_len(v) == n for v in fields)
 
 
 # A piece of a consumer batch: samples [start, stop) of a loader batch of n samples.
@@ -93,13 +101,13 @@ def _combine(pieces: list[Piece], path: str) -> Any:
         if isinstance(first, torch.Tensor):
             return torch.cat(parts)
         return np.concatenate(parts)
-    if isinstance(first, list) and _is_sample_list(first, pieces[0][3]):
+    if _is_sample_seq(first, pieces[0][3]):
         out: list = []
         for obj, start, stop, n in pieces:
-            if not _is_sample_list(obj, n):
+            if not _is_sample_seq(obj, n):
                 raise ValueError(f"{path} is per-sample in one batch but not in the next")
             out.extend(obj[start:stop])
-        return out
+        return out if isinstance(first, list) else tuple(out)
     if isinstance(first, (list, tuple)):
         width = len(first)
         for obj, *_ in pieces[1:]:
@@ -126,7 +134,8 @@ class Rebatcher:
     """Cuts a stream of loader batches into batches of batch_size samples.
 
     next_batch(pull) returns the next consumer batch; pull() gives the next
-    loader batch of the consumer's epoch or raises EpochEnd. At the end of an
+    loader batch of the consumer's epoch with its sample count if known
+    (else None), or raises EpochEnd. At the end of an
     epoch the last, partial batch is returned unless drop_last; then EpochEnd
     propagates. Samples never cross an epoch boundary.
     """
@@ -138,6 +147,7 @@ class Rebatcher:
         self.drop_last = drop_last
         self._current: list | None = None  # [loader batch, n, offset]
         self.dropped_samples = 0
+        self.last_samples = 0  # samples in the batch next_batch returned last
 
     def reset(self) -> None:
         """Forget a partly used loader batch (the epoch was cut short)."""
@@ -149,13 +159,15 @@ class Rebatcher:
         while need > 0:
             if self._current is None:
                 try:
-                    batch = pull()
+                    batch, n = pull()
                 except EpochEnd:
                     if pieces and not self.drop_last:
+                        self.last_samples = self.batch_size - need
                         return combine(pieces)
                     self.dropped_samples += sum(stop - start for _, start, stop, _ in pieces)
                     raise
-                n = batch_samples(batch)
+                if n is None:
+                    n = batch_samples(batch)
                 if n == 0:
                     continue
                 self._current = [batch, n, 0]
@@ -167,6 +179,7 @@ class Rebatcher:
                 self._current = None
             else:
                 self._current[2] = offset + take
+        self.last_samples = self.batch_size
         return combine(pieces)
 
 

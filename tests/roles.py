@@ -244,8 +244,12 @@ def _consume(a: argparse.Namespace) -> dict:
                     print(json.dumps({"stalled": True}), flush=True)
                     held = [batch]  # noqa: F841  (keep the batch's slot while we hang)
                     time.sleep(3600)
+                if a.hold:  # train on the batch: hold it while "computing"
+                    time.sleep(a.delay)
                 del batch, item, first
-                if a.delay_first is None or n <= a.delay_first:
+                if a.hold:
+                    pass
+                elif a.delay_first is None or n <= a.delay_first:
                     time.sleep(a.delay)
                 else:
                     time.sleep(a.delay_rest)
@@ -298,6 +302,7 @@ def main() -> None:
     ap.add_argument("--stall-after", type=int)
     ap.add_argument("--delay-first", type=int, help="sleep --delay only after the first N")
     ap.add_argument("--delay-rest", type=float, default=0.0, help="... and this after them")
+    ap.add_argument("--hold", action="store_true", help="sleep --delay holding the batch")
     ap.add_argument("--samples", type=int, default=100)
     ap.add_argument("--loader-bs", type=int, default=8)
     ap.add_argument("--loader-drop-last", action="store_true")

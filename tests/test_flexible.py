@@ -106,7 +106,9 @@ def test_laggard_is_detached_with_a_clear_error(procs, name):
                        "--batches", "60", "--min-consumers", "2", "--max-lag", "3",
                        "--window", "0")
     procs.wait_ready(prod)
-    slow = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.5")
+    # It holds each batch while it "trains" on it, as a training loop does.
+    slow = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.5",
+                       "--hold")
     fast = procs.start("consumer", "--name", name, "--kind", "tuple")
     f, s, p = procs.result(fast), procs.result(slow), procs.result(prod)
     assert f["errors"] == [] and f["epochs"] == [_batches(0, 0, 60)]
@@ -119,18 +121,17 @@ def test_laggard_is_detached_with_a_clear_error(procs, name):
 
 
 def test_laggard_rejoins_as_a_late_joiner_with_a_warning(procs, name):
+    # The loader takes 10 ms per batch, and sets the pace of both consumers: scheduling
+    # jitter cannot put either of them 8 batches (80 ms) behind the other.
     prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "3",
                        "--batches", "40", "--min-consumers", "2", "--max-lag", "8",
-                       "--window", "2", "--lag-policy", "rejoin")
+                       "--window", "2", "--lag-policy", "rejoin", "--delay", "0.01")
     procs.wait_ready(prod)
     # Slow on its first batch only: it lags once, rejoins, then keeps up. It asks
     # for more epochs than its shortened ones add up to, and ends at ProducerFinished.
-    # Both then take 10 ms per batch, so that scheduling jitter cannot put either of
-    # them 8 batches behind the other.
     slow = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "10",
-                       "--delay", "0.4", "--delay-first", "1", "--delay-rest", "0.01")
-    fast = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3",
-                       "--delay", "0.01")
+                       "--delay", "0.4", "--delay-first", "1")
+    fast = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3")
     f, s, p = procs.result(fast), procs.result(slow), procs.result(prod)
     assert f["errors"] == [] and f["epochs"] == [_batches(k, 0, 40) for k in range(3)]
     assert s["errors"] == [] and s["outcome"].startswith("ProducerFinished"), s["outcome"]
@@ -215,15 +216,18 @@ def test_peek_then_iterate_gets_a_whole_epoch(name):
 
     import torch
 
-    from tensorsocket import TensorConsumer, TensorProducer
+    from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError
 
     loader = [torch.full((2,), float(i)) for i in range(12)]
     producer = TensorProducer(loader, name=name, rubber_band=12, start_timeout=30)
     def produce():
-        for _ in range(4):
-            for _ in producer:
-                pass
-        producer.join(timeout=10)
+        try:
+            for _ in range(4):
+                for _ in producer:
+                    pass
+            producer.join(timeout=10)
+        except TensorSocketError:  # closed below while it waits for the consumer
+            pass
 
     thread = threading.Thread(target=produce, daemon=True)
     thread.start()

@@ -38,7 +38,7 @@ def source(sizes: list[int]):
 
     def pull():
         try:
-            return next(it)
+            return next(it), None
         except StopIteration:
             raise EpochEnd from None
 
@@ -61,7 +61,7 @@ def test_divisor_gives_zero_copy_slices():
     # A slice shares its loader batch's storage.
     whole = loader_batch(0, 8)
     r2 = Rebatcher(4)
-    half = r2.next_batch(lambda: whole)
+    half = r2.next_batch(lambda: (whole, None))
     assert half["ids"].untyped_storage().data_ptr() == whole["ids"].untyped_storage().data_ptr()
     assert np.shares_memory(half["np"], whole["np"])
     assert half["pair"].x.untyped_storage().data_ptr() == \
@@ -70,7 +70,7 @@ def test_divisor_gives_zero_copy_slices():
 
 def test_whole_batch_is_handed_over_untouched():
     whole = loader_batch(0, 8)
-    assert Rebatcher(8).next_batch(lambda: whole) is whole
+    assert Rebatcher(8).next_batch(lambda: (whole, None)) is whole
 
 
 def test_spanning_batches_are_concatenated_with_their_structure():
@@ -95,13 +95,13 @@ def test_drop_last_drops_the_partial_batch_and_counts_it():
 def test_tensor_without_the_batch_dimension_is_named():
     bad = {"x": torch.zeros(8, 2), "w": torch.zeros(5)}
     with pytest.raises(ValueError, match=r"batch\['w'\] \(shape \(5,\)\).*8 samples"):
-        Rebatcher(3).next_batch(lambda: bad)
+        Rebatcher(3).next_batch(lambda: (bad, None))
 
 
 def test_structure_change_between_batches_is_named():
     batches = iter([{"x": torch.zeros(2)}, {"y": torch.zeros(2)}])
     with pytest.raises(ValueError, match="changes keys"):
-        Rebatcher(3).next_batch(lambda: next(batches))
+        Rebatcher(3).next_batch(lambda: (next(batches), None))
 
 
 def test_batch_without_batch_dimension_is_refused():
@@ -122,3 +122,32 @@ def test_every_sample_once_in_order(sizes, b, drop_last):
     assert all(len(batch["ids"]) == b for batch in got[:-1])
     assert len(got) == consumer_len(total, b, drop_last)
     assert all(batch["pair"].y == [f"n{i}" for i in batch["ids"].tolist()] for batch in got)
+
+
+def test_detection_style_tuples_are_cut_per_sample():
+    """collate_fn=lambda b: tuple(zip(*b)): a tuple of images and one of target dicts."""
+    def det_batch(start: int, n: int):
+        images = tuple(torch.full((3, 5 + i, 4), float(i)) for i in range(start, start + n))
+        targets = tuple({"boxes": torch.zeros(i % 3, 4), "id": i} for i in range(start, start + n))
+        return images, targets
+
+    batches = iter([(det_batch(0, 4), 4), (det_batch(4, 4), 4)])
+    r = Rebatcher(3)
+    got = drain(r, lambda: _next_or_end(batches))
+    assert [len(images) for images, _ in got] == [3, 3, 2]
+    ids = [t["id"] for _, targets in got for t in targets]
+    assert ids == list(range(8))
+    images = [img for imgs, _ in got for img in imgs]
+    assert [int(img[0, 0, 0]) for img in images] == list(range(8))
+    assert all(isinstance(imgs, tuple) for imgs, _ in got)
+    assert r.last_samples == 2  # the short last batch
+    # The loader's count (4) matters: the first tensor's dimension 0 is an image's 3
+    # channels, which is not the number of samples.
+    assert batch_samples(det_batch(0, 4)) == 3
+
+
+def _next_or_end(it):
+    try:
+        return next(it)
+    except StopIteration:
+        raise EpochEnd from None
