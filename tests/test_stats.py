@@ -58,7 +58,7 @@ def test_stats_of_producer_and_consumers(name):
         assert c["bytes"] == table[None]["delivered_bytes"]
         assert c["lag"] == published_now - 5
         h = halves.stats()
-        assert h["batches"] == 4 and h["loader_batches"] == 2
+        assert h["batches"] == 4 and h["loader_batches"] == 2 and h["samples"] == 16
 
         # Both read on in step (one thread: each waits for the other to free slots).
         for _ in it_whole:
