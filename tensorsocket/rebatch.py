@@ -14,8 +14,8 @@ first) with at least one dimension. Cutting follows these rules:
   tensors is per-sample data: a list of strings from ``default_collate``, or
   the tuple of images or of target dicts of a detection-style
   ``collate_fn=lambda b: tuple(zip(*b))``. It is sliced and concatenated like
-  a tensor. (A tuple of n tensors that each have n rows is ambiguous and read
-  as n batched tensors.)
+  a tensor. (Ambiguous, and read as n batched fields: a tuple of n items that
+  each hold n rows themselves.)
 - Anything else - plain values, 0-d tensors, numpy scalars - is per-batch
   data: it is passed through as is, and a consumer batch that spans two
   loader batches carries the value of the first.
@@ -66,7 +66,20 @@ def _is_sample_seq(obj: Any, n: int) -> bool:
     if len(obj) != n or n == 0:
         return False
     fields = [v for v in obj if not isinstance(v, _PLAIN)]
-    return not fields or not all(_first_len(v) == n for v in fields)
+    return not fields or not all(_looks_batched(v, n) for v in fields)
+
+
+def _looks_batched(obj: Any, n: int) -> bool:
+    """obj holds n samples: an n-row tensor, an n-long sequence, or a structure of them."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return obj.ndim >= 1 and obj.shape[0] == n
+    if isinstance(obj, dict):
+        return any(_looks_batched(v, n) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        if len(obj) == n and not hasattr(type(obj), "_fields"):
+            return True
+        return any(_looks_batched(v, n) for v in obj)
+    return False
 
 
 # A piece of a consumer batch: samples [start, stop) of a loader batch of n samples.

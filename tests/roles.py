@@ -41,9 +41,9 @@ class CountingLoader:
         return self.batches
 
     def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1  # counted even if cut short
         for b in range(self.batches):
-            yield make_batch(self.kind, self.epoch * 1000 + b)
-        self.epoch += 1
+            yield make_batch(self.kind, epoch * 1000 + b)
 
 
 class SampleDataset(torch.utils.data.Dataset):
@@ -66,6 +66,20 @@ def collate_with_tag(samples: list) -> dict:
     batch = torch.utils.data.default_collate(samples)
     batch["src"] = "loader"
     return batch
+
+
+class DetectionDataset(SampleDataset):
+    """Sample i: a (3, H_i, 5) image filled with its id and a target dict (variable sizes)."""
+
+    def __getitem__(self, i: int):
+        sid = self.epoch * 100000 + i
+        return torch.full((3, 4 + i % 3, 5), float(sid)), {"id": sid,
+                                                            "boxes": torch.zeros(i % 3, 4)}
+
+
+def collate_tuples(samples: list) -> tuple:
+    """The detection-style collate: a tuple of images and a tuple of targets."""
+    return tuple(zip(*samples))
 
 
 class SampleLoader(torch.utils.data.DataLoader):
@@ -98,11 +112,11 @@ class Gate:
                 return len(loader)
 
             def __iter__(self):
+                epoch, self.epoch = self.epoch, self.epoch + 1
                 for i, batch in enumerate(loader):
-                    if gate.at == (self.epoch, i):
+                    if gate.at == (epoch, i):
                         gate.hold()
                     yield batch
-                self.epoch += 1
 
         return Gated()
 
@@ -156,6 +170,9 @@ def producer(a: argparse.Namespace) -> dict:
     if a.kind == "samples":
         loader = SampleLoader(SampleDataset(a.samples), batch_size=a.loader_bs, shuffle=False,
                               drop_last=a.loader_drop_last, collate_fn=collate_with_tag)
+    elif a.kind == "detection":
+        loader = SampleLoader(DetectionDataset(a.samples), batch_size=a.loader_bs,
+                              shuffle=False, collate_fn=collate_tuples)
     else:
         loader = CountingLoader(a.batches, a.kind)
     gate = Gate(a.gate, a.gate_consumers)
@@ -172,10 +189,13 @@ def producer(a: argparse.Namespace) -> dict:
     gate.producer = p
     print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     cpu0 = time.process_time()
-    for _ in range(a.epochs):
-        for _ in p:
+    cut = tuple(int(x) for x in a.cut.split(":")) if a.cut else None
+    for e in range(a.epochs):
+        for i, _ in enumerate(p):
             if a.delay:
                 time.sleep(a.delay)
+            if cut == (e, i + 1):
+                break  # the producer's epoch e ends after i + 1 batches
     stats = p.stats()
     drained = p.join(timeout=60)
     return {"stats": stats, "drained": drained, "cpu": time.process_time() - cpu0}
@@ -219,7 +239,17 @@ def _consume(a: argparse.Namespace) -> dict:
             for item in c:
                 idx, batch = item if c.with_index else (None, item)
                 n += 1
-                if a.kind == "samples":
+                if a.kind == "detection":
+                    images, targets = batch
+                    ids = [t["id"] for t in targets]
+                    if [int(img[0, 0, 0]) for img in images] != ids or \
+                            [tuple(t["boxes"].shape) for t in targets] != \
+                            [(i % 100000 % 3, 4) for i in ids]:
+                        errors.append(f"epoch {e}: images/targets do not match ids {ids}")
+                    seen.extend(ids)
+                    epoch_sizes.append(len(ids))
+                    first = images[0]
+                elif a.kind == "samples":
                     ids = batch["id"].tolist()
                     if batch["name"] != [f"s{i}" for i in ids] or batch["src"] != "loader":
                         errors.append(f"epoch {e}: names {batch['name'][:3]} for ids {ids[:3]}")
@@ -311,6 +341,7 @@ def main() -> None:
     ap.add_argument("--lag-policy", default="raise")
     ap.add_argument("--gate", help="EPOCH:INDEX where the producer waits for consumers")
     ap.add_argument("--gate-consumers", type=int, default=2)
+    ap.add_argument("--cut", help="EPOCH:N: the producer breaks out of epoch EPOCH after N")
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--drop-last", action="store_true")
     ap.add_argument("--leave-after", type=int, help="close after N batches")

@@ -53,6 +53,22 @@ def test_late_joiner_sees_exact_batches(procs, name, window, gate, first_epoch):
     assert p["drained"] is True and p["stats"]["window"] == window
 
 
+def test_late_joiner_realigns_after_a_short_producer_epoch(procs, name):
+    """Joined at epoch 0, batch 37 (no window); the producer cuts epoch 1 at 20 batches:
+    the joiner's first epoch ends with the producer's, and the next is epoch 2, whole."""
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                       "--batches", "100", "--window", "0", "--gate", "0:37", "--cut", "1:20")
+    procs.wait_ready(prod)
+    early = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3")
+    assert procs.wait_ready(prod) == {"gate": True}
+    late = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2")
+    e, lt = procs.result(early), procs.result(late)
+    procs.result(prod)
+    assert e["epochs"] == [_batches(0, 0, 100), _batches(1, 0, 20), _batches(2, 0, 100)]
+    assert lt["errors"] == [] and lt["warnings"] == []
+    assert lt["epochs"] == [_batches(0, 37, 100) + _batches(1, 0, 20), _batches(2, 0, 100)]
+
+
 def _sample_ids(epoch: int, stop: int) -> list[int]:
     return [epoch * 100000 + i for i in range(stop)]
 
@@ -83,6 +99,19 @@ def test_own_batch_sizes_deliver_every_sample_once_in_order(procs, name):
     # B = 2P: batches are concatenated in the consumer (one copy).
     assert res["16"]["zero_copy"] is False
     assert res["3-drop"]["stats"]["dropped_samples"] == 2  # one per epoch
+
+
+def test_own_batch_size_over_detection_style_tuples(procs, name):
+    """collate_fn=lambda b: tuple(zip(*b)) (images of varying size, target dicts):
+    batch_size cuts per sample, not along the images' channels."""
+    prod = procs.start("producer", "--name", name, "--kind", "detection", "--samples", "10",
+                       "--loader-bs", "4")
+    procs.wait_ready(prod)
+    c = procs.start("consumer", "--name", name, "--kind", "detection", "--batch-size", "3")
+    r = procs.result(c)
+    procs.result(prod)
+    assert r["errors"] == [] and r["epochs"] == [_sample_ids(0, 10)]
+    assert r["sizes"] == [[3, 3, 3, 1]] and r["len"] == 4
 
 
 def test_slow_and_fast_consumers_are_both_lossless(procs, name):
