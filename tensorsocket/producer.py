@@ -198,12 +198,13 @@ class TensorProducer:
         return self._ring_box[0]
 
     def _welcome_info(self) -> dict:
+        samples, exact = _samples_per_epoch(self.data_loader)
         return {
             "segment": self._segment,
             "length": self._length(),
             "loader_batch_size": _loader_batch_size(self.data_loader),
-            "samples": _samples_per_epoch(self.data_loader)[0],
-            "samples_exact": _samples_per_epoch(self.data_loader)[1],
+            "samples": samples,
+            "samples_exact": exact,
             "epoch": self.epoch,
             "producer_pid": os.getpid(),
             "window": self.window,

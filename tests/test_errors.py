@@ -97,26 +97,21 @@ def test_close_from_another_thread_interrupts_a_waiting_call(name):
     p = TensorProducer(loader, name=name, min_consumers=2, start_timeout=30)
     raised: list = []
 
-    def produce():
-        try:
-            for _ in p:
-                pass
-        except Exception as e:
-            raised.append(e)
+    def drain_in_thread(iterable) -> threading.Thread:
+        def run():
+            try:
+                for _ in iterable:
+                    pass
+            except Exception as e:
+                raised.append(e)
 
-    t = threading.Thread(target=produce)
-    t.start()
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    t = drain_in_thread(p)
     c = TensorConsumer(name=name, timeout=10)  # one of two: the producer keeps waiting
-
-    def consume():
-        try:
-            for _ in c:
-                pass
-        except Exception as e:
-            raised.append(e)
-
-    t2 = threading.Thread(target=consume)
-    t2.start()
+    t2 = drain_in_thread(c)
     time.sleep(0.3)
     c.close()
     p.close()

@@ -13,6 +13,15 @@ def _batches(epoch: int, start: int, stop: int) -> list[int]:
     return [epoch * 1000 + b for b in range(start, stop)]
 
 
+def _assert_late_joiner_epoch(got: list[int], epochs: int, batches: int) -> None:
+    """got is a late joiner's epoch: `batches` consecutive batches of the producer's
+    stream (of `epochs` epochs) from where it joined, or up to the stream's end."""
+    stream = [v for k in range(epochs) for v in _batches(k, 0, batches)]
+    start = stream.index(got[0])
+    assert got == stream[start:start + len(got)], got
+    assert len(got) == batches or got[-1] == stream[-1], got
+
+
 @pytest.mark.parametrize(
     "window, gate, first_epoch",
     [
@@ -173,10 +182,7 @@ def test_laggard_rejoins_as_a_late_joiner_with_a_warning(procs, name):
     # oldest batch of the window) and is 40 consecutive batches, wrapping into the
     # producer's next epoch.
     assert 0 < len(s["epochs"][0]) < 40
-    order = [v for k in range(3) for v in _batches(k, 0, 40)]
-    second = s["epochs"][1]
-    start = order.index(second[0])
-    assert second == order[start:start + 40]
+    _assert_late_joiner_epoch(s["epochs"][1], 3, 40)
     assert p["stats"]["lag_detached"] == 1
 
 
@@ -194,10 +200,7 @@ def test_leave_and_attach_again_without_disturbing_others(procs, name):
     assert lv["outcome"] == "left" and lv["epochs"] == [_batches(0, 0, 5)]
     again = lv["rejoined"][0]
     # The second attachment is a late joiner: 30 consecutive batches from where it joined.
-    order = [v for k in range(3) for v in _batches(k, 0, 30)]
-    start = order.index(again[0])
-    assert again == order[start:start + len(again)]
-    assert len(again) == 30 or again[-1] == order[-1]
+    _assert_late_joiner_epoch(again, 3, 30)
     assert p["drained"] is True
 
 
@@ -218,12 +221,8 @@ def test_breaking_out_of_the_loop_leaves_at_once(procs, name):
     pause = b["pause"]
     assert pause["published_after"] - pause["left_at"] > pause["slots"], pause
     # Then it came back as a late joiner: 40 consecutive batches from where it joined.
-    order = [v for k in range(3) for v in _batches(k, 0, 40)]
     assert b["outcome"] == "done", b["outcome"]
-    again = b["epochs"][1]
-    start = order.index(again[0])
-    assert again == order[start:start + len(again)]
-    assert len(again) == 40 or again[-1] == order[-1]
+    _assert_late_joiner_epoch(b["epochs"][1], 3, 40)
     assert p["drained"] is True
 
 
