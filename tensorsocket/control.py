@@ -25,6 +25,7 @@ log = logging.getLogger("tensorsocket")
 HEARTBEAT_INTERVAL = 1.0  # seconds between consumer heartbeats
 PENDING_TIMEOUT = 10.0  # a consumer that never says "ready" is dropped after this
 LIVENESS_INTERVAL = 0.25  # how often the server checks consumer processes
+MAX_ERROR_CHARS = 1000  # error replies stay well inside the protocol's string limit
 
 
 @dataclass
@@ -128,9 +129,18 @@ class ControlServer:
                 self._send(ident, "error", code="protocol",
                            message=f"{msg['type']} is not a consumer message")
                 continue
-            handler(ident, msg)
+            try:
+                handler(ident, msg)
+            except Exception as e:  # a message must never take the control thread down
+                self.rejected += 1
+                log.warning("control message %s failed: %s: %s", msg["type"],
+                            type(e).__name__, e)
+                self._send(ident, "error", code="protocol",
+                           message=f"{msg['type']} failed: {type(e).__name__}")
 
     def _send(self, ident: bytes, kind: str, **fields: Any) -> None:
+        if kind == "error":
+            fields["message"] = fields["message"][:MAX_ERROR_CHARS]
         try:
             self._sock.send_multipart([ident, protocol.encode(kind, **fields)], zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -149,6 +159,10 @@ class ControlServer:
     # -- messages ----------------------------------------------------------------
 
     def _hello(self, ident: bytes, msg: dict) -> None:
+        if not 0 < msg["pid"] < 2**31 or not 0 <= msg["start_time"] < 2**64:
+            self.rejected += 1
+            self._send(ident, "error", code="protocol", message="hello with an impossible pid")
+            return
         if msg["protocol"] != protocol.PROTOCOL_VERSION:
             self.rejected += 1
             log.warning("consumer pid %s speaks protocol %s, this producer %s",

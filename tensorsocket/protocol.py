@@ -7,6 +7,7 @@ else is rejected with ProtocolError.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 import msgpack
@@ -78,6 +79,17 @@ def decode(data: bytes) -> dict[str, Any]:
     return msg
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxstring = 40
+_REPR.maxother = 40
+
+
+def _short(value: Any) -> str:
+    """A bounded repr of untrusted data, for error messages (never deep, never long)."""
+    return _REPR.repr(value)
+
+
 def _check(msg: Any) -> None:
     """Raise ProtocolError unless msg matches its schema exactly."""
     if not isinstance(msg, dict):
@@ -85,10 +97,10 @@ def _check(msg: Any) -> None:
     kind = msg.get("type")
     schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
     if schema is None:
-        raise ProtocolError(f"unknown control message type {kind!r}")
+        raise ProtocolError(f"unknown control message type {_short(kind)}")
     extra = set(msg) - set(schema) - {"type"}
     if extra:
-        raise ProtocolError(f"{kind} message has unexpected fields {sorted(extra)}")
+        raise ProtocolError(f"{kind} message has unexpected fields {_short(list(extra))}")
     for field, types in schema.items():
         if field not in msg:
             raise ProtocolError(f"{kind} message lacks field {field!r}")

@@ -18,6 +18,8 @@ ROLES = Path(__file__).resolve().parent / "roles.py"
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run long soak tests")
+    parser.addoption("--fault-table", metavar="PATH",
+                     help="write the fault table of tests/test_faults.py to PATH (Markdown)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,3 +105,39 @@ def procs():
     ps = Procs()
     yield ps
     ps.kill_all()
+
+
+class FaultTable:
+    """Rows of the fault table, filled by tests/test_faults.py."""
+
+    HEADER = ("| fault | detection | what the others saw | left behind |\n"
+              "|---|---|---|---|\n")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str, str]] = []
+
+    def add(self, fault: str, detection: str, survivors: str, left: str) -> None:
+        self.rows.append((fault, detection, survivors, left))
+
+    def markdown(self) -> str:
+        import platform
+
+        lines = [f"| {' | '.join(row)} |" for row in self.rows]
+        return (
+            "# Fault table\n\n"
+            "Written by `python -m pytest tests/test_faults.py --fault-table docs/faults.md`"
+            f" on {platform.node() and 'a'} {os.cpu_count()}-CPU {platform.machine()} "
+            f"Linux {platform.release()}, Python {platform.python_version()}. Times are "
+            "measured by the tests (CLOCK_MONOTONIC) from the fault to its detection.\n\n"
+            + self.HEADER + "\n".join(lines) + "\n"
+        )
+
+
+@pytest.fixture(scope="session")
+def fault_table(request):
+    table = FaultTable()
+    yield table
+    path = request.config.getoption("--fault-table")
+    if path and table.rows:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(table.markdown())

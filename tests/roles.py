@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tensorsocket import (  # noqa: E402
     ConsumerDetached,
     ProducerFinished,
+    ProducerGone,
     TensorConsumer,
     TensorProducer,
 )
@@ -232,6 +233,7 @@ def _consume(a: argparse.Namespace) -> dict:
     outcome = "done"
     n = 0
     pause = None
+    ended_at = None
     try:
         for e in range(a.epochs):
             seen: list = []
@@ -297,10 +299,11 @@ def _consume(a: argparse.Namespace) -> dict:
             if a.leave_after is not None and n == a.leave_after:
                 outcome = "left"
                 break
-    except (ConsumerDetached, ProducerFinished) as err:
+    except (ConsumerDetached, ProducerFinished, ProducerGone) as err:
         outcome = f"{type(err).__name__}: {err}"
+        ended_at = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
     out = {"epochs": epochs, "sizes": sizes, "zero_copy": inside, "errors": errors,
-           "outcome": outcome, "stats": c.stats(), "pause": pause}
+           "outcome": outcome, "stats": c.stats(), "pause": pause, "ended_at": ended_at}
     try:
         out["len"] = len(c)
     except TypeError as err:

@@ -1,0 +1,202 @@
+"""Faults in real processes: SIGKILL and SIGSTOP of either role, /dev/shm too small,
+random kills. Each test adds a row to the fault table (what was done, how long detection
+took, what the survivors saw, what was left behind); `python -m pytest tests/test_faults.py
+--fault-table docs/faults.md` writes it."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import shm_segments
+from tensorsocket import SharedMemoryTooSmall, TensorProducer
+from tensorsocket import _core
+from tensorsocket.endpoints import resolve, runtime_dir
+
+
+def _batches(epoch: int, start: int, stop: int) -> list[int]:
+    return [epoch * 1000 + b for b in range(start, stop)]
+
+
+def _ring_of(name: str, producer_pid: int):
+    """A watcher's handle on a producer's ring (never bound to a consumer entry)."""
+    return _core.Ring.open(resolve(name, None, None).segment_name(producer_pid))
+
+
+def _wait_until(predicate, timeout: float, step: float = 0.01) -> float:
+    """Seconds until predicate() held; fails after timeout."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+def _left_behind(name: str) -> str:
+    """What of producer `name` is left in /dev/shm and the runtime directory."""
+    files = sorted(p.name for p in runtime_dir().glob(name + ".*"))
+    left = shm_segments(name) + files
+    return ", ".join(left) if left else "nothing"
+
+
+def test_consumer_sigkilled_holding_a_batch(procs, name, fault_table):
+    prod = procs.start("producer", "--name", name, "--batches", "60", "--kind", "tuple",
+                       "--min-consumers", "2")
+    pid = procs.wait_ready(prod)["pid"]
+    victim = procs.start("consumer", "--name", name, "--kind", "tuple", "--stall-after", "3")
+    survivor = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
+    procs.wait_ready(victim)  # it holds batch 2 and hangs
+    ring = _ring_of(name, pid)
+    try:
+        assert any(c["pid"] == victim.pid for c in ring.consumers())
+        victim.kill()
+        took = _wait_until(lambda: all(c["pid"] != victim.pid for c in ring.consumers()), 3.0)
+    finally:
+        ring.close()
+    r = procs.result(survivor)
+    assert r["errors"] == [] and r["epochs"] == [_batches(0, 0, 60)]
+    assert procs.result(prod)["drained"] is True
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("consumer SIGKILLed while holding a batch",
+                    f"{took:.2f} s (entry evicted, its slots released)",
+                    "every batch once, in order", left)
+
+
+def test_consumer_sigstopped_is_detached_by_the_lag_policy(procs, name, fault_table):
+    prod = procs.start("producer", "--name", name, "--batches", "80", "--kind", "tuple",
+                       "--min-consumers", "2", "--max-lag", "4", "--window", "0")
+    pid = procs.wait_ready(prod)["pid"]
+    stopped = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
+    survivor = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
+    ring = _ring_of(name, pid)
+    try:
+        _wait_until(lambda: any(c["pid"] == stopped.pid and c["delivered"] >= 3
+                                for c in ring.consumers()), 30)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        took = _wait_until(lambda: any(c["pid"] == stopped.pid and
+                                       c["state"] == _core.CONSUMER_DETACHED
+                                       for c in ring.consumers()), 5.0)
+    finally:
+        ring.close()
+        os.kill(stopped.pid, signal.SIGCONT)
+    r = procs.result(survivor)
+    assert r["errors"] == [] and r["epochs"] == [_batches(0, 0, 80)]
+    s = procs.result(stopped)
+    assert s["outcome"].startswith("ConsumerDetached") and "max_lag=4" in s["outcome"]
+    procs.result(prod)
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("consumer SIGSTOPped (max_lag=4)",
+                    f"{took:.2f} s (detached once 4 batches behind the other)",
+                    "every batch once, in order; the stopped one gets ConsumerDetached "
+                    "on SIGCONT", left)
+
+
+def test_producer_sigkilled_while_a_consumer_waits(procs, name, fault_table):
+    prod = procs.start("producer", "--name", name, "--batches", "5", "--kind", "tuple",
+                       "--delay", "3600")
+    procs.wait_ready(prod)
+    c = procs.start("consumer", "--name", name, "--kind", "tuple")
+    # The producer publishes batch 0, then sleeps; the consumer waits for batch 1.
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    prod.kill()
+    r = procs.result(c)
+    took = r["ended_at"] - t0
+    assert r["outcome"].startswith("ProducerGone") and took < 5.0
+    assert r["epochs"] == [] or r["epochs"][0][:1] == [0]
+    # A new producer of the same name starts at once.
+    t1 = time.monotonic()
+    again = procs.start("producer", "--name", name, "--batches", "1", "--min-consumers", "0")
+    procs.wait_ready(again)
+    restart = time.monotonic() - t1
+    procs.result(again)
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("producer SIGKILLed while a consumer waits for a batch",
+                    f"{took:.2f} s (ProducerGone raised)",
+                    f"ProducerGone; a new producer of the name was ready {restart:.2f} s "
+                    "after being started", left)
+
+
+def test_producer_sigkilled_while_a_consumer_holds_a_batch(procs, name, fault_table):
+    prod = procs.start("producer", "--name", name, "--batches", "5", "--kind", "tuple",
+                       "--delay", "3600")
+    procs.wait_ready(prod)
+    # The consumer holds each batch for 2 s ("training"), then asks for the next.
+    c = procs.start("consumer", "--name", name, "--kind", "tuple", "--hold", "--delay", "2")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    prod.kill()
+    r = procs.result(c)
+    took = r["ended_at"] - t0
+    assert r["outcome"].startswith("ProducerGone") and took < 5.0
+    assert r["errors"] == []  # the batch it held stayed valid while the producer died
+    left = _left_behind(name)
+    # The consumer, last party out, removed the segment; the dead producer's socket and
+    # lock files wait for the next producer of the name, which reuses them.
+    assert shm_segments(name) == []
+    fault_table.add("producer SIGKILLed while a consumer holds a batch",
+                    f"{took:.2f} s (at its next batch request, after its 2 s step)",
+                    "the held batch stays valid; ProducerGone at the next request", left)
+
+
+def test_shm_too_small_fails_at_start_naming_the_knob(name, fault_table):
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    loader = [torch.zeros(4)]
+    p = TensorProducer(loader, name=name, min_consumers=0, slot_bytes=free // 2 + (1 << 30))
+    t0 = time.monotonic()
+    with pytest.raises(SharedMemoryTooSmall) as e:
+        for _ in p:
+            pass
+    took = time.monotonic() - t0
+    msg = str(e.value)
+    assert "slot_bytes=" in msg and "ring_slots=" in msg and "--shm-size" in msg
+    assert "needs" in msg or "bytes" in msg
+    assert shm_segments(name) == []
+    p.close()
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("/dev/shm smaller than the ring",
+                    f"{took:.2f} s (SharedMemoryTooSmall before the first batch)",
+                    "an error naming the size and slot_bytes= / ring_slots= / --shm-size",
+                    left)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_kills_leave_nothing_behind(procs, name, fault_table, seed):
+    """Kill a random role at a random point; then the next producer of the name starts,
+    and once everyone is gone nothing of the name is left."""
+    rng = random.Random(seed)
+    prod = procs.start("producer", "--name", name, "--batches", "200", "--kind", "tuple",
+                       "--epochs", "2", "--min-consumers", "1", "--delay", "0.002")
+    procs.wait_ready(prod)
+    cons = [procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2")
+            for _ in range(2)]
+    time.sleep(rng.uniform(0.2, 1.0))
+    victim = rng.choice([prod, *cons])
+    victim.kill()
+    victim.wait()
+    survivors = [p for p in [prod, *cons] if p is not victim]
+    for p in survivors:
+        try:
+            p.communicate(timeout=60)
+        except Exception:
+            p.kill()
+            raise
+    # The next producer of the name sweeps whatever a dead producer left.
+    again = procs.start("producer", "--name", name, "--batches", "1", "--min-consumers", "0")
+    procs.wait_ready(again)
+    procs.result(again)
+    left = _left_behind(name)
+    assert left == "nothing", left
+    role = "producer" if victim is prod else "consumer"
+    fault_table.add(f"random SIGKILL (seed {seed}): the {role}", "-",
+                    "the others end (finish, or ProducerGone)", left)
