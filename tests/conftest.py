@@ -126,7 +126,7 @@ class FaultTable:
         return (
             "# Fault table\n\n"
             "Written by `python -m pytest tests/test_faults.py --fault-table docs/faults.md`"
-            f" on {platform.node() and 'a'} {os.cpu_count()}-CPU {platform.machine()} "
+            f" on a {os.cpu_count()}-CPU {platform.machine()} "
             f"Linux {platform.release()}, Python {platform.python_version()}. Times are "
             "measured by the tests (CLOCK_MONOTONIC) from the fault to its detection.\n\n"
             + self.HEADER + "\n".join(lines) + "\n"

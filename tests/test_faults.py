@@ -178,8 +178,9 @@ def test_random_kills_leave_nothing_behind(procs, name, fault_table, seed):
     prod = procs.start("producer", "--name", name, "--batches", "200", "--kind", "tuple",
                        "--epochs", "2", "--min-consumers", "1", "--delay", "0.002")
     procs.wait_ready(prod)
-    cons = [procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2")
-            for _ in range(2)]
+    # A consumer still starting when the producer dies gives up after --timeout.
+    cons = [procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2",
+                        "--timeout", "3") for _ in range(2)]
     time.sleep(rng.uniform(0.2, 1.0))
     victim = rng.choice([prod, *cons])
     victim.kill()
