@@ -53,9 +53,13 @@ static PyObject *ts_raise(ts_state *state, const ts_err *err)
 {
     PyObject *type;
     switch (err->code) {
-    case TS_E_SYS:
-        errno = err->sys_errno;
-        return PyErr_Format(PyExc_OSError, "[Errno %d] %s", err->sys_errno, err->msg);
+    case TS_E_SYS: {
+        /* OSError(errno, msg) picks the subclass (PermissionError, ...) from errno. */
+        PyObject *args = Py_BuildValue("(is)", err->sys_errno, err->msg);
+        if (args != NULL) PyErr_SetObject(PyExc_OSError, args);
+        Py_XDECREF(args);
+        return NULL;
+    }
     case TS_E_INVALID: type = PyExc_ValueError; break;
     case TS_E_TOO_BIG: type = state->BatchTooLarge; break;
     case TS_E_NOSPACE: type = state->SharedMemoryTooSmall; break;

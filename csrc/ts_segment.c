@@ -72,9 +72,11 @@ ts_status ts_segment_open(const char *name, int *fd_out, uint64_t *bytes_out, ts
         goto error;
     }
     if (sb.st_uid != geteuid() || (sb.st_mode & 0077) != 0) {
-        st = ts_err_set(err, TS_E_INVALID, EPERM,
-                        "segment %s is not private to this user (uid %u, mode %o)", name,
-                        (unsigned)sb.st_uid, (unsigned)(sb.st_mode & 0777));
+        st = ts_err_set(err, TS_E_SYS, EACCES,
+                        "segment %s is not private to this user: owner uid %u (we are %u), "
+                        "mode %o (must be 600); refusing to map it",
+                        name, (unsigned)sb.st_uid, (unsigned)geteuid(),
+                        (unsigned)(sb.st_mode & 0777));
         goto error;
     }
     *fd_out = fd;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -120,3 +121,28 @@ def test_close_from_another_thread_interrupts_a_waiting_call(name):
     assert not t.is_alive() and not t2.is_alive()
     assert len(raised) == 2
     assert all("closed by another thread" in str(e) for e in raised), raised
+
+
+def test_segment_of_another_user_or_open_to_others_is_refused(name):
+    """A consumer maps only a segment owned by its own user and closed to others (0600)."""
+    from tensorsocket import _core
+
+    p = TensorProducer([torch.zeros(4)], name=name, min_consumers=0)
+    try:
+        for _ in p:
+            pass
+        seg = p.ring.info()["name"]
+        path = "/dev/shm" + seg
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        os.chmod(path, 0o644)
+        with pytest.raises(PermissionError, match="mode 644 \\(must be 600\\)"):
+            _core.Ring.open(seg)
+        os.chmod(path, 0o600)
+        if os.geteuid() == 0:  # only root can give a file away
+            os.chown(path, 4242, -1)
+            with pytest.raises(PermissionError, match="owner uid 4242"):
+                _core.Ring.open(seg)
+            os.chown(path, 0, -1)
+        _core.Ring.open(seg).close()  # its own, 0600: fine
+    finally:
+        p.close()
