@@ -403,7 +403,8 @@ class TensorProducer:
         slots some consumer still has to read or still holds; consumer_table:
         per consumer, its lag in ring entries (batches plus one end marker per
         epoch) behind the producer, entries and bytes delivered, and the time
-        it spent waiting for batches.
+        it spent waiting for batches; rejected_messages: malformed control
+        messages and consumers of another protocol version turned away.
         """
         ring = self._ring if self._ring is not None and not self._ring.closed else None
         info = ring.info() if ring is not None else {}
@@ -434,6 +435,7 @@ class TensorProducer:
             "window": self.window,
             "max_lag": self.max_lag,
             "lag_detached": info.get("lag_detached", 0),
+            "rejected_messages": self._server.rejected,
             "consumer_table": table,
         }
 

@@ -23,9 +23,18 @@ def _batches(epoch: int, start: int, stop: int) -> list[int]:
     return [epoch * 1000 + b for b in range(start, stop)]
 
 
-def _ring_of(name: str, producer_pid: int):
-    """A watcher's handle on a producer's ring (never bound to a consumer entry)."""
-    return _core.Ring.open(resolve(name, None, None).segment_name(producer_pid))
+def _ring_of(name: str, producer_pid: int, timeout: float = 60):
+    """A watcher's handle on a producer's ring (never bound to a consumer entry); the
+    producer creates the ring with its first batch, so wait for it."""
+    segment = resolve(name, None, None).segment_name(producer_pid)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _core.Ring.open(segment)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def _wait_until(predicate, timeout: float, step: float = 0.01) -> float:
@@ -36,6 +45,16 @@ def _wait_until(predicate, timeout: float, step: float = 0.01) -> float:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(step)
     return time.monotonic() - t0
+
+
+def _wait_for_delivery(name: str, producer_pid: int, consumer_pid: int) -> None:
+    """Until the consumer process took its first batch (it attached and reads)."""
+    ring = _ring_of(name, producer_pid)
+    try:
+        _wait_until(lambda: any(c["pid"] == consumer_pid and c["delivered"] >= 1
+                                for c in ring.consumers()), 60)
+    finally:
+        ring.close()
 
 
 def _left_behind(name: str) -> str:
@@ -102,10 +121,11 @@ def test_consumer_sigstopped_is_detached_by_the_lag_policy(procs, name, fault_ta
 def test_producer_sigkilled_while_a_consumer_waits(procs, name, fault_table):
     prod = procs.start("producer", "--name", name, "--batches", "5", "--kind", "tuple",
                        "--delay", "3600")
-    procs.wait_ready(prod)
+    pid = procs.wait_ready(prod)["pid"]
     c = procs.start("consumer", "--name", name, "--kind", "tuple")
     # The producer publishes batch 0, then sleeps; the consumer waits for batch 1.
-    time.sleep(1.0)
+    _wait_for_delivery(name, pid, c.pid)
+    time.sleep(0.2)
     t0 = time.monotonic()
     prod.kill()
     r = procs.result(c)
@@ -129,10 +149,11 @@ def test_producer_sigkilled_while_a_consumer_waits(procs, name, fault_table):
 def test_producer_sigkilled_while_a_consumer_holds_a_batch(procs, name, fault_table):
     prod = procs.start("producer", "--name", name, "--batches", "5", "--kind", "tuple",
                        "--delay", "3600")
-    procs.wait_ready(prod)
+    pid = procs.wait_ready(prod)["pid"]
     # The consumer holds each batch for 2 s ("training"), then asks for the next.
     c = procs.start("consumer", "--name", name, "--kind", "tuple", "--hold", "--delay", "2")
-    time.sleep(1.0)
+    _wait_for_delivery(name, pid, c.pid)
+    time.sleep(0.5)
     t0 = time.monotonic()
     prod.kill()
     r = procs.result(c)
@@ -201,3 +222,27 @@ def test_random_kills_leave_nothing_behind(procs, name, fault_table, seed):
     role = "producer" if victim is prod else "consumer"
     fault_table.add(f"random SIGKILL (seed {seed}): the {role}", "-",
                     "the others end (finish, or ProducerGone)", left)
+
+
+def test_consumer_process_fds_return_to_baseline_after_producer_crash(procs, name):
+    """A consumer that outlives a SIGKILLed producer gives back every fd on close(), and
+    it removes the dead producer's segment (last party out)."""
+    from tensorsocket import ProducerGone, TensorConsumer
+
+    fd_dir = "/proc/self/fd"
+    prod = procs.start("producer", "--name", name, "--batches", "5", "--kind", "tuple",
+                       "--delay", "3600")
+    procs.wait_ready(prod)
+    before = len(os.listdir(fd_dir))
+    c = TensorConsumer(name=name, timeout=30)
+    it = iter(c)
+    next(it)
+    prod.kill()
+    prod.wait()
+    with pytest.raises(ProducerGone):
+        next(it)
+    del it
+    c.close()
+    time.sleep(0.2)  # zmq's I/O thread closes its sockets asynchronously
+    assert len(os.listdir(fd_dir)) <= before
+    assert shm_segments(name) == []
