@@ -118,18 +118,25 @@ def test_consumer_sigstopped_is_detached_by_the_lag_policy(procs, name, fault_ta
                     "on SIGCONT", left)
 
 
-def test_producer_sigkilled_while_a_consumer_waits(procs, name, fault_table):
+def _kill_producer_after_first_delivery(procs, name: str, *consumer_args: str,
+                                       settle: float) -> tuple[dict, float]:
+    """SIGKILL a producer (which sleeps after its first batch) `settle` s after a consumer
+    took that batch: (the consumer's result, seconds from the kill to its exception)."""
     prod = procs.start("producer", "--name", name, "--batches", "5", "--kind", "tuple",
                        "--delay", "3600")
     pid = procs.wait_ready(prod)["pid"]
-    c = procs.start("consumer", "--name", name, "--kind", "tuple")
-    # The producer publishes batch 0, then sleeps; the consumer waits for batch 1.
+    c = procs.start("consumer", "--name", name, "--kind", "tuple", *consumer_args)
     _wait_for_delivery(name, pid, c.pid)
-    time.sleep(0.2)
+    time.sleep(settle)
     t0 = time.monotonic()
     prod.kill()
     r = procs.result(c)
-    took = r["ended_at"] - t0
+    return r, r["ended_at"] - t0
+
+
+def test_producer_sigkilled_while_a_consumer_waits(procs, name, fault_table):
+    # The producer publishes batch 0, then sleeps; the consumer waits for batch 1.
+    r, took = _kill_producer_after_first_delivery(procs, name, settle=0.2)
     assert r["outcome"].startswith("ProducerGone") and took < 5.0
     assert r["epochs"] == [] or r["epochs"][0][:1] == [0]
     # A new producer of the same name starts at once.
@@ -147,17 +154,9 @@ def test_producer_sigkilled_while_a_consumer_waits(procs, name, fault_table):
 
 
 def test_producer_sigkilled_while_a_consumer_holds_a_batch(procs, name, fault_table):
-    prod = procs.start("producer", "--name", name, "--batches", "5", "--kind", "tuple",
-                       "--delay", "3600")
-    pid = procs.wait_ready(prod)["pid"]
     # The consumer holds each batch for 2 s ("training"), then asks for the next.
-    c = procs.start("consumer", "--name", name, "--kind", "tuple", "--hold", "--delay", "2")
-    _wait_for_delivery(name, pid, c.pid)
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    prod.kill()
-    r = procs.result(c)
-    took = r["ended_at"] - t0
+    r, took = _kill_producer_after_first_delivery(procs, name, "--hold", "--delay", "2",
+                                                  settle=0.5)
     assert r["outcome"].startswith("ProducerGone") and took < 5.0
     assert r["errors"] == []  # the batch it held stayed valid while the producer died
     left = _left_behind(name)
