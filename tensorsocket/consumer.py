@@ -359,7 +359,7 @@ class TensorConsumer:
             leaves = [torch.from_dlpack(c) for c in slot.capsules(versioned=True, copy=self.copy)]
         else:
             leaves = []
-            for kind, view in zip(kinds, slot.views()):
+            for kind, view in zip(kinds, slot.views(), strict=True):
                 if kind == TORCH:
                     leaves.append(torch.from_dlpack(view.__dlpack__(max_version=(1, 0),
                                                                     copy=self.copy or None)))

@@ -124,7 +124,7 @@ class Decoder:
         if tag == DICT:
             keys = node[1]
             parts = [self._compile(c, kinds) for c in node[2]]
-            return lambda leaves: {k: p(leaves) for k, p in zip(keys, parts)}
+            return lambda leaves: {k: p(leaves) for k, p in zip(keys, parts, strict=True)}
         if tag == NAMEDTUPLE:
             cls = self._namedtuple(node[1], tuple(node[2]))
             parts = [self._compile(c, kinds) for c in node[3]]

@@ -80,7 +80,7 @@ class DetectionDataset(SampleDataset):
 
 def collate_tuples(samples: list) -> tuple:
     """The detection-style collate: a tuple of images and a tuple of targets."""
-    return tuple(zip(*samples))
+    return tuple(zip(*samples, strict=True))
 
 
 class SampleLoader(torch.utils.data.DataLoader):

@@ -57,7 +57,7 @@ def test_odd_inputs_round_trip(name):
     finally:
         producer.close()
     assert len(got) == len(batches)
-    for want, have in zip(batches, got):
+    for want, have in zip(batches, got, strict=True):
         if isinstance(want, tuple):
             assert torch.equal(have[0], want[0]) and have[1][0] == "a"
             assert have[1][1]["k"] == 7 and have[1][1]["k"].dtype == np.int16

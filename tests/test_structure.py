@@ -19,7 +19,7 @@ def roundtrip(batch):
     meta, leaves = flatten(batch)
     build, kinds = Decoder().compile(meta)
     rebuilt = []
-    for (buf, dl), kind in zip(leaves, kinds):
+    for (buf, _dl), kind in zip(leaves, kinds, strict=True):
         arr = np.asarray(buf)
         rebuilt.append(arr if kind != 0 else torch.from_numpy(np.ascontiguousarray(arr)))
     return build(rebuilt), leaves, kinds
