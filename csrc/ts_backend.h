@@ -20,14 +20,28 @@ typedef struct ts_backend {
     ts_status (*open)(struct ts_ring *ring, int fd, ts_err *err);
     /* Undo open. Runs on any thread, without the GIL. */
     void (*close)(struct ts_ring *ring);
+    /* Producer: the slot may be rewritten once this returns (earlier device
+     * copies out of its host data have finished). */
+    ts_status (*prepare)(struct ts_ring *ring, uint32_t slot, ts_err *err);
     /* Producer: copy n host bytes to byte offset off of the slot data area. */
     ts_status (*copy_in)(struct ts_ring *ring, uint64_t off, const void *src, uint64_t n,
                          ts_err *err);
-    /* Producer: make the slot's writes complete before it is published. */
+    /* Producer: make the slot's writes complete (and, for a device backend,
+     * start their copy to the device) before it is published. */
     ts_status (*fence)(struct ts_ring *ring, uint32_t slot, ts_err *err);
 } ts_backend;
 
 /* Slot data in the shared segment, after the control area. */
 extern const ts_backend ts_backend_host;
+
+/* The host backend's mapping and copy, which the CUDA backend reuses. */
+ts_status ts_host_open(struct ts_ring *ring, int fd, ts_err *err);
+void ts_host_close(struct ts_ring *ring);
+ts_status ts_host_copy_in(struct ts_ring *ring, uint64_t off, const void *src, uint64_t n,
+                          ts_err *err);
+
+/* Slot data in the shared segment and mirrored, one copy per batch, into a
+ * pool of device memory that consumers open with CUDA IPC (ts_gpu.h). */
+extern const ts_backend ts_backend_cuda;
 
 #endif /* TS_BACKEND_H */

@@ -8,7 +8,7 @@
 #include "ts_ring.h"
 
 /* Map the data area: read-write for the producer, read-only for consumers. */
-static ts_status ts_host_open(ts_ring *ring, int fd, ts_err *err)
+ts_status ts_host_open(ts_ring *ring, int fd, ts_err *err)
 {
     const ts_header *h = ring->hdr;
     size_t bytes = (size_t)(h->segment_bytes - h->data_offset);
@@ -23,18 +23,27 @@ static ts_status ts_host_open(ts_ring *ring, int fd, ts_err *err)
 }
 
 /* Unmap the data area. */
-static void ts_host_close(ts_ring *ring)
+void ts_host_close(ts_ring *ring)
 {
     if (ring->data != NULL) munmap(ring->data, ring->data_bytes);
     ring->data = NULL;
 }
 
 /* Plain memcpy into the mapping. */
-static ts_status ts_host_copy_in(ts_ring *ring, uint64_t off, const void *src, uint64_t n,
+ts_status ts_host_copy_in(ts_ring *ring, uint64_t off, const void *src, uint64_t n,
                                  ts_err *err)
 {
     (void)err;
     memcpy(ring->data + off, src, (size_t)n);
+    return TS_OK;
+}
+
+/* Host slots have nothing in flight once their readers are gone. */
+static ts_status ts_host_prepare(ts_ring *ring, uint32_t slot, ts_err *err)
+{
+    (void)ring;
+    (void)slot;
+    (void)err;
     return TS_OK;
 }
 
@@ -52,6 +61,7 @@ const ts_backend ts_backend_host = {
     .device_type = kDLCPU,
     .open = ts_host_open,
     .close = ts_host_close,
+    .prepare = ts_host_prepare,
     .copy_in = ts_host_copy_in,
     .fence = ts_host_fence,
 };

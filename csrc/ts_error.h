@@ -21,6 +21,8 @@ typedef enum {
     TS_E_VERSION,        /* a segment of another layout version */
     TS_E_EXISTS,         /* the segment name is taken */
     TS_E_NOT_FOUND,      /* no such segment */
+    TS_E_GPU_UNAVAILABLE, /* the GPU path cannot work here (no driver, no IPC, ...) */
+    TS_E_CUDA,           /* a CUDA driver call failed */
 } ts_status;
 
 typedef struct ts_err {

@@ -29,13 +29,27 @@ void ts_lease_ref(ts_lease *lease)
     atomic_fetch_add_explicit(&lease->refs, 1, memory_order_relaxed);
 }
 
-/* Drop a reference; at zero the slot is released and the lease freed. */
+/* Drop a reference; at zero the slot is released and the lease freed. A slot
+ * exported to the GPU is released once the work queued on its streams is done. */
 void ts_lease_unref(ts_lease *lease)
 {
     if (atomic_fetch_sub_explicit(&lease->refs, 1, memory_order_acq_rel) != 1) return;
-    ts_ring_release(lease->ring, lease->slot, lease->consumer);
+    if (lease->n_streams > 0 || lease->all_streams)
+        ts_gpu_release_after(lease->ring, lease->slot, lease->consumer, lease->streams,
+                             lease->n_streams, lease->all_streams);
+    else
+        ts_ring_release(lease->ring, lease->slot, lease->consumer);
     ts_ring_unref(lease->ring);
     free(lease);
+}
+
+/* Remember that the slot's device copy is used on stream. */
+static void ts_lease_add_stream(ts_lease *lease, CUstream stream)
+{
+    for (uint32_t i = 0; i < lease->n_streams; i++)
+        if (lease->streams[i] == stream) return;
+    if (lease->n_streams < TS_LEASE_STREAMS) lease->streams[lease->n_streams++] = stream;
+    else lease->all_streams = 1;
 }
 
 /* The leaf descriptor i of the leased slot (NULL when out of range). */
@@ -57,7 +71,9 @@ typedef struct ts_export_ctx {
         DLManagedTensorVersioned versioned;
     } managed;
     ts_lease *lease; /* owns one lease reference; NULL for a copy */
-    void *copy;      /* owns: private copy of the data, or NULL */
+    void *copy;      /* owns: private host copy of the data, or NULL */
+    ts_ring *device_copy_ring; /* owns one ring reference while device_copy lives */
+    CUdeviceptr device_copy;   /* owns: private device copy, or 0 */
     int64_t shape[TS_MAX_NDIM];
     int64_t strides[TS_MAX_NDIM];
 } ts_export_ctx;
@@ -67,6 +83,10 @@ static void ts_export_ctx_free(ts_export_ctx *ctx)
 {
     if (ctx->lease != NULL) ts_lease_unref(ctx->lease);
     free(ctx->copy);
+    if (ctx->device_copy_ring != NULL) {
+        ts_gpu_free_copy(ctx->device_copy_ring, ctx->device_copy);
+        ts_ring_unref(ctx->device_copy_ring);
+    }
     free(ctx);
 }
 
@@ -82,27 +102,62 @@ static void ts_deleter_versioned(DLManagedTensorVersioned *self)
     ts_export_ctx_free(self->manager_ctx);
 }
 
+/* Where leaf i's data is: a host address, or a device address with the
+ * stream made to wait for it. Records the stream in the lease. */
+static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
+                                  const ts_export_opts *o, void **data, ts_err *err)
+{
+    ts_ring *ring = lease->ring;
+    if (!o->device) {
+        uint8_t *base = ts_ring_slot_data(ring, lease->slot);
+        if (base == NULL) return ts_err_set(err, TS_E_INVALID, 0, "slot data is not mapped");
+        *data = base + leaf->offset;
+        return TS_OK;
+    }
+    CUdeviceptr base = ts_gpu_slot_ptr(ring, lease->slot);
+    if (base == 0)
+        return ts_err_set(err, TS_E_INVALID, 0,
+                          "this consumer has not opened the ring's GPU memory");
+    if (o->stream == 0)
+        return ts_err_set(err, TS_E_INVALID, 0, "stream 0 is not a valid DLPack stream");
+    /* -1: the caller orders its own work; releases then follow the legacy stream. */
+    CUstream stream = o->stream == -1 ? TS_CU_STREAM_LEGACY : (CUstream)(uintptr_t)o->stream;
+    if (o->stream != -1) {
+        ts_status st = ts_gpu_stream_wait(ring, lease->slot, stream, err);
+        if (st != TS_OK) return st;
+    }
+    ts_lease_add_stream(lease, stream);
+    *data = (void *)(uintptr_t)(base + leaf->offset);
+    return TS_OK;
+}
+
 /* Export leaf i as DLPack (see ts_export.h). */
-void *ts_export_leaf(ts_lease *lease, uint32_t i, int versioned, uint32_t minor, int copy,
-                     ts_err *err)
+void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *o, ts_err *err)
 {
     const ts_leaf *leaf = ts_lease_leaf(lease, i);
     if (leaf == NULL) {
         ts_err_set(err, TS_E_INVALID, 0, "tensor %u is not in this slot", i);
         return NULL;
     }
-    uint8_t *base = ts_ring_slot_data(lease->ring, lease->slot);
-    if (base == NULL) {
-        ts_err_set(err, TS_E_INVALID, 0, "slot data is not host memory");
-        return NULL;
-    }
+    void *data = NULL;
+    if (ts_export_locate(lease, leaf, o, &data, err) != TS_OK) return NULL;
     ts_export_ctx *ctx = calloc(1, sizeof *ctx);
     if (ctx == NULL) {
         ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
         return NULL;
     }
-    void *data = base + leaf->offset;
-    if (copy) {
+    if (o->copy && o->device) {
+        CUstream stream = o->stream == -1 ? TS_CU_STREAM_LEGACY
+                                          : (CUstream)(uintptr_t)o->stream;
+        if (ts_gpu_copy(lease->ring, (CUdeviceptr)(uintptr_t)data, leaf->nbytes, stream,
+                        &ctx->device_copy, err) != TS_OK) {
+            free(ctx);
+            return NULL;
+        }
+        ts_ring_ref(lease->ring);
+        ctx->device_copy_ring = lease->ring;
+        data = (void *)(uintptr_t)ctx->device_copy;
+    } else if (o->copy) {
         ctx->copy = malloc(leaf->nbytes > 0 ? leaf->nbytes : 1);
         if (ctx->copy == NULL) {
             free(ctx);
@@ -123,23 +178,25 @@ void *ts_export_leaf(ts_lease *lease, uint32_t i, int versioned, uint32_t minor,
         ctx->strides[d] = stride;
         stride *= leaf->shape[d] > 0 ? leaf->shape[d] : 1;
     }
+    DLDevice device = {kDLCPU, 0};
+    if (o->device) device = (DLDevice){kDLCUDA, ts_gpu_imported_device(lease->ring)};
     DLTensor t = {
         .data = data,
-        .device = {kDLCPU, 0},
+        .device = device,
         .ndim = leaf->ndim,
         .dtype = leaf->dtype,
         .shape = ctx->shape,
         .strides = ctx->strides,
         .byte_offset = 0, /* torch ignores byte_offset: data points at the first element */
     };
-    if (versioned) {
+    if (o->versioned) {
         DLManagedTensorVersioned *m = &ctx->managed.versioned;
         m->version.major = TS_DLPACK_MAJOR;
-        m->version.minor = minor;
+        m->version.minor = o->minor;
         m->manager_ctx = ctx;
         m->deleter = ts_deleter_versioned;
-        m->flags = copy ? TS_DLPACK_FLAG_IS_COPIED
-                        : (lease->ring->is_producer ? 0 : TS_DLPACK_FLAG_READ_ONLY);
+        m->flags = o->copy ? TS_DLPACK_FLAG_IS_COPIED
+                           : (lease->ring->is_producer ? 0 : TS_DLPACK_FLAG_READ_ONLY);
         m->dl_tensor = t;
         return m;
     }

@@ -12,7 +12,9 @@
 #include <stdint.h>
 
 #include "ts_dlpack.h"
+#include "ts_cuda.h"
 #include "ts_error.h"
+#include "ts_gpu.h"
 #include "ts_ring.h"
 
 typedef struct ts_lease {
@@ -21,7 +23,22 @@ typedef struct ts_lease {
     uint32_t slot;
     uint32_t consumer;
     uint64_t seq;
+    /* Device streams the slot's device copy was exported to: the slot is
+     * released only after the work queued on them has finished. Written
+     * under the GIL by exports, read by the final unref. */
+    uint32_t n_streams;
+    int all_streams; /* more streams than fit: wait for the whole device */
+    CUstream streams[TS_LEASE_STREAMS];
 } ts_lease;
+
+/* How to export one tensor of a slot. */
+typedef struct ts_export_opts {
+    int versioned;  /* DLManagedTensorVersioned rather than the legacy DLManagedTensor */
+    uint32_t minor; /* versioned: the minor version to report */
+    int copy;       /* a private copy instead of a view */
+    int device;     /* the slot's device copy (CUDA ring imported with ts_gpu_import) */
+    int64_t stream; /* device: DLPack stream (1 legacy, 2 per-thread, >2 handle, -1 none) */
+} ts_export_opts;
 
 /* A new lease (one reference) on slot for the ring's consumer. */
 ts_lease *ts_lease_new(ts_ring *ring, uint32_t slot, uint64_t seq);
@@ -35,12 +52,10 @@ void ts_lease_unref(ts_lease *lease);
 /* The leaf descriptor i of the leased slot (NULL when out of range). */
 const ts_leaf *ts_lease_leaf(const ts_lease *lease, uint32_t i);
 
-/* Export leaf i as DLPack. versioned selects DLManagedTensorVersioned
- * (minor: the minor version to report) over the legacy DLManagedTensor;
- * copy makes a private malloc'd copy instead of a view. Returns the managed
+/* Export leaf i as DLPack (see ts_export_opts). A device export first makes
+ * the stream wait for the producer's copy of the slot. Returns the managed
  * tensor (to be put in a capsule) or NULL with err set. */
-void *ts_export_leaf(ts_lease *lease, uint32_t i, int versioned, uint32_t minor, int copy,
-                     ts_err *err);
+void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *opts, ts_err *err);
 
 /* Call the deleter of a managed tensor made by ts_export_leaf. */
 void ts_export_delete(void *managed, int versioned);

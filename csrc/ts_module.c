@@ -15,7 +15,9 @@
 #include <unistd.h>
 
 #include "ts_clock.h"
+#include "ts_cuda.h"
 #include "ts_export.h"
+#include "ts_gpu.h"
 #include "ts_proc.h"
 #include "ts_ring.h"
 
@@ -38,6 +40,11 @@ typedef struct {
     PyObject *SharedMemoryTooSmall;
     PyObject *TooManyConsumers;
     PyObject *VersionMismatch;
+    PyObject *GPUUnavailable;
+    PyObject *CudaError;
+    ts_cuda_api *cuda;   /* owns one reference once loaded, else NULL */
+    int cuda_tried;      /* loading was attempted (cuda_why says why it failed) */
+    char cuda_why[512];
 } ts_state;
 
 static struct PyModuleDef ts_module_def;
@@ -72,10 +79,36 @@ static PyObject *ts_raise(ts_state *state, const ts_err *err)
     case TS_E_EXISTS: type = PyExc_FileExistsError; break;
     case TS_E_NOT_FOUND: type = PyExc_FileNotFoundError; break;
     case TS_E_INTR: type = PyExc_InterruptedError; break;
+    case TS_E_GPU_UNAVAILABLE: type = state->GPUUnavailable; break;
+    case TS_E_CUDA: type = state->CudaError; break;
     default: type = state->TensorSocketError; break;
     }
     PyErr_SetString(type, err->msg);
     return NULL;
+}
+
+/* The CUDA driver, loaded on first use; NULL with GPUUnavailable set if it
+ * cannot be loaded (the reason is kept, and loading is not retried). */
+static ts_cuda_api *ts_state_cuda(ts_state *state)
+{
+    if (state->cuda != NULL) return state->cuda;
+    if (!state->cuda_tried) {
+        ts_cuda_api *api = NULL;
+        ts_err err = {0};
+        ts_status st;
+        Py_BEGIN_ALLOW_THREADS
+        st = ts_cuda_load(&api, &err);
+        Py_END_ALLOW_THREADS
+        if (state->cuda != NULL) { /* another thread loaded it meanwhile */
+            ts_cuda_unref(api);
+            return state->cuda;
+        }
+        state->cuda_tried = 1;
+        if (st == TS_OK) state->cuda = api;
+        else snprintf(state->cuda_why, sizeof state->cuda_why, "%s", err.msg);
+    }
+    if (state->cuda == NULL) PyErr_SetString(state->GPUUnavailable, state->cuda_why);
+    return state->cuda;
 }
 
 /* Parse a timeout in seconds (None: forever) into an absolute deadline. */
@@ -128,6 +161,7 @@ typedef struct {
     PyObject_HEAD
     ts_lease *lease; /* owns one lease reference */
     uint32_t leaf;
+    int device; /* exports the slot's device copy (CUDA rings) */
 } SlotViewObject;
 
 /* Capsule destructor for legacy "dltensor" capsules never consumed. */
@@ -155,17 +189,47 @@ static void ts_capsule_destructor_versioned(PyObject *capsule)
 }
 
 /* Wrap leaf i of lease in a new DLPack capsule. */
-static PyObject *ts_make_capsule(ts_state *state, ts_lease *lease, uint32_t i, int versioned,
-                                 uint32_t minor, int copy)
+static PyObject *ts_make_capsule(ts_state *state, ts_lease *lease, uint32_t i,
+                                 const ts_export_opts *opts)
 {
     ts_err err = {0};
-    void *m = ts_export_leaf(lease, i, versioned, minor, copy, &err);
+    int versioned = opts->versioned;
+    void *m = ts_export_leaf(lease, i, opts, &err);
     if (m == NULL) return ts_raise(state, &err);
     PyObject *cap = versioned
                         ? PyCapsule_New(m, "dltensor_versioned", ts_capsule_destructor_versioned)
                         : PyCapsule_New(m, "dltensor", ts_capsule_destructor_legacy);
     if (cap == NULL) ts_export_delete(m, versioned);
     return cap;
+}
+
+/* Parse a DLPack stream argument. Host tensors take None or -1. Device
+ * tensors: None is the legacy default stream (1), 2 the per-thread default
+ * stream, a larger int a CUstream, -1 "do not synchronize"; 0 is invalid. */
+static int ts_parse_stream(PyObject *stream, int device, int64_t *out)
+{
+    long long v = device ? 1 : -1;
+    if (stream != Py_None) {
+        if (!PyLong_Check(stream)) {
+            PyErr_SetString(PyExc_TypeError, "stream must be None or an int");
+            return -1;
+        }
+        v = PyLong_AsLongLong(stream);
+        if (v == -1 && PyErr_Occurred()) return -1;
+    }
+    if (!device && v != -1) {
+        PyErr_SetString(PyExc_BufferError, "tensorsocket host tensors take stream=None (or -1)");
+        return -1;
+    }
+    if (device && (v == 0 || v < -1)) {
+        PyErr_Format(PyExc_BufferError,
+                     "stream=%lld is not a DLPack CUDA stream (1: legacy default, 2: "
+                     "per-thread default, a cudaStream_t, or -1)",
+                     v);
+        return -1;
+    }
+    *out = v;
+    return 0;
 }
 
 /* SlotView.__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) */
@@ -177,22 +241,18 @@ static PyObject *SlotView_dlpack(SlotViewObject *self, PyObject *args, PyObject 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOO:__dlpack__", kwlist, &stream,
                                      &max_version, &dl_device, &copy))
         return NULL;
-    if (stream != Py_None) {
-        long s = PyLong_Check(stream) ? PyLong_AsLong(stream) : 0;
-        if (s == -1 && PyErr_Occurred()) return NULL;
-        if (s != -1) {
-            PyErr_SetString(PyExc_BufferError,
-                            "tensorsocket host tensors take stream=None (or -1)");
-            return NULL;
-        }
-    }
+    ts_export_opts opts = {.device = self->device, .stream = 1};
+    if (ts_parse_stream(stream, self->device, &opts.stream) < 0) return NULL;
     if (dl_device != Py_None) {
         int dev_type = 0, dev_id = 0;
         if (!PyArg_ParseTuple(dl_device, "ii:dl_device", &dev_type, &dev_id)) return NULL;
-        if (dev_type != kDLCPU || dev_id != 0) {
+        int here_type = self->device ? kDLCUDA : kDLCPU;
+        int here_id = self->device ? ts_gpu_imported_device(self->lease->ring) : 0;
+        if (dev_type != here_type || dev_id != here_id) {
             PyErr_Format(PyExc_BufferError,
-                         "tensorsocket cannot export a host tensor to device (%d, %d)",
-                         dev_type, dev_id);
+                         "tensorsocket cannot export a tensor on device (%d, %d) to device "
+                         "(%d, %d); move it after import (e.g. .to() in torch)",
+                         here_type, here_id, dev_type, dev_id);
             return NULL;
         }
     }
@@ -211,13 +271,18 @@ static PyObject *SlotView_dlpack(SlotViewObject *self, PyObject *args, PyObject 
             minor = (major > 1 || mv > TS_DLPACK_MINOR) ? TS_DLPACK_MINOR : (uint32_t)mv;
         }
     }
-    return ts_make_capsule(state, self->lease, self->leaf, versioned, minor, do_copy);
+    opts.versioned = versioned;
+    opts.minor = minor;
+    opts.copy = do_copy;
+    return ts_make_capsule(state, self->lease, self->leaf, &opts);
 }
 
 /* SlotView.__dlpack_device__() -> (device_type, device_id) */
 static PyObject *SlotView_dlpack_device(SlotViewObject *self, PyObject *Py_UNUSED(ignored))
 {
-    return Py_BuildValue("(ii)", (int)self->lease->ring->hdr->device_type, 0);
+    if (self->device)
+        return Py_BuildValue("(ii)", (int)kDLCUDA, ts_gpu_imported_device(self->lease->ring));
+    return Py_BuildValue("(ii)", (int)kDLCPU, 0);
 }
 
 /* SlotView.shape */
@@ -254,6 +319,9 @@ static PyObject *SlotView_get_nbytes(SlotViewObject *self, void *Py_UNUSED(closu
 static PyObject *SlotView_get_data_ptr(SlotViewObject *self, void *Py_UNUSED(closure))
 {
     const ts_leaf *leaf = ts_lease_leaf(self->lease, self->leaf);
+    if (self->device)
+        return PyLong_FromUnsignedLongLong(
+            ts_gpu_slot_ptr(self->lease->ring, self->lease->slot) + leaf->offset);
     uint8_t *base = ts_ring_slot_data(self->lease->ring, self->lease->slot);
     return PyLong_FromVoidPtr(base + leaf->offset);
 }
@@ -279,7 +347,8 @@ static PyGetSetDef SlotView_getset[] = {
     {"shape", (getter)SlotView_get_shape, NULL, "Shape of the tensor.", NULL},
     {"dtype", (getter)SlotView_get_dtype, NULL, "DLPack (code, bits, lanes).", NULL},
     {"nbytes", (getter)SlotView_get_nbytes, NULL, "Bytes of data.", NULL},
-    {"data_ptr", (getter)SlotView_get_data_ptr, NULL, "Address of the data.", NULL},
+    {"data_ptr", (getter)SlotView_get_data_ptr, NULL,
+     "Address of the data in this process (a device address for device views).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -322,11 +391,23 @@ static int ts_slot_check(SlotObject *self)
     return -1;
 }
 
-/* Slot.views() -> tuple of SlotView, one per tensor. */
-static PyObject *Slot_views(SlotObject *self, PyObject *Py_UNUSED(ignored))
+/* Raise unless this consumer imported the ring's GPU memory. */
+static int ts_device_check(SlotObject *self, int device)
 {
+    if (!device || ts_gpu_imported_device(self->lease->ring) >= 0) return 0;
+    PyErr_SetString(PyExc_ValueError,
+                    "device views need the ring's GPU memory: call Ring.import_device() first");
+    return -1;
+}
+
+/* Slot.views(device=False) -> tuple of SlotView, one per tensor. */
+static PyObject *Slot_views(SlotObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"device", NULL};
+    int device = 0;
     ts_state *state = ts_get_state((PyObject *)self);
-    if (ts_slot_check(self) < 0) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p:views", kwlist, &device)) return NULL;
+    if (ts_slot_check(self) < 0 || ts_device_check(self, device) < 0) return NULL;
     PyObject *out = PyTuple_New(self->n_leaves);
     if (out == NULL) return NULL;
     for (uint32_t i = 0; i < self->n_leaves; i++) {
@@ -338,24 +419,31 @@ static PyObject *Slot_views(SlotObject *self, PyObject *Py_UNUSED(ignored))
         ts_lease_ref(self->lease);
         v->lease = self->lease;
         v->leaf = i;
+        v->device = device;
         PyTuple_SET_ITEM(out, i, (PyObject *)v);
     }
     return out;
 }
 
-/* Slot.capsules(versioned=False, copy=False) -> tuple of DLPack capsules. */
+/* Slot.capsules(versioned=False, copy=False, device=False, stream=None)
+ * -> tuple of DLPack capsules. */
 static PyObject *Slot_capsules(SlotObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"versioned", "copy", NULL};
-    int versioned = 0, copy = 0;
+    static char *kwlist[] = {"versioned", "copy", "device", "stream", NULL};
+    int versioned = 0, copy = 0, device = 0;
+    PyObject *stream = Py_None;
     ts_state *state = ts_get_state((PyObject *)self);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pp:capsules", kwlist, &versioned, &copy))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pppO:capsules", kwlist, &versioned, &copy,
+                                     &device, &stream))
         return NULL;
-    if (ts_slot_check(self) < 0) return NULL;
+    if (ts_slot_check(self) < 0 || ts_device_check(self, device) < 0) return NULL;
+    ts_export_opts opts = {.versioned = versioned, .minor = TS_DLPACK_MINOR, .copy = copy,
+                           .device = device};
+    if (ts_parse_stream(stream, device, &opts.stream) < 0) return NULL;
     PyObject *out = PyTuple_New(self->n_leaves);
     if (out == NULL) return NULL;
     for (uint32_t i = 0; i < self->n_leaves; i++) {
-        PyObject *cap = ts_make_capsule(state, self->lease, i, versioned, TS_DLPACK_MINOR, copy);
+        PyObject *cap = ts_make_capsule(state, self->lease, i, &opts);
         if (cap == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -424,7 +512,8 @@ static PyObject *Slot_get_u64(SlotObject *self, void *closure)
 }
 
 static PyMethodDef Slot_methods[] = {
-    {"views", (PyCFunction)Slot_views, METH_NOARGS, "One SlotView per tensor."},
+    {"views", (PyCFunction)(void (*)(void))Slot_views, METH_VARARGS | METH_KEYWORDS,
+     "One SlotView per tensor (device=True: of the slot's GPU copy)."},
     {"capsules", (PyCFunction)(void (*)(void))Slot_capsules, METH_VARARGS | METH_KEYWORDS,
      "One DLPack capsule per tensor."},
     {"release", (PyCFunction)Slot_release, METH_NOARGS,
@@ -504,20 +593,23 @@ static PyObject *ts_wrap_ring(ts_state *state, ts_ring *ring)
 /* Ring.create(name, slot_count, slot_bytes, max_leaves) -> producer Ring */
 static PyObject *Ring_create(PyTypeObject *cls, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"name", "slot_count", "slot_bytes", "max_leaves", NULL};
+    static char *kwlist[] = {"name", "slot_count", "slot_bytes", "max_leaves", "device", NULL};
     const char *name;
     unsigned int slot_count, max_leaves;
     unsigned long long slot_bytes;
+    int device = -1;
     ts_state *state = PyType_GetModuleState(cls);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sIKI:create", kwlist, &name, &slot_count,
-                                     &slot_bytes, &max_leaves))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sIKI|$i:create", kwlist, &name, &slot_count,
+                                     &slot_bytes, &max_leaves, &device))
         return NULL;
-    ts_geometry g = {slot_count, max_leaves, slot_bytes};
+    ts_geometry g = {slot_count, max_leaves, slot_bytes, device >= 0};
+    ts_cuda_api *api = NULL;
+    if (device >= 0 && (api = ts_state_cuda(state)) == NULL) return NULL;
     ts_ring *ring = NULL;
     ts_err err = {0};
     ts_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = ts_ring_create(name, &g, &ring, &err);
+    st = ts_ring_create_on_device(name, &g, api, device, &ring, &err);
     Py_END_ALLOW_THREADS
     if (st != TS_OK) return ts_raise(state, &err);
     return ts_wrap_ring(state, ring);
@@ -814,6 +906,25 @@ static PyObject *Ring_wait_drained(RingObject *self, PyObject *args)
     return PyBool_FromLong(rc == 0);
 }
 
+/* Adapter: wait until no slot is held. */
+static ts_status ts_wait_released_fn(ts_ring *ring, uint32_t unused, uint64_t deadline,
+                                     ts_err *err)
+{
+    (void)unused;
+    return ts_ring_wait_released(ring, deadline, err);
+}
+
+/* Ring.wait_released(timeout=None) -> True, or False on timeout */
+static PyObject *Ring_wait_released(RingObject *self, PyObject *args)
+{
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:wait_released", &timeout)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    int rc = ts_run_wait(self, ts_wait_released_fn, 0, timeout);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc == 0);
+}
+
 /* Ring.finish(): no more entries; wake every consumer. */
 static PyObject *Ring_finish(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -975,6 +1086,71 @@ static PyObject *Ring_slot_readers(RingObject *self, PyObject *Py_UNUSED(ignored
     return out;
 }
 
+/* Ring.import_device(device=None) -> ordinal: open the ring's GPU memory
+ * (consumer). None picks the visible GPU that holds the pool. */
+static PyObject *Ring_import_device(RingObject *self, PyObject *args)
+{
+    PyObject *device = Py_None;
+    ts_state *state = ts_get_state((PyObject *)self);
+    if (!PyArg_ParseTuple(args, "|O:import_device", &device)) return NULL;
+    if (ts_role_check(self, 0) < 0) return NULL;
+    if (self->ring->hdr->device_type != kDLCUDA) {
+        PyErr_SetString(state->GPUUnavailable,
+                        "the producer keeps this ring in host memory (it was not created "
+                        "with device='cuda:N')");
+        return NULL;
+    }
+    ts_cuda_api *api = ts_state_cuda(state);
+    if (api == NULL) return NULL;
+    int ordinal;
+    if (device == Py_None) {
+        CUuuid uuid;
+        memcpy(uuid.bytes, self->ring->hdr->device_uuid, sizeof uuid.bytes);
+        ordinal = ts_cuda_find_device(api, &uuid);
+        if (ordinal < 0) {
+            PyErr_SetString(state->GPUUnavailable,
+                            "the producer's GPU is not visible to this process (check "
+                            "CUDA_VISIBLE_DEVICES), pass device='cuda:N' to read the ring "
+                            "from another GPU");
+            return NULL;
+        }
+    } else {
+        ordinal = PyLong_AsLong(device);
+        if (ordinal == -1 && PyErr_Occurred()) return NULL;
+    }
+    ts_ring *ring = self->ring;
+    ts_ring_ref(ring);
+    ts_err err = {0};
+    ts_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ts_gpu_import(ring, api, ordinal, &err);
+    Py_END_ALLOW_THREADS
+    ts_ring_unref(ring);
+    if (st != TS_OK) return ts_raise(state, &err);
+    return PyLong_FromLong(ordinal);
+}
+
+/* Ring.pin_host(device=0): page-lock this process's mapping of the slot data. */
+static PyObject *Ring_pin_host(RingObject *self, PyObject *args)
+{
+    int ordinal = 0;
+    ts_state *state = ts_get_state((PyObject *)self);
+    if (!PyArg_ParseTuple(args, "|i:pin_host", &ordinal)) return NULL;
+    if (ts_role_check(self, 0) < 0) return NULL;
+    ts_cuda_api *api = ts_state_cuda(state);
+    if (api == NULL) return NULL;
+    ts_ring *ring = self->ring;
+    ts_ring_ref(ring);
+    ts_err err = {0};
+    ts_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ts_gpu_pin_host(ring, api, ordinal, &err);
+    Py_END_ALLOW_THREADS
+    ts_ring_unref(ring);
+    if (st != TS_OK) return ts_raise(state, &err);
+    Py_RETURN_NONE;
+}
+
 /* Ring.info() -> dict of geometry and counters. */
 static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -1008,6 +1184,23 @@ static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
         (unsigned long long)atomic_load_explicit(&h->lag_detached, memory_order_relaxed),
         "publish_wait_ns",
         (unsigned long long)atomic_load_explicit(&h->publish_wait_ns, memory_order_relaxed));
+    if (more == NULL || PyDict_Update(info, more) < 0) {
+        Py_XDECREF(more);
+        Py_DECREF(info);
+        return NULL;
+    }
+    Py_DECREF(more);
+    static const char hex[] = "0123456789abcdef";
+    char uuid[33] = {0};
+    for (int i = 0; i < 16; i++) {
+        uuid[2 * i] = hex[h->device_uuid[i] >> 4];
+        uuid[2 * i + 1] = hex[h->device_uuid[i] & 15];
+    }
+    more = Py_BuildValue("{sisisssisisisO}", "device_type", h->device_type, "device_ordinal",
+                         h->device_ordinal, "device_uuid", h->device_type == kDLCUDA ? uuid : "",
+                         "producer_host_pinned", (int)h->host_pinned, "imported_device",
+                         ts_gpu_imported_device(r), "host_pinned", ts_gpu_host_pinned(r),
+                         "same_pid_namespace", h->pid_ns == ts_proc_pid_ns() ? Py_True : Py_False);
     if (more == NULL || PyDict_Update(info, more) < 0) {
         Py_XDECREF(more);
         Py_DECREF(info);
@@ -1060,6 +1253,12 @@ static PyMethodDef Ring_methods[] = {
     {"consumer", (PyCFunction)Ring_consumer, METH_VARARGS, "One consumer table entry."},
     {"slot_readers", (PyCFunction)Ring_slot_readers, METH_NOARGS, "Reader bitmaps."},
     {"info", (PyCFunction)Ring_info, METH_NOARGS, "Geometry and counters."},
+    {"import_device", (PyCFunction)Ring_import_device, METH_VARARGS,
+     "Open the ring's GPU memory (consumer); returns the device ordinal."},
+    {"pin_host", (PyCFunction)Ring_pin_host, METH_VARARGS,
+     "Page-lock this process's mapping of the host slot data."},
+    {"wait_released", (PyCFunction)Ring_wait_released, METH_VARARGS,
+     "Wait until no consumer holds any slot."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1111,11 +1310,54 @@ static PyObject *ts_py_segment_bytes(PyObject *Py_UNUSED(module), PyObject *args
     unsigned long long slot_bytes;
     if (!PyArg_ParseTuple(args, "IKI:segment_bytes", &slot_count, &slot_bytes, &max_leaves))
         return NULL;
-    ts_geometry g = {slot_count, max_leaves, slot_bytes};
+    ts_geometry g = {slot_count, max_leaves, slot_bytes, 0};
     return PyLong_FromUnsignedLongLong(ts_ring_segment_bytes(&g, NULL));
 }
 
+/* cuda_status() -> dict: is the GPU path available here, and why not. */
+static PyObject *ts_py_cuda_status(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    ts_state *state = PyModule_GetState(module);
+    ts_cuda_api *api = ts_state_cuda(state);
+    if (api == NULL) {
+        PyErr_Clear();
+        return Py_BuildValue("{sOsssOsi}", "available", Py_False, "reason", state->cuda_why,
+                             "devices", Py_None, "driver_version", 0);
+    }
+    PyObject *devices = PyList_New(0);
+    if (devices == NULL) return NULL;
+    int count = 0;
+    api->DeviceGetCount(&count);
+    for (int i = 0; i < count; i++) {
+        CUdevice dev;
+        char name[128] = "";
+        int ipc_events = 0;
+        CUuuid uuid;
+        char hex[33] = {0};
+        if (api->DeviceGet(&dev, i) != CUDA_SUCCESS) continue;
+        api->DeviceGetName(name, (int)sizeof name - 1, dev);
+        api->DeviceGetAttribute(&ipc_events, CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED, dev);
+        if (api->DeviceGetUuid(&uuid, dev) == CUDA_SUCCESS)
+            for (int b = 0; b < 16; b++)
+                snprintf(hex + 2 * b, 3, "%02x", (unsigned char)uuid.bytes[b]);
+        PyObject *d = Py_BuildValue("{sissssO}", "ordinal", i, "name", name, "uuid", hex,
+                                    "ipc_events", ipc_events ? Py_True : Py_False);
+        if (d == NULL || PyList_Append(devices, d) < 0) {
+            Py_XDECREF(d);
+            Py_DECREF(devices);
+            return NULL;
+        }
+        Py_DECREF(d);
+    }
+    const char *reason = count > 0 ? NULL : "the CUDA driver sees no GPU";
+    return Py_BuildValue("{sOszsNsisssi}", "available", count > 0 ? Py_True : Py_False,
+                         "reason", reason, "devices", devices, "driver_version",
+                         api->driver_version, "library", api->path, "device_count", count);
+}
+
 static PyMethodDef ts_module_methods[] = {
+    {"cuda_status", ts_py_cuda_status, METH_NOARGS,
+     "Whether the GPU path is available: driver, devices, or the reason it is not."},
     {"process_start_time", ts_py_process_start_time, METH_O,
      "Start time of a process in clock ticks (0 if it does not exist)."},
     {"process_alive", ts_py_process_alive, METH_VARARGS,
@@ -1173,6 +1415,11 @@ static int ts_module_exec(PyObject *module)
                          "A batch does not fit in a ring slot.") < 0)
         goto done;
     Py_CLEAR(bases);
+    if (ts_add_exception(module, &st->GPUUnavailable, "GPUUnavailable", base,
+                         "The GPU path cannot work here; the message says why.") < 0 ||
+        ts_add_exception(module, &st->CudaError, "CudaError", base,
+                         "A CUDA driver call failed.") < 0)
+        goto done;
     bases = PyTuple_Pack(2, base, PyExc_OSError);
     if (bases == NULL ||
         ts_add_exception(module, &st->SharedMemoryTooSmall, "SharedMemoryTooSmall", bases,
@@ -1215,6 +1462,8 @@ static int ts_module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->SharedMemoryTooSmall);
     Py_VISIT(st->TooManyConsumers);
     Py_VISIT(st->VersionMismatch);
+    Py_VISIT(st->GPUUnavailable);
+    Py_VISIT(st->CudaError);
     return 0;
 }
 
@@ -1233,13 +1482,21 @@ static int ts_module_clear(PyObject *module)
     Py_CLEAR(st->SharedMemoryTooSmall);
     Py_CLEAR(st->TooManyConsumers);
     Py_CLEAR(st->VersionMismatch);
+    Py_CLEAR(st->GPUUnavailable);
+    Py_CLEAR(st->CudaError);
     return 0;
 }
 
 /* Module free hook. */
 static void ts_module_free(void *module)
 {
+    ts_state *st = PyModule_GetState((PyObject *)module);
     ts_module_clear((PyObject *)module);
+    if (st != NULL) {
+        /* Rings and views still alive hold their own references. */
+        ts_cuda_unref(st->cuda);
+        st->cuda = NULL;
+    }
 }
 
 static PyModuleDef_Slot ts_module_slots[] = {

@@ -2,6 +2,8 @@
 #define _GNU_SOURCE
 #include "ts_proc.h"
 
+#include <sys/stat.h>
+
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,4 +53,12 @@ int ts_proc_alive(pid_t pid, uint64_t start_time)
     if (pid <= 0 || ts_proc_read_stat(pid, &state, &start) != 0) return 0;
     if (state == 'Z' || state == 'X' || state == 'x') return 0;
     return start == start_time;
+}
+
+/* Inode of this process's PID namespace, or 0. */
+uint64_t ts_proc_pid_ns(void)
+{
+    struct stat st;
+    if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+    return (uint64_t)st.st_ino;
 }

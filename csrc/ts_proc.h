@@ -13,4 +13,8 @@ uint64_t ts_proc_start_time(pid_t pid);
  * counts as gone: it can no longer touch the ring. */
 int ts_proc_alive(pid_t pid, uint64_t start_time);
 
+/* Inode of this process's PID namespace (/proc/self/ns/pid), or 0. Two
+ * processes with different values cannot share CUDA IPC handles. */
+uint64_t ts_proc_pid_ns(void);
+
 #endif /* TS_PROC_H */

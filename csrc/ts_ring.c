@@ -10,7 +10,9 @@
 
 #include "ts_backend.h"
 #include "ts_clock.h"
+#include "ts_cuda.h"
 #include "ts_futex.h"
+#include "ts_gpu.h"
 #include "ts_proc.h"
 #include "ts_segment.h"
 
@@ -40,12 +42,17 @@ static uint64_t ts_slot_desc_bytes(uint32_t max_leaves)
     return ts_round_up(sizeof(ts_slot) + (uint64_t)max_leaves * sizeof(ts_leaf), 64);
 }
 
+/* Offset of the IPC handle table of CUDA rings (after the slot table). */
+static uint64_t ts_ipc_table_offset(const ts_geometry *g)
+{
+    return ts_slot_table_offset() + (uint64_t)g->slot_count * ts_slot_desc_bytes(g->max_leaves);
+}
+
 /* Bytes a segment of geometry g needs, and the control-area size. */
 uint64_t ts_ring_segment_bytes(const ts_geometry *g, uint64_t *ctrl_bytes)
 {
-    uint64_t ctrl = ts_round_up(
-        ts_slot_table_offset() + (uint64_t)g->slot_count * ts_slot_desc_bytes(g->max_leaves),
-        TS_PAGE);
+    uint64_t ipc = g->on_device ? (uint64_t)g->slot_count * sizeof(ts_ipc_entry) : 0;
+    uint64_t ctrl = ts_round_up(ts_ipc_table_offset(g) + ipc, TS_PAGE);
     uint64_t slot = ts_round_up(g->slot_bytes, TS_PAGE);
     if (ctrl_bytes != NULL) *ctrl_bytes = ctrl;
     return ctrl + (uint64_t)g->slot_count * slot;
@@ -58,11 +65,18 @@ ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i)
                        (uint64_t)i * ring->hdr->slot_desc_bytes);
 }
 
-/* Host address of slot data (NULL for device backends). */
+/* Host address of slot data. */
 uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot)
 {
     if (ring->data == NULL) return NULL;
     return ring->data + (uint64_t)slot * ring->hdr->slot_bytes;
+}
+
+/* CUDA rings: the IPC handles of slot i (NULL for host rings). */
+ts_ipc_entry *ts_ring_ipc_entry(const ts_ring *ring, uint32_t i)
+{
+    if (ring->hdr->ipc_offset == 0 || i >= ring->hdr->slot_count) return NULL;
+    return (ts_ipc_entry *)((uint8_t *)ring->hdr + ring->hdr->ipc_offset) + i;
 }
 
 /* ==========================================================================
@@ -145,8 +159,11 @@ static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
 /* Release everything the handle owns. */
 static void ts_ring_free(ts_ring *ring)
 {
+    /* Device state first: it page-locked and mirrors the host slot data. */
+    ts_gpu_close(ring);
     if (ring->backend != NULL && ring->hdr != NULL) ring->backend->close(ring);
     if (ring->hdr != NULL) munmap(ring->hdr, ring->ctrl_bytes);
+    ts_cuda_unref(ring->cuda);
     if (ring->fd >= 0) close(ring->fd);
     pthread_mutex_destroy(&ring->lock);
     free(ring);
@@ -165,8 +182,19 @@ static ts_status ts_ring_map_data(ts_ring *ring, ts_err *err)
 /* Create a new segment `name` (mode 0600) with geometry g, as producer. */
 ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, ts_err *err)
 {
+    ts_geometry host = *g;
+    host.on_device = 0;
+    return ts_ring_create_on_device(name, &host, NULL, -1, out, err);
+}
+
+/* Create a ring whose slot data also lives on CUDA device `ordinal`. */
+ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g, ts_cuda_api *api,
+                                   int ordinal, ts_ring **out, ts_err *err)
+{
     ts_status st = TS_OK;
     int created = 0;
+    if (g->on_device && api == NULL)
+        return ts_err_set(err, TS_E_INVALID, 0, "a CUDA ring needs the CUDA driver");
     if (g->slot_count < 2 || g->slot_count > 4096)
         return ts_err_set(err, TS_E_INVALID, 0, "slot count %u is outside 2..4096",
                           g->slot_count);
@@ -179,6 +207,11 @@ ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, 
 
     ts_ring *ring = ts_ring_alloc(name, 1, err);
     if (ring == NULL) return err ? err->code : TS_E_SYS;
+    if (g->on_device) {
+        ring->backend = &ts_backend_cuda;
+        ts_cuda_ref(api);
+        ring->cuda = api;
+    }
 
     uint64_t ctrl = 0;
     uint64_t total = ts_ring_segment_bytes(g, &ctrl);
@@ -207,6 +240,9 @@ ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, 
     h->producer_pid = (int32_t)getpid();
     h->producer_start_time = ts_proc_start_time(getpid());
     h->device_type = ring->backend->device_type;
+    h->pid_ns = ts_proc_pid_ns();
+    h->device_ordinal = g->on_device ? ordinal : -1;
+    h->ipc_offset = g->on_device ? ts_ipc_table_offset(g) : 0;
     for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++)
         atomic_store_explicit(&h->consumers[i].state, TS_CONSUMER_FREE, memory_order_relaxed);
     for (uint32_t i = 0; i < g->slot_count; i++) {
@@ -221,6 +257,11 @@ ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, 
 
     st = ts_ring_map_data(ring, err);
     if (st != TS_OK) goto error;
+    if (g->on_device) {
+        /* Device pool, events, handles into the table, page-locked host data. */
+        st = ts_gpu_create_pool(ring, api, ordinal, err);
+        if (st != TS_OK) goto error;
+    }
     *out = ring;
     return TS_OK;
 
@@ -260,10 +301,18 @@ ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err)
                         probe.layout_version, TS_LAYOUT_VERSION);
         goto error;
     }
-    ts_geometry g = {probe.slot_count, probe.max_leaves, probe.slot_bytes};
+    ts_geometry g = {probe.slot_count, probe.max_leaves, probe.slot_bytes,
+                     probe.device_type == kDLCUDA};
+    if (probe.device_type != kDLCPU && probe.device_type != kDLCUDA) {
+        st = ts_err_set(err, TS_E_VERSION, 0, "segment %s holds slot data on device type %d, "
+                        "which this build does not know", name, probe.device_type);
+        goto error;
+    }
+    if (g.on_device) ring->backend = &ts_backend_cuda;
     uint64_t ctrl = 0;
     if (probe.segment_bytes != bytes || ts_ring_segment_bytes(&g, &ctrl) != bytes ||
-        ctrl != probe.ctrl_bytes || probe.data_offset != ctrl) {
+        ctrl != probe.ctrl_bytes || probe.data_offset != ctrl ||
+        probe.ipc_offset != (g.on_device ? ts_ipc_table_offset(&g) : 0)) {
         st = ts_err_set(err, TS_E_VERSION, 0, "segment %s has an inconsistent geometry", name);
         goto error;
     }
@@ -656,6 +705,8 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
     ts_slot *s = ts_ring_slot(ring, k);
     st = ts_wait_slot_free(ring, s, deadline, err);
     if (st != TS_OK) return st;
+    st = ring->backend->prepare(ring, k, err);
+    if (st != TS_OK) return st;
 
     atomic_store_explicit(&s->seq, TS_SEQ_NONE, memory_order_relaxed);
     uint64_t base = (uint64_t)k * h->slot_bytes, off = 0;
@@ -753,6 +804,29 @@ ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err)
     if (st == TS_E_TIMEOUT)
         return ts_err_set(err, st, ETIMEDOUT,
                           "timed out waiting for consumers to read the last batches");
+    return st;
+}
+
+/* No slot carries a reader bit. */
+static int ts_ring_is_released(const ts_ring *ring, const void *unused)
+{
+    (void)unused;
+    for (uint32_t i = 0; i < ring->hdr->slot_count; i++)
+        if (atomic_load_explicit(&ts_ring_slot(ring, i)->readers, memory_order_seq_cst) != 0)
+            return 0;
+    return 1;
+}
+
+/* Wait until no slot is held by any consumer (views included). */
+ts_status ts_ring_wait_released(ts_ring *ring, uint64_t deadline, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    ts_status st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_ring_is_released, NULL,
+                               deadline);
+    if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
+    if (st == TS_E_TIMEOUT)
+        return ts_err_set(err, st, ETIMEDOUT,
+                          "timed out waiting for consumers to free the batches they hold");
     return st;
 }
 

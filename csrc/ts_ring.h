@@ -41,7 +41,7 @@
 #include "ts_error.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
-#define TS_LAYOUT_VERSION 2
+#define TS_LAYOUT_VERSION 3
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_NDIM 16
 #define TS_SEQ_NONE UINT64_MAX
@@ -125,8 +125,13 @@ typedef struct ts_header {
     uint64_t data_offset;     /* where slot 0's data starts */
     uint64_t segment_bytes;
     int32_t producer_pid;
-    int32_t device_type; /* DLDeviceType of the slot data */
+    int32_t device_type; /* kDLCPU, or kDLCUDA: slot data also lives on a GPU */
     uint64_t producer_start_time;
+    uint64_t pid_ns;          /* inode of the producer's PID namespace (0: unknown) */
+    uint64_t ipc_offset;      /* CUDA rings: where the ts_ipc_entry table starts */
+    int32_t device_ordinal;   /* CUDA rings: the producer's device ordinal */
+    uint32_t host_pinned;     /* CUDA rings: the producer page-locked the host slot data */
+    uint8_t device_uuid[16];  /* CUDA rings: UUID of the GPU holding the slot pool */
 
     _Alignas(64) _Atomic uint32_t state;
     _Atomic uint32_t pub_word;     /* futex: bumped on publish and state change */
@@ -146,14 +151,24 @@ typedef struct ts_header {
     ts_consumer consumers[TS_MAX_CONSUMERS];
 } ts_header;
 
+/* CUDA rings: the IPC handles of one slot's device memory and event,
+ * written once by the producer at creation (opaque bytes here). */
+typedef struct ts_ipc_entry {
+    char mem[64];   /* CUipcMemHandle of the slot's cuMemAlloc allocation */
+    char event[64]; /* CUipcEventHandle of the slot's interprocess event */
+} ts_ipc_entry;
+
 /* Ring geometry chosen by the producer. */
 typedef struct ts_geometry {
     uint32_t slot_count;
     uint32_t max_leaves;
     uint64_t slot_bytes;
+    uint32_t on_device; /* 1: CUDA ring (adds the IPC handle table) */
 } ts_geometry;
 
 struct ts_backend;
+struct ts_cuda_api;
+struct ts_gpu;
 
 /* A process's handle on a ring segment. Reference counted: the owner (the
  * Python object) holds one reference and every consumer lease one more, so
@@ -168,6 +183,8 @@ typedef struct ts_ring {
     size_t data_bytes;
     const struct ts_backend *backend;
     void *backend_state;     /* owns: backend private state */
+    struct ts_cuda_api *cuda; /* CUDA rings, producer: the driver (one reference) */
+    struct ts_gpu *gpu;       /* owns: this process's GPU state (ts_gpu.h), or NULL */
     pthread_mutex_t lock;    /* producer: publish vs roster changes */
     uint32_t consumer;       /* consumer side: our table index */
     uint64_t token;          /* consumer side: token of our entry */
@@ -198,6 +215,12 @@ typedef struct ts_acquired {
 
 /* Create a new segment `name` (mode 0600) with geometry g, as producer. */
 ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, ts_err *err);
+
+/* Create a CUDA ring: slot data on device `ordinal` as well (api: the driver,
+ * the ring takes its own reference). */
+ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g,
+                                   struct ts_cuda_api *api, int ordinal, ts_ring **out,
+                                   ts_err *err);
 
 /* Open an existing segment as consumer. */
 ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err);
@@ -256,6 +279,9 @@ ts_status ts_ring_wait_consumers(ts_ring *ring, uint32_t n, uint64_t deadline, t
 /* Wait until every active consumer has read every published entry. */
 ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err);
 
+/* Wait until no slot is held by any consumer (views included). */
+ts_status ts_ring_wait_released(ts_ring *ring, uint64_t deadline, ts_err *err);
+
 /* Mark the ring finished and wake every consumer. */
 void ts_ring_finish(ts_ring *ring);
 
@@ -270,7 +296,10 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
 /* Drop our consumer's reference on slot (safe on any thread, no GIL). */
 void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer);
 
-/* Host address of slot data (NULL for device backends). */
+/* Host address of slot data. */
 uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot);
+
+/* CUDA rings: the IPC handles of slot i (NULL for host rings). */
+ts_ipc_entry *ts_ring_ipc_entry(const ts_ring *ring, uint32_t i);
 
 #endif /* TS_RING_H */

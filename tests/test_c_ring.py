@@ -45,7 +45,7 @@ def _core_sources() -> list[str]:
 
 
 def _compile(sources: list[str], out: Path, extra: list[str]) -> subprocess.CompletedProcess:
-    cmd = [*_cc(), *BASE_FLAGS, *extra, *sources, "-o", str(out), "-lrt"]
+    cmd = [*_cc(), *BASE_FLAGS, *extra, *sources, "-o", str(out), "-lrt", "-ldl"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
 
 

@@ -102,11 +102,19 @@ static void sleep_us(long us)
     while (nanosleep(&t, &t) != 0) {}
 }
 
+/* ts_export_leaf of a host view or copy, with the options spelled out. */
+static void *export_leaf(ts_lease *lease, uint32_t i, int versioned, uint32_t minor, int copy,
+                         ts_err *err)
+{
+    ts_export_opts o = {.versioned = versioned, .minor = minor, .copy = copy, .stream = -1};
+    return ts_export_leaf(lease, i, &o, err);
+}
+
 /* Create a ring with a fresh unique name; 0 on success. */
 static int fx_create(fixture *fx, uint32_t slots, uint32_t max_leaves, uint64_t slot_bytes)
 {
     ts_err err = {0};
-    ts_geometry g = {slots, max_leaves, slot_bytes};
+    ts_geometry g = {slots, max_leaves, slot_bytes, 0};
     snprintf(fx->name, sizeof fx->name, "/tensorsocket-ctest-%d-%d", (int)getpid(), g_segments++);
     ts_ring_unlink_name(fx->name, NULL);
     return CHECK_ST(ts_ring_create(fx->name, &g, &fx->prod, &err), TS_OK) ? 0 : -1;
@@ -441,10 +449,10 @@ static void test_leases_dlpack(void)
     REQUIRE(lease != NULL);
     CHECK_EQ(c.ring->refs, 2);
     CHECK(ts_lease_leaf(lease, 1) != NULL && ts_lease_leaf(lease, 2) == NULL);
-    CHECK(ts_export_leaf(lease, 2, 1, 1, 0, &err) == NULL);
+    CHECK(export_leaf(lease, 2, 1, 1, 0, &err) == NULL);
     CHECK_EQ(err.code, TS_E_INVALID);
-    DLManagedTensorVersioned *vc = ts_export_leaf(lease, 0, 1, 1, 1, &err);
-    DLManagedTensor *lc = ts_export_leaf(lease, 0, 0, 0, 1, &err);
+    DLManagedTensorVersioned *vc = export_leaf(lease, 0, 1, 1, 1, &err);
+    DLManagedTensor *lc = export_leaf(lease, 0, 0, 0, 1, &err);
     REQUIRE(vc != NULL && lc != NULL);
     CHECK_EQ(vc->flags, TS_DLPACK_FLAG_IS_COPIED);
     CHECK(vc->dl_tensor.data != ts_ring_slot_data(c.ring, a.slot));
@@ -461,8 +469,8 @@ static void test_leases_dlpack(void)
     lease = ts_lease_new(c.ring, a.slot, a.seq);
     REQUIRE(lease != NULL);
     const ts_slot *s = ts_ring_slot(c.ring, a.slot);
-    DLManagedTensor *lv = ts_export_leaf(lease, 0, 0, 0, 0, &err);
-    DLManagedTensorVersioned *vv = ts_export_leaf(lease, 1, 1, 1, 0, &err);
+    DLManagedTensor *lv = export_leaf(lease, 0, 0, 0, 0, &err);
+    DLManagedTensorVersioned *vv = export_leaf(lease, 1, 1, 1, 0, &err);
     REQUIRE(lv != NULL && vv != NULL);
     DLTensor *t = &lv->dl_tensor;
     CHECK(t->data == ts_ring_slot_data(c.ring, a.slot) + s->leaves[0].offset);
@@ -487,7 +495,7 @@ static void test_leases_dlpack(void)
     /* A producer-side export is writable (no READ_ONLY flag) and releases nothing. */
     lease = ts_lease_new(fx.prod, a.slot, a.seq);
     REQUIRE(lease != NULL);
-    vv = ts_export_leaf(lease, 0, 1, 0, 0, &err);
+    vv = export_leaf(lease, 0, 1, 0, 0, &err);
     if (CHECK(vv != NULL)) {
         CHECK_EQ(vv->flags, 0);
         ts_export_delete(vv, 1);
@@ -762,7 +770,7 @@ static void test_handshake_errors(void)
     ts_err err = {0};
     ts_ring *r = NULL;
     ts_acquired a;
-    ts_geometry one = {1, 1, 4096}, g = {2, 1, 4096};
+    ts_geometry one = {1, 1, 4096, 0}, g = {2, 1, 4096, 0};
     char missing[80];
     uint32_t idx;
     uint64_t tok, start;

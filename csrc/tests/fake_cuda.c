@@ -1,0 +1,1840 @@
+/* fake_cuda.c - a test double of the CUDA driver API (libfakecuda.so).
+ *
+ * tensorsocket loads it instead of libcuda.so.1 when TENSORSOCKET_LIBCUDA
+ * names it, so the GPU path runs, with real processes, on machines without a
+ * GPU. It models what the core relies on, and is stricter than the real
+ * driver where a mistake of ours would otherwise pass unnoticed:
+ *
+ *   - "device memory" is a POSIX shm object /fakecuda-<pid>-<n> mapped into
+ *     the allocating process; an IPC mem handle names it, and another process
+ *     maps it, so an importer reads exactly what the exporter wrote;
+ *   - every memory, stream, event and IPC call needs a (retained) context
+ *     pushed on the calling thread, else CUDA_ERROR_INVALID_CONTEXT;
+ *   - each stream is a worker thread running a FIFO of operations, each one
+ *     delayed by FAKECUDA_OP_DELAY_US, so asynchrony is visible: a pageable
+ *     host-to-device copy is staged when called, a registered one reads the
+ *     host bytes only when the stream reaches it;
+ *   - an event is {recorded generation, completed generation}, in a shm
+ *     object /fakecuda-ev-<pid>-<n> when interprocess, so a stream of one
+ *     process can wait for work recorded by another; waiting on an event
+ *     nobody recorded is CUDA_ERROR_ILLEGAL_STATE.
+ *
+ * Environment: FAKECUDA_DEVICES, FAKECUDA_VISIBLE, FAKECUDA_FAIL_INIT,
+ * FAKECUDA_NO_IPC_EVENTS, FAKECUDA_MIG, FAKECUDA_MEM_LIMIT,
+ * FAKECUDA_OP_DELAY_US (read by cuInit) and FAKECUDA_LOG (a file every call
+ * appends one line to: "<pid> <op> key=value ...").
+ *
+ * Build (from the repository root):
+ *   cc -std=c11 -Wall -Wextra -Werror -O1 -g -shared -fPIC -pthread -fvisibility=default \
+ *      -Icsrc csrc/tests/fake_cuda.c -o libfakecuda.so -lrt
+ * tests/fakecuda.py builds it and wraps it for Python tests. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ts_cuda.h"
+
+/* Error codes ts_cuda.h does not need but the double returns or names. */
+#define CUDA_ERROR_ILLEGAL_STATE 401
+#define CUDA_ERROR_UNKNOWN 999
+
+/* Host registration flags the real driver accepts (PORTABLE|DEVICEMAP|IOMEMORY|READ_ONLY). */
+#define FC_HOSTREGISTER_ALL 0xfu
+/* Event flags the real driver accepts (BLOCKING_SYNC|DISABLE_TIMING|INTERPROCESS). */
+#define FC_EVENT_ALL 0x7u
+
+#define FC_API __attribute__((visibility("default")))
+#define FC_MAX_DEV 16
+#define FC_NAME 40
+#define FC_STACK 64
+#define FC_PAGE 4096ULL
+#define FC_MEM_MAGIC 0x484d4346u   /* "FCMH" */
+#define FC_EV_MAGIC 0x48454346u    /* "FCEH" */
+#define FC_STATE_MAGIC 0x53454346u /* "FCES" */
+
+/* The prototypes of the exports: -Wmissing-prototypes stays quiet, and a
+ * signature that drifts from ts_cuda.h's table is a compile error. */
+FC_API CUresult cuInit(unsigned int flags);
+FC_API CUresult cuDriverGetVersion(int *version);
+FC_API CUresult cuGetErrorName(CUresult error, const char **name);
+FC_API CUresult cuGetErrorString(CUresult error, const char **text);
+FC_API CUresult cuDeviceGetCount(int *count);
+FC_API CUresult cuDeviceGet(CUdevice *device, int ordinal);
+FC_API CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device);
+FC_API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice device);
+FC_API CUresult cuDeviceGetName(char *name, int len, CUdevice device);
+FC_API CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device);
+FC_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device);
+FC_API CUresult cuCtxPushCurrent_v2(CUcontext ctx);
+FC_API CUresult cuCtxPopCurrent_v2(CUcontext *ctx);
+FC_API CUresult cuCtxSynchronize(void);
+FC_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes);
+FC_API CUresult cuMemFree_v2(CUdeviceptr dptr);
+FC_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream s);
+FC_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s);
+FC_API CUresult cuMemHostRegister_v2(void *p, size_t bytes, unsigned int flags);
+FC_API CUresult cuMemHostUnregister(void *p);
+FC_API CUresult cuStreamCreate(CUstream *stream, unsigned int flags);
+FC_API CUresult cuStreamDestroy_v2(CUstream stream);
+FC_API CUresult cuStreamSynchronize(CUstream stream);
+FC_API CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags);
+FC_API CUresult cuEventCreate(CUevent *event, unsigned int flags);
+FC_API CUresult cuEventDestroy_v2(CUevent event);
+FC_API CUresult cuEventRecord(CUevent event, CUstream stream);
+FC_API CUresult cuEventQuery(CUevent event);
+FC_API CUresult cuEventSynchronize(CUevent event);
+FC_API CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr);
+FC_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle, unsigned int flags);
+FC_API CUresult cuIpcCloseMemHandle(CUdeviceptr dptr);
+FC_API CUresult cuIpcGetEventHandle(CUipcEventHandle *handle, CUevent event);
+FC_API CUresult cuIpcOpenEventHandle(CUevent *event, CUipcEventHandle handle);
+FC_API CUresult fakecuda_launch_read(CUstream s, CUdeviceptr p, size_t n, unsigned long long *out,
+                                     unsigned delay_us);
+FC_API int fakecuda_counter(const char *op);
+
+/* ==========================================================================
+ * State
+ * ========================================================================== */
+
+/* A primary context: one per visible device. */
+typedef struct fc_ctx {
+    int ordinal;       /* visible ordinal (the CUdevice) */
+    int phys;          /* physical device id */
+    _Atomic int refs;  /* cuDevicePrimaryCtxRetain count */
+} fc_ctx;
+
+/* Device memory this process can address: an allocation or an IPC mapping. */
+typedef struct fc_region {
+    struct fc_region *next;
+    int ipc;             /* 0: cuMemAlloc of this process; 1: cuIpcOpenMemHandle */
+    uint8_t *base;       /* owns: the mapping (unmapped when pins drops to 0) */
+    size_t size;
+    char name[FC_NAME];  /* the shm object */
+    int ordinal, phys;   /* device of the context it was created in */
+    pid_t owner;         /* the allocating process */
+    int opens;           /* ipc: open count (cuIpcCloseMemHandle unmaps at 0) */
+    int pins;            /* the table's reference (while listed) + queued operations */
+} fc_region;
+
+/* A page-locked (registered) host range. */
+typedef struct fc_host {
+    struct fc_host *next;
+    uintptr_t base;
+    size_t size;
+    unsigned flags;
+} fc_host;
+
+/* The shared part of an event: interprocess events keep it in shm. */
+typedef struct fc_evstate {
+    uint32_t magic;
+    uint32_t pad;
+    _Atomic uint64_t gen;  /* generation of the latest cuEventRecord */
+    _Atomic uint64_t done; /* highest generation whose work completed */
+} fc_evstate;
+
+/* An event handle (CUevent) of this process. */
+typedef struct fc_event {
+    struct fc_event *next;
+    fc_evstate *st;      /* owns: calloc'd (local) or a shm mapping (interprocess) */
+    unsigned flags;
+    int ipc;             /* interprocess: st is shared */
+    int opened;          /* from cuIpcOpenEventHandle (destroy only unmaps) */
+    int ordinal, phys;   /* device of the context it was created or opened in */
+    pid_t creator;       /* the process that created the shm state */
+    int refs;            /* the table's reference (while listed) + queued operations */
+    char id[FC_NAME];    /* the shm name (interprocess) or local-<pid>-<n> */
+} fc_event;
+
+/* What a queued stream operation does. */
+typedef enum { FC_EX_HTOD, FC_EX_DTOD, FC_EX_RECORD, FC_EX_WAIT, FC_EX_READ } fc_kind;
+
+/* One queued stream operation. */
+typedef struct fc_op {
+    struct fc_op *next;
+    fc_kind kind;
+    fc_region *dst_r, *src_r; /* pinned regions of dst and (DtoD) src */
+    uint8_t *dst;
+    const uint8_t *src;       /* device source, registered host source, or staging */
+    uint8_t *staging;         /* owns: pageable HtoD copy of the source */
+    size_t bytes;
+    fc_event *ev;             /* RECORD/WAIT: a reference */
+    uint64_t gen;             /* RECORD: generation to complete; WAIT: to wait for */
+    unsigned long long *out;  /* READ: where the checksum goes */
+    unsigned delay_us;        /* READ: extra "kernel" time */
+} fc_op;
+
+/* A stream: a worker thread running a FIFO of operations. */
+typedef struct fc_stream {
+    struct fc_stream *next;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv;  /* an operation arrived, or stop */
+    pthread_cond_t idle_cv;  /* the queue drained */
+    fc_op *head, *tail;      /* head is the running operation while running */
+    int running;
+    int stop;
+    int refs;                /* under g_lock: the table's + callers' in flight */
+    int is_default;
+    int ordinal, phys;
+    char id[32];             /* <pid>-<n> or "default" */
+} fc_stream;
+
+/* Settings read from the environment by cuInit. */
+static struct {
+    int ndev;                 /* physical devices */
+    int nvis;                 /* visible devices */
+    int vis[FC_MAX_DEV];      /* visible ordinal -> physical id */
+    int no_ipc_events;
+    int mig;
+    unsigned long long mem_limit; /* 0: none */
+    unsigned op_delay_us;
+} g_cfg;
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* guards everything below */
+static _Atomic int g_inited;
+static fc_ctx g_ctx[FC_MAX_DEV];
+static fc_region *g_regions;
+static fc_host *g_hosts;
+static fc_event *g_events;
+static fc_stream *g_streams;
+static fc_stream *g_default_stream;
+static unsigned long long g_mem_used;
+static void *g_self;      /* a NODELETE reference on this library */
+static _Atomic unsigned g_seq;  /* names of shm objects */
+static _Atomic unsigned g_sseq; /* stream ids */
+static _Atomic unsigned g_eseq; /* local event ids */
+
+/* The calling thread's context stack. */
+static _Thread_local fc_ctx *t_stack[FC_STACK];
+static _Thread_local int t_depth;
+
+/* ==========================================================================
+ * Log and counters
+ * ========================================================================== */
+
+/* Operations, as logged and counted. */
+typedef enum {
+    FC_OP_INIT, FC_OP_DRIVER_VERSION, FC_OP_ERROR_NAME, FC_OP_ERROR_STRING,
+    FC_OP_DEVICE_COUNT, FC_OP_DEVICE_GET, FC_OP_DEVICE_ATTR, FC_OP_DEVICE_UUID,
+    FC_OP_DEVICE_NAME, FC_OP_CTX_RETAIN, FC_OP_CTX_RELEASE, FC_OP_CTX_PUSH, FC_OP_CTX_POP,
+    FC_OP_CTX_SYNC, FC_OP_ALLOC, FC_OP_FREE, FC_OP_HTOD, FC_OP_DTOD, FC_OP_HOST_REGISTER,
+    FC_OP_HOST_UNREGISTER, FC_OP_STREAM_CREATE, FC_OP_STREAM_DESTROY, FC_OP_STREAM_SYNC,
+    FC_OP_STREAM_WAIT_EVENT, FC_OP_EVENT_CREATE, FC_OP_EVENT_DESTROY, FC_OP_EVENT_RECORD,
+    FC_OP_EVENT_QUERY, FC_OP_EVENT_SYNC, FC_OP_IPC_GET_MEM, FC_OP_IPC_OPEN_MEM,
+    FC_OP_IPC_CLOSE_MEM, FC_OP_IPC_GET_EVENT, FC_OP_IPC_OPEN_EVENT, FC_OP_LAUNCH_READ,
+    FC_OP_EXEC_HTOD, FC_OP_EXEC_DTOD, FC_OP_EXEC_RECORD, FC_OP_EXEC_WAIT, FC_OP_EXEC_READ,
+    FC_OP_FAIL, FC_OP_COUNT
+} fc_opcode;
+
+static const char *const fc_op_names[FC_OP_COUNT] = {
+    "init", "driver_version", "error_name", "error_string",
+    "device_count", "device_get", "device_attr", "device_uuid",
+    "device_name", "ctx_retain", "ctx_release", "ctx_push", "ctx_pop",
+    "ctx_sync", "alloc", "free", "htod", "dtod", "host_register",
+    "host_unregister", "stream_create", "stream_destroy", "stream_sync",
+    "stream_wait_event", "event_create", "event_destroy", "event_record",
+    "event_query", "event_sync", "ipc_get_mem", "ipc_open_mem",
+    "ipc_close_mem", "ipc_get_event", "ipc_open_event", "launch_read",
+    "exec_htod", "exec_dtod", "exec_record", "exec_wait", "exec_read",
+    "fail",
+};
+
+static _Atomic int g_counts[FC_OP_COUNT];
+static pthread_once_t g_log_once = PTHREAD_ONCE_INIT;
+static int g_log_fd = -1;
+
+/* Open $FAKECUDA_LOG for appending (once per process). */
+static void fc_log_open(void)
+{
+    const char *path = getenv("FAKECUDA_LOG");
+    if (path != NULL && path[0] != '\0')
+        g_log_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+}
+
+/* Count op and append "<pid> <op> <fields>\n" to the log with a single write(). */
+__attribute__((format(printf, 2, 3))) static void fc_log(fc_opcode op, const char *fmt, ...)
+{
+    atomic_fetch_add_explicit(&g_counts[op], 1, memory_order_relaxed);
+    pthread_once(&g_log_once, fc_log_open);
+    if (g_log_fd < 0) return;
+    char line[1024];
+    int n = snprintf(line, sizeof line, "%d %s", (int)getpid(), fc_op_names[op]);
+    if (fmt[0] != '\0' && n < (int)sizeof line - 2) {
+        line[n++] = ' ';
+        va_list ap;
+        va_start(ap, fmt);
+        int m = vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+        va_end(ap);
+        if (m > 0) n += m;
+    }
+    if (n > (int)sizeof line - 2) n = (int)sizeof line - 2;
+    line[n++] = '\n';
+    ssize_t w;
+    do {
+        w = write(g_log_fd, line, (size_t)n);
+    } while (w < 0 && errno == EINTR);
+}
+
+/* ==========================================================================
+ * Error names
+ * ========================================================================== */
+
+/* One error code the double returns, with its driver name and description. */
+typedef struct fc_errdesc {
+    CUresult code;
+    const char *name;
+    const char *text;
+} fc_errdesc;
+
+static const fc_errdesc fc_errors[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_MAP_FAILED, "CUDA_ERROR_MAP_FAILED", "mapping of buffer object failed"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE",
+     "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+     "part or all of the requested memory range is already mapped"},
+    {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+     "pointer does not correspond to a registered memory region"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+/* The description of code, or NULL if the double does not know it. */
+static const fc_errdesc *fc_error(CUresult code)
+{
+    for (size_t i = 0; i < sizeof fc_errors / sizeof fc_errors[0]; i++)
+        if (fc_errors[i].code == code) return &fc_errors[i];
+    return NULL;
+}
+
+/* Log "fail op=<op> rc=<rc> err=<name> why=<why>", count it, and return rc. */
+static CUresult fc_fail(fc_opcode op, CUresult rc, const char *why)
+{
+    const fc_errdesc *d = fc_error(rc);
+    fc_log(FC_OP_FAIL, "op=%s rc=%d err=%s why=%s", fc_op_names[op], rc,
+           d != NULL ? d->name : "?", why);
+    return rc;
+}
+
+/* ==========================================================================
+ * Small helpers
+ * ========================================================================== */
+
+/* Sleep us microseconds (signals do not cut it short). */
+static void fc_sleep_us(unsigned long long us)
+{
+    if (us == 0) return;
+    struct timespec ts = {(time_t)(us / 1000000ULL), (long)(us % 1000000ULL) * 1000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* Poll until *done reaches target (sleeps grow from 20 us to 1 ms). */
+static void fc_wait_done(_Atomic uint64_t *done, uint64_t target)
+{
+    unsigned long long nap = 20;
+    while (atomic_load_explicit(done, memory_order_acquire) < target) {
+        fc_sleep_us(nap);
+        if (nap < 1000) nap *= 2;
+    }
+}
+
+/* Raise *done to gen unless it is already higher (records may complete out of order). */
+static void fc_complete(_Atomic uint64_t *done, uint64_t gen)
+{
+    uint64_t cur = atomic_load_explicit(done, memory_order_acquire);
+    while (cur < gen &&
+           !atomic_compare_exchange_weak_explicit(done, &cur, gen, memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+    }
+}
+
+/* FNV-1a 64 of n bytes at p. */
+static unsigned long long fc_fnv1a(const uint8_t *p, size_t n)
+{
+    unsigned long long h = 0xcbf29ce484222325ULL;
+    for (size_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
+/* Parse a non-negative decimal environment variable; def if unset or malformed. */
+static unsigned long long fc_env_ull(const char *name, unsigned long long def)
+{
+    const char *s = getenv(name);
+    if (s == NULL || s[0] < '0' || s[0] > '9') return def;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno != 0 || *end != '\0') return def;
+    return v;
+}
+
+/* Whether an environment flag is set to something other than "" or "0". */
+static int fc_env_flag(const char *name)
+{
+    const char *s = getenv(name);
+    return s != NULL && s[0] != '\0' && strcmp(s, "0") != 0;
+}
+
+/* Create a new shm object "/<prefix>-<pid>-<n>" of bytes (mode 0600), committing its
+ * pages. Returns the fd (name filled), or -1 with errno set. */
+static int fc_shm_create(char name[FC_NAME], const char *prefix, size_t bytes)
+{
+    for (int tries = 0; tries < 1000; tries++) {
+        unsigned n = atomic_fetch_add(&g_seq, 1) + 1;
+        snprintf(name, FC_NAME, "/%s-%d-%u", prefix, (int)getpid(), n);
+        int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd < 0 && errno == EEXIST) continue; /* left over by a killed process */
+        if (fd < 0) return -1;
+        int rc = posix_fallocate(fd, 0, (off_t)bytes);
+        if (rc != 0) {
+            shm_unlink(name);
+            close(fd);
+            errno = rc;
+            return -1;
+        }
+        return fd;
+    }
+    errno = EEXIST;
+    return -1;
+}
+
+/* Pin this library in memory: the core dlcloses the driver while stream
+ * workers may still sleep inside it. */
+static void fc_pin_library(void)
+{
+    Dl_info info;
+    if (g_self == NULL && dladdr((void *)cuInit, &info) != 0 && info.dli_fname != NULL)
+        g_self = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
+}
+
+/* ==========================================================================
+ * Contexts
+ * ========================================================================== */
+
+/* CUDA_SUCCESS if cuInit succeeded, else log op's failure. */
+static CUresult fc_need_init(fc_opcode op)
+{
+    if (atomic_load_explicit(&g_inited, memory_order_acquire)) return CUDA_SUCCESS;
+    return fc_fail(op, CUDA_ERROR_NOT_INITIALIZED, "cuInit_not_called");
+}
+
+/* The calling thread's current context, which must be retained; else fail op. */
+static CUresult fc_current(fc_opcode op, fc_ctx **out)
+{
+    CUresult rc = fc_need_init(op);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (t_depth == 0) return fc_fail(op, CUDA_ERROR_INVALID_CONTEXT, "no_current_context");
+    fc_ctx *c = t_stack[t_depth - 1];
+    if (atomic_load(&c->refs) <= 0)
+        return fc_fail(op, CUDA_ERROR_INVALID_CONTEXT, "current_context_released");
+    *out = c;
+    return CUDA_SUCCESS;
+}
+
+/* The context of visible device d, or NULL if d is out of range. */
+static fc_ctx *fc_device(CUdevice d)
+{
+    if (d < 0 || d >= g_cfg.nvis) return NULL;
+    return &g_ctx[d];
+}
+
+/* ==========================================================================
+ * Regions (device memory) and registered host ranges
+ * ========================================================================== */
+
+/* The region containing [p, p+n) (n may be 0), pinned; NULL if none. */
+static fc_region *fc_region_pin(uintptr_t p, size_t n)
+{
+    fc_region *found = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_region *r = g_regions; r != NULL; r = r->next) {
+        uintptr_t b = (uintptr_t)r->base;
+        if (p >= b && p < b + r->size && n <= r->size - (p - b)) {
+            found = r;
+            found->pins++;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return found;
+}
+
+/* Drop a pin; the last one unmaps and frees the region. */
+static void fc_region_unpin(fc_region *r)
+{
+    if (r == NULL) return;
+    pthread_mutex_lock(&g_lock);
+    int last = --r->pins == 0;
+    pthread_mutex_unlock(&g_lock);
+    if (!last) return;
+    munmap(r->base, r->size);
+    free(r);
+}
+
+/* Unlink r from the table (caller holds g_lock). */
+static void fc_region_unlist(fc_region *r)
+{
+    for (fc_region **pp = &g_regions; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == r) {
+            *pp = r->next;
+            return;
+        }
+    }
+}
+
+/* Whether [p, p+n) lies inside one registered host range. */
+static int fc_host_registered(uintptr_t p, size_t n)
+{
+    int found = 0;
+    pthread_mutex_lock(&g_lock);
+    for (fc_host *h = g_hosts; h != NULL; h = h->next)
+        if (p >= h->base && p - h->base < h->size && n <= h->size - (p - h->base)) found = 1;
+    pthread_mutex_unlock(&g_lock);
+    return found;
+}
+
+/* Check the pages of [lo, hi) in /proc/self/maps: 1 if all mapped (*writable
+ * says whether all are writable), 0 if some page is unmapped, -1 if unreadable. */
+static int fc_range_perms(uintptr_t lo, uintptr_t hi, int *writable)
+{
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (f == NULL) return -1;
+    lo &= ~(uintptr_t)(FC_PAGE - 1);
+    hi = (hi + FC_PAGE - 1) & ~(uintptr_t)(FC_PAGE - 1);
+    uintptr_t cur = lo;
+    char line[512];
+    *writable = 1;
+    while (cur < hi && fgets(line, sizeof line, f) != NULL) {
+        size_t len = strlen(line);
+        if (len > 0 && line[len - 1] != '\n') { /* a long path: skip the rest of the line */
+            int c;
+            while ((c = fgetc(f)) != EOF && c != '\n') {
+            }
+        }
+        unsigned long a, b;
+        char perms[8];
+        if (sscanf(line, "%lx-%lx %7s", &a, &b, perms) != 3) continue;
+        if (b <= cur) continue;
+        if (a > cur) break; /* a hole */
+        if (perms[1] != 'w') *writable = 0;
+        cur = b;
+    }
+    fclose(f);
+    return cur >= hi;
+}
+
+/* ==========================================================================
+ * Events
+ * ========================================================================== */
+
+/* The event of handle h with a reference taken; NULL if h is not one. */
+static fc_event *fc_event_get(CUevent h)
+{
+    fc_event *found = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_event *e = g_events; e != NULL; e = e->next) {
+        if ((CUevent)e == h) {
+            found = e;
+            e->refs++;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return found;
+}
+
+/* Drop a reference; the last one releases the state. */
+static void fc_event_put(fc_event *e)
+{
+    if (e == NULL) return;
+    pthread_mutex_lock(&g_lock);
+    int last = --e->refs == 0;
+    pthread_mutex_unlock(&g_lock);
+    if (!last) return;
+    if (e->ipc)
+        munmap(e->st, FC_PAGE);
+    else
+        free(e->st);
+    free(e);
+}
+
+/* Map the shm state of an interprocess event; MAP_FAILED's CUresult on error. */
+static CUresult fc_event_map(const char *name, int create, fc_evstate **out)
+{
+    int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) return CUDA_ERROR_MAP_FAILED;
+    struct stat sb;
+    void *p = MAP_FAILED;
+    if (fstat(fd, &sb) == 0 && (unsigned long long)sb.st_size >= FC_PAGE)
+        p = mmap(NULL, FC_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return CUDA_ERROR_MAP_FAILED;
+    fc_evstate *st = p;
+    if (create) {
+        st->magic = FC_STATE_MAGIC;
+        atomic_init(&st->gen, 0);
+        atomic_init(&st->done, 0);
+    } else if (st->magic != FC_STATE_MAGIC) {
+        munmap(p, FC_PAGE);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    *out = st;
+    return CUDA_SUCCESS;
+}
+
+/* ==========================================================================
+ * Streams
+ * ========================================================================== */
+
+/* Release what a finished operation holds. */
+static void fc_op_free(fc_op *op)
+{
+    fc_region_unpin(op->dst_r);
+    fc_region_unpin(op->src_r);
+    fc_event_put(op->ev);
+    free(op->staging);
+    free(op);
+}
+
+/* Carry out one operation on stream s. */
+static void fc_execute(fc_stream *s, fc_op *op)
+{
+    switch (op->kind) {
+    case FC_EX_HTOD:
+        if (op->bytes > 0) memcpy(op->dst, op->src, op->bytes);
+        fc_log(FC_OP_EXEC_HTOD, "dst=%p bytes=%zu name=%s stream=%s", (void *)op->dst, op->bytes,
+               op->dst_r->name, s->id);
+        break;
+    case FC_EX_DTOD:
+        memmove(op->dst, op->src, op->bytes);
+        fc_log(FC_OP_EXEC_DTOD, "dst=%p src=%p bytes=%zu dst_name=%s src_name=%s stream=%s",
+               (void *)op->dst, (const void *)op->src, op->bytes, op->dst_r->name,
+               op->src_r->name, s->id);
+        break;
+    case FC_EX_RECORD:
+        fc_complete(&op->ev->st->done, op->gen);
+        fc_log(FC_OP_EXEC_RECORD, "ev=%s gen=%llu stream=%s", op->ev->id,
+               (unsigned long long)op->gen, s->id);
+        break;
+    case FC_EX_WAIT:
+        fc_wait_done(&op->ev->st->done, op->gen);
+        fc_log(FC_OP_EXEC_WAIT, "ev=%s gen=%llu stream=%s", op->ev->id,
+               (unsigned long long)op->gen, s->id);
+        break;
+    case FC_EX_READ: {
+        fc_sleep_us(op->delay_us);
+        unsigned long long sum = fc_fnv1a(op->src, op->bytes);
+        *op->out = sum;
+        fc_log(FC_OP_EXEC_READ, "ptr=%p bytes=%zu name=%s sum=%016llx stream=%s",
+               (const void *)op->src, op->bytes, op->src_r->name, sum, s->id);
+        break;
+    }
+    }
+}
+
+/* The worker thread of a stream: run queued operations in order until stopped and drained. */
+static void *fc_worker(void *arg)
+{
+    fc_stream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (s->head == NULL && !s->stop) pthread_cond_wait(&s->work_cv, &s->mu);
+        if (s->head == NULL) break;
+        fc_op *op = s->head;
+        s->running = 1;
+        pthread_mutex_unlock(&s->mu);
+        fc_sleep_us(g_cfg.op_delay_us);
+        fc_execute(s, op);
+        pthread_mutex_lock(&s->mu);
+        s->head = op->next;
+        if (s->head == NULL) s->tail = NULL;
+        pthread_mutex_unlock(&s->mu);
+        fc_op_free(op);
+        pthread_mutex_lock(&s->mu);
+        s->running = 0;
+        if (s->head == NULL) pthread_cond_broadcast(&s->idle_cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* Allocate a stream on ctx's device and start its worker (signals blocked there). */
+static fc_stream *fc_stream_new(const fc_ctx *ctx, int is_default)
+{
+    fc_stream *s = calloc(1, sizeof *s);
+    if (s == NULL) return NULL;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->work_cv, NULL);
+    pthread_cond_init(&s->idle_cv, NULL);
+    s->refs = 1;
+    s->is_default = is_default;
+    s->ordinal = ctx->ordinal;
+    s->phys = ctx->phys;
+    if (is_default)
+        snprintf(s->id, sizeof s->id, "default");
+    else
+        snprintf(s->id, sizeof s->id, "%d-%u", (int)getpid(), atomic_fetch_add(&g_sseq, 1) + 1);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = pthread_create(&s->thread, NULL, fc_worker, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        pthread_cond_destroy(&s->idle_cv);
+        pthread_cond_destroy(&s->work_cv);
+        pthread_mutex_destroy(&s->mu);
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+/* The stream of handle h (0, 1 and 2: the per-process default stream, created
+ * on first use) with a reference taken; NULL if h is not one. */
+static fc_stream *fc_stream_get(CUstream h, const fc_ctx *ctx)
+{
+    fc_stream *found = NULL;
+    pthread_mutex_lock(&g_lock);
+    if (h == NULL || h == TS_CU_STREAM_LEGACY || h == TS_CU_STREAM_PER_THREAD) {
+        if (g_default_stream == NULL) {
+            g_default_stream = fc_stream_new(ctx, 1);
+            if (g_default_stream != NULL) {
+                g_default_stream->next = g_streams;
+                g_streams = g_default_stream;
+            }
+        }
+        found = g_default_stream;
+    } else {
+        for (fc_stream *s = g_streams; s != NULL; s = s->next)
+            if ((CUstream)s == h) found = s;
+    }
+    if (found != NULL) found->refs++;
+    pthread_mutex_unlock(&g_lock);
+    return found;
+}
+
+/* Drop a reference; the last one frees the (stopped, joined) stream. */
+static void fc_stream_put(fc_stream *s)
+{
+    pthread_mutex_lock(&g_lock);
+    int last = --s->refs == 0;
+    pthread_mutex_unlock(&g_lock);
+    if (!last) return;
+    pthread_cond_destroy(&s->idle_cv);
+    pthread_cond_destroy(&s->work_cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+/* Append op to s; 0, or -1 (op not taken) if s is being destroyed. */
+static int fc_enqueue(fc_stream *s, fc_op *op)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->stop) {
+        pthread_mutex_unlock(&s->mu);
+        return -1;
+    }
+    op->next = NULL;
+    if (s->tail != NULL)
+        s->tail->next = op;
+    else
+        s->head = op;
+    s->tail = op;
+    pthread_cond_signal(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+/* Block until s has nothing queued or running. */
+static void fc_stream_drain(fc_stream *s)
+{
+    pthread_mutex_lock(&s->mu);
+    while (s->head != NULL || s->running) pthread_cond_wait(&s->idle_cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Look up stream h for op; fail with CUDA_ERROR_INVALID_HANDLE if it is not one. */
+static CUresult fc_stream_for(fc_opcode op, CUstream h, const fc_ctx *ctx, fc_stream **out)
+{
+    *out = fc_stream_get(h, ctx);
+    if (*out == NULL) return fc_fail(op, CUDA_ERROR_INVALID_HANDLE, "unknown_stream");
+    return CUDA_SUCCESS;
+}
+
+/* Queue op on s for API call code; on failure free op and return the logged error. */
+static CUresult fc_submit(fc_opcode code, fc_stream *s, fc_op *op)
+{
+    if (fc_enqueue(s, op) == 0) return CUDA_SUCCESS;
+    fc_op_free(op);
+    return fc_fail(code, CUDA_ERROR_INVALID_HANDLE, "stream_being_destroyed");
+}
+
+/* ==========================================================================
+ * Initialization and devices
+ * ========================================================================== */
+
+/* Read the FAKECUDA_* settings (caller holds g_lock); 0 if some device is visible. */
+static int fc_configure(void)
+{
+    unsigned long long nd = fc_env_ull("FAKECUDA_DEVICES", 1);
+    g_cfg.ndev = nd > FC_MAX_DEV ? FC_MAX_DEV : (int)nd;
+    g_cfg.nvis = 0;
+    const char *vis = getenv("FAKECUDA_VISIBLE");
+    if (vis == NULL) {
+        for (int i = 0; i < g_cfg.ndev; i++) g_cfg.vis[g_cfg.nvis++] = i;
+    } else {
+        /* Like CUDA_VISIBLE_DEVICES: the list ends at the first invalid or repeated entry. */
+        const char *p = vis;
+        while (*p != '\0' && g_cfg.nvis < FC_MAX_DEV) {
+            char *end;
+            long id = strtol(p, &end, 10);
+            if (end == p || id < 0 || id >= g_cfg.ndev) break;
+            int dup = 0;
+            for (int i = 0; i < g_cfg.nvis; i++) dup |= g_cfg.vis[i] == id;
+            if (dup) break;
+            g_cfg.vis[g_cfg.nvis++] = (int)id;
+            while (*end == ' ') end++;
+            if (*end != ',') break;
+            p = end + 1;
+        }
+    }
+    for (int i = 0; i < g_cfg.nvis; i++) {
+        g_ctx[i].ordinal = i;
+        g_ctx[i].phys = g_cfg.vis[i];
+        atomic_init(&g_ctx[i].refs, 0);
+    }
+    g_cfg.no_ipc_events = fc_env_flag("FAKECUDA_NO_IPC_EVENTS");
+    g_cfg.mig = fc_env_flag("FAKECUDA_MIG");
+    g_cfg.mem_limit = fc_env_ull("FAKECUDA_MEM_LIMIT", 0);
+    unsigned long long delay = fc_env_ull("FAKECUDA_OP_DELAY_US", 0);
+    g_cfg.op_delay_us = delay > 60000000ULL ? 60000000u : (unsigned)delay;
+    return g_cfg.nvis > 0 ? 0 : -1;
+}
+
+/* Initialize the driver: reads the environment once; FAKECUDA_FAIL_INIT=1 fails it. */
+FC_API CUresult cuInit(unsigned int flags)
+{
+    if (flags != 0) return fc_fail(FC_OP_INIT, CUDA_ERROR_INVALID_VALUE, "flags_not_zero");
+    if (fc_env_flag("FAKECUDA_FAIL_INIT"))
+        return fc_fail(FC_OP_INIT, CUDA_ERROR_NO_DEVICE, "FAKECUDA_FAIL_INIT");
+    pthread_mutex_lock(&g_lock);
+    int bad = 0;
+    if (!atomic_load(&g_inited)) {
+        bad = fc_configure();
+        if (!bad) {
+            fc_pin_library();
+            atomic_store_explicit(&g_inited, 1, memory_order_release);
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (bad) return fc_fail(FC_OP_INIT, CUDA_ERROR_NO_DEVICE, "no_visible_device");
+    fc_log(FC_OP_INIT, "devices=%d visible=%d", g_cfg.ndev, g_cfg.nvis);
+    return CUDA_SUCCESS;
+}
+
+/* The driver version: 12040 (CUDA 12.4); works before cuInit, like the real one. */
+FC_API CUresult cuDriverGetVersion(int *version)
+{
+    if (version == NULL) return fc_fail(FC_OP_DRIVER_VERSION, CUDA_ERROR_INVALID_VALUE, "null");
+    *version = 12040;
+    fc_log(FC_OP_DRIVER_VERSION, "version=12040");
+    return CUDA_SUCCESS;
+}
+
+/* The name of an error code; unknown codes leave *name NULL and fail. */
+FC_API CUresult cuGetErrorName(CUresult error, const char **name)
+{
+    if (name == NULL) return fc_fail(FC_OP_ERROR_NAME, CUDA_ERROR_INVALID_VALUE, "null");
+    const fc_errdesc *d = fc_error(error);
+    *name = d != NULL ? d->name : NULL;
+    if (d == NULL) return fc_fail(FC_OP_ERROR_NAME, CUDA_ERROR_INVALID_VALUE, "unknown_code");
+    fc_log(FC_OP_ERROR_NAME, "rc=%d", error);
+    return CUDA_SUCCESS;
+}
+
+/* The description of an error code; unknown codes leave *text NULL and fail. */
+FC_API CUresult cuGetErrorString(CUresult error, const char **text)
+{
+    if (text == NULL) return fc_fail(FC_OP_ERROR_STRING, CUDA_ERROR_INVALID_VALUE, "null");
+    const fc_errdesc *d = fc_error(error);
+    *text = d != NULL ? d->text : NULL;
+    if (d == NULL) return fc_fail(FC_OP_ERROR_STRING, CUDA_ERROR_INVALID_VALUE, "unknown_code");
+    fc_log(FC_OP_ERROR_STRING, "rc=%d", error);
+    return CUDA_SUCCESS;
+}
+
+/* The number of visible devices. */
+FC_API CUresult cuDeviceGetCount(int *count)
+{
+    CUresult rc = fc_need_init(FC_OP_DEVICE_COUNT);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (count == NULL) return fc_fail(FC_OP_DEVICE_COUNT, CUDA_ERROR_INVALID_VALUE, "null");
+    *count = g_cfg.nvis;
+    fc_log(FC_OP_DEVICE_COUNT, "count=%d", g_cfg.nvis);
+    return CUDA_SUCCESS;
+}
+
+/* The device of a visible ordinal (the ordinal itself). */
+FC_API CUresult cuDeviceGet(CUdevice *device, int ordinal)
+{
+    CUresult rc = fc_need_init(FC_OP_DEVICE_GET);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (device == NULL) return fc_fail(FC_OP_DEVICE_GET, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_ctx *c = fc_device(ordinal);
+    if (c == NULL) return fc_fail(FC_OP_DEVICE_GET, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
+    *device = ordinal;
+    fc_log(FC_OP_DEVICE_GET, "dev=%d phys=%d", ordinal, c->phys);
+    return CUDA_SUCCESS;
+}
+
+/* Attributes: unified addressing 1, IPC events 1 (0 with FAKECUDA_NO_IPC_EVENTS), others 0. */
+FC_API CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device)
+{
+    CUresult rc = fc_need_init(FC_OP_DEVICE_ATTR);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (value == NULL) return fc_fail(FC_OP_DEVICE_ATTR, CUDA_ERROR_INVALID_VALUE, "null");
+    if (fc_device(device) == NULL)
+        return fc_fail(FC_OP_DEVICE_ATTR, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
+    int v = 0;
+    if (attribute == CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) v = 1;
+    if (attribute == CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED) v = !g_cfg.no_ipc_events;
+    *value = v;
+    fc_log(FC_OP_DEVICE_ATTR, "dev=%d attr=%d value=%d", device, attribute, v);
+    return CUDA_SUCCESS;
+}
+
+/* A UUID per physical device ("fakecuda-phys-NN"), the same in every process. */
+FC_API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice device)
+{
+    CUresult rc = fc_need_init(FC_OP_DEVICE_UUID);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (uuid == NULL) return fc_fail(FC_OP_DEVICE_UUID, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_ctx *c = fc_device(device);
+    if (c == NULL) return fc_fail(FC_OP_DEVICE_UUID, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
+    char buf[32];
+    snprintf(buf, sizeof buf, "fakecuda-phys-%02d", c->phys);
+    memcpy(uuid->bytes, buf, sizeof uuid->bytes);
+    fc_log(FC_OP_DEVICE_UUID, "dev=%d phys=%d", device, c->phys);
+    return CUDA_SUCCESS;
+}
+
+/* "Fake CUDA Device <phys>", truncated to len bytes with its NUL. */
+FC_API CUresult cuDeviceGetName(char *name, int len, CUdevice device)
+{
+    CUresult rc = fc_need_init(FC_OP_DEVICE_NAME);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (name == NULL || len <= 0)
+        return fc_fail(FC_OP_DEVICE_NAME, CUDA_ERROR_INVALID_VALUE, "bad_buffer");
+    fc_ctx *c = fc_device(device);
+    if (c == NULL) return fc_fail(FC_OP_DEVICE_NAME, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
+    snprintf(name, (size_t)len, "Fake CUDA Device %d", c->phys);
+    fc_log(FC_OP_DEVICE_NAME, "dev=%d phys=%d", device, c->phys);
+    return CUDA_SUCCESS;
+}
+
+/* ==========================================================================
+ * Context API
+ * ========================================================================== */
+
+/* Retain the primary context of a device (reference counted). */
+FC_API CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device)
+{
+    CUresult rc = fc_need_init(FC_OP_CTX_RETAIN);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (ctx == NULL) return fc_fail(FC_OP_CTX_RETAIN, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_ctx *c = fc_device(device);
+    if (c == NULL) return fc_fail(FC_OP_CTX_RETAIN, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
+    int refs = atomic_fetch_add(&c->refs, 1) + 1;
+    *ctx = (CUcontext)c;
+    fc_log(FC_OP_CTX_RETAIN, "dev=%d phys=%d refs=%d", device, c->phys, refs);
+    return CUDA_SUCCESS;
+}
+
+/* Release a primary context reference; releasing an unretained one fails. */
+FC_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device)
+{
+    CUresult rc = fc_need_init(FC_OP_CTX_RELEASE);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_ctx *c = fc_device(device);
+    if (c == NULL) return fc_fail(FC_OP_CTX_RELEASE, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
+    int refs = atomic_load(&c->refs);
+    do {
+        if (refs <= 0)
+            return fc_fail(FC_OP_CTX_RELEASE, CUDA_ERROR_INVALID_CONTEXT, "not_retained");
+    } while (!atomic_compare_exchange_weak(&c->refs, &refs, refs - 1));
+    fc_log(FC_OP_CTX_RELEASE, "dev=%d phys=%d refs=%d", device, c->phys, refs - 1);
+    return CUDA_SUCCESS;
+}
+
+/* Push a (retained) primary context on the calling thread's stack. */
+FC_API CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    CUresult rc = fc_need_init(FC_OP_CTX_PUSH);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_ctx *c = NULL;
+    for (int i = 0; i < g_cfg.nvis; i++)
+        if ((CUcontext)&g_ctx[i] == ctx) c = &g_ctx[i];
+    if (c == NULL) return fc_fail(FC_OP_CTX_PUSH, CUDA_ERROR_INVALID_CONTEXT, "not_a_context");
+    if (atomic_load(&c->refs) <= 0)
+        return fc_fail(FC_OP_CTX_PUSH, CUDA_ERROR_INVALID_CONTEXT, "context_not_retained");
+    if (t_depth == FC_STACK)
+        return fc_fail(FC_OP_CTX_PUSH, CUDA_ERROR_INVALID_VALUE, "stack_full");
+    t_stack[t_depth++] = c;
+    fc_log(FC_OP_CTX_PUSH, "dev=%d depth=%d", c->ordinal, t_depth);
+    return CUDA_SUCCESS;
+}
+
+/* Pop the calling thread's current context (ctx may be NULL). */
+FC_API CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
+{
+    CUresult rc = fc_need_init(FC_OP_CTX_POP);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (t_depth == 0) return fc_fail(FC_OP_CTX_POP, CUDA_ERROR_INVALID_CONTEXT, "stack_empty");
+    fc_ctx *c = t_stack[--t_depth];
+    if (ctx != NULL) *ctx = (CUcontext)c;
+    fc_log(FC_OP_CTX_POP, "dev=%d depth=%d", c->ordinal, t_depth);
+    return CUDA_SUCCESS;
+}
+
+/* Wait until every stream of this process is idle. */
+FC_API CUresult cuCtxSynchronize(void)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_CTX_SYNC, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    size_t n = 0, cap = 0;
+    fc_stream **all = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_stream *s = g_streams; s != NULL; s = s->next) cap++;
+    all = cap > 0 ? calloc(cap, sizeof *all) : NULL;
+    for (fc_stream *s = g_streams; s != NULL && all != NULL; s = s->next) {
+        s->refs++;
+        all[n++] = s;
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (cap > 0 && all == NULL) return fc_fail(FC_OP_CTX_SYNC, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    for (size_t i = 0; i < n; i++) {
+        fc_stream_drain(all[i]);
+        fc_stream_put(all[i]);
+    }
+    free(all);
+    fc_log(FC_OP_CTX_SYNC, "streams=%zu", n);
+    return CUDA_SUCCESS;
+}
+
+/* ==========================================================================
+ * Device memory
+ * ========================================================================== */
+
+/* Allocate device memory: a shm object /fakecuda-<pid>-<n> mapped here. */
+FC_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_ALLOC, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (dptr == NULL || bytes == 0)
+        return fc_fail(FC_OP_ALLOC, CUDA_ERROR_INVALID_VALUE, "bad_argument");
+    pthread_mutex_lock(&g_lock);
+    int over = g_cfg.mem_limit != 0 && bytes > g_cfg.mem_limit - g_mem_used;
+    if (!over) g_mem_used += bytes;
+    pthread_mutex_unlock(&g_lock);
+    if (over) return fc_fail(FC_OP_ALLOC, CUDA_ERROR_OUT_OF_MEMORY, "FAKECUDA_MEM_LIMIT");
+    fc_region *r = calloc(1, sizeof *r);
+    int fd = -1;
+    void *p = MAP_FAILED;
+    const char *why = "calloc";
+    if (r != NULL) {
+        fd = fc_shm_create(r->name, "fakecuda", bytes);
+        why = "shm_create";
+    }
+    if (fd >= 0) {
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        why = "mmap";
+        close(fd);
+        if (p == MAP_FAILED) shm_unlink(r->name);
+    }
+    if (p == MAP_FAILED) {
+        free(r);
+        pthread_mutex_lock(&g_lock);
+        g_mem_used -= bytes;
+        pthread_mutex_unlock(&g_lock);
+        return fc_fail(FC_OP_ALLOC, CUDA_ERROR_OUT_OF_MEMORY, why);
+    }
+    r->base = p;
+    r->size = bytes;
+    r->ordinal = ctx->ordinal;
+    r->phys = ctx->phys;
+    r->owner = getpid();
+    r->pins = 1;
+    pthread_mutex_lock(&g_lock);
+    r->next = g_regions;
+    g_regions = r;
+    pthread_mutex_unlock(&g_lock);
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    fc_log(FC_OP_ALLOC, "ptr=%p bytes=%zu dev=%d phys=%d name=%s", p, bytes, ctx->ordinal,
+           ctx->phys, r->name);
+    return CUDA_SUCCESS;
+}
+
+/* Free an allocation (its base): unlink the shm object; unmap once queued work is done. */
+FC_API CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_FREE, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_region *found = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_region *r = g_regions; r != NULL; r = r->next)
+        if (!r->ipc && (CUdeviceptr)(uintptr_t)r->base == dptr) found = r;
+    if (found != NULL) {
+        fc_region_unlist(found);
+        g_mem_used -= found->size;
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (found == NULL) return fc_fail(FC_OP_FREE, CUDA_ERROR_INVALID_VALUE, "not_an_allocation");
+    shm_unlink(found->name);
+    fc_log(FC_OP_FREE, "ptr=%p bytes=%zu name=%s", (void *)found->base, found->size,
+           found->name);
+    fc_region_unpin(found);
+    return CUDA_SUCCESS;
+}
+
+/* Queue a host-to-device copy: staged now from pageable memory, read at execution from
+ * registered memory. */
+FC_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream s)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_HTOD, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (src == NULL && bytes > 0) return fc_fail(FC_OP_HTOD, CUDA_ERROR_INVALID_VALUE, "null_src");
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_HTOD, s, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_region *r = fc_region_pin((uintptr_t)dst, bytes);
+    fc_op *op = r != NULL ? calloc(1, sizeof *op) : NULL;
+    if (op == NULL) {
+        fc_region_unpin(r);
+        fc_stream_put(st);
+        return fc_fail(FC_OP_HTOD, r == NULL ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_OUT_OF_MEMORY,
+                       r == NULL ? "dst_not_device_memory" : "calloc");
+    }
+    int pinned = fc_host_registered((uintptr_t)src, bytes);
+    op->kind = FC_EX_HTOD;
+    op->dst_r = r;
+    op->dst = (uint8_t *)(uintptr_t)dst;
+    op->bytes = bytes;
+    op->src = src;
+    if (!pinned && bytes > 0) {
+        op->staging = malloc(bytes);
+        if (op->staging == NULL) {
+            fc_op_free(op);
+            fc_stream_put(st);
+            return fc_fail(FC_OP_HTOD, CUDA_ERROR_OUT_OF_MEMORY, "staging");
+        }
+        memcpy(op->staging, src, bytes);
+        op->src = op->staging;
+    }
+    char name[FC_NAME];
+    memcpy(name, r->name, sizeof name);
+    rc = fc_submit(FC_OP_HTOD, st, op);
+    if (rc == CUDA_SUCCESS)
+        fc_log(FC_OP_HTOD, "dst=%p bytes=%zu stream=%s pinned=%d name=%s", (void *)(uintptr_t)dst,
+               bytes, st->id, pinned, name);
+    fc_stream_put(st);
+    return rc;
+}
+
+/* Queue a device-to-device copy (both ranges device memory). */
+FC_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_DTOD, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_DTOD, s, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_region *dr = fc_region_pin((uintptr_t)dst, bytes);
+    fc_region *sr = fc_region_pin((uintptr_t)src, bytes);
+    fc_op *op = dr != NULL && sr != NULL ? calloc(1, sizeof *op) : NULL;
+    if (op == NULL) {
+        fc_region_unpin(dr);
+        fc_region_unpin(sr);
+        fc_stream_put(st);
+        if (dr == NULL)
+            return fc_fail(FC_OP_DTOD, CUDA_ERROR_INVALID_VALUE, "dst_not_device_memory");
+        if (sr == NULL)
+            return fc_fail(FC_OP_DTOD, CUDA_ERROR_INVALID_VALUE, "src_not_device_memory");
+        return fc_fail(FC_OP_DTOD, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    }
+    op->kind = FC_EX_DTOD;
+    op->dst_r = dr;
+    op->src_r = sr;
+    op->dst = (uint8_t *)(uintptr_t)dst;
+    op->src = (const uint8_t *)(uintptr_t)src;
+    op->bytes = bytes;
+    char dname[FC_NAME], sname[FC_NAME];
+    memcpy(dname, dr->name, sizeof dname);
+    memcpy(sname, sr->name, sizeof sname);
+    rc = fc_submit(FC_OP_DTOD, st, op);
+    if (rc == CUDA_SUCCESS)
+        fc_log(FC_OP_DTOD, "dst=%p src=%p bytes=%zu stream=%s dst_name=%s src_name=%s",
+               (void *)(uintptr_t)dst, (void *)(uintptr_t)src, bytes, st->id, dname, sname);
+    fc_stream_put(st);
+    return rc;
+}
+
+/* ==========================================================================
+ * Host registration
+ * ========================================================================== */
+
+/* Page-lock a host range: no overlap with another registration, and writable pages unless
+ * CU_MEMHOSTREGISTER_READ_ONLY. */
+FC_API CUresult cuMemHostRegister_v2(void *p, size_t bytes, unsigned int flags)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_HOST_REGISTER, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    uintptr_t lo = (uintptr_t)p;
+    if (p == NULL || bytes == 0 || (flags & ~FC_HOSTREGISTER_ALL) != 0 || lo + bytes < lo)
+        return fc_fail(FC_OP_HOST_REGISTER, CUDA_ERROR_INVALID_VALUE, "bad_argument");
+    fc_host *h = calloc(1, sizeof *h);
+    if (h == NULL) return fc_fail(FC_OP_HOST_REGISTER, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    h->base = lo;
+    h->size = bytes;
+    h->flags = flags;
+    const char *why = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_host *o = g_hosts; o != NULL && why == NULL; o = o->next)
+        if (lo < o->base + o->size && o->base < lo + bytes) why = "overlaps_registered_range";
+    if (why != NULL) {
+        pthread_mutex_unlock(&g_lock);
+        free(h);
+        return fc_fail(FC_OP_HOST_REGISTER, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, why);
+    }
+    int writable = 0;
+    int mapped = fc_range_perms(lo, lo + bytes, &writable);
+    if (mapped != 1)
+        why = mapped < 0 ? "proc_maps_unreadable" : "range_not_mapped";
+    else if (!writable && !(flags & CU_MEMHOSTREGISTER_READ_ONLY))
+        why = "read_only_pages_without_READ_ONLY_flag";
+    if (why == NULL) {
+        h->next = g_hosts;
+        g_hosts = h;
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (why != NULL) {
+        free(h);
+        return fc_fail(FC_OP_HOST_REGISTER, CUDA_ERROR_INVALID_VALUE, why);
+    }
+    fc_log(FC_OP_HOST_REGISTER, "ptr=%p bytes=%zu flags=0x%x writable=%d", p, bytes, flags,
+           writable);
+    return CUDA_SUCCESS;
+}
+
+/* Unregister a host range by its base. */
+FC_API CUresult cuMemHostUnregister(void *p)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_HOST_UNREGISTER, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_host *found = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_host **pp = &g_hosts; *pp != NULL; pp = &(*pp)->next) {
+        if ((*pp)->base == (uintptr_t)p) {
+            found = *pp;
+            *pp = found->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (found == NULL)
+        return fc_fail(FC_OP_HOST_UNREGISTER, CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+                       "not_a_registered_base");
+    fc_log(FC_OP_HOST_UNREGISTER, "ptr=%p bytes=%zu", p, found->size);
+    free(found);
+    return CUDA_SUCCESS;
+}
+
+/* ==========================================================================
+ * Stream API
+ * ========================================================================== */
+
+/* Create a stream with its own worker thread. */
+FC_API CUresult cuStreamCreate(CUstream *stream, unsigned int flags)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_STREAM_CREATE, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (stream == NULL || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING) != 0)
+        return fc_fail(FC_OP_STREAM_CREATE, CUDA_ERROR_INVALID_VALUE, "bad_argument");
+    fc_stream *s = fc_stream_new(ctx, 0);
+    if (s == NULL) return fc_fail(FC_OP_STREAM_CREATE, CUDA_ERROR_OUT_OF_MEMORY, "thread");
+    pthread_mutex_lock(&g_lock);
+    s->next = g_streams;
+    g_streams = s;
+    pthread_mutex_unlock(&g_lock);
+    *stream = (CUstream)s;
+    fc_log(FC_OP_STREAM_CREATE, "stream=%s dev=%d flags=0x%x", s->id, ctx->ordinal, flags);
+    return CUDA_SUCCESS;
+}
+
+/* Destroy a stream: run what is queued, then join its worker. */
+FC_API CUresult cuStreamDestroy_v2(CUstream stream)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_STREAM_DESTROY, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_stream *found = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_stream **pp = &g_streams; *pp != NULL; pp = &(*pp)->next) {
+        if ((CUstream)*pp == stream && !(*pp)->is_default) {
+            found = *pp;
+            *pp = found->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (found == NULL)
+        return fc_fail(FC_OP_STREAM_DESTROY, CUDA_ERROR_INVALID_HANDLE, "unknown_stream");
+    char id[sizeof found->id];
+    memcpy(id, found->id, sizeof id);
+    pthread_mutex_lock(&found->mu);
+    found->stop = 1;
+    pthread_cond_signal(&found->work_cv);
+    pthread_mutex_unlock(&found->mu);
+    pthread_join(found->thread, NULL);
+    fc_stream_put(found);
+    fc_log(FC_OP_STREAM_DESTROY, "stream=%s", id);
+    return CUDA_SUCCESS;
+}
+
+/* Wait until a stream has nothing queued or running. */
+FC_API CUresult cuStreamSynchronize(CUstream stream)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_STREAM_SYNC, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_STREAM_SYNC, stream, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_stream_drain(st);
+    fc_log(FC_OP_STREAM_SYNC, "stream=%s", st->id);
+    fc_stream_put(st);
+    return CUDA_SUCCESS;
+}
+
+/* Make a stream wait for the event's latest record; an event never recorded is
+ * CUDA_ERROR_ILLEGAL_STATE (stricter than the driver, which would not wait). */
+FC_API CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_STREAM_WAIT_EVENT, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (flags != 0)
+        return fc_fail(FC_OP_STREAM_WAIT_EVENT, CUDA_ERROR_INVALID_VALUE, "flags_not_zero");
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_STREAM_WAIT_EVENT, stream, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_event *e = fc_event_get(event);
+    if (e == NULL) {
+        fc_stream_put(st);
+        return fc_fail(FC_OP_STREAM_WAIT_EVENT, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    }
+    uint64_t gen = atomic_load_explicit(&e->st->gen, memory_order_acquire);
+    fc_op *op = gen != 0 ? calloc(1, sizeof *op) : NULL;
+    if (op == NULL) {
+        fc_event_put(e);
+        fc_stream_put(st);
+        if (gen == 0)
+            return fc_fail(FC_OP_STREAM_WAIT_EVENT, CUDA_ERROR_ILLEGAL_STATE,
+                           "event_never_recorded");
+        return fc_fail(FC_OP_STREAM_WAIT_EVENT, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    }
+    op->kind = FC_EX_WAIT;
+    op->ev = e;
+    op->gen = gen;
+    char id[FC_NAME];
+    memcpy(id, e->id, sizeof id);
+    rc = fc_submit(FC_OP_STREAM_WAIT_EVENT, st, op);
+    if (rc == CUDA_SUCCESS)
+        fc_log(FC_OP_STREAM_WAIT_EVENT, "stream=%s ev=%s gen=%llu", st->id, id,
+               (unsigned long long)gen);
+    fc_stream_put(st);
+    return rc;
+}
+
+/* ==========================================================================
+ * Event API
+ * ========================================================================== */
+
+/* Create an event; CU_EVENT_INTERPROCESS needs CU_EVENT_DISABLE_TIMING and puts the
+ * state in a shm object /fakecuda-ev-<pid>-<n>. */
+FC_API CUresult cuEventCreate(CUevent *event, unsigned int flags)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_EVENT_CREATE, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (event == NULL || (flags & ~FC_EVENT_ALL) != 0)
+        return fc_fail(FC_OP_EVENT_CREATE, CUDA_ERROR_INVALID_VALUE, "bad_argument");
+    int ipc = (flags & CU_EVENT_INTERPROCESS) != 0;
+    if (ipc && !(flags & CU_EVENT_DISABLE_TIMING))
+        return fc_fail(FC_OP_EVENT_CREATE, CUDA_ERROR_INVALID_VALUE,
+                       "INTERPROCESS_without_DISABLE_TIMING");
+    fc_event *e = calloc(1, sizeof *e);
+    if (e == NULL) return fc_fail(FC_OP_EVENT_CREATE, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    e->flags = flags;
+    e->ipc = ipc;
+    e->ordinal = ctx->ordinal;
+    e->phys = ctx->phys;
+    e->creator = getpid();
+    e->refs = 1;
+    if (ipc) {
+        int fd = fc_shm_create(e->id, "fakecuda-ev", FC_PAGE);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+        if (fd >= 0) {
+            close(fd);
+            rc = fc_event_map(e->id, 1, &e->st);
+            if (rc != CUDA_SUCCESS) shm_unlink(e->id);
+        }
+    } else {
+        snprintf(e->id, sizeof e->id, "local-%d-%u", (int)getpid(),
+                 atomic_fetch_add(&g_eseq, 1) + 1);
+        e->st = calloc(1, sizeof *e->st);
+        rc = e->st != NULL ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (rc != CUDA_SUCCESS) {
+        free(e);
+        return fc_fail(FC_OP_EVENT_CREATE, CUDA_ERROR_OUT_OF_MEMORY, "event_state");
+    }
+    pthread_mutex_lock(&g_lock);
+    e->next = g_events;
+    g_events = e;
+    pthread_mutex_unlock(&g_lock);
+    *event = (CUevent)e;
+    fc_log(FC_OP_EVENT_CREATE, "ev=%s flags=0x%x dev=%d", e->id, flags, ctx->ordinal);
+    return CUDA_SUCCESS;
+}
+
+/* Destroy an event: an owned interprocess one unlinks its shm, an opened one only unmaps;
+ * queued records and waits keep the state until they ran. */
+FC_API CUresult cuEventDestroy_v2(CUevent event)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_EVENT_DESTROY, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_event *found = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_event **pp = &g_events; *pp != NULL; pp = &(*pp)->next) {
+        if ((CUevent)*pp == event) {
+            found = *pp;
+            *pp = found->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (found == NULL)
+        return fc_fail(FC_OP_EVENT_DESTROY, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    if (found->ipc && !found->opened) shm_unlink(found->id);
+    fc_log(FC_OP_EVENT_DESTROY, "ev=%s opened=%d", found->id, found->opened);
+    fc_event_put(found);
+    return CUDA_SUCCESS;
+}
+
+/* Record an event on a stream: a new generation now, completed when the stream gets there. */
+FC_API CUresult cuEventRecord(CUevent event, CUstream stream)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_EVENT_RECORD, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_EVENT_RECORD, stream, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_event *e = fc_event_get(event);
+    const char *why = e == NULL ? "unknown_event" : NULL;
+    /* The driver: event and stream must belong to the same context. */
+    if (e != NULL && !st->is_default && e->phys != st->phys)
+        why = "event_and_stream_devices_differ";
+    fc_op *op = why == NULL ? calloc(1, sizeof *op) : NULL;
+    if (op == NULL) {
+        fc_event_put(e);
+        fc_stream_put(st);
+        if (why != NULL) return fc_fail(FC_OP_EVENT_RECORD, CUDA_ERROR_INVALID_HANDLE, why);
+        return fc_fail(FC_OP_EVENT_RECORD, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    }
+    char id[FC_NAME];
+    memcpy(id, e->id, sizeof id);
+    pthread_mutex_lock(&st->mu); /* generations enter this stream's queue in order */
+    uint64_t gen = 0;
+    if (!st->stop) {
+        gen = atomic_fetch_add_explicit(&e->st->gen, 1, memory_order_acq_rel) + 1;
+        op->kind = FC_EX_RECORD;
+        op->ev = e;
+        op->gen = gen;
+        op->next = NULL;
+        if (st->tail != NULL)
+            st->tail->next = op;
+        else
+            st->head = op;
+        st->tail = op;
+        pthread_cond_signal(&st->work_cv);
+    }
+    pthread_mutex_unlock(&st->mu);
+    if (gen == 0) {
+        op->ev = e;
+        fc_op_free(op);
+        fc_stream_put(st);
+        return fc_fail(FC_OP_EVENT_RECORD, CUDA_ERROR_INVALID_HANDLE, "stream_being_destroyed");
+    }
+    fc_log(FC_OP_EVENT_RECORD, "ev=%s stream=%s gen=%llu", id, st->id, (unsigned long long)gen);
+    fc_stream_put(st);
+    return CUDA_SUCCESS;
+}
+
+/* CUDA_SUCCESS if the latest record completed (or none was made), else CUDA_ERROR_NOT_READY. */
+FC_API CUresult cuEventQuery(CUevent event)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_EVENT_QUERY, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_event *e = fc_event_get(event);
+    if (e == NULL) return fc_fail(FC_OP_EVENT_QUERY, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    uint64_t gen = atomic_load_explicit(&e->st->gen, memory_order_acquire);
+    uint64_t done = atomic_load_explicit(&e->st->done, memory_order_acquire);
+    int ready = done >= gen;
+    fc_log(FC_OP_EVENT_QUERY, "ev=%s gen=%llu done=%llu ready=%d", e->id, (unsigned long long)gen,
+           (unsigned long long)done, ready);
+    fc_event_put(e);
+    return ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+/* Block until the record that was latest at the call has completed. */
+FC_API CUresult cuEventSynchronize(CUevent event)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_EVENT_SYNC, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_event *e = fc_event_get(event);
+    if (e == NULL) return fc_fail(FC_OP_EVENT_SYNC, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    uint64_t gen = atomic_load_explicit(&e->st->gen, memory_order_acquire);
+    fc_wait_done(&e->st->done, gen);
+    fc_log(FC_OP_EVENT_SYNC, "ev=%s gen=%llu", e->id, (unsigned long long)gen);
+    fc_event_put(e);
+    return CUDA_SUCCESS;
+}
+
+/* ==========================================================================
+ * IPC
+ * ========================================================================== */
+
+/* What a CUipcMemHandle holds. */
+typedef struct fc_memhandle {
+    uint32_t magic;
+    int32_t pid;  /* the exporter */
+    int32_t phys; /* physical device of the allocation */
+    uint32_t pad;
+    uint64_t size;
+    char name[FC_NAME];
+} fc_memhandle;
+
+/* What a CUipcEventHandle holds. */
+typedef struct fc_evhandle {
+    uint32_t magic;
+    int32_t pid; /* the creator of the shm state */
+    char name[FC_NAME];
+} fc_evhandle;
+
+_Static_assert(sizeof(fc_memhandle) <= sizeof(CUipcMemHandle), "mem handle too big");
+_Static_assert(sizeof(fc_evhandle) <= sizeof(CUipcEventHandle), "event handle too big");
+
+/* Export an allocation (its base) of this process; FAKECUDA_MIG=1 refuses. */
+FC_API CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_IPC_GET_MEM, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (g_cfg.mig) return fc_fail(FC_OP_IPC_GET_MEM, CUDA_ERROR_NOT_SUPPORTED, "FAKECUDA_MIG");
+    if (handle == NULL) return fc_fail(FC_OP_IPC_GET_MEM, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_memhandle h;
+    memset(&h, 0, sizeof h);
+    int found = 0;
+    pthread_mutex_lock(&g_lock);
+    for (fc_region *r = g_regions; r != NULL && !found; r = r->next) {
+        if (!r->ipc && (CUdeviceptr)(uintptr_t)r->base == dptr) {
+            found = 1;
+            h.magic = FC_MEM_MAGIC;
+            h.pid = (int32_t)r->owner;
+            h.phys = r->phys;
+            h.size = r->size;
+            memcpy(h.name, r->name, sizeof h.name);
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (!found)
+        return fc_fail(FC_OP_IPC_GET_MEM, CUDA_ERROR_INVALID_VALUE, "not_an_allocation_base");
+    memset(handle, 0, sizeof *handle);
+    memcpy(handle->reserved, &h, sizeof h);
+    fc_log(FC_OP_IPC_GET_MEM, "ptr=%p name=%s bytes=%llu", (void *)(uintptr_t)dptr, h.name,
+           (unsigned long long)h.size);
+    return CUDA_SUCCESS;
+}
+
+/* Map another process's allocation; the same handle again returns the same pointer. */
+FC_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle, unsigned int flags)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_IPC_OPEN_MEM, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_memhandle h;
+    memcpy(&h, handle.reserved, sizeof h);
+    h.name[FC_NAME - 1] = '\0';
+    if (dptr == NULL || (flags & ~(unsigned)CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) != 0)
+        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_VALUE, "bad_argument");
+    if (h.magic != FC_MEM_MAGIC || h.size == 0 || h.name[0] != '/')
+        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_VALUE, "not_a_mem_handle");
+    if (h.pid == (int32_t)getpid())
+        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_CONTEXT, "handle_of_this_process");
+    int peer = h.phys != ctx->phys;
+    if (peer && !(flags & CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_VALUE,
+                       "other_device_without_LAZY_ENABLE_PEER_ACCESS");
+    /* Already open here: the same mapping, one more open. */
+    uint8_t *base = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_region *r = g_regions; r != NULL && base == NULL; r = r->next) {
+        if (r->ipc && strcmp(r->name, h.name) == 0) {
+            r->opens++;
+            base = r->base;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (base != NULL) {
+        *dptr = (CUdeviceptr)(uintptr_t)base;
+        fc_log(FC_OP_IPC_OPEN_MEM, "name=%s ptr=%p cached=1 peer=%d bytes=%llu", h.name,
+               (void *)base, peer, (unsigned long long)h.size);
+        return CUDA_SUCCESS;
+    }
+    int fd = shm_open(h.name, O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_MAP_FAILED, "shm_gone");
+    struct stat sb;
+    void *p = MAP_FAILED;
+    if (fstat(fd, &sb) == 0 && (unsigned long long)sb.st_size >= h.size)
+        p = mmap(NULL, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_MAP_FAILED, "mmap");
+    fc_region *r = calloc(1, sizeof *r);
+    if (r == NULL) {
+        munmap(p, h.size);
+        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    }
+    r->ipc = 1;
+    r->base = p;
+    r->size = h.size;
+    memcpy(r->name, h.name, sizeof r->name);
+    r->ordinal = ctx->ordinal;
+    r->phys = h.phys;
+    r->owner = h.pid;
+    r->opens = 1;
+    r->pins = 1;
+    /* Another thread may have opened it meanwhile: keep the first mapping. */
+    fc_region *dup = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_region *o = g_regions; o != NULL && dup == NULL; o = o->next) {
+        if (o->ipc && strcmp(o->name, h.name) == 0) {
+            o->opens++;
+            dup = o;
+        }
+    }
+    if (dup == NULL) {
+        r->next = g_regions;
+        g_regions = r;
+    }
+    base = dup != NULL ? dup->base : r->base;
+    pthread_mutex_unlock(&g_lock);
+    if (dup != NULL) {
+        munmap(p, h.size);
+        free(r);
+    }
+    *dptr = (CUdeviceptr)(uintptr_t)base;
+    fc_log(FC_OP_IPC_OPEN_MEM, "name=%s ptr=%p cached=%d peer=%d bytes=%llu", h.name,
+           (void *)base, dup != NULL, peer, (unsigned long long)h.size);
+    return CUDA_SUCCESS;
+}
+
+/* Close one open of an IPC mapping; the last one unmaps (once queued work is done). */
+FC_API CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_IPC_CLOSE_MEM, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_region *found = NULL;
+    int opens = 0;
+    char name[FC_NAME];
+    pthread_mutex_lock(&g_lock);
+    for (fc_region *r = g_regions; r != NULL && found == NULL; r = r->next)
+        if (r->ipc && (CUdeviceptr)(uintptr_t)r->base == dptr) found = r;
+    if (found != NULL) {
+        opens = --found->opens;
+        memcpy(name, found->name, sizeof name);
+        if (opens == 0) fc_region_unlist(found);
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (found == NULL)
+        return fc_fail(FC_OP_IPC_CLOSE_MEM, CUDA_ERROR_INVALID_VALUE, "not_an_ipc_mapping");
+    fc_log(FC_OP_IPC_CLOSE_MEM, "ptr=%p name=%s opens=%d", (void *)(uintptr_t)dptr, name, opens);
+    if (opens == 0) fc_region_unpin(found);
+    return CUDA_SUCCESS;
+}
+
+/* Export an interprocess event. */
+FC_API CUresult cuIpcGetEventHandle(CUipcEventHandle *handle, CUevent event)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_IPC_GET_EVENT, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (handle == NULL) return fc_fail(FC_OP_IPC_GET_EVENT, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_event *e = fc_event_get(event);
+    if (e == NULL) return fc_fail(FC_OP_IPC_GET_EVENT, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    if (!e->ipc) {
+        fc_event_put(e);
+        return fc_fail(FC_OP_IPC_GET_EVENT, CUDA_ERROR_INVALID_VALUE, "not_INTERPROCESS");
+    }
+    fc_evhandle h;
+    memset(&h, 0, sizeof h);
+    h.magic = FC_EV_MAGIC;
+    h.pid = (int32_t)e->creator;
+    memcpy(h.name, e->id, sizeof h.name);
+    memset(handle, 0, sizeof *handle);
+    memcpy(handle->reserved, &h, sizeof h);
+    fc_log(FC_OP_IPC_GET_EVENT, "ev=%s", e->id);
+    fc_event_put(e);
+    return CUDA_SUCCESS;
+}
+
+/* Open another process's interprocess event (a new CUevent sharing its state). */
+FC_API CUresult cuIpcOpenEventHandle(CUevent *event, CUipcEventHandle handle)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_IPC_OPEN_EVENT, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_evhandle h;
+    memcpy(&h, handle.reserved, sizeof h);
+    h.name[FC_NAME - 1] = '\0';
+    if (event == NULL) return fc_fail(FC_OP_IPC_OPEN_EVENT, CUDA_ERROR_INVALID_VALUE, "null");
+    if (h.magic != FC_EV_MAGIC || h.name[0] != '/')
+        return fc_fail(FC_OP_IPC_OPEN_EVENT, CUDA_ERROR_INVALID_VALUE, "not_an_event_handle");
+    if (h.pid == (int32_t)getpid())
+        return fc_fail(FC_OP_IPC_OPEN_EVENT, CUDA_ERROR_INVALID_CONTEXT, "handle_of_this_process");
+    fc_event *e = calloc(1, sizeof *e);
+    if (e == NULL) return fc_fail(FC_OP_IPC_OPEN_EVENT, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    rc = fc_event_map(h.name, 0, &e->st);
+    if (rc != CUDA_SUCCESS) {
+        free(e);
+        return fc_fail(FC_OP_IPC_OPEN_EVENT, rc,
+                       rc == CUDA_ERROR_MAP_FAILED ? "shm_gone" : "bad_state_magic");
+    }
+    e->flags = CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING;
+    e->ipc = 1;
+    e->opened = 1;
+    e->ordinal = ctx->ordinal;
+    e->phys = ctx->phys;
+    e->creator = h.pid;
+    e->refs = 1;
+    memcpy(e->id, h.name, sizeof e->id);
+    pthread_mutex_lock(&g_lock);
+    e->next = g_events;
+    g_events = e;
+    pthread_mutex_unlock(&g_lock);
+    *event = (CUevent)e;
+    fc_log(FC_OP_IPC_OPEN_EVENT, "ev=%s dev=%d", e->id, ctx->ordinal);
+    return CUDA_SUCCESS;
+}
+
+/* ==========================================================================
+ * Test-only exports
+ * ========================================================================== */
+
+/* Queue a fake kernel on s: after delay_us it stores FNV-1a 64 of [p, p+n) in *out. */
+FC_API CUresult fakecuda_launch_read(CUstream s, CUdeviceptr p, size_t n, unsigned long long *out,
+                                     unsigned delay_us)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_LAUNCH_READ, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (out == NULL) return fc_fail(FC_OP_LAUNCH_READ, CUDA_ERROR_INVALID_VALUE, "null_out");
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_LAUNCH_READ, s, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_region *r = fc_region_pin((uintptr_t)p, n);
+    fc_op *op = r != NULL ? calloc(1, sizeof *op) : NULL;
+    if (op == NULL) {
+        fc_region_unpin(r);
+        fc_stream_put(st);
+        return fc_fail(FC_OP_LAUNCH_READ,
+                       r == NULL ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_OUT_OF_MEMORY,
+                       r == NULL ? "not_device_memory" : "calloc");
+    }
+    op->kind = FC_EX_READ;
+    op->src_r = r;
+    op->src = (const uint8_t *)(uintptr_t)p;
+    op->bytes = n;
+    op->out = out;
+    op->delay_us = delay_us;
+    char name[FC_NAME];
+    memcpy(name, r->name, sizeof name);
+    rc = fc_submit(FC_OP_LAUNCH_READ, st, op);
+    if (rc == CUDA_SUCCESS)
+        fc_log(FC_OP_LAUNCH_READ, "stream=%s ptr=%p bytes=%zu name=%s", st->id,
+               (void *)(uintptr_t)p, n, name);
+    fc_stream_put(st);
+    return rc;
+}
+
+/* How many times this process performed op (a log op name); -1 for an unknown name. */
+FC_API int fakecuda_counter(const char *op)
+{
+    for (int i = 0; op != NULL && i < FC_OP_COUNT; i++)
+        if (strcmp(op, fc_op_names[i]) == 0) return atomic_load(&g_counts[i]);
+    return -1;
+}
+
+/* ==========================================================================
+ * Process exit
+ * ========================================================================== */
+
+/* At exit, unlink the shm objects this process still owns: device memory of a
+ * process that ends is gone, as on a real GPU (a killed process leaves them). */
+__attribute__((destructor)) static void fc_at_exit(void)
+{
+    pid_t me = getpid();
+    pthread_mutex_lock(&g_lock);
+    for (fc_region *r = g_regions; r != NULL; r = r->next)
+        if (!r->ipc && r->owner == me) shm_unlink(r->name);
+    for (fc_event *e = g_events; e != NULL; e = e->next)
+        if (e->ipc && !e->opened && e->creator == me) shm_unlink(e->id);
+    pthread_mutex_unlock(&g_lock);
+}

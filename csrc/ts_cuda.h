@@ -1,0 +1,129 @@
+/* ts_cuda.h - the CUDA driver API, loaded at run time.
+ *
+ * tensorsocket builds and imports without a CUDA toolkit or a GPU: it never
+ * links libcuda. The few driver types and constants it needs are declared
+ * here (same ABI as cuda.h), and the functions are looked up once with
+ * dlopen("libcuda.so.1") + dlsym of the versioned names into a table. The
+ * environment variable TENSORSOCKET_LIBCUDA names another library to load
+ * (the tests use it to load a test double of the driver).
+ *
+ * The table is reference counted: the module holds one reference, and every
+ * ring using the GPU one more, so DLPack deleters that run after the module
+ * is gone still find the driver. */
+#ifndef TS_CUDA_H
+#define TS_CUDA_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ts_error.h"
+
+/* ---- driver types (ABI of cuda.h) ------------------------------------------ */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct CUuuid_st {
+    char bytes[16];
+} CUuuid;
+typedef struct CUipcMemHandle_st {
+    char reserved[64];
+} CUipcMemHandle;
+typedef struct CUipcEventHandle_st {
+    char reserved[64];
+} CUipcEventHandle;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_NO_DEVICE 100
+#define CUDA_ERROR_INVALID_DEVICE 101
+#define CUDA_ERROR_INVALID_CONTEXT 201
+#define CUDA_ERROR_MAP_FAILED 205
+#define CUDA_ERROR_INVALID_HANDLE 400
+#define CUDA_ERROR_NOT_READY 600
+#define CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED 712
+#define CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED 713
+#define CUDA_ERROR_NOT_SUPPORTED 801
+
+#define CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING 41
+#define CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED 125
+
+#define CU_EVENT_BLOCKING_SYNC 0x1
+#define CU_EVENT_DISABLE_TIMING 0x2
+#define CU_EVENT_INTERPROCESS 0x4
+#define CU_STREAM_NON_BLOCKING 0x1
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
+#define CU_MEMHOSTREGISTER_PORTABLE 0x1
+#define CU_MEMHOSTREGISTER_READ_ONLY 0x8
+
+/* The DLPack stream numbers 1 and 2 are these handles (cuda.h). */
+#define TS_CU_STREAM_LEGACY ((CUstream)0x1)
+#define TS_CU_STREAM_PER_THREAD ((CUstream)0x2)
+
+/* ---- the function table ------------------------------------------------------ */
+
+typedef struct ts_cuda_api {
+    _Atomic int refs;
+    void *lib;          /* owns: dlopen handle */
+    int driver_version; /* cuDriverGetVersion, e.g. 12040 */
+    char path[256];     /* the library that was loaded */
+
+    CUresult (*Init)(unsigned int flags);
+    CUresult (*DriverGetVersion)(int *version);
+    CUresult (*GetErrorName)(CUresult error, const char **name);
+    CUresult (*GetErrorString)(CUresult error, const char **text);
+    CUresult (*DeviceGetCount)(int *count);
+    CUresult (*DeviceGet)(CUdevice *device, int ordinal);
+    CUresult (*DeviceGetAttribute)(int *value, int attribute, CUdevice device);
+    CUresult (*DeviceGetUuid)(CUuuid *uuid, CUdevice device);
+    CUresult (*DeviceGetName)(char *name, int len, CUdevice device);
+    CUresult (*DevicePrimaryCtxRetain)(CUcontext *ctx, CUdevice device);
+    CUresult (*DevicePrimaryCtxRelease)(CUdevice device);
+    CUresult (*CtxPushCurrent)(CUcontext ctx);
+    CUresult (*CtxPopCurrent)(CUcontext *ctx);
+    CUresult (*CtxSynchronize)(void);
+    CUresult (*MemAlloc)(CUdeviceptr *dptr, size_t bytes);
+    CUresult (*MemFree)(CUdeviceptr dptr);
+    CUresult (*MemcpyHtoDAsync)(CUdeviceptr dst, const void *src, size_t bytes, CUstream s);
+    CUresult (*MemcpyDtoDAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s);
+    CUresult (*MemHostRegister)(void *p, size_t bytes, unsigned int flags);
+    CUresult (*MemHostUnregister)(void *p);
+    CUresult (*StreamCreate)(CUstream *stream, unsigned int flags);
+    CUresult (*StreamDestroy)(CUstream stream);
+    CUresult (*StreamSynchronize)(CUstream stream);
+    CUresult (*StreamWaitEvent)(CUstream stream, CUevent event, unsigned int flags);
+    CUresult (*EventCreate)(CUevent *event, unsigned int flags);
+    CUresult (*EventDestroy)(CUevent event);
+    CUresult (*EventRecord)(CUevent event, CUstream stream);
+    CUresult (*EventQuery)(CUevent event);
+    CUresult (*EventSynchronize)(CUevent event);
+    CUresult (*IpcGetMemHandle)(CUipcMemHandle *handle, CUdeviceptr dptr);
+    CUresult (*IpcOpenMemHandle)(CUdeviceptr *dptr, CUipcMemHandle handle, unsigned int flags);
+    CUresult (*IpcCloseMemHandle)(CUdeviceptr dptr);
+    CUresult (*IpcGetEventHandle)(CUipcEventHandle *handle, CUevent event);
+    CUresult (*IpcOpenEventHandle)(CUevent *event, CUipcEventHandle handle);
+} ts_cuda_api;
+
+/* Load the driver (dlopen, symbols, cuInit). On failure err says why, in
+ * words a user can act on (TS_E_GPU_UNAVAILABLE). */
+ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err);
+
+/* Take a reference on the table. */
+void ts_cuda_ref(ts_cuda_api *api);
+
+/* Drop a reference; the library is closed at zero. */
+void ts_cuda_unref(ts_cuda_api *api);
+
+/* Record a failed driver call in err: "<what>: CUDA_ERROR_X (text)". */
+ts_status ts_cuda_fail(const ts_cuda_api *api, ts_err *err, CUresult rc, const char *what);
+
+/* The ordinal of the visible device with this UUID, or -1. */
+int ts_cuda_find_device(const ts_cuda_api *api, const CUuuid *uuid);
+
+#endif /* TS_CUDA_H */

@@ -1,0 +1,474 @@
+"""Tests of the CUDA driver test double itself (csrc/tests/fake_cuda.c).
+
+Every scenario runs in real child processes (tests/fakecuda.py ``Agent``s) that load
+libfakecuda.so with ctypes, so cross-process IPC, per-thread contexts and stream ordering
+are exercised as the core will exercise them. Checks read the results of the calls and
+the shared FAKECUDA_LOG file (one line per call, single write() per line).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import fakecuda
+from fakecuda import (
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+    CUDA_ERROR_ILLEGAL_STATE,
+    CUDA_ERROR_INVALID_CONTEXT,
+    CUDA_ERROR_INVALID_DEVICE,
+    CUDA_ERROR_INVALID_HANDLE,
+    CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_MAP_FAILED,
+    CUDA_ERROR_NO_DEVICE,
+    CUDA_ERROR_NOT_INITIALIZED,
+    CUDA_ERROR_NOT_SUPPORTED,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    CudaError,
+    fnv1a,
+    parse_log,
+    select,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory) -> Path:
+    try:
+        return fakecuda.build(tmp_path_factory.mktemp("fakecuda"))
+    except fakecuda.NoCompiler as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def log(tmp_path) -> Path:
+    return tmp_path / "fakecuda.log"
+
+
+@pytest.fixture
+def agent(lib, log):
+    """start(setup=True, **env): a child process with the double loaded as ``fc`` (and,
+    with setup, cuInit + device 0's primary context pushed). At teardown every child exits
+    and must leave no shm object behind."""
+    started: list[fakecuda.Agent] = []
+
+    def start(setup: bool = True, device: int = 0, **env: str) -> fakecuda.Agent:
+        a = fakecuda.Agent(lib, env={"FAKECUDA_LOG": str(log), **env})
+        started.append(a)
+        if setup:
+            a(f"ctx = fc.setup({device})")
+        return a
+
+    yield start
+    for a in started:
+        a.close()
+    leaked = [name for a in started for name in fakecuda.cleanup_shm(a.pid)]
+    assert leaked == [], f"shm objects left behind: {leaked}"
+
+
+def shm_exists(name: str) -> bool:
+    return os.path.exists("/dev/shm" + name)
+
+
+# ---- library -----------------------------------------------------------------------------
+
+
+def test_exports_exactly_the_driver_functions(lib, agent):
+    a = agent(setup=False)
+    names = list(fakecuda.DRIVER_FUNCTIONS + fakecuda.TEST_FUNCTIONS)
+    assert a(f"[n for n in {names!r} if not hasattr(fc.lib, n)]") == []
+    if shutil.which("nm") is None:
+        return
+    out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True,
+                         text=True, check=True).stdout
+    functions = {m.group(1) for m in re.finditer(r" T (\w+)$", out, re.MULTILINE)}
+    assert functions == set(names)
+
+
+def test_error_names_and_strings(agent):
+    a = agent(setup=False)
+    for rc, name in fakecuda.ERROR_NAMES.items():
+        assert a(f"fc.error_name({rc})") == name
+        assert a(f"fc.error_string({rc})")
+    assert a("fc.error_string(201)") == "invalid device context"
+    # Unknown code: CUDA_ERROR_INVALID_VALUE and the output set to NULL.
+    assert a("s = ctypes.c_char_p(b'x'); fc.call('cuGetErrorName', 12345, ctypes.byref(s))") \
+        is None
+    assert a("fc.call('cuGetErrorName', 12345, ctypes.byref(s)), s.value") == \
+        [CUDA_ERROR_INVALID_VALUE, None]
+
+
+# ---- init and devices ----------------------------------------------------------------------
+
+
+def test_calls_before_cuinit_fail_and_fail_init(agent):
+    a = agent(setup=False)
+    assert a("fc.driver_version()") == 12040  # allowed before cuInit, as in the driver
+    assert a.rc("fc.device_count()") == CUDA_ERROR_NOT_INITIALIZED
+    assert a.rc("fc.mem_alloc(16)") == CUDA_ERROR_NOT_INITIALIZED
+    b = agent(setup=False, FAKECUDA_FAIL_INIT="1")
+    assert b.rc("fc.init()") == CUDA_ERROR_NO_DEVICE
+    assert b.rc("fc.device_count()") == CUDA_ERROR_NOT_INITIALIZED
+    c = agent(setup=False, FAKECUDA_VISIBLE="")
+    assert c.rc("fc.init()") == CUDA_ERROR_NO_DEVICE
+
+
+def test_devices_visibility_uuids_and_attributes(agent):
+    a = agent(setup=False, FAKECUDA_DEVICES="3", FAKECUDA_VISIBLE="2,0")
+    b = agent(setup=False, FAKECUDA_DEVICES="3")
+    a("fc.init()")
+    b("fc.init()")
+    assert a("fc.device_count()") == 2
+    assert b("fc.device_count()") == 3
+    assert a("fc.device_uuid(0)") == b"fakecuda-phys-02" == b("fc.device_uuid(2)")
+    assert a("fc.device_uuid(1)") == b("fc.device_uuid(0)")
+    assert a("fc.device_name(0)") == "Fake CUDA Device 2"
+    assert a("fc.device_get(1)") == 1
+    assert a.rc("fc.device_get(2)") == CUDA_ERROR_INVALID_DEVICE
+    assert a.rc("fc.device_uuid(-1)") == CUDA_ERROR_INVALID_DEVICE
+    assert a.rc("fc.device_attribute(41, 5)") == CUDA_ERROR_INVALID_DEVICE
+    assert a("[fc.device_attribute(x, 1) for x in (41, 125, 7)]") == [1, 1, 0]
+    c = agent(FAKECUDA_NO_IPC_EVENTS="1")
+    assert c("fc.device_attribute(125, 0)") == 0
+
+
+# ---- contexts ------------------------------------------------------------------------------
+
+
+def test_every_thread_needs_a_current_context(agent, log):
+    a = agent(setup=False)
+    a("fc.init()")
+    assert a.rc("fc.mem_alloc(16)") == CUDA_ERROR_INVALID_CONTEXT
+    a("ctx = fc.primary_ctx_retain(0); fc.ctx_push(ctx); p = fc.mem_alloc(64)")
+    # A new thread has an empty context stack, whatever the main thread pushed ...
+    assert a("fakecuda.in_thread(lambda: fc.mem_free(p))") == CUDA_ERROR_INVALID_CONTEXT
+    assert a("fakecuda.in_thread(lambda: fc.stream_synchronize(0))") == \
+        CUDA_ERROR_INVALID_CONTEXT
+    assert a("fakecuda.in_thread(lambda: fc.event_create())") == CUDA_ERROR_INVALID_CONTEXT
+    # ... and works once it pushes the primary context.
+    assert a("fakecuda.in_thread(lambda: (fc.ctx_push(ctx), fc.mem_free(p), fc.ctx_pop())[2])") \
+        == a("ctx")
+    assert a("fc.ctx_pop() == ctx") is True
+    assert a.rc("fc.ctx_pop()") == CUDA_ERROR_INVALID_CONTEXT
+    assert a.rc("fc.ctx_push(12345)") == CUDA_ERROR_INVALID_CONTEXT
+    # Reference counted: usable while retained, not after the last release.
+    a("fc.primary_ctx_retain(0); fc.primary_ctx_release(0); fc.ctx_push(ctx)")
+    assert a.rc("fc.mem_free(fc.mem_alloc(8))") == 0
+    a("fc.primary_ctx_release(0)")
+    assert a.rc("fc.mem_alloc(8)") == CUDA_ERROR_INVALID_CONTEXT
+    assert a.rc("fc.primary_ctx_release(0)") == CUDA_ERROR_INVALID_CONTEXT
+    lines = parse_log(log)
+    assert [ln["refs"] for ln in select(lines, "ctx_retain")] == ["1", "2"]
+    assert select(lines, "fail", why="current_context_released")
+
+
+# ---- device memory -------------------------------------------------------------------------
+
+
+def test_alloc_is_a_shm_object_freed_by_cumemfree(agent, log):
+    a = agent(FAKECUDA_MEM_LIMIT="12288")
+    p = a("p = fc.mem_alloc(4096); p")
+    (line,) = select(parse_log(log), "alloc")
+    name = line["name"]
+    assert line.num("ptr") == p and line["bytes"] == "4096" and line["dev"] == "0"
+    assert re.fullmatch(rf"/fakecuda-{a.pid}-\d+", name)
+    st = os.stat("/dev/shm" + name)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 4096
+    assert a.rc("fc.mem_free(p + 8)") == CUDA_ERROR_INVALID_VALUE
+    assert a.rc("fc.mem_alloc(0)") == CUDA_ERROR_INVALID_VALUE
+    # FAKECUDA_MEM_LIMIT is the process total.
+    assert a.rc("fc.mem_alloc(8193)") == CUDA_ERROR_OUT_OF_MEMORY
+    a("q = fc.mem_alloc(8192)")
+    assert a.rc("fc.mem_alloc(1)") == CUDA_ERROR_OUT_OF_MEMORY
+    a("fc.mem_free(p)")
+    assert not shm_exists(name)
+    assert a.rc("fc.mem_free(p)") == CUDA_ERROR_INVALID_VALUE
+    a("fc.mem_free(fc.mem_alloc(4096)); fc.mem_free(q)")
+    assert fakecuda.shm_objects(a.pid) == []
+    assert a("fc.counter('alloc'), fc.counter('free'), fc.counter('nonsense')") == [3, 3, -1]
+
+
+# ---- IPC memory ----------------------------------------------------------------------------
+
+
+def test_ipc_mem_handle_opens_only_in_another_process(agent, log):
+    exp, imp = agent(), agent()
+    data = bytes(range(256)) * 16
+    h = exp(f"p = fc.mem_alloc(4096); fc.write(p, {data!r}); fc.ipc_get_mem_handle(p)")
+    assert len(h) == 64
+    assert exp("fc.ipc_get_mem_handle(p)") == h  # deterministic, like the driver's
+    assert exp.rc("fc.ipc_open_mem_handle(fc.ipc_get_mem_handle(p))") == \
+        CUDA_ERROR_INVALID_CONTEXT
+    q = imp(f"q = fc.ipc_open_mem_handle({h!r}); q")
+    assert imp("fc.read(q, 4096)") == data
+    assert imp(f"fc.ipc_open_mem_handle({h!r})") == q  # same pointer, one more open
+    # The mapping is shared both ways, and a stream of the importer reads it.
+    imp("fc.write(q, b'importer'); s = fc.stream_create(); r = fc.launch_read(s, q, 4096)")
+    assert exp("fc.read(p, 8)") == b"importer"
+    imp("fc.stream_synchronize(s)")
+    assert imp("r.value") == fnv1a(b"importer" + data[8:])
+    imp("fc.ipc_close_mem_handle(q); fc.ipc_close_mem_handle(q)")
+    assert imp.rc("fc.ipc_close_mem_handle(q)") == CUDA_ERROR_INVALID_VALUE
+    lines = parse_log(log)
+    (alloc,) = select(lines, "alloc", exp.pid)
+    opens = select(lines, "ipc_open_mem", imp.pid)
+    assert [ln["cached"] for ln in opens] == ["0", "1"]
+    assert {ln["name"] for ln in opens} == {alloc["name"]}
+    (read,) = select(lines, "exec_read", imp.pid)
+    assert read["name"] == alloc["name"] and int(read["sum"], 16) == fnv1a(
+        b"importer" + data[8:])
+    assert [ln["opens"] for ln in select(lines, "ipc_close_mem")] == ["1", "0"]
+
+
+def test_ipc_mem_handle_rules(agent, log):
+    exp = agent(FAKECUDA_DEVICES="2", device=1)
+    h = exp("p = fc.mem_alloc(8192); fc.ipc_get_mem_handle(p)")
+    assert exp.rc("fc.ipc_get_mem_handle(p + 4096)") == CUDA_ERROR_INVALID_VALUE
+    imp = agent(FAKECUDA_DEVICES="2")  # device 0: another physical device
+    assert imp.rc("fc.ipc_open_mem_handle(b'garbage' * 9)") == CUDA_ERROR_INVALID_VALUE
+    assert imp.rc(f"fc.ipc_open_mem_handle({h!r})") == CUDA_ERROR_INVALID_VALUE
+    imp(f"q = fc.ipc_open_mem_handle({h!r}, fakecuda.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)")
+    # Visible ordinal 0 is physical device 1 here: same device, no flag needed.
+    remapped = agent(FAKECUDA_DEVICES="2", FAKECUDA_VISIBLE="1,0")
+    remapped(f"fc.ipc_open_mem_handle({h!r})")
+    opens = select(parse_log(log), "ipc_open_mem")
+    assert [(ln.pid, ln["peer"]) for ln in opens] == [(imp.pid, "1"), (remapped.pid, "0")]
+    # Freed by the exporter: the name is gone, new opens fail; the open mapping stays valid.
+    exp("fc.mem_free(p)")
+    assert remapped.rc(f"fc.ipc_open_mem_handle({h!r}, 1)") == 0  # cached in this process
+    third = agent(FAKECUDA_DEVICES="2", device=1)
+    assert third.rc(f"fc.ipc_open_mem_handle({h!r})") == CUDA_ERROR_MAP_FAILED
+    assert imp("fc.read(q, 4)") == b"\0\0\0\0"
+    mig = agent(FAKECUDA_MIG="1")
+    assert mig.rc("fc.ipc_get_mem_handle(fc.mem_alloc(16))") == CUDA_ERROR_NOT_SUPPORTED
+
+
+def test_exporter_exit_and_kill(agent):
+    imp = agent()
+    clean = agent()
+    h = clean("fc.ipc_get_mem_handle(fc.mem_alloc(64))")
+    clean.close()  # a clean exit unlinks what the process still owned, as a GPU frees it
+    assert imp.rc(f"fc.ipc_open_mem_handle({h!r})") == CUDA_ERROR_MAP_FAILED
+    killed = agent()
+    h = killed("p = fc.mem_alloc(64); fc.write(p, b'alive'); fc.ipc_get_mem_handle(p)")
+    killed.kill()
+    assert imp(f"fc.read(fc.ipc_open_mem_handle({h!r}), 5)") == b"alive"  # left in /dev/shm
+    assert fakecuda.cleanup_shm(killed.pid) != []
+    imp2 = agent()
+    assert imp2.rc(f"fc.ipc_open_mem_handle({h!r})") == CUDA_ERROR_MAP_FAILED
+
+
+# ---- host registration and copies ----------------------------------------------------------
+
+
+def test_pageable_copy_is_staged_registered_copy_reads_at_execution(agent, log):
+    a = agent(FAKECUDA_OP_DELAY_US="100000")
+    a("n = 8192; dev = fc.mem_alloc(n); s = fc.stream_create(); host = fakecuda.host_mmap(n, 1)")
+    # Pageable: the bytes are taken when the call returns; later stores do not matter.
+    a("fc.memcpy_htod_async(dev, host, n, s); ctypes.memset(host, 2, n)")
+    assert a("fc.read(dev, 4)") == b"\0\0\0\0"  # not executed yet
+    a("fc.stream_synchronize(s)")
+    assert a("fc.read(dev, n)") == b"\1" * 8192
+    # Registered: read when the stream gets there, so the later store is what arrives.
+    a("fc.mem_host_register(host, n, 0); ctypes.memset(host, 3, n)")
+    a("fc.memcpy_htod_async(dev, host + 4096, 4096, s); ctypes.memset(host, 4, n)")
+    a("fc.stream_synchronize(s)")
+    assert a("fc.read(dev, n)") == b"\4" * 4096 + b"\1" * 4096
+    htods = select(parse_log(log), "htod")
+    assert [ln["pinned"] for ln in htods] == ["0", "1"]
+    assert a.rc("fc.memcpy_htod_async(host, host, 16, s)") == CUDA_ERROR_INVALID_VALUE
+    assert a.rc("fc.memcpy_htod_async(dev + 1, host, n, s)") == CUDA_ERROR_INVALID_VALUE
+    assert a.rc("fc.memcpy_htod_async(dev, host, 16, 0xdead)") == CUDA_ERROR_INVALID_HANDLE
+    # Device to device: both ends must be device memory; copied when executed.
+    a("d2 = fc.mem_alloc(n); fc.memcpy_dtod_async(d2, dev, n, s)")
+    assert a("fc.read(d2, 4)") == b"\0\0\0\0"
+    a("fc.stream_synchronize(s)")
+    assert a("fc.read(d2, n) == fc.read(dev, n)") is True
+    assert a.rc("fc.memcpy_dtod_async(d2, host, 16, s)") == CUDA_ERROR_INVALID_VALUE
+    a("fc.mem_host_unregister(host); fc.stream_destroy(s); fc.mem_free(dev); fc.mem_free(d2)")
+
+
+def test_host_register_rules(agent):
+    a = agent()
+    a("n = 16384; rw = fakecuda.host_mmap(n); ro = fakecuda.host_mmap(n)")
+    a("fakecuda.host_protect(ro, n, False)")
+    assert a.rc("fc.mem_host_register(ro, n, 0)") == CUDA_ERROR_INVALID_VALUE
+    # Read-only pages need CU_MEMHOSTREGISTER_READ_ONLY, even when only one page is.
+    a("fakecuda.host_protect(rw + 8192, 4096, False)")
+    assert a.rc("fc.mem_host_register(rw, n, 0)") == CUDA_ERROR_INVALID_VALUE
+    a("fc.mem_host_register(rw, n, fakecuda.CU_MEMHOSTREGISTER_READ_ONLY)")
+    a("fc.mem_host_unregister(rw); fakecuda.host_protect(rw, n, True)")
+    a("fc.mem_host_register(ro, n, fakecuda.CU_MEMHOSTREGISTER_READ_ONLY)")
+    a("fc.mem_host_register(rw, 4096, 0)")
+    assert a.rc("fc.mem_host_register(rw + 100, 10, 0)") == \
+        CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    a("fc.mem_host_register(rw + 4096, 4096, 0)")  # adjacent is fine
+    assert a.rc("fc.mem_host_unregister(rw + 1)") == CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+    a("fc.mem_host_unregister(rw); fc.mem_host_unregister(rw + 4096); fc.mem_host_unregister(ro)")
+    assert a.rc("fc.mem_host_unregister(rw)") == CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+    a("fakecuda.host_munmap(ro, n)")
+    assert a.rc("fc.mem_host_register(ro, n, 0)") == CUDA_ERROR_INVALID_VALUE  # unmapped
+
+
+# ---- streams and events --------------------------------------------------------------------
+
+
+def test_streams_run_in_order_and_synchronize(agent, log):
+    a = agent(FAKECUDA_OP_DELAY_US="30000")
+    a("dev = fc.mem_alloc(64); s = fc.stream_create(); ev = fc.event_create()")
+    a("for i in range(5): fc.memcpy_htod_async(dev, bytes([i + 1]) * 64, 64, s)")
+    a("fc.event_record(ev, s)")
+    assert a("fc.event_query(ev)") is False
+    assert a("fc.read(dev, 1)") == b"\0"
+    a("fc.ctx_synchronize()")
+    assert a("fc.event_query(ev)") is True
+    assert a("fc.read(dev, 64)") == b"\5" * 64
+    # The legacy, per-thread and NULL handles are one default stream.
+    a("fc.memcpy_htod_async(dev, b'\\7' * 64, 64, 1); fc.event_record(ev, 2)")
+    a("fc.stream_synchronize(0)")
+    assert a("fc.read(dev, 1), fc.event_query(ev)") == [b"\7", True]
+    # Destroy runs what is queued, then the handle is gone.
+    a("fc.memcpy_htod_async(dev, b'\\x09' * 64, 64, s); fc.stream_destroy(s)")
+    assert a("fc.read(dev, 1)") == b"\x09"
+    assert a.rc("fc.stream_synchronize(s)") == CUDA_ERROR_INVALID_HANDLE
+    assert a.rc("fc.stream_destroy(s)") == CUDA_ERROR_INVALID_HANDLE
+    assert a.rc("fc.stream_destroy(0)") == CUDA_ERROR_INVALID_HANDLE
+    a("fc.event_destroy(ev); fc.mem_free(dev)")
+    lines = parse_log(log)
+    assert [ln["name"] for ln in select(lines, "exec_htod")] == \
+        [select(lines, "alloc")[0]["name"]] * 7
+    assert {ln["stream"] for ln in select(lines, "htod")} == {f"{a.pid}-1", "default"}
+    records = select(lines, "event_record")
+    assert [(ln["stream"], ln["gen"]) for ln in records] == [(f"{a.pid}-1", "1"),
+                                                             ("default", "2")]
+
+
+def test_event_rules(agent):
+    a = agent()
+    assert a.rc("fc.event_create(fakecuda.CU_EVENT_INTERPROCESS)") == CUDA_ERROR_INVALID_VALUE
+    assert a.rc("fc.event_create(0x10)") == CUDA_ERROR_INVALID_VALUE
+    a("ev = fc.event_create(); s = fc.stream_create()")
+    assert a("fc.event_query(ev)") is True  # never recorded: complete, as in the driver
+    a("fc.event_synchronize(ev)")
+    assert a.rc("fc.stream_wait_event(s, ev)") == CUDA_ERROR_ILLEGAL_STATE
+    a("fc.event_record(ev, s)")
+    assert a.rc("fc.stream_wait_event(s, ev, 1)") == CUDA_ERROR_INVALID_VALUE
+    a("fc.stream_wait_event(s, ev); fc.stream_wait_event(0, ev)")
+    assert a.rc("fc.ipc_get_event_handle(ev)") == CUDA_ERROR_INVALID_VALUE
+    assert a.rc("fc.event_record(0xdead, s)") == CUDA_ERROR_INVALID_HANDLE
+    assert a.rc("fc.event_query(0xdead)") == CUDA_ERROR_INVALID_HANDLE
+    a("iev = fc.event_create(fakecuda.IPC_EVENT_FLAGS); eh = fc.ipc_get_event_handle(iev)")
+    assert a.rc("fc.ipc_open_event_handle(eh)") == CUDA_ERROR_INVALID_CONTEXT
+    assert a.rc("fc.ipc_open_event_handle(b'x' * 64)") == CUDA_ERROR_INVALID_VALUE
+    name = a("[n for n in fakecuda.shm_objects(pid) if '-ev-' in n][0]")
+    a("fc.event_destroy(iev)")
+    assert not shm_exists("/" + name)  # the owner's destroy unlinks the shared state
+    a("fc.stream_synchronize(s); fc.stream_destroy(s); fc.event_destroy(ev)")
+    assert a.rc("fc.event_destroy(ev)") == CUDA_ERROR_INVALID_HANDLE
+    # An event recorded on a stream of another device: CUDA_ERROR_INVALID_HANDLE.
+    b = agent(FAKECUDA_DEVICES="2")
+    b("ev = fc.event_create(); fc.ctx_push(fc.primary_ctx_retain(1)); s1 = fc.stream_create()")
+    assert b.rc("fc.event_record(ev, s1)") == CUDA_ERROR_INVALID_HANDLE
+
+
+def test_stream_waits_for_work_recorded_by_another_process(agent, log):
+    """Producer: slow copy into exported memory, then record an interprocess event.
+    Consumer: its stream waits on the event, then reads: it sees the producer's bytes."""
+    prod = agent(FAKECUDA_OP_DELAY_US="250000")
+    cons = agent()
+    data = b"batch-0 " * 512
+    h, eh = prod("p = fc.mem_alloc(4096); ev = fc.event_create(fakecuda.IPC_EVENT_FLAGS);"
+                 "s = fc.stream_create(); fc.ipc_get_mem_handle(p), fc.ipc_get_event_handle(ev)")
+    cons(f"q = fc.ipc_open_mem_handle({h!r}); e = fc.ipc_open_event_handle({eh!r});"
+         "s = fc.stream_create()")
+    assert cons.rc("fc.stream_wait_event(s, e)") == CUDA_ERROR_ILLEGAL_STATE  # not recorded
+    prod(f"fc.memcpy_htod_async(p, {data!r}, 4096, s); fc.event_record(ev, s)")
+    # Without waiting, the consumer's kernel runs now and sees no data yet.
+    cons("r0 = fc.launch_read(s, q, 4096); fc.stream_synchronize(s)")
+    assert cons("r0.value") == fnv1a(bytes(4096))
+    assert cons("fc.event_query(e)") is False
+    # With the wait, the stream is held until the producer's record executed.
+    cons("fc.stream_wait_event(s, e); r1 = fc.launch_read(s, q, 4096)")
+    cons("fc.stream_synchronize(s)")
+    assert cons("r1.value, fc.event_query(e)") == [fnv1a(data), True]
+    # The other way round: the consumer records (its reads are done), the producer waits.
+    cons("fc.event_record(e, s)")
+    prod("fc.event_synchronize(ev)")
+    assert prod("fc.event_query(ev)") is True
+    cons("fc.event_destroy(e); fc.ipc_close_mem_handle(q)")
+    prod("fc.stream_destroy(s); fc.event_destroy(ev); fc.mem_free(p)")
+
+    lines = parse_log(log)
+    order = [(ln.pid, ln.op) for ln in lines if ln.op in ("exec_htod", "exec_record",
+                                                          "exec_wait", "exec_read")]
+    assert order == [
+        (cons.pid, "exec_read"),    # r0: ran before the producer's copy
+        (prod.pid, "exec_htod"),
+        (prod.pid, "exec_record"),
+        (cons.pid, "exec_wait"),
+        (cons.pid, "exec_read"),    # r1
+        (cons.pid, "exec_record"),
+    ]
+    ev_ids = {ln["ev"] for ln in lines if ln.op in ("event_record", "exec_wait", "ipc_open_event")}
+    assert len(ev_ids) == 1 and ev_ids.pop().startswith(f"/fakecuda-ev-{prod.pid}-")
+    assert [ln["gen"] for ln in select(lines, "event_record")] == ["1", "2"]
+    (wait,) = select(lines, "stream_wait_event")
+    assert wait["gen"] == "1"
+
+
+# ---- the log -------------------------------------------------------------------------------
+
+
+def test_log_lines_never_interleave_and_counters_match(agent, log):
+    code = (
+        "def work():\n"
+        "    fc.ctx_push(ctx)\n"
+        "    s = fc.stream_create()\n"
+        "    for _ in range(150):\n"
+        "        p = fc.mem_alloc(4096)\n"
+        "        fc.memcpy_htod_async(p, b'x' * 4096, 4096, s)\n"
+        "        fc.stream_synchronize(s)\n"
+        "        fc.mem_free(p)\n"
+        "    fc.stream_destroy(s)\n"
+        "ts = [threading.Thread(target=work) for _ in range(4)]\n"
+        "for t in ts: t.start()\n"
+        "for t in ts: t.join()\n"
+    )
+    procs = [agent(), agent()]
+    for a in procs:
+        a.send(code)
+    for a in procs:
+        a.recv(timeout=60)
+    lines = parse_log(log)  # raises on any malformed (interleaved) line
+    for a in procs:
+        mine = [ln for ln in lines if ln.pid == a.pid]
+        for op in ("alloc", "htod", "exec_htod", "free", "stream_create", "ctx_push"):
+            assert a(f"fc.counter({op!r})") == len([ln for ln in mine if ln.op == op])
+        assert a("fc.counter('alloc')") == 600
+        assert a("fc.counter('fail')") == 0
+    assert fakecuda.parse_line(f"{procs[0].pid} fail op=alloc rc=2").fields == {
+        "op": "alloc", "rc": "2"}
+    with pytest.raises(ValueError):
+        fakecuda.parse_line("123 alloc ptr=0x1 456 free")
+
+
+def test_failed_calls_are_logged(agent, log):
+    a = agent()
+    assert a.rc("fc.mem_free(1)") == CUDA_ERROR_INVALID_VALUE
+    (fail,) = select(parse_log(log), "fail", a.pid)
+    assert fail["op"] == "free" and fail.num("rc") == CUDA_ERROR_INVALID_VALUE
+    assert fail["err"] == "CUDA_ERROR_INVALID_VALUE"
+    assert a("fc.counter('fail')") == 1
+
+
+def test_cudaerror_carries_the_code():
+    e = CudaError(201, "cuMemAlloc_v2")
+    assert e.rc == 201 and "CUDA_ERROR_INVALID_CONTEXT" in str(e)
