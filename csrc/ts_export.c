@@ -12,7 +12,7 @@
 /* A new lease (one reference) on slot for the ring's consumer. */
 ts_lease *ts_lease_new(ts_ring *ring, uint32_t slot, uint64_t seq)
 {
-    ts_lease *lease = malloc(sizeof *lease);
+    ts_lease *lease = calloc(1, sizeof *lease); /* no streams yet */
     if (lease == NULL) return NULL;
     atomic_init(&lease->refs, 1);
     ts_ring_ref(ring);

@@ -258,9 +258,9 @@ ts_status ts_gpu_create_pool(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_er
             g->ptr[k] = 0;
             st = ts_cuda_fail(api, err, rc, "cuMemAlloc of a ring slot");
             if (rc == CUDA_ERROR_OUT_OF_MEMORY)
-                st = ts_err_set(err, TS_E_NOSPACE, ENOMEM,
-                                "GPU %d has no room for %u slots of %llu bytes (slot %u failed); "
-                                "lower ring_slots= or slot_bytes=",
+                st = ts_err_set(err, TS_E_CUDA, ENOMEM,
+                                "GPU %d has no room for %u ring slots of %llu bytes (slot %u "
+                                "failed): lower ring_slots= or slot_bytes=",
                                 ordinal, h->slot_count, (unsigned long long)h->slot_bytes, k);
             goto error;
         }

@@ -1340,7 +1340,7 @@ static PyObject *ts_py_cuda_status(PyObject *module, PyObject *Py_UNUSED(ignored
         if (api->DeviceGetUuid(&uuid, dev) == CUDA_SUCCESS)
             for (int b = 0; b < 16; b++)
                 snprintf(hex + 2 * b, 3, "%02x", (unsigned char)uuid.bytes[b]);
-        PyObject *d = Py_BuildValue("{sissssO}", "ordinal", i, "name", name, "uuid", hex,
+        PyObject *d = Py_BuildValue("{sisssssO}", "ordinal", i, "name", name, "uuid", hex,
                                     "ipc_events", ipc_events ? Py_True : Py_False);
         if (d == NULL || PyList_Append(devices, d) < 0) {
             Py_XDECREF(d);

@@ -13,6 +13,9 @@ from .consumer import TensorConsumer
 from .errors import (
     BatchTooLarge,
     ConsumerDetached,
+    CudaError,
+    GPUFallbackWarning,
+    GPUUnavailable,
     LagWarning,
     ProducerFinished,
     ProducerGone,
@@ -24,6 +27,7 @@ from .errors import (
     TooManyConsumers,
     VersionMismatch,
 )
+from .gpu import gpu_available, gpu_status
 from .producer import TensorProducer
 
 __version__ = "0.1.0"
@@ -31,6 +35,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchTooLarge",
     "ConsumerDetached",
+    "CudaError",
+    "GPUFallbackWarning",
+    "GPUUnavailable",
     "LagWarning",
     "ProducerFinished",
     "ProducerGone",
@@ -44,6 +51,8 @@ __all__ = [
     "TooManyConsumers",
     "VersionMismatch",
     "__version__",
+    "gpu_available",
+    "gpu_status",
 ]
 
 logging.getLogger("tensorsocket").addHandler(logging.NullHandler())

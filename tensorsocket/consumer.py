@@ -15,8 +15,11 @@ import zmq
 from . import _core
 from .control import ControlClient
 from .endpoints import resolve
+from .gpu import parse_device
 from .errors import (
     ConsumerDetached,
+    GPUFallbackWarning,
+    GPUUnavailable,
     LagWarning,
     ProducerFinished,
     ProducerGone,
@@ -27,6 +30,8 @@ from .rebatch import EpochEnd, Rebatcher, batch_samples, consumer_len
 from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
 
 log = logging.getLogger("tensorsocket")
+
+DL_CUDA = 2  # DLDeviceType of a GPU ring
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -70,6 +75,20 @@ class TensorConsumer:
       copy: deliver private, writable copies instead of views.
       with_index: yield (batch_index, batch) pairs; batch_index counts the
         batches of the current epoch from 0.
+      device: where tensors are delivered. None (default): where the
+        producer put them: on its GPU for a GPU ring (read in place through
+        CUDA IPC, no copy), else in host memory. ``"cpu"``: host memory, even
+        from a GPU ring. ``"cuda:N"``: on GPU N: in place if the ring is on
+        GPU N, through peer access if it is on another GPU (or copied into
+        GPU N with ``peer_access=False``), copied by this consumer from a
+        host ring. If CUDA IPC cannot work (another PID namespace, no
+        driver here, ...), a GPUFallbackWarning says why and tensors come
+        through host memory (copied to ``device`` if one was given).
+      pin_memory: page-lock this process's mapping of the ring's host slots,
+        so copies from them to a GPU are asynchronous (like
+        DataLoader(pin_memory=True), without its extra copy).
+      peer_access: read a GPU ring on another GPU through peer access
+        (default True); False copies each batch into ``device`` instead.
     """
 
     def __init__(
@@ -87,6 +106,9 @@ class TensorConsumer:
         batch_timeout: float | None = None,
         copy: bool = False,
         with_index: bool | None = None,
+        device: Any = None,
+        pin_memory: bool = False,
+        peer_access: bool = True,
     ) -> None:
         self._rebatcher = Rebatcher(batch_size, drop_last) if batch_size is not None else None
         self.unpack_fn = unpack_fn
@@ -94,6 +116,14 @@ class TensorConsumer:
         self.drop_last = bool(drop_last)
         self.batch_timeout = batch_timeout
         self.copy = bool(copy)
+        self._device_kind, self._device_index = parse_device(device)
+        self.pin_memory = bool(pin_memory)
+        self.peer_access = bool(peer_access)
+        self.device = "cpu"  # where tensors are delivered (set once attached)
+        self.device_fallback_reason: str | None = None
+        self._import = False  # tensors come from the ring's GPU copy
+        self._move_to: torch.device | None = None  # host tensors are copied here
+        self._inflight: list = []  # (cuda event, host tensors) of copies not yet done
         self.with_index = (port is not None) if with_index is None else bool(with_index)
         self.endpoint = resolve(name, port, address)
         self.epoch = 0
@@ -142,10 +172,76 @@ class TensorConsumer:
         self.window: int = welcome["window"]
         self.max_lag: int | None = welcome["max_lag"] or None
         self.lag_policy: str = welcome["lag_policy"]
+        try:
+            self._setup_device(ring)
+        except BaseException:
+            ring.close()
+            self._client.close(say_bye=True, wait=0.2)
+            self._context.term()
+            raise
         self._client.start_heartbeats()
-        self._finalizer = weakref.finalize(self, _teardown, self._client, self._context, ring)
+        self._finalizer = weakref.finalize(self, _teardown, self._client, self._context, ring,
+                                           self._inflight)
         log.info("consumer %d attached to %s at entry %d", self._index, self.endpoint.address,
                  self.start_seq)
+
+    # -- device ------------------------------------------------------------------------
+
+    def _setup_device(self, ring: Any) -> None:
+        """Decide where tensors are delivered and open what that needs."""
+        info = ring.info()
+        gpu_ring = info["device_type"] == DL_CUDA
+        kind, index = self._device_kind, self._device_index
+        if kind == "cuda" and index is None:
+            index = 0
+        if self.pin_memory:
+            try:
+                ring.pin_host(index or 0)
+            except GPUUnavailable as e:
+                raise GPUUnavailable(f"pin_memory=True needs a GPU: {e}") from None
+        if kind == "cpu" or (kind == "auto" and not gpu_ring):
+            self.device = "cpu"
+            return
+        if gpu_ring and (kind == "auto" or self.peer_access or _same_gpu(info, index)):
+            try:
+                ordinal = ring.import_device(None if kind == "auto" else index)
+            except GPUUnavailable as e:
+                self._fall_back(str(e), None if kind == "auto" else index)
+                return
+            self._import = True
+            self.device = f"cuda:{ordinal}"
+            return
+        # A host ring, or another GPU without peer access: copy from host memory.
+        self._move_to = torch.device("cuda", index)
+        self.device = str(self._move_to)
+
+    def _fall_back(self, reason: str, index: int | None) -> None:
+        """CUDA IPC cannot work here: deliver through host memory instead."""
+        self.device_fallback_reason = reason
+        if index is not None:
+            self._move_to = torch.device("cuda", index)
+            self.device = str(self._move_to)
+        where = f"copied to {self.device} by this consumer" if index is not None else \
+            "delivered as host tensors"
+        warnings.warn(f"tensorsocket: cannot read the producer's GPU ring here ({reason}); "
+                      f"batches are {where}", GPUFallbackWarning, stacklevel=4)
+        log.warning("GPU ring unavailable to this consumer: %s", reason)
+
+    def _to_device(self, leaves: list, kinds: list) -> list:
+        """Copy the torch leaves to self._move_to; hold the host views until the copies
+        are done (the ring slot must not be reused under an asynchronous copy)."""
+        moved, held = [], []
+        for kind, leaf in zip(kinds, leaves, strict=True):
+            if kind == TORCH:
+                held.append(leaf)
+                leaf = leaf.to(self._move_to, non_blocking=self.pin_memory)
+            moved.append(leaf)
+        if self.pin_memory and held:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._move_to))
+            self._inflight.append((event, held))
+        self._inflight[:] = [(e, h) for e, h in self._inflight if not e.query()]
+        return moved
 
     # -- DataLoader protocol -----------------------------------------------------------
 
@@ -355,7 +451,9 @@ class TensorConsumer:
     def _build(self, slot: Any) -> Any:
         """Turn a slot into the loader's batch structure of tensors and values."""
         build, kinds = self._decoder.compile(slot.meta)
-        if NUMPY not in kinds and NUMPY_SCALAR not in kinds:
+        if self._import:
+            leaves = self._device_leaves(slot, kinds)
+        elif NUMPY not in kinds and NUMPY_SCALAR not in kinds:
             leaves = [torch.from_dlpack(c) for c in slot.capsules(versioned=True, copy=self.copy)]
         else:
             leaves = []
@@ -367,7 +465,24 @@ class TensorConsumer:
                     array = np.from_dlpack(view)
                     leaves.append(array.copy() if self.copy else array)
         slot.release()
+        if self._move_to is not None:
+            leaves = self._to_device(leaves, kinds)
         return build(leaves)
+
+    def _device_leaves(self, slot: Any, kinds: list) -> list:
+        """Torch leaves from the slot's GPU copy (zero-copy; ordered after the producer's
+        copy on the current stream), numpy leaves from its host copy."""
+        device_views = slot.views(device=True)
+        host_views = slot.views() if NUMPY in kinds or NUMPY_SCALAR in kinds else None
+        leaves = []
+        for i, kind in enumerate(kinds):
+            if kind == TORCH:
+                tensor = _device_tensor(device_views[i])
+                leaves.append(tensor.clone() if self.copy else tensor)
+            else:
+                array = np.from_dlpack(host_views[i])
+                leaves.append(array.copy() if self.copy else array)
+        return leaves
 
     # -- end ---------------------------------------------------------------------------
 
@@ -406,6 +521,9 @@ class TensorConsumer:
             lag = self._ring.consumer(self._index)["lag"]
         return {
             "epoch": self.epoch,
+            "device": self.device,
+            "zero_copy_gpu": self._import,
+            "device_fallback_reason": self.device_fallback_reason,
             "batches": self._batches,
             "samples": self._samples,
             "loader_batches": self._loader_batches,
@@ -450,9 +568,27 @@ class EpochIterator:
         return len(self._consumer)
 
 
-def _teardown(client: ControlClient, context: zmq.Context, ring: Any) -> None:
+def _device_tensor(view: Any) -> torch.Tensor:
+    """A torch tensor over a device SlotView; torch passes its current stream, which
+    is made to wait for the producer's copy of the slot."""
+    return torch.from_dlpack(view)
+
+
+def _same_gpu(info: dict, index: int | None) -> bool:
+    """True if CUDA device index of this process is the GPU holding the ring's pool."""
+    status = _core.cuda_status()
+    for dev in status["devices"] or ():
+        if dev["ordinal"] == index:
+            return dev["uuid"] == info["device_uuid"]
+    return False
+
+
+def _teardown(client: ControlClient, context: zmq.Context, ring: Any, inflight: list) -> None:
     """Say bye, close the socket and drop our ring handle. If the producer died,
     the last one out removes its segment name (nobody else will)."""
+    for event, _ in inflight:
+        event.synchronize()  # asynchronous copies out of ring slots finish first
+    inflight.clear()
     info = ring.info()
     producer_alive = _core.process_alive(info["producer_pid"], info["producer_start_time"])
     client.close(say_bye=producer_alive and info["state"] == _core.RING_OPEN)

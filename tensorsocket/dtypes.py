@@ -46,7 +46,10 @@ def torch_leaf(t: torch.Tensor) -> tuple[Any, DLType]:
     if entry is None:
         raise TypeError(f"tensors of dtype {t.dtype} are not supported")
     if t.device.type != "cpu":
-        raise TypeError(f"tensor is on {t.device}; the host ring carries CPU tensors")
+        raise TypeError(
+            f"tensor is on {t.device}: batches must hold CPU tensors (with device='cuda:N' the "
+            "producer copies each batch to the GPU once, for every consumer)"
+        )
     if t.layout != torch.strided:
         raise TypeError(f"tensors with layout {t.layout} are not supported")
     dl, view_as = entry

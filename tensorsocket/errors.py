@@ -9,6 +9,8 @@ from __future__ import annotations
 from ._core import (
     BatchTooLarge,
     ConsumerDetached,
+    CudaError,
+    GPUUnavailable,
     ProducerFinished,
     ProducerGone,
     SharedMemoryTooSmall,
@@ -20,6 +22,9 @@ from ._core import (
 __all__ = [
     "BatchTooLarge",
     "ConsumerDetached",
+    "CudaError",
+    "GPUFallbackWarning",
+    "GPUUnavailable",
     "LagWarning",
     "ProducerFinished",
     "ProducerGone",
@@ -43,6 +48,10 @@ class ProtocolError(TensorSocketError):
 
 class TensorSocketWarning(UserWarning):
     """Base class of tensorsocket warnings."""
+
+
+class GPUFallbackWarning(TensorSocketWarning):
+    """The GPU path could not work here; tensors come through host memory instead."""
 
 
 class LagWarning(TensorSocketWarning):

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -16,7 +17,14 @@ import zmq
 from . import _core
 from .control import ControlServer
 from .endpoints import Endpoint, resolve, segment_prefix
-from .errors import BatchTooLarge, SharedMemoryTooSmall, TensorSocketError
+from .errors import (
+    BatchTooLarge,
+    GPUFallbackWarning,
+    GPUUnavailable,
+    SharedMemoryTooSmall,
+    TensorSocketError,
+)
+from .gpu import parse_device
 from .structure import flatten
 
 log = logging.getLogger("tensorsocket")
@@ -28,6 +36,7 @@ DEFAULT_RUBBER_BAND_PCT = 0.005  # of an epoch's batches ...
 DEFAULT_MAX_WINDOW = 8  # ... but at most this many, unless asked for explicitly
 SLOT_HEADROOM = 1.5  # slot size = first batch x this (plus room for the structure)
 MIN_SLOT_BYTES = 64 * 1024
+DL_CUDA = 2  # DLDeviceType of a GPU ring
 
 
 class TensorProducer:
@@ -76,6 +85,16 @@ class TensorProducer:
       ring_bytes: total slot memory; sets ring_slots from slot_bytes.
       max_leaves: most tensors one batch may hold (default: from the first batch).
       publish_timeout: seconds to wait for a free slot (None: forever).
+      device: ``"cuda:N"`` (or ``"cuda"`` for GPU 0) keeps the ring's slots
+        in GPU memory as well: each batch is copied to the GPU once, for all
+        consumers, which receive CUDA tensors read in place through CUDA IPC
+        (see the README, "GPU ring"). Default: host memory only.
+      device_fallback: if the GPU ring cannot work here (no driver, MIG, no
+        CUDA IPC events), warn and use the host ring (default True); False
+        raises GPUUnavailable instead.
+      release_timeout: a GPU ring's device memory is freed only once no
+        consumer holds a batch of it; at join()/close() wait this many seconds
+        for them (default 30), then free it anyway with a warning.
     """
 
     def __init__(
@@ -101,6 +120,9 @@ class TensorProducer:
         rubber_band: int | None = None,
         max_lag: int | None = None,
         lag_policy: str = "raise",
+        device: Any = None,
+        device_fallback: bool = True,
+        release_timeout: float | None = 30.0,
     ) -> None:
         if ring_slots is not None and consumer_max_buffer_size is not None:
             raise ValueError("give ring_slots= or consumer_max_buffer_size=, not both")
@@ -120,6 +142,14 @@ class TensorProducer:
         if rubber_band is not None and int(rubber_band) > MAX_SLOTS - 2:
             raise ValueError(f"rubber_band must be at most {MAX_SLOTS - 2} batches, got "
                              f"{rubber_band}")
+        kind, ordinal = parse_device(device)
+        if kind == "cuda" and ordinal is None:
+            ordinal = 0
+        self._device_ordinal = ordinal if kind == "cuda" else None
+        self.device = f"cuda:{ordinal}" if kind == "cuda" else "cpu"
+        self.device_fallback = bool(device_fallback)
+        self.device_fallback_reason: str | None = None
+        self.release_timeout = release_timeout
         if lag_policy not in LAG_POLICIES:
             raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {lag_policy!r}")
         explicit_window = rubber_band is not None or rubber_band_pct is not None
@@ -187,7 +217,7 @@ class TensorProducer:
             raise
         self._finalizer = weakref.finalize(
             self, _teardown, self._server, self._context, self._segment, self._lock_fd, box,
-            self.endpoint,
+            self.endpoint, release_timeout,
         )
         log.info("producer %r listening on %s", self.endpoint.name, self.endpoint.address)
 
@@ -256,7 +286,7 @@ class TensorProducer:
                 slots = max(DEFAULT_SLOTS, need)
         max_leaves = self._max_leaves or max(64, 2 * len(leaves))
         try:
-            ring = _core.Ring.create(self._segment, slots, slot_bytes, max_leaves)
+            ring = self._create_ring(slots, slot_bytes, max_leaves)
         except SharedMemoryTooSmall as e:
             raise SharedMemoryTooSmall(
                 f"{e}. The ring is {slots} slots x {slot_bytes} bytes (a late-joiner window "
@@ -271,6 +301,27 @@ class TensorProducer:
             raise
         self._ring_box[0] = ring
         log.info("ring %s: %d slots of %d bytes", self._segment, slots, slot_bytes)
+
+    def _create_ring(self, slots: int, slot_bytes: int, max_leaves: int) -> Any:
+        """A host ring, or a GPU ring on self.device (falling back to host if allowed)."""
+        if self._device_ordinal is None:
+            return _core.Ring.create(self._segment, slots, slot_bytes, max_leaves)
+        try:
+            return _core.Ring.create(self._segment, slots, slot_bytes, max_leaves,
+                                     device=self._device_ordinal)
+        except GPUUnavailable as e:
+            if not self.device_fallback:
+                raise GPUUnavailable(
+                    f"{e} (device={self.device!r}; device_fallback=True uses the host ring "
+                    "instead)") from None
+            self.device_fallback_reason = str(e)
+            self.device = "cpu"
+            self._device_ordinal = None
+            warnings.warn(
+                f"tensorsocket: the GPU ring cannot work here, using the host ring: {e}",
+                GPUFallbackWarning, stacklevel=4)
+            log.warning("GPU ring unavailable, using the host ring: %s", e)
+            return _core.Ring.create(self._segment, slots, slot_bytes, max_leaves)
 
     def _publish(self, meta: bytes, leaves: list, *, end: bool = False, index: int = 0) -> None:
         try:
@@ -424,6 +475,8 @@ class TensorProducer:
                 })
         return {
             "epoch": self.epoch,
+            "device": self.device,
+            "host_pinned": bool(info.get("producer_host_pinned", 0)),
             "batches": self._batches,
             "bytes_copied": info.get("bytes_copied", 0),
             "wait_seconds": info.get("publish_wait_ns", 0) / 1e9,
@@ -463,13 +516,14 @@ def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
 
 
 def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd: int,
-              ring_box: list, endpoint: Endpoint) -> None:
+              ring_box: list, endpoint: Endpoint, release_timeout: float | None) -> None:
     """Finish the ring, stop the control thread, unlink the segment, the socket file
     and the lock file, then drop the lock."""
     ring = ring_box[0]
     try:
         if ring is not None:
             ring.finish()
+            _wait_gpu_released(ring, release_timeout)
         server.close()
         context.term()
     finally:
@@ -481,6 +535,22 @@ def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd
             if path is not None:  # we still hold the name lock: these files are ours
                 path.unlink(missing_ok=True)
         os.close(lock_fd)
+
+
+def _wait_gpu_released(ring: Any, timeout: float | None) -> None:
+    """A GPU ring's device memory may be freed only once no consumer maps a batch of it
+    (freeing it under a consumer's kernels is undefined behaviour). The control thread
+    still runs meanwhile, so consumers that die are evicted and stop counting."""
+    info = ring.info()
+    if info["device_type"] != DL_CUDA or ring.wait_released(0):
+        return
+    log.info("waiting up to %s s for consumers to free the GPU batches they hold", timeout)
+    if not ring.wait_released(timeout):
+        held = ring.info()["occupied"]
+        log.warning(
+            "%d ring slots are still held by consumers after release_timeout=%s s; freeing "
+            "the GPU ring anyway: tensors those consumers still hold are no longer valid",
+            held, timeout)
 
 
 def _take_name_lock(endpoint: Endpoint) -> int:

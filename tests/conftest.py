@@ -60,13 +60,14 @@ class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, role: str, *args: str) -> subprocess.Popen:
+    def start(self, role: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         p = subprocess.Popen(
             [sys.executable, str(ROLES), role, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            env={**os.environ, **env} if env else None,
         )
         self.procs.append(p)
         return p

@@ -113,16 +113,21 @@ def compiler() -> list[str]:
     return cc
 
 
-def build(out_dir: Path, extra: Sequence[str] = (), name: str = LIB_NAME) -> Path:
+def build(out_dir: Path, extra: Sequence[str] = (), name: str = LIB_NAME,
+          sanitize: bool | None = None) -> Path:
     """Compile csrc/tests/fake_cuda.c into ``out_dir/name`` and return its path.
 
-    ``extra`` adds compiler flags (e.g. ``SANITIZE_FLAGS``)."""
+    ``extra`` adds compiler flags. ``sanitize`` adds ASan+UBSan (``SANITIZE_FLAGS``); by
+    default it follows TENSORSOCKET_SANITIZE=1, as setup.py does (scripts/test-sanitized.sh
+    preloads the runtimes into Python, so an instrumented library loads there)."""
+    if sanitize is None:
+        sanitize = os.environ.get("TENSORSOCKET_SANITIZE") == "1"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / name
     tmp = out_dir / f".{name}.{os.getpid()}.tmp"
-    cmd = [*compiler(), *BASE_FLAGS, *extra, str(SOURCE.relative_to(ROOT)), "-o", str(tmp),
-           "-lrt"]
+    flags = [*BASE_FLAGS, *(SANITIZE_FLAGS if sanitize else []), *extra]
+    cmd = [*compiler(), *flags, str(SOURCE.relative_to(ROOT)), "-o", str(tmp), "-lrt"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -175,12 +180,13 @@ def parse_log(path: Path | str) -> list[LogLine]:
     return [parse_line(line) for line in text.splitlines() if line]
 
 
-def select(lines: Iterable[LogLine], op: str | None = None, pid: int | None = None,
+def select(lines: Iterable[LogLine], kind: str | None = None, /, pid: int | None = None,
            **fields: str) -> list[LogLine]:
-    """The lines of this op and pid whose fields have these values."""
+    """The lines of op `kind` (positional) and process pid whose fields have these values,
+    e.g. ``select(lines, "fail", op="ipc_open_mem", rc="201")``."""
     return [
         ln for ln in lines
-        if (op is None or ln.op == op) and (pid is None or ln.pid == pid)
+        if (kind is None or ln.op == kind) and (pid is None or ln.pid == pid)
         and all(ln.fields.get(k) == v for k, v in fields.items())
     ]
 
@@ -595,9 +601,10 @@ def _decode(value: Any) -> Any:
 class Agent:
     """A child process that loads the double as ``fc`` (a FakeCuda) and runs the Python
     snippets a test sends it, one at a time, in one namespace. A snippet whose last
-    statement is an expression returns its value (bytes, ints, strings, lists...); a CudaError raised in
-    the child is raised again here with its rc. The namespace also holds ``fakecuda`` (this
-    module), ``ctypes``, ``os``, ``threading``, ``time`` and ``pid``."""
+    statement is an expression returns its value (bytes, ints, strings, lists...); a
+    CudaError raised in the child is raised again here with its rc. The namespace also
+    holds ``fakecuda`` (this module), ``ctypes``, ``os``, ``threading``, ``time`` and
+    ``pid``."""
 
     def __init__(self, lib_path: Path | str, env: dict[str, str] | None = None,
                  timeout: float = 20.0) -> None:

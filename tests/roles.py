@@ -130,6 +130,55 @@ class Gate:
             time.sleep(0.01)
 
 
+# DLPack (code, bits) -> torch dtype, for device views read back on the test double.
+_DL_TORCH = {(0, 8): torch.int8, (0, 16): torch.int16, (0, 32): torch.int32,
+             (0, 64): torch.int64, (1, 8): torch.uint8, (2, 16): torch.float16,
+             (2, 32): torch.float32, (2, 64): torch.float64, (4, 16): torch.bfloat16,
+             (6, 8): torch.bool}
+
+
+class FakeGpu:
+    """Stands in for torch.cuda in a consumer on the CUDA driver test double.
+
+    A device view is exported with this consumer's stream (which must wait for the
+    producer's copy), the stream is synchronized and the "device" bytes read back
+    into a CPU tensor. With kernel_delay_us, a slow fake kernel that checksums the
+    slot is queued on the stream as well, and the view is dropped at once: if the
+    slot were handed back before that kernel ran, the producer's next copy would
+    change the bytes under it and the checksum would not match.
+    """
+
+    def __init__(self, kernel_delay_us: int) -> None:
+        from fakecuda import FakeCuda
+
+        self.cuda = FakeCuda(os.environ["TENSORSOCKET_LIBCUDA"])
+        self.cuda.setup(0)
+        self.stream = self.cuda.stream_create(1)  # non-blocking, like torch's streams
+        self.delay_us = kernel_delay_us
+        self.reads: list = []  # (result cell, expected checksum)
+
+    def tensor(self, view) -> torch.Tensor:
+        from fakecuda import fnv1a
+
+        capsule = view.__dlpack__(stream=self.stream, max_version=(1, 0))
+        self.cuda.stream_synchronize(self.stream)
+        data = self.cuda.read(view.data_ptr, view.nbytes)
+        if self.delay_us:
+            cell = self.cuda.launch_read(self.stream, view.data_ptr, view.nbytes, self.delay_us)
+            self.reads.append((cell, fnv1a(data)))
+        del capsule
+        code, bits, _ = view.dtype
+        t = torch.frombuffer(bytearray(data), dtype=_DL_TORCH[(code, bits)]) if data else \
+            torch.empty(0, dtype=_DL_TORCH[(code, bits)])
+        return t.reshape(view.shape)
+
+    def check(self) -> dict:
+        """Wait for the queued kernels; count the reads that saw other bytes."""
+        self.cuda.stream_synchronize(self.stream)
+        bad = sum(1 for cell, want in self.reads if cell.value != want)
+        return {"kernel_reads": len(self.reads), "kernel_mismatches": bad}
+
+
 def make_batch(kind: str, v: int):
     """The batch whose every tensor encodes v."""
     x = torch.full((4, 8), float(v))
@@ -180,7 +229,7 @@ def producer(a: argparse.Namespace) -> dict:
     if gate.at is not None:
         loader = gate.wrap(loader)
     kw = dict(min_consumers=a.min_consumers, ring_slots=a.slots, max_lag=a.max_lag,
-              lag_policy=a.lag_policy)
+              lag_policy=a.lag_policy, device=a.device, device_fallback=not a.no_fallback)
     if a.window is not None:
         kw["rubber_band"] = a.window
     if a.port is not None:
@@ -189,6 +238,9 @@ def producer(a: argparse.Namespace) -> dict:
         p = TensorProducer(loader, name=a.name, start_timeout=a.start_timeout, **kw)
     gate.producer = p
     print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    caught = warnings.catch_warnings(record=True)
+    seen_warnings = caught.__enter__()
+    warnings.simplefilter("always")
     cpu0 = time.process_time()
     cut = tuple(int(x) for x in a.cut.split(":")) if a.cut else None
     for e in range(a.epochs):
@@ -199,7 +251,9 @@ def producer(a: argparse.Namespace) -> dict:
                 break  # the producer's epoch e ends after i + 1 batches
     stats = p.stats()
     drained = p.join(timeout=60)
-    return {"stats": stats, "drained": drained, "cpu": time.process_time() - cpu0}
+    caught.__exit__(None, None, None)
+    return {"stats": stats, "drained": drained, "cpu": time.process_time() - cpu0,
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in seen_warnings]}
 
 
 def _batch_value(kind: str, batch, e: int, seen: list) -> int:
@@ -219,13 +273,20 @@ def consumer(a: argparse.Namespace) -> dict:
 
 
 def _open(a: argparse.Namespace) -> TensorConsumer:
-    kw = dict(batch_size=a.batch_size, drop_last=a.drop_last)
+    kw = dict(batch_size=a.batch_size, drop_last=a.drop_last, device=a.device,
+              pin_memory=a.pin_memory)
     if a.port is None:
         return TensorConsumer(name=a.name, timeout=a.timeout, **kw)
     return TensorConsumer(str(a.port), str(a.port + 1), **kw)
 
 
 def _consume(a: argparse.Namespace) -> dict:
+    fake_gpu = None
+    if a.gpu_double:
+        import tensorsocket.consumer
+
+        fake_gpu = FakeGpu(a.kernel_delay_us)
+        tensorsocket.consumer._device_tensor = fake_gpu.tensor
     c = _open(a)
     info = c.ring.info()
     lo, hi = info["data_address"], info["data_address"] + info["data_bytes"]
@@ -269,7 +330,7 @@ def _consume(a: argparse.Namespace) -> dict:
                     first = batch[0] if a.kind == "tuple" else batch if a.kind == "big" \
                         else batch["x"]
                     seen.append(v)
-                inside &= lo <= first.data_ptr() < hi
+                inside &= fake_gpu is not None or lo <= first.data_ptr() < hi
                 if idx is not None and idx != len(epoch_sizes or seen) - 1:
                     errors.append(f"index {idx} at batch {len(seen)}")
                 if a.stall_after is not None and len(seen) == a.stall_after:
@@ -308,7 +369,10 @@ def _consume(a: argparse.Namespace) -> dict:
         out["len"] = len(c)
     except TypeError as err:
         out["len"] = str(err)
+    out["ring_info"] = {k: info[k] for k in ("device_type", "device_uuid", "slot_count")}
     c.close()
+    if fake_gpu is not None:
+        out.update(fake_gpu.check())
     if a.rejoin_epochs:
         c2 = _open(a)
         again = []
@@ -350,6 +414,13 @@ def main() -> None:
     ap.add_argument("--leave-after", type=int, help="close after N batches")
     ap.add_argument("--break-after", type=int, help="break out of the loop after N batches")
     ap.add_argument("--pause", type=float, default=0.0, help="... and sleep this long")
+    ap.add_argument("--device", help="producer: device= of the ring; consumer: device=")
+    ap.add_argument("--no-fallback", action="store_true", help="producer: device_fallback=False")
+    ap.add_argument("--pin-memory", action="store_true", help="consumer: pin_memory=True")
+    ap.add_argument("--gpu-double", action="store_true",
+                    help="consumer: read device views through the CUDA test double")
+    ap.add_argument("--kernel-delay-us", type=int, default=0,
+                    help="with --gpu-double: queue a slow checksum kernel per tensor")
     ap.add_argument("--rejoin-epochs", type=int, default=0,
                     help="after leaving, attach again in this process for N epochs")
     a = ap.parse_args()

@@ -100,9 +100,11 @@ def test_error_names_and_strings(agent):
         assert a(f"fc.error_string({rc})")
     assert a("fc.error_string(201)") == "invalid device context"
     # Unknown code: CUDA_ERROR_INVALID_VALUE and the output set to NULL.
-    assert a("s = ctypes.c_char_p(b'x'); fc.call('cuGetErrorName', 12345, ctypes.byref(s))") \
-        is None
+    a("s = ctypes.c_char_p(b'x')")
     assert a("fc.call('cuGetErrorName', 12345, ctypes.byref(s)), s.value") == \
+        [CUDA_ERROR_INVALID_VALUE, None]
+    a("s = ctypes.c_char_p(b'x')")
+    assert a("fc.call('cuGetErrorString', 12345, ctypes.byref(s)), s.value") == \
         [CUDA_ERROR_INVALID_VALUE, None]
 
 
@@ -273,8 +275,8 @@ def test_pageable_copy_is_staged_registered_copy_reads_at_execution(agent, log):
     a = agent(FAKECUDA_OP_DELAY_US="100000")
     a("n = 8192; dev = fc.mem_alloc(n); s = fc.stream_create(); host = fakecuda.host_mmap(n, 1)")
     # Pageable: the bytes are taken when the call returns; later stores do not matter.
-    a("fc.memcpy_htod_async(dev, host, n, s); ctypes.memset(host, 2, n)")
-    assert a("fc.read(dev, 4)") == b"\0\0\0\0"  # not executed yet
+    assert a("fc.memcpy_htod_async(dev, host, n, s); ctypes.memset(host, 2, n);"
+             "fc.read(dev, 4)") == b"\0\0\0\0"  # not executed yet
     a("fc.stream_synchronize(s)")
     assert a("fc.read(dev, n)") == b"\1" * 8192
     # Registered: read when the stream gets there, so the later store is what arrives.
@@ -288,8 +290,8 @@ def test_pageable_copy_is_staged_registered_copy_reads_at_execution(agent, log):
     assert a.rc("fc.memcpy_htod_async(dev + 1, host, n, s)") == CUDA_ERROR_INVALID_VALUE
     assert a.rc("fc.memcpy_htod_async(dev, host, 16, 0xdead)") == CUDA_ERROR_INVALID_HANDLE
     # Device to device: both ends must be device memory; copied when executed.
-    a("d2 = fc.mem_alloc(n); fc.memcpy_dtod_async(d2, dev, n, s)")
-    assert a("fc.read(d2, 4)") == b"\0\0\0\0"
+    assert a("d2 = fc.mem_alloc(n); fc.memcpy_dtod_async(d2, dev, n, s); fc.read(d2, 4)") == \
+        b"\0\0\0\0"
     a("fc.stream_synchronize(s)")
     assert a("fc.read(d2, n) == fc.read(dev, n)") is True
     assert a.rc("fc.memcpy_dtod_async(d2, host, 16, s)") == CUDA_ERROR_INVALID_VALUE
@@ -325,9 +327,7 @@ def test_streams_run_in_order_and_synchronize(agent, log):
     a = agent(FAKECUDA_OP_DELAY_US="30000")
     a("dev = fc.mem_alloc(64); s = fc.stream_create(); ev = fc.event_create()")
     a("for i in range(5): fc.memcpy_htod_async(dev, bytes([i + 1]) * 64, 64, s)")
-    a("fc.event_record(ev, s)")
-    assert a("fc.event_query(ev)") is False
-    assert a("fc.read(dev, 1)") == b"\0"
+    assert a("fc.event_record(ev, s); fc.event_query(ev), fc.read(dev, 1)") == [False, b"\0"]
     a("fc.ctx_synchronize()")
     assert a("fc.event_query(ev)") is True
     assert a("fc.read(dev, 64)") == b"\5" * 64
@@ -382,7 +382,7 @@ def test_event_rules(agent):
 def test_stream_waits_for_work_recorded_by_another_process(agent, log):
     """Producer: slow copy into exported memory, then record an interprocess event.
     Consumer: its stream waits on the event, then reads: it sees the producer's bytes."""
-    prod = agent(FAKECUDA_OP_DELAY_US="250000")
+    prod = agent(FAKECUDA_OP_DELAY_US="300000")
     cons = agent()
     data = b"batch-0 " * 512
     h, eh = prod("p = fc.mem_alloc(4096); ev = fc.event_create(fakecuda.IPC_EVENT_FLAGS);"
@@ -392,9 +392,8 @@ def test_stream_waits_for_work_recorded_by_another_process(agent, log):
     assert cons.rc("fc.stream_wait_event(s, e)") == CUDA_ERROR_ILLEGAL_STATE  # not recorded
     prod(f"fc.memcpy_htod_async(p, {data!r}, 4096, s); fc.event_record(ev, s)")
     # Without waiting, the consumer's kernel runs now and sees no data yet.
-    cons("r0 = fc.launch_read(s, q, 4096); fc.stream_synchronize(s)")
-    assert cons("r0.value") == fnv1a(bytes(4096))
-    assert cons("fc.event_query(e)") is False
+    assert cons("r0 = fc.launch_read(s, q, 4096); fc.stream_synchronize(s);"
+                "r0.value, fc.event_query(e)") == [fnv1a(bytes(4096)), False]
     # With the wait, the stream is held until the producer's record executed.
     cons("fc.stream_wait_event(s, e); r1 = fc.launch_read(s, q, 4096)")
     cons("fc.stream_synchronize(s)")
@@ -472,3 +471,253 @@ def test_failed_calls_are_logged(agent, log):
 def test_cudaerror_carries_the_code():
     e = CudaError(201, "cuMemAlloc_v2")
     assert e.rc == 201 and "CUDA_ERROR_INVALID_CONTEXT" in str(e)
+
+
+# ---- sanitizers ----------------------------------------------------------------------------
+
+# A C program that drives every entry point through a full life cycle, with a child process
+# (itself, re-executed) on the IPC side and helper threads with their own contexts. Built
+# with the library under ASan+UBSan (LeakSanitizer checks that destroy frees everything) and
+# under TSan.
+DRIVER_C = r"""
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ts_cuda.h"
+
+CUresult cuInit(unsigned int);
+CUresult cuGetErrorName(CUresult, const char **);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice);
+CUresult cuCtxPushCurrent_v2(CUcontext);
+CUresult cuCtxPopCurrent_v2(CUcontext *);
+CUresult cuCtxSynchronize(void);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, CUstream);
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+CUresult cuMemHostRegister_v2(void *, size_t, unsigned int);
+CUresult cuMemHostUnregister(void *);
+CUresult cuStreamCreate(CUstream *, unsigned int);
+CUresult cuStreamDestroy_v2(CUstream);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned int);
+CUresult cuEventCreate(CUevent *, unsigned int);
+CUresult cuEventDestroy_v2(CUevent);
+CUresult cuEventRecord(CUevent, CUstream);
+CUresult cuEventQuery(CUevent);
+CUresult cuEventSynchronize(CUevent);
+CUresult cuIpcGetMemHandle(CUipcMemHandle *, CUdeviceptr);
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *, CUipcMemHandle, unsigned int);
+CUresult cuIpcCloseMemHandle(CUdeviceptr);
+CUresult cuIpcGetEventHandle(CUipcEventHandle *, CUevent);
+CUresult cuIpcOpenEventHandle(CUevent *, CUipcEventHandle);
+CUresult fakecuda_launch_read(CUstream, CUdeviceptr, size_t, unsigned long long *, unsigned);
+
+extern char **environ;
+
+#define EXPECT(call, want)                                                                  \
+    do {                                                                                    \
+        CUresult rc_ = (call);                                                              \
+        if (rc_ != (want)) {                                                                \
+            fprintf(stderr, "%d: %s = %d, want %d\n", __LINE__, #call, rc_, (int)(want));   \
+            exit(1);                                                                        \
+        }                                                                                   \
+    } while (0)
+#define CK(call) EXPECT(call, CUDA_SUCCESS)
+#define N 4096
+
+static CUcontext ctx;
+
+static unsigned long long fnv(const unsigned char *p, size_t n)
+{
+    unsigned long long h = 0xcbf29ce484222325ULL;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ULL;
+    return h;
+}
+
+static void *worker(void *arg)
+{
+    unsigned char *buf = malloc(N);
+    memset(buf, (int)(size_t)arg, N);
+    CK(cuCtxPushCurrent_v2(ctx));
+    CUstream s;
+    CK(cuStreamCreate(&s, 0));
+    for (int i = 0; i < 40; i++) {
+        CUdeviceptr p;
+        unsigned long long sum = 0;
+        CK(cuMemAlloc_v2(&p, N));
+        CK(cuMemcpyHtoDAsync_v2(p, buf, N, s));
+        CK(fakecuda_launch_read(s, p, N, &sum, 0));
+        CK(cuMemFree_v2(p)); /* queued work still holds the mapping */
+        CK(cuStreamSynchronize(s));
+        if (sum != fnv(buf, N)) exit(2);
+    }
+    CK(cuStreamDestroy_v2(s));
+    CK(cuCtxPopCurrent_v2(NULL));
+    free(buf);
+    return NULL;
+}
+
+static int child(char **argv)
+{
+    CUipcMemHandle mh;
+    CUipcEventHandle eh;
+    for (int i = 0; i < 64; i++) {
+        sscanf(argv[2] + 2 * i, "%2hhx", (unsigned char *)&mh.reserved[i]);
+        sscanf(argv[3] + 2 * i, "%2hhx", (unsigned char *)&eh.reserved[i]);
+    }
+    CUcontext c;
+    CUdeviceptr p, p2;
+    CUevent e;
+    CUstream s;
+    unsigned long long sum = 0;
+    unsigned char want[N];
+    memset(want, 0xa5, N);
+    CK(cuInit(0));
+    CK(cuDevicePrimaryCtxRetain(&c, 0));
+    CK(cuCtxPushCurrent_v2(c));
+    CK(cuIpcOpenMemHandle_v2(&p, mh, 0));
+    CK(cuIpcOpenMemHandle_v2(&p2, mh, 0));
+    if (p != p2) return 3;
+    CK(cuIpcOpenEventHandle(&e, eh));
+    CK(cuStreamCreate(&s, 0));
+    CK(cuStreamWaitEvent(s, e, 0));
+    CK(fakecuda_launch_read(s, p, N, &sum, 0));
+    CK(cuEventRecord(e, s));
+    CK(cuIpcCloseMemHandle(p));
+    CK(cuIpcCloseMemHandle(p2)); /* the queued read still holds the mapping */
+    CK(cuStreamSynchronize(s));
+    if (sum != fnv(want, N)) return 4;
+    CK(cuEventDestroy_v2(e));
+    CK(cuStreamDestroy_v2(s));
+    CK(cuCtxPopCurrent_v2(NULL));
+    CK(cuDevicePrimaryCtxRelease_v2(0));
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 4 && strcmp(argv[1], "child") == 0) return child(argv);
+    const char *name;
+    CUdeviceptr d, d2, bad;
+    CUstream s;
+    CUevent ev, lev;
+    CUipcMemHandle mh;
+    CUipcEventHandle eh;
+    unsigned char *host = aligned_alloc(4096, N);
+    memset(host, 0xa5, N);
+    EXPECT(cuMemAlloc_v2(&bad, 16), CUDA_ERROR_NOT_INITIALIZED);
+    CK(cuInit(0));
+    EXPECT(cuMemAlloc_v2(&bad, 16), CUDA_ERROR_INVALID_CONTEXT);
+    EXPECT(cuGetErrorName(12345, &name), CUDA_ERROR_INVALID_VALUE);
+    CK(cuDevicePrimaryCtxRetain(&ctx, 0));
+    CK(cuCtxPushCurrent_v2(ctx));
+    EXPECT(cuMemFree_v2(1), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuEventCreate(&ev, CU_EVENT_INTERPROCESS), CUDA_ERROR_INVALID_VALUE);
+    CK(cuMemAlloc_v2(&d, N));
+    CK(cuMemAlloc_v2(&d2, N));
+    CK(cuMemHostRegister_v2(host, N, 0));
+    EXPECT(cuMemHostRegister_v2(host, N, 0), CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+    CK(cuStreamCreate(&s, 0));
+    CK(cuEventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING));
+    CK(cuEventCreate(&lev, CU_EVENT_DISABLE_TIMING));
+    EXPECT(cuStreamWaitEvent(s, lev, 0), 401);
+    CK(cuMemcpyHtoDAsync_v2(d, host, N, s));
+    CK(cuMemcpyDtoDAsync_v2(d2, d, N, s));
+    CK(cuEventRecord(lev, s));
+    CK(cuStreamWaitEvent(NULL, lev, 0));
+    CK(cuMemcpyHtoDAsync_v2(d, host, 16, TS_CU_STREAM_LEGACY));
+    CK(cuEventRecord(ev, TS_CU_STREAM_PER_THREAD));
+    CK(cuCtxSynchronize());
+    CK(cuEventQuery(ev));
+    CK(cuIpcGetMemHandle(&mh, d2));
+    CK(cuIpcGetEventHandle(&eh, ev));
+    EXPECT(cuIpcOpenMemHandle_v2(&bad, mh, 0), CUDA_ERROR_INVALID_CONTEXT);
+
+    char mhex[129], ehex[129], self[] = "child";
+    for (int i = 0; i < 64; i++) {
+        sprintf(mhex + 2 * i, "%02x", (unsigned char)mh.reserved[i]);
+        sprintf(ehex + 2 * i, "%02x", (unsigned char)eh.reserved[i]);
+    }
+    char *args[] = {argv[0], self, mhex, ehex, NULL};
+    pid_t pid;
+    int status;
+    if (posix_spawn(&pid, "/proc/self/exe", NULL, NULL, args, environ) != 0) return 5;
+    pthread_t t[4];
+    for (size_t i = 0; i < 4; i++) pthread_create(&t[i], NULL, worker, (void *)(i + 1));
+    for (size_t i = 0; i < 4; i++) pthread_join(t[i], NULL);
+    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "child failed: status %d\n", status);
+        return 6;
+    }
+    CK(cuEventSynchronize(ev)); /* the child's record */
+
+    CK(cuEventDestroy_v2(ev));
+    CK(cuEventDestroy_v2(lev));
+    CK(cuStreamDestroy_v2(s));
+    CK(cuMemHostUnregister(host));
+    CK(cuMemFree_v2(d));
+    CK(cuMemFree_v2(d2));
+    CK(cuCtxPopCurrent_v2(NULL));
+    CK(cuDevicePrimaryCtxRelease_v2(0));
+    free(host);
+    puts("driver ok");
+    return 0;
+}
+"""
+
+
+def _build_driver(work: Path, flags: list[str]) -> Path:
+    """libfakecuda.so and the driver, both built with flags; skips if the toolchain can't."""
+    try:
+        fakecuda.build(work, extra=flags, sanitize=False)
+    except fakecuda.NoCompiler as e:
+        pytest.skip(str(e))
+    except fakecuda.BuildError as e:
+        if "-fsanitize" in " ".join(flags) and "cannot find" in str(e):
+            pytest.skip(f"no sanitizer runtime: {e}")
+        raise
+    src = work / "driver.c"
+    src.write_text(DRIVER_C)
+    exe = work / "driver"
+    cmd = [*fakecuda.compiler(), "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g",
+           "-pthread", *flags, f"-I{ROOT / 'csrc'}", str(src), "-o", str(exe), f"-L{work}",
+           "-lfakecuda", f"-Wl,-rpath,{work}", "-lrt"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
+    return exe
+
+
+@pytest.mark.parametrize("sanitizer", ["address,undefined", "thread"])
+def test_life_cycle_is_sanitizer_clean(tmp_path, sanitizer):
+    flags = [f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer"]
+    exe = _build_driver(tmp_path, flags)
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")},
+        "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1",
+        "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+        "TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1",
+        "FAKECUDA_LOG": str(tmp_path / "log"),
+    }
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
+    out = proc.stdout + proc.stderr
+    if sanitizer == "thread" and proc.returncode != 0 and "FATAL: ThreadSanitizer" in out:
+        pytest.skip(f"TSan binaries do not run here:\n{out}")
+    if sanitizer != "thread" and "LeakSanitizer has encountered a fatal error" in out:
+        pytest.skip(f"LeakSanitizer does not run here:\n{out}")
+    assert proc.returncode == 0 and "driver ok" in out, out
+    assert "Sanitizer" not in out and "runtime error" not in out, out
+    lines = parse_log(tmp_path / "log")
+    parent = lines[0].pid
+    pids = {ln.pid for ln in lines}
+    assert len(pids) == 2, pids  # the driver and its child both ran
+    assert {ln.pid for ln in select(lines, "exec_read")} == pids
+    assert select(lines, "fail", pid=parent, op="ipc_open_mem")  # its own handle: 201
+    assert [n for pid in pids for n in fakecuda.cleanup_shm(pid)] == []
