@@ -33,6 +33,8 @@ struct ts_gpu {
     uint8_t *recorded; /* producer: the slot's event was recorded at least once */
     CUstream stream;   /* owns (producer): the copy stream */
     int imported;      /* consumer: ptr and event are open */
+    int importer;      /* consumer: our entry in the header's importer table, or -1 */
+    ts_header *hdr;    /* the ring's header (valid until the state is torn down) */
     void *pinned;      /* page-locked host range (the ring's data mapping), or NULL */
 
     /* Consumer: deferred releases, handled by the reaper thread. */
@@ -92,6 +94,7 @@ static ts_gpu *ts_gpu_new(ts_cuda_api *api, int ordinal, uint32_t slots, int is_
     pthread_cond_init(&g->cond, NULL);
     g->slot_count = slots;
     g->is_producer = is_producer;
+    g->importer = -1;
     g->ordinal = ordinal;
     int count = 0;
     CUresult rc = api->DeviceGetCount(&count);
@@ -146,6 +149,9 @@ static void ts_gpu_teardown(ts_gpu *g)
         if (g->stream != NULL) api->StreamDestroy(g->stream);
         ts_gpu_leave(g);
     }
+    /* Our mappings are closed: the producer may free the pool. */
+    if (g->importer >= 0) ts_ring_drop_importer(g->hdr, g->importer);
+    g->importer = -1;
     memset(g->event, 0, g->slot_count * sizeof *g->event);
     memset(g->ptr, 0, g->slot_count * sizeof *g->ptr);
     g->pinned = NULL;
@@ -354,6 +360,7 @@ static ts_gpu *ts_gpu_consumer_state(ts_ring *ring, ts_cuda_api *api, int ordina
         return NULL;
     }
     ring->gpu = ts_gpu_new(api, ordinal, ring->hdr->slot_count, 0, err);
+    if (ring->gpu != NULL) ring->gpu->hdr = ring->hdr;
     return ring->gpu;
 }
 
@@ -383,8 +390,16 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
     unsigned int flags = memcmp(mine.bytes, h->device_uuid, sizeof mine.bytes) != 0
                              ? CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
                              : 0;
+    /* Announce the mapping before it exists: the producer never frees under it. */
+    g->importer = ts_ring_add_importer(ring);
+    if (g->importer < 0)
+        return ts_err_set(err, TS_E_FULL, 0, "too many processes map this GPU ring");
     st = ts_gpu_enter(g, err);
-    if (st != TS_OK) return st;
+    if (st != TS_OK) {
+        ts_ring_drop_importer(ring->hdr, g->importer);
+        g->importer = -1;
+        return st;
+    }
     uint32_t k = 0;
     for (; k < h->slot_count; k++) {
         const ts_ipc_entry *e = ts_ring_ipc_entry(ring, k);
@@ -426,6 +441,8 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
             g->ptr[i] = 0;
         }
         ts_gpu_leave(g);
+        ts_ring_drop_importer(ring->hdr, g->importer);
+        g->importer = -1;
         return st;
     }
     ts_gpu_leave(g);

@@ -1201,6 +1201,12 @@ static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
                          "producer_host_pinned", (int)h->host_pinned, "imported_device",
                          ts_gpu_imported_device(r), "host_pinned", ts_gpu_host_pinned(r),
                          "same_pid_namespace", h->pid_ns == ts_proc_pid_ns() ? Py_True : Py_False);
+    PyObject *importers =
+        PyLong_FromUnsignedLong(h->device_type == kDLCUDA ? ts_ring_importers(r) : 0);
+    if (importers == NULL ||
+        (more != NULL && PyDict_SetItemString(more, "gpu_importers", importers) < 0))
+        Py_CLEAR(more);
+    Py_XDECREF(importers);
     if (more == NULL || PyDict_Update(info, more) < 0) {
         Py_XDECREF(more);
         Py_DECREF(info);

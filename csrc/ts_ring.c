@@ -807,14 +807,61 @@ ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err)
     return st;
 }
 
-/* No slot carries a reader bit. */
+/* Record that this process maps the device pool. */
+int ts_ring_add_importer(ts_ring *ring)
+{
+    ts_header *h = ring->hdr;
+    for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
+        uint32_t want = TS_IMPORTER_FREE;
+        if (!atomic_compare_exchange_strong_explicit(&h->importers[i].state, &want,
+                                                     TS_IMPORTER_CLAIMED, memory_order_acq_rel,
+                                                     memory_order_relaxed))
+            continue;
+        h->importers[i].pid = (int32_t)getpid();
+        h->importers[i].start_time = ts_proc_start_time(getpid());
+        atomic_store_explicit(&h->importers[i].state, TS_IMPORTER_MAPPED, memory_order_release);
+        return i;
+    }
+    return -1;
+}
+
+/* This process closed its mapping of the device pool. */
+void ts_ring_drop_importer(ts_header *h, int entry)
+{
+    if (entry < 0 || entry >= TS_MAX_CONSUMERS) return;
+    atomic_store_explicit(&h->importers[entry].state, TS_IMPORTER_FREE, memory_order_release);
+    ts_signal(&h->free_word, &h->free_waiters);
+}
+
+/* Live processes that still map the device pool (dead ones' entries are freed). */
+uint32_t ts_ring_importers(const ts_ring *ring)
+{
+    ts_header *h = ring->hdr;
+    uint32_t n = 0;
+    for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
+        ts_importer *e = &h->importers[i];
+        uint32_t st = atomic_load_explicit(&e->state, memory_order_acquire);
+        if (st == TS_IMPORTER_FREE) continue;
+        if (st == TS_IMPORTER_MAPPED && !ts_proc_alive(e->pid, e->start_time)) {
+            /* The driver unmapped a dead process's imports. */
+            uint32_t want = TS_IMPORTER_MAPPED;
+            atomic_compare_exchange_strong_explicit(&e->state, &want, TS_IMPORTER_FREE,
+                                                    memory_order_acq_rel, memory_order_relaxed);
+            continue;
+        }
+        n++;
+    }
+    return n;
+}
+
+/* No slot carries a reader bit and nobody maps the device pool. */
 static int ts_ring_is_released(const ts_ring *ring, const void *unused)
 {
     (void)unused;
     for (uint32_t i = 0; i < ring->hdr->slot_count; i++)
         if (atomic_load_explicit(&ts_ring_slot(ring, i)->readers, memory_order_seq_cst) != 0)
             return 0;
-    return 1;
+    return ring->hdr->device_type != kDLCUDA || ts_ring_importers(ring) == 0;
 }
 
 /* Wait until no slot is held by any consumer (views included). */

@@ -113,6 +113,17 @@ typedef struct ts_consumer {
     _Atomic uint64_t progress_ns;  /* CLOCK_MONOTONIC of the last acquire */
 } ts_consumer;
 
+/* A process that maps a CUDA ring's device pool (ts_gpu_import). The producer
+ * frees the pool only once every importer has closed its mapping or died:
+ * freeing exported memory still open elsewhere is undefined behaviour. */
+typedef struct ts_importer {
+    _Atomic uint32_t state; /* TS_IMPORTER_* */
+    int32_t pid;
+    uint64_t start_time;
+} ts_importer;
+
+enum { TS_IMPORTER_FREE = 0, TS_IMPORTER_CLAIMED = 1, TS_IMPORTER_MAPPED = 2 };
+
 /* The header at offset 0 of the segment. */
 typedef struct ts_header {
     uint64_t magic;
@@ -149,6 +160,7 @@ typedef struct ts_header {
     _Atomic uint64_t publish_wait_ns; /* producer time asleep waiting for free slots */
 
     ts_consumer consumers[TS_MAX_CONSUMERS];
+    ts_importer importers[TS_MAX_CONSUMERS]; /* CUDA rings: who maps the device pool */
 } ts_header;
 
 /* CUDA rings: the IPC handles of one slot's device memory and event,
@@ -279,7 +291,8 @@ ts_status ts_ring_wait_consumers(ts_ring *ring, uint32_t n, uint64_t deadline, t
 /* Wait until every active consumer has read every published entry. */
 ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err);
 
-/* Wait until no slot is held by any consumer (views included). */
+/* Wait until no slot is held by any consumer (views included) and, for a
+ * CUDA ring, no live process maps the device pool any more. */
 ts_status ts_ring_wait_released(ts_ring *ring, uint64_t deadline, ts_err *err);
 
 /* Mark the ring finished and wake every consumer. */
@@ -301,5 +314,15 @@ uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot);
 
 /* CUDA rings: the IPC handles of slot i (NULL for host rings). */
 ts_ipc_entry *ts_ring_ipc_entry(const ts_ring *ring, uint32_t i);
+
+/* Record that this process maps the device pool; returns the importer entry
+ * or -1 if the table is full. */
+int ts_ring_add_importer(ts_ring *ring);
+
+/* This process closed its mapping of the device pool (entry from add). */
+void ts_ring_drop_importer(ts_header *h, int entry);
+
+/* Live processes that still map the device pool. */
+uint32_t ts_ring_importers(const ts_ring *ring);
 
 #endif /* TS_RING_H */

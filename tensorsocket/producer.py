@@ -538,19 +538,21 @@ def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd
 
 
 def _wait_gpu_released(ring: Any, timeout: float | None) -> None:
-    """A GPU ring's device memory may be freed only once no consumer maps a batch of it
-    (freeing it under a consumer's kernels is undefined behaviour). The control thread
-    still runs meanwhile, so consumers that die are evicted and stop counting."""
+    """A GPU ring's device memory may be freed only once no consumer holds a batch of it
+    and no consumer process maps it any more (freeing exported memory still mapped
+    elsewhere is undefined behaviour). The control thread still runs meanwhile, so
+    consumers that die are evicted and stop counting."""
     info = ring.info()
     if info["device_type"] != DL_CUDA or ring.wait_released(0):
         return
     log.info("waiting up to %s s for consumers to free the GPU batches they hold", timeout)
     if not ring.wait_released(timeout):
-        held = ring.info()["occupied"]
+        now = ring.info()
         log.warning(
-            "%d ring slots are still held by consumers after release_timeout=%s s; freeing "
-            "the GPU ring anyway: tensors those consumers still hold are no longer valid",
-            held, timeout)
+            "after release_timeout=%s s, %d ring slots are still held and %d consumer "
+            "processes still map the GPU ring; freeing it anyway: their tensors are no longer "
+            "valid (consumers should close() when done)",
+            timeout, now["occupied"], now["gpu_importers"])
 
 
 def _take_name_lock(endpoint: Endpoint) -> int:

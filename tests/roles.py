@@ -370,6 +370,7 @@ def _consume(a: argparse.Namespace) -> dict:
     except TypeError as err:
         out["len"] = str(err)
     out["ring_info"] = {k: info[k] for k in ("device_type", "device_uuid", "slot_count")}
+    time.sleep(a.linger)  # still attached after the last batch (the producer waits for us)
     c.close()
     if fake_gpu is not None:
         out.update(fake_gpu.check())
@@ -421,6 +422,8 @@ def main() -> None:
                     help="consumer: read device views through the CUDA test double")
     ap.add_argument("--kernel-delay-us", type=int, default=0,
                     help="with --gpu-double: queue a slow checksum kernel per tensor")
+    ap.add_argument("--linger", type=float, default=0.0,
+                    help="consumer: stay open this long after the last batch")
     ap.add_argument("--rejoin-epochs", type=int, default=0,
                     help="after leaving, attach again in this process for N epochs")
     a = ap.parse_args()

@@ -1,0 +1,231 @@
+"""The GPU ring, end to end, on the CUDA driver test double (no GPU needed).
+
+Real producer and consumer processes load csrc/tests/fake_cuda.c instead of
+libcuda (TENSORSOCKET_LIBCUDA). The double keeps "device" memory in shared
+memory, runs streams on worker threads with a delay per operation so that
+asynchrony shows, enforces the CUDA IPC rules (no opening a handle in the
+exporting process, base allocations only, no waiting on an event nobody
+recorded, a current context on every calling thread) and logs every call.
+Consumers read device tensors back through the double (tests/roles.py FakeGpu).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import fakecuda
+
+BATCHES, EPOCHS, SLOTS = 12, 2, 4
+
+
+@pytest.fixture(scope="session")
+def fake_lib(tmp_path_factory) -> Path:
+    try:
+        return fakecuda.build(tmp_path_factory.mktemp("fakecuda"))
+    except fakecuda.NoCompiler as e:
+        pytest.skip(f"no C compiler for the CUDA test double: {e}")
+
+
+@pytest.fixture
+def gpu_env(fake_lib, tmp_path):
+    """Environment of processes on the double, with a call log; checks no leftovers."""
+    before = set(fakecuda.shm_objects())
+    log = tmp_path / "cuda.log"
+    env = {"TENSORSOCKET_LIBCUDA": str(fake_lib), "FAKECUDA_LOG": str(log),
+           "FAKECUDA_OP_DELAY_US": "200"}
+    yield env
+    left = sorted(set(fakecuda.shm_objects()) - before)
+    for obj in left:
+        os.unlink(f"/dev/shm/{obj}")
+    assert left == [], f"device memory or events left behind: {left}"
+
+
+def _run(procs, name, env, *, producer=(), consumers=((),), epochs=EPOCHS, cenv=None):
+    """Start a producer and consumers on the double; return (producer, [consumers])."""
+    p = procs.start("producer", "--name", name, "--epochs", str(epochs), "--batches",
+                    str(BATCHES), "--slots", str(SLOTS), "--min-consumers",
+                    str(len(consumers)), *producer, env=env)
+    procs.wait_ready(p)
+    cs = [procs.start("consumer", "--name", name, "--epochs", str(epochs), *args,
+                      env={**env, **(cenv or {})}) for args in consumers]
+    results = [procs.result(c) for c in cs]
+    return procs.result(p), results
+
+
+def _expected(epochs=EPOCHS):
+    return [[e * 1000 + b for b in range(BATCHES)] for e in range(epochs)]
+
+
+def test_gpu_ring_protocol(procs, name, gpu_env):
+    """One copy per batch for all consumers; handles exported and opened once per slot;
+    consumers ordered after the copy; no slot reused under a consumer's kernel."""
+    prod, (slow, fast) = _run(
+        procs, name, gpu_env, producer=("--device", "cuda:0"),
+        consumers=(("--gpu-double", "--kernel-delay-us", "3000"), ("--gpu-double",)))
+    assert prod["stats"]["device"] == "cuda:0" and prod["warnings"] == []
+    for r in (slow, fast):
+        assert r["errors"] == [] and r["epochs"] == _expected()
+        assert r["stats"]["device"] == "cuda:0" and r["stats"]["zero_copy_gpu"] is True
+        assert r["ring_info"]["device_type"] == 2
+    # The slow consumer's kernels read each slot well after it dropped the batch: a slot
+    # handed back before they ran would have been overwritten under them.
+    assert slow["kernel_reads"] == BATCHES * EPOCHS * 2  # mixed batches: 2 torch tensors
+    assert slow["kernel_mismatches"] == 0
+
+    log = fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
+    ppid = int(prod_pid(log, "ipc_get_mem"))
+    ops = Counter((line.pid == ppid, line.op) for line in log)
+    # Exported once per slot, by the producer.
+    assert ops[(True, "ipc_get_mem")] == SLOTS and ops[(True, "ipc_get_event")] == SLOTS
+    # One host-to-device copy per batch, whatever the number of consumers.
+    assert ops[(True, "htod")] == BATCHES * EPOCHS
+    assert ops[(False, "htod")] == 0
+    # Every consumer opens every handle exactly once (never cached re-opens).
+    opens = [line for line in log if line.op == "ipc_open_mem"]
+    per_consumer = Counter(line.pid for line in opens)
+    assert sorted(per_consumer.values()) == [SLOTS, SLOTS]
+    assert all(line["cached"] == "0" for line in opens)
+    ev_opens = Counter(line.pid for line in log if line.op == "ipc_open_event")
+    assert sorted(ev_opens.values()) == [SLOTS, SLOTS]
+    # Publish order: each consumer wait is on a generation the producer recorded earlier.
+    recorded = set()
+    waits = 0
+    for line in log:
+        if line.op == "event_record" and line.pid == ppid:
+            recorded.add((line["ev"], line["gen"]))
+        elif line.op == "stream_wait_event" and line.pid != ppid:
+            waits += 1
+            assert (line["ev"], line["gen"]) in recorded, line
+    assert waits == 2 * BATCHES * EPOCHS * 2
+    assert [line for line in log if line.op == "fail"] == []
+
+
+def prod_pid(log, op):
+    """The pid of the process that performed op (the producer's exports)."""
+    pids = {line.pid for line in log if line.op == op}
+    assert len(pids) == 1, pids
+    return pids.pop()
+
+
+@pytest.mark.parametrize("fault,expect", [
+    ({"FAKECUDA_MIG": "1"}, "CUDA IPC is not supported on GPU 0"),
+    ({"FAKECUDA_NO_IPC_EVENTS": "1"}, "does not support CUDA IPC events"),
+    ({"TENSORSOCKET_LIBCUDA": "/nonexistent/libcuda.so.1"}, "could not be loaded"),
+    ({"FAKECUDA_FAIL_INIT": "1"}, "cuInit failed"),
+])
+def test_producer_falls_back_to_host(procs, name, gpu_env, fault, expect):
+    """Where CUDA IPC cannot work the producer warns why and serves a host ring."""
+    env = {**gpu_env, **fault}
+    prod, (c,) = _run(procs, name, env, producer=("--device", "cuda:0"), consumers=((),))
+    assert prod["stats"]["device"] == "cpu"
+    assert len(prod["warnings"]) == 1 and "GPUFallbackWarning" in prod["warnings"][0]
+    assert expect in prod["warnings"][0]
+    assert c["errors"] == [] and c["epochs"] == _expected() and c["zero_copy"] is True
+    assert c["stats"]["device"] == "cpu" and c["warnings"] == []
+
+
+def test_producer_without_fallback_raises(procs, name, gpu_env):
+    """device_fallback=False: GPUUnavailable names the cause and the knob."""
+    p = procs.start("producer", "--name", name, "--device", "cuda:0", "--no-fallback",
+                    "--min-consumers", "1", env={**gpu_env, "FAKECUDA_MIG": "1"})
+    procs.wait_ready(p)
+    c = procs.start("consumer", "--name", name, env=gpu_env)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0
+    assert "GPUUnavailable" in err and "MIG" in err and "device_fallback=True" in err
+    c.kill()
+    c.communicate(timeout=10)
+
+
+def test_consumer_without_driver_falls_back(procs, name, gpu_env):
+    """A consumer that cannot open the GPU ring warns why and reads the host copy."""
+    prod, (c,) = _run(procs, name, gpu_env, producer=("--device", "cuda:0"),
+                      consumers=((),), cenv={"FAKECUDA_FAIL_INIT": "1"})
+    assert prod["stats"]["device"] == "cuda:0"
+    assert c["errors"] == [] and c["epochs"] == _expected() and c["zero_copy"] is True
+    assert c["stats"]["device"] == "cpu" and c["stats"]["zero_copy_gpu"] is False
+    assert "cuInit failed" in c["stats"]["device_fallback_reason"]
+    assert any("GPUFallbackWarning" in w for w in c["warnings"])
+
+
+def test_cpu_consumer_on_gpu_ring(procs, name, gpu_env):
+    """device='cpu' reads the ring's host copy and never opens the device memory."""
+    prod, (c,) = _run(procs, name, gpu_env, producer=("--device", "cuda:0"),
+                      consumers=(("--device", "cpu"),))
+    assert c["errors"] == [] and c["epochs"] == _expected() and c["zero_copy"] is True
+    assert c["stats"]["device"] == "cpu"
+    log = fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
+    assert [line for line in log if line.op in ("ipc_open_mem", "ipc_open_event")] == []
+
+
+def test_consumer_finds_the_pool_by_uuid(procs, name, gpu_env):
+    """Device ordinals differ between processes (CUDA_VISIBLE_DEVICES): the consumer
+    finds the producer's GPU by UUID and opens the pool without peer access."""
+    env = {**gpu_env, "FAKECUDA_DEVICES": "2"}
+    prod, (c,) = _run(procs, name, env, producer=("--device", "cuda:1"),
+                      consumers=(("--gpu-double",),), cenv={"FAKECUDA_VISIBLE": "1,0"})
+    assert prod["stats"]["device"] == "cuda:1"
+    assert c["errors"] == [] and c["epochs"] == _expected()
+    assert c["stats"]["device"] == "cuda:0"  # physical GPU 1 is ordinal 0 over there
+    log = fakecuda.parse_log(env["FAKECUDA_LOG"])
+    opens = [line for line in log if line.op == "ipc_open_mem"]
+    assert len(opens) == SLOTS and all(line["peer"] == "0" for line in opens)
+
+
+def test_consumer_on_another_gpu_uses_peer_access(procs, name, gpu_env):
+    """device='cuda:N' on another GPU than the pool's opens it with lazy peer access."""
+    env = {**gpu_env, "FAKECUDA_DEVICES": "2"}
+    prod, (c,) = _run(procs, name, env, producer=("--device", "cuda:0"),
+                      consumers=(("--gpu-double", "--device", "cuda:1"),))
+    assert c["errors"] == [] and c["epochs"] == _expected()
+    assert c["stats"]["device"] == "cuda:1" and c["stats"]["zero_copy_gpu"] is True
+    log = fakecuda.parse_log(env["FAKECUDA_LOG"])
+    opens = [line for line in log if line.op == "ipc_open_mem"]
+    assert len(opens) == SLOTS and all(line["peer"] == "1" for line in opens)
+
+
+def test_pin_memory_registers_the_host_mapping_read_only(procs, name, gpu_env):
+    """pin_memory=True page-locks the consumer's read-only mapping of a host ring."""
+    prod, (c,) = _run(procs, name, gpu_env, consumers=(("--pin-memory", "--device", "cpu"),))
+    assert c["errors"] == [] and c["epochs"] == _expected()
+    log = fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
+    regs = [line for line in log if line.op == "host_register"]
+    assert len(regs) == 1 and int(regs[0]["flags"], 0) & 0x8  # READ_ONLY
+    assert len([line for line in log if line.op == "host_unregister"]) == 1
+
+
+def test_killed_gpu_consumer_does_not_block_the_other(procs, name, gpu_env):
+    """A SIGKILLed consumer holding a GPU batch is evicted; the other one finishes."""
+    p = procs.start("producer", "--name", name, "--epochs", "1", "--batches", "30",
+                    "--slots", str(SLOTS), "--min-consumers", "2", "--device", "cuda:0",
+                    env=gpu_env)
+    procs.wait_ready(p)
+    stuck = procs.start("consumer", "--name", name, "--gpu-double", "--stall-after", "2",
+                        env=gpu_env)
+    other = procs.start("consumer", "--name", name, "--gpu-double", env=gpu_env)
+    line = stuck.stdout.readline()
+    assert '"stalled"' in line, line + stuck.stderr.read()
+    stuck.kill()
+    stuck.communicate(timeout=10)
+    r = procs.result(other, timeout=60)
+    assert r["errors"] == [] and r["epochs"] == [list(range(30))]
+    assert procs.result(p, timeout=60)["drained"] is True
+    fakecuda.cleanup_shm(stuck.pid)  # a killed process cannot free its events
+
+
+def test_producer_frees_the_pool_after_consumers_unmap_it(procs, name, gpu_env):
+    """The producer frees device memory only once every consumer closed its mapping."""
+    prod, (c,) = _run(procs, name, gpu_env, producer=("--device", "cuda:0"),
+                      consumers=(("--gpu-double", "--linger", "1.5"),), epochs=1)
+    assert c["errors"] == [] and c["epochs"] == _expected(1)
+    log = fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
+    ppid = prod_pid(log, "ipc_get_mem")
+    order = [(line.pid == ppid, line.op) for line in log]
+    frees = [i for i, (mine, op) in enumerate(order) if mine and op == "free"]
+    closes = [i for i, (mine, op) in enumerate(order) if not mine and op == "ipc_close_mem"]
+    assert len(frees) == SLOTS and len(closes) == SLOTS
+    assert max(closes) < min(frees)
