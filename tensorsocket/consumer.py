@@ -194,26 +194,26 @@ class TensorConsumer:
         kind, index = self._device_kind, self._device_index
         if kind == "cuda" and index is None:
             index = 0
+        if kind == "cpu" or (kind == "auto" and not gpu_ring):
+            self.device = "cpu"
+        elif gpu_ring and (kind == "auto" or self.peer_access or _same_gpu(info, index)):
+            try:
+                ordinal = ring.import_device(None if kind == "auto" else index)
+            except GPUUnavailable as e:
+                self._fall_back(str(e), None if kind == "auto" else index)
+            else:
+                self._import = True
+                self.device = f"cuda:{ordinal}"
+                return  # tensors come from GPU memory: nothing to page-lock
+        else:
+            # A host ring, or another GPU without peer access: copy from host memory.
+            self._move_to = torch.device("cuda", index)
+            self.device = str(self._move_to)
         if self.pin_memory:
             try:
                 ring.pin_host(index or 0)
             except GPUUnavailable as e:
                 raise GPUUnavailable(f"pin_memory=True needs a GPU: {e}") from None
-        if kind == "cpu" or (kind == "auto" and not gpu_ring):
-            self.device = "cpu"
-            return
-        if gpu_ring and (kind == "auto" or self.peer_access or _same_gpu(info, index)):
-            try:
-                ordinal = ring.import_device(None if kind == "auto" else index)
-            except GPUUnavailable as e:
-                self._fall_back(str(e), None if kind == "auto" else index)
-                return
-            self._import = True
-            self.device = f"cuda:{ordinal}"
-            return
-        # A host ring, or another GPU without peer access: copy from host memory.
-        self._move_to = torch.device("cuda", index)
-        self.device = str(self._move_to)
 
     def _fall_back(self, reason: str, index: int | None) -> None:
         """CUDA IPC cannot work here: deliver through host memory instead."""
