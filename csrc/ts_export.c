@@ -120,9 +120,10 @@ static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
                           "this consumer has not opened the ring's GPU memory");
     if (o->stream == 0)
         return ts_err_set(err, TS_E_INVALID, 0, "stream 0 is not a valid DLPack stream");
-    /* -1: the caller orders its own work; releases then follow the legacy stream. */
+    /* -1: the caller orders its own work; releases then follow the legacy stream. A
+     * copy is our own work on that stream, so it waits for the producer's copy. */
     CUstream stream = o->stream == -1 ? TS_CU_STREAM_LEGACY : (CUstream)(uintptr_t)o->stream;
-    if (o->stream != -1) {
+    if (o->stream != -1 || o->copy) {
         ts_status st = ts_gpu_stream_wait(ring, lease->slot, stream, err);
         if (st != TS_OK) return st;
     }

@@ -374,6 +374,10 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
     CUresult rc;
     if (h->ipc_offset == 0)
         return ts_err_set(err, TS_E_INVALID, 0, "the producer's ring holds no GPU memory");
+    if (ring->is_producer)
+        return ts_err_set(err, TS_E_INVALID, 0,
+                          "the producer's own handle cannot import its GPU ring (CUDA IPC "
+                          "handles open only in other processes)");
     uint64_t ns = ts_proc_pid_ns();
     if (h->pid_ns != 0 && ns != 0 && h->pid_ns != ns)
         return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
@@ -454,6 +458,8 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
 /* Page-lock this process's mapping of the host slot data. */
 ts_status ts_gpu_pin_host(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *err)
 {
+    if (ring->is_producer)
+        return ts_err_set(err, TS_E_INVALID, 0, "the producer's slots are page-locked already");
     ts_gpu *g = ts_gpu_consumer_state(ring, api, ordinal, err);
     if (g == NULL) return err != NULL ? err->code : TS_E_GPU_UNAVAILABLE;
     if (g->pinned != NULL) return TS_OK;

@@ -1,0 +1,1253 @@
+/* test_gpu.c - C-level unit tests of the GPU ring (ts_gpu.c, the CUDA paths of ts_ring.c
+ * and ts_export.c), on the CUDA driver test double (csrc/tests/fake_cuda.c).
+ *
+ * The double refuses to open an IPC handle in the process that exported it, as the real
+ * driver does, so a producer and its consumers are different processes. Each test group
+ * runs in a process of its own, forked by main, which never loads the driver: the group
+ * process is the producer; it forks its consumers FIRST and only then loads the driver,
+ * and each consumer loads it for itself (no CUDA state crosses a fork). Producer and
+ * consumers talk over pipes; a consumer's failed checks make it exit non-zero, which the
+ * producer counts as a failure of the group.
+ *
+ * Build (from the repository root):
+ *   cc -std=c11 -Wall -Wextra -Werror -O1 -g -pthread -Icsrc csrc/tests/test_gpu.c \
+ *      $(ls csrc/ts_*.c | grep -v ts_module.c) -o test_gpu -lrt -ldl
+ * Run:  TENSORSOCKET_LIBCUDA=path/to/libfakecuda.so ./test_gpu [NAME]
+ * (tests/fakecuda.py builds the double; tests/test_c_gpu.py does all of it.)
+ * NAME runs the groups whose name contains it. The last line is "N passed, M failed";
+ * the exit status is non-zero if any failed. */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ts_clock.h"
+#include "ts_cuda.h"
+#include "ts_error.h"
+#include "ts_export.h"
+#include "ts_gpu.h"
+#include "ts_proc.h"
+#include "ts_ring.h"
+
+/* ---- a tiny framework: failed checks are counted and reported, tests go on ---- */
+
+static _Atomic int g_failed_checks;
+static const char *g_role = "main";
+
+/* Count a failed check and print "  [role pid] file:line: <message>". */
+__attribute__((format(printf, 3, 4))) static void fail_(const char *file, int line,
+                                                        const char *fmt, ...)
+{
+    va_list ap;
+    char buf[1024];
+    atomic_fetch_add(&g_failed_checks, 1);
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    /* One write per line: several processes share stdout. */
+    printf("  [%s %d] %s:%d: %s", g_role, (int)getpid(), file, line, buf);
+    fflush(stdout);
+}
+
+static int check_(int ok, const char *expr, const char *file, int line)
+{
+    if (!ok) fail_(file, line, "CHECK(%s) failed\n", expr);
+    return ok;
+}
+
+static int check_eq_(unsigned long long a, unsigned long long b, const char *ea, const char *eb,
+                     const char *file, int line)
+{
+    if (a != b) fail_(file, line, "%s == %s failed: %llu (0x%llx) != %llu\n", ea, eb, a, a, b);
+    return a == b;
+}
+
+static int check_st_(ts_status got, ts_status want, const char *expr, const ts_err *err,
+                     const char *file, int line)
+{
+    if (got != want)
+        fail_(file, line, "%s returned status %d, expected %d (%s)\n", expr, (int)got, (int)want,
+              got != TS_OK ? err->msg : "");
+    return got == want;
+}
+
+static int check_cu_(CUresult rc, const char *expr, const char *file, int line)
+{
+    if (rc != CUDA_SUCCESS) fail_(file, line, "%s returned CUresult %d\n", expr, rc);
+    return rc == CUDA_SUCCESS;
+}
+
+#define CHECK(c) check_(!!(c), #c, __FILE__, __LINE__)
+#define CHECK_EQ(a, b)                                                                       \
+    check_eq_((unsigned long long)(a), (unsigned long long)(b), #a, #b, __FILE__, __LINE__)
+/* Needs a `ts_err err` in scope: the call fills it. */
+#define CHECK_ST(call, want) check_st_((call), (want), #call, &err, __FILE__, __LINE__)
+#define CHECK_CU(call) check_cu_((call), #call, __FILE__, __LINE__)
+#define REQUIRE(c) do { if (!CHECK(c)) goto out; } while (0)
+#define REQUIRE_OK(call) do { if (!CHECK_ST(call, TS_OK)) goto out; } while (0)
+#define REQUIRE_CU(call) do { if (!CHECK_CU(call)) goto out; } while (0)
+
+/* ---- time ------------------------------------------------------------------------ */
+
+#define MS 1000000ULL
+
+static uint64_t deadline_ms(uint64_t ms) { return ts_now_ns() + ms * MS; }
+
+static void sleep_us(long us)
+{
+    struct timespec t = {us / 1000000, (us % 1000000) * 1000L};
+    while (nanosleep(&t, &t) != 0) {}
+}
+
+/* ---- processes and messages ------------------------------------------------------- */
+
+/* The segment name of the running group (set by main before it forks the group). */
+static char g_name[96];
+
+/* A consumer process, seen from its producer. */
+typedef struct peer {
+    pid_t pid;
+    int to;   /* write end of producer -> consumer */
+    int from; /* read end of consumer -> producer */
+} peer;
+
+/* Pipe ends this process holds towards its children: a later child closes them. */
+#define MAX_FDS 16
+static int g_fds[MAX_FDS];
+static int g_nfds;
+
+enum {
+    M_HELLO = 1, /* producer -> consumer: a = consumer index, b = token */
+    M_READY,     /* consumer -> producer: ring opened, bound and imported */
+    M_GO,        /* producer -> consumer: go on to the next step */
+    M_DONE,      /* consumer -> producer: the step is done */
+    M_BYE,       /* producer -> consumer: clean up and exit */
+};
+
+typedef struct msg {
+    uint32_t tag;
+    uint32_t pad;
+    uint64_t a, b;
+} msg;
+
+static int send_msg(int fd, uint32_t tag, uint64_t a, uint64_t b)
+{
+    msg m = {tag, 0, a, b};
+    ssize_t n;
+    do n = write(fd, &m, sizeof m); /* < PIPE_BUF: atomic */
+    while (n < 0 && errno == EINTR);
+    return n == (ssize_t)sizeof m;
+}
+
+/* Receive one message within timeout_ms; it must have tag want. */
+static int recv_msg_(int fd, uint32_t want, msg *m, int timeout_ms, const char *file, int line)
+{
+    uint64_t dl = deadline_ms((uint64_t)timeout_ms);
+    size_t got = 0;
+    while (got < sizeof *m) {
+        uint64_t now = ts_now_ns();
+        if (now >= dl) {
+            fail_(file, line, "no message %u within %d ms\n", want, timeout_ms);
+            return 0;
+        }
+        struct pollfd p = {fd, POLLIN, 0};
+        int rc = poll(&p, 1, (int)((dl - now) / MS) + 1);
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc <= 0) continue;
+        ssize_t n = read(fd, (char *)m + got, sizeof *m - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            fail_(file, line, "the other process hung up while message %u was expected\n",
+                  want);
+            return 0;
+        }
+        got += (size_t)n;
+    }
+    if (m->tag != want) {
+        fail_(file, line, "message %u received, %u expected\n", m->tag, want);
+        return 0;
+    }
+    return 1;
+}
+#define RECV(fd, tag, m) REQUIRE(recv_msg_((fd), (tag), &(m), 20000, __FILE__, __LINE__))
+#define SEND(fd, tag, a, b) REQUIRE(send_msg((fd), (tag), (a), (b)))
+
+typedef void (*child_fn)(int in, int out);
+
+/* Fork a consumer running fn(in, out); it exits non-zero if a check failed. The caller
+ * must not have loaded the driver yet. */
+static int spawn(peer *p, child_fn fn)
+{
+    int down[2], up[2];
+    p->pid = -1;
+    p->to = p->from = -1;
+    if (pipe(down) != 0) return CHECK(0), -1;
+    if (pipe(up) != 0) {
+        close(down[0]);
+        close(down[1]);
+        return CHECK(0), -1;
+    }
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) return CHECK(pid >= 0), -1;
+    if (pid == 0) {
+        for (int i = 0; i < g_nfds; i++) close(g_fds[i]);
+        g_nfds = 0;
+        close(down[1]);
+        close(up[0]);
+        g_role = "consumer";
+        atomic_store(&g_failed_checks, 0);
+        alarm(60); /* a hung consumer dies and fails the group */
+        fn(down[0], up[1]);
+        close(down[0]);
+        close(up[1]);
+        fflush(stdout);
+        exit(atomic_load(&g_failed_checks) != 0 ? 1 : 0); /* exit: LeakSanitizer runs */
+    }
+    close(down[0]);
+    close(up[1]);
+    p->pid = pid;
+    p->to = down[1];
+    p->from = up[0];
+    if (g_nfds + 2 <= MAX_FDS) {
+        g_fds[g_nfds++] = p->to;
+        g_fds[g_nfds++] = p->from;
+    }
+    return 0;
+}
+
+static void forget_fd(int fd)
+{
+    for (int i = 0; i < g_nfds; i++)
+        if (g_fds[i] == fd) g_fds[i] = g_fds[--g_nfds];
+}
+
+/* Wait (30 s at most) for the consumer to exit; with expect_ok, it must exit 0. */
+static void reap(peer *p, int expect_ok)
+{
+    if (p->pid <= 0) return;
+    if (p->to >= 0) {
+        forget_fd(p->to);
+        close(p->to);
+    }
+    p->to = -1;
+    int status = 0;
+    pid_t r = 0;
+    uint64_t dl = deadline_ms(30000);
+    while ((r = waitpid(p->pid, &status, WNOHANG)) == 0 && ts_now_ns() < dl) sleep_us(1000);
+    if (r == 0) {
+        kill(p->pid, SIGKILL);
+        waitpid(p->pid, &status, 0);
+        CHECK(!"the consumer did not exit within 30 s");
+    } else if (expect_ok && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+        fail_(__FILE__, __LINE__, "consumer %d failed: %s %d\n", (int)p->pid,
+              WIFEXITED(status) ? "exit status" : "signal",
+              WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+    }
+    if (p->from >= 0) {
+        forget_fd(p->from);
+        close(p->from);
+    }
+    p->from = -1;
+    p->pid = -1;
+}
+
+/* The fakecuda shm objects (device memory, interprocess events) of process pid. */
+static int fakecuda_objects(pid_t pid, int unlink_them)
+{
+    char a[48], b[48];
+    int n = 0;
+    snprintf(a, sizeof a, "fakecuda-%d-", (int)pid);
+    snprintf(b, sizeof b, "fakecuda-ev-%d-", (int)pid);
+    DIR *d = opendir("/dev/shm");
+    if (d == NULL) return 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, a, strlen(a)) != 0 && strncmp(e->d_name, b, strlen(b)) != 0)
+            continue;
+        n++;
+        if (unlink_them) {
+            char path[300];
+            snprintf(path, sizeof path, "/dev/shm/%s", e->d_name);
+            unlink(path);
+        }
+    }
+    closedir(d);
+    return n;
+}
+
+/* Threads of this process. */
+static int thread_count(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/task");
+    if (d == NULL) return -1;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.') n++;
+    closedir(d);
+    return n;
+}
+
+/* ---- batches ------------------------------------------------------------------------ */
+
+#define SLOTS 4
+static const int64_t shape8[1] = {8}, stride4[1] = {4}, shape3[1] = {3}, stride1[1] = {1};
+
+/* The bytes of leaf i of batch tag: int32[8] = tag*100+j, or uint8[3] = tag+j+1. */
+static size_t leaf_bytes(uint64_t tag, uint32_t i, uint8_t out[32])
+{
+    if (i == 0) {
+        int32_t a[8];
+        for (int j = 0; j < 8; j++) a[j] = (int32_t)(tag * 100 + (uint64_t)j);
+        memcpy(out, a, sizeof a);
+        return sizeof a;
+    }
+    for (int j = 0; j < 3; j++) out[j] = (uint8_t)(tag + (uint64_t)j + 1);
+    return 3;
+}
+
+/* Publish batch tag (epoch 0, index tag) with meta "meta-<tag>", waiting up to 5 s. */
+static ts_status publish_batch(ts_ring *prod, uint64_t tag, ts_err *err)
+{
+    uint8_t a[32], b[32];
+    char meta[32];
+    leaf_bytes(tag, 0, a);
+    leaf_bytes(tag, 1, b);
+    ts_src_leaf leaves[2] = {{a, 1, shape8, stride4, 4, {kDLInt, 32, 1}},
+                             {b, 1, shape3, stride1, 1, {kDLUInt, 8, 1}}};
+    int m = snprintf(meta, sizeof meta, "meta-%llu", (unsigned long long)tag);
+    return ts_ring_publish(prod, TS_ENTRY_BATCH, 0, tag, leaves, 2, meta, (uint64_t)m,
+                           deadline_ms(5000), err);
+}
+
+/* FNV-1a 64, as fakecuda_launch_read computes it. */
+static unsigned long long fnv1a(const uint8_t *p, size_t n)
+{
+    unsigned long long h = 0xcbf29ce484222325ULL;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ULL;
+    return h;
+}
+
+static uint64_t readers_of(const ts_ring *r, uint32_t k)
+{
+    return atomic_load(&ts_ring_slot(r, k)->readers);
+}
+
+/* 1 if any slot's readers bitmap carries bit. */
+static int bit_in_use(const ts_ring *r, uint64_t bit)
+{
+    for (uint32_t k = 0; k < r->hdr->slot_count; k++)
+        if (readers_of(r, k) & bit) return 1;
+    return 0;
+}
+
+/* Poll (deadline ms) until slot k of r no longer carries bit; 1 if it cleared. */
+static int wait_bit_clear(const ts_ring *r, uint32_t k, uint64_t bit, uint64_t ms)
+{
+    uint64_t dl = deadline_ms(ms);
+    while (readers_of(r, k) & bit) {
+        if (ts_now_ns() >= dl) return 0;
+        sleep_us(500);
+    }
+    return 1;
+}
+
+/* 1 if some byte of the n bytes at p is not zero. */
+static int nonzero(const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != 0) return 1;
+    return 0;
+}
+
+/* ---- the double's test-only exports -------------------------------------------------- */
+
+typedef CUresult (*launch_read_fn)(CUstream, CUdeviceptr, size_t, unsigned long long *,
+                                   unsigned);
+typedef int (*counter_fn)(const char *);
+
+/* The same library the core loaded (api->lib is its dlopen handle). */
+static launch_read_fn launch_read_of(const ts_cuda_api *api)
+{
+    launch_read_fn f = NULL;
+    void *p = dlsym(api->lib, "fakecuda_launch_read");
+    if (p != NULL) memcpy(&f, &p, sizeof f);
+    return f;
+}
+
+/* How often this process performed op on the double (-1 if unavailable). */
+static int fc_counter(const ts_cuda_api *api, const char *op)
+{
+    counter_fn f = NULL;
+    void *p = dlsym(api->lib, "fakecuda_counter");
+    if (p == NULL) return -1;
+    memcpy(&f, &p, sizeof f);
+    return f(op);
+}
+
+/* ---- producer and consumer sides ------------------------------------------------------ */
+
+typedef struct prod {
+    ts_cuda_api *api;
+    ts_ring *ring;
+} prod;
+
+/* Load the driver and create the CUDA ring g_name (SLOTS slots) on device 0. */
+static int prod_open(prod *p)
+{
+    ts_err err = {0};
+    ts_geometry g = {SLOTS, 2, 4096, 1};
+    memset(p, 0, sizeof *p);
+    if (!CHECK_ST(ts_cuda_load(&p->api, &err), TS_OK)) return -1;
+    ts_ring_unlink_name(g_name, NULL);
+    if (!CHECK_ST(ts_ring_create_on_device(g_name, &g, p->api, 0, &p->ring, &err), TS_OK))
+        return -1;
+    return 0;
+}
+
+/* Reserve and activate a consumer entry for c and send it the handshake. */
+static int prod_add(prod *p, peer *c, uint32_t *index)
+{
+    ts_err err = {0};
+    uint64_t token = 0, start = 0;
+    if (!CHECK_ST(ts_ring_reserve(p->ring, c->pid, ts_proc_start_time(c->pid), index, &token,
+                                  &err), TS_OK) ||
+        !CHECK_ST(ts_ring_activate(p->ring, *index, &start, &err), TS_OK))
+        return -1;
+    return CHECK(send_msg(c->to, M_HELLO, *index, token)) ? 0 : -1;
+}
+
+/* Drop the ring (its pool, events and stream go) and the driver. */
+static void prod_close(prod *p)
+{
+    if (p->ring != NULL) ts_ring_unref(p->ring);
+    p->ring = NULL;
+    ts_ring_unlink_name(g_name, NULL);
+    ts_cuda_unref(p->api);
+    p->api = NULL;
+    CHECK_EQ(fakecuda_objects(getpid(), 0), 0); /* no device memory or event left */
+}
+
+typedef struct cons {
+    ts_cuda_api *api;
+    ts_ring *ring; /* bound to our entry, pool imported on device 0 */
+    uint32_t index;
+    uint64_t token;
+    CUdevice dev;
+    CUcontext ctx;
+    int retained, pushed;
+    CUstream stream; /* ours, created in the primary context */
+} cons;
+
+/* Handshake, open and bind the ring, load the driver, make a stream, import the pool. */
+static int cons_open(cons *c, int in)
+{
+    ts_err err = {0};
+    msg m;
+    memset(c, 0, sizeof *c);
+    if (!recv_msg_(in, M_HELLO, &m, 20000, __FILE__, __LINE__)) return -1;
+    c->index = (uint32_t)m.a;
+    c->token = m.b;
+    if (!CHECK_ST(ts_ring_open(g_name, &c->ring, &err), TS_OK)) return -1;
+    if (!CHECK_ST(ts_ring_bind_consumer(c->ring, c->index, c->token, &err), TS_OK)) return -1;
+    if (!CHECK_ST(ts_cuda_load(&c->api, &err), TS_OK)) return -1;
+    if (!CHECK_CU(c->api->DeviceGet(&c->dev, 0))) return -1;
+    if (!CHECK_CU(c->api->DevicePrimaryCtxRetain(&c->ctx, c->dev))) return -1;
+    c->retained = 1;
+    if (!CHECK_CU(c->api->CtxPushCurrent(c->ctx))) return -1;
+    c->pushed = 1;
+    if (!CHECK_CU(c->api->StreamCreate(&c->stream, CU_STREAM_NON_BLOCKING))) return -1;
+    if (!CHECK_ST(ts_gpu_import(c->ring, c->api, 0, &err), TS_OK)) return -1;
+    return 0;
+}
+
+static void cons_close(cons *c)
+{
+    if (c->ring != NULL) ts_ring_unref(c->ring); /* joins the reaper, closes the mappings */
+    c->ring = NULL;
+    if (c->stream != NULL) CHECK_CU(c->api->StreamDestroy(c->stream));
+    c->stream = NULL;
+    if (c->pushed) CHECK_CU(c->api->CtxPopCurrent(NULL));
+    c->pushed = 0;
+    if (c->retained) CHECK_CU(c->api->DevicePrimaryCtxRelease(c->dev));
+    c->retained = 0;
+    ts_cuda_unref(c->api);
+    c->api = NULL;
+    CHECK_EQ(fakecuda_objects(getpid(), 0), 0); /* device copies were freed */
+}
+
+static int64_t stream_arg(CUstream s) { return (int64_t)(uintptr_t)s; }
+
+/* Export leaf i of the lease as a device tensor. */
+static void *export_dev(ts_lease *l, uint32_t i, int versioned, int copy, int64_t stream,
+                        ts_err *err)
+{
+    ts_export_opts o = {.versioned = versioned, .minor = 1, .copy = copy, .device = 1,
+                        .stream = stream};
+    return ts_export_leaf(l, i, &o, err);
+}
+
+static DLTensor *tensor_of(void *managed, int versioned)
+{
+    return versioned ? &((DLManagedTensorVersioned *)managed)->dl_tensor
+                     : &((DLManagedTensor *)managed)->dl_tensor;
+}
+
+/* 1 if the device tensor t is leaf i of batch tag, read at the device pointer. */
+static int device_leaf_ok(const cons *c, const DLTensor *t, uint32_t slot, uint32_t i,
+                          uint64_t tag, int copy)
+{
+    uint8_t want[32];
+    size_t n = leaf_bytes(tag, i, want);
+    const ts_leaf *leaf = &ts_ring_slot(c->ring, slot)->leaves[i];
+    CUdeviceptr at = ts_gpu_slot_ptr(c->ring, slot) + leaf->offset;
+    int ok = CHECK_EQ(t->device.device_type, kDLCUDA) && CHECK_EQ(t->device.device_id, 0) &&
+             CHECK_EQ(t->ndim, 1) && CHECK_EQ(t->shape[0], i == 0 ? 8 : 3) &&
+             CHECK_EQ(t->strides[0], 1) && CHECK_EQ(t->byte_offset, 0) &&
+             CHECK_EQ(t->dtype.code, i == 0 ? kDLInt : kDLUInt) &&
+             CHECK_EQ(t->dtype.bits, i == 0 ? 32 : 8) && CHECK_EQ(leaf->nbytes, n);
+    if (copy) ok = ok && CHECK((CUdeviceptr)(uintptr_t)t->data != at);
+    else ok = ok && CHECK_EQ((CUdeviceptr)(uintptr_t)t->data, at);
+    /* The double's device memory is mapped here: the device pointer reads as host memory. */
+    if (ok && !CHECK(memcmp(t->data, want, n) == 0)) {
+        printf("    batch %llu leaf %u: device bytes differ from the published ones\n",
+               (unsigned long long)tag, i);
+        ok = 0;
+    }
+    return ok;
+}
+
+/* ==========================================================================
+ * 1. Creating a CUDA ring, importing its pool
+ * ========================================================================== */
+
+static void import_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    msg m;
+    CUdeviceptr ptrs[SLOTS];
+    if (cons_open(&c, in) != 0) goto out;
+    const ts_header *h = c.ring->hdr;
+    CHECK_EQ(h->device_type, kDLCUDA);
+    CHECK_EQ(ts_gpu_imported_device(c.ring), 0);
+    for (uint32_t k = 0; k < SLOTS; k++) {
+        ptrs[k] = ts_gpu_slot_ptr(c.ring, k);
+        CHECK(ptrs[k] != 0);
+        for (uint32_t j = 0; j < k; j++) CHECK(ptrs[j] != ptrs[k]);
+        const ts_ipc_entry *e = ts_ring_ipc_entry(c.ring, k);
+        REQUIRE(e != NULL);
+        CHECK(nonzero(e->mem, sizeof e->mem) && nonzero(e->event, sizeof e->event));
+    }
+    CHECK_EQ(ts_gpu_slot_ptr(c.ring, SLOTS), 0); /* out of range */
+    CHECK_EQ(fc_counter(c.api, "ipc_open_mem"), SLOTS);
+    CHECK_EQ(fc_counter(c.api, "ipc_open_event"), SLOTS);
+
+    /* Importing again changes nothing and opens nothing. */
+    REQUIRE_OK(ts_gpu_import(c.ring, c.api, 0, &err));
+    CHECK_EQ(ts_gpu_imported_device(c.ring), 0);
+    for (uint32_t k = 0; k < SLOTS; k++) CHECK_EQ(ts_gpu_slot_ptr(c.ring, k), ptrs[k]);
+    CHECK_EQ(fc_counter(c.api, "ipc_open_mem"), SLOTS);
+    CHECK_EQ(fc_counter(c.api, "ipc_open_event"), SLOTS);
+    /* Another device than the one imported on is refused, the import stays. */
+    CHECK_ST(ts_gpu_import(c.ring, c.api, 1, &err), TS_E_INVALID);
+    CHECK(strstr(err.msg, "GPU 0") != NULL);
+    CHECK_EQ(ts_gpu_imported_device(c.ring), 0);
+
+    SEND(out, M_READY, 0, 0);
+    RECV(in, M_GO, m);
+    /* Dropping the ring closes the mappings and the importer entry. */
+    ts_ring_unref(c.ring);
+    c.ring = NULL;
+    CHECK_EQ(fc_counter(c.api, "ipc_close_mem"), SLOTS);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c);
+}
+
+static void test_import(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(spawn(&c, import_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    const ts_header *h = p.ring->hdr;
+    CHECK_EQ(h->device_type, kDLCUDA);
+    CHECK_EQ(h->device_ordinal, 0);
+    CHECK(h->ipc_offset != 0);
+    CHECK(nonzero(h->device_uuid, sizeof h->device_uuid));
+    CHECK_EQ(h->host_pinned, 1);
+    /* The IPC table: one memory and one event handle per slot, all different. */
+    for (uint32_t k = 0; k < SLOTS; k++) {
+        const ts_ipc_entry *e = ts_ring_ipc_entry(p.ring, k);
+        REQUIRE(e != NULL);
+        CHECK(nonzero(e->mem, sizeof e->mem));
+        CHECK(nonzero(e->event, sizeof e->event));
+        for (uint32_t j = 0; j < k; j++) {
+            const ts_ipc_entry *f = ts_ring_ipc_entry(p.ring, j);
+            CHECK(memcmp(e->mem, f->mem, sizeof e->mem) != 0);
+            CHECK(memcmp(e->event, f->event, sizeof e->event) != 0);
+        }
+    }
+    CHECK(ts_ring_ipc_entry(p.ring, SLOTS) == NULL);
+    CHECK_EQ(fc_counter(p.api, "alloc"), SLOTS);
+    CHECK_EQ(fc_counter(p.api, "ipc_get_mem"), SLOTS);
+    CHECK_EQ(ts_ring_importers(p.ring), 0);
+
+    REQUIRE(prod_add(&p, &c, &index) == 0);
+    RECV(c.from, M_READY, m);
+    CHECK_EQ(ts_ring_importers(p.ring), 1);
+    int found = 0;
+    for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
+        const ts_importer *e = &h->importers[i];
+        if (atomic_load(&e->state) == TS_IMPORTER_FREE) continue;
+        found++;
+        CHECK_EQ(atomic_load(&e->state), TS_IMPORTER_MAPPED);
+        CHECK_EQ(e->pid, c.pid);
+    }
+    CHECK_EQ(found, 1);
+    SEND(c.to, M_GO, 0, 0);
+    RECV(c.from, M_DONE, m);
+    /* The consumer is alive but closed its mapping: nobody maps the pool. */
+    CHECK_EQ(ts_ring_importers(p.ring), 0);
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(2000), &err), TS_OK);
+    SEND(c.to, M_BYE, 0, 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* ==========================================================================
+ * 2. Device views of published batches
+ * ========================================================================== */
+
+#define DV_BATCHES 10
+
+static void views_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    if (cons_open(&c, in) != 0) goto out;
+    SEND(out, M_READY, 0, 0);
+    for (uint64_t n = 0; n < DV_BATCHES; n++) {
+        REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+        CHECK_EQ(a.seq, n);
+        CHECK_EQ(a.slot, n % SLOTS);
+        CHECK_EQ(a.kind, TS_ENTRY_BATCH);
+        CHECK_EQ(a.index, n);
+        ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+        REQUIRE(l != NULL);
+        /* Leaf 0 versioned, leaf 1 legacy, both on our stream. */
+        void *t0 = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+        CHECK_ST(t0 != NULL ? TS_OK : err.code, TS_OK);
+        void *t1 = export_dev(l, 1, 0, 0, stream_arg(c.stream), &err);
+        CHECK_ST(t1 != NULL ? TS_OK : err.code, TS_OK);
+        CHECK_EQ(l->n_streams, 1);
+        CHECK(l->streams[0] == c.stream);
+        CHECK_CU(c.api->StreamSynchronize(c.stream));
+        if (t0 != NULL) {
+            const DLManagedTensorVersioned *v = t0;
+            CHECK_EQ(v->version.major, TS_DLPACK_MAJOR);
+            CHECK_EQ(v->flags, TS_DLPACK_FLAG_READ_ONLY);
+            CHECK(device_leaf_ok(&c, tensor_of(t0, 1), a.slot, 0, n, 0));
+            ts_export_delete(t0, 1);
+        }
+        if (t1 != NULL) {
+            CHECK(device_leaf_ok(&c, tensor_of(t1, 0), a.slot, 1, n, 0));
+            ts_export_delete(t1, 0);
+        }
+        ts_lease_unref(l);
+    }
+    /* Every deferred release happens. */
+    uint64_t dl = deadline_ms(5000);
+    while (bit_in_use(c.ring, 1ULL << c.index) && ts_now_ns() < dl) sleep_us(500);
+    CHECK(!bit_in_use(c.ring, 1ULL << c.index));
+    CHECK_EQ(atomic_load(&c.ring->refs), 1);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c);
+}
+
+static void test_device_views(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(spawn(&c, views_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    REQUIRE(prod_add(&p, &c, &index) == 0);
+    RECV(c.from, M_READY, m);
+    /* 10 batches through 4 slots: slots are reused after their deferred releases. */
+    for (uint64_t n = 0; n < DV_BATCHES; n++) REQUIRE_OK(publish_batch(p.ring, n, &err));
+    RECV(c.from, M_DONE, m);
+    CHECK_EQ(atomic_load(&p.ring->hdr->published), DV_BATCHES);
+    CHECK_EQ(atomic_load(&p.ring->hdr->consumers[index].delivered), DV_BATCHES);
+    /* One host-to-device copy per batch. */
+    CHECK_EQ(fc_counter(p.api, "htod"), DV_BATCHES);
+    SEND(c.to, M_BYE, 0, 0);
+    reap(&c, 1);
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(2000), &err), TS_OK);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* ==========================================================================
+ * 3. A dropped device view releases its slot only after the queued kernel ran
+ * ========================================================================== */
+
+#define KERNEL_US 200000
+
+static void deferred_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    unsigned long long sum = 0;
+    uint8_t want[32];
+    size_t n = leaf_bytes(7, 0, want);
+    if (cons_open(&c, in) != 0) goto out;
+    launch_read_fn launch = launch_read_of(c.api);
+    REQUIRE(launch != NULL);
+    SEND(out, M_READY, 0, 0);
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    CHECK_EQ(a.index, 7);
+    uint64_t bit = 1ULL << c.index;
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    DLTensor *dl = tensor_of(t, 1);
+    REQUIRE_CU(launch(c.stream, (CUdeviceptr)(uintptr_t)dl->data, n, &sum, KERNEL_US));
+    uint64_t t_launch = ts_now_ns();
+    /* Drop every reference at once: the slot stays ours while the kernel may read it. */
+    ts_export_delete(t, 1);
+    ts_lease_unref(l);
+    CHECK(readers_of(c.ring, a.slot) & bit);
+    CHECK_EQ(atomic_load(&c.ring->refs), 2); /* ours + the pending release's */
+    CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
+    uint64_t waited = ts_now_ns() - t_launch;
+    /* Released after the kernel: its result is there already, without a sync. */
+    CHECK_EQ(sum, fnv1a(want, n));
+    CHECK(waited >= KERNEL_US * 1000ULL);
+    CHECK_CU(c.api->StreamSynchronize(c.stream));
+    CHECK_EQ(sum, fnv1a(want, n));
+    uint64_t dl_refs = deadline_ms(2000);
+    while (atomic_load(&c.ring->refs) != 1 && ts_now_ns() < dl_refs) sleep_us(500);
+    CHECK_EQ(atomic_load(&c.ring->refs), 1);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c);
+}
+
+static void test_deferred_release(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(spawn(&c, deferred_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    REQUIRE(prod_add(&p, &c, &index) == 0);
+    RECV(c.from, M_READY, m);
+    REQUIRE_OK(publish_batch(p.ring, 7, &err));
+    RECV(c.from, M_DONE, m);
+    CHECK_EQ(readers_of(p.ring, 0), 0);
+    SEND(c.to, M_BYE, 0, 0);
+    reap(&c, 1);
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(2000), &err), TS_OK);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* ==========================================================================
+ * 4. stream=-1 exports and private device copies
+ * ========================================================================== */
+
+static void variants_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    void *tcopy = NULL;
+    if (cons_open(&c, in) != 0) goto out;
+    SEND(out, M_READY, 0, 0);
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    CHECK_EQ(a.index, 3);
+    uint64_t bit = 1ULL << c.index;
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+
+    /* A view on our stream, synchronized: the batch is on the device. */
+    void *tv = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(tv != NULL ? TS_OK : err.code, TS_OK));
+    CHECK_CU(c.api->StreamSynchronize(c.stream));
+    CHECK(device_leaf_ok(&c, tensor_of(tv, 1), a.slot, 0, 3, 0));
+
+    /* stream -1: no wait is queued; the release follows the legacy stream. */
+    int waits = fc_counter(c.api, "stream_wait_event");
+    void *tn = export_dev(l, 1, 1, 0, -1, &err);
+    REQUIRE(CHECK_ST(tn != NULL ? TS_OK : err.code, TS_OK));
+    CHECK_EQ(fc_counter(c.api, "stream_wait_event"), waits);
+    CHECK_EQ(((DLManagedTensorVersioned *)tn)->flags, TS_DLPACK_FLAG_READ_ONLY);
+    CHECK(device_leaf_ok(&c, tensor_of(tn, 1), a.slot, 1, 3, 0));
+    CHECK_EQ(l->n_streams, 2);
+    CHECK(l->streams[1] == TS_CU_STREAM_LEGACY);
+
+    /* stream 0 is not a DLPack stream. */
+    CHECK(export_dev(l, 0, 1, 0, 0, &err) == NULL);
+    CHECK_EQ(err.code, TS_E_INVALID);
+
+    /* A private device copy: its own allocation, flagged IS_COPIED, same bytes. */
+    int allocs = fc_counter(c.api, "alloc"), frees = fc_counter(c.api, "free");
+    tcopy = export_dev(l, 0, 1, 1, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(tcopy != NULL ? TS_OK : err.code, TS_OK));
+    CHECK_EQ(fc_counter(c.api, "alloc"), allocs + 1);
+    CHECK_EQ(((DLManagedTensorVersioned *)tcopy)->flags, TS_DLPACK_FLAG_IS_COPIED);
+    CHECK_CU(c.api->StreamSynchronize(c.stream));
+    CHECK(device_leaf_ok(&c, tensor_of(tcopy, 1), a.slot, 0, 3, 1));
+    CHECK_EQ(atomic_load(&l->refs), 3); /* ours + two views; the copy holds none */
+
+    /* Dropping the views and the lease releases the slot (after both streams). */
+    ts_export_delete(tv, 1);
+    ts_export_delete(tn, 1);
+    ts_lease_unref(l);
+    CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
+    /* The copy outlives the slot; its deleter frees it. */
+    CHECK(device_leaf_ok(&c, tensor_of(tcopy, 1), a.slot, 0, 3, 1));
+    CHECK_EQ(fc_counter(c.api, "free"), frees);
+    ts_export_delete(tcopy, 1);
+    tcopy = NULL;
+    CHECK_EQ(fc_counter(c.api, "free"), frees + 1);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    if (tcopy != NULL) ts_export_delete(tcopy, 1);
+    cons_close(&c);
+}
+
+static void test_export_variants(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(spawn(&c, variants_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    REQUIRE(prod_add(&p, &c, &index) == 0);
+    RECV(c.from, M_READY, m);
+    REQUIRE_OK(publish_batch(p.ring, 3, &err));
+    RECV(c.from, M_DONE, m);
+    SEND(c.to, M_BYE, 0, 0);
+    reap(&c, 1);
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(2000), &err), TS_OK);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* ==========================================================================
+ * 5. The reaper drops the last ring reference (it frees the GPU state itself)
+ * ========================================================================== */
+
+#define LAST_REF_KERNEL_US 300000
+
+static void last_ref_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    unsigned long long sum = 0;
+    uint8_t want[32];
+    size_t n = leaf_bytes(5, 0, want);
+    if (cons_open(&c, in) != 0) goto out;
+    launch_read_fn launch = launch_read_of(c.api);
+    REQUIRE(launch != NULL);
+    SEND(out, M_READY, 0, 0);
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    REQUIRE_CU(launch(c.stream, (CUdeviceptr)(uintptr_t)tensor_of(t, 1)->data, n, &sum,
+                      LAST_REF_KERNEL_US));
+    ts_export_delete(t, 1);
+    ts_lease_unref(l);
+    CHECK_EQ(atomic_load(&c.ring->refs), 2);
+    int threads = thread_count(); /* with the reaper */
+    /* Our reference goes: the pending release now holds the last one. */
+    ts_ring_unref(c.ring);
+    c.ring = NULL;
+    CHECK_EQ(thread_count(), threads);
+    SEND(out, M_DONE, a.slot, 0);
+    /* The producer sees the release and the pool unmapped (by the reaper). */
+    RECV(in, M_GO, m);
+    CHECK_EQ(sum, fnv1a(want, n));
+    /* The reaper exits once it has torn the state down. */
+    uint64_t dl = deadline_ms(5000);
+    while (thread_count() != threads - 1 && ts_now_ns() < dl) sleep_us(500);
+    CHECK_EQ(thread_count(), threads - 1);
+    CHECK_EQ(atomic_load(&c.api->refs), 1); /* the ring's state gave its reference back */
+    CHECK_EQ(fc_counter(c.api, "ipc_close_mem"), SLOTS);
+    CHECK_CU(c.api->StreamSynchronize(c.stream));
+    CHECK_EQ(sum, fnv1a(want, n));
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c); /* then exit(): LeakSanitizer checks the freed state */
+}
+
+static void test_reaper_last_ref(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(spawn(&c, last_ref_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    REQUIRE(prod_add(&p, &c, &index) == 0);
+    RECV(c.from, M_READY, m);
+    REQUIRE_OK(publish_batch(p.ring, 5, &err));
+    RECV(c.from, M_DONE, m);
+    uint32_t slot = (uint32_t)m.a;
+    /* The consumer has no ring handle any more, yet its release is still pending. */
+    CHECK(readers_of(p.ring, slot) & (1ULL << index));
+    CHECK_EQ(ts_ring_importers(p.ring), 1);
+    uint64_t t0 = ts_now_ns();
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(5000), &err), TS_OK);
+    CHECK(ts_now_ns() - t0 < 5000 * MS);
+    CHECK_EQ(readers_of(p.ring, slot), 0);
+    CHECK_EQ(ts_ring_importers(p.ring), 0);
+    CHECK(kill(c.pid, 0) == 0); /* it is the reaper's doing, not an exit */
+    SEND(c.to, M_GO, 0, 0);
+    RECV(c.from, M_DONE, m);
+    SEND(c.to, M_BYE, 0, 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* ==========================================================================
+ * 6. ts_ring_wait_released waits for the importers, live ones only
+ * ========================================================================== */
+
+static void leaver_consumer(int in, int out)
+{
+    cons c;
+    msg m;
+    if (cons_open(&c, in) != 0) goto out;
+    SEND(out, M_READY, 0, 0);
+    RECV(in, M_GO, m);
+    ts_ring_unref(c.ring);
+    c.ring = NULL;
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c);
+}
+
+static void victim_consumer(int in, int out)
+{
+    cons c;
+    msg m;
+    if (cons_open(&c, in) != 0) goto out;
+    SEND(out, M_READY, 0, 0);
+    RECV(in, M_BYE, m); /* SIGKILLed before */
+out:
+    cons_close(&c);
+}
+
+static void test_wait_released(void)
+{
+    prod p = {0};
+    peer A = {0}, B = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t ia = 0, ib = 0;
+    REQUIRE(spawn(&A, leaver_consumer) == 0);
+    REQUIRE(spawn(&B, victim_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(1000), &err), TS_OK);
+    REQUIRE(prod_add(&p, &A, &ia) == 0);
+    REQUIRE(prod_add(&p, &B, &ib) == 0);
+    RECV(A.from, M_READY, m);
+    RECV(B.from, M_READY, m);
+    CHECK_EQ(ts_ring_importers(p.ring), 2);
+
+    /* No slot is held, but two processes map the pool. */
+    uint64_t dl = deadline_ms(150);
+    CHECK_ST(ts_ring_wait_released(p.ring, dl, &err), TS_E_TIMEOUT);
+    CHECK(ts_now_ns() >= dl);
+
+    /* A closes its mapping (and stays alive): B still maps it. */
+    SEND(A.to, M_GO, 0, 0);
+    RECV(A.from, M_DONE, m);
+    CHECK_EQ(ts_ring_importers(p.ring), 1);
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(150), &err), TS_E_TIMEOUT);
+
+    /* B dies with its mapping open: a dead importer does not count. */
+    REQUIRE(kill(B.pid, SIGKILL) == 0);
+    pid_t bpid = B.pid;
+    reap(&B, 0);
+    fakecuda_objects(bpid, 1); /* a killed process cannot clean up after itself */
+    uint64_t t0 = ts_now_ns();
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(5000), &err), TS_OK);
+    CHECK(ts_now_ns() - t0 < 2000 * MS);
+    CHECK_EQ(ts_ring_importers(p.ring), 0);
+    for (int i = 0; i < TS_MAX_CONSUMERS; i++)
+        CHECK_EQ(atomic_load(&p.ring->hdr->importers[i].state), TS_IMPORTER_FREE);
+    ts_ring_evict(p.ring, ib);
+    SEND(A.to, M_BYE, 0, 0);
+out:
+    if (B.pid > 0) kill(B.pid, SIGKILL);
+    reap(&B, 0);
+    reap(&A, 1);
+    prod_close(&p);
+}
+
+/* ==========================================================================
+ * 7. Errors
+ * ========================================================================== */
+
+/* GPUs without CUDA IPC (MIG): no ring, no segment, no device memory left. */
+static void test_mig(void)
+{
+    ts_cuda_api *api = NULL;
+    ts_ring *ring = NULL;
+    ts_err err = {0};
+    ts_geometry g = {SLOTS, 2, 4096, 1};
+    /* This process never loaded the driver: the double reads the setting at cuInit. */
+    setenv("FAKECUDA_MIG", "1", 1);
+    REQUIRE_OK(ts_cuda_load(&api, &err));
+    ts_ring_unlink_name(g_name, NULL);
+    CHECK_ST(ts_ring_create_on_device(g_name, &g, api, 0, &ring, &err), TS_E_GPU_UNAVAILABLE);
+    CHECK_EQ(err.code, TS_E_GPU_UNAVAILABLE);
+    CHECK(strstr(err.msg, "MIG") != NULL);
+    CHECK(strstr(err.msg, "CUDA_ERROR_NOT_SUPPORTED") != NULL);
+    CHECK(ring == NULL);
+    errno = 0;
+    int fd = shm_open(g_name, O_RDONLY, 0);
+    CHECK(fd < 0 && errno == ENOENT);
+    if (fd >= 0) close(fd);
+    /* The slot allocated before the export failed was freed again. */
+    CHECK_EQ(fc_counter(api, "alloc"), 1);
+    CHECK_EQ(fc_counter(api, "free"), 1);
+    CHECK_EQ(fakecuda_objects(getpid(), 0), 0);
+    CHECK_EQ(atomic_load(&api->refs), 1); /* the failed ring gave its references back */
+    /* A host ring still works with the same driver loaded. */
+    g.on_device = 0;
+    CHECK_ST(ts_ring_create(g_name, &g, &ring, &err), TS_OK);
+    if (ring != NULL) ts_ring_unref(ring);
+    ts_ring_unlink_name(g_name, NULL);
+out:
+    ts_cuda_unref(api);
+    unsetenv("FAKECUDA_MIG");
+}
+
+/* GPUs without interprocess events. */
+static void test_no_ipc_events(void)
+{
+    ts_cuda_api *api = NULL;
+    ts_ring *ring = NULL;
+    ts_err err = {0};
+    ts_geometry g = {SLOTS, 2, 4096, 1};
+    setenv("FAKECUDA_NO_IPC_EVENTS", "1", 1);
+    REQUIRE_OK(ts_cuda_load(&api, &err));
+    ts_ring_unlink_name(g_name, NULL);
+    CHECK_ST(ts_ring_create_on_device(g_name, &g, api, 0, &ring, &err), TS_E_GPU_UNAVAILABLE);
+    CHECK(strstr(err.msg, "IPC events") != NULL);
+    CHECK(ring == NULL);
+    errno = 0;
+    int fd = shm_open(g_name, O_RDONLY, 0);
+    CHECK(fd < 0 && errno == ENOENT);
+    if (fd >= 0) close(fd);
+    CHECK_EQ(fakecuda_objects(getpid(), 0), 0);
+    CHECK_EQ(atomic_load(&api->refs), 1);
+    /* And a device this process does not see. */
+    g.slot_count = SLOTS;
+    CHECK_ST(ts_ring_create_on_device(g_name, &g, api, 3, &ring, &err), TS_E_GPU_UNAVAILABLE);
+    CHECK(strstr(err.msg, "no CUDA device 3") != NULL);
+    fd = shm_open(g_name, O_RDONLY, 0);
+    CHECK(fd < 0 && errno == ENOENT);
+    if (fd >= 0) close(fd);
+out:
+    ts_cuda_unref(api);
+    unsetenv("FAKECUDA_NO_IPC_EVENTS");
+}
+
+static void reader_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    if (cons_open(&c, in) != 0) goto out;
+    SEND(out, M_READY, 0, 0);
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    for (uint32_t i = 0; i < 2; i++) {
+        void *t = export_dev(l, i, 1, 0, stream_arg(c.stream), &err);
+        if (!CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK)) continue;
+        CHECK_CU(c.api->StreamSynchronize(c.stream));
+        CHECK(device_leaf_ok(&c, tensor_of(t, 1), a.slot, i, 9, 0));
+        ts_export_delete(t, 1);
+    }
+    ts_lease_unref(l);
+    CHECK(wait_bit_clear(c.ring, a.slot, 1ULL << c.index, 5000));
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c);
+}
+
+/* Importing in the exporting process fails cleanly, and disturbs nothing. */
+static void test_import_in_exporter(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_ring *mine = NULL;
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(spawn(&c, reader_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    /* The producer's own handle is refused outright, and its pool stays untouched. */
+    CHECK_ST(ts_gpu_import(p.ring, p.api, 0, &err), TS_E_INVALID);
+    CHECK(strstr(err.msg, "only in other processes") != NULL);
+    for (uint32_t k = 0; k < SLOTS; k++) CHECK(ts_gpu_slot_ptr(p.ring, k) != 0);
+    REQUIRE_OK(ts_ring_open(g_name, &mine, &err));
+    for (int attempt = 0; attempt < 2; attempt++) {
+        CHECK_ST(ts_gpu_import(mine, p.api, 0, &err), TS_E_GPU_UNAVAILABLE);
+        CHECK(strstr(err.msg, "cannot open the producer's GPU memory on GPU 0") != NULL);
+        CHECK(strstr(err.msg, "CUDA_ERROR_INVALID_CONTEXT") != NULL);
+        CHECK_EQ(ts_gpu_imported_device(mine), -1);
+        for (uint32_t k = 0; k < SLOTS; k++) CHECK_EQ(ts_gpu_slot_ptr(mine, k), 0);
+        /* No importer entry is left behind, so the producer is not held up. */
+        CHECK_EQ(ts_ring_importers(p.ring), 0);
+        for (int i = 0; i < TS_MAX_CONSUMERS; i++)
+            CHECK_EQ(atomic_load(&p.ring->hdr->importers[i].state), TS_IMPORTER_FREE);
+        CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(1000), &err), TS_OK);
+    }
+    ts_ring_unref(mine);
+    mine = NULL;
+
+    /* The producer's pool is intact: a real consumer reads a batch from it. */
+    REQUIRE(prod_add(&p, &c, &index) == 0);
+    RECV(c.from, M_READY, m);
+    REQUIRE_OK(publish_batch(p.ring, 9, &err));
+    RECV(c.from, M_DONE, m);
+    SEND(c.to, M_BYE, 0, 0);
+    reap(&c, 1);
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(2000), &err), TS_OK);
+out:
+    if (mine != NULL) ts_ring_unref(mine);
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* ---- main ------------------------------------------------------------------------- */
+
+static const struct {
+    const char *name;
+    void (*fn)(void);
+} g_tests[] = {
+    {"import", test_import},
+    {"device_views", test_device_views},
+    {"deferred_release", test_deferred_release},
+    {"export_variants", test_export_variants},
+    {"reaper_last_ref", test_reaper_last_ref},
+    {"wait_released", test_wait_released},
+    {"mig", test_mig},
+    {"no_ipc_events", test_no_ipc_events},
+    {"import_in_exporter", test_import_in_exporter},
+};
+
+/* Run one group in a fresh process (it is the producer; the driver is loaded there
+ * only). 1 if it passed. */
+static int run_group(size_t i)
+{
+    snprintf(g_name, sizeof g_name, "/tensorsocket-ctest-%d-gpu-%zu", (int)getpid(), i);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) {
+        printf("  fork failed: %s\n", strerror(errno));
+        return 0;
+    }
+    if (pid == 0) {
+        g_role = "producer";
+        alarm(120); /* a hung group dies and fails */
+        g_tests[i].fn();
+        ts_ring_unlink_name(g_name, NULL);
+        fflush(stdout);
+        exit(atomic_load(&g_failed_checks) != 0 ? 1 : 0); /* exit: LeakSanitizer runs */
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+    ts_ring_unlink_name(g_name, NULL);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return 1;
+    if (WIFSIGNALED(status))
+        printf("  the %s process died of signal %d\n", g_tests[i].name, WTERMSIG(status));
+    else if (WEXITSTATUS(status) != 1)
+        printf("  the %s process exited with status %d\n", g_tests[i].name,
+               WEXITSTATUS(status));
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *filter = argc > 1 ? argv[1] : NULL;
+    int passed = 0, failed = 0;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    signal(SIGPIPE, SIG_IGN); /* a dead peer shows as a failed write */
+    const char *lib = getenv("TENSORSOCKET_LIBCUDA");
+    if (lib == NULL || lib[0] == '\0') {
+        printf("TENSORSOCKET_LIBCUDA must name the CUDA test double (libfakecuda.so)\n");
+        printf("0 passed, 1 failed\n");
+        return 1;
+    }
+    for (size_t i = 0; i < sizeof g_tests / sizeof g_tests[0]; i++) {
+        if (filter != NULL && strstr(g_tests[i].name, filter) == NULL) continue;
+        uint64_t t0 = ts_now_ns();
+        int ok = run_group(i);
+        printf("%s %s (%.1f ms)\n", ok ? "PASS" : "FAIL", g_tests[i].name,
+               (double)(ts_now_ns() - t0) / 1e6);
+        if (ok) passed++;
+        else failed++;
+    }
+    if (passed + failed == 0) printf("no test matches '%s'\n", filter);
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0 || passed == 0 ? 1 : 0;
+}
