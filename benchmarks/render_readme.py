@@ -1,0 +1,162 @@
+"""Render the README's "Performance" section from a results file of suite.py.
+
+    python benchmarks/render_readme.py                      # the newest full results file
+    python benchmarks/render_readme.py benchmarks/results/X.json
+    python benchmarks/render_readme.py --check              # exit 1 if README is stale
+
+Everything between the markers ``<!-- performance:begin -->`` and
+``<!-- performance:end -->`` in README.md is replaced: no figure is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+README = ROOT / "README.md"
+BEGIN, END = "<!-- performance:begin -->", "<!-- performance:end -->"
+MODES = ("independent", "shared", "original")
+
+
+def newest_results() -> Path:
+    """The newest full (not --quick) results file."""
+    files = sorted(p for p in (HERE / "results").glob("*.json") if not p.stem.endswith("-quick"))
+    if not files:
+        raise SystemExit("no results file in benchmarks/results/: run benchmarks/suite.py")
+    return max(files, key=lambda p: json.loads(p.read_text())["machine"]["date"])
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _collocated(doc: dict) -> list[str]:
+    rows = doc.get("summary") or []
+    by = {(r["mode"], r["consumers"]): r for r in rows}
+    ns = sorted({r["consumers"] for r in rows})
+    cal = doc.get("calibration") or {}
+    cfg = doc.get("config") or {}
+    out = [
+        f"**Collocated training** (`benchmarks/collocated.py`): N processes each train a "
+        f"small CNN on the CPU ({cal.get('model_params', '?'):,} parameters, one thread each) "
+        f"on batches of {cfg.get('batch_size')} JPEG-decoded, randomly cropped and flipped "
+        f"{cfg.get('crop')}x{cfg.get('crop')} images; medians of {doc.get('repeats')} runs.",
+        "",
+        "| N | samples/s independent | samples/s shared | samples/s original | "
+        "shared / independent | CPU s/sample independent | CPU s/sample shared | "
+        "CPU ratio | peak RSS independent | peak RSS shared |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(mode: str, n: int, key: str, spec: str) -> str:
+        r = by.get((mode, n))
+        if r is None:
+            return "—"
+        if r.get("status") == "error":
+            return "failed"
+        return _num(r.get(key), spec)
+
+    for n in ns:
+        shared = by.get(("shared", n)) or {}
+        ratios = shared.get("vs_independent") or {}
+        out.append(
+            f"| {n} | {cell('independent', n, 'aggregate_samples_per_s', '.1f')} "
+            f"| {cell('shared', n, 'aggregate_samples_per_s', '.1f')} "
+            f"| {cell('original', n, 'aggregate_samples_per_s', '.1f')} "
+            f"| {_num(ratios.get('samples_per_s'), '.2f')}x "
+            f"| {cell('independent', n, 'cpu_s_per_sample', '.4f')} "
+            f"| {cell('shared', n, 'cpu_s_per_sample', '.4f')} "
+            f"| {_num(ratios.get('cpu_s_per_sample'), '.2f')}x "
+            f"| {cell('independent', n, 'peak_rss_total_mb', ',.0f')} MB "
+            f"| {cell('shared', n, 'peak_rss_total_mb', ',.0f')} MB |")
+    errors = sorted({e for r in rows if r["mode"] == "original" for e in r.get("errors") or []})
+    if errors:
+        out += ["", "The original TensorSocket in this workload: " +
+                "; ".join(f"`{e[:200]}`" for e in errors)]
+    return out
+
+
+def _handoff(doc: dict) -> list[str]:
+    comp = {(c["kind"], c["consumers"]): c for c in doc.get("comparison") or []}
+    out = [
+        "**Handoff** (`benchmarks/handoff.py --with-original`): a loader that costs nothing, "
+        "so only the handoff is timed; per consumer, median over consumers and repeats; "
+        "memcpy of the same bytes measured in the same run.",
+        "",
+        "| batch | N | ours batches/s | ours GB/s | vs memcpy | original batches/s | "
+        "ours / original |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in doc.get("results") or []:
+        c = comp.get((r["kind"], r["consumers"])) or {}
+        orig = c.get("original_batches_per_s")
+        orig_cell = _num(orig, ",.0f") if orig is not None else (
+            "failed" if c.get("original_error") else "—")
+        out.append(
+            f"| {r['kind']} | {r['consumers']} | {_num(r.get('batches_per_s'), ',.0f')} "
+            f"| {_num(r.get('gb_per_s'), '.2f')} | {_num(r.get('ratio_vs_memcpy'), '.2f')}x "
+            f"| {orig_cell} | {_num(c.get('ours_over_original'), '.1f')}x |")
+    errors = sorted({f"{c['kind']} N={c['consumers']}: {c['original_error']}"
+                     for c in comp.values() if c.get("original_error")})
+    if errors:
+        out += ["", "Where the original failed: " + "; ".join(f"`{e[:200]}`" for e in errors)]
+    return out
+
+
+def render(results: dict, path: Path) -> str:
+    """The Markdown of the section for this results document."""
+    m = results["machine"]
+    rel = path.relative_to(ROOT)
+    lines = [
+        BEGIN,
+        "<!-- generated by benchmarks/render_readme.py from "
+        f"{rel}; do not edit by hand -->",
+        f"Measured {m['date'][:10]} on {m['cores']} cores ({m['cpu']}), "
+        f"{m['memory_bytes'] / 2**30:.0f} GiB, torch {m['torch']}, commit {m['commit']}, "
+        "with `python benchmarks/suite.py`. Results: "
+        f"[`{rel}`]({rel}).",
+        "",
+    ]
+    png = path.with_suffix(".png")
+    if png.exists():
+        lines += [f"![benchmark plot]({png.relative_to(ROOT)})", ""]
+    if results.get("collocated"):
+        lines += _collocated(results["collocated"]) + [""]
+    if results.get("handoff"):
+        lines += _handoff(results["handoff"]) + [""]
+    lines += ["| target | measured | |", "|---|---|---|"]
+    for v in results.get("verdicts") or []:
+        lines.append(f"| {v['target']} | {v['measured']} | {v['status']} |")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="?", type=Path, help="results file (default: newest)")
+    ap.add_argument("--check", action="store_true", help="only check the README is current")
+    args = ap.parse_args(argv)
+    path = (args.results or newest_results()).resolve()
+    section = render(json.loads(path.read_text()), path)
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = head + section + tail
+    if args.check:
+        if new != text:
+            print("README.md's performance section is stale: run benchmarks/render_readme.py")
+            return 1
+        return 0
+    README.write_text(new)
+    print(f"README.md performance section rendered from {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
