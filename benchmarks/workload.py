@@ -1,0 +1,310 @@
+"""The training workload of ``collocated.py``: a JPEG dataset, its augmentation, a small CNN.
+
+Only torch, numpy and PIL are used (no torchvision: the PyPI torchvision wheels are CUDA
+builds whose ops do not load against a CPU-only torch), and nothing here imports
+tensorsocket, so both this project's interpreter and the original TensorSocket's venv
+import this file by path (``sys.path`` holds ``benchmarks/`` when ``collocated.py`` runs).
+
+- ``ensure_images(n, size)``: ``n`` deterministic JPEGs (``size`` x ``size``, quality 90:
+  a colour gradient, random ellipses and rectangles, Gaussian noise) generated once into
+  ``benchmarks/.cache/images-<n>-<size>/`` (gitignored).
+- ``JpegDataset``: ``__getitem__(i)`` decodes image ``i % n`` with PIL, applies
+  RandomResizedCrop to 32x32 (scale (0.08, 1), ratio (3/4, 4/3), bilinear; the
+  torchvision algorithm), a random horizontal flip, and converts to a float tensor
+  normalised with the ImageNet mean/std. It returns ``(image, label, sample_id)`` with
+  ``label = i % 10`` and ``sample_id = i``. The augmentation's random numbers come from
+  ``numpy.random.default_rng([seed, epoch, i])``: deterministic per sample, whichever
+  worker process (or producer) loads it.
+- ``make_loader``: a shuffling ``DataLoader`` whose order depends only on ``seed`` and
+  the epoch.
+- ``SmallResNet`` (~20k parameters with the default widths) and ``Trainer`` (SGD with
+  momentum, cross-entropy).
+- ``calibrate``: loader-only and train-only rates of one process with one thread.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from PIL import Image, ImageDraw
+
+CACHE = Path(__file__).resolve().parent / ".cache"
+
+NUM_IMAGES = 2000
+IMAGE_SIZE = 512  # decoding dominates: see collocated.py's docstring, "Calibration"
+CROP = 32
+NUM_CLASSES = 10
+JPEG_QUALITY = 90
+SCALE = (0.08, 1.0)
+RATIO = (3.0 / 4.0, 4.0 / 3.0)
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+WIDTHS = (8, 16, 32)
+DONE_MARK = "COMPLETE"
+
+
+# -- the image files --------------------------------------------------------------------
+
+
+def image_dir(n: int = NUM_IMAGES, size: int = IMAGE_SIZE) -> Path:
+    return CACHE / f"images-{n}-{size}"
+
+
+def make_image(i: int, size: int) -> bytes:
+    """JPEG bytes of image ``i`` (deterministic in ``i`` and ``size``)."""
+    rng = np.random.default_rng([20240917, i, size])
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    t = xx * rng.uniform(-1, 1) + yy * rng.uniform(-1, 1)
+    t = (t - t.min()) / max(float(t.max() - t.min()), 1e-6)
+    c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+    arr = c0 * (1 - t[..., None]) + c1 * t[..., None]
+    img = Image.fromarray(arr.astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(4, 12))):
+        x0, y0 = (int(v) for v in rng.integers(0, size, 2))
+        dx, dy = (int(v) for v in rng.integers(size // 20 + 1, size // 2, 2))
+        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+        shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
+        shape([x0, y0, x0 + dx, y0 + dy], fill=colour)
+    noisy = np.asarray(img, dtype=np.float32)
+    noisy += rng.standard_normal(noisy.shape, dtype=np.float32) * 12.0
+    img = Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=JPEG_QUALITY)
+    return out.getvalue()
+
+
+def ensure_images(n: int = NUM_IMAGES, size: int = IMAGE_SIZE,
+                  progress: Callable[[str], None] | None = None) -> Path:
+    """The directory of the ``n`` images, generating them on first use.
+
+    They are written into a temporary directory that is renamed into place when
+    complete, so a crash never leaves a partial cache behind.
+    """
+    root = image_dir(n, size)
+    if (root / DONE_MARK).exists():
+        return root
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE / f"{root.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        t0 = time.monotonic()
+        for i in range(n):
+            (tmp / f"{i:06d}.jpg").write_bytes(make_image(i, size))
+            if progress is not None and (i + 1) % 250 == 0:
+                progress(f"generating images: {i + 1}/{n} ({time.monotonic() - t0:.0f} s)")
+        (tmp / DONE_MARK).write_text(f"{n} {size}\n")
+        if root.exists():  # an incomplete cache from an older layout: replace it
+            shutil.rmtree(root, ignore_errors=True)
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            if not (root / DONE_MARK).exists():  # not another process winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+# -- the dataset ------------------------------------------------------------------------
+
+
+def random_resized_crop_box(rng: np.random.Generator, width: int, height: int,
+                            scale: tuple[float, float] = SCALE,
+                            ratio: tuple[float, float] = RATIO) -> tuple[int, int, int, int]:
+    """(left, top, w, h) of a RandomResizedCrop, as torchvision draws it."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return left, top, w, h
+    # Fallback: a central crop with the ratio clamped to the allowed range.
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+def transform(img: Image.Image, rng: np.random.Generator, crop: int = CROP) -> torch.Tensor:
+    """RandomResizedCrop(crop) + RandomHorizontalFlip + ToTensor + Normalize."""
+    left, top, w, h = random_resized_crop_box(rng, img.width, img.height)
+    img = img.resize((crop, crop), Image.BILINEAR, box=(left, top, left + w, top + h))
+    if rng.random() < 0.5:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    arr = np.asarray(img, dtype=np.float32) * (1.0 / 255.0)
+    arr = (arr - MEAN) / STD
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
+class JpegDataset(torch.utils.data.Dataset):
+    """``length`` samples over the JPEGs in ``root``: sample ``i`` is file ``i % n``."""
+
+    def __init__(self, root: str | os.PathLike, length: int | None = None, crop: int = CROP,
+                 seed: int = 0) -> None:
+        self.files = sorted(str(p) for p in Path(root).glob("*.jpg"))
+        if not self.files:
+            raise FileNotFoundError(f"no .jpg files in {root}")
+        self.length = len(self.files) if length is None else int(length)
+        self.crop = crop
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
+        rng = np.random.default_rng([self.seed, self.epoch, i])
+        with Image.open(self.files[i % len(self.files)]) as f:
+            img = f.convert("RGB")
+        return transform(img, rng, self.crop), i % NUM_CLASSES, i
+
+
+def make_loader(dataset: JpegDataset, batch_size: int, workers: int, seed: int = 0,
+                epoch: int = 0) -> torch.utils.data.DataLoader:
+    """A shuffling DataLoader whose order depends only on ``seed`` and ``epoch``."""
+    dataset.set_epoch(epoch)
+    gen = torch.Generator()
+    gen.manual_seed(seed * 1000 + epoch)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True,
+                                       num_workers=workers, generator=gen)
+
+
+# -- the model ---------------------------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = None
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.shortcut is None else self.shortcut(x)))
+
+
+class SmallResNet(nn.Module):
+    """Stem (stride 2) + three basic blocks (32x32 input: 16x16, 8x8, 4x4) + linear."""
+
+    def __init__(self, widths: tuple[int, int, int] = WIDTHS,
+                 num_classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        w1, w2, w3 = widths
+        self.stem = nn.Sequential(nn.Conv2d(3, w1, 3, 2, 1, bias=False), nn.BatchNorm2d(w1),
+                                  nn.ReLU())
+        self.layer1 = BasicBlock(w1, w1, 1)
+        self.layer2 = BasicBlock(w1, w2, 2)
+        self.layer3 = BasicBlock(w2, w3, 2)
+        self.fc = nn.Linear(w3, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer3(self.layer2(self.layer1(self.stem(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class Trainer:
+    """A SmallResNet and its optimiser; ``step(x, y)`` is one SGD step, returning the loss."""
+
+    def __init__(self, seed: int = 0, lr: float = 0.05) -> None:
+        torch.manual_seed(seed)
+        self.model = SmallResNet()
+        self.model.train()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9,
+                                   weight_decay=5e-4)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+
+# -- calibration -------------------------------------------------------------------------
+
+
+def calibrate(root: str | os.PathLike, batch_size: int, batches: int = 6,
+              warmup: int = 1) -> dict:
+    """Loader-only and train-only rates of this process, one thread each.
+
+    loader: ``dataset[i]`` for a shuffled run of indices plus ``default_collate``, what one
+    DataLoader worker does per batch; train: ``Trainer.step`` on a fixed batch.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ds = JpegDataset(root, seed=0)
+        order = np.random.default_rng(0).permutation(len(ds))
+        collate = torch.utils.data.default_collate
+
+        def load(b: int):
+            idx = order[(b * batch_size + np.arange(batch_size)) % len(order)]
+            return collate([ds[int(i)] for i in idx])
+
+        for b in range(warmup):
+            load(b)
+        t0 = time.perf_counter()
+        for b in range(batches):
+            batch = load(warmup + b)
+        load_s = (time.perf_counter() - t0) / batches
+
+        trainer = Trainer(seed=0)
+        x, y = batch[0], batch[1]
+        for _ in range(warmup + 1):
+            trainer.step(x, y)
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            trainer.step(x, y)
+        train_s = (time.perf_counter() - t0) / batches
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "batch_size": batch_size,
+        "loader_batches_per_s": 1.0 / load_s,
+        "loader_samples_per_s": batch_size / load_s,
+        "loader_ms_per_batch": load_s * 1e3,
+        "train_batches_per_s": 1.0 / train_s,
+        "train_samples_per_s": batch_size / train_s,
+        "train_ms_per_batch": train_s * 1e3,
+        "train_over_loader": load_s / train_s,
+        "loader_bound_one_worker": load_s > train_s,
+        "model_params": num_params(trainer.model),
+        "threads": 1,
+    }
