@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave out the original TensorSocket (no venv is created)")
     ap.add_argument("--only", default="handoff,collocated",
                     help="comma-separated subset of handoff,collocated")
+    ap.add_argument("--repeats", type=int, help="repeats per configuration (default: each "
+                    "script's own, 3; 1 with --quick)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = ap.parse_args(argv)
 
@@ -104,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"benchmark suite on {info['cores']} x {info['cpu']}, torch {info['torch']}, "
           f"commit {info['commit']}", flush=True)
     quick = ["--quick"] if args.quick else []
+    if args.repeats:
+        quick += ["--repeats", str(args.repeats)]
     steps = [s for s in args.only.split(",") if s]
-    results: dict = {"machine": info, "quick": args.quick}
+    results: dict = {"machine": info, "quick": args.quick, "repeats": args.repeats}
     if "handoff" in steps:
         cmd = [sys.executable, str(HERE / "handoff.py"), *quick]
         if not args.skip_original:
