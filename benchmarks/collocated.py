@@ -745,30 +745,13 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 
 def _remove_leftovers(name: str) -> None:
     """What a tensorsocket producer of this (unique, ours only) name may leave: its
-    segment if it was killed, and the lock and socket files in the runtime directory."""
+    segment if it was killed, and the lock and socket files (handoff.py's cleanup)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:
-        from tensorsocket.endpoints import resolve, segment_prefix
-    except ImportError:
-        return
-    prefix = segment_prefix(name)
-    try:
-        for entry in os.listdir("/dev/shm"):
-            if entry.startswith(prefix):
-                try:
-                    os.unlink(os.path.join("/dev/shm", entry))
-                except OSError:
-                    pass
-    except OSError:
-        pass
-    try:
-        rdir = resolve(name).runtime_dir
-    except (OSError, ValueError):
-        return
-    for suffix in (".lock", ".sock"):
-        try:
-            (rdir / f"{name}{suffix}").unlink()
-        except OSError:
-            pass
+        import handoff
+    finally:
+        sys.path.pop(0)
+    handoff._remove_leftovers(name)
 
 
 def _wait_ready(proc: subprocess.Popen, out_path: Path, timeout: float) -> None:
