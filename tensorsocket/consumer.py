@@ -388,6 +388,10 @@ class TensorConsumer:
                 raise ProducerGone(
                     f"{e}: no more batches will come from {self.endpoint.address}") from None
             except ConsumerDetached as e:
+                if self._closed:  # close() from another thread detached us first
+                    raise TensorSocketError(
+                        "the consumer was closed by another thread while this call waited"
+                    ) from None
                 if not self._lagged() or self.lag_policy != "rejoin":
                     raise ConsumerDetached(
                         f"{e}; create a new TensorConsumer to attach again") from None
