@@ -647,17 +647,18 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-/* Ring.reserve(pid, start_time) -> (index, token) */
+/* Ring.reserve(pid, start_time, batch_size=0) -> (index, token) */
 static PyObject *Ring_reserve(RingObject *self, PyObject *args)
 {
     int pid;
     unsigned long long start_time;
-    if (!PyArg_ParseTuple(args, "iK:reserve", &pid, &start_time)) return NULL;
+    unsigned int batch_size = 0;
+    if (!PyArg_ParseTuple(args, "iK|I:reserve", &pid, &start_time, &batch_size)) return NULL;
     if (ts_role_check(self, 1) < 0) return NULL;
     uint32_t index = 0;
     uint64_t token = 0;
     ts_err err = {0};
-    if (ts_ring_reserve(self->ring, pid, start_time, &index, &token, &err) != TS_OK)
+    if (ts_ring_reserve(self->ring, pid, start_time, batch_size, &index, &token, &err) != TS_OK)
         return ts_raise(ts_get_state((PyObject *)self), &err);
     return Py_BuildValue("(IK)", index, (unsigned long long)token);
 }
@@ -1017,7 +1018,7 @@ static PyObject *ts_consumer_dict(const ts_header *h, uint32_t i)
     uint64_t at = cursor & ~TS_CURSOR_DETACHED;
     long long lag = (cursor == TS_SEQ_NONE || at > published) ? 0 : (long long)(published - at);
     return Py_BuildValue(
-        "{sIsIsIsisKsKsLsKsKsKsKsKsK}", "index", i, "state",
+        "{sIsIsIsisKsKsLsKsKsKsKsKsIsK}", "index", i, "state",
         atomic_load_explicit(&c->state, memory_order_acquire), "reason",
         atomic_load_explicit(&c->reason, memory_order_relaxed), "pid", c->pid, "cursor",
         (unsigned long long)(cursor == TS_SEQ_NONE ? cursor : at), "first_seq",
@@ -1029,7 +1030,7 @@ static PyObject *ts_consumer_dict(const ts_header *h, uint32_t i)
         "wait_ns", (unsigned long long)atomic_load_explicit(&c->wait_ns, memory_order_relaxed),
         "progress_ns",
         (unsigned long long)atomic_load_explicit(&c->progress_ns, memory_order_relaxed),
-        "start_time", (unsigned long long)c->start_time, "token",
+        "start_time", (unsigned long long)c->start_time, "batch_size", c->batch_size, "token",
         (unsigned long long)c->token);
 }
 
@@ -1151,6 +1152,27 @@ static PyObject *Ring_pin_host(RingObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The newest published entry's epoch, batch index and bytes, read without a
+ * lock: 0 if the entry is not there or was overwritten while read. */
+static int ts_newest_entry(const ts_ring *r, uint64_t published, uint64_t *epoch,
+                           uint64_t *index, uint64_t *bytes)
+{
+    *epoch = *index = *bytes = 0;
+    if (published == 0) return 0;
+    uint64_t seq = published - 1;
+    const ts_slot *s = ts_ring_slot(r, (uint32_t)(seq % r->hdr->slot_count));
+    if (atomic_load_explicit(&s->seq, memory_order_acquire) != seq) return 0;
+    *epoch = s->epoch;
+    *index = s->index;
+    *bytes = s->kind == TS_ENTRY_BATCH ? s->used_bytes : 0;
+    atomic_thread_fence(memory_order_acquire);
+    if (atomic_load_explicit(&s->seq, memory_order_relaxed) != seq) {
+        *epoch = *index = *bytes = 0;
+        return 0;
+    }
+    return 1;
+}
+
 /* Ring.info() -> dict of geometry and counters. */
 static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -1184,6 +1206,20 @@ static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
         (unsigned long long)atomic_load_explicit(&h->lag_detached, memory_order_relaxed),
         "publish_wait_ns",
         (unsigned long long)atomic_load_explicit(&h->publish_wait_ns, memory_order_relaxed));
+    if (more == NULL || PyDict_Update(info, more) < 0) {
+        Py_XDECREF(more);
+        Py_DECREF(info);
+        return NULL;
+    }
+    Py_DECREF(more);
+    uint64_t n_epoch, n_index, n_bytes;
+    int n_valid = ts_newest_entry(
+        r, atomic_load_explicit(&h->published, memory_order_acquire), &n_epoch, &n_index,
+        &n_bytes);
+    more = Py_BuildValue("{sOsKsKsK}", "newest_valid", n_valid ? Py_True : Py_False,
+                         "newest_epoch", (unsigned long long)n_epoch, "newest_index",
+                         (unsigned long long)n_index, "newest_bytes",
+                         (unsigned long long)n_bytes);
     if (more == NULL || PyDict_Update(info, more) < 0) {
         Py_XDECREF(more);
         Py_DECREF(info);

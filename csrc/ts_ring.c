@@ -365,8 +365,8 @@ static int ts_ring_bit_in_use(const ts_ring *ring, uint64_t bit)
 }
 
 /* Reserve a consumer table entry for process pid. */
-ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_t *index,
-                          uint64_t *token, ts_err *err)
+ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_t batch_size,
+                          uint32_t *index, uint64_t *token, ts_err *err)
 {
     ts_header *h = ring->hdr;
     ts_status st = TS_E_FULL;
@@ -380,6 +380,7 @@ ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_
         uint64_t now = ts_now_ns();
         c->pid = (int32_t)pid;
         c->start_time = start_time;
+        c->batch_size = batch_size;
         c->token = c->token + 1 + (now << 8);
         atomic_store_explicit(&c->reason, TS_REASON_NONE, memory_order_relaxed);
         atomic_store_explicit(&c->cursor, TS_SEQ_NONE, memory_order_relaxed);

@@ -102,7 +102,7 @@ typedef struct ts_consumer {
     _Alignas(64) _Atomic uint32_t state;
     _Atomic uint32_t reason; /* TS_REASON_* once it stopped receiving */
     int32_t pid;
-    uint32_t pad;
+    uint32_t batch_size;    /* samples per batch it asked for (0: the loader's); display only */
     uint64_t start_time;    /* of pid, to survive pid reuse */
     uint64_t token;         /* changes each time the entry is handed out */
     _Atomic uint64_t cursor;       /* next seq this consumer reads (| TS_CURSOR_DETACHED) */
@@ -254,9 +254,10 @@ ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i);
 
 /* ---- producer -------------------------------------------------------------- */
 
-/* Reserve a consumer table entry for process pid. */
-ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_t *index,
-                          uint64_t *token, ts_err *err);
+/* Reserve a consumer table entry for process pid, which asked for batches
+ * of batch_size samples (0: the loader's; recorded for status displays). */
+ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_t batch_size,
+                          uint32_t *index, uint64_t *token, ts_err *err);
 
 /* Set the late-joiner window and the lag limit (0: lossless, never detach). */
 ts_status ts_ring_set_policy(ts_ring *ring, uint64_t window, uint64_t max_lag, ts_err *err);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import traceback
@@ -58,8 +59,89 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.consumers > _core.MAX_CONSUMERS:
         raise UsageError(f"--consumers {args.consumers} is more than a ring supports",
                          f"use at most {_core.MAX_CONSUMERS}")
-    run(consumers=args.consumers, epochs=args.epochs, images=args.images, timeout=args.timeout)
+    run(consumers=args.consumers, epochs=args.epochs, images=args.images, timeout=args.timeout,
+        live=False if args.no_live else None)
     return 0
+
+
+def _non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
+def _check_name(name: str | None) -> None:
+    """A --name must be a valid producer name."""
+    from .endpoints import check_name
+
+    if name is not None:
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise UsageError(str(e), "producer names are the name= given to TensorProducer; "
+                             "`tensorsocket status` lists them") from None
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """Print every producer of this user and its consumers, or a JSON document."""
+    import json
+
+    from .status import as_json, render, survey
+
+    _check_name(args.name)
+    producers = survey(args.interval, args.name)
+    if args.json:
+        json.dump(as_json(producers, args.interval), sys.stdout, indent=2)
+        print()
+    else:
+        if not producers and args.name is not None:
+            print(f"no producer named {args.name!r} on this machine (for this user)")
+        else:
+            print("\n".join(render(producers)))
+    if args.name is not None and not producers:
+        return 1
+    return 0
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    """Show the status live until q."""
+    from .top import run
+
+    _check_name(args.name)
+    return run(args.interval, args.name, args.iterations, force_plain=args.plain)
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    """Remove what dead producers left; --dry-run only lists it."""
+    from .clean import leftovers, remove
+
+    _check_name(args.name)
+    found = [item for item in leftovers() if args.name is None or item.name == args.name]
+    if not found:
+        print("nothing to clean: no segment, socket or lock of a dead producer")
+        return 0
+    failed = 0
+    verb = "would remove" if args.dry_run else "removed"
+    for item in found:
+        problem = None if args.dry_run else remove(item)
+        if problem is None:
+            print(f"{verb} {item.describe()}")
+        else:
+            failed += 1
+            print(f"kept    {item.path}: {problem}")
+    done = len(found) - failed
+    summary = f"{done} item(s) {'to remove' if args.dry_run else 'removed'}"
+    if failed:
+        summary += f", {failed} kept"
+    if args.dry_run:
+        summary += "; run without --dry-run to remove them"
+    print(summary)
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +172,48 @@ def build_parser() -> argparse.ArgumentParser:
                       help="synthetic images in the dataset (default: 1024)")
     demo.add_argument("--timeout", type=_positive_float, default=120.0, metavar="SECONDS",
                       help="stop every process and fail after this long (default: 120)")
+    demo.add_argument("--no-live", action="store_true",
+                      help="no live status panel under the log (default: shown on a terminal)")
     demo.set_defaults(func=_cmd_demo)
+
+    name_help = "only the producer of this name= (default: every producer of this user)"
+    status = sub.add_parser(
+        "status", parents=[debug], help="show every producer on this machine and its consumers",
+        description="Read every tensorsocket ring segment of this user (no daemon needed) and "
+                    "show each producer (pid, epoch, batch rate, ring occupancy, bytes per "
+                    "batch, loader CPU) and its consumers (pid, batch size, cursor, lag, rate). "
+                    "Rates are measured over --interval seconds.")
+    status.add_argument("--json", action="store_true",
+                        help="print a JSON document (format 1) for scripts")
+    status.add_argument("--name", metavar="NAME", help=name_help)
+    status.add_argument("--interval", type=_non_negative_float, default=0.5, metavar="SECONDS",
+                        help="measure rates over this long (default: 0.5; 0: no rates)")
+    status.set_defaults(func=_cmd_status)
+
+    top = sub.add_parser(
+        "top", parents=[debug], help="the status, refreshed live (q quits)",
+        description="Show `tensorsocket status` full-screen, refreshed every --interval "
+                    "seconds (curses). Keys: q quits, + and - change the refresh. When "
+                    "standard output is not a terminal, print a snapshot per refresh.")
+    top.add_argument("--name", metavar="NAME", help=name_help)
+    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS",
+                     help="seconds between refreshes (default: 1)")
+    top.add_argument("--iterations", type=_positive_int, default=None, metavar="N",
+                     help="stop after N refreshes (default: run until q or Ctrl-C)")
+    top.add_argument("--plain", action="store_true",
+                     help="print snapshots instead of the full-screen view")
+    top.set_defaults(func=_cmd_top)
+
+    clean = sub.add_parser(
+        "clean", parents=[debug], help="remove segments and sockets left by dead producers",
+        description="Remove the shared-memory segments, sockets and lock files that producers "
+                    "killed without cleaning up left behind. Never touches a live producer's: "
+                    "a segment is removed only when the process recorded in it is gone, a "
+                    "socket or lock only when no producer holds the name's lock.")
+    clean.add_argument("--dry-run", action="store_true",
+                       help="list what would be removed, remove nothing")
+    clean.add_argument("--name", metavar="NAME", help=name_help)
+    clean.set_defaults(func=_cmd_clean)
     return parser
 
 
@@ -115,6 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{prefix}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `tensorsocket status | head`: the reader left, not an error
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the exit flush quiet
+        except OSError:
+            pass
+        return 141
     except _Terminated:
         print(f"{prefix}: terminated", file=sys.stderr)
         return 143

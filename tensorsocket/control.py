@@ -178,7 +178,7 @@ class ControlServer:
         if ident in self._peers:
             self._retire(ident)
         try:
-            index, token = ring.reserve(msg["pid"], msg["start_time"])
+            index, token = ring.reserve(msg["pid"], msg["start_time"], msg["batch_size"] or 0)
         except _core.TooManyConsumers as e:
             self._send(ident, "error", code="full", message=str(e))
             return

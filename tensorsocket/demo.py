@@ -403,11 +403,66 @@ def _child_output(children: list[_Child]) -> str:
     return "\n".join(parts)
 
 
+class _LivePanel:
+    """A few lines at the bottom of a terminal, redrawn in place under the event log:
+    the ring and each consumer's progress, read from the ring segment like
+    ``tensorsocket status`` does."""
+
+    REFRESH_S = 0.25
+
+    def __init__(self, name: str, total_batches: int, out: TextIO) -> None:
+        from .status import Survey
+
+        self.name = name
+        self.total = total_batches
+        self.out = out
+        self.survey = Survey()
+        self.lines: list[str] = []
+        self.next_at = 0.0
+
+    def clear(self) -> None:
+        """Erase the panel (before an event line is printed)."""
+        if self.lines:
+            self.out.write(f"\x1b[{len(self.lines)}F\x1b[J")
+            self.lines = []
+
+    def draw(self) -> None:
+        """Print the panel again (after an event line)."""
+        if self.lines:
+            self.out.write("\n".join(self.lines) + "\n")
+            self.out.flush()
+
+    def refresh(self, labels: dict[int, str]) -> None:
+        """Take a new reading if it is time, and redraw."""
+        if time.monotonic() < self.next_at:
+            return
+        self.next_at = time.monotonic() + self.REFRESH_S
+        producers = [p for p in self.survey.take(0.0, self.name) if p.state != "unreadable"]
+        lines = []
+        if producers:
+            p = producers[0]
+            cpu = "-" if p.cpu_rate is None else f"{p.cpu_rate:.2f}"
+            rate = "-" if p.rate is None else f"{p.rate:.0f}"
+            lines.append(f"  live: ring {p.occupied}/{p.slot_count} slots held, producer "
+                         f"{rate} batches/s, loader {cpu} cores")
+            for c in p.consumers:
+                done = min(c.delivered, self.total)
+                width = 24
+                filled = width * done // max(1, self.total)
+                crate = "-" if c.rate is None else f"{c.rate:.0f}"
+                lines.append(f"  {labels.get(c.pid, f'pid {c.pid}'):<11} "
+                             f"[{'#' * filled}{'.' * (width - filled)}] {done:4d}/{self.total} "
+                             f"batches  lag {c.lag}  {crate} batches/s")
+        self.clear()
+        self.lines = lines
+        self.draw()
+
+
 class _Demo:
     """The parent's side of one demo run: the children, their events, the results."""
 
     def __init__(self, consumers: int, epochs: int, images: int, timeout: float,
-                 out: TextIO) -> None:
+                 out: TextIO, live: bool | None = None) -> None:
         self.consumers = consumers
         self.epochs = epochs
         self.images = images
@@ -419,11 +474,20 @@ class _Demo:
         self.children: list[_Child] = []
         self.producer_result: dict | None = None
         self.consumer_results: dict[int, dict] = {}
+        if live is None:
+            live = out.isatty() and os.environ.get("TERM", "dumb") != "dumb"
+        # End markers are ring entries too: one per epoch.
+        total = self.epochs * (math.ceil(images / BATCH_SIZE) + 1)
+        self.panel = _LivePanel(self.name, total, out) if live else None
 
     def say(self, label: str, text: str) -> None:
-        """Print one progress line."""
+        """Print one progress line (above the live panel)."""
+        if self.panel is not None:
+            self.panel.clear()
         print(f"[{time.monotonic() - self.started:5.1f}s] {label:<11} {text}", file=self.out,
               flush=True)
+        if self.panel is not None:
+            self.panel.draw()
 
     def run(self) -> dict:
         """Start the children, follow them to the end, print the summary."""
@@ -439,6 +503,8 @@ class _Demo:
             e.details = _child_output(self.children)
             raise
         finally:
+            if self.panel is not None:
+                self.panel.clear()
             _stop_children(self.children)
             _remove_leftovers(self.name)
         return self.summary()
@@ -482,6 +548,8 @@ class _Demo:
                 self.report(child, event)
             for child in closing:
                 self.check_exit(child)
+            if self.panel is not None:
+                self.panel.refresh({c.proc.pid: c.label for c in self.children})
 
     def report(self, child: _Child, event: dict) -> None:
         """Print one child's event; DemoError if it reports a failure."""
@@ -552,9 +620,12 @@ class _Demo:
 
 
 def run(consumers: int = 3, epochs: int = 2, images: int = 1024, timeout: float = 120.0,
-        out: TextIO | None = None) -> dict:
-    """Run the demo, printing progress and a summary to `out`; DemoError on any failure."""
-    return _Demo(consumers, epochs, images, timeout, out or sys.stdout).run()
+        out: TextIO | None = None, live: bool | None = None) -> dict:
+    """Run the demo, printing progress and a summary to `out`; DemoError on any failure.
+
+    live: redraw a status panel (ring, consumer progress) under the log; default: when
+    `out` is a terminal."""
+    return _Demo(consumers, epochs, images, timeout, out or sys.stdout, live).run()
 
 
 if __name__ == "__main__":

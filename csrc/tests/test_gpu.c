@@ -425,7 +425,7 @@ static int prod_add(prod *p, peer *c, uint32_t *index)
 {
     ts_err err = {0};
     uint64_t token = 0, start = 0;
-    if (!CHECK_ST(ts_ring_reserve(p->ring, c->pid, ts_proc_start_time(c->pid), index, &token,
+    if (!CHECK_ST(ts_ring_reserve(p->ring, c->pid, ts_proc_start_time(c->pid), 0, index, &token,
                                   &err), TS_OK) ||
         !CHECK_ST(ts_ring_activate(p->ring, *index, &start, &err), TS_OK))
         return -1;

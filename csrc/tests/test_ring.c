@@ -134,7 +134,7 @@ static int consumer_add(fixture *fx, consumer *c, int activate)
     ts_err err = {0};
     pid_t pid = getpid();
     memset(c, 0, sizeof *c);
-    int ok = CHECK_ST(ts_ring_reserve(fx->prod, pid, ts_proc_start_time(pid), &c->index,
+    int ok = CHECK_ST(ts_ring_reserve(fx->prod, pid, ts_proc_start_time(pid), 0, &c->index,
                                       &c->token, &err), TS_OK) &&
              (!activate || CHECK_ST(ts_ring_activate(fx->prod, c->index, &c->start_seq, &err),
                                     TS_OK)) &&
@@ -785,13 +785,13 @@ static void test_handshake_errors(void)
     CHECK_ST(ts_ring_acquire(r, deadline_ms(10), &a, &err), TS_E_INVALID); /* unbound */
     CHECK_ST(ts_ring_bind_consumer(r, A.index, A.token + 1, &err), TS_E_INVALID);
     CHECK_ST(ts_ring_bind_consumer(r, TS_MAX_CONSUMERS, A.token, &err), TS_E_INVALID);
-    REQUIRE_OK(ts_ring_reserve(fx.prod, getppid(), 1, &idx, &tok, &err));
+    REQUIRE_OK(ts_ring_reserve(fx.prod, getppid(), 1, 0, &idx, &tok, &err));
     CHECK_ST(ts_ring_bind_consumer(r, idx, tok, &err), TS_E_INVALID); /* another pid's entry */
     CHECK_ST(ts_ring_activate(fx.prod, 40, &start, &err), TS_E_INVALID); /* not pending */
     CHECK_ST(ts_ring_acquire(A.ring, deadline_ms(10), &a, &err), TS_E_DETACHED); /* pending */
     for (uint32_t i = 2; i < TS_MAX_CONSUMERS; i++)
-        REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, &idx, &tok, &err));
-    CHECK_ST(ts_ring_reserve(fx.prod, getpid(), 1, &idx, &tok, &err), TS_E_FULL);
+        REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, 0, &idx, &tok, &err));
+    CHECK_ST(ts_ring_reserve(fx.prod, getpid(), 1, 0, &idx, &tok, &err), TS_E_FULL);
 out:
     if (r != NULL) ts_ring_unref(r);
     consumer_drop(&A);
@@ -1287,14 +1287,14 @@ static void test_detach_api(void)
     /* Not reused while DETACHED; retire: LEAVING while entry 0 is held, reusable after. */
     uint32_t idx;
     uint64_t tok;
-    REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, &idx, &tok, &err));
+    REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, 0, &idx, &tok, &err));
     CHECK(idx != B.index);
     ts_ring_retire(fx.prod, idx);
     ts_ring_retire(fx.prod, B.index);
     CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_LEAVING);
     ts_ring_release(B.ring, 0, B.index);
     CHECK(!bit_in_use(fx.prod, bitB));
-    REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, &idx, &tok, &err));
+    REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, 0, &idx, &tok, &err));
     CHECK_EQ(idx, B.index);
 
     /* A consumer asleep in acquire is woken by detach. */

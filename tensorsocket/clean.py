@@ -1,0 +1,141 @@
+"""Find and remove what dead producers left behind: ring segments, sockets, locks.
+
+A producer removes its segment, socket and lock file when it stops; one that
+was killed (SIGKILL, OOM killer, a crashed node agent) cannot. Its segment is
+removed by its last consumer, or by the next producer of the same name, but a
+name that is never used again keeps its files. ``leftovers()`` finds them
+without touching anything live:
+
+- a segment is stale when the producer recorded in its header (pid and start
+  time, so a reused pid does not count) is gone; a segment whose header cannot
+  be read counts as stale only if the pid in its name is gone;
+- a socket or lock file is stale when nobody holds the name's lock (a live
+  producer keeps an exclusive flock on ``<name>.lock`` for its whole life).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _core
+from .endpoints import runtime_dir
+from .status import SHM_DIR, pid_alive, segments
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """One file a dead producer left."""
+
+    kind: str  # "segment", "socket", "lock"
+    name: str  # producer name
+    path: str  # what to remove
+    reason: str  # why it is stale
+
+    def describe(self) -> str:
+        """One line for the user."""
+        return f"{self.kind:<7} {self.path}  ({self.reason})"
+
+
+def _stale_segments() -> list[Leftover]:
+    """Segments whose producer is gone."""
+    out = []
+    for segment, name, pid in segments():
+        path = f"{SHM_DIR}/{segment}"
+        try:
+            ring = _core.Ring.open("/" + segment)
+        except Exception as e:
+            if not pid_alive(pid):
+                out.append(Leftover("segment", name, path,
+                                    f"unreadable ({e}) and process {pid} is gone"))
+            continue
+        try:
+            info = ring.info()
+        finally:
+            ring.close()
+        if not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
+            users = sum(1 for c in _consumers_alive(segment))
+            reason = f"producer pid {info['producer_pid']} is gone"
+            if users:
+                reason += f"; {users} consumer process(es) still map it (their views stay valid)"
+            out.append(Leftover("segment", name, path, reason))
+    return out
+
+
+def _consumers_alive(segment: str) -> list[int]:
+    """Pids of live consumers in a segment's consumer table."""
+    try:
+        ring = _core.Ring.open("/" + segment)
+    except Exception:
+        return []
+    try:
+        return [c["pid"] for c in ring.consumers()
+                if _core.process_alive(c["pid"], c["start_time"])]
+    finally:
+        ring.close()
+
+
+def _unheld(lock: Path) -> bool:
+    """True if no process holds an flock on this file (we take and drop it)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # drops the lock if we took it
+    return True
+
+
+def _stale_files(rdir: Path) -> list[Leftover]:
+    """Sockets and lock files of names no live producer holds."""
+    out = []
+    try:
+        entries = sorted(rdir.iterdir())
+    except OSError:
+        return out
+    names = {p.name[: -len(".lock")] for p in entries if p.name.endswith(".lock")
+             and not p.name.endswith(".share.lock")}
+    names |= {p.name[: -len(".sock")] for p in entries if p.name.endswith(".sock")}
+    for name in sorted(names):
+        lock, sock = rdir / f"{name}.lock", rdir / f"{name}.sock"
+        if lock.exists() and not _unheld(lock):
+            continue  # a live producer holds the name
+        if sock.exists():
+            out.append(Leftover("socket", name, str(sock), "no producer holds the name"))
+        if lock.exists():
+            out.append(Leftover("lock", name, str(lock), "no producer holds it"))
+    for share_lock in (p for p in entries if p.name.endswith(".share.lock")):
+        name = share_lock.name[: -len(".share.lock")]
+        if _unheld(share_lock) and not (rdir / f"{name}.lock").exists():
+            out.append(Leftover("lock", name, str(share_lock), "no share() election holds it"))
+    return out
+
+
+def leftovers(rdir: Path | None = None) -> list[Leftover]:
+    """Everything dead producers of this user left (nothing of a live one)."""
+    return _stale_segments() + _stale_files(rdir if rdir is not None else runtime_dir())
+
+
+def remove(item: Leftover) -> str | None:
+    """Remove one leftover; None on success, else why not. A lock or socket is
+    checked again right before, in case a producer of that name started since."""
+    try:
+        if item.kind == "segment":
+            _core.Ring.unlink_name("/" + Path(item.path).name)
+            return None
+        if item.kind in ("socket", "lock"):
+            lock = Path(item.path) if item.kind == "lock" else \
+                Path(item.path).with_suffix(".lock")
+            if lock.exists() and not _unheld(lock):
+                return "a producer of this name started meanwhile; left alone"
+            Path(item.path).unlink(missing_ok=True)
+            return None
+    except OSError as e:
+        return str(e)
+    return f"unknown kind {item.kind!r}"

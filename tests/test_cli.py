@@ -1,0 +1,262 @@
+"""The command line: status, top and clean against real producer and consumer processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import ROOT, shm_segments
+from tensorsocket.endpoints import runtime_dir
+
+
+def cli(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m tensorsocket ARGS` as a user would."""
+    return subprocess.run([sys.executable, "-m", "tensorsocket", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **env} if env else None)
+
+
+def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
+    """Poll until predicate() is true."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def status_json(name: str, interval: float = 0.5) -> dict:
+    """`tensorsocket status --json --name NAME` parsed."""
+    r = cli("status", "--json", "--name", name, "--interval", str(interval))
+    assert r.returncode in (0, 1), r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture
+def procs(procs):
+    """Role processes stopped with Ctrl-C at the end (consumers first), so the producer
+    removes its ring as it does for a user; the conftest fixture then SIGKILLs any left."""
+    yield procs
+    for p in reversed(procs.procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def start_shared_loader(procs, name: str, batch_sizes: list[int]) -> tuple:
+    """A producer over 8-sample loader batches, paced at ~25 batches/s, and one
+    consumer per batch size, each running until killed."""
+    prod = procs.start("producer", "--name", name, "--kind", "samples", "--samples", "4000",
+                       "--loader-bs", "8", "--delay", "0.04", "--min-consumers",
+                       str(len(batch_sizes)))
+    procs.wait_ready(prod)
+    consumers = [procs.start("consumer", "--name", name, "--kind", "samples", "--samples",
+                             "4000", "--batch-size", str(bs)) for bs in batch_sizes]
+    return prod, consumers
+
+
+def test_status_shows_producer_and_consumers(name, procs):
+    """status --json: the producer's pid, rate, ring and bytes per batch; each consumer's
+    pid, own batch size, cursor and rate. The text form names the same."""
+    prod, consumers = start_shared_loader(procs, name, [4, 16])
+
+    def both_receive() -> bool:
+        doc = status_json(name, interval=0)
+        return bool(doc["producers"]) and \
+            sum(c["delivered"] > 2 for c in doc["producers"][0]["consumers"]) == 2
+
+    wait_for(both_receive, what="two consumers receiving")
+    doc = status_json(name, interval=0.6)
+    assert doc["format"] == 1 and doc["interval"] == 0.6
+    (p,) = doc["producers"]
+    assert p["name"] == name and p["pid"] == prod.pid
+    assert p["alive"] and p["state"] == "running" and p["device"] == "cpu"
+    assert p["epoch"] == 0 and p["batch_index"] >= 2 and p["published"] >= 3
+    assert 5 < p["rate"] < 60, p["rate"]  # paced at 25 batches/s by --delay 0.04
+    assert p["slot_count"] >= 4 and 0 <= p["occupied"] <= p["slot_count"]
+    # A loader batch: 8 int64 ids + 8 float32 x 4 values, plus its structure.
+    assert 8 * 8 + 8 * 4 * 4 <= p["batch_bytes"] <= p["slot_bytes"]
+    assert p["cpu_seconds"] > 0 and p["cpu_rate"] is not None
+    assert p["active_consumers"] == 2
+    by_pid = {c["pid"]: c for c in p["consumers"]}
+    assert set(by_pid) == {c.pid for c in consumers}
+    assert [by_pid[c.pid]["batch_size"] for c in consumers] == [4, 16]
+    for c in by_pid.values():
+        assert c["alive"] and c["state"] == "active" and c["reason"] == ""
+        assert c["cursor"] is not None and 0 <= c["lag"] <= p["slot_count"]
+        assert c["rate"] > 0 and 0 <= c["waiting"] <= 1
+
+    text = cli("status", "--name", name)
+    assert text.returncode == 0, text.stderr
+    assert f"producer {name!r}  pid {prod.pid}  running" in text.stdout
+    for c in consumers:
+        assert str(c.pid) in text.stdout
+    assert "batches/s" in text.stdout and "slots held" in text.stdout
+
+
+def test_status_marks_a_dead_consumer(name, procs):
+    """A SIGKILLed consumer shows as dead or is gone from the table within a few
+    seconds; the other keeps receiving."""
+    _, (c1, c2) = start_shared_loader(procs, name, [8, 8])
+    wait_for(lambda: sum(c["delivered"] > 0 for c in
+                         (status_json(name, 0)["producers"] or [{"consumers": []}])[0]
+                         ["consumers"]) == 2, what="two consumers receiving")
+    c1.send_signal(signal.SIGKILL)
+    c1.wait()
+
+    def c1_gone_or_dead() -> bool:
+        cons = {c["pid"]: c for c in status_json(name, 0)["producers"][0]["consumers"]}
+        return c1.pid not in cons or not cons[c1.pid]["alive"] or cons[c1.pid]["state"] != \
+            "active"
+
+    wait_for(c1_gone_or_dead, timeout=20, what="the killed consumer to show")
+    (p,) = status_json(name, 0.5)["producers"]
+    alive = [c for c in p["consumers"] if c["alive"]]
+    assert [c["pid"] for c in alive] == [c2.pid] and alive[0]["rate"] > 0
+
+
+def test_status_without_producers(tmp_path):
+    """No producer: a clear line, exit 0; an unknown --name: exit 1; a bad name: one line
+    and a hint, no traceback."""
+    missing = f"t-{uuid.uuid4().hex[:10]}"
+    r = cli("status", "--name", missing, "--interval", "0")
+    assert r.returncode == 1 and f"no producer named {missing!r}" in r.stdout
+    assert json.loads(cli("status", "--json", "--name", missing).stdout)["producers"] == []
+    bad = cli("status", "--name", "no/slashes")
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines()[0].startswith("tensorsocket status: error: invalid producer "
+                                                 "name 'no/slashes'")
+    assert "hint:" in bad.stderr and "Traceback" not in bad.stderr
+    neg = cli("status", "--interval", "-1")
+    assert neg.returncode == 2 and "must be at least 0" in neg.stderr
+
+
+def test_clean_removes_only_dead_producers_files(name, procs):
+    """clean --dry-run lists a SIGKILLed producer's segment, socket and lock and removes
+    nothing; clean removes them; a live producer's files are never touched."""
+    dead = name
+    live = f"t-{uuid.uuid4().hex[:10]}"
+    rdir = runtime_dir()
+    try:
+        killed = procs.start("producer", "--name", dead, "--batches", "100000",
+                             "--min-consumers", "0", "--delay", "0.05")
+        running = procs.start("producer", "--name", live, "--batches", "100000",
+                              "--min-consumers", "0", "--delay", "0.05")
+        wait_for(lambda: shm_segments(dead) and shm_segments(live), what="both rings")
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        dead_files = [f"/dev/shm/{shm_segments(dead)[0]}", str(rdir / f"{dead}.sock"),
+                      str(rdir / f"{dead}.lock")]
+        live_files = [f"/dev/shm/{shm_segments(live)[0]}", str(rdir / f"{live}.sock"),
+                      str(rdir / f"{live}.lock")]
+        assert all(os.path.exists(f) for f in dead_files + live_files)
+
+        dry = cli("clean", "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        for f in dead_files:
+            assert f in dry.stdout
+        for f in live_files:
+            assert f not in dry.stdout
+        assert "run without --dry-run" in dry.stdout
+        assert all(os.path.exists(f) for f in dead_files + live_files)
+
+        r = cli("clean")
+        assert r.returncode == 0, r.stdout + r.stderr
+        for f in dead_files:
+            assert "removed" in r.stdout and f in r.stdout
+            assert not os.path.exists(f)
+        assert all(os.path.exists(f) for f in live_files)
+        assert running.poll() is None
+        (p,) = status_json(live, 0.5)["producers"]
+        assert p["alive"] and p["rate"] > 0  # still publishing
+        again = cli("clean", "--name", dead)
+        assert again.returncode == 0 and "nothing to clean" in again.stdout
+    finally:
+        procs.kill_all()
+        for seg in shm_segments(live):
+            os.unlink(f"/dev/shm/{seg}")
+        for path in rdir.glob(live + ".*"):
+            path.unlink()
+
+
+def test_top_plain_prints_snapshots(name, procs):
+    """top --plain: one snapshot per refresh, with the producer and its consumer."""
+    prod, (cons,) = start_shared_loader(procs, name, [8])
+    r = cli("top", "--plain", "--name", name, "--interval", "0.3", "--iterations", "3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("tensorsocket top") == 3
+    assert r.stdout.count(f"producer {name!r}  pid {prod.pid}") == 3
+    assert str(cons.pid) in r.stdout
+
+
+def _run_in_terminal(args: list[str], keys: bytes = b"", after: float = 0.0,
+                     timeout: float = 30) -> tuple[int, bytes]:
+    """Run the CLI on a pseudo-terminal (as a person in a terminal would); optionally type
+    keys after `after` seconds. Returns (exit status, screen bytes)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # child
+        os.environ["TERM"] = "xterm"
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "tensorsocket", *args])
+    out = bytearray()
+    start = time.monotonic()
+    typed = not keys
+    try:
+        while time.monotonic() - start < timeout:
+            if not typed and time.monotonic() - start >= after:
+                os.write(fd, keys)
+                typed = True
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+        else:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), bytes(out)
+
+
+def test_top_full_screen_in_a_terminal(name, procs):
+    """top on a terminal draws with curses (alternate screen) and quits on q."""
+    prod, _ = start_shared_loader(procs, name, [8])
+    code, screen = _run_in_terminal(["top", "--name", name, "--interval", "0.3"], keys=b"q",
+                                    after=2.0)
+    assert code == 0, screen[-2000:]
+    assert b"\x1b[?1049h" in screen  # curses switched to the alternate screen ...
+    assert b"\x1b[?1049l" in screen  # ... and restored the terminal on q
+    assert name.encode() in screen and str(prod.pid).encode() in screen
+
+
+def test_status_output_into_a_closed_pipe(name, procs):
+    """`tensorsocket status | head -1` ends quietly, without a traceback."""
+    start_shared_loader(procs, name, [8])
+    r = subprocess.run(f"{sys.executable} -m tensorsocket status --name {name} | head -1",
+                       shell=True, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("producer"), r.stdout
+    assert "Traceback" not in r.stderr and "Broken pipe" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "top", "clean", "demo"])
+def test_every_command_has_help(command):
+    """--help describes each command and exits 0."""
+    r = cli(command, "--help")
+    assert r.returncode == 0 and f"usage: tensorsocket {command}" in r.stdout
