@@ -29,6 +29,7 @@ from .errors import (
 )
 from .gpu import gpu_available, gpu_status
 from .producer import TensorProducer
+from .share import share
 
 __version__ = "0.1.0"
 
@@ -53,6 +54,7 @@ __all__ = [
     "__version__",
     "gpu_available",
     "gpu_status",
+    "share",
 ]
 
 logging.getLogger("tensorsocket").addHandler(logging.NullHandler())

@@ -144,6 +144,36 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_config(args: argparse.Namespace) -> int:
+    """Show the settings environment variables give here, or the docs' table."""
+    from . import config
+
+    if args.markdown:
+        sys.stdout.write(config.markdown())
+        return 0
+    rows = [["environment variable", "argument", "side", "value here"]]
+    problems = []
+    for s in config.SETTINGS.values():
+        try:
+            value = s.from_env()
+        except ValueError as e:
+            problems.append(str(e))
+            value = config.UNSET
+        text = os.environ.get(s.env, "").strip()
+        here = f"{text}  (set)" if value is not config.UNSET else \
+            f"default: {s.default_text.replace('`', '')}"
+        rows.append([s.env, f"{s.argument}=" if s.argument else "-", s.sides, here])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print("an argument given in the code wins over its variable; "
+          "docs/configuration.md explains each setting")
+    problems += [p for p in config.check_environment() if p not in problems]
+    for p in problems:
+        print(f"problem: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subparser per subcommand."""
     from . import __version__
@@ -214,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="list what would be removed, remove nothing")
     clean.add_argument("--name", metavar="NAME", help=name_help)
     clean.set_defaults(func=_cmd_clean)
+
+    config = sub.add_parser(
+        "config", parents=[debug], help="the settings environment variables give here",
+        description="List every TENSORSOCKET_* setting, its value in this environment (or "
+                    "its default) and the argument that overrides it; exit 1 if a variable "
+                    "does not parse or is no setting (a typo).")
+    config.add_argument("--markdown", action="store_true",
+                        help="print docs/configuration.md (the one table of settings)")
+    config.set_defaults(func=_cmd_config)
     return parser
 
 

@@ -39,10 +39,12 @@ class Leftover:
         return f"{self.kind:<7} {self.path}  ({self.reason})"
 
 
-def _stale_segments() -> list[Leftover]:
-    """Segments whose producer is gone."""
+def stale_segments(only: str | None = None) -> list[Leftover]:
+    """Segments whose producer is gone (of producer `only` if given)."""
     out = []
     for segment, name, pid in segments():
+        if only is not None and name != only:
+            continue
         path = f"{SHM_DIR}/{segment}"
         try:
             ring = _core.Ring.open("/" + segment)
@@ -119,7 +121,7 @@ def _stale_files(rdir: Path) -> list[Leftover]:
 
 def leftovers(rdir: Path | None = None) -> list[Leftover]:
     """Everything dead producers of this user left (nothing of a live one)."""
-    return _stale_segments() + _stale_files(rdir if rdir is not None else runtime_dir())
+    return stale_segments() + _stale_files(rdir if rdir is not None else runtime_dir())
 
 
 def remove(item: Leftover) -> str | None:

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 import zmq
 
-from . import _core
+from . import _core, config
+from .config import UNSET, Unset
 from .control import ControlClient
 from .endpoints import resolve
 from .gpu import parse_device
@@ -33,7 +34,7 @@ log = logging.getLogger("tensorsocket")
 
 DL_CUDA = 2  # DLDeviceType of a GPU ring
 
-DEFAULT_TIMEOUT = 60.0
+DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
 
 
 class TensorConsumer:
@@ -64,14 +65,27 @@ class TensorConsumer:
       otherwise samples are concatenated across loader batches (one copy of
       those samples). Every sample comes exactly once per epoch, in order.
 
+    ``len(consumer)`` is the number of batches in one of its epochs: the
+    producer's loader's ``len()``, or with ``batch_size=`` the batches of that
+    size its samples make (``drop_last`` counted). It raises TypeError, as a
+    DataLoader over an IterableDataset without ``__len__`` does, when the
+    producer's loader has no ``len()`` (a generator, say), or, with
+    ``batch_size=``, when its sample count is unknown (a loader that is
+    neither a DataLoader nor has an int ``batch_size``). ``tqdm(consumer)``
+    and ``list(consumer)`` handle that TypeError.
+
+    Settings marked (env) below take their value from the argument, else from
+    their ``TENSORSOCKET_*`` environment variable, else the default; see
+    tensorsocket.config and docs/configuration.md.
+
     Keyword-only:
       drop_last: drop the last batch of an epoch if it has fewer than
         batch_size samples (as DataLoader(drop_last=True)).
-      name / address: rendezvous, as for TensorProducer.
-      timeout: seconds to wait for the producer to answer (default 60); then
-        ProducerNotFound.
-      batch_timeout: seconds to wait for one batch (None: as long as the
-        producer lives); then TimeoutError.
+      name / address: rendezvous, as for TensorProducer (env).
+      timeout: seconds to wait for the producer to answer (default 60; None:
+        forever); then ProducerNotFound (env).
+      batch_timeout: seconds to wait for one batch (None, the default: as
+        long as the producer lives); then TimeoutError (env).
       copy: deliver private, writable copies instead of views.
       with_index: yield (batch_index, batch) pairs; batch_index counts the
         batches of the current epoch from 0.
@@ -84,6 +98,8 @@ class TensorConsumer:
         host ring. If CUDA IPC cannot work (another PID namespace, no
         driver here, ...), a GPUFallbackWarning says why and tensors come
         through host memory (copied to ``device`` if one was given).
+        ``"auto"`` is the default's name (env:
+        ``TENSORSOCKET_CONSUMER_DEVICE``).
       pin_memory: page-lock this process's mapping of the ring's host slots,
         so copies from them to a GPU are asynchronous (like
         DataLoader(pin_memory=True), without its extra copy).
@@ -102,19 +118,38 @@ class TensorConsumer:
         drop_last: bool = False,
         name: str | None = None,
         address: str | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        batch_timeout: float | None = None,
+        timeout: float | None | Unset = UNSET,
+        batch_timeout: float | None | Unset = UNSET,
         copy: bool = False,
         with_index: bool | None = None,
-        device: Any = None,
+        device: Any = UNSET,
         pin_memory: bool = False,
         peer_access: bool = True,
     ) -> None:
+        origins: dict[str, str] = {}  # setting key -> its environment variable
+
+        def setting(key: str, value: Any) -> Any:
+            value, source = config.lookup(key, value)
+            if source == "environment":
+                origins[key] = config.SETTINGS[key].env
+            return value
+
+        timeout = setting("timeout", timeout)
+        batch_timeout = setting("batch_timeout", batch_timeout)
+        if isinstance(device, str) and device == "auto":
+            device = None  # explicitly the default: the environment does not apply
+        else:
+            device = setting("consumer_device", device)
+        name = setting("name", name)
+        if port is None:
+            address = setting("address", address)
+        setting("runtime_dir", UNSET)
         self._rebatcher = Rebatcher(batch_size, drop_last) if batch_size is not None else None
         self.unpack_fn = unpack_fn
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
         self.batch_timeout = batch_timeout
+        self.timeout = timeout
         self.copy = bool(copy)
         self._device_kind, self._device_index = parse_device(device)
         self.pin_memory = bool(pin_memory)
@@ -184,6 +219,9 @@ class TensorConsumer:
                                            self._inflight)
         log.info("consumer %d attached to %s at entry %d", self._index, self.endpoint.address,
                  self.start_seq)
+        if origins:
+            log.info("consumer settings from the environment: %s",
+                     config.describe_origins(origins))
 
     # -- device ------------------------------------------------------------------------
 
@@ -246,18 +284,27 @@ class TensorConsumer:
     # -- DataLoader protocol -----------------------------------------------------------
 
     def __len__(self) -> int:
+        """Batches in one epoch of this consumer; TypeError if that is unknown (see the
+        class docstring)."""
         if self._length is None:
-            raise TypeError("the producer's loader has no len()")
+            raise TypeError(
+                "len() of this consumer is unknown: the producer's loader has no len() (a "
+                "generator or an iterable without __len__, as a DataLoader over an "
+                "IterableDataset without __len__); iterate without len(), or give the "
+                "producer a loader with __len__"
+            )
         if self.batch_size is None:
             return self._length
         if self.samples_per_epoch is None:
             raise TypeError(
-                "the producer's loader does not tell its sample count (no batch_size), so "
-                "the number of batch_size= batches per epoch is unknown"
+                f"len() of this consumer is unknown: the producer's loader does not tell "
+                f"its sample count (it is not a DataLoader and has no int batch_size), so "
+                f"the number of batch_size={self.batch_size} batches per epoch is unknown"
             )
         return consumer_len(self.samples_per_epoch, self.batch_size, self.drop_last)
 
     def __iter__(self) -> "EpochIterator":
+        """The next epoch (an earlier iterator still mid-epoch ends here)."""
         if self._closed:
             raise TensorSocketError("this consumer is closed")
         if self._in_epoch:  # an earlier iterator is still mid-epoch: it ends here
@@ -498,9 +545,11 @@ class TensorConsumer:
         self._finalizer()
 
     def __enter__(self) -> "TensorConsumer":
+        """The consumer itself; leaving the block closes it."""
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """Close the consumer."""
         self.close()
 
     # -- introspection -----------------------------------------------------------------
@@ -551,9 +600,11 @@ class EpochIterator:
         self._epoch = consumer.epoch
 
     def __iter__(self) -> "EpochIterator":
+        """The iterator itself."""
         return self
 
     def __next__(self) -> Any:
+        """The next batch of this epoch; StopIteration at its end."""
         if self._consumer.epoch != self._epoch:
             raise StopIteration
         return self._consumer._next_batch()
@@ -563,12 +614,14 @@ class EpochIterator:
         self._consumer._abandon_epoch(self._epoch)
 
     def __del__(self) -> None:
+        """Dropped mid-epoch: leave the ring (see TensorConsumer)."""
         try:
             self._consumer._abandon_epoch(self._epoch)
         except Exception:  # never raise from a finalizer
             pass
 
     def __len__(self) -> int:
+        """Batches in the whole epoch (as ``len(consumer)``)."""
         return len(self._consumer)
 
 

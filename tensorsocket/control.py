@@ -238,6 +238,17 @@ class ControlServer:
                             peer.index, peer.pid)
             elif not peer.active and now - peer.since > PENDING_TIMEOUT:
                 self._retire(ident)
+        # A consumer that said bye while still holding batches is no peer any more, but
+        # its entry keeps its bits in those slots until the views die. If its process
+        # exits first (a script ending with its last batch in a variable), nobody would
+        # clear them and the producer would wait for those slots forever. Only this
+        # thread reserves entries, so an entry seen LEAVING here cannot be reused meanwhile.
+        for entry in ring.consumers():
+            if entry["state"] == _core.CONSUMER_LEAVING and \
+                    not _core.process_alive(entry["pid"], entry["start_time"]):
+                ring.evict(entry["index"])
+                log.info("consumer %d (pid %d) exited after leaving, still holding batches; "
+                         "its slots were released", entry["index"], entry["pid"])
 
     # -- owner -------------------------------------------------------------------
 

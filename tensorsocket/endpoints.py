@@ -1,8 +1,12 @@
 """Rendezvous: where a producer named N listens and how its segments are named.
 
-With no arguments both sides use the name ``default`` and meet at an ipc://
-socket in a per-user runtime directory of mode 0700. A ``port`` gives a
-loopback TCP endpoint instead; an explicit ``address`` is used as given.
+With no arguments both sides use the name ``default`` (or
+``$TENSORSOCKET_NAME``) and meet at an ipc:// socket in a per-user runtime
+directory of mode 0700 (``$TENSORSOCKET_RUNTIME_DIR``, else
+``$XDG_RUNTIME_DIR/tensorsocket``, else ``/tmp/tensorsocket-<uid>``). A
+``port`` gives a loopback TCP endpoint instead; an explicit ``address`` (or
+``$TENSORSOCKET_ADDRESS`` when neither ``port`` nor ``address`` is passed) is
+used as given. See tensorsocket.config for the settings and their variables.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_NAME = "default"
+from . import config
+
+DEFAULT_NAME = config.SETTINGS["name"].default
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -50,7 +56,18 @@ def segment_prefix(name: str) -> str:
 
 
 def runtime_dir() -> Path:
-    """This user's private directory for sockets and locks (created 0700)."""
+    """This user's private directory for sockets and locks.
+
+    ``$TENSORSOCKET_RUNTIME_DIR`` if set: that directory, created mode 0700 if
+    missing; an existing one must be a directory (not a symlink) owned by this
+    user with no access for group or others, else PermissionError. Otherwise
+    ``$XDG_RUNTIME_DIR/tensorsocket`` if XDG_RUNTIME_DIR is a directory of this
+    user, else ``/tmp/tensorsocket-<uid>`` (both created 0700, and tightened to
+    0700 if they exist with a looser mode).
+    """
+    chosen = config.get("runtime_dir")
+    if chosen is not None:
+        return _chosen_dir(Path(chosen))
     base = os.environ.get("XDG_RUNTIME_DIR")
     if base and _private_dir(Path(base), create=False):
         path = Path(base) / "tensorsocket"
@@ -59,8 +76,35 @@ def runtime_dir() -> Path:
     if not _private_dir(path, create=True):
         raise PermissionError(
             f"{path} exists but is not a directory private to this user (owner and mode 0700); "
-            "remove it or set XDG_RUNTIME_DIR"
+            "remove it, or set TENSORSOCKET_RUNTIME_DIR to a directory of your own"
         )
+    return path
+
+
+def _chosen_dir(path: Path) -> Path:
+    """The directory TENSORSOCKET_RUNTIME_DIR names, created 0700 if missing and
+    checked (never changed) if it exists."""
+    var = config.SETTINGS["runtime_dir"].env
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{var}={path}: its parent directory does not exist; create it, or point "
+            f"{var} elsewhere") from None
+    st = os.lstat(path)
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a symlink is refused too)"
+    elif st.st_uid != os.getuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif stat.S_IMODE(st.st_mode) & 0o077:
+        problem = (f"has mode {stat.S_IMODE(st.st_mode):04o}: others may use it "
+                   f"(chmod 700 {path})")
+    if problem is not None:
+        raise PermissionError(
+            f"{var}={path} {problem}; the runtime directory must be private to this user")
     return path
 
 
@@ -98,9 +142,16 @@ def resolve(
     *,
     for_producer: bool = False,
 ) -> Endpoint:
-    """The endpoint for these arguments (see the module docstring)."""
-    if name is None:
-        name = os.environ.get("TENSORSOCKET_NAME", DEFAULT_NAME)
+    """The endpoint for these arguments (see the module docstring).
+
+    name: the argument, else ``$TENSORSOCKET_NAME``, else ``"default"``.
+    port: loopback TCP on this port (not with address); a producer named
+    ``default`` becomes ``port<N>``. address: ``ipc://PATH`` or
+    ``tcp://HOST:PORT``; with neither port nor address, ``$TENSORSOCKET_ADDRESS``
+    if set, else an ipc socket ``<runtime dir>/<name>.sock``. for_producer:
+    warn about a TCP address reachable from other machines.
+    """
+    name = config.get("name", name)
     if port is not None:
         try:
             port_no = int(port)
@@ -113,12 +164,15 @@ def resolve(
         address = f"tcp://127.0.0.1:{port_no}"
         if name == DEFAULT_NAME:
             name = f"port{port_no}"
+    else:
+        address = config.get("address", address)
     check_name(name)
     rdir = runtime_dir()
     if address is None:
         address = f"ipc://{rdir / (name + '.sock')}"
         if len(address) - len("ipc://") > 100:
-            raise ValueError(f"socket path too long for ipc://: {address}; set XDG_RUNTIME_DIR")
+            raise ValueError(f"socket path too long for ipc://: {address}; set "
+                             "TENSORSOCKET_RUNTIME_DIR to a shorter directory")
     elif address.startswith("tcp://"):
         host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
         if for_producer and not _is_loopback(host):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import inspect
 import logging
 import math
 import os
-import re
 import time
 import warnings
 import weakref
@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import zmq
 
-from . import _core
+from . import _core, config
+from .config import UNSET, Unset
 from .control import ControlServer
-from .endpoints import Endpoint, resolve, segment_prefix
+from .endpoints import Endpoint, resolve
 from .errors import (
     BatchTooLarge,
     GPUFallbackWarning,
@@ -30,7 +31,7 @@ from .structure import flatten
 log = logging.getLogger("tensorsocket")
 
 DEFAULT_SLOTS = 4
-MAX_SLOTS = 4096
+MAX_SLOTS = config.MAX_SLOTS
 LAG_POLICIES = ("raise", "rejoin")
 DEFAULT_RUBBER_BAND_PCT = 0.005  # of an epoch's batches ...
 DEFAULT_MAX_WINDOW = 8  # ... but at most this many, unless asked for explicitly
@@ -47,6 +48,28 @@ class TensorProducer:
     ``producer.join()`` waits until the consumers have read everything that
     was published, then tears the ring and sockets down.
 
+    ``data_loader`` is what yields the batches, one epoch per iteration:
+
+    - a re-iterable object: a torch DataLoader, a list, a Hugging Face
+      ``datasets.IterableDataset``, any object whose ``__iter__`` starts a new
+      pass each time. Every item it yields is published as one batch (so batch
+      a per-example stream first, e.g. ``ds.batch(batch_size=32)`` or a
+      DataLoader over it). Its ``len()``, if it has one, is the number of
+      batches per epoch (``len(consumer)``); without one, ``len(consumer)``
+      raises TypeError, as for a DataLoader over an IterableDataset without
+      ``__len__``.
+    - a callable that returns a fresh iterable for each epoch: it is called at
+      the start of every epoch, with the epoch number (0, 1, ...) if it has a
+      required positional parameter, else with no argument:
+      ``TensorProducer(lambda: ds.iter(batch_size=32))``,
+      ``TensorProducer(lambda epoch: make_loader(seed=epoch))``. The iterable
+      it returns counts as the loader of that epoch (its ``len()``,
+      ``batch_size`` and sampler, for a DataLoader).
+    - an iterator (a generator, say) serves one epoch only: iterating it again
+      after it was used up raises TypeError naming the fix, rather than
+      publishing an empty epoch. (An epoch cut short by ``break`` leaves it
+      where it stopped; the next epoch continues from there.)
+
     The positional parameters after ``data_loader`` are those of the original
     TensorSocket (``port, ack_port, heart_ports, rubber_band_pct, pack_fn,
     consumer_max_buffer_size, producer_batch_size``) so scripts written for it
@@ -62,44 +85,53 @@ class TensorProducer:
     current epoch's first batch); see the README for the exact semantics.
     Without either, the window is 0.5% of an epoch but at most 8 batches (and
     at most ring_slots - 2 when ring_slots is given), to keep memory bounded.
+    A loader without ``len()`` has no window unless ``rubber_band=`` is given.
+
+    Settings marked (env) below take their value from the argument, else from
+    their ``TENSORSOCKET_*`` environment variable, else the default; see
+    tensorsocket.config and docs/configuration.md.
 
     Keyword-only:
-      name: producer name for rendezvous (default ``"default"``, or
-        ``$TENSORSOCKET_NAME``); consumers with the same name find it.
-      address: explicit ZeroMQ address (``ipc://...`` or ``tcp://host:port``).
+      name: producer name for rendezvous (default ``"default"``) (env);
+        consumers with the same name find it.
+      address: explicit ZeroMQ address (``ipc://...`` or ``tcp://host:port``)
+        (env).
       min_consumers: consumers that must be attached before the first batch
-        is published (default 1). After that, whenever no consumer at all is
-        attached, the producer pauses (the loader is not run for nobody) until
-        one attaches; 0 never waits.
+        is published (default 1) (env). After that, whenever no consumer at
+        all is attached, the producer pauses (the loader is not run for
+        nobody) until one attaches; 0 never waits.
       start_timeout: seconds to wait for them, and for one consumer while none
-        is attached (None: forever); TimeoutError after.
+        is attached (None: forever) (env); TimeoutError after.
       rubber_band: the late-joiner window in batches (overrides rubber_band_pct).
       max_lag: detach a consumer that falls more than this many batches behind
         the fastest consumer, so the others are not held back (default None:
-        lossless, the producer waits for the slowest consumer).
+        lossless, the producer waits for the slowest consumer) (env).
       lag_policy: what a detached laggard does: ``"raise"`` (ConsumerDetached)
-        or ``"rejoin"`` (a LagWarning, then it attaches again as a late joiner).
+        or ``"rejoin"`` (a LagWarning, then it attaches again as a late
+        joiner) (env).
       ring_slots: slots in the ring (default: 4, or the window + 2, or
-        max_lag + 2, whichever is largest).
-      slot_bytes: capacity of one slot (default: first batch x 1.5).
-      ring_bytes: total slot memory; sets ring_slots from slot_bytes.
+        max_lag + 2, whichever is largest) (env).
+      slot_bytes: capacity of one slot (default: first batch x 1.5) (env).
+      ring_bytes: total slot memory; sets ring_slots from slot_bytes (env).
       max_leaves: most tensors one batch may hold (default: from the first batch).
-      publish_timeout: seconds to wait for a free slot (None: forever).
+      publish_timeout: seconds to wait for a free slot (None: forever) (env).
       device: ``"cuda:N"`` (or ``"cuda"`` for GPU 0) keeps the ring's slots
         in GPU memory as well: each batch is copied to the GPU once, for all
         consumers, which receive CUDA tensors read in place through CUDA IPC
-        (see the README, "GPU ring"). Default: host memory only.
+        (see the README, "GPU ring"). Default: host memory only (env:
+        ``TENSORSOCKET_PRODUCER_DEVICE``).
       device_fallback: if the GPU ring cannot work here (no driver, MIG, no
         CUDA IPC events), warn and use the host ring (default True); False
-        raises GPUUnavailable instead.
+        raises GPUUnavailable instead (env).
       release_timeout: a GPU ring's device memory is freed only once no
         consumer holds a batch of it; at join()/close() wait this many seconds
-        for them (default 30), then free it anyway with a warning.
+        for them (default 30; None: forever), then free it anyway with a
+        warning (env).
     """
 
     def __init__(
         self,
-        data_loader: Iterable,
+        data_loader: Iterable | Callable[..., Iterable],
         port: int | str | None = None,
         ack_port: int | str | None = None,
         heart_ports: Any = None,
@@ -110,23 +142,44 @@ class TensorProducer:
         *,
         name: str | None = None,
         address: str | None = None,
-        min_consumers: int = 1,
-        start_timeout: float | None = None,
-        ring_slots: int | None = None,
-        slot_bytes: int | None = None,
-        ring_bytes: int | None = None,
+        min_consumers: int | Unset = UNSET,
+        start_timeout: float | None | Unset = UNSET,
+        ring_slots: int | None | Unset = UNSET,
+        slot_bytes: int | None | Unset = UNSET,
+        ring_bytes: int | None | Unset = UNSET,
         max_leaves: int | None = None,
-        publish_timeout: float | None = None,
+        publish_timeout: float | None | Unset = UNSET,
         rubber_band: int | None = None,
-        max_lag: int | None = None,
-        lag_policy: str = "raise",
-        device: Any = None,
-        device_fallback: bool = True,
-        release_timeout: float | None = 30.0,
+        max_lag: int | None | Unset = UNSET,
+        lag_policy: str | Unset = UNSET,
+        device: Any = UNSET,
+        device_fallback: bool | Unset = UNSET,
+        release_timeout: float | None | Unset = UNSET,
     ) -> None:
-        if ring_slots is not None and consumer_max_buffer_size is not None:
+        self._factory = _epoch_factory(data_loader)
+        self._origins: dict[str, str] = {}  # setting key -> its environment variable
+
+        def setting(key: str, value: Any) -> Any:
+            value, source = config.lookup(key, value)
+            if source == "environment":
+                self._origins[key] = config.SETTINGS[key].env
+            return value
+
+        if ring_slots is None or ring_slots is UNSET:
+            ring_slots = consumer_max_buffer_size  # the original's name for it
+        elif consumer_max_buffer_size is not None:
             raise ValueError("give ring_slots= or consumer_max_buffer_size=, not both")
-        slots = ring_slots if ring_slots is not None else consumer_max_buffer_size
+        slots = setting("ring_slots", ring_slots)
+        slot_bytes = setting("slot_bytes", slot_bytes)
+        ring_bytes = setting("ring_bytes", ring_bytes)
+        min_consumers = setting("min_consumers", min_consumers)
+        start_timeout = setting("start_timeout", start_timeout)
+        publish_timeout = setting("publish_timeout", publish_timeout)
+        max_lag = setting("max_lag", max_lag)
+        lag_policy = setting("lag_policy", lag_policy)
+        device = setting("producer_device", device)
+        device_fallback = setting("device_fallback", device_fallback)
+        release_timeout = setting("release_timeout", release_timeout)
         if slots is not None and not 2 <= int(slots) <= MAX_SLOTS:
             raise ValueError(f"ring_slots must be in 2..{MAX_SLOTS}, got {slots}")
         if slot_bytes is not None and int(slot_bytes) <= 0:
@@ -152,48 +205,24 @@ class TensorProducer:
         self.release_timeout = release_timeout
         if lag_policy not in LAG_POLICIES:
             raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {lag_policy!r}")
-        explicit_window = rubber_band is not None or rubber_band_pct is not None
+        self._explicit_window = rubber_band is not None or rubber_band_pct is not None
         self.rubber_band_pct = DEFAULT_RUBBER_BAND_PCT if rubber_band_pct is None \
             else float(rubber_band_pct)
         self.rubber_band = int(rubber_band) if rubber_band is not None else None
         self.max_lag = int(max_lag) if max_lag is not None else None
         self.lag_policy = lag_policy
-        self.window = self._window_batches(data_loader)
-        if not explicit_window:
-            # The default window stays small and fits the ring the user asked for.
-            self.window = min(self.window, DEFAULT_MAX_WINDOW)
-            if slots is not None:
-                self.window = max(0, min(self.window, int(slots) - 2))
-            if self.max_lag is not None:
-                self.window = min(self.window, self.max_lag - 1)
-        if self.window > MAX_SLOTS - 2:
-            raise ValueError(
-                f"a late-joiner window of {self.window} batches needs more than the "
-                f"{MAX_SLOTS} slots a ring holds: lower rubber_band_pct= or rubber_band="
-            )
-        if self.max_lag is not None and self.max_lag <= self.window:
-            raise ValueError(
-                f"max_lag={self.max_lag} must exceed the late-joiner window of {self.window} "
-                "batches (rubber_band= / rubber_band_pct=): a late joiner starts that far behind"
-            )
-        if slots is not None and int(slots) <= self.window:
-            raise ValueError(
-                f"ring_slots={slots} cannot keep a late-joiner window of {self.window} batches: "
-                "raise ring_slots= or lower rubber_band= / rubber_band_pct="
-            )
-        if slots is not None and self.max_lag is not None and self.max_lag + 2 > int(slots):
-            raise ValueError(
-                f"max_lag={self.max_lag} needs ring_slots >= max_lag + 2 (ring_slots={slots}): "
-                "a consumer that holds its current batch while it trains can only fall "
-                "ring_slots - 1 batches behind"
-            )
+        self._ring_slots = int(slots) if slots is not None else None
+        # The loader of the current epoch: the iterable itself, or the one the
+        # callable returned for it (None before the first epoch).
+        self._current: Any = data_loader if self._factory is None else None
+        self._window_known = self._length() is not None or self.rubber_band is not None
+        self.window = self._compute_window()
         self.data_loader = data_loader
         self.producer_batch_size = producer_batch_size
         self.pack_fn = pack_fn
         self.min_consumers = int(min_consumers)
         self.start_timeout = start_timeout
         self.publish_timeout = publish_timeout
-        self._ring_slots = int(slots) if slots is not None else None
         self._slot_bytes = int(slot_bytes) if slot_bytes is not None else None
         self._ring_bytes = int(ring_bytes) if ring_bytes is not None else None
         self._max_leaves = max_leaves
@@ -202,7 +231,12 @@ class TensorProducer:
         self._ring_box: list = [None]  # the ring, shared with the control thread and finalizer
         self._closed = False
         self._batches = 0
+        self._used_up: Any = None  # the last iterator that yielded batches
 
+        name = setting("name", name)
+        if port is None:
+            address = setting("address", address)
+        setting("runtime_dir", UNSET)
         self.endpoint: Endpoint = resolve(name, port, address, for_producer=True)
         self._lock_fd = _take_name_lock(self.endpoint)
         self._segment = self.endpoint.segment_name(os.getpid())
@@ -220,6 +254,9 @@ class TensorProducer:
             self.endpoint, release_timeout,
         )
         log.info("producer %r listening on %s", self.endpoint.name, self.endpoint.address)
+        if self._origins:
+            log.info("producer settings from the environment: %s",
+                     config.describe_origins(self._origins))
 
     # -- handshake info ------------------------------------------------------------
 
@@ -228,11 +265,14 @@ class TensorProducer:
         return self._ring_box[0]
 
     def _welcome_info(self) -> dict:
-        samples, exact = _samples_per_epoch(self.data_loader)
+        """Handshake fields for a consumer (sent once the ring exists, so the first
+        epoch has started and a callable's loader of it is known)."""
+        loader = self._current
+        samples, exact = _samples_per_epoch(loader)
         return {
             "segment": self._segment,
             "length": self._length(),
-            "loader_batch_size": _loader_batch_size(self.data_loader),
+            "loader_batch_size": _loader_batch_size(loader),
             "samples": samples,
             "samples_exact": exact,
             "epoch": self.epoch,
@@ -242,32 +282,86 @@ class TensorProducer:
             "lag_policy": self.lag_policy,
         }
 
-    def _window_batches(self, loader: Any) -> int:
-        """The late-joiner window in batches."""
+    def _show(self, key: str, value: Any) -> str:
+        """``arg=value`` for messages, naming the environment variable it came from."""
+        text = f"{config.SETTINGS[key].argument}={value}"
+        env = self._origins.get(key)
+        return f"{text} (from {env})" if env else text
+
+    def _window_batches(self) -> int:
+        """The late-joiner window in batches, before the default's clamps."""
         if self.rubber_band is not None:
             return self.rubber_band
-        try:
-            n = len(loader)
-        except TypeError:
+        n = self._length()
+        if n is None:
             return 0
         return math.ceil(self.rubber_band_pct * n - 1e-9)
 
+    def _compute_window(self) -> int:
+        """The late-joiner window in batches, checked against ring_slots and max_lag."""
+        window = self._window_batches()
+        slots, max_lag = self._ring_slots, self.max_lag
+        if not self._explicit_window:
+            # The default window stays small and fits the ring the user asked for.
+            window = min(window, DEFAULT_MAX_WINDOW)
+            if slots is not None:
+                window = max(0, min(window, slots - 2))
+            if max_lag is not None:
+                window = min(window, max_lag - 1)
+        if window > MAX_SLOTS - 2:
+            raise ValueError(
+                f"a late-joiner window of {window} batches needs more than the "
+                f"{MAX_SLOTS} slots a ring holds: lower rubber_band_pct= or rubber_band="
+            )
+        if max_lag is not None and max_lag <= window:
+            raise ValueError(
+                f"{self._show('max_lag', max_lag)} must exceed the late-joiner window of "
+                f"{window} batches (rubber_band= / rubber_band_pct=): a late joiner starts "
+                "that far behind"
+            )
+        if slots is not None and slots <= window:
+            raise ValueError(
+                f"{self._show('ring_slots', slots)} cannot keep a late-joiner window of "
+                f"{window} batches: raise ring_slots= or lower rubber_band= / rubber_band_pct="
+            )
+        if slots is not None and max_lag is not None and max_lag + 2 > slots:
+            raise ValueError(
+                f"{self._show('max_lag', max_lag)} needs ring_slots >= max_lag + 2 "
+                f"({self._show('ring_slots', slots)}): a consumer that holds its current "
+                "batch while it trains can only fall ring_slots - 1 batches behind"
+            )
+        return window
+
     def _length(self) -> int | None:
+        """Batches per epoch: len() of the current epoch's loader, if it has one."""
+        loader = self._current
+        if loader is None:
+            return None
         try:
-            return len(self.data_loader)  # type: ignore[arg-type]
-        except TypeError:
+            return len(loader)
+        except (TypeError, NotImplementedError):
             return None
 
     def __len__(self) -> int:
+        """Batches per epoch of the loader; TypeError if it has no len() (a generator,
+        an iterable without ``__len__``, or a callable before its first epoch)."""
         n = self._length()
         if n is None:
-            raise TypeError("the data loader has no len()")
+            what = "the data loader has no len()" if self._factory is None else \
+                "the iterable the data loader callable returned has no len()" \
+                if self._current is not None else \
+                "the data loader is a callable, and its first epoch has not started"
+            raise TypeError(f"{what}: the number of batches per epoch is unknown")
         return n
 
     # -- ring ------------------------------------------------------------------------
 
     def _make_ring(self, meta: bytes, leaves: list) -> None:
         """Create the ring sized from the first batch."""
+        if not self._window_known and self._length() is not None:
+            # A callable's first loader tells the epoch length only now.
+            self.window = self._compute_window()
+            self._window_known = True
         size = _batch_bytes(leaves) + 2 * len(meta) + 4096
         slot_bytes = self._slot_bytes or max(MIN_SLOT_BYTES, int(size * SLOT_HEADROOM))
         slots = self._ring_slots
@@ -349,12 +443,28 @@ class TensorProducer:
     # -- iteration -------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        """One epoch: run the loader, publishing each batch before yielding it."""
         if self._closed:
             raise TensorSocketError("this producer was joined or closed")
         return self._run_epoch()
 
+    def _epoch_source(self) -> Any:
+        """The iterable of this epoch: the loader, or what the callable returns."""
+        if self._factory is None:
+            return self.data_loader
+        source = self._factory(self.epoch)
+        if not _is_iterable(source):
+            raise TypeError(
+                f"the data loader callable returned {type(source).__name__!r} for epoch "
+                f"{self.epoch}, which is not iterable: it must return an iterable of batches"
+            )
+        self._current = source
+        return source
+
     def _run_epoch(self) -> Iterator[Any]:
-        it = iter(self.data_loader)
+        source = self._epoch_source()
+        it = iter(source)
+        one_shot = it is source  # an iterator: iterating it again continues it
         index = 0
         try:
             for batch in it:
@@ -364,12 +474,37 @@ class TensorProducer:
                 self._wait_for_consumers()
                 self._publish(meta, leaves, index=index)
                 index += 1
+                if one_shot:
+                    self._used_up = source  # if it yields nothing next epoch, it is used up
                 yield batch
         except GeneratorExit:
             # An epoch cut short (break) still ends with a marker: consumers never hang.
             self._end_epoch(index)
             raise
+        if index == 0 and one_shot and source is self._used_up:
+            raise TypeError(self._used_up_message(source))
+        if index == 0:
+            log.warning("epoch %d of the data loader yielded no batch; nothing was published",
+                        self.epoch)
         self._end_epoch(index)
+
+    def _used_up_message(self, source: Any) -> str:
+        """Why an iterator cannot give a second epoch, and what to pass instead."""
+        what = f"{type(source).__name__!r} object"
+        if self._factory is None:
+            problem = (f"the data loader is an iterator (a {what}) that epoch "
+                       f"{self.epoch - 1} used up: iterating it again yields nothing, so "
+                       f"epoch {self.epoch} would publish nothing")
+        else:
+            problem = (f"the data loader callable returned the same {what} for epoch "
+                       f"{self.epoch} as for epoch {self.epoch - 1}, an iterator that epoch "
+                       f"{self.epoch - 1} used up, so epoch {self.epoch} would publish nothing")
+        return (
+            f"{problem}. Pass an object that can be iterated again (a DataLoader, a list, a "
+            "class whose __iter__ starts a new pass), or a callable that returns a fresh "
+            "iterable for each epoch: TensorProducer(lambda: make_batches()), or "
+            "TensorProducer(lambda epoch: make_batches(epoch)) to receive the epoch number"
+        )
 
     def _end_epoch(self, index: int) -> None:
         """Publish the end-of-epoch marker after `index` batches."""
@@ -429,9 +564,11 @@ class TensorProducer:
         self._finalizer()
 
     def __enter__(self) -> "TensorProducer":
+        """The producer itself."""
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """join() if the block ended normally, else close() at once."""
         if exc_type is None:
             self.join()
         else:
@@ -575,18 +712,14 @@ def _take_name_lock(endpoint: Endpoint) -> int:
 
 
 def _sweep_stale_segments(name: str) -> None:
-    """Remove segments of earlier producers of this name (we hold the name lock,
-    so none of them is alive)."""
-    prefix = segment_prefix(name)
-    pattern = re.compile(re.escape(prefix) + r"\d+$")
-    try:
-        entries = os.listdir("/dev/shm")
-    except OSError:
-        return
-    for entry in entries:
-        if pattern.match(entry):
-            log.info("removing stale segment /dev/shm/%s", entry)
-            _core.Ring.unlink_name("/" + entry)
+    """Remove segments of earlier producers of this name whose process is gone. Holding
+    the name lock is not enough to know that: a producer of the same name under another
+    runtime directory holds another lock, and its live segment must stay."""
+    from .clean import stale_segments
+
+    for item in stale_segments(name):
+        log.info("removing stale segment %s (%s)", item.path, item.reason)
+        _core.Ring.unlink_name("/" + item.path.rsplit("/", 1)[-1])
 
 
 def _batch_bytes(leaves: list) -> int:
@@ -623,3 +756,39 @@ def _samples_per_epoch(loader: Any) -> tuple[int | None, bool]:
 def _loader_batch_size(loader: Any) -> int | None:
     bs = getattr(loader, "batch_size", None)
     return bs if isinstance(bs, int) and not isinstance(bs, bool) else None
+
+
+def _is_iterable(obj: Any) -> bool:
+    """True if iter(obj) works, told without calling it (iter() on a DataLoader
+    would start its workers)."""
+    return hasattr(type(obj), "__iter__") or hasattr(type(obj), "__getitem__")
+
+
+def _epoch_factory(loader: Any) -> Callable[[int], Any] | None:
+    """None for an iterable loader; for a callable, a function epoch -> its result
+    (called with the epoch number if it has a required positional parameter)."""
+    if _is_iterable(loader):
+        return None
+    if not callable(loader):
+        raise TypeError(
+            f"data_loader must be an iterable of batches (a DataLoader, a list, a generator, "
+            f"...) or a callable that returns one for each epoch, not "
+            f"{type(loader).__name__!r}"
+        )
+    try:
+        params = inspect.signature(loader).parameters.values()
+    except (TypeError, ValueError):  # no signature (some builtins): call it bare
+        return lambda epoch: loader()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in params if p.default is p.empty and p.kind in positional]
+    keyword_only = [p.name for p in params
+                    if p.default is p.empty and p.kind == inspect.Parameter.KEYWORD_ONLY]
+    if len(required) > 1 or keyword_only:
+        raise TypeError(
+            f"a callable data_loader is called with no argument, or with the epoch number if "
+            f"it has a required positional parameter; {loader!r} requires "
+            f"{', '.join(required + keyword_only)}"
+        )
+    if required:
+        return lambda epoch: loader(epoch)
+    return lambda epoch: loader()

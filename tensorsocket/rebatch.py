@@ -167,6 +167,8 @@ class Rebatcher:
         self._current = None
 
     def next_batch(self, pull: Callable[[], Any]) -> Any:
+        """The next consumer batch, made of the loader batches pull() gives (see the
+        class docstring); sets last_samples to its sample count."""
         pieces: list[Piece] = []
         need = self.batch_size
         while need > 0:

@@ -255,7 +255,24 @@ def test_status_output_into_a_closed_pipe(name, procs):
     assert "Traceback" not in r.stderr and "Broken pipe" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("command", ["status", "top", "clean", "demo"])
+def test_config_lists_the_environment_and_flags_typos():
+    """config: each variable with its value here or its default; a bad value or an unknown
+    TENSORSOCKET_* name is reported and exits 1; --markdown is docs/configuration.md."""
+    ok = cli("config", env={"TENSORSOCKET_MAX_LAG": "6"})
+    assert ok.returncode == 0, ok.stderr
+    line = next(ln for ln in ok.stdout.splitlines() if ln.startswith("TENSORSOCKET_MAX_LAG"))
+    assert "max_lag=" in line and "6  (set)" in line
+    assert "default: 60" in next(ln for ln in ok.stdout.splitlines()
+                                 if ln.startswith("TENSORSOCKET_TIMEOUT "))
+    bad = cli("config", env={"TENSORSOCKET_MAX_LAG": "lots", "TENSORSOCKET_SLOTS": "8"})
+    assert bad.returncode == 1
+    assert "TENSORSOCKET_MAX_LAG='lots' is not valid" in bad.stderr
+    assert "TENSORSOCKET_SLOTS is not a tensorsocket setting" in bad.stderr
+    md = cli("config", "--markdown")
+    assert md.returncode == 0 and md.stdout == (ROOT / "docs" / "configuration.md").read_text()
+
+
+@pytest.mark.parametrize("command", ["status", "top", "clean", "demo", "config"])
 def test_every_command_has_help(command):
     """--help describes each command and exits 0."""
     r = cli(command, "--help")

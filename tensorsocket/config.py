@@ -1,0 +1,465 @@
+"""Settings of TensorProducer and TensorConsumer: one registry, one lookup rule.
+
+Every setting is looked up the same way:
+
+1. the argument, when it is given;
+2. else its environment variable (``TENSORSOCKET_*``), parsed and checked;
+   a bad value raises ValueError naming the variable, the value and what it
+   accepts; an empty variable counts as unset;
+3. else the default.
+
+An argument counts as "not given" when it is left out. For settings whose
+``None`` only means "automatic" (``name``, ``address``, ``ring_slots``,
+``device`` ...), passing ``None`` counts as not given too, so a wrapper that
+forwards ``None`` still lets the environment apply. For settings whose
+``None`` is a choice of its own - the timeouts (``None``: wait forever) and
+``max_lag`` (``None``: lossless) - an explicit ``None`` wins over the
+environment, and the environment spells that choice ``none``.
+
+``python -m tensorsocket.config`` prints docs/configuration.md (generated
+from :data:`SETTINGS` by :func:`markdown`); ``--table`` prints just the
+table; ``--env`` checks the ``TENSORSOCKET_*`` variables of the current
+environment.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from . import _core
+
+__all__ = [
+    "ENV_PREFIX",
+    "OTHER_VARIABLES",
+    "SETTINGS",
+    "UNSET",
+    "Setting",
+    "Unset",
+    "check_environment",
+    "describe_origins",
+    "get",
+    "lookup",
+    "markdown",
+    "markdown_table",
+]
+
+ENV_PREFIX = "TENSORSOCKET_"
+MAX_SLOTS = 4096  # most slots a ring holds (ring_slots, max_lag + 2)
+_NONE_WORDS = ("none", "inf", "forever")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
+class Unset:
+    """Type of :data:`UNSET`, the default of every configurable argument: "not given"."""
+
+    _instance: "Unset | None" = None
+
+    def __new__(cls) -> "Unset":
+        """The one instance."""
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        """``UNSET``, as signatures show it."""
+        return "UNSET"
+
+    def __bool__(self) -> bool:
+        """False, like None."""
+        return False
+
+    def __reduce__(self) -> str:
+        """Pickles as the module-level singleton."""
+        return "UNSET"
+
+
+UNSET: Any = Unset()
+"""Argument default meaning "not given": look at the environment, then the default."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its argument, environment variable, parser, default and meaning.
+
+    key: unique name in :data:`SETTINGS` (the argument's name, prefixed with
+    the side where the two sides have an argument of the same name).
+    argument: the keyword argument (None: the environment only).
+    env: the environment variable. sides: "producer", "consumer" or "both".
+    default: the value used when neither is given; default_text shows it in
+    the table. accepts: what the environment variable accepts. meaning: one
+    line. parse: text -> value; raises ValueError on a bad value.
+    none_is_value: an explicit ``None`` argument is a choice of its own
+    (forever, lossless), not "not given".
+    """
+
+    key: str
+    argument: str | None
+    env: str
+    sides: str
+    default: Any
+    default_text: str
+    accepts: str
+    meaning: str
+    parse: Callable[[str], Any]
+    none_is_value: bool = False
+
+    def from_env(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The environment's value, parsed; UNSET if the variable is unset or empty."""
+        text = (os.environ if environ is None else environ).get(self.env)
+        if text is None or not text.strip():
+            return UNSET
+        try:
+            return self.parse(text.strip())
+        except ValueError as e:
+            raise ValueError(
+                f"environment variable {self.env}={text!r} is not valid: it takes "
+                f"{self.accepts} ({e}); fix or unset it (see docs/configuration.md)"
+            ) from None
+
+    def given(self, value: Any) -> bool:
+        """True if an argument value counts as given (it wins over the environment)."""
+        return value is not UNSET and (value is not None or self.none_is_value)
+
+
+# -- parsers (text -> value; ValueError with a short reason) --------------------------
+
+
+def _parse_name(text: str) -> str:
+    from .endpoints import check_name
+
+    return check_name(text)
+
+
+def _parse_address(text: str) -> str:
+    if re.match(r"^ipc://.+", text) or re.match(r"^tcp://.+:\d+$", text):
+        return text
+    raise ValueError("not an ipc:// or tcp://HOST:PORT address")
+
+
+def _parse_dir(text: str) -> str:
+    if not os.path.isabs(text):
+        raise ValueError("not an absolute path")
+    return os.path.normpath(text)
+
+
+def _parse_timeout(text: str) -> float | None:
+    if text.lower() in _NONE_WORDS:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("not a number") from None
+    if math.isnan(value) or value < 0:
+        raise ValueError("not a number of seconds >= 0")
+    return None if math.isinf(value) else value
+
+
+def _int_in(lo: int, hi: int, allow_none: bool = False) -> Callable[[str], int | None]:
+    def parse(text: str) -> int | None:
+        if allow_none and text.lower() == "none":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("not an integer") from None
+        if not lo <= value <= hi:
+            raise ValueError(f"{value} is outside {lo}..{hi}")
+        return value
+
+    return parse
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+               "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def _parse_bytes(text: str) -> int:
+    m = re.match(r"^(\d+)\s*([A-Za-z]*)$", text)
+    if m is None or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError("not a size in bytes")
+    value = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError("not positive")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _parse_device(text: str, allow_auto: bool) -> str | None:
+    from .gpu import parse_device
+
+    if allow_auto and text == "auto":
+        return None
+    try:
+        kind, index = parse_device(text)
+    except (TypeError, ValueError):
+        raise ValueError("not a device") from None
+    return kind if index is None else f"{kind}:{index}"
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in _TRUE_WORDS:
+        return True
+    if text.lower() in _FALSE_WORDS:
+        return False
+    raise ValueError("not a boolean")
+
+
+_TIMEOUT_ACCEPTS = "seconds >= 0, or `none` (wait forever)"
+_SIZE_ACCEPTS = "bytes > 0, optionally with a suffix `K`, `M`, `G` (powers of 1024), e.g. `64M`"
+
+SETTINGS: dict[str, Setting] = {s.key: s for s in (
+    # -- both sides --------------------------------------------------------------------
+    Setting("name", "name", "TENSORSOCKET_NAME", "both", "default", "`default`",
+            "1-64 letters, digits, `_`, `.`, `-`",
+            "rendezvous name: a consumer finds the producer of the same name; one live "
+            "producer per name (with `port=` and no name: `port<N>`)",
+            _parse_name),
+    Setting("address", "address", "TENSORSOCKET_ADDRESS", "both", None,
+            "ipc socket `<runtime dir>/<name>.sock`",
+            "`ipc://PATH` or `tcp://HOST:PORT`",
+            "control-plane address; an explicit `port=` or `address=` argument overrides the "
+            "variable; a non-loopback TCP address makes the producer warn",
+            _parse_address),
+    Setting("runtime_dir", None, "TENSORSOCKET_RUNTIME_DIR", "both", None,
+            "`$XDG_RUNTIME_DIR/tensorsocket` if `XDG_RUNTIME_DIR` is a directory of this "
+            "user, else `/tmp/tensorsocket-<uid>`",
+            "an absolute path; created mode 0700 if missing, else it must be a directory of "
+            "this user with mode 0700",
+            "directory of the ipc sockets and name locks; producer and consumers must agree",
+            _parse_dir),
+    # -- consumer ----------------------------------------------------------------------
+    Setting("timeout", "timeout", "TENSORSOCKET_TIMEOUT", "consumer", 60.0, "60",
+            _TIMEOUT_ACCEPTS,
+            "seconds a consumer waits for its producer to answer, then `ProducerNotFound`",
+            _parse_timeout, none_is_value=True),
+    Setting("batch_timeout", "batch_timeout", "TENSORSOCKET_BATCH_TIMEOUT", "consumer", None,
+            "none (as long as the producer lives)", _TIMEOUT_ACCEPTS,
+            "seconds a consumer waits for one batch, then `TimeoutError`",
+            _parse_timeout, none_is_value=True),
+    Setting("consumer_device", "device", "TENSORSOCKET_CONSUMER_DEVICE", "consumer", None,
+            "`auto`: where the producer put them",
+            "`auto`, `cpu`, `cuda`, `cuda:N`",
+            "where a consumer's tensors are delivered (see the README, \"GPU ring\")",
+            lambda text: _parse_device(text, allow_auto=True)),
+    # -- producer ----------------------------------------------------------------------
+    Setting("min_consumers", "min_consumers", "TENSORSOCKET_MIN_CONSUMERS", "producer", 1,
+            "1", f"an integer in 0..{_core.MAX_CONSUMERS}",
+            "consumers attached before the first batch is published",
+            _int_in(0, _core.MAX_CONSUMERS)),
+    Setting("start_timeout", "start_timeout", "TENSORSOCKET_START_TIMEOUT", "producer", None,
+            "none (forever)", _TIMEOUT_ACCEPTS,
+            "seconds the producer waits for `min_consumers` (and for one consumer while none "
+            "is attached), then `TimeoutError`",
+            _parse_timeout, none_is_value=True),
+    Setting("publish_timeout", "publish_timeout", "TENSORSOCKET_PUBLISH_TIMEOUT", "producer",
+            None, "none (forever)", _TIMEOUT_ACCEPTS,
+            "seconds the producer waits for a free slot, then `TimeoutError`",
+            _parse_timeout, none_is_value=True),
+    Setting("ring_slots", "ring_slots", "TENSORSOCKET_RING_SLOTS", "producer", None,
+            "max(4, window + 2, max_lag + 2)", f"an integer in 2..{MAX_SLOTS}",
+            "slots in the ring (`consumer_max_buffer_size=` is the same argument)",
+            _int_in(2, MAX_SLOTS)),
+    Setting("slot_bytes", "slot_bytes", "TENSORSOCKET_SLOT_BYTES", "producer", None,
+            "first batch x 1.5", _SIZE_ACCEPTS,
+            "capacity of one slot; a larger batch raises `BatchTooLarge`",
+            _parse_bytes),
+    Setting("ring_bytes", "ring_bytes", "TENSORSOCKET_RING_BYTES", "producer", None,
+            "none", _SIZE_ACCEPTS,
+            "total slot memory: sets the slot count from `slot_bytes` (unless `ring_slots` "
+            "is set)",
+            _parse_bytes),
+    Setting("max_lag", "max_lag", "TENSORSOCKET_MAX_LAG", "producer", None,
+            "none (lossless)", f"an integer in 1..{MAX_SLOTS - 2}, or `none` (lossless)",
+            "detach a consumer more than this many batches behind the fastest one",
+            _int_in(1, MAX_SLOTS - 2, allow_none=True), none_is_value=True),
+    Setting("lag_policy", "lag_policy", "TENSORSOCKET_LAG_POLICY", "producer", "raise",
+            "`raise`", "`raise` or `rejoin`",
+            "what a detached laggard does: raise `ConsumerDetached`, or warn and attach "
+            "again as a late joiner",
+            _choice("raise", "rejoin")),
+    Setting("producer_device", "device", "TENSORSOCKET_PRODUCER_DEVICE", "producer", None,
+            "`cpu` (host memory only)", "`cpu`, `cuda`, `cuda:N`",
+            "`cuda:N`: the ring's slots also live in GPU memory, one copy per batch for all "
+            "consumers",
+            lambda text: _parse_device(text, allow_auto=False)),
+    Setting("device_fallback", "device_fallback", "TENSORSOCKET_DEVICE_FALLBACK", "producer",
+            True, "true", "`1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off`",
+            "where the GPU ring cannot work: warn and use the host ring (false: raise "
+            "`GPUUnavailable`)",
+            _parse_bool),
+    Setting("release_timeout", "release_timeout", "TENSORSOCKET_RELEASE_TIMEOUT", "producer",
+            30.0, "30", _TIMEOUT_ACCEPTS,
+            "seconds teardown waits for consumers to unmap a GPU ring, then frees it with a "
+            "warning",
+            _parse_timeout, none_is_value=True),
+)}
+
+OTHER_VARIABLES: dict[str, str] = {
+    "XDG_RUNTIME_DIR": "the base of the default runtime directory (see "
+                       "`TENSORSOCKET_RUNTIME_DIR`)",
+    "TENSORSOCKET_LIBCUDA": "the CUDA driver library the core loads instead of "
+                            "`libcuda.so.1` (tests point it at the driver test double)",
+    "TENSORSOCKET_WERROR": "`1` at build time (`pip install`): compile the core with "
+                           "`-Wall -Wextra -Werror`",
+    "TENSORSOCKET_SANITIZE": "`1` at build time: compile the core with ASan and UBSan",
+}
+
+
+# -- lookup ---------------------------------------------------------------------------
+
+
+def lookup(key: str, value: Any = UNSET,
+           environ: Mapping[str, str] | None = None) -> tuple[Any, str]:
+    """(value, source) of setting `key` for argument `value`.
+
+    source is "argument", "environment" or "default"; see the module
+    docstring for the rule. Raises KeyError for an unknown key and
+    ValueError for a bad environment value.
+    """
+    setting = SETTINGS[key]
+    if setting.given(value):
+        return value, "argument"
+    env = setting.from_env(environ)
+    if env is not UNSET:
+        return env, "environment"
+    return setting.default, "default"
+
+
+def get(key: str, value: Any = UNSET, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of setting `key`: the argument if given, else the environment
+    variable's, else the default (see :func:`lookup`)."""
+    return lookup(key, value, environ)[0]
+
+
+def describe_origins(origins: Mapping[str, str],
+                     environ: Mapping[str, str] | None = None) -> str:
+    """``VAR=value, ...`` of the environment variables in `origins` (setting key ->
+    variable), for logs."""
+    env = os.environ if environ is None else environ
+    return ", ".join(f"{var}={env.get(var, '')}" for var in origins.values())
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Problems with the ``TENSORSOCKET_*`` variables of an environment: values that
+    do not parse, and names that are no setting (a typo is otherwise ignored)."""
+    env = os.environ if environ is None else environ
+    known = {s.env for s in SETTINGS.values()} | set(OTHER_VARIABLES)
+    problems = []
+    for setting in SETTINGS.values():
+        try:
+            setting.from_env(env)
+        except ValueError as e:
+            problems.append(str(e))
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in known:
+            problems.append(f"{var} is not a tensorsocket setting (a typo?); it is ignored")
+    return problems
+
+
+# -- documentation --------------------------------------------------------------------
+
+
+def markdown_table() -> str:
+    """The settings as one Markdown table (the table of docs/configuration.md)."""
+    lines = [
+        "| argument | environment variable | side | default | the variable takes | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in SETTINGS.values():
+        arg = f"`{s.argument}=`" if s.argument else "(none)"
+        lines.append(f"| {arg} | `{s.env}` | {s.sides} | {s.default_text} | {s.accepts} "
+                     f"| {s.meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown() -> str:
+    """The whole of docs/configuration.md."""
+    others = "\n".join(f"- `{var}`: {text}" for var, text in OTHER_VARIABLES.items())
+    chosen = _join(sorted({f"`{s.argument}=`" for s in SETTINGS.values()
+                           if s.argument and s.none_is_value}))
+    automatic = _join(sorted({f"`{s.argument}=`" for s in SETTINGS.values()
+                              if s.argument and not s.none_is_value}))
+    return f"""# Configuration
+
+<!-- generated by `tensorsocket config --markdown > docs/configuration.md`; do not edit -->
+
+Every setting of `TensorProducer` and `TensorConsumer` below is taken from, in order:
+
+1. the **argument**, when it is given;
+2. else the **environment variable**, parsed and checked: a bad value raises `ValueError`
+   naming the variable, the value and what it takes (an empty variable counts as unset);
+3. else the **default**.
+
+An argument counts as not given when it is left out. For {automatic}, passing `None`
+counts as not given too (their `None` only means "automatic"), so a wrapper that forwards
+`None` still lets the environment apply; a consumer's `device="auto"` asks for the default
+whatever the environment says. For {chosen}, `None` is a choice of its own (the timeouts:
+wait forever; `max_lag=`: lossless): an explicit `None` wins over the environment, which
+spells that choice `none` (`inf` and `forever` are accepted for the timeouts too).
+
+{markdown_table()}
+Notes:
+
+- `port=` (the original TensorSocket's second positional argument) has no variable of its
+  own: `TENSORSOCKET_ADDRESS=tcp://127.0.0.1:PORT` selects a TCP endpoint from the
+  environment. A `port=` or `address=` argument overrides `TENSORSOCKET_ADDRESS`.
+- `device=` has one variable per side, as the two sides mean different things by it: the
+  producer's puts the ring in GPU memory (and allocates it), a consumer's says where its own
+  tensors go, and jobs on one machine often share an environment while using different
+  GPUs.
+- `TENSORSOCKET_RUNTIME_DIR` names the directory itself (nothing is appended). It is
+  created (mode 0700) if missing; an existing one must be a directory owned by this user
+  with no access for others (`chmod 700 DIR`), or both sides refuse it.
+- Which values came from the environment is logged (logger `tensorsocket`, level INFO)
+  when a producer or consumer starts. `tensorsocket config` lists the `TENSORSOCKET_*`
+  variables of the current environment and checks them, typos included.
+
+Other environment variables:
+
+{others}
+"""
+
+
+def _join(items: list[str]) -> str:
+    """`a`, `b` and `c`."""
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tensorsocket.config [--table | --env]``."""
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--table"]:
+        sys.stdout.write(markdown_table())
+        return 0
+    if args == ["--env"]:
+        problems = check_environment()
+        for s in SETTINGS.values():
+            text = os.environ.get(s.env, "")
+            if text.strip():
+                print(f"{s.env}={text}")
+        for p in problems:
+            print(f"problem: {p}")
+        return 1 if problems else 0
+    if args:
+        print("usage: python -m tensorsocket.config [--table | --env]", file=sys.stderr)
+        return 2
+    sys.stdout.write(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
