@@ -1,4 +1,11 @@
-"""A training script whose only change is the loader line (see shared_producer.py)."""
+"""A training script whose only change is the loader line; run it with shared_producer.py.
+
+    python examples/shared_producer.py & python examples/shared_consumer.py --lr 0.1 &
+    python examples/shared_consumer.py --lr 0.01; wait
+
+It waits for the producer named "example" (up to 60 s), then trains on its batches: zero-copy,
+read-only views of the shared ring. It prints its loss and samples per epoch.
+"""
 
 import argparse
 
@@ -19,12 +26,16 @@ def main() -> None:
     # loader = DataLoader(NoisyImages(), batch_size=64, shuffle=True, num_workers=2)
     loader = tensorsocket.TensorConsumer(name="example")
     for epoch in range(3):
+        total, samples = 0.0, 0
         for images, labels in loader:
             loss = nn.functional.cross_entropy(model(images), labels)
             opt.zero_grad()
             loss.backward()
             opt.step()
-        print(f"lr {args.lr}: epoch {epoch} loss {loss.item():.3f}", flush=True)
+            total += loss.item() * len(labels)
+            samples += len(labels)
+        print(f"lr {args.lr}: epoch {epoch} loss {total / samples:.3f} ({samples} samples)",
+              flush=True)
     loader.close()
 
 

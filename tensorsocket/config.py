@@ -90,7 +90,8 @@ class Setting:
     key: unique name in :data:`SETTINGS` (the argument's name, prefixed with
     the side where the two sides have an argument of the same name).
     argument: the keyword argument (None: the environment only).
-    env: the environment variable. sides: "producer", "consumer" or "both".
+    env: the environment variable. sides: "producer", "consumer", "both" or
+    "share()" (the producer that share() starts).
     default: the value used when neither is given; default_text shows it in
     the table. accepts: what the environment variable accepts. meaning: one
     line. parse: text -> value; raises ValueError on a bad value.
@@ -305,6 +306,12 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             30.0, "30", _TIMEOUT_ACCEPTS,
             "seconds teardown waits for consumers to unmap a GPU ring, then frees it with a "
             "warning",
+            _parse_timeout, none_is_value=True),
+    # -- share() -----------------------------------------------------------------------
+    Setting("idle_timeout", "idle_timeout", "TENSORSOCKET_IDLE_TIMEOUT", "share()", 60.0,
+            "60", "seconds > 0, or `none` (never)",
+            "seconds a producer started by `share()` keeps running with no consumer "
+            "attached before it ends",
             _parse_timeout, none_is_value=True),
 )}
 

@@ -88,7 +88,6 @@ __all__ = ["share"]
 
 log = logging.getLogger("tensorsocket")
 
-DEFAULT_IDLE_TIMEOUT = 60.0
 # Keywords share() decides itself, for the producer and the consumers.
 _RENDEZVOUS = frozenset({"port", "ack_port", "heart_ports", "name", "address"})
 _MANAGED = frozenset({"min_consumers", "start_timeout"})
@@ -102,7 +101,7 @@ def share(
     name: str | None = None,
     *,
     epochs: int | None = None,
-    idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+    idle_timeout: float | None = UNSET,
     producer_options: dict | None = None,
     **consumer_options: Any,
 ) -> TensorConsumer:
@@ -126,9 +125,10 @@ def share(
     epochs: epochs the producer runs (default None: as long as it has
       consumers). A consumer asking for more gets ProducerFinished.
     idle_timeout: seconds without any consumer attached after which the
-      producer ends (default 60; None: never, it then ends only after
-      ``epochs``). A consumer that leaves the ring (break out of an epoch,
-      close(), exit) and comes back later than this finds it gone.
+      producer ends (default 60, or ``$TENSORSOCKET_IDLE_TIMEOUT``; None:
+      never, it then ends only after ``epochs``). A consumer that leaves the
+      ring (break out of an epoch, close(), exit) and comes back later than
+      this finds it gone.
     producer_options: further TensorProducer keywords (``max_lag``,
       ``ring_slots``, ``rubber_band``, ``device``, ...). share() sets
       ``name``, ``min_consumers=1`` and the pause itself.
@@ -156,6 +156,7 @@ def share(
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
                                or epochs < 1):
         raise ValueError(f"epochs must be a positive integer or None, got {epochs!r}")
+    idle_timeout = config.get("idle_timeout", idle_timeout)
     if idle_timeout is not None and (isinstance(idle_timeout, bool) or not isinstance(
             idle_timeout, (int, float)) or not idle_timeout > 0):
         raise ValueError(f"idle_timeout must be a number of seconds > 0 or None, got "

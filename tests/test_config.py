@@ -48,12 +48,14 @@ def test_docs_are_generated_from_the_registry(capsys):
 def test_registry_matches_the_signatures(name):
     """Every setting's argument exists on its side(s), defaults to "not given" there, and
     the default the registry documents is the one used."""
-    sides = {"producer": TensorProducer, "consumer": TensorConsumer}
+    from tensorsocket import share
+
+    sides = {"producer": TensorProducer, "consumer": TensorConsumer, "share()": share}
     envs = [s.env for s in SETTINGS.values()]
     assert len(set(envs)) == len(envs) and all(e.startswith("TENSORSOCKET_") for e in envs)
     for s in SETTINGS.values():
         assert s.meaning and s.accepts and s.default_text
-        classes = sides.values() if s.sides == "both" else [sides[s.sides]]
+        classes = [TensorProducer, TensorConsumer] if s.sides == "both" else [sides[s.sides]]
         for cls in classes:
             if s.argument is None:
                 continue
