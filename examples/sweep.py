@@ -15,8 +15,8 @@ What to look at:
 - Each trial (a ResNet-18, as in train_alone.py, on 32 px crops) prints its loss per epoch;
   every epoch has all 320 samples (10 x --images), whatever the batch size and whenever the
   trial started. A trial that starts while the producer is mid-epoch
-  is a late joiner: its epochs start at the oldest batch the producer still keeps (README,
-  "What a consumer gets"), so they straddle the producer's epochs.
+  is a late joiner: its epochs start at the oldest batch the producer still keeps
+  (docs/usage.md, "What a consumer gets"), so they straddle the producer's epochs.
 - The driver prints a table of the trials (lr, batch size, epochs, final loss, samples
   seen, when it started) and the loader CPU time: measured once for everybody in this
   process, against what separate DataLoaders would have spent for the samples the trials

@@ -254,7 +254,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("consumer_device", "device", "TENSORSOCKET_CONSUMER_DEVICE", "consumer", None,
             "`auto`: where the producer put them",
             "`auto`, `cpu`, `cuda`, `cuda:N`",
-            "where a consumer's tensors are delivered (see the README, \"GPU ring\")",
+            "where a consumer's tensors are delivered (see docs/gpu.md)",
             lambda text: _parse_device(text, allow_auto=True)),
     # -- producer ----------------------------------------------------------------------
     Setting("min_consumers", "min_consumers", "TENSORSOCKET_MIN_CONSUMERS", "producer", 1,

@@ -82,7 +82,7 @@ class TensorProducer:
     Late joiners: the last ``rubber_band_pct`` of an epoch's batches (rounded
     up), or ``rubber_band=`` batches, stay readable in the ring. A consumer
     that attaches mid-epoch starts at the oldest of them (never before the
-    current epoch's first batch); see the README for the exact semantics.
+    current epoch's first batch); see docs/usage.md for the exact semantics.
     Without either, the window is 0.5% of an epoch but at most 8 batches (and
     at most ring_slots - 2 when ring_slots is given), to keep memory bounded.
     A loader without ``len()`` has no window unless ``rubber_band=`` is given.
@@ -118,7 +118,7 @@ class TensorProducer:
       device: ``"cuda:N"`` (or ``"cuda"`` for GPU 0) keeps the ring's slots
         in GPU memory as well: each batch is copied to the GPU once, for all
         consumers, which receive CUDA tensors read in place through CUDA IPC
-        (see the README, "GPU ring"). Default: host memory only (env:
+        (see docs/gpu.md). Default: host memory only (env:
         ``TENSORSOCKET_PRODUCER_DEVICE``).
       device_fallback: if the GPU ring cannot work here (no driver, MIG, no
         CUDA IPC events), warn and use the host ring (default True); False

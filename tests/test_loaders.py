@@ -172,7 +172,7 @@ def test_reiterable_without_len_streams_every_epoch(name):
                 v = int(batch["label"][0])
                 assert (batch["input_ids"] == np.arange(12).reshape(4, 3) + v).all()
                 first.append(v)
-            del batch  # a batch held pins its slot (see the README)
+            del batch  # a batch held pins its slot (see docs/usage.md)
             second = [int(b["label"][0]) for b in c]
         assert first == _values(0, 6) and second == _values(1, 6)
     finally:
