@@ -26,6 +26,7 @@ HEARTBEAT_INTERVAL = 1.0  # seconds between consumer heartbeats
 PENDING_TIMEOUT = 10.0  # a consumer that never says "ready" is dropped after this
 LIVENESS_INTERVAL = 0.25  # how often the server checks consumer processes
 MAX_ERROR_CHARS = 1000  # error replies stay well inside the protocol's string limit
+LAG_WARN_AFTER = 10.0  # seconds a consumer may hold the others back before a warning
 
 
 @dataclass
@@ -41,6 +42,8 @@ class _Peer:
     active: bool = False
     detached: bool = False
     last_seen: float = field(default_factory=time.monotonic)
+    lagging_since: float | None = None  # behind the fastest by (nearly) the whole ring
+    lag_warned: bool = False
 
 
 class ControlServer:
@@ -224,6 +227,7 @@ class ControlServer:
         ring = self._ring()
         if ring is None:
             return
+        self._check_lag(ring, now)
         for ident, peer in list(self._peers.items()):
             if peer.active and not peer.detached and \
                     ring.consumer(peer.index)["state"] == _core.CONSUMER_DETACHED:
@@ -249,6 +253,38 @@ class ControlServer:
                 ring.evict(entry["index"])
                 log.info("consumer %d (pid %d) exited after leaving, still holding batches; "
                          "its slots were released", entry["index"], entry["pid"])
+
+    def _check_lag(self, ring: Any, now: float) -> None:
+        """Warn once about a consumer that holds the others back: it has been behind the
+        fastest consumer by (nearly) the whole ring for LAG_WARN_AFTER seconds, so the
+        producer and every faster consumer wait for it. Consumers that are all equally
+        slow hold nobody back and are not warned about (that is ordinary back-pressure);
+        with max_lag the ring detaches such a consumer instead (warned about below)."""
+        entries = {e["index"]: e for e in ring.consumers()
+                   if e["state"] == _core.CONSUMER_ACTIVE}
+        if len(entries) < 2:
+            return
+        info = ring.info()
+        lead = max(e["cursor"] for e in entries.values())
+        limit = max(2, info["slot_count"] - 2)
+        for peer in list(self._peers.values()):
+            entry = entries.get(peer.index)
+            if entry is None or not peer.active or peer.detached:
+                continue
+            behind = lead - entry["cursor"]
+            if behind < limit:
+                peer.lagging_since = None
+                peer.lag_warned = False
+                continue
+            if peer.lagging_since is None:
+                peer.lagging_since = now
+            elif not peer.lag_warned and now - peer.lagging_since >= LAG_WARN_AFTER:
+                peer.lag_warned = True
+                log.warning(
+                    "consumer %d (pid %d) is %d batches behind the fastest consumer and has "
+                    "held the producer and the others back for %.0f s; they go at its pace "
+                    "(TensorProducer(max_lag=N) detaches consumers that fall further behind)",
+                    peer.index, peer.pid, behind, now - peer.lagging_since)
 
     # -- owner -------------------------------------------------------------------
 

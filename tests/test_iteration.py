@@ -167,6 +167,36 @@ def test_producer_logs_joins_leaves_and_lag_detaches(procs, name, caplog):
     assert f"(pid {slow.pid})" in detached[0].getMessage()
 
 
+def test_producer_warns_about_a_consumer_holding_the_others_back(procs, name, caplog,
+                                                                  monkeypatch):
+    """Without max_lag nobody is detached; a consumer that keeps the others waiting (behind
+    the fastest by nearly the whole ring) gets one WARNING naming it and max_lag=."""
+    from tensorsocket import control
+
+    monkeypatch.setattr(control, "LAG_WARN_AFTER", 1.0)
+    caplog.set_level(logging.INFO, logger="tensorsocket")
+    producer = TensorProducer(CountingLoader(30, "tuple"), name=name, min_consumers=2,
+                              ring_slots=4, rubber_band=0, start_timeout=30)
+    thread = threading.Thread(target=lambda: [None for _ in producer], daemon=True)
+    thread.start()
+    try:
+        slow = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.1",
+                           "--hold")
+        fast = procs.start("consumer", "--name", name, "--kind", "tuple")
+        r, s = procs.result(fast), procs.result(slow)
+        assert r["epochs"] == [list(range(30))] and s["epochs"] == [list(range(30))]
+        thread.join(30)
+        assert producer.join(timeout=30) is True
+    finally:
+        producer.close()
+        thread.join(10)
+    warned = [r for r in caplog.records if "held the producer and the others back"
+              in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert f"(pid {slow.pid})" in warned[0].getMessage()
+    assert "max_lag=" in warned[0].getMessage()
+
+
 NO_ROOT_HANDLERS = """
 import json, logging, sys, threading
 before = list(logging.root.handlers)
