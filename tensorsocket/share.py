@@ -54,20 +54,11 @@ before the model is built):
   with ``persistent_workers=True`` that was already iterated cannot be
   shared (its workers belong to the caller).
 """
-
 from __future__ import annotations
 
 import collections.abc
-import faulthandler
-import fcntl
 import inspect
-import json
 import logging
-import os
-import select
-import signal
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,12 +66,21 @@ from typing import Any
 import torch
 import zmq
 
-from . import _core, config
+from . import config
+from ._election import (
+    lock_holder,
+    producer_live,
+    producer_log_path,
+    release_lock,
+    share_lock_path,
+    take_lock,
+)
+from ._shared_producer import start_producer
 from .config import UNSET
 from .consumer import TensorConsumer
 from .control import ControlClient
 from .endpoints import Endpoint, resolve
-from .errors import ProducerFinished, ProducerGone, ProducerNotFound, TensorSocketError
+from .errors import ProducerFinished, ProducerGone, ProducerNotFound
 from .producer import TensorProducer
 from .rebatch import consumer_len
 
@@ -91,10 +91,6 @@ log = logging.getLogger("tensorsocket")
 # Keywords share() decides itself, for the producer and the consumers.
 _RENDEZVOUS = frozenset({"port", "ack_port", "heart_ports", "name", "address"})
 _MANAGED = frozenset({"min_consumers", "start_timeout"})
-_POLL = 0.1  # seconds between the producer's idle checks
-_KILL_GRACE = 5.0  # seconds a producer stopped with SIGTERM gets before SIGKILL
-_LOG_TAIL_LINES = 12
-
 
 def share(
     loader: Any,
@@ -173,12 +169,12 @@ def share(
     deadline = None if timeout is None else time.monotonic() + float(timeout)
     want_bs = consumer_kw.pop("batch_size", _loader_batch_size(loader))
     want_dl = bool(consumer_kw.pop("drop_last", getattr(loader, "drop_last", False)))
-    lock_path = _share_lock_path(endpoint)
-    log_path = _log_path(endpoint)
+    lock_path = share_lock_path(endpoint)
+    log_path = producer_log_path(endpoint)
 
-    fd = _lock(lock_path, deadline)
+    fd = take_lock(lock_path, deadline)
     if fd is None:
-        holder = _lock_holder(lock_path)
+        holder = lock_holder(lock_path)
         raise ProducerNotFound(
             f"another process (pid {holder}) has been starting the shared producer "
             f"{endpoint.name!r} for more than timeout={timeout} s; its log is {log_path}. "
@@ -186,13 +182,13 @@ def share(
         )
     started = False
     try:
-        if not _producer_live(endpoint):
-            _start_producer(loader, endpoint, epochs, idle_timeout, producer_kw, fd, lock_path,
-                            log_path, timeout, deadline)
+        if not producer_live(endpoint):
+            start_producer(loader, endpoint, epochs, idle_timeout, producer_kw, fd, lock_path,
+                           log_path, timeout, deadline)
             started = True
         consumer = _attach(endpoint, want_bs, want_dl, consumer_kw)
     finally:
-        _unlock(fd, lock_path)
+        release_lock(fd, lock_path)
     consumer.started_producer = started
     consumer.producer_log = log_path
     if hasattr(loader, "dataset"):
@@ -248,12 +244,14 @@ def _check_options(producer_options: dict | None,
 
 
 def _managed_message(key: str) -> str:
+    """The error for a keyword share() sets itself."""
     return (f"share() sets {key}= itself: the producer waits for its first consumer, pauses "
             "while none is attached and ends idle_timeout= seconds after the last one left; "
             "pass share(..., idle_timeout=) instead")
 
 
 def _check_loader(loader: Any, epochs: int | None) -> None:
+    """Refuse loaders a forked producer cannot serve, naming the fix."""
     iterable = hasattr(type(loader), "__iter__") or hasattr(type(loader), "__getitem__")
     if not iterable and not callable(loader):
         raise TypeError(f"share() needs a DataLoader or another iterable of batches, not "
@@ -272,84 +270,9 @@ def _check_loader(loader: Any, epochs: int | None) -> None:
 
 
 def _loader_batch_size(loader: Any) -> int | None:
+    """The caller's loader's batch size, if it has one."""
     bs = getattr(loader, "batch_size", None)
     return bs if isinstance(bs, int) and not isinstance(bs, bool) else None
-
-
-# -- files and locks ------------------------------------------------------------------
-
-
-def _share_lock_path(endpoint: Endpoint) -> Path:
-    return endpoint.runtime_dir / f"{endpoint.name}.share.lock"
-
-
-def _log_path(endpoint: Endpoint) -> Path:
-    return endpoint.runtime_dir / f"{endpoint.name}.producer.log"
-
-
-def _lock(path: Path, deadline: float | None) -> int | None:
-    """flock `path` exclusively, waiting until `deadline` (None: forever); the fd, or
-    None on timeout. The file may be unlinked by a holder (who then holds it no more
-    once closed): a lock on a file that is no longer at `path` is dropped and taken
-    again on the new one."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        os.close(fd)
-                        return None
-                    time.sleep(0.02)
-            mine = os.fstat(fd)
-            try:
-                now = os.stat(path)
-                same = (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
-            except FileNotFoundError:
-                same = False
-        except BaseException:
-            os.close(fd)
-            raise
-        if same:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-            return fd
-        os.close(fd)
-
-
-def _unlock(fd: int, path: Path) -> None:
-    """Release a lock from _lock(), removing its file while still holding it (waiters
-    that opened it notice and take the lock on a new file), so none is left behind."""
-    try:
-        path.unlink(missing_ok=True)
-    finally:
-        os.close(fd)
-
-
-def _lock_holder(path: Path) -> str:
-    try:
-        return path.read_text().strip() or "?"
-    except OSError:
-        return "?"
-
-
-def _producer_live(endpoint: Endpoint) -> bool:
-    """True while some process holds the producer's name lock (it is alive)."""
-    try:
-        fd = os.open(endpoint.lock_path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops our shared lock at once
-    return False
-
 
 # -- the caller's side ----------------------------------------------------------------
 
@@ -390,6 +313,7 @@ class _SharedConsumer(TensorConsumer):
     producer_log: Path | None = None
 
     def __iter__(self) -> Any:
+        """One epoch, with the shared producer named in its end-of-stream errors."""
         return _SharedEpoch(super().__iter__(), self)
 
 
@@ -400,13 +324,16 @@ class _SharedEpoch:
     __slots__ = ("_it", "_consumer")
 
     def __init__(self, it: Any, consumer: _SharedConsumer) -> None:
+        """Wrap the epoch iterator `it` of `consumer`."""
         self._it = it
         self._consumer = consumer
 
     def __iter__(self) -> "_SharedEpoch":
+        """One epoch, with the shared producer named in its end-of-stream errors."""
         return self
 
     def __next__(self) -> Any:
+        """The next batch; ProducerFinished / ProducerGone name the log."""
         try:
             return next(self._it)
         except (ProducerFinished, ProducerGone) as e:
@@ -417,350 +344,9 @@ class _SharedEpoch:
                 f"{self._consumer.producer_log})") from None
 
     def __len__(self) -> int:
+        """Batches in this epoch."""
         return len(self._it)
 
     def close(self) -> None:
+        """Leave the epoch early (as the consumer iterator does)."""
         self._it.close()
-
-
-def _start_producer(loader: Any, endpoint: Endpoint, epochs: int | None,
-                    idle_timeout: float | None, producer_kw: dict, lock_fd: int,
-                    lock_path: Path, log_path: Path, timeout: float | None,
-                    deadline: float | None) -> None:
-    """Fork the producer; return once it published its first batch (it then waits for a
-    consumer), or raise with its error."""
-    caller = os.getpid()
-    rfd, wfd = os.pipe()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or odd stream: nothing to write twice
-            pass
-    try:
-        pid = os.fork()
-    except BaseException:
-        os.close(rfd)
-        os.close(wfd)
-        raise
-    if pid == 0:  # the intermediate child: a new session, fork again, leave
-        status = 1
-        try:
-            os.close(rfd)
-            os.close(lock_fd)  # close only: flock(LOCK_UN) would unlock the caller's lock
-            os.setsid()
-            if os.fork() == 0:
-                _producer_process(loader, endpoint, epochs, idle_timeout, producer_kw, wfd,
-                                  lock_path, log_path, caller)
-            status = 0
-        finally:
-            os._exit(status)
-    os.close(wfd)
-    try:
-        os.waitpid(pid, 0)  # the intermediate child exits at once
-    except ChildProcessError:
-        pass
-    try:
-        _wait_ready(rfd, endpoint, log_path, timeout, deadline)
-    finally:
-        os.close(rfd)
-
-
-def _wait_ready(rfd: int, endpoint: Endpoint, log_path: Path, timeout: float | None,
-                deadline: float | None) -> None:
-    """Read the producer's reports: {"pid"}, then {"ok"} or {"error"}."""
-    buf = b""
-    pid = start = None
-    eof = False
-    try:
-        while True:
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                msg = json.loads(line)
-                if "pid" in msg:
-                    pid, start = msg["pid"], msg["start"]
-                elif "ok" in msg:
-                    return
-                elif "error" in msg:
-                    _wait_gone(pid, start)
-                    raise TensorSocketError(
-                        f"the shared producer {endpoint.name!r} failed before its first batch: "
-                        f"{msg['error']} (its log, with the traceback: {log_path})")
-            gone = eof or (pid is not None and not _core.process_alive(pid, start))
-            if gone:
-                _wait_gone(pid, start)
-                raise TensorSocketError(
-                    f"the shared producer {endpoint.name!r} (pid {pid}) ended before its first "
-                    f"batch without a word; its log {log_path} ends with:\n{_log_tail(log_path)}")
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                _stop(pid, start)
-                raise ProducerNotFound(
-                    f"the shared producer {endpoint.name!r} (pid {pid}) did not publish its "
-                    f"first batch within timeout={timeout} s, so it was stopped: raise "
-                    f"share(..., timeout=) for a loader that is slow to start; its log is "
-                    f"{log_path}")
-            ready, _, _ = select.select([rfd], [], [], _POLL if left is None else
-                                        max(0.0, min(_POLL, left)))
-            if ready:
-                chunk = os.read(rfd, 65536)
-                eof = not chunk
-                buf += chunk
-    except BaseException as e:
-        if not isinstance(e, TensorSocketError):  # Ctrl-C here, say: stop what we started
-            _stop(pid, start)
-        raise
-
-
-def _stop(pid: int | None, start: int | None) -> None:
-    """SIGTERM the producer (it tears down cleanly), SIGKILL if it lingers."""
-    if pid is None or not _core.process_alive(pid, start):
-        return
-    os.kill(pid, signal.SIGTERM)
-    if not _wait_gone(pid, start, _KILL_GRACE):
-        os.kill(pid, signal.SIGKILL)
-        _wait_gone(pid, start, _KILL_GRACE)
-
-
-def _wait_gone(pid: int | None, start: int | None, timeout: float = 10.0) -> bool:
-    """Wait until the producer has exited (its name lock is free then)."""
-    if pid is None:
-        return True
-    end = time.monotonic() + timeout
-    while _core.process_alive(pid, start):
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def _log_tail(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError as e:
-        return f"(cannot read it: {e})"
-    return "\n".join(lines[-_LOG_TAIL_LINES:]) or "(it is empty)"
-
-
-# -- the producer process -------------------------------------------------------------
-
-
-class _Reporter:
-    """The producer's side of the pipe to the caller that started it."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd: int | None = fd
-        self._lock = threading.Lock()
-        self.ok_sent = False
-
-    def send(self, msg: dict, final: bool = False) -> bool:
-        with self._lock:
-            if self._fd is None:
-                return False
-            try:
-                os.write(self._fd, (json.dumps(msg) + "\n").encode())
-            except OSError:  # the caller is gone: nobody to tell
-                pass
-            if final:
-                os.close(self._fd)
-                self._fd = None
-            return True
-
-    @property
-    def done(self) -> bool:
-        return self._fd is None
-
-    def ok(self) -> None:
-        if self.send({"ok": True}, final=True):
-            self.ok_sent = True
-
-    def error(self, text: str) -> None:
-        self.send({"error": text[:4000]}, final=True)
-
-
-def _producer_process(loader: Any, endpoint: Endpoint, epochs: int | None,
-                      idle_timeout: float | None, producer_kw: dict, wfd: int,
-                      lock_path: Path, log_path: Path, caller: int) -> None:
-    """The forked producer: serve, then os._exit (never return to the caller's code)."""
-    status = 1
-    try:
-        reporter = _Reporter(wfd)
-        reporter.send({"pid": os.getpid(), "start": _core.process_start_time(os.getpid())})
-        try:
-            _setup_process(log_path)
-        except BaseException as e:
-            reporter.error(f"cannot set up the producer process: {type(e).__name__}: {e}")
-            raise
-        status = _serve(loader, endpoint, epochs, idle_timeout, producer_kw, reporter,
-                        lock_path, caller)
-    finally:
-        os._exit(status)
-
-
-def _raise_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _setup_process(log_path: Path) -> None:
-    """stdin from /dev/null; stdout, stderr and logging to the log; clean SIGTERM."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(null)
-    os.close(fd)
-    # The caller's sys.std* may be anything (a pytest capture, a tqdm wrapper): new ones.
-    sys.stdin = open(os.devnull)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    faulthandler.enable(file=sys.stderr)
-    signal.signal(signal.SIGTERM, _raise_exit)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    # Logging of this process goes to its log only, not to the caller's handlers.
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().handlers = [handler]
-    ts_log = logging.getLogger("tensorsocket")
-    ts_log.handlers = []
-    ts_log.setLevel(logging.INFO)
-    ts_log.propagate = True
-    # GNU OpenMP hangs in a forked child once the parent used its thread pool.
-    torch.set_num_threads(1)
-
-
-def _serve(loader: Any, endpoint: Endpoint, epochs: int | None, idle_timeout: float | None,
-           producer_kw: dict, reporter: _Reporter, lock_path: Path, caller: int) -> int:
-    """Run the producer; the exit status."""
-    log.info("shared producer %r: pid %d, started by share() in pid %d; epochs=%s, "
-             "idle_timeout=%s", endpoint.name, os.getpid(), caller, epochs, idle_timeout)
-    try:
-        producer = TensorProducer(loader, name=endpoint.name, address=endpoint.address,
-                                  min_consumers=1, start_timeout=None, **producer_kw)
-    except BaseException as e:
-        log.exception("cannot start the producer")
-        reporter.error(f"{type(e).__name__}: {e}")
-        return 1
-    guard = _Guard(producer, reporter, idle_timeout, lock_path)
-    status = 1
-    try:
-        epoch = 0
-        while epochs is None or epoch < epochs:
-            batches = 0
-            for _ in producer:
-                batches += 1
-            if batches == 0:
-                raise ValueError(
-                    f"the loader yielded no batch in epoch {epoch}: an empty dataset, or an "
-                    "iterable that cannot be iterated again")
-            epoch += 1
-            log.info("epoch %d published (%d batches)", epoch, batches)
-        log.info("all %d epochs published; waiting until the consumers have read them", epochs)
-        producer.ring.wait_drained(None)
-        status = 0
-    except BaseException as e:
-        if guard.retired:
-            status = 0
-        else:
-            log.error("the shared producer failed", exc_info=True)
-            reporter.error(f"{type(e).__name__}: {e}")
-    finally:
-        guard.close()
-    log.info("shared producer %r ended", endpoint.name)
-    return status
-
-
-class _Guard:
-    """A thread of the producer process: tells the caller that started it once the first
-    batch is in the ring, and ends the producer after idle_timeout without consumers.
-
-    The producer runs with start_timeout=None (it pauses while no consumer is attached)
-    and this thread decides when the pause has lasted too long, under the share lock: no
-    caller is attaching then (they attach while holding it), so none can attach to a
-    producer on its way out. (The producer's own start_timeout would end its epoch
-    without that lock, racing a caller attaching at that moment.)"""
-
-    def __init__(self, producer: TensorProducer, reporter: _Reporter,
-                 idle_timeout: float | None, lock_path: Path) -> None:
-        self._producer = producer
-        self._reporter = reporter
-        self._idle_timeout = idle_timeout
-        self._lock_path = lock_path
-        self._mutex = threading.Lock()
-        self._stop = threading.Event()
-        self._closed = False
-        self.retired = False
-        self._thread = threading.Thread(target=self._run, name="tensorsocket-share",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._reporter.done:  # until the first batch is in the ring
-                if self._stop.wait(0.01):
-                    return
-                if self._producer.ring is not None:
-                    self._reporter.ok()
-        except Exception:
-            log.exception("the shared producer's watch failed before the first batch")
-            return
-        idle_since: float | None = None
-        failures = 0
-        while not self._stop.wait(_POLL):
-            try:
-                if self._idle_timeout is None:
-                    continue
-                if self._producer.stats()["consumers"] > 0:
-                    idle_since = None
-                    continue
-                now = time.monotonic()
-                if idle_since is None:
-                    idle_since = now
-                elif now - idle_since >= self._idle_timeout:
-                    if self._retire():
-                        return
-                    idle_since = None  # a caller was attaching
-            except Exception:
-                if self._stop.is_set():
-                    return
-                failures += 1  # keep watching: without it the producer could outlive all
-                if failures <= 3:
-                    log.exception("the shared producer's idle watch failed; retrying")
-
-    def _retire(self) -> bool:
-        """End the producer if still nobody is attached; False if somebody is."""
-        with self._mutex:
-            if self._closed:
-                return True
-            fd = _lock(self._lock_path, time.monotonic())  # one try: a caller may hold it
-            if fd is None:
-                return False
-            try:
-                if self._producer.stats()["consumers"] > 0:
-                    return False
-                log.info("no consumer for idle_timeout=%s s: ending", self._idle_timeout)
-                self.retired = True
-                self._producer.close()  # the main thread's wait ends with an error
-                self._closed = True
-            finally:
-                _unlock(fd, self._lock_path)
-            return True
-
-    def close(self) -> None:
-        """Stop the thread; close the producer (under the share lock once consumers may
-        have attached, so that no caller attaches to it meanwhile)."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-        with self._mutex:
-            if self._closed:
-                return
-            fd = None
-            if self._reporter.ok_sent:
-                # Callers hold it for at most their timeout; do not wait forever.
-                fd = _lock(self._lock_path, time.monotonic() + 300)
-            try:
-                self._producer.close()
-                self._closed = True
-            finally:
-                if fd is not None:
-                    _unlock(fd, self._lock_path)

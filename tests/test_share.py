@@ -197,10 +197,10 @@ def assert_nothing_left(rdir: Path, name: str) -> None:
 
 
 def producer_alive(rdir: Path, name: str) -> bool:
-    from tensorsocket.share import _producer_live
+    from tensorsocket._election import producer_live
     from tensorsocket.endpoints import resolve
 
-    return _producer_live(resolve(name))
+    return producer_live(resolve(name))
 
 
 # -- real processes -----------------------------------------------------------------------

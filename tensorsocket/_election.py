@@ -1,0 +1,92 @@
+"""The share() election: one lock file per producer name, and whether a producer of
+that name is alive.
+
+``<runtime dir>/<name>.share.lock`` is held while a share() caller checks for a live
+producer, starts one if there is none, and attaches; the producer process that share()
+started takes it too before it retires, so a caller never attaches to a producer on its
+way out. A live producer holds an exclusive flock on ``<name>.lock`` for its whole life.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from .endpoints import Endpoint
+
+
+def share_lock_path(endpoint: Endpoint) -> Path:
+    """The election lock file of a producer name."""
+    return endpoint.runtime_dir / f"{endpoint.name}.share.lock"
+
+
+def producer_log_path(endpoint: Endpoint) -> Path:
+    """Where the producer that share() starts writes its output and log."""
+    return endpoint.runtime_dir / f"{endpoint.name}.producer.log"
+
+
+def take_lock(path: Path, deadline: float | None) -> int | None:
+    """flock `path` exclusively, waiting until `deadline` (None: forever); the fd, or
+    None on timeout. The file may be unlinked by a holder (who then holds it no more
+    once closed): a lock on a file that is no longer at `path` is dropped and taken
+    again on the new one."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        os.close(fd)
+                        return None
+                    time.sleep(0.02)
+            mine = os.fstat(fd)
+            try:
+                now = os.stat(path)
+                same = (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def release_lock(fd: int, path: Path) -> None:
+    """Release a lock from take_lock(), removing its file while still holding it (waiters
+    that opened it notice and take the lock on a new file), so none is left behind."""
+    try:
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def lock_holder(path: Path) -> str:
+    """The pid written in a lock file, or "?"."""
+    try:
+        return path.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def producer_live(endpoint: Endpoint) -> bool:
+    """True while some process holds the producer's name lock (it is alive)."""
+    try:
+        fd = os.open(endpoint.lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops our shared lock at once
+    return False

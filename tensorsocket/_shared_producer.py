@@ -1,0 +1,387 @@
+"""The producer process that share() forks, and the caller's handling of it: start it,
+wait for its first batch or its error, stop it.
+
+See tensorsocket/share.py for the design (double fork, its log file, its lifetime).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _core
+from ._election import release_lock, take_lock
+from .endpoints import Endpoint
+from .errors import ProducerNotFound, TensorSocketError
+from .producer import TensorProducer
+
+log = logging.getLogger("tensorsocket")
+
+_POLL = 0.1  # seconds between the producer's idle checks
+_KILL_GRACE = 5.0  # seconds a producer stopped with SIGTERM gets before SIGKILL
+_LOG_TAIL_LINES = 12
+
+# -- starting it from the caller -----------------------------------------------------
+
+
+def start_producer(loader: Any, endpoint: Endpoint, epochs: int | None,
+                   idle_timeout: float | None, producer_kw: dict, lock_fd: int,
+                   lock_path: Path, log_path: Path, timeout: float | None,
+                   deadline: float | None) -> None:
+    """Fork the producer; return once it published its first batch (it then waits for a
+    consumer), or raise with its error."""
+    caller = os.getpid()
+    rfd, wfd = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or odd stream: nothing to write twice
+            pass
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(rfd)
+        os.close(wfd)
+        raise
+    if pid == 0:  # the intermediate child: a new session, fork again, leave
+        status = 1
+        try:
+            os.close(rfd)
+            os.close(lock_fd)  # close only: flock(LOCK_UN) would unlock the caller's lock
+            os.setsid()
+            if os.fork() == 0:
+                _producer_process(loader, endpoint, epochs, idle_timeout, producer_kw, wfd,
+                                  lock_path, log_path, caller)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(wfd)
+    try:
+        os.waitpid(pid, 0)  # the intermediate child exits at once
+    except ChildProcessError:
+        pass
+    try:
+        _wait_ready(rfd, endpoint, log_path, timeout, deadline)
+    finally:
+        os.close(rfd)
+
+
+def _wait_ready(rfd: int, endpoint: Endpoint, log_path: Path, timeout: float | None,
+                deadline: float | None) -> None:
+    """Read the producer's reports: {"pid"}, then {"ok"} or {"error"}."""
+    buf = b""
+    pid = start = None
+    eof = False
+    try:
+        while True:
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                if "pid" in msg:
+                    pid, start = msg["pid"], msg["start"]
+                elif "ok" in msg:
+                    return
+                elif "error" in msg:
+                    _wait_gone(pid, start)
+                    raise TensorSocketError(
+                        f"the shared producer {endpoint.name!r} failed before its first batch: "
+                        f"{msg['error']} (its log, with the traceback: {log_path})")
+            gone = eof or (pid is not None and not _core.process_alive(pid, start))
+            if gone:
+                _wait_gone(pid, start)
+                raise TensorSocketError(
+                    f"the shared producer {endpoint.name!r} (pid {pid}) ended before its first "
+                    f"batch without a word; its log {log_path} ends with:\n{_log_tail(log_path)}")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                _stop(pid, start)
+                raise ProducerNotFound(
+                    f"the shared producer {endpoint.name!r} (pid {pid}) did not publish its "
+                    f"first batch within timeout={timeout} s, so it was stopped: raise "
+                    f"share(..., timeout=) for a loader that is slow to start; its log is "
+                    f"{log_path}")
+            ready, _, _ = select.select([rfd], [], [], _POLL if left is None else
+                                        max(0.0, min(_POLL, left)))
+            if ready:
+                chunk = os.read(rfd, 65536)
+                eof = not chunk
+                buf += chunk
+    except BaseException as e:
+        if not isinstance(e, TensorSocketError):  # Ctrl-C here, say: stop what we started
+            _stop(pid, start)
+        raise
+
+
+def _stop(pid: int | None, start: int | None) -> None:
+    """SIGTERM the producer (it tears down cleanly), SIGKILL if it lingers."""
+    if pid is None or not _core.process_alive(pid, start):
+        return
+    os.kill(pid, signal.SIGTERM)
+    if not _wait_gone(pid, start, _KILL_GRACE):
+        os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid, start, _KILL_GRACE)
+
+
+def _wait_gone(pid: int | None, start: int | None, timeout: float = 10.0) -> bool:
+    """Wait until the producer has exited (its name lock is free then)."""
+    if pid is None:
+        return True
+    end = time.monotonic() + timeout
+    while _core.process_alive(pid, start):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _log_tail(path: Path) -> str:
+    """The last lines of the producer log, indented, for error messages."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return f"(cannot read it: {e})"
+    return "\n".join(lines[-_LOG_TAIL_LINES:]) or "(it is empty)"
+
+
+# -- the producer process -------------------------------------------------------------
+
+
+class _Reporter:
+    """The producer's side of the pipe to the caller that started it."""
+
+    def __init__(self, fd: int) -> None:
+        """Set up; see the class docstring."""
+        self._fd: int | None = fd
+        self.take_lock = threading.Lock()
+        self.ok_sent = False
+
+    def send(self, msg: dict, final: bool = False) -> bool:
+        """Write one message to the caller; False once the pipe is closed."""
+        with self.take_lock:
+            if self._fd is None:
+                return False
+            try:
+                os.write(self._fd, (json.dumps(msg) + "\n").encode())
+            except OSError:  # the caller is gone: nobody to tell
+                pass
+            if final:
+                os.close(self._fd)
+                self._fd = None
+            return True
+
+    @property
+    def done(self) -> bool:
+        """True once the final message went out."""
+        return self._fd is None
+
+    def ok(self) -> None:
+        """Tell the caller the first batch is in the ring."""
+        if self.send({"ok": True}, final=True):
+            self.ok_sent = True
+
+    def error(self, text: str) -> None:
+        """Tell the caller the producer failed, with the error text."""
+        self.send({"error": text[:4000]}, final=True)
+
+
+def _producer_process(loader: Any, endpoint: Endpoint, epochs: int | None,
+                      idle_timeout: float | None, producer_kw: dict, wfd: int,
+                      lock_path: Path, log_path: Path, caller: int) -> None:
+    """The forked producer: serve, then os._exit (never return to the caller's code)."""
+    status = 1
+    try:
+        reporter = _Reporter(wfd)
+        reporter.send({"pid": os.getpid(), "start": _core.process_start_time(os.getpid())})
+        try:
+            _setup_process(log_path)
+        except BaseException as e:
+            reporter.error(f"cannot set up the producer process: {type(e).__name__}: {e}")
+            raise
+        status = _serve(loader, endpoint, epochs, idle_timeout, producer_kw, reporter,
+                        lock_path, caller)
+    finally:
+        os._exit(status)
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    """SIGTERM handler of the producer process: unwind and tear down cleanly."""
+    raise SystemExit(128 + signum)
+
+
+def _setup_process(log_path: Path) -> None:
+    """stdin from /dev/null; stdout, stderr and logging to the log; clean SIGTERM."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(null)
+    os.close(fd)
+    # The caller's sys.std* may be anything (a pytest capture, a tqdm wrapper): new ones.
+    sys.stdin = open(os.devnull)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    faulthandler.enable(file=sys.stderr)
+    signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Logging of this process goes to its log only, not to the caller's handlers.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().handlers = [handler]
+    ts_log = logging.getLogger("tensorsocket")
+    ts_log.handlers = []
+    ts_log.setLevel(logging.INFO)
+    ts_log.propagate = True
+    # GNU OpenMP hangs in a forked child once the parent used its thread pool.
+    torch.set_num_threads(1)
+
+
+def _serve(loader: Any, endpoint: Endpoint, epochs: int | None, idle_timeout: float | None,
+           producer_kw: dict, reporter: _Reporter, lock_path: Path, caller: int) -> int:
+    """Run the producer; the exit status."""
+    log.info("shared producer %r: pid %d, started by share() in pid %d; epochs=%s, "
+             "idle_timeout=%s", endpoint.name, os.getpid(), caller, epochs, idle_timeout)
+    try:
+        producer = TensorProducer(loader, name=endpoint.name, address=endpoint.address,
+                                  min_consumers=1, start_timeout=None, **producer_kw)
+    except BaseException as e:
+        log.exception("cannot start the producer")
+        reporter.error(f"{type(e).__name__}: {e}")
+        return 1
+    guard = _Guard(producer, reporter, idle_timeout, lock_path)
+    status = 1
+    try:
+        epoch = 0
+        while epochs is None or epoch < epochs:
+            batches = 0
+            for _ in producer:
+                batches += 1
+            if batches == 0:
+                raise ValueError(
+                    f"the loader yielded no batch in epoch {epoch}: an empty dataset, or an "
+                    "iterable that cannot be iterated again")
+            epoch += 1
+            log.info("epoch %d published (%d batches)", epoch, batches)
+        log.info("all %d epochs published; waiting until the consumers have read them", epochs)
+        producer.ring.wait_drained(None)
+        status = 0
+    except BaseException as e:
+        if guard.retired:
+            status = 0
+        else:
+            log.error("the shared producer failed", exc_info=True)
+            reporter.error(f"{type(e).__name__}: {e}")
+    finally:
+        guard.close()
+    log.info("shared producer %r ended", endpoint.name)
+    return status
+
+
+class _Guard:
+    """A thread of the producer process: tells the caller that started it once the first
+    batch is in the ring, and ends the producer after idle_timeout without consumers.
+
+    The producer runs with start_timeout=None (it pauses while no consumer is attached)
+    and this thread decides when the pause has lasted too long, under the share lock: no
+    caller is attaching then (they attach while holding it), so none can attach to a
+    producer on its way out. (The producer's own start_timeout would end its epoch
+    without that lock, racing a caller attaching at that moment.)"""
+
+    def __init__(self, producer: TensorProducer, reporter: _Reporter,
+                 idle_timeout: float | None, lock_path: Path) -> None:
+        """Set up; see the class docstring."""
+        self._producer = producer
+        self._reporter = reporter
+        self._idle_timeout = idle_timeout
+        self._lock_path = lock_path
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self.retired = False
+        self._thread = threading.Thread(target=self._run, name="tensorsocket-share",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        """Report the first batch, then end the producer once idle for idle_timeout."""
+        try:
+            while not self._reporter.done:  # until the first batch is in the ring
+                if self._stop.wait(0.01):
+                    return
+                if self._producer.ring is not None:
+                    self._reporter.ok()
+        except Exception:
+            log.exception("the shared producer's watch failed before the first batch")
+            return
+        idle_since: float | None = None
+        failures = 0
+        while not self._stop.wait(_POLL):
+            try:
+                if self._idle_timeout is None:
+                    continue
+                if self._producer.stats()["consumers"] > 0:
+                    idle_since = None
+                    continue
+                now = time.monotonic()
+                if idle_since is None:
+                    idle_since = now
+                elif now - idle_since >= self._idle_timeout:
+                    if self._retire():
+                        return
+                    idle_since = None  # a caller was attaching
+            except Exception:
+                if self._stop.is_set():
+                    return
+                failures += 1  # keep watching: without it the producer could outlive all
+                if failures <= 3:
+                    log.exception("the shared producer's idle watch failed; retrying")
+
+    def _retire(self) -> bool:
+        """End the producer if still nobody is attached; False if somebody is."""
+        with self._mutex:
+            if self._closed:
+                return True
+            fd = take_lock(self._lock_path, time.monotonic())  # one try: a caller may hold it
+            if fd is None:
+                return False
+            try:
+                if self._producer.stats()["consumers"] > 0:
+                    return False
+                log.info("no consumer for idle_timeout=%s s: ending", self._idle_timeout)
+                self.retired = True
+                self._producer.close()  # the main thread's wait ends with an error
+                self._closed = True
+            finally:
+                release_lock(fd, self._lock_path)
+            return True
+
+    def close(self) -> None:
+        """Stop the thread; close the producer (under the share lock once consumers may
+        have attached, so that no caller attaches to it meanwhile)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        with self._mutex:
+            if self._closed:
+                return
+            fd = None
+            if self._reporter.ok_sent:
+                # Callers hold it for at most their timeout; do not wait forever.
+                fd = take_lock(self._lock_path, time.monotonic() + 300)
+            try:
+                self._producer.close()
+                self._closed = True
+            finally:
+                if fd is not None:
+                    release_lock(fd, self._lock_path)
