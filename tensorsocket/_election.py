@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from .endpoints import Endpoint
+from .endpoints import Endpoint, lock_held
 
 
 def share_lock_path(endpoint: Endpoint) -> Path:
@@ -79,14 +79,4 @@ def lock_holder(path: Path) -> str:
 
 def producer_live(endpoint: Endpoint) -> bool:
     """True while some process holds the producer's name lock (it is alive)."""
-    try:
-        fd = os.open(endpoint.lock_path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops our shared lock at once
-    return False
+    return lock_held(endpoint.lock_path)

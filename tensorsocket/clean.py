@@ -15,13 +15,11 @@ without touching anything live:
 
 from __future__ import annotations
 
-import fcntl
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import _core
-from .endpoints import runtime_dir
+from .endpoints import lock_held, runtime_dir
 from .status import SHM_DIR, pid_alive, segments
 
 
@@ -79,21 +77,6 @@ def _consumers_alive(segment: str) -> list[int]:
         ring.close()
 
 
-def _unheld(lock: Path) -> bool:
-    """True if no process holds an flock on this file (we take and drop it)."""
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)  # drops the lock if we took it
-    return True
-
-
 def _stale_files(rdir: Path) -> list[Leftover]:
     """Sockets and lock files of names no live producer holds."""
     out = []
@@ -106,7 +89,7 @@ def _stale_files(rdir: Path) -> list[Leftover]:
     names |= {p.name[: -len(".sock")] for p in entries if p.name.endswith(".sock")}
     for name in sorted(names):
         lock, sock = rdir / f"{name}.lock", rdir / f"{name}.sock"
-        if lock.exists() and not _unheld(lock):
+        if lock.exists() and lock_held(lock):
             continue  # a live producer holds the name
         if sock.exists():
             out.append(Leftover("socket", name, str(sock), "no producer holds the name"))
@@ -114,7 +97,7 @@ def _stale_files(rdir: Path) -> list[Leftover]:
             out.append(Leftover("lock", name, str(lock), "no producer holds it"))
     for share_lock in (p for p in entries if p.name.endswith(".share.lock")):
         name = share_lock.name[: -len(".share.lock")]
-        if _unheld(share_lock) and not (rdir / f"{name}.lock").exists():
+        if not lock_held(share_lock) and not (rdir / f"{name}.lock").exists():
             out.append(Leftover("lock", name, str(share_lock), "no share() election holds it"))
     return out
 
@@ -134,7 +117,7 @@ def remove(item: Leftover) -> str | None:
         if item.kind in ("socket", "lock"):
             lock = Path(item.path) if item.kind == "lock" else \
                 Path(item.path).with_suffix(".lock")
-            if lock.exists() and not _unheld(lock):
+            if lock.exists() and lock_held(lock):
                 return "a producer of this name started meanwhile; left alone"
             Path(item.path).unlink(missing_ok=True)
             return None

@@ -11,6 +11,7 @@ used as given. See tensorsocket.config for the settings and their variables.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import re
@@ -194,3 +195,23 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def lock_held(path: Path) -> bool:
+    """True while some process holds an flock on `path` (a live producer holds its name's
+    lock for its whole life). A missing file is not held; a file that cannot be opened
+    counts as held, so a caller that removes unheld files errs on the safe side. The probe
+    takes a shared lock for an instant, which does not disturb other probes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the shared lock at once
+    return False

@@ -37,6 +37,7 @@ DEFAULT_RUBBER_BAND_PCT = 0.005  # of an epoch's batches ...
 DEFAULT_MAX_WINDOW = 8  # ... but at most this many, unless asked for explicitly
 SLOT_HEADROOM = 1.5  # slot size = first batch x this (plus room for the structure)
 MIN_SLOT_BYTES = 64 * 1024
+NAME_LOCK_TRIES = 5  # flock attempts 20 ms apart before "already running"
 DL_CUDA = 2  # DLDeviceType of a GPU ring
 
 
@@ -696,7 +697,16 @@ def _take_name_lock(endpoint: Endpoint) -> int:
     """flock the name's lock file; the kernel drops it if we die."""
     fd = os.open(endpoint.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # A few tries: `tensorsocket status/clean` and share() probe the lock with a
+        # shared flock that lasts an instant; only a holder that stays is a producer.
+        for attempt in range(NAME_LOCK_TRIES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == NAME_LOCK_TRIES - 1:
+                    raise
+                time.sleep(0.02)
     except BlockingIOError:
         try:
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
