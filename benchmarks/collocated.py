@@ -745,13 +745,10 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 
 def _remove_leftovers(name: str) -> None:
     """What a tensorsocket producer of this (unique, ours only) name may leave: its
-    segment if it was killed, and the lock and socket files (handoff.py's cleanup)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    try:
-        import handoff
-    finally:
-        sys.path.pop(0)
-    handoff._remove_leftovers(name)
+    segment if it was killed, and the lock and socket files."""
+    from tensorsocket.clean import remove_leftovers
+
+    remove_leftovers(name)
 
 
 def _wait_ready(proc: subprocess.Popen, out_path: Path, timeout: float) -> None:

@@ -610,18 +610,10 @@ def _json_or_none(line: bytes) -> dict | None:
 
 def _remove_leftovers(name: str) -> None:
     """Remove what a producer of this (unique) name may leave if it was killed."""
-    ts = _import_tensorsocket()
-    from tensorsocket.endpoints import runtime_dir, segment_prefix
+    _import_tensorsocket()
+    from tensorsocket.clean import remove_leftovers
 
-    prefix = segment_prefix(name)
-    try:
-        for entry in os.listdir("/dev/shm"):
-            if entry.startswith(prefix):
-                ts._core.Ring.unlink_name("/" + entry)
-    except OSError:
-        pass
-    for path in runtime_dir().glob(name + ".*"):
-        path.unlink(missing_ok=True)
+    remove_leftovers(name)
 
 
 def _common(args: argparse.Namespace, batches: int) -> list[str]:

@@ -423,30 +423,10 @@ def _tail(text: str, lines: int = 8, chars: int = 2000) -> str:
 
 
 def _remove_leftovers(name: str) -> None:
-    """Remove what a producer of this (unique, ours only) name may leave behind:
-    its shm segment if it was killed, and the lock file and ipc socket file in
-    the runtime directory (the library leaves those even after a clean join)."""
-    from tensorsocket.endpoints import resolve, segment_prefix
+    """Remove what a producer of this (unique, ours only) name may have left."""
+    from tensorsocket.clean import remove_leftovers
 
-    prefix = segment_prefix(name)
-    try:
-        for entry in os.listdir("/dev/shm"):
-            if entry.startswith(prefix):
-                try:
-                    os.unlink(os.path.join("/dev/shm", entry))
-                except OSError:
-                    pass
-    except OSError:
-        pass
-    try:
-        rdir = resolve(name).runtime_dir
-    except (OSError, ValueError):
-        return
-    for suffix in (".lock", ".sock"):
-        try:
-            (rdir / f"{name}{suffix}").unlink()
-        except OSError:
-            pass
+    remove_leftovers(name)
 
 
 def _read_ready(proc: subprocess.Popen, timeout: float) -> None:

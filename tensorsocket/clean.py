@@ -124,3 +124,14 @@ def remove(item: Leftover) -> str | None:
     except OSError as e:
         return str(e)
     return f"unknown kind {item.kind!r}"
+
+
+def remove_leftovers(name: str, rdir: Path | None = None) -> list[Leftover]:
+    """Remove what producers named `name` left (for a program that has just stopped its
+    own producer of that name: the demo, the benchmarks); what was removed. A live
+    producer of the name keeps its files, as with ``tensorsocket clean --name``."""
+    try:
+        found = [item for item in leftovers(rdir) if item.name == name]
+    except OSError:  # no runtime directory: nothing of ours there
+        found = stale_segments(name)
+    return [item for item in found if remove(item) is None]

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .clean import remove_leftovers
+
 MARK = "@tensorsocket-demo "
 BATCH_SIZE = 32
 IMAGE_SIZE = 96
@@ -369,30 +371,6 @@ def _stop_children(children: list[_Child]) -> None:
             reader.join(timeout=1.0)
 
 
-def _remove_leftovers(name: str) -> None:
-    """Remove what the producer `name` may leave behind: ring segments, lock and socket files."""
-    from . import _core
-    from .endpoints import runtime_dir, segment_prefix
-
-    prefix = segment_prefix(name)
-    try:
-        entries = os.listdir("/dev/shm")
-    except OSError:
-        entries = []
-    for entry in entries:
-        if entry.startswith(prefix) and entry[len(prefix):].isdigit():
-            _core.Ring.unlink_name("/" + entry)
-    try:
-        rdir = runtime_dir()
-    except OSError:
-        return
-    for suffix in (".lock", ".sock"):
-        try:
-            (rdir / (name + suffix)).unlink()
-        except OSError:
-            pass
-
-
 def _child_output(children: list[_Child]) -> str:
     """The last lines each child wrote, for --debug."""
     parts = []
@@ -506,7 +484,7 @@ class _Demo:
             if self.panel is not None:
                 self.panel.clear()
             _stop_children(self.children)
-            _remove_leftovers(self.name)
+            remove_leftovers(self.name)
         return self.summary()
 
     def start(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -253,6 +254,36 @@ def test_status_output_into_a_closed_pipe(name, procs):
                        shell=True, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("producer"), r.stdout
     assert "Traceback" not in r.stderr and "Broken pipe" not in r.stderr, r.stderr
+
+
+def _leftovers_of(name_prefix: str) -> list[str]:
+    """Segments and runtime files whose producer name starts with name_prefix."""
+    segs = [s for s in shm_segments() if s.startswith(f"tensorsocket-{os.getuid()}-"
+                                                      f"{name_prefix}")]
+    return segs + [p.name for p in runtime_dir().glob(name_prefix + "*")]
+
+
+def test_demo_runs_and_leaves_nothing():
+    """The demo as a user runs it: consumers train, the summary says what sharing saved,
+    exit 0, nothing left in /dev/shm or the runtime directory."""
+    r = cli("demo", "--consumers", "2", "--epochs", "1", "--images", "256", timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "consumer 1  finished" in r.stdout and "consumer 2  finished" in r.stdout
+    assert "CPU time saved by sharing: (2 - 1) x" in r.stdout
+    demo_name = re.search(r"producer name '(demo-\d+)'", r.stdout).group(1)
+    assert _leftovers_of(demo_name) == []
+
+
+def test_demo_failure_is_one_line_and_cleans_up():
+    """A demo that cannot finish in --timeout: one error line and a hint, no traceback,
+    exit 1, every child stopped and nothing left behind."""
+    r = cli("demo", "--consumers", "2", "--timeout", "1", timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("tensorsocket demo: error: the demo did not finish within 1 s")
+    assert lines[1].startswith("hint: ") and "Traceback" not in r.stderr
+    demo_name = re.search(r"producer name '(demo-\d+)'", r.stdout).group(1)
+    assert _leftovers_of(demo_name) == []
 
 
 def test_config_lists_the_environment_and_flags_typos():
