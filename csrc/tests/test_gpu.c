@@ -23,7 +23,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,7 +30,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "ts_clock.h"
@@ -42,75 +40,19 @@
 #include "ts_proc.h"
 #include "ts_ring.h"
 
-/* ---- a tiny framework: failed checks are counted and reported, tests go on ---- */
+#include "ts_check.h"
 
-static _Atomic int g_failed_checks;
-static const char *g_role = "main";
+/* ---- driver checks (the rest of the framework is in ts_check.h) ---------------------- */
 
-/* Count a failed check and print "  [role pid] file:line: <message>". */
-__attribute__((format(printf, 3, 4))) static void fail_(const char *file, int line,
-                                                        const char *fmt, ...)
+/* CHECK_CU: fail unless the driver call returned CUDA_SUCCESS. */
+static int ts_check_cu(CUresult rc, const char *expr, const char *file, int line)
 {
-    va_list ap;
-    char buf[1024];
-    atomic_fetch_add(&g_failed_checks, 1);
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    /* One write per line: several processes share stdout. */
-    printf("  [%s %d] %s:%d: %s", g_role, (int)getpid(), file, line, buf);
-    fflush(stdout);
-}
-
-static int check_(int ok, const char *expr, const char *file, int line)
-{
-    if (!ok) fail_(file, line, "CHECK(%s) failed\n", expr);
-    return ok;
-}
-
-static int check_eq_(unsigned long long a, unsigned long long b, const char *ea, const char *eb,
-                     const char *file, int line)
-{
-    if (a != b) fail_(file, line, "%s == %s failed: %llu (0x%llx) != %llu\n", ea, eb, a, a, b);
-    return a == b;
-}
-
-static int check_st_(ts_status got, ts_status want, const char *expr, const ts_err *err,
-                     const char *file, int line)
-{
-    if (got != want)
-        fail_(file, line, "%s returned status %d, expected %d (%s)\n", expr, (int)got, (int)want,
-              got != TS_OK ? err->msg : "");
-    return got == want;
-}
-
-static int check_cu_(CUresult rc, const char *expr, const char *file, int line)
-{
-    if (rc != CUDA_SUCCESS) fail_(file, line, "%s returned CUresult %d\n", expr, rc);
+    if (rc != CUDA_SUCCESS) ts_fail(file, line, "%s returned CUresult %d\n", expr, rc);
     return rc == CUDA_SUCCESS;
 }
 
-#define CHECK(c) check_(!!(c), #c, __FILE__, __LINE__)
-#define CHECK_EQ(a, b)                                                                       \
-    check_eq_((unsigned long long)(a), (unsigned long long)(b), #a, #b, __FILE__, __LINE__)
-/* Needs a `ts_err err` in scope: the call fills it. */
-#define CHECK_ST(call, want) check_st_((call), (want), #call, &err, __FILE__, __LINE__)
-#define CHECK_CU(call) check_cu_((call), #call, __FILE__, __LINE__)
-#define REQUIRE(c) do { if (!CHECK(c)) goto out; } while (0)
-#define REQUIRE_OK(call) do { if (!CHECK_ST(call, TS_OK)) goto out; } while (0)
+#define CHECK_CU(call) ts_check_cu((call), #call, __FILE__, __LINE__)
 #define REQUIRE_CU(call) do { if (!CHECK_CU(call)) goto out; } while (0)
-
-/* ---- time ------------------------------------------------------------------------ */
-
-#define MS 1000000ULL
-
-static uint64_t deadline_ms(uint64_t ms) { return ts_now_ns() + ms * MS; }
-
-static void sleep_us(long us)
-{
-    struct timespec t = {us / 1000000, (us % 1000000) * 1000L};
-    while (nanosleep(&t, &t) != 0) {}
-}
 
 /* ---- processes and messages ------------------------------------------------------- */
 
@@ -160,7 +102,7 @@ static int recv_msg_(int fd, uint32_t want, msg *m, int timeout_ms, const char *
     while (got < sizeof *m) {
         uint64_t now = ts_now_ns();
         if (now >= dl) {
-            fail_(file, line, "no message %u within %d ms\n", want, timeout_ms);
+            ts_fail(file, line, "no message %u within %d ms\n", want, timeout_ms);
             return 0;
         }
         struct pollfd p = {fd, POLLIN, 0};
@@ -170,14 +112,14 @@ static int recv_msg_(int fd, uint32_t want, msg *m, int timeout_ms, const char *
         ssize_t n = read(fd, (char *)m + got, sizeof *m - got);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) {
-            fail_(file, line, "the other process hung up while message %u was expected\n",
-                  want);
+            ts_fail(file, line, "the other process hung up while message %u was expected\n",
+                    want);
             return 0;
         }
         got += (size_t)n;
     }
     if (m->tag != want) {
-        fail_(file, line, "message %u received, %u expected\n", m->tag, want);
+        ts_fail(file, line, "message %u received, %u expected\n", m->tag, want);
         return 0;
     }
     return 1;
@@ -186,6 +128,13 @@ static int recv_msg_(int fd, uint32_t want, msg *m, int timeout_ms, const char *
 #define SEND(fd, tag, a, b) REQUIRE(send_msg((fd), (tag), (a), (b)))
 
 typedef void (*child_fn)(int in, int out);
+
+/* End a forked process: status 1 if one of its checks failed, else 0. */
+static _Noreturn void exit_checked(void)
+{
+    fflush(stdout);
+    exit(atomic_load(&g_failed_checks) != 0 ? 1 : 0); /* exit: LeakSanitizer runs */
+}
 
 /* Fork a consumer running fn(in, out); it exits non-zero if a check failed. The caller
  * must not have loaded the driver yet. */
@@ -214,8 +163,7 @@ static int spawn(peer *p, child_fn fn)
         fn(down[0], up[1]);
         close(down[0]);
         close(up[1]);
-        fflush(stdout);
-        exit(atomic_load(&g_failed_checks) != 0 ? 1 : 0); /* exit: LeakSanitizer runs */
+        exit_checked();
     }
     close(down[0]);
     close(up[1]);
@@ -253,9 +201,9 @@ static void reap(peer *p, int expect_ok)
         waitpid(p->pid, &status, 0);
         CHECK(!"the consumer did not exit within 30 s");
     } else if (expect_ok && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-        fail_(__FILE__, __LINE__, "consumer %d failed: %s %d\n", (int)p->pid,
-              WIFEXITED(status) ? "exit status" : "signal",
-              WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+        ts_fail(__FILE__, __LINE__, "consumer %d failed: %s %d\n", (int)p->pid,
+                WIFEXITED(status) ? "exit status" : "signal",
+                WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
     }
     if (p->from >= 0) {
         forget_fd(p->from);
@@ -302,6 +250,16 @@ static int thread_count(void)
     return n;
 }
 
+/* 1 if there is no segment named g_name. */
+static int no_segment(void)
+{
+    errno = 0;
+    int fd = shm_open(g_name, O_RDONLY, 0);
+    int none = fd < 0 && errno == ENOENT;
+    if (fd >= 0) close(fd);
+    return none;
+}
+
 /* ---- batches ------------------------------------------------------------------------ */
 
 #define SLOTS 4
@@ -340,19 +298,6 @@ static unsigned long long fnv1a(const uint8_t *p, size_t n)
     unsigned long long h = 0xcbf29ce484222325ULL;
     for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ULL;
     return h;
-}
-
-static uint64_t readers_of(const ts_ring *r, uint32_t k)
-{
-    return atomic_load(&ts_ring_slot(r, k)->readers);
-}
-
-/* 1 if any slot's readers bitmap carries bit. */
-static int bit_in_use(const ts_ring *r, uint64_t bit)
-{
-    for (uint32_t k = 0; k < r->hdr->slot_count; k++)
-        if (readers_of(r, k) & bit) return 1;
-    return 0;
 }
 
 /* Poll (deadline ms) until slot k of r no longer carries bit; 1 if it cleared. */
@@ -432,6 +377,23 @@ static int prod_add(prod *p, peer *c, uint32_t *index)
     return CHECK(send_msg(c->to, M_HELLO, *index, token)) ? 0 : -1;
 }
 
+/* Fork a consumer running fn, create the ring, and hand it its entry; 0 once it is READY. */
+static int prod_start(prod *p, peer *c, child_fn fn, uint32_t *index)
+{
+    msg m;
+    if (!CHECK(spawn(c, fn) == 0) || prod_open(p) != 0 || prod_add(p, c, index) != 0) return -1;
+    return recv_msg_(c->from, M_READY, &m, 20000, __FILE__, __LINE__) ? 0 : -1;
+}
+
+/* Tell consumer c to exit, reap it (it must exit 0), and wait for the pool to be released. */
+static int prod_finish(prod *p, peer *c)
+{
+    ts_err err = {0};
+    if (!CHECK(send_msg(c->to, M_BYE, 0, 0))) return -1;
+    reap(c, 1);
+    return CHECK_ST(ts_ring_wait_released(p->ring, deadline_ms(2000), &err), TS_OK) ? 0 : -1;
+}
+
 /* Drop the ring (its pool, events and stream go) and the driver. */
 static void prod_close(prod *p)
 {
@@ -491,6 +453,17 @@ static void cons_close(cons *c)
     CHECK_EQ(fakecuda_objects(getpid(), 0), 0); /* device copies were freed */
 }
 
+/* cons_open, find the double's reading kernel (with launch), and tell the producer READY. */
+static int cons_ready(cons *c, int in, int out, launch_read_fn *launch)
+{
+    if (cons_open(c, in) != 0) return -1;
+    if (launch != NULL) {
+        *launch = launch_read_of(c->api);
+        if (!CHECK(*launch != NULL)) return -1;
+    }
+    return CHECK(send_msg(out, M_READY, 0, 0)) ? 0 : -1;
+}
+
 static int64_t stream_arg(CUstream s) { return (int64_t)(uintptr_t)s; }
 
 /* Export leaf i of the lease as a device tensor. */
@@ -506,6 +479,24 @@ static DLTensor *tensor_of(void *managed, int versioned)
 {
     return versioned ? &((DLManagedTensorVersioned *)managed)->dl_tensor
                      : &((DLManagedTensor *)managed)->dl_tensor;
+}
+
+/* Queue a kernel (us µs) hashing n bytes of entry a's leaf 0 into *sum, through a device view
+ * on our stream, at *t_launch (if not NULL); then drop the view and its lease. 0 if queued. */
+static int launch_and_drop(cons *c, launch_read_fn launch, const ts_acquired *a, size_t n,
+                           unsigned long long *sum, unsigned us, uint64_t *t_launch)
+{
+    ts_err err = {0};
+    ts_lease *l = ts_lease_new(c->ring, a->slot, a->seq);
+    if (!CHECK(l != NULL)) return -1;
+    void *t = export_dev(l, 0, 1, 0, stream_arg(c->stream), &err);
+    if (!CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK)) return -1;
+    if (!CHECK_CU(launch(c->stream, (CUdeviceptr)(uintptr_t)tensor_of(t, 1)->data, n, sum, us)))
+        return -1;
+    if (t_launch != NULL) *t_launch = ts_now_ns();
+    ts_export_delete(t, 1);
+    ts_lease_unref(l);
+    return 0;
 }
 
 /* 1 if the device tensor t is leaf i of batch tag, read at the device pointer. */
@@ -648,8 +639,7 @@ static void views_consumer(int in, int out)
     ts_err err = {0};
     ts_acquired a;
     msg m;
-    if (cons_open(&c, in) != 0) goto out;
-    SEND(out, M_READY, 0, 0);
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
     for (uint64_t n = 0; n < DV_BATCHES; n++) {
         REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
         CHECK_EQ(a.seq, n);
@@ -697,10 +687,7 @@ static void test_device_views(void)
     ts_err err = {0};
     msg m;
     uint32_t index = 0;
-    REQUIRE(spawn(&c, views_consumer) == 0);
-    REQUIRE(prod_open(&p) == 0);
-    REQUIRE(prod_add(&p, &c, &index) == 0);
-    RECV(c.from, M_READY, m);
+    REQUIRE(prod_start(&p, &c, views_consumer, &index) == 0);
     /* 10 batches through 4 slots: slots are reused after their deferred releases. */
     for (uint64_t n = 0; n < DV_BATCHES; n++) REQUIRE_OK(publish_batch(p.ring, n, &err));
     RECV(c.from, M_DONE, m);
@@ -708,9 +695,7 @@ static void test_device_views(void)
     CHECK_EQ(atomic_load(&p.ring->hdr->consumers[index].delivered), DV_BATCHES);
     /* One host-to-device copy per batch. */
     CHECK_EQ(fc_counter(p.api, "htod"), DV_BATCHES);
-    SEND(c.to, M_BYE, 0, 0);
-    reap(&c, 1);
-    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(2000), &err), TS_OK);
+    CHECK(prod_finish(&p, &c) == 0);
 out:
     reap(&c, 1);
     prod_close(&p);
@@ -728,26 +713,17 @@ static void deferred_consumer(int in, int out)
     ts_err err = {0};
     ts_acquired a;
     msg m;
+    launch_read_fn launch = NULL;
     unsigned long long sum = 0;
     uint8_t want[32];
     size_t n = leaf_bytes(7, 0, want);
-    if (cons_open(&c, in) != 0) goto out;
-    launch_read_fn launch = launch_read_of(c.api);
-    REQUIRE(launch != NULL);
-    SEND(out, M_READY, 0, 0);
+    uint64_t t_launch = 0;
+    if (cons_ready(&c, in, out, &launch) != 0) goto out;
     REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
     CHECK_EQ(a.index, 7);
     uint64_t bit = 1ULL << c.index;
-    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
-    REQUIRE(l != NULL);
-    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
-    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
-    DLTensor *dl = tensor_of(t, 1);
-    REQUIRE_CU(launch(c.stream, (CUdeviceptr)(uintptr_t)dl->data, n, &sum, KERNEL_US));
-    uint64_t t_launch = ts_now_ns();
     /* Drop every reference at once: the slot stays ours while the kernel may read it. */
-    ts_export_delete(t, 1);
-    ts_lease_unref(l);
+    REQUIRE(launch_and_drop(&c, launch, &a, n, &sum, KERNEL_US, &t_launch) == 0);
     CHECK(readers_of(c.ring, a.slot) & bit);
     CHECK_EQ(atomic_load(&c.ring->refs), 2); /* ours + the pending release's */
     CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
@@ -773,16 +749,11 @@ static void test_deferred_release(void)
     ts_err err = {0};
     msg m;
     uint32_t index = 0;
-    REQUIRE(spawn(&c, deferred_consumer) == 0);
-    REQUIRE(prod_open(&p) == 0);
-    REQUIRE(prod_add(&p, &c, &index) == 0);
-    RECV(c.from, M_READY, m);
+    REQUIRE(prod_start(&p, &c, deferred_consumer, &index) == 0);
     REQUIRE_OK(publish_batch(p.ring, 7, &err));
     RECV(c.from, M_DONE, m);
     CHECK_EQ(readers_of(p.ring, 0), 0);
-    SEND(c.to, M_BYE, 0, 0);
-    reap(&c, 1);
-    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(2000), &err), TS_OK);
+    CHECK(prod_finish(&p, &c) == 0);
 out:
     reap(&c, 1);
     prod_close(&p);
@@ -799,8 +770,7 @@ static void variants_consumer(int in, int out)
     ts_acquired a;
     msg m;
     void *tcopy = NULL;
-    if (cons_open(&c, in) != 0) goto out;
-    SEND(out, M_READY, 0, 0);
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
     REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
     CHECK_EQ(a.index, 3);
     uint64_t bit = 1ULL << c.index;
@@ -862,15 +832,10 @@ static void test_export_variants(void)
     ts_err err = {0};
     msg m;
     uint32_t index = 0;
-    REQUIRE(spawn(&c, variants_consumer) == 0);
-    REQUIRE(prod_open(&p) == 0);
-    REQUIRE(prod_add(&p, &c, &index) == 0);
-    RECV(c.from, M_READY, m);
+    REQUIRE(prod_start(&p, &c, variants_consumer, &index) == 0);
     REQUIRE_OK(publish_batch(p.ring, 3, &err));
     RECV(c.from, M_DONE, m);
-    SEND(c.to, M_BYE, 0, 0);
-    reap(&c, 1);
-    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(2000), &err), TS_OK);
+    CHECK(prod_finish(&p, &c) == 0);
 out:
     reap(&c, 1);
     prod_close(&p);
@@ -888,22 +853,13 @@ static void last_ref_consumer(int in, int out)
     ts_err err = {0};
     ts_acquired a;
     msg m;
+    launch_read_fn launch = NULL;
     unsigned long long sum = 0;
     uint8_t want[32];
     size_t n = leaf_bytes(5, 0, want);
-    if (cons_open(&c, in) != 0) goto out;
-    launch_read_fn launch = launch_read_of(c.api);
-    REQUIRE(launch != NULL);
-    SEND(out, M_READY, 0, 0);
+    if (cons_ready(&c, in, out, &launch) != 0) goto out;
     REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
-    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
-    REQUIRE(l != NULL);
-    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
-    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
-    REQUIRE_CU(launch(c.stream, (CUdeviceptr)(uintptr_t)tensor_of(t, 1)->data, n, &sum,
-                      LAST_REF_KERNEL_US));
-    ts_export_delete(t, 1);
-    ts_lease_unref(l);
+    REQUIRE(launch_and_drop(&c, launch, &a, n, &sum, LAST_REF_KERNEL_US, NULL) == 0);
     CHECK_EQ(atomic_load(&c.ring->refs), 2);
     int threads = thread_count(); /* with the reaper */
     /* Our reference goes: the pending release now holds the last one. */
@@ -935,10 +891,7 @@ static void test_reaper_last_ref(void)
     ts_err err = {0};
     msg m;
     uint32_t index = 0;
-    REQUIRE(spawn(&c, last_ref_consumer) == 0);
-    REQUIRE(prod_open(&p) == 0);
-    REQUIRE(prod_add(&p, &c, &index) == 0);
-    RECV(c.from, M_READY, m);
+    REQUIRE(prod_start(&p, &c, last_ref_consumer, &index) == 0);
     REQUIRE_OK(publish_batch(p.ring, 5, &err));
     RECV(c.from, M_DONE, m);
     uint32_t slot = (uint32_t)m.a;
@@ -967,8 +920,7 @@ static void leaver_consumer(int in, int out)
 {
     cons c;
     msg m;
-    if (cons_open(&c, in) != 0) goto out;
-    SEND(out, M_READY, 0, 0);
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
     RECV(in, M_GO, m);
     ts_ring_unref(c.ring);
     c.ring = NULL;
@@ -982,8 +934,7 @@ static void victim_consumer(int in, int out)
 {
     cons c;
     msg m;
-    if (cons_open(&c, in) != 0) goto out;
-    SEND(out, M_READY, 0, 0);
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
     RECV(in, M_BYE, m); /* SIGKILLed before */
 out:
     cons_close(&c);
@@ -1057,10 +1008,7 @@ static void test_mig(void)
     CHECK(strstr(err.msg, "MIG") != NULL);
     CHECK(strstr(err.msg, "CUDA_ERROR_NOT_SUPPORTED") != NULL);
     CHECK(ring == NULL);
-    errno = 0;
-    int fd = shm_open(g_name, O_RDONLY, 0);
-    CHECK(fd < 0 && errno == ENOENT);
-    if (fd >= 0) close(fd);
+    CHECK(no_segment());
     /* The slot allocated before the export failed was freed again. */
     CHECK_EQ(fc_counter(api, "alloc"), 1);
     CHECK_EQ(fc_counter(api, "free"), 1);
@@ -1089,19 +1037,14 @@ static void test_no_ipc_events(void)
     CHECK_ST(ts_ring_create_on_device(g_name, &g, api, 0, &ring, &err), TS_E_GPU_UNAVAILABLE);
     CHECK(strstr(err.msg, "IPC events") != NULL);
     CHECK(ring == NULL);
-    errno = 0;
-    int fd = shm_open(g_name, O_RDONLY, 0);
-    CHECK(fd < 0 && errno == ENOENT);
-    if (fd >= 0) close(fd);
+    CHECK(no_segment());
     CHECK_EQ(fakecuda_objects(getpid(), 0), 0);
     CHECK_EQ(atomic_load(&api->refs), 1);
     /* And a device this process does not see. */
     g.slot_count = SLOTS;
     CHECK_ST(ts_ring_create_on_device(g_name, &g, api, 3, &ring, &err), TS_E_GPU_UNAVAILABLE);
     CHECK(strstr(err.msg, "no CUDA device 3") != NULL);
-    fd = shm_open(g_name, O_RDONLY, 0);
-    CHECK(fd < 0 && errno == ENOENT);
-    if (fd >= 0) close(fd);
+    CHECK(no_segment());
 out:
     ts_cuda_unref(api);
     unsetenv("FAKECUDA_NO_IPC_EVENTS");
@@ -1113,8 +1056,7 @@ static void reader_consumer(int in, int out)
     ts_err err = {0};
     ts_acquired a;
     msg m;
-    if (cons_open(&c, in) != 0) goto out;
-    SEND(out, M_READY, 0, 0);
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
     REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
     ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
     REQUIRE(l != NULL);
@@ -1169,9 +1111,7 @@ static void test_import_in_exporter(void)
     RECV(c.from, M_READY, m);
     REQUIRE_OK(publish_batch(p.ring, 9, &err));
     RECV(c.from, M_DONE, m);
-    SEND(c.to, M_BYE, 0, 0);
-    reap(&c, 1);
-    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(2000), &err), TS_OK);
+    CHECK(prod_finish(&p, &c) == 0);
 out:
     if (mine != NULL) ts_ring_unref(mine);
     reap(&c, 1);
@@ -1180,10 +1120,7 @@ out:
 
 /* ---- main ------------------------------------------------------------------------- */
 
-static const struct {
-    const char *name;
-    void (*fn)(void);
-} g_tests[] = {
+static const ts_test g_tests[] = {
     {"import", test_import},
     {"device_views", test_device_views},
     {"deferred_release", test_deferred_release},
@@ -1197,7 +1134,7 @@ static const struct {
 
 /* Run one group in a fresh process (it is the producer; the driver is loaded there
  * only). 1 if it passed. */
-static int run_group(size_t i)
+static int run_group(const ts_test *tests, size_t i)
 {
     snprintf(g_name, sizeof g_name, "/tensorsocket-ctest-%d-gpu-%zu", (int)getpid(), i);
     fflush(stdout);
@@ -1209,27 +1146,25 @@ static int run_group(size_t i)
     if (pid == 0) {
         g_role = "producer";
         alarm(120); /* a hung group dies and fails */
-        g_tests[i].fn();
+        tests[i].fn();
         ts_ring_unlink_name(g_name, NULL);
-        fflush(stdout);
-        exit(atomic_load(&g_failed_checks) != 0 ? 1 : 0); /* exit: LeakSanitizer runs */
+        exit_checked();
     }
     int status = 0;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
     ts_ring_unlink_name(g_name, NULL);
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return 1;
     if (WIFSIGNALED(status))
-        printf("  the %s process died of signal %d\n", g_tests[i].name, WTERMSIG(status));
+        printf("  the %s process died of signal %d\n", tests[i].name, WTERMSIG(status));
     else if (WEXITSTATUS(status) != 1)
-        printf("  the %s process exited with status %d\n", g_tests[i].name,
+        printf("  the %s process exited with status %d\n", tests[i].name,
                WEXITSTATUS(status));
     return 0;
 }
 
 int main(int argc, char **argv)
 {
-    const char *filter = argc > 1 ? argv[1] : NULL;
-    int passed = 0, failed = 0;
+    g_role = "main";
     setvbuf(stdout, NULL, _IOLBF, 0);
     signal(SIGPIPE, SIG_IGN); /* a dead peer shows as a failed write */
     const char *lib = getenv("TENSORSOCKET_LIBCUDA");
@@ -1238,16 +1173,6 @@ int main(int argc, char **argv)
         printf("0 passed, 1 failed\n");
         return 1;
     }
-    for (size_t i = 0; i < sizeof g_tests / sizeof g_tests[0]; i++) {
-        if (filter != NULL && strstr(g_tests[i].name, filter) == NULL) continue;
-        uint64_t t0 = ts_now_ns();
-        int ok = run_group(i);
-        printf("%s %s (%.1f ms)\n", ok ? "PASS" : "FAIL", g_tests[i].name,
-               (double)(ts_now_ns() - t0) / 1e6);
-        if (ok) passed++;
-        else failed++;
-    }
-    if (passed + failed == 0) printf("no test matches '%s'\n", filter);
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed != 0 || passed == 0 ? 1 : 0;
+    return ts_run_tests(g_tests, sizeof g_tests / sizeof g_tests[0], argc > 1 ? argv[1] : NULL,
+                        run_group);
 }

@@ -8,13 +8,11 @@
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "ts_clock.h"
@@ -23,57 +21,9 @@
 #include "ts_proc.h"
 #include "ts_ring.h"
 
-/* ---- a tiny framework: failed checks are counted and reported, tests go on ---- */
-
-static _Atomic int g_failed_checks;
-
-/* Count a failed check and print "  file:line: <message>". */
-__attribute__((format(printf, 3, 4))) static void fail_(const char *file, int line,
-                                                        const char *fmt, ...)
-{
-    va_list ap;
-    atomic_fetch_add(&g_failed_checks, 1);
-    flockfile(stdout);
-    printf("  %s:%d: ", file, line);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    funlockfile(stdout);
-}
-
-static int check_(int ok, const char *expr, const char *file, int line)
-{
-    if (!ok) fail_(file, line, "CHECK(%s) failed\n", expr);
-    return ok;
-}
-
-static int check_eq_(unsigned long long a, unsigned long long b, const char *ea, const char *eb,
-                     const char *file, int line)
-{
-    if (a != b) fail_(file, line, "%s == %s failed: %llu (0x%llx) != %llu\n", ea, eb, a, a, b);
-    return a == b;
-}
-
-static int check_st_(ts_status got, ts_status want, const char *expr, const ts_err *err,
-                     const char *file, int line)
-{
-    if (got != want)
-        fail_(file, line, "%s returned status %d, expected %d (%s)\n", expr, (int)got, (int)want,
-              got != TS_OK ? err->msg : "");
-    return got == want;
-}
-
-#define CHECK(c) check_(!!(c), #c, __FILE__, __LINE__)
-#define CHECK_EQ(a, b)                                                                       \
-    check_eq_((unsigned long long)(a), (unsigned long long)(b), #a, #b, __FILE__, __LINE__)
-/* Needs a `ts_err err` in scope: the call fills it. */
-#define CHECK_ST(call, want) check_st_((call), (want), #call, &err, __FILE__, __LINE__)
-#define REQUIRE(c) do { if (!CHECK(c)) goto out; } while (0)
-#define REQUIRE_OK(call) do { if (!CHECK_ST(call, TS_OK)) goto out; } while (0)
+#include "ts_check.h"
 
 /* ---- fixtures and helpers ------------------------------------------------------ */
-
-#define MS 1000000ULL
 
 typedef struct fixture {
     ts_ring *prod;
@@ -87,20 +37,6 @@ typedef struct consumer {
 } consumer;
 
 static int g_segments;
-
-static uint64_t deadline_ms(uint64_t ms) { return ts_now_ns() + ms * MS; }
-
-static void sleep_ms(long ms)
-{
-    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
-    while (nanosleep(&t, &t) != 0) {}
-}
-
-static void sleep_us(long us)
-{
-    struct timespec t = {us / 1000000, (us % 1000000) * 1000L};
-    while (nanosleep(&t, &t) != 0) {}
-}
 
 /* ts_export_leaf of a host view or copy, with the options spelled out. */
 static void *export_leaf(ts_lease *lease, uint32_t i, int versioned, uint32_t minor, int copy,
@@ -149,20 +85,11 @@ static void consumer_drop(consumer *c)
     c->ring = NULL;
 }
 
-static uint64_t readers_of(const ts_ring *r, uint32_t k) { return ts_ring_slot(r, k)->readers; }
 static uint64_t seq_of(const ts_ring *r, uint32_t k) { return ts_ring_slot(r, k)->seq; }
 static uint32_t state_of(const ts_ring *r, uint32_t i) { return r->hdr->consumers[i].state; }
 static uint64_t published(const fixture *fx) { return fx->prod->hdr->published; }
 static uint32_t reason_of(const ts_ring *r, uint32_t i) { return r->hdr->consumers[i].reason; }
 static uint64_t cursor_of(const ts_ring *r, uint32_t i) { return r->hdr->consumers[i].cursor; }
-
-/* 1 if any slot's readers bitmap carries bit. */
-static int bit_in_use(const ts_ring *r, uint64_t bit)
-{
-    for (uint32_t k = 0; k < r->hdr->slot_count; k++)
-        if (readers_of(r, k) & bit) return 1;
-    return 0;
-}
 
 /* Publish an END_EPOCH marker (no leaves, no meta). */
 static ts_status publish_end(ts_ring *prod, uint64_t epoch, uint64_t index, ts_err *err)
@@ -1523,10 +1450,7 @@ out:
 
 /* ---- registry and main ------------------------------------------------------------ */
 
-static const struct {
-    const char *name;
-    void (*fn)(void);
-} g_tests[] = {
+static const ts_test g_tests[] = {
     {"wrap_around", test_wrap_around},   {"slot_reuse", test_slot_reuse},
     {"bitmaps", test_bitmaps},           {"leases_dlpack", test_leases_dlpack},
     {"deadlines", test_deadlines},       {"strided_source", test_strided_source},
@@ -1542,21 +1466,7 @@ static const struct {
 
 int main(int argc, char **argv)
 {
-    const char *filter = argc > 1 ? argv[1] : NULL;
-    int passed = 0, failed = 0;
     setvbuf(stdout, NULL, _IOLBF, 0);
-    for (size_t i = 0; i < sizeof g_tests / sizeof g_tests[0]; i++) {
-        if (filter != NULL && strstr(g_tests[i].name, filter) == NULL) continue;
-        int before = atomic_load(&g_failed_checks);
-        uint64_t t0 = ts_now_ns();
-        g_tests[i].fn();
-        int ok = atomic_load(&g_failed_checks) == before;
-        printf("%s %s (%.1f ms)\n", ok ? "PASS" : "FAIL", g_tests[i].name,
-               (double)(ts_now_ns() - t0) / 1e6);
-        if (ok) passed++;
-        else failed++;
-    }
-    if (passed + failed == 0) printf("no test matches '%s'\n", filter);
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed != 0 || passed == 0 ? 1 : 0;
+    return ts_run_tests(g_tests, sizeof g_tests / sizeof g_tests[0], argc > 1 ? argv[1] : NULL,
+                        ts_run_here);
 }
