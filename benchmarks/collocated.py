@@ -198,6 +198,14 @@ def _workload():
     return workload
 
 
+def _handoff():
+    """handoff.py (its child-process helpers), imported from this directory."""
+    sys.path.insert(0, str(HERE))
+    import handoff
+
+    return handoff
+
+
 def _set_threads() -> None:
     import torch
 
@@ -715,22 +723,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
     """Terminate, then kill, every child still running, and the workers they started;
     reap the children."""
     kids = _descendants([p.pid for p in procs if p.poll() is None])
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + KILL_GRACE
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            try:
-                p.wait(timeout=KILL_GRACE)
-            except subprocess.TimeoutExpired:
-                pass
+    _handoff()._kill_all(procs)
     if kids:
         import psutil
 

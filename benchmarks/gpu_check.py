@@ -576,19 +576,11 @@ class Children:
 
     def close(self) -> None:
         """Terminate, then kill, every child still running; reap all; remove leftovers."""
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import handoff
+
+        handoff._kill_all(self.procs)
         for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + KILL_GRACE
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                try:
-                    p.wait(timeout=KILL_GRACE)
-                except subprocess.TimeoutExpired:
-                    pass
             for f in (p.stdin, p.stdout):
                 if f is not None:
                     f.close()
