@@ -281,14 +281,22 @@ ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err)
 
     st = ts_segment_open(name, &ring->fd, &bytes, err);
     if (st != TS_OK) goto error;
+    /* A producer creates the segment, sizes it, then writes the header with the magic last:
+     * until then the ring does not exist yet for a reader (callers retry until a deadline). */
     if (bytes < sizeof(ts_header)) {
-        st = ts_err_set(err, TS_E_VERSION, 0, "segment %s is too small to be a ring", name);
+        st = ts_err_set(err, TS_E_NOT_FOUND, 0,
+                        "segment %s is still being created (no ring header yet)", name);
         goto error;
     }
     /* Read the header alone first, to learn the geometry. */
     ts_header probe;
     if (pread(ring->fd, &probe, sizeof probe, 0) != (ssize_t)sizeof probe) {
         st = ts_err_set(err, TS_E_SYS, errno, "reading the header of %s failed", name);
+        goto error;
+    }
+    if (probe.magic == 0) {
+        st = ts_err_set(err, TS_E_NOT_FOUND, 0,
+                        "segment %s is still being created (no ring header yet)", name);
         goto error;
     }
     if (probe.magic != TS_MAGIC) {

@@ -146,3 +146,29 @@ def test_segment_of_another_user_or_open_to_others_is_refused(name):
         _core.Ring.open(seg).close()  # its own, 0600: fine
     finally:
         p.close()
+
+
+def test_segment_still_being_created_reads_as_not_there_yet(name):
+    """Between shm_open and the header's magic, a watcher sees "not there yet" (it retries),
+    not "not a ring"; bytes that are not a ring are still refused as such; `clean` leaves a
+    live process's half-created segment alone."""
+    from tensorsocket import VersionMismatch, _core
+    from tensorsocket.clean import stale_segments
+    from tensorsocket.endpoints import segment_prefix
+
+    seg = f"{segment_prefix(name)}{os.getpid()}"
+    path = f"/dev/shm/{seg}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        with pytest.raises(FileNotFoundError, match="still being created"):
+            _core.Ring.open("/" + seg)  # created, not sized yet
+        os.ftruncate(fd, 1 << 20)
+        with pytest.raises(FileNotFoundError, match="still being created"):
+            _core.Ring.open("/" + seg)  # sized, header not written yet
+        assert [s for s in stale_segments(name)] == []  # this process is alive
+        os.pwrite(fd, b"\x7fELF garbage", 0)
+        with pytest.raises(VersionMismatch, match="is not a tensorsocket ring"):
+            _core.Ring.open("/" + seg)
+    finally:
+        os.close(fd)
+        os.unlink(path)
