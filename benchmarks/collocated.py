@@ -18,7 +18,12 @@ in every process), fed by a loader doing real CPU work (JPEG decoding and augmen
                the same dataset (what N jobs do without sharing);
   shared       one producer process running that DataLoader once through
                ``tensorsocket.TensorProducer(loader, name=<unique>, min_consumers=N)``, and
-               N processes training from ``TensorConsumer(name=<unique>)``;
+               N processes training from ``TensorConsumer(name=<unique>)``. The one loader
+               gets the workers the N jobs had together, N x --workers, at most the usable
+               cores (``--producer-workers``, default ``auto``): one loader is configured
+               once for the machine, as a user of a shared loader does; with 1 worker it
+               could use at most one core whatever N is. The workers of every mode are
+               recorded (``loader_workers`` per run, ``producer_workers`` per N);
   original     the same through the original TensorSocket 0.0.5 from PyPI (a cached venv,
                ``original_env.py``; roles run with that venv's python, unique TCP ports
                per run). Its producer has no ``min_consumers``: the role waits until N
@@ -764,7 +769,7 @@ def _rusage_children_s() -> float:
 class RunSpec:
     def __init__(self, mode: str, consumers: int, repeat: int, images: str, batch: int,
                  warmup: int, batches: int, workers: int, timeout: float,
-                 original_python: str | None) -> None:
+                 original_python: str | None, producer_workers: int | None = None) -> None:
         self.mode = mode
         self.consumers = consumers
         self.repeat = repeat
@@ -773,6 +778,8 @@ class RunSpec:
         self.warmup = warmup
         self.batches = batches
         self.workers = workers
+        # DataLoader workers of the one shared loader (shared and original modes).
+        self.producer_workers = producer_workers if producer_workers is not None else workers
         self.timeout = timeout
         self.original_python = original_python
 
@@ -784,6 +791,8 @@ class RunSpec:
 def run_once(spec: RunSpec) -> dict:
     """One run; never raises: failures are recorded in the result."""
     record = {"mode": spec.mode, "consumers": spec.consumers, "repeat": spec.repeat,
+              "loader_workers": (spec.workers if spec.mode == "independent"
+                                 else spec.producer_workers),
               "ok": False, "error": None, "warnings": []}
     name = f"bench-coll-{os.getpid()}-{spec.mode}-{spec.consumers}-{spec.repeat}"
     tmp = Path(tempfile.mkdtemp(prefix="collocated-"))
@@ -801,7 +810,7 @@ def run_once(spec: RunSpec) -> dict:
         out = tmp / f"{label}.out"
         err = tmp / f"{label}.err"
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            p = subprocess.Popen(_child_cmd(python, role, **common, **kw), stdout=fo,
+            p = subprocess.Popen(_child_cmd(python, role, **dict(common, **kw)), stdout=fo,
                                  stderr=fe, stdin=subprocess.DEVNULL, cwd=tmp,
                                  env=_child_env())
         procs.append(p)
@@ -818,6 +827,7 @@ def run_once(spec: RunSpec) -> dict:
                 consumers.append(spawn(sys.executable, "_trainer", f"trainer{k}", index=k))
         elif spec.mode == "shared":
             producer = spawn(sys.executable, "_producer", "producer", name=name,
+                             workers=spec.producer_workers,
                              consumers=spec.consumers)
             _wait_ready(producer, logs[producer.pid][1], ATTACH_TIMEOUT)
             for k in range(spec.consumers):
@@ -829,6 +839,7 @@ def run_once(spec: RunSpec) -> dict:
             ports = ",".join(map(str, _free_ports(4)))
             record["ports"] = ports
             producer = spawn(spec.original_python, "_orig_producer", "producer",
+                             workers=spec.producer_workers,
                              ports=ports, consumers=spec.consumers)
             _wait_ready(producer, logs[producer.pid][1], ATTACH_TIMEOUT)
             for k in range(spec.consumers):
@@ -1203,6 +1214,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     parser.add_argument("--workers", type=int, default=WORKERS,
                         help="DataLoader workers of every loader (default 1)")
+    parser.add_argument("--producer-workers", default="auto",
+                        help="DataLoader workers of the one shared loader (shared and "
+                             "original modes): a number, or 'auto' (default) for what the N "
+                             "independent jobs have together, N x --workers, at most the "
+                             "usable cores")
     parser.add_argument("--image-size", type=int, default=None,
                         help="side of the generated JPEGs (default: workload.IMAGE_SIZE)")
     parser.add_argument("--num-images", type=int, default=None,
@@ -1222,6 +1238,9 @@ def main(argv: list[str] | None = None) -> int:
         if m not in MODES:
             parser.error(f"unknown mode {m!r}")
     counts = [int(c) for c in args.consumers.split(",") if c]
+    if args.producer_workers != "auto" and not (args.producer_workers.isdigit()
+                                                and int(args.producer_workers) >= 0):
+        parser.error("--producer-workers takes 'auto' or a number >= 0")
     size = args.image_size or wl.IMAGE_SIZE
     nimg = args.num_images or wl.NUM_IMAGES
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -1239,11 +1258,19 @@ def main(argv: list[str] | None = None) -> int:
     cal = wl.calibrate(images, args.batch_size, batches=4 if args.quick else 10)
     per_batch = (cal["loader_ms_per_batch"] + cal["train_ms_per_batch"]) / 1e3
     cores = max(1, machine["usable_cores"] or 1)
+
+    def producer_workers(n: int) -> int:
+        """Workers of the shared loader at N consumers: the N jobs' together, capped."""
+        if args.producer_workers != "auto":
+            return int(args.producer_workers)
+        return max(args.workers, min(n * args.workers, cores))
     print(f"collocated benchmark: {machine['cpu_model']}, {machine['cores']} cores, "
           f"python {machine['python']}, torch {machine['torch']}")
     print(f"workload: {nimg} JPEGs {size}x{size} -> RandomResizedCrop {wl.CROP} + flip, batch "
           f"{args.batch_size}, {warmup}+{batches} batches per consumer, "
-          f"{args.workers} worker(s) per loader, model {cal['model_params']} params, "
+          f"{args.workers} worker(s) per independent loader, shared loader "
+          f"{', '.join(f'N={n}: {producer_workers(n)}' for n in counts)} worker(s), "
+          f"model {cal['model_params']} params, "
           f"1 thread per process, {repeats} repeat(s)")
     print(f"calibration: loader {cal['loader_batches_per_s']:.1f} batches/s "
           f"({cal['loader_ms_per_batch']:.1f} ms/batch), train "
@@ -1260,7 +1287,7 @@ def main(argv: list[str] | None = None) -> int:
         expect = n * (warmup + batches) * per_batch / min(cores, 2 * n)
         timeout = min(MAX_RUN_TIMEOUT, max(MIN_RUN_TIMEOUT, 90 + 10 * expect))
         spec = RunSpec(mode, n, rep, images, args.batch_size, warmup, batches, args.workers,
-                       timeout, original_python)
+                       timeout, original_python, producer_workers(n))
         _log(f"[{i + 1}/{len(plan)}] {mode} N={n} repeat {rep + 1}/{repeats} "
              f"(elapsed {time.monotonic() - t_suite:.0f} s) ...")
         r = run_once(spec)
@@ -1296,6 +1323,7 @@ def main(argv: list[str] | None = None) -> int:
                 "warmup_batches": warmup, "measured_batches": batches,
                 "samples_per_epoch": (warmup + batches) * args.batch_size,
                 "workers": args.workers, "image_size": size, "num_images": nimg,
+                "producer_workers": {str(n): producer_workers(n) for n in counts},
                 "crop": wl.CROP, "threads_per_process": 1, "seed": SEED,
                 "poll_interval_s": POLL_S,
             },

@@ -29,7 +29,11 @@ line on stdout. For each configuration the median over consumers is taken,
 and over the repeats the median of those.
 
 A baseline is measured in the same run, in this (otherwise idle) process: a
-single-threaded ``np.copyto`` of the same bytes into a preallocated buffer.
+single-threaded ``np.copyto`` of the same bytes into a preallocated buffer. For 32 MiB
+also: np.copyto rotating over as many buffers as the ring has slots, and the ring's own
+copy routine alone (``_core.copy_stream``: streaming stores, which the ring uses for long
+runs into a ring bigger than the cache) rotating likewise, so that the handoff's cost
+beyond its one copy shows apart from the copy routine's speed.
 
 ``--with-original`` then runs original_handoff.py's suite (the same
 workloads through the original TensorSocket 0.0.5 from PyPI, in its own
@@ -46,7 +50,8 @@ JSON (``--json PATH``; original_handoff.py writes the same schema)::
                  batch_bytes: {kind: n}, timeouts..., + implementation-specific
                  (ring_slots here; producer_batch_size etc. for the original)},
     "baselines": {kind: {gb_per_s, copies_per_s, us_per_copy,
-                         rotating_gb_per_s (32MiB only), runs: [per repeat]}},
+                         rotating_gb_per_s, stream_gb_per_s, stream_is_streaming
+                         (32MiB only), runs: [per repeat]}},
     "results": [                               # one per (kind, consumers)
       {"kind", "batch_bytes", "consumers", "batches", "repeats",
        "batches_per_s",        # per consumer: median over consumers, median over repeats
@@ -56,6 +61,8 @@ JSON (``--json PATH``; original_handoff.py writes the same schema)::
        "memcpy_gb_per_s", "memcpy_us_per_copy", "memcpy_copies_per_s",
        "ratio_vs_memcpy",      # gb_per_s / memcpy_gb_per_s (per consumer)
        "memcpy_rotating_gb_per_s", "ratio_vs_rotating_memcpy",   # 32MiB only, else null
+       "stream_copy_gb_per_s", "ratio_vs_stream_copy",  # the ring's streaming copy alone,
+                               # rotating over the same dsts (32MiB only, else null)
        "error",                # null, or the first failed repeat's error text
        "errors",               # per repeat: null or error text
        "notes",                # remarks that are not failures (e.g. a hung join())
@@ -519,15 +526,15 @@ def memcpy_baseline(kind: str, min_seconds: float) -> dict:
         # Written once, so every page is faulted in before timing.
         dsts = [np.ones_like(src) for _ in range(RING_SLOTS)]
 
-        def timed(targets: list) -> float:
+        def timed(targets: list, copy=np.copyto) -> float:
             for d in targets:
-                np.copyto(d, src)
+                copy(d, src)
             samples = []
             t_end = time.perf_counter() + min_seconds / 2
             while len(samples) < 20 or time.perf_counter() < t_end:
                 d = targets[len(samples) % len(targets)]
                 t0 = time.perf_counter()
-                np.copyto(d, src)
+                copy(d, src)
                 samples.append(time.perf_counter() - t0)
                 if len(samples) >= 2000:
                     break
@@ -538,12 +545,20 @@ def memcpy_baseline(kind: str, min_seconds: float) -> dict:
         # For reference: rotating over RING_SLOTS destinations like the ring's
         # slots do (a destination that is not cache-warm).
         per_copy_rot = timed(dsts)
+        # And the copy the ring fills large slots with (streaming stores, ts_copy.c),
+        # rotating likewise: the limit of our one copy per batch on this machine.
+        from tensorsocket import _core
+
+        streamed = _core.copy_stream(dsts[0], src)
+        per_copy_stream = timed(dsts, _core.copy_stream)
         del dsts
         return {
             "copies_per_s": 1.0 / per_copy,
             "gb_per_s": batch_bytes(kind) / per_copy / 1e9,
             "us_per_copy": per_copy * 1e6,
             "rotating_gb_per_s": batch_bytes(kind) / per_copy_rot / 1e9,
+            "stream_gb_per_s": batch_bytes(kind) / per_copy_stream / 1e9,
+            "stream_is_streaming": streamed,
         }
     srcs = [np.arange(128, dtype=np.float32).reshape(8, 16), np.arange(8, dtype=np.int64)]
     dsts = [np.empty_like(s) for s in srcs]
@@ -726,7 +741,8 @@ def _short(text: str | None, n: int = 160) -> str:
 
 def _baseline_summary(runs: list[dict]) -> dict:
     out = {key: _median([b[key] for b in runs if key in b])
-           for key in ("gb_per_s", "copies_per_s", "us_per_copy", "rotating_gb_per_s")}
+           for key in ("gb_per_s", "copies_per_s", "us_per_copy", "rotating_gb_per_s",
+                       "stream_gb_per_s")}
     out["runs"] = runs
     return out
 
@@ -757,6 +773,8 @@ def summarize(kind: str, n: int, runs: list[dict], baselines: list[dict], batche
         "ratio_vs_memcpy": _div(gbps, base["gb_per_s"]),
         "memcpy_rotating_gb_per_s": base["rotating_gb_per_s"],
         "ratio_vs_rotating_memcpy": _div(gbps, base["rotating_gb_per_s"]),
+        "stream_copy_gb_per_s": base["stream_gb_per_s"],
+        "ratio_vs_stream_copy": _div(gbps, base["stream_gb_per_s"]),
         "error": next((e for e in errors if e), None),
         "errors": errors,
         "notes": sorted({n for r in runs for n in r.get("notes", [])}),
@@ -799,6 +817,11 @@ def print_table(doc: dict) -> None:
         if b.get("rotating_gb_per_s"):
             line += (f"; {b['rotating_gb_per_s']:.3f} GB/s rotating over {RING_SLOTS} "
                      "dsts (cache-cold, like the ring's slots)")
+        if b.get("stream_gb_per_s"):
+            one = _by_key(doc["results"]).get((k, 1), {}).get("gb_per_s")
+            line += (f"; {b['stream_gb_per_s']:.3f} GB/s with the ring's own streaming copy "
+                     f"rotating likewise (ours at 1 consumer: "
+                     f"{_fmt(_div(one, b['stream_gb_per_s']), '.3f', 0)}x of it)")
         print(line)
 
 

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include "ts_backend.h"
+#include "ts_copy.h"
 #include "ts_ring.h"
 
 /* Map the data area: read-write for the producer, read-only for consumers. */
@@ -19,6 +20,7 @@ ts_status ts_host_open(ts_ring *ring, int fd, ts_err *err)
                           strerror(errno));
     ring->data = p;
     ring->data_bytes = bytes;
+    if (ring->is_producer) ring->stream_min = ts_copy_stream_threshold(bytes);
     return TS_OK;
 }
 
@@ -29,12 +31,15 @@ void ts_host_close(ts_ring *ring)
     ring->data = NULL;
 }
 
-/* Plain memcpy into the mapping. */
+/* Copy into the mapping: streaming stores for long runs into a ring bigger than the cache. */
 ts_status ts_host_copy_in(ts_ring *ring, uint64_t off, const void *src, uint64_t n,
                                  ts_err *err)
 {
     (void)err;
-    memcpy(ring->data + off, src, (size_t)n);
+    if (n >= ring->stream_min)
+        ts_copy_stream(ring->data + off, src, (size_t)n);
+    else
+        memcpy(ring->data + off, src, (size_t)n);
     return TS_OK;
 }
 

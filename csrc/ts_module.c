@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "ts_clock.h"
+#include "ts_copy.h"
 #include "ts_cuda.h"
 #include "ts_export.h"
 #include "ts_gpu.h"
@@ -1397,6 +1398,27 @@ static PyObject *ts_py_cuda_status(PyObject *module, PyObject *Py_UNUSED(ignored
                          api->driver_version, "library", api->path, "device_count", count);
 }
 
+/* copy_stream(dst, src) -> bool: the slot-fill streaming copy, for benchmarks. */
+static PyObject *ts_py_copy_stream(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    Py_buffer dst = {0}, src = {0};
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "w*y*:copy_stream", &dst, &src)) return NULL;
+    if (dst.len < src.len) {
+        PyErr_Format(PyExc_ValueError, "copy_stream: dst has %zd bytes, src %zd", dst.len,
+                     src.len);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ts_copy_stream(dst.buf, src.buf, (size_t)src.len);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ts_copy_can_stream());
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyMethodDef ts_module_methods[] = {
     {"cuda_status", ts_py_cuda_status, METH_NOARGS,
      "Whether the GPU path is available: driver, devices, or the reason it is not."},
@@ -1406,6 +1428,9 @@ static PyMethodDef ts_module_methods[] = {
      "True if pid exists and started at start_time."},
     {"segment_bytes", ts_py_segment_bytes, METH_VARARGS,
      "Bytes of shared memory a ring of this geometry needs."},
+    {"copy_stream", ts_py_copy_stream, METH_VARARGS,
+     "Copy src into dst with the streaming copy that fills large slots (benchmarks); "
+     "True if it streamed, False if this CPU has no streaming stores (memcpy)."},
     {NULL, NULL, 0, NULL},
 };
 

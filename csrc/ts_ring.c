@@ -151,6 +151,7 @@ static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
     ring->fd = -1;
     ring->backend = &ts_backend_host;
     ring->consumer = UINT32_MAX;
+    ring->stream_min = UINT64_MAX;
     strcpy(ring->name, name);
     pthread_mutex_init(&ring->lock, NULL);
     return ring;

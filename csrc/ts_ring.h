@@ -193,6 +193,7 @@ typedef struct ts_ring {
     size_t ctrl_bytes;
     uint8_t *data;           /* owns (host backend): slot data mapping */
     size_t data_bytes;
+    uint64_t stream_min;     /* copies of runs this long or longer stream (ts_copy.h) */
     const struct ts_backend *backend;
     void *backend_state;     /* owns: backend private state */
     struct ts_cuda_api *cuda; /* CUDA rings, producer: the driver (one reference) */
