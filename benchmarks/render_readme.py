@@ -34,6 +34,16 @@ def _num(x: float | None, spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
 
+def _workers(cfg: dict) -> str:
+    """How many loader workers each mode had (older results files do not say)."""
+    per_n = cfg.get("producer_workers")
+    if not per_n:
+        return f"Every loader has {cfg.get('workers')} worker(s)."
+    shared = ", ".join(f"{w} at N={n}" for n, w in sorted(per_n.items(), key=lambda x: int(x[0])))
+    return (f"Each independent DataLoader has {cfg.get('workers')} worker(s); the one shared "
+            f"loader has what the N jobs have together, at most the cores ({shared}).")
+
+
 def _collocated(doc: dict) -> list[str]:
     rows = doc.get("summary") or []
     by = {(r["mode"], r["consumers"]): r for r in rows}
@@ -44,7 +54,8 @@ def _collocated(doc: dict) -> list[str]:
         f"**Collocated training** (`benchmarks/collocated.py`): N processes each train a "
         f"small CNN on the CPU ({cal.get('model_params', '?'):,} parameters, one thread each) "
         f"on batches of {cfg.get('batch_size')} JPEG-decoded, randomly cropped and flipped "
-        f"{cfg.get('crop')}x{cfg.get('crop')} images; medians of {doc.get('repeats')} runs.",
+        f"{cfg.get('crop')}x{cfg.get('crop')} images; medians of {doc.get('repeats')} runs. "
+        + _workers(cfg),
         "",
         "| N | samples/s independent | samples/s shared | samples/s original | "
         "shared / independent | CPU s/sample independent | CPU s/sample shared | "
@@ -80,12 +91,24 @@ def _collocated(doc: dict) -> list[str]:
     return out
 
 
+def _stream_note(doc: dict) -> str:
+    """The streaming-copy baseline of the 32 MiB batch, where the results have it."""
+    rows = [r for r in doc.get("results") or [] if r.get("stream_copy_gb_per_s")]
+    if not rows:
+        return ""
+    ratios = ", ".join(f"N={r['consumers']}: {_num(r.get('ratio_vs_stream_copy'), '.2f')}x"
+                       for r in rows)
+    return (" The producer fills large slots with streaming stores (`csrc/ts_copy.c`); that "
+            f"copy alone runs at {rows[0]['stream_copy_gb_per_s']:.1f} GB/s here, and the "
+            f"32 MiB handoff reaches {ratios} of it.")
+
+
 def _handoff(doc: dict) -> list[str]:
     comp = {(c["kind"], c["consumers"]): c for c in doc.get("comparison") or []}
     out = [
         "**Handoff** (`benchmarks/handoff.py --with-original`): a loader that costs nothing, "
         "so only the handoff is timed; per consumer, median over consumers and repeats; "
-        "memcpy of the same bytes measured in the same run.",
+        "memcpy of the same bytes measured in the same run." + _stream_note(doc),
         "",
         "| batch | N | ours batches/s | ours GB/s | vs memcpy | original batches/s | "
         "ours / original |",
@@ -118,7 +141,9 @@ def render(results: dict, path: Path) -> str:
         f"Measured {m['date'][:10]} on {m['cores']} cores ({m['cpu']}), "
         f"{m['memory_bytes'] / 2**30:.0f} GiB, torch {m['torch']}, commit {m['commit']}, "
         "with `python benchmarks/suite.py`. Results: "
-        f"[`{rel}`]({rel}).",
+        f"[`{rel}`]({rel})." + "".join(
+            f" The {step} results were measured at commit {commit}."
+            for step, commit in sorted((results.get("kept_from") or {}).items())),
         "",
     ]
     png = path.with_suffix(".png")

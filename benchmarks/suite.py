@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated subset of handoff,collocated")
     ap.add_argument("--repeats", type=int, help="repeats per configuration (default: each "
                     "script's own, 3; 1 with --quick)")
+    ap.add_argument("--collocated-batches", type=int, metavar="N",
+                    help="measured batches per consumer in collocated.py (its default: 60); "
+                         "longer runs give steadier medians on a noisy machine")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = ap.parse_args(argv)
 
@@ -118,14 +121,28 @@ def main(argv: list[str] | None = None) -> int:
     if "collocated" in steps:
         modes = "independent,shared" + ("" if args.skip_original else ",original")
         cmd = [sys.executable, str(HERE / "collocated.py"), "--modes", modes, *quick]
+        if args.collocated_batches:
+            cmd += ["--batches", str(args.collocated_batches)]
         results["collocated"] = run_step("collocated training", cmd, timeout=5400)
 
     from verdicts import evaluate  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
 
-    results["verdicts"] = evaluate(results)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{info['date'][:10]}-{machine_tag(info)}" + ("-quick" if args.quick else "")
     path = args.out / f"{stem}.json"
+    # Re-running one step (--only) keeps the other step of today's file on this machine,
+    # and says which commit measured it.
+    if path.exists():
+        old = json.loads(path.read_text())
+        for step in ("handoff", "collocated"):
+            if step not in steps and old.get(step):
+                results[step] = old[step]
+                kept = old.get("kept_from") or {}
+                results.setdefault("kept_from", {})[step] = kept.get(
+                    step, old["machine"].get("commit"))
+                print(f"{step}: kept from {path.relative_to(ROOT)} (commit "
+                      f"{results['kept_from'][step]})", flush=True)
+    results["verdicts"] = evaluate(results)
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nresults: {path.relative_to(ROOT)}")
     try:
