@@ -80,6 +80,24 @@ Measured per run:
   bytes, polled every second;
 - ratios shared/independent and original/independent for each N.
 
+Allocator (``--worker-top-pad BYTES``, default 0: glibc's defaults): every DataLoader
+worker is forked from its loader's process and inherits that process's malloc heap.
+Decoding one 512x512 JPEG takes ~0.8 MB, under glibc's dynamic mmap threshold (~0.9 MB
+once torch is imported), so it comes from the heap; whether freeing it leaves more than
+the trim threshold (2 x the mmap threshold) free at the top of the heap, which glibc then
+returns to the kernel and the next image faults back in page by page, depends on what
+happens to sit at the top of the heap when the worker is forked. Everything the process
+allocated before decides that, so importing one more module can flip it: measured here, a
+worker forked after ``import tensorsocket`` took ~930k minor page faults and 3.6k ``brk``
+calls per 60 batches against ~10k and 0.8k without, and ~40% more CPU per batch.
+``--worker-top-pad`` makes every DataLoader worker of every mode call
+``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` and ``mallopt(M_TOP_PAD, BYTES)`` first
+(``workload.pad_heap`` as ``worker_init_fn``), which removes the churn in all of them
+(~10k faults per 60 batches), so both modes are compared on the loader's own work.
+It is applied in the workers only: ``MALLOC_TOP_PAD_`` in the environment would reach the
+training processes too (and it also fixes glibc's mmap threshold at its 128 KiB default
+in every process), which would change what is compared.
+
 Console: progress lines on stderr; on stdout the calibration and a table of medians over
 the repeats.
 
@@ -87,8 +105,9 @@ JSON (``--json PATH``), schema ``tensorsocket-collocated/1``::
 
   schema, started (ISO time), argv, quick, repeats
   config: consumers [int], modes [str], batch_size, warmup_batches, measured_batches,
-      samples_per_epoch, workers, image_size, num_images, crop, threads_per_process, seed,
-      poll_interval_s
+      samples_per_epoch, workers, producer_workers {N: workers of the shared loader},
+      image_size, num_images, crop, threads_per_process, seed, poll_interval_s,
+      worker_top_pad (bytes; 0: glibc's defaults)
   machine: cpu_model, cores (os.cpu_count), usable_cores (sched_getaffinity),
       mem_total_gb, loadavg_start, loadavg_end, platform, python, torch, numpy, pillow,
       psutil, tensorsocket (this project's version and file), original (python, version,
@@ -333,7 +352,8 @@ def run_trainer(args: argparse.Namespace) -> int:
     _set_threads()
     wl = _workload()
     ds = wl.JpegDataset(args.images, length=args.samples, seed=args.seed)
-    loader = wl.make_loader(ds, args.batch, args.workers, seed=args.seed)
+    loader = wl.make_loader(ds, args.batch, args.workers, seed=args.seed,
+                            worker_top_pad=args.worker_top_pad)
     trainer = wl.Trainer(seed=args.index)
     res = consume(loader, trainer, args.warmup, args.samples)
     del loader  # shuts the workers down (and reaps them) before we report
@@ -348,7 +368,8 @@ def run_producer(args: argparse.Namespace) -> int:
     from tensorsocket import TensorProducer
 
     ds = wl.JpegDataset(args.images, length=args.samples, seed=args.seed)
-    loader = wl.make_loader(ds, args.batch, args.workers, seed=args.seed)
+    loader = wl.make_loader(ds, args.batch, args.workers, seed=args.seed,
+                            worker_top_pad=args.worker_top_pad)
     producer = TensorProducer(loader, name=args.name, min_consumers=args.consumers,
                               start_timeout=START_TIMEOUT, publish_timeout=PUBLISH_TIMEOUT)
     try:
@@ -414,7 +435,8 @@ def run_orig_producer(args: argparse.Namespace) -> int:
     ts = _check_original()
     ports = [int(p) for p in args.ports.split(",")]
     ds = wl.JpegDataset(args.images, length=args.samples, seed=args.seed)
-    loader = wl.make_loader(ds, args.batch, args.workers, seed=args.seed)
+    loader = wl.make_loader(ds, args.batch, args.workers, seed=args.seed,
+                            worker_top_pad=args.worker_top_pad)
     producer = ts.TensorProducer(loader, ports[0], ports[1], (ports[2], ports[3]))
     _report({"role": "producer", "ready": True})
     # No min_consumers: wait until all N heartbeats are registered, so that every
@@ -484,6 +506,7 @@ def _child_main(argv: list[str]) -> int:
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--worker-top-pad", type=int, default=0)
     args = parser.parse_args(argv[1:])
 
     def watchdog() -> None:
@@ -667,7 +690,7 @@ class Poller(threading.Thread):
 def _child_cmd(python: str, role: str, **kw) -> list[str]:
     cmd = [python, str(Path(__file__).resolve()), role]
     for k, v in kw.items():
-        cmd += [f"--{k}", str(v)]
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
     return cmd
 
 
@@ -769,7 +792,8 @@ def _rusage_children_s() -> float:
 class RunSpec:
     def __init__(self, mode: str, consumers: int, repeat: int, images: str, batch: int,
                  warmup: int, batches: int, workers: int, timeout: float,
-                 original_python: str | None, producer_workers: int | None = None) -> None:
+                 original_python: str | None, producer_workers: int | None = None,
+                 worker_top_pad: int = 0) -> None:
         self.mode = mode
         self.consumers = consumers
         self.repeat = repeat
@@ -782,6 +806,7 @@ class RunSpec:
         self.producer_workers = producer_workers if producer_workers is not None else workers
         self.timeout = timeout
         self.original_python = original_python
+        self.worker_top_pad = worker_top_pad  # mallopt(M_TOP_PAD) in every loader worker
 
     @property
     def samples(self) -> int:
@@ -801,7 +826,7 @@ def run_once(spec: RunSpec) -> dict:
     poller = Poller()
     common = dict(images=spec.images, samples=spec.samples, batch=spec.batch,
                   workers=spec.workers, warmup=spec.warmup, seed=SEED,
-                  timeout=spec.timeout + 30)
+                  timeout=spec.timeout + 30, worker_top_pad=spec.worker_top_pad)
     cpu0 = _rusage_children_s()
     own0 = sum(os.times()[:2])
     t0 = time.monotonic()
@@ -1223,6 +1248,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="side of the generated JPEGs (default: workload.IMAGE_SIZE)")
     parser.add_argument("--num-images", type=int, default=None,
                         help="number of generated JPEGs (default: workload.NUM_IMAGES)")
+    parser.add_argument("--worker-top-pad", type=int, default=0, metavar="BYTES",
+                        help="every DataLoader worker of every mode pads its heap first "
+                             "(workload.pad_heap: M_TOP_PAD=BYTES, M_MMAP_THRESHOLD=32 MiB; "
+                             "default 0: glibc's defaults); see 'Allocator'")
     args = parser.parse_args(argv)
 
     wl = _workload()
@@ -1238,6 +1267,8 @@ def main(argv: list[str] | None = None) -> int:
         if m not in MODES:
             parser.error(f"unknown mode {m!r}")
     counts = [int(c) for c in args.consumers.split(",") if c]
+    if args.worker_top_pad < 0:
+        parser.error("--worker-top-pad takes a number of bytes >= 0")
     if args.producer_workers != "auto" and not (args.producer_workers.isdigit()
                                                 and int(args.producer_workers) >= 0):
         parser.error("--producer-workers takes 'auto' or a number >= 0")
@@ -1271,7 +1302,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.workers} worker(s) per independent loader, shared loader "
           f"{', '.join(f'N={n}: {producer_workers(n)}' for n in counts)} worker(s), "
           f"model {cal['model_params']} params, "
-          f"1 thread per process, {repeats} repeat(s)")
+          f"1 thread per process, {repeats} repeat(s), loader workers' malloc "
+          + (f"M_TOP_PAD={args.worker_top_pad}" if args.worker_top_pad else "defaults"))
     print(f"calibration: loader {cal['loader_batches_per_s']:.1f} batches/s "
           f"({cal['loader_ms_per_batch']:.1f} ms/batch), train "
           f"{cal['train_batches_per_s']:.1f} batches/s ({cal['train_ms_per_batch']:.1f} "
@@ -1287,7 +1319,7 @@ def main(argv: list[str] | None = None) -> int:
         expect = n * (warmup + batches) * per_batch / min(cores, 2 * n)
         timeout = min(MAX_RUN_TIMEOUT, max(MIN_RUN_TIMEOUT, 90 + 10 * expect))
         spec = RunSpec(mode, n, rep, images, args.batch_size, warmup, batches, args.workers,
-                       timeout, original_python, producer_workers(n))
+                       timeout, original_python, producer_workers(n), args.worker_top_pad)
         _log(f"[{i + 1}/{len(plan)}] {mode} N={n} repeat {rep + 1}/{repeats} "
              f"(elapsed {time.monotonic() - t_suite:.0f} s) ...")
         r = run_once(spec)
@@ -1325,7 +1357,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workers": args.workers, "image_size": size, "num_images": nimg,
                 "producer_workers": {str(n): producer_workers(n) for n in counts},
                 "crop": wl.CROP, "threads_per_process": 1, "seed": SEED,
-                "poll_interval_s": POLL_S,
+                "poll_interval_s": POLL_S, "worker_top_pad": args.worker_top_pad,
             },
             "machine": machine,
             "calibration": cal,

@@ -91,6 +91,49 @@ def _collocated(doc: dict) -> list[str]:
     return out
 
 
+def _allocator_pair() -> tuple[Path | None, Path] | None:
+    """The newest supplementary pair of collocated runs: loader workers with glibc's
+    defaults (``*-default.json``) and with ``--worker-top-pad`` (``*-worker-top-pad.json``)."""
+    pads = sorted((HERE / "results" / "supplementary").glob("*-worker-top-pad.json"))
+    if not pads:
+        return None
+    base = pads[-1].with_name(pads[-1].name.replace("-worker-top-pad", "-default"))
+    return (base if base.exists() else None), pads[-1]
+
+
+def _ratios(doc: dict) -> str:
+    """Shared / independent at each N of a collocated document."""
+    rows = {(r["mode"], r["consumers"]): r for r in doc.get("summary") or []}
+    cells = []
+    for n in sorted({r["consumers"] for r in doc.get("summary") or []}):
+        v = (rows.get(("shared", n)) or {}).get("vs_independent") or {}
+        cells.append(f"N={n}: {_num(v.get('samples_per_s'), '.2f')}x samples/s, CPU per "
+                     f"sample {_num(v.get('cpu_s_per_sample'), '.2f')}x")
+    return "; ".join(cells)
+
+
+def _allocator_note(pair: tuple[Path | None, Path] | None) -> list[str]:
+    """The same comparison with every loader worker's heap padded, beside its baseline."""
+    if pair is None:
+        return []
+    base, pad = pair
+    doc = json.loads(pad.read_text())
+    cfg = doc.get("config") or {}
+    links = " and ".join(f"[`{p.name}`]({p.relative_to(ROOT)})" for p in (base, pad) if p)
+    text = (f"**The loader workers' allocator** (benchmarks/README.md, \"The allocator\"): "
+            f"a DataLoader worker's CPU per batch depends on the malloc heap it inherits "
+            f"when forked, and the producer's workers drew the expensive case. Run on "
+            f"{doc.get('started', '')[:10]} ({cfg.get('measured_batches')} batches, medians "
+            f"of {doc.get('repeats')} runs; absolute rates differ from the table above, "
+            f"measured on another day), shared / independent: ")
+    if base is not None:
+        text += f"glibc's defaults: {_ratios(json.loads(base.read_text()))}. "
+    text += (f"Every worker of both modes padding its heap first (`--worker-top-pad "
+             f"{cfg.get('worker_top_pad', 0)}`: `M_MMAP_THRESHOLD` 32 MiB, `M_TOP_PAD` "
+             f"{cfg.get('worker_top_pad', 0) >> 20} MiB): {_ratios(doc)}. Files: {links}.")
+    return ["", text]
+
+
 def _stream_note(doc: dict) -> str:
     """The streaming-copy baseline of the 32 MiB batch, where the results have it."""
     rows = [r for r in doc.get("results") or [] if r.get("stream_copy_gb_per_s")]
@@ -150,7 +193,7 @@ def render(results: dict, path: Path) -> str:
     if png.exists():
         lines += [f"![benchmark plot]({png.relative_to(ROOT)})", ""]
     if results.get("collocated"):
-        lines += _collocated(results["collocated"]) + [""]
+        lines += _collocated(results["collocated"]) + _allocator_note(_allocator_pair()) + [""]
     if results.get("handoff"):
         lines += _handoff(results["handoff"]) + [""]
     lines += ["| target | measured | |", "|---|---|---|"]

@@ -24,6 +24,8 @@ import this file by path (``sys.path`` holds ``benchmarks/`` when ``collocated.p
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import io
 import math
 import os
@@ -185,14 +187,34 @@ class JpegDataset(torch.utils.data.Dataset):
         return transform(img, rng, self.crop), i % NUM_CLASSES, i
 
 
+M_TOP_PAD, M_MMAP_THRESHOLD = -2, -3  # glibc <malloc.h>
+MMAP_THRESHOLD = 32 << 20  # glibc's largest dynamic mmap threshold (64-bit)
+
+
+def pad_heap(top_pad: int, worker_id: int = 0) -> None:
+    """glibc only: keep ``top_pad`` bytes at the top of this process's heap (``mallopt
+    M_TOP_PAD``) and serve blocks under 32 MiB from the heap (``M_MMAP_THRESHOLD``), so
+    that freeing a decoded image never hands memory back to the kernel only for the next
+    image to fault it in again. A DataLoader ``worker_init_fn``. Both are needed: setting
+    either one turns off glibc's dynamic thresholds, and M_TOP_PAD alone leaves images
+    above the inherited mmap threshold to be mapped and unmapped one by one."""
+    del worker_id
+    libc = ctypes.CDLL(None)
+    for option, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TOP_PAD, int(top_pad))):
+        if libc.mallopt(option, value) != 1:
+            raise OSError(f"mallopt({option}, {value}) failed")
+
+
 def make_loader(dataset: JpegDataset, batch_size: int, workers: int, seed: int = 0,
-                epoch: int = 0) -> torch.utils.data.DataLoader:
-    """A shuffling DataLoader whose order depends only on ``seed`` and ``epoch``."""
+                epoch: int = 0, worker_top_pad: int = 0) -> torch.utils.data.DataLoader:
+    """A shuffling DataLoader whose order depends only on ``seed`` and ``epoch``; with
+    ``worker_top_pad`` > 0 each worker calls ``pad_heap(worker_top_pad)`` first."""
     dataset.set_epoch(epoch)
     gen = torch.Generator()
     gen.manual_seed(seed * 1000 + epoch)
+    init = functools.partial(pad_heap, worker_top_pad) if worker_top_pad > 0 else None
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True,
-                                       num_workers=workers, generator=gen)
+                                       num_workers=workers, generator=gen, worker_init_fn=init)
 
 
 # -- the model ---------------------------------------------------------------------------

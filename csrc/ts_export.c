@@ -43,13 +43,26 @@ void ts_lease_unref(ts_lease *lease)
     free(lease);
 }
 
-/* Remember that the slot's device copy is used on stream. */
-static void ts_lease_add_stream(ts_lease *lease, CUstream stream)
+/* Remember that the slot's device copy is used on stream; returns its index in
+ * lease->streams, or -1 when they are full (then the whole device is waited for). */
+static int ts_lease_add_stream(ts_lease *lease, CUstream stream)
 {
     for (uint32_t i = 0; i < lease->n_streams; i++)
-        if (lease->streams[i] == stream) return;
-    if (lease->n_streams < TS_LEASE_STREAMS) lease->streams[lease->n_streams++] = stream;
-    else lease->all_streams = 1;
+        if (lease->streams[i] == stream) return (int)i;
+    if (lease->n_streams < TS_LEASE_STREAMS) {
+        lease->streams[lease->n_streams] = stream;
+        return (int)lease->n_streams++;
+    }
+    lease->all_streams = 1;
+    return -1;
+}
+
+/* True if stream already waits for the slot's device copy (an earlier leaf's export). */
+static int ts_lease_stream_waits(const ts_lease *lease, CUstream stream)
+{
+    for (uint32_t i = 0; i < lease->n_streams; i++)
+        if (lease->streams[i] == stream) return (lease->waited >> i) & 1u;
+    return 0;
 }
 
 /* The leaf descriptor i of the leased slot (NULL when out of range). */
@@ -123,11 +136,15 @@ static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
     /* -1: the caller orders its own work; releases then follow the legacy stream. A
      * copy is our own work on that stream, so it waits for the producer's copy. */
     CUstream stream = o->stream == -1 ? TS_CU_STREAM_LEGACY : (CUstream)(uintptr_t)o->stream;
-    if (o->stream != -1 || o->copy) {
+    /* One wait per stream and lease: the slot's event stays as it is while it is held,
+     * so the other leaves of a batch exported to the same stream need none. */
+    int wait = (o->stream != -1 || o->copy) && !ts_lease_stream_waits(lease, stream);
+    if (wait) {
         ts_status st = ts_gpu_stream_wait(ring, lease->slot, stream, err);
         if (st != TS_OK) return st;
     }
-    ts_lease_add_stream(lease, stream);
+    int k = ts_lease_add_stream(lease, stream);
+    if (wait && k >= 0) lease->waited |= 1u << k;
     *data = (void *)(uintptr_t)(base + leaf->offset);
     return TS_OK;
 }

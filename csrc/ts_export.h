@@ -29,6 +29,7 @@ typedef struct ts_lease {
     uint32_t n_streams;
     int all_streams; /* more streams than fit: wait for the whole device */
     CUstream streams[TS_LEASE_STREAMS];
+    uint32_t waited; /* bit i: streams[i] already waits for the slot's device copy */
 } ts_lease;
 
 /* How to export one tensor of a slot. */

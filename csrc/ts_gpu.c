@@ -390,10 +390,11 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
     CUuuid mine;
     rc = api->DeviceGetUuid(&mine, g->dev);
     if (rc != CUDA_SUCCESS) return ts_cuda_fail(api, err, rc, "cuDeviceGetUuid");
-    /* Another GPU than the pool's reads it through peer access. */
-    unsigned int flags = memcmp(mine.bytes, h->device_uuid, sizeof mine.bytes) != 0
-                             ? CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-                             : 0;
+    /* Another GPU than the pool's reads it through peer access. The flag is passed for
+     * the pool's own GPU too: the driver documents it as required, and a real one (H100,
+     * driver 580) refuses 0 with CUDA_ERROR_INVALID_VALUE. */
+    int peer = memcmp(mine.bytes, h->device_uuid, sizeof mine.bytes) != 0;
+    const unsigned int flags = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS;
     /* Announce the mapping before it exists: the producer never frees under it. */
     g->importer = ts_ring_add_importer(ring);
     if (g->importer < 0)
@@ -422,7 +423,7 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
                 st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
                                 "cannot open the producer's GPU memory on GPU %d (%s%s)",
                                 ordinal, detail,
-                                flags ? "; is peer access between the two GPUs possible?"
+                                peer ? "; is peer access between the two GPUs possible?"
                                       : "");
             }
             break;

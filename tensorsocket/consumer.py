@@ -157,6 +157,7 @@ class TensorConsumer:
         self.device = "cpu"  # where tensors are delivered (set once attached)
         self.device_fallback_reason: str | None = None
         self._import = False  # tensors come from the ring's GPU copy
+        self._cuda: torch.device | None = None  # the GPU they are on, when they do
         self._move_to: torch.device | None = None  # host tensors are copied here
         self._inflight: list = []  # (cuda event, host tensors) of copies not yet done
         self.with_index = (port is not None) if with_index is None else bool(with_index)
@@ -241,7 +242,8 @@ class TensorConsumer:
                 self._fall_back(str(e), None if kind == "auto" else index)
             else:
                 self._import = True
-                self.device = f"cuda:{ordinal}"
+                self._cuda = torch.device("cuda", ordinal)
+                self.device = str(self._cuda)
                 return  # tensors come from GPU memory: nothing to page-lock
         else:
             # A host ring, or another GPU without peer access: copy from host memory.
@@ -523,6 +525,9 @@ class TensorConsumer:
     def _device_leaves(self, slot: Any, kinds: list) -> list:
         """Torch leaves from the slot's GPU copy (zero-copy; ordered after the producer's
         copy on the current stream), numpy leaves from its host copy."""
+        if NUMPY not in kinds and NUMPY_SCALAR not in kinds:
+            tensors = _device_tensors(slot, self._cuda)
+            return [t.clone() for t in tensors] if self.copy else tensors
         device_views = slot.views(device=True)
         host_views = slot.views() if NUMPY in kinds or NUMPY_SCALAR in kinds else None
         leaves = []
@@ -629,6 +634,29 @@ def _device_tensor(view: Any) -> torch.Tensor:
     """A torch tensor over a device SlotView; torch passes its current stream, which
     is made to wait for the producer's copy of the slot."""
     return torch.from_dlpack(view)
+
+
+def _device_tensors(slot: Any, device: torch.device) -> list[torch.Tensor]:
+    """Torch tensors over every leaf of a slot's GPU copy, all exported in one call with
+    this thread's current stream on ``device`` (made to wait for the producer's copy),
+    without torch.from_dlpack's per-view protocol calls."""
+    caps = slot.capsules(versioned=True, device=True, stream=_stream_of(device))
+    return [torch.from_dlpack(c) for c in caps]
+
+
+# The raw handle of the current stream without building a torch.cuda.Stream (a private
+# function torch's own generated code calls; the public way where it is missing).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_of(device: torch.device) -> int:
+    """The DLPack stream number of this thread's current stream on ``device``: its handle,
+    or 1 for the legacy default stream (whose handle is 0, which DLPack forbids)."""
+    if _raw_stream is not None:
+        handle = _raw_stream(device.index)
+    else:
+        handle = torch.cuda.current_stream(device).cuda_stream
+    return handle if handle != 0 else 1
 
 
 def _same_gpu(info: dict, index: int | None) -> bool:

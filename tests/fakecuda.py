@@ -39,6 +39,9 @@ LIB_NAME = "libfakecuda.so"
 BASE_FLAGS = [
     "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g",
     "-shared", "-fPIC", "-pthread", "-fvisibility=default", "-Icsrc",
+    # The double's calls to its own cu* functions stay inside it, even in a process where
+    # torch has loaded the real libcuda first (on a GPU machine).
+    "-Wl,-Bsymbolic",
 ]
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 BUILD_TIMEOUT = 300
@@ -473,7 +476,8 @@ class FakeCuda:
         self._ok("cuIpcGetMemHandle", ctypes.byref(h), dptr)
         return bytes(h.reserved)
 
-    def ipc_open_mem_handle(self, handle: bytes, flags: int = 0) -> int:
+    def ipc_open_mem_handle(self, handle: bytes,
+                            flags: int = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) -> int:
         h = CUipcMemHandle()
         ctypes.memmove(h.reserved, bytes(handle)[:64], min(64, len(handle)))
         p = ctypes.c_ulonglong()

@@ -156,17 +156,33 @@ class FakeGpu:
         self.stream = self.cuda.stream_create(1)  # non-blocking, like torch's streams
         self.delay_us = kernel_delay_us
         self.reads: list = []  # (result cell, expected checksum)
+        self.batch_exports = 0  # batches exported in one call (consumer._device_tensors)
 
     def tensor(self, view) -> torch.Tensor:
-        from fakecuda import fnv1a
-
+        """Stands in for consumer._device_tensor (one view, as torch.from_dlpack does)."""
         capsule = view.__dlpack__(stream=self.stream, max_version=(1, 0))
         self.cuda.stream_synchronize(self.stream)
+        t = self._read(view)
+        del capsule  # released once the fake kernel queued on the stream has run
+        return t
+
+    def tensors(self, slot, device) -> list:
+        """Stands in for consumer._device_tensors (every leaf exported in one call)."""
+        caps = slot.capsules(versioned=True, device=True, stream=self.stream)
+        self.batch_exports += 1
+        self.cuda.stream_synchronize(self.stream)
+        out = [self._read(v) for v in slot.views(device=True)]
+        del caps
+        return out
+
+    def _read(self, view) -> torch.Tensor:
+        """The view's device bytes as a CPU tensor, and the slow checksum kernel."""
+        from fakecuda import fnv1a
+
         data = self.cuda.read(view.data_ptr, view.nbytes)
         if self.delay_us:
             cell = self.cuda.launch_read(self.stream, view.data_ptr, view.nbytes, self.delay_us)
             self.reads.append((cell, fnv1a(data)))
-        del capsule
         code, bits, _ = view.dtype
         t = torch.frombuffer(bytearray(data), dtype=_DL_TORCH[(code, bits)]) if data else \
             torch.empty(0, dtype=_DL_TORCH[(code, bits)])
@@ -176,7 +192,8 @@ class FakeGpu:
         """Wait for the queued kernels; count the reads that saw other bytes."""
         self.cuda.stream_synchronize(self.stream)
         bad = sum(1 for cell, want in self.reads if cell.value != want)
-        return {"kernel_reads": len(self.reads), "kernel_mismatches": bad}
+        return {"kernel_reads": len(self.reads), "kernel_mismatches": bad,
+                "batch_exports": self.batch_exports}
 
 
 def make_batch(kind: str, v: int):
@@ -287,6 +304,7 @@ def _consume(a: argparse.Namespace) -> dict:
 
         fake_gpu = FakeGpu(a.kernel_delay_us)
         tensorsocket.consumer._device_tensor = fake_gpu.tensor
+        tensorsocket.consumer._device_tensors = fake_gpu.tensors
     c = _open(a)
     info = c.ring.info()
     lo, hi = info["data_address"], info["data_address"] + info["data_bytes"]

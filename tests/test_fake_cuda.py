@@ -236,10 +236,12 @@ def test_ipc_mem_handle_rules(agent, log):
     assert exp.rc("fc.ipc_get_mem_handle(p + 4096)") == CUDA_ERROR_INVALID_VALUE
     imp = agent(FAKECUDA_DEVICES="2")  # device 0: another physical device
     assert imp.rc("fc.ipc_open_mem_handle(b'garbage' * 9)") == CUDA_ERROR_INVALID_VALUE
-    assert imp.rc(f"fc.ipc_open_mem_handle({h!r})") == CUDA_ERROR_INVALID_VALUE
+    # Flags 0 is refused, as a real driver does (H100, driver 580), on any device.
+    assert imp.rc(f"fc.ipc_open_mem_handle({h!r}, 0)") == CUDA_ERROR_INVALID_VALUE
     imp(f"q = fc.ipc_open_mem_handle({h!r}, fakecuda.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)")
-    # Visible ordinal 0 is physical device 1 here: same device, no flag needed.
+    # Visible ordinal 0 is physical device 1 here: the same device, not a peer.
     remapped = agent(FAKECUDA_DEVICES="2", FAKECUDA_VISIBLE="1,0")
+    assert remapped.rc(f"fc.ipc_open_mem_handle({h!r}, 0)") == CUDA_ERROR_INVALID_VALUE
     remapped(f"fc.ipc_open_mem_handle({h!r})")
     opens = select(parse_log(log), "ipc_open_mem")
     assert [(ln.pid, ln["peer"]) for ln in opens] == [(imp.pid, "1"), (remapped.pid, "0")]
@@ -583,8 +585,8 @@ static int child(char **argv)
     CK(cuInit(0));
     CK(cuDevicePrimaryCtxRetain(&c, 0));
     CK(cuCtxPushCurrent_v2(c));
-    CK(cuIpcOpenMemHandle_v2(&p, mh, 0));
-    CK(cuIpcOpenMemHandle_v2(&p2, mh, 0));
+    CK(cuIpcOpenMemHandle_v2(&p, mh, 1));
+    CK(cuIpcOpenMemHandle_v2(&p2, mh, 1));
     if (p != p2) return 3;
     CK(cuIpcOpenEventHandle(&e, eh));
     CK(cuStreamCreate(&s, 0));
@@ -639,7 +641,7 @@ int main(int argc, char **argv)
     CK(cuEventQuery(ev));
     CK(cuIpcGetMemHandle(&mh, d2));
     CK(cuIpcGetEventHandle(&eh, ev));
-    EXPECT(cuIpcOpenMemHandle_v2(&bad, mh, 0), CUDA_ERROR_INVALID_CONTEXT);
+    EXPECT(cuIpcOpenMemHandle_v2(&bad, mh, 1), CUDA_ERROR_INVALID_CONTEXT);
 
     char mhex[129], ehex[129], self[] = "child";
     for (int i = 0; i < 64; i++) {

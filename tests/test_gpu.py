@@ -100,7 +100,27 @@ def test_gpu_ring_protocol(procs, name, gpu_env):
         elif line.op == "stream_wait_event" and line.pid != ppid:
             waits += 1
             assert (line["ev"], line["gen"]) in recorded, line
-    assert waits == 2 * BATCHES * EPOCHS * 2
+    # One wait per batch and consumer: both tensors of a batch share the slot's lease and
+    # the consumer's stream, and a stream that already waits for the copy needs no more.
+    assert waits == 2 * BATCHES * EPOCHS
+    assert [line for line in log if line.op == "fail"] == []
+
+
+def test_all_tensor_batches_are_exported_in_one_call(procs, name, gpu_env):
+    """A batch of torch tensors only is exported with one Slot.capsules call on the
+    consumer's stream: one wait per batch, and still no slot reused under a kernel."""
+    prod, (c,) = _run(
+        procs, name, gpu_env, producer=("--device", "cuda:0", "--kind", "tuple"),
+        consumers=(("--gpu-double", "--kernel-delay-us", "3000", "--kind", "tuple"),))
+    assert prod["stats"]["device"] == "cuda:0" and prod["warnings"] == []
+    assert c["errors"] == [] and c["epochs"] == _expected()
+    assert c["stats"]["zero_copy_gpu"] is True
+    assert c["batch_exports"] == BATCHES * EPOCHS
+    assert c["kernel_reads"] == BATCHES * EPOCHS * 2 and c["kernel_mismatches"] == 0
+    log = fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
+    ppid = int(prod_pid(log, "ipc_get_mem"))
+    waits = [line for line in log if line.op == "stream_wait_event" and line.pid != ppid]
+    assert len(waits) == BATCHES * EPOCHS
     assert [line for line in log if line.op == "fail"] == []
 
 

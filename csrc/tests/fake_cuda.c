@@ -1612,16 +1612,17 @@ FC_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle, 
     fc_memhandle h;
     memcpy(&h, handle.reserved, sizeof h);
     h.name[FC_NAME - 1] = '\0';
-    if (dptr == NULL || (flags & ~(unsigned)CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) != 0)
-        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_VALUE, "bad_argument");
+    if (dptr == NULL) return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_VALUE, "bad_argument");
+    /* The driver documents the flag as required and a real one (H100, driver 580) refuses
+     * 0 with CUDA_ERROR_INVALID_VALUE, for the exporter's own device too. */
+    if (flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_VALUE,
+                       "flags_must_be_LAZY_ENABLE_PEER_ACCESS");
     if (h.magic != FC_MEM_MAGIC || h.size == 0 || h.name[0] != '/')
         return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_VALUE, "not_a_mem_handle");
     if (h.pid == (int32_t)getpid())
         return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_CONTEXT, "handle_of_this_process");
     int peer = h.phys != ctx->phys;
-    if (peer && !(flags & CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
-        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_VALUE,
-                       "other_device_without_LAZY_ENABLE_PEER_ACCESS");
     /* Already open here: the same mapping, one more open. */
     uint8_t *base = NULL;
     pthread_mutex_lock(&g_lock);

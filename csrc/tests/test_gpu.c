@@ -783,6 +783,15 @@ static void variants_consumer(int in, int out)
     CHECK_CU(c.api->StreamSynchronize(c.stream));
     CHECK(device_leaf_ok(&c, tensor_of(tv, 1), a.slot, 0, 3, 0));
 
+    /* Another leaf on the same stream: it already waits for the copy, none is queued. */
+    int waits0 = fc_counter(c.api, "stream_wait_event");
+    void *tv2 = export_dev(l, 1, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(tv2 != NULL ? TS_OK : err.code, TS_OK));
+    CHECK_EQ(fc_counter(c.api, "stream_wait_event"), waits0);
+    CHECK_EQ(l->n_streams, 1);
+    CHECK(device_leaf_ok(&c, tensor_of(tv2, 1), a.slot, 1, 3, 0));
+    ts_export_delete(tv2, 1);
+
     /* stream -1: no wait is queued; the release follows the legacy stream. */
     int waits = fc_counter(c.api, "stream_wait_event");
     void *tn = export_dev(l, 1, 1, 0, -1, &err);
