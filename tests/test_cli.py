@@ -203,9 +203,11 @@ def test_top_plain_prints_snapshots(name, procs):
 
 
 def _run_in_terminal(args: list[str], keys: bytes = b"", after: float = 0.0,
-                     timeout: float = 30) -> tuple[int, bytes]:
+                     seen: bytes = b"", timeout: float = 30) -> tuple[int, bytes]:
     """Run the CLI on a pseudo-terminal (as a person in a terminal would); optionally type
-    keys after `after` seconds. Returns (exit status, screen bytes)."""
+    keys once `after` seconds have passed and `seen` is on the screen (a loaded machine
+    may take longer than `after` to draw the first frame). Returns (exit status, screen
+    bytes)."""
     pid, fd = pty.fork()
     if pid == 0:  # child
         os.environ["TERM"] = "xterm"
@@ -216,7 +218,7 @@ def _run_in_terminal(args: list[str], keys: bytes = b"", after: float = 0.0,
     typed = not keys
     try:
         while time.monotonic() - start < timeout:
-            if not typed and time.monotonic() - start >= after:
+            if not typed and time.monotonic() - start >= after and seen in out:
                 os.write(fd, keys)
                 typed = True
             ready, _, _ = select.select([fd], [], [], 0.1)
@@ -240,7 +242,7 @@ def test_top_full_screen_in_a_terminal(name, procs):
     """top on a terminal draws with curses (alternate screen) and quits on q."""
     prod, _ = start_shared_loader(procs, name, [8])
     code, screen = _run_in_terminal(["top", "--name", name, "--interval", "0.3"], keys=b"q",
-                                    after=2.0)
+                                    after=1.0, seen=str(prod.pid).encode())
     assert code == 0, screen[-2000:]
     assert b"\x1b[?1049h" in screen  # curses switched to the alternate screen ...
     assert b"\x1b[?1049l" in screen  # ... and restored the terminal on q
