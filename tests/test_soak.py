@@ -44,6 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # Margins over the warm-up sample that the later samples may not exceed.
 FD_MARGIN = 2
 UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")  # scripts/test-sanitized.sh
+# Seconds the churning consumer waits for one batch before counting a timeout. With 2 s,
+# the stream paused longer on a loaded 2-core machine in 2 to 4 reads of a run (about 1 in
+# 100; on 2026-11-23, with and without ASan; cause not established: the victims' start-up
+# competing for the 2 cores is suspected). A stuck stream still fails the test.
+CHURN_BATCH_TIMEOUT = 20.0 if UNDER_ASAN else 10.0
 RSS_MARGIN = 4 * 1024 * 1024
 
 _COMMON = r"""
@@ -136,6 +141,7 @@ say(lens=lens, errors=errors, finished=finished, stats=stats)
 CHURN = _COMMON + r"""
 import gc, random, select
 name, seed = sys.argv[1], int(sys.argv[2])
+bt = float(sys.argv[3])  # batch_timeout: a longer wait than this counts as a timeout
 rng = random.Random(seed)
 warnings.simplefilter("ignore", TensorSocketWarning)
 buf = b""
@@ -152,7 +158,8 @@ def command(block):
     line, buf = buf.split(b"\n", 1)
     return line.decode().strip()
 
-errors, modes, attaches, timeouts = [], {}, 0, 0
+errors, modes, attaches, timeouts, timed_out = [], {}, 0, 0, []
+t_start = time.monotonic()
 state = {"next": None}
 
 def check(batch):
@@ -194,7 +201,7 @@ while not done:
     k = rng.randint(5, 60)
     try:
         if mode == "close-mid-epoch":
-            c = TensorConsumer(name=name, timeout=10, batch_timeout=2)
+            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt)
             it = iter(c)
             attaches += 1
             state["next"] = None
@@ -203,17 +210,17 @@ while not done:
             c.close()  # the iterator is still mid-epoch
             del it
         elif mode == "break-and-back":
-            c = TensorConsumer(name=name, timeout=10, batch_timeout=2)
+            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt)
             read(c, k)
             time.sleep(rng.random() * 0.05)  # "evaluating"
             read(c, rng.randint(5, 60))  # attached again, as a late joiner
             c.close()
         elif mode == "bs3":
-            c = TensorConsumer(name=name, timeout=10, batch_timeout=2, batch_size=3)
+            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt, batch_size=3)
             read(c, k)
             c.close()
         elif mode == "bs2-keep":
-            c = TensorConsumer(name=name, timeout=10, batch_timeout=2, batch_size=2)
+            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt, batch_size=2)
             attaches += 1
             state["next"] = None
             it = iter(c)
@@ -228,12 +235,13 @@ while not done:
                 errors.append(f"kept tensor changed after close: {first}")
             del kept
         else:
-            with TensorConsumer(name=name, timeout=10, batch_timeout=2, batch_size=8,
+            with TensorConsumer(name=name, timeout=10, batch_timeout=bt, batch_size=8,
                                 drop_last=True) as c:
                 read(c, k)
         modes[mode] = modes.get(mode, 0) + 1
-    except TimeoutError:
+    except TimeoutError as e:
         timeouts += 1  # the producer holds before its last epoch (see PRODUCER)
+        timed_out.append(f"{mode} at {time.monotonic() - t_start:.1f} s: {e}"[:300])
     except (ProducerFinished, ProducerGone, ProducerNotFound, StopIteration):
         done = True  # the producer finished (or is finishing) under us
     except Exception as e:
@@ -243,7 +251,7 @@ while not done:
         if c is not None:
             c.close()
         c = None
-say(modes=modes, attaches=attaches, timeouts=timeouts, errors=errors)
+say(modes=modes, attaches=attaches, timeouts=timeouts, timed_out=timed_out, errors=errors)
 """
 
 VICTIM = _COMMON + r"""
@@ -305,7 +313,7 @@ def _soak(procs, name: str, batches: int, epochs: int, rate: float, samples: lis
     prod = _start(procs, PRODUCER, name, batches, epochs, rate, stdin=True)
     ready = _line(prod)
     long = _start(procs, LONG, name, batches, epochs)
-    churn = _start(procs, CHURN, name, 1234, stdin=True)
+    churn = _start(procs, CHURN, name, 1234, CHURN_BATCH_TIMEOUT, stdin=True)
     long_pid = _line(long)["pid"]
 
     # The producer's epoch lines, read in the background.
