@@ -98,6 +98,13 @@ It is applied in the workers only: ``MALLOC_TOP_PAD_`` in the environment would 
 training processes too (and it also fixes glibc's mmap threshold at its 128 KiB default
 in every process), which would change what is compared.
 
+tensorsocket's producer does the same in its own loader's workers by default
+(``TensorProducer(worker_heap_pad=16 MiB)``, docs/usage.md "The loader's workers"), so
+without ``--worker-top-pad`` the shared mode's workers are padded and the independent
+ones keep glibc's defaults, as a user's own DataLoaders would. ``--producer-heap-pad
+BYTES`` passes ``worker_heap_pad=BYTES`` to the shared producer (0: glibc's defaults
+there too, as before the producer padded); the producer reports what it used.
+
 Console: progress lines on stderr; on stdout the calibration and a table of medians over
 the repeats.
 
@@ -107,7 +114,8 @@ JSON (``--json PATH``), schema ``tensorsocket-collocated/1``::
   config: consumers [int], modes [str], batch_size, warmup_batches, measured_batches,
       samples_per_epoch, workers, producer_workers {N: workers of the shared loader},
       image_size, num_images, crop, threads_per_process, seed, poll_interval_s,
-      worker_top_pad (bytes; 0: glibc's defaults)
+      worker_top_pad (bytes; 0: glibc's defaults), producer_worker_heap_pad (bytes: the
+      shared producer's worker_heap_pad)
   machine: cpu_model, cores (os.cpu_count), usable_cores (sched_getaffinity),
       mem_total_gb, loadavg_start, loadavg_end, platform, python, torch, numpy, pillow,
       psutil, tensorsocket (this project's version and file), original (python, version,
@@ -370,8 +378,10 @@ def run_producer(args: argparse.Namespace) -> int:
     ds = wl.JpegDataset(args.images, length=args.samples, seed=args.seed)
     loader = wl.make_loader(ds, args.batch, args.workers, seed=args.seed,
                             worker_top_pad=args.worker_top_pad)
+    heap = {} if args.producer_heap_pad is None else {"worker_heap_pad": args.producer_heap_pad}
     producer = TensorProducer(loader, name=args.name, min_consumers=args.consumers,
-                              start_timeout=START_TIMEOUT, publish_timeout=PUBLISH_TIMEOUT)
+                              start_timeout=START_TIMEOUT, publish_timeout=PUBLISH_TIMEOUT,
+                              **heap)
     try:
         _report({"role": "producer", "ready": True})
         n = 0
@@ -387,6 +397,7 @@ def run_producer(args: argparse.Namespace) -> int:
         "ring_bytes": stats["slots"] * stats["slot_bytes"],
         "bytes_copied": stats["bytes_copied"], "wait_seconds": stats["wait_seconds"],
         "consumer_wait_seconds": stats["consumer_wait_seconds"], "drained": drained,
+        "worker_heap_pad": producer.worker_heap_pad,
         "vmhwm_kb": _vm_kb().get("VmHWM", 0), "cpu_s": sum(os.times()[:4]),
     })
     return 0
@@ -507,6 +518,7 @@ def _child_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--worker-top-pad", type=int, default=0)
+    parser.add_argument("--producer-heap-pad", type=int, default=None)
     args = parser.parse_args(argv[1:])
 
     def watchdog() -> None:
@@ -687,6 +699,13 @@ class Poller(threading.Thread):
 # ======================================================================================
 
 
+def _library_heap_pad() -> int:
+    """tensorsocket's worker_heap_pad as a producer here would use it (default or env)."""
+    from tensorsocket import config
+
+    return config.get("worker_heap_pad")
+
+
 def _child_cmd(python: str, role: str, **kw) -> list[str]:
     cmd = [python, str(Path(__file__).resolve()), role]
     for k, v in kw.items():
@@ -793,7 +812,7 @@ class RunSpec:
     def __init__(self, mode: str, consumers: int, repeat: int, images: str, batch: int,
                  warmup: int, batches: int, workers: int, timeout: float,
                  original_python: str | None, producer_workers: int | None = None,
-                 worker_top_pad: int = 0) -> None:
+                 worker_top_pad: int = 0, producer_heap_pad: int | None = None) -> None:
         self.mode = mode
         self.consumers = consumers
         self.repeat = repeat
@@ -807,6 +826,7 @@ class RunSpec:
         self.timeout = timeout
         self.original_python = original_python
         self.worker_top_pad = worker_top_pad  # mallopt(M_TOP_PAD) in every loader worker
+        self.producer_heap_pad = producer_heap_pad  # shared producer's worker_heap_pad
 
     @property
     def samples(self) -> int:
@@ -851,9 +871,11 @@ def run_once(spec: RunSpec) -> dict:
             for k in range(spec.consumers):
                 consumers.append(spawn(sys.executable, "_trainer", f"trainer{k}", index=k))
         elif spec.mode == "shared":
+            heap = ({} if spec.producer_heap_pad is None
+                    else {"producer_heap_pad": spec.producer_heap_pad})
             producer = spawn(sys.executable, "_producer", "producer", name=name,
                              workers=spec.producer_workers,
-                             consumers=spec.consumers)
+                             consumers=spec.consumers, **heap)
             _wait_ready(producer, logs[producer.pid][1], ATTACH_TIMEOUT)
             for k in range(spec.consumers):
                 consumers.append(spawn(sys.executable, "_consumer", f"consumer{k}",
@@ -1252,6 +1274,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="every DataLoader worker of every mode pads its heap first "
                              "(workload.pad_heap: M_TOP_PAD=BYTES, M_MMAP_THRESHOLD=32 MiB; "
                              "default 0: glibc's defaults); see 'Allocator'")
+    parser.add_argument("--producer-heap-pad", type=int, default=None, metavar="BYTES",
+                        help="worker_heap_pad= of the shared producer (default: "
+                             "tensorsocket's, 16 MiB; 0: glibc's defaults in its workers)")
     args = parser.parse_args(argv)
 
     wl = _workload()
@@ -1269,6 +1294,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.consumers.split(",") if c]
     if args.worker_top_pad < 0:
         parser.error("--worker-top-pad takes a number of bytes >= 0")
+    if args.producer_heap_pad is not None and args.producer_heap_pad < 0:
+        parser.error("--producer-heap-pad takes a number of bytes >= 0")
     if args.producer_workers != "auto" and not (args.producer_workers.isdigit()
                                                 and int(args.producer_workers) >= 0):
         parser.error("--producer-workers takes 'auto' or a number >= 0")
@@ -1288,6 +1315,8 @@ def main(argv: list[str] | None = None) -> int:
     _log("calibrating (loader-only and train-only, 1 process, 1 thread) ...")
     cal = wl.calibrate(images, args.batch_size, batches=4 if args.quick else 10)
     per_batch = (cal["loader_ms_per_batch"] + cal["train_ms_per_batch"]) / 1e3
+    producer_heap_pad = (args.producer_heap_pad if args.producer_heap_pad is not None
+                         else _library_heap_pad())
     cores = max(1, machine["usable_cores"] or 1)
 
     def producer_workers(n: int) -> int:
@@ -1303,7 +1332,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(f'N={n}: {producer_workers(n)}' for n in counts)} worker(s), "
           f"model {cal['model_params']} params, "
           f"1 thread per process, {repeats} repeat(s), loader workers' malloc "
-          + (f"M_TOP_PAD={args.worker_top_pad}" if args.worker_top_pad else "defaults"))
+          + (f"M_TOP_PAD={args.worker_top_pad}" if args.worker_top_pad else "defaults")
+          + f", shared producer worker_heap_pad={producer_heap_pad}")
     print(f"calibration: loader {cal['loader_batches_per_s']:.1f} batches/s "
           f"({cal['loader_ms_per_batch']:.1f} ms/batch), train "
           f"{cal['train_batches_per_s']:.1f} batches/s ({cal['train_ms_per_batch']:.1f} "
@@ -1319,7 +1349,8 @@ def main(argv: list[str] | None = None) -> int:
         expect = n * (warmup + batches) * per_batch / min(cores, 2 * n)
         timeout = min(MAX_RUN_TIMEOUT, max(MIN_RUN_TIMEOUT, 90 + 10 * expect))
         spec = RunSpec(mode, n, rep, images, args.batch_size, warmup, batches, args.workers,
-                       timeout, original_python, producer_workers(n), args.worker_top_pad)
+                       timeout, original_python, producer_workers(n), args.worker_top_pad,
+                       args.producer_heap_pad)
         _log(f"[{i + 1}/{len(plan)}] {mode} N={n} repeat {rep + 1}/{repeats} "
              f"(elapsed {time.monotonic() - t_suite:.0f} s) ...")
         r = run_once(spec)
@@ -1358,6 +1389,7 @@ def main(argv: list[str] | None = None) -> int:
                 "producer_workers": {str(n): producer_workers(n) for n in counts},
                 "crop": wl.CROP, "threads_per_process": 1, "seed": SEED,
                 "poll_interval_s": POLL_S, "worker_top_pad": args.worker_top_pad,
+                "producer_worker_heap_pad": producer_heap_pad,
             },
             "machine": machine,
             "calibration": cal,

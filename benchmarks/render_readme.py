@@ -91,14 +91,18 @@ def _collocated(doc: dict) -> list[str]:
     return out
 
 
-def _allocator_pair() -> tuple[Path | None, Path] | None:
-    """The newest supplementary pair of collocated runs: loader workers with glibc's
-    defaults (``*-default.json``) and with ``--worker-top-pad`` (``*-worker-top-pad.json``)."""
-    pads = sorted((HERE / "results" / "supplementary").glob("*-worker-top-pad.json"))
-    if not pads:
+SUPPLEMENTARY = ("worker-top-pad", "producer-unpadded")  # file suffixes, as in _allocator_note
+
+
+def _allocator_pair() -> tuple[Path | None, Path | None] | None:
+    """The newest supplementary collocated runs: every loader worker of both modes
+    padded (``*-worker-top-pad.json``), and the shared producer's workers with glibc's
+    defaults (``*-producer-unpadded.json``)."""
+    found = [sorted((HERE / "results" / "supplementary").glob(f"*-{suffix}.json"))
+             for suffix in SUPPLEMENTARY]
+    if not any(found):
         return None
-    base = pads[-1].with_name(pads[-1].name.replace("-worker-top-pad", "-default"))
-    return (base if base.exists() else None), pads[-1]
+    return found[0][-1] if found[0] else None, found[1][-1] if found[1] else None
 
 
 def _ratios(doc: dict) -> str:
@@ -112,26 +116,39 @@ def _ratios(doc: dict) -> str:
     return "; ".join(cells)
 
 
-def _allocator_note(pair: tuple[Path | None, Path] | None) -> list[str]:
-    """The same comparison with every loader worker's heap padded, beside its baseline."""
+def _allocator_note(pair: tuple[Path | None, Path | None] | None, main: dict) -> list[str]:
+    """How the loader workers' heaps were set up in the table, and the same comparison
+    with every worker padded and with the producer's padding off."""
+    cfg = main.get("config") or {}
+    pad = cfg.get("producer_worker_heap_pad")
+    text = ("**The loader workers' allocator** (benchmarks/README.md, \"The allocator\"): a "
+            "DataLoader worker's CPU per batch depends on the malloc heap it inherits when "
+            "forked. ")
+    if pad:
+        text += (f"In the table, the shared producer pads its workers' heaps "
+                 f"(`worker_heap_pad`, {pad >> 20} MiB: its default) and the independent "
+                 f"DataLoaders keep glibc's defaults, as a user's own would. ")
+    elif pad is not None:
+        text += "In the table, every loader worker keeps glibc's defaults. "
     if pair is None:
-        return []
-    base, pad = pair
-    doc = json.loads(pad.read_text())
-    cfg = doc.get("config") or {}
-    links = " and ".join(f"[`{p.name}`]({p.relative_to(ROOT)})" for p in (base, pad) if p)
-    text = (f"**The loader workers' allocator** (benchmarks/README.md, \"The allocator\"): "
-            f"a DataLoader worker's CPU per batch depends on the malloc heap it inherits "
-            f"when forked, and the producer's workers drew the expensive case. Run on "
-            f"{doc.get('started', '')[:10]} ({cfg.get('measured_batches')} batches, medians "
-            f"of {doc.get('repeats')} runs; absolute rates differ from the table above, "
-            f"measured on another day), shared / independent: ")
-    if base is not None:
-        text += f"glibc's defaults: {_ratios(json.loads(base.read_text()))}. "
-    text += (f"Every worker of both modes padding its heap first (`--worker-top-pad "
-             f"{cfg.get('worker_top_pad', 0)}`: `M_MMAP_THRESHOLD` 32 MiB, `M_TOP_PAD` "
-             f"{cfg.get('worker_top_pad', 0) >> 20} MiB): {_ratios(doc)}. Files: {links}.")
-    return ["", text]
+        return ["", text.rstrip()]
+    padded, unpadded = pair
+    docs = [(p, json.loads(p.read_text())) for p in (padded, unpadded) if p is not None]
+    first = docs[0][1]
+    fcfg = first.get("config") or {}
+    text += (f"Supplementary runs of {first.get('started', '')[:10]} "
+             f"({fcfg.get('measured_batches')} batches, medians of {first.get('repeats')} "
+             f"runs; absolute rates differ from the table's), shared / independent: ")
+    for path, doc in docs:
+        dcfg = doc.get("config") or {}
+        if path is padded:
+            text += (f"every worker of both modes padding its heap (`--worker-top-pad "
+                     f"{dcfg.get('worker_top_pad', 0)}`): {_ratios(doc)}. ")
+        else:
+            text += (f"the producer's workers with glibc's defaults too (`--producer-heap-pad "
+                     f"0`, as before the producer padded them): {_ratios(doc)}. ")
+    links = " and ".join(f"[`{p.name}`]({p.relative_to(ROOT)})" for p, _ in docs)
+    return ["", text + f"Files: {links}."]
 
 
 def _stream_note(doc: dict) -> str:
@@ -193,7 +210,8 @@ def render(results: dict, path: Path) -> str:
     if png.exists():
         lines += [f"![benchmark plot]({png.relative_to(ROOT)})", ""]
     if results.get("collocated"):
-        lines += _collocated(results["collocated"]) + _allocator_note(_allocator_pair()) + [""]
+        lines += (_collocated(results["collocated"])
+                  + _allocator_note(_allocator_pair(), results["collocated"]) + [""])
     if results.get("handoff"):
         lines += _handoff(results["handoff"]) + [""]
     lines += ["| target | measured | |", "|---|---|---|"]

@@ -190,6 +190,12 @@ def _parse_bytes(text: str) -> int:
     return value
 
 
+def _parse_bytes_or_off(text: str) -> int:
+    if text.lower() in _FALSE_WORDS:
+        return 0
+    return _parse_bytes(text)
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -307,6 +313,13 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "seconds teardown waits for consumers to unmap a GPU ring, then frees it with a "
             "warning",
             _parse_timeout, none_is_value=True),
+    Setting("worker_heap_pad", "worker_heap_pad", "TENSORSOCKET_WORKER_HEAP_PAD", "producer",
+            16 << 20, "16M", _SIZE_ACCEPTS.replace("bytes > 0", "bytes >= 0") +
+            "; `0` or `off` turns it off",
+            "bytes each DataLoader worker of the producer keeps at the top of its malloc "
+            "heap (glibc), so that decoding does not fault memory in again for every sample "
+            "(docs/usage.md, \"The loader's workers\")",
+            _parse_bytes_or_off),
     # -- share() -----------------------------------------------------------------------
     Setting("idle_timeout", "idle_timeout", "TENSORSOCKET_IDLE_TIMEOUT", "share()", 60.0,
             "60", "seconds > 0, or `none` (never)",

@@ -27,6 +27,7 @@ from .errors import (
 )
 from .gpu import parse_device
 from .structure import flatten
+from .worker_heap import padded_workers
 
 log = logging.getLogger("tensorsocket")
 
@@ -128,6 +129,15 @@ class TensorProducer:
         consumer holds a batch of it; at join()/close() wait this many seconds
         for them (default 30; None: forever), then free it anyway with a
         warning (env).
+      worker_heap_pad: for a torch DataLoader with workers, each worker keeps
+        this many bytes at the top of its malloc heap and takes blocks under
+        32 MiB from the heap (glibc only; default 16 MiB; 0 turns it off)
+        (env). A worker forked from the producer otherwise may hand every
+        decoded image's memory back to the kernel and fault it in again for
+        the next one, which cost 50% more CPU per batch in the benchmarks; see
+        docs/usage.md, "The loader's workers". Only the workers are changed:
+        the loader's ``worker_init_fn`` is wrapped while ``iter()`` starts them,
+        and put back.
     """
 
     def __init__(
@@ -156,6 +166,7 @@ class TensorProducer:
         device: Any = UNSET,
         device_fallback: bool | Unset = UNSET,
         release_timeout: float | None | Unset = UNSET,
+        worker_heap_pad: int | Unset = UNSET,
     ) -> None:
         self._factory = _epoch_factory(data_loader)
         self._origins: dict[str, str] = {}  # setting key -> its environment variable
@@ -181,6 +192,7 @@ class TensorProducer:
         device = setting("producer_device", device)
         device_fallback = setting("device_fallback", device_fallback)
         release_timeout = setting("release_timeout", release_timeout)
+        worker_heap_pad = setting("worker_heap_pad", worker_heap_pad)
         if slots is not None and not 2 <= int(slots) <= MAX_SLOTS:
             raise ValueError(f"ring_slots must be in 2..{MAX_SLOTS}, got {slots}")
         if slot_bytes is not None and int(slot_bytes) <= 0:
@@ -191,6 +203,10 @@ class TensorProducer:
             raise ValueError(f"rubber_band_pct must be in 0..1, got {rubber_band_pct}")
         if rubber_band is not None and int(rubber_band) < 0:
             raise ValueError(f"rubber_band must be >= 0 batches, got {rubber_band}")
+        if isinstance(worker_heap_pad, bool) or not isinstance(worker_heap_pad, int) \
+                or worker_heap_pad < 0:
+            raise ValueError(f"worker_heap_pad must be a number of bytes >= 0 (0 turns it "
+                             f"off), got {worker_heap_pad!r}")
         if max_lag is not None and not 1 <= int(max_lag) <= MAX_SLOTS - 2:
             raise ValueError(f"max_lag must be in 1..{MAX_SLOTS - 2} batches, got {max_lag}")
         if rubber_band is not None and int(rubber_band) > MAX_SLOTS - 2:
@@ -204,6 +220,7 @@ class TensorProducer:
         self.device_fallback = bool(device_fallback)
         self.device_fallback_reason: str | None = None
         self.release_timeout = release_timeout
+        self.worker_heap_pad = worker_heap_pad
         if lag_policy not in LAG_POLICIES:
             raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {lag_policy!r}")
         self._explicit_window = rubber_band is not None or rubber_band_pct is not None
@@ -464,7 +481,11 @@ class TensorProducer:
 
     def _run_epoch(self) -> Iterator[Any]:
         source = self._epoch_source()
-        it = iter(source)
+        with padded_workers(source, self.worker_heap_pad) as padded:
+            it = iter(source)
+        if padded:
+            log.debug("epoch %d: the loader's workers keep %d bytes at the top of their heaps",
+                      self.epoch, self.worker_heap_pad)
         one_shot = it is source  # an iterator: iterating it again continues it
         index = 0
         try:

@@ -130,6 +130,41 @@ class Gate:
             time.sleep(0.01)
 
 
+_WORKER_STATE = {"first_alloc_in_heap": None, "init_ran": False}  # per DataLoader worker
+
+
+def mark_worker_init(worker_id: int) -> None:
+    """The loader's own worker_init_fn: records that it ran in this worker."""
+    del worker_id
+    _WORKER_STATE["init_ran"] = True
+
+
+class HeapProbeDataset(torch.utils.data.Dataset):
+    """Sample i: (i, did this worker's first 20 MiB malloc come from the brk heap, did
+    the loader's own worker_init_fn run here). Under glibc's defaults a worker's first
+    block of that size is mmapped; with the producer's worker_heap_pad it is not."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if _WORKER_STATE["first_alloc_in_heap"] is None:
+            import ctypes
+
+            libc = ctypes.CDLL(None)
+            libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
+            libc.malloc.argtypes, libc.sbrk.argtypes = (ctypes.c_size_t,), (ctypes.c_ssize_t,)
+            libc.free.argtypes = (ctypes.c_void_p,)
+            block = libc.malloc(20 << 20)
+            _WORKER_STATE["first_alloc_in_heap"] = block < libc.sbrk(0)  # mmap lies above
+            libc.free(block)
+        return torch.tensor([i, int(_WORKER_STATE["first_alloc_in_heap"]),
+                             int(_WORKER_STATE["init_ran"])])
+
+
 # DLPack (code, bits) -> torch dtype, for device views read back on the test double.
 _DL_TORCH = {(0, 8): torch.int8, (0, 16): torch.int16, (0, 32): torch.int32,
              (0, 64): torch.int64, (1, 8): torch.uint8, (2, 16): torch.float16,
@@ -237,6 +272,9 @@ def producer(a: argparse.Namespace) -> dict:
     if a.kind == "samples":
         loader = SampleLoader(SampleDataset(a.samples), batch_size=a.loader_bs, shuffle=False,
                               drop_last=a.loader_drop_last, collate_fn=collate_with_tag)
+    elif a.kind == "heap-probe":
+        loader = torch.utils.data.DataLoader(HeapProbeDataset(a.samples), batch_size=a.loader_bs,
+                                             num_workers=2, worker_init_fn=mark_worker_init)
     elif a.kind == "detection":
         loader = SampleLoader(DetectionDataset(a.samples), batch_size=a.loader_bs,
                               shuffle=False, collate_fn=collate_tuples)
@@ -249,6 +287,8 @@ def producer(a: argparse.Namespace) -> dict:
               lag_policy=a.lag_policy, device=a.device, device_fallback=not a.no_fallback)
     if a.window is not None:
         kw["rubber_band"] = a.window
+    if a.worker_heap_pad is not None:
+        kw["worker_heap_pad"] = a.worker_heap_pad
     if a.port is not None:
         p = TensorProducer(loader, str(a.port), str(a.port + 1), rubber_band_pct=0.02, **kw)
     else:
@@ -270,7 +310,9 @@ def producer(a: argparse.Namespace) -> dict:
     drained = p.join(timeout=60)
     caught.__exit__(None, None, None)
     return {"stats": stats, "drained": drained, "cpu": time.process_time() - cpu0,
-            "warnings": [f"{w.category.__name__}: {w.message}" for w in seen_warnings]}
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in seen_warnings],
+            "loader_worker_init_fn": getattr(getattr(loader, "worker_init_fn", None),
+                                             "__name__", None)}
 
 
 def _batch_value(kind: str, batch, e: int, seen: list) -> int:
@@ -423,6 +465,7 @@ def main() -> None:
     ap.add_argument("--loader-bs", type=int, default=8)
     ap.add_argument("--loader-drop-last", action="store_true")
     ap.add_argument("--window", type=int)
+    ap.add_argument("--worker-heap-pad", type=int, help="producer: worker_heap_pad=")
     ap.add_argument("--max-lag", type=int)
     ap.add_argument("--lag-policy", default="raise")
     ap.add_argument("--gate", help="EPOCH:INDEX where the producer waits for consumers")
