@@ -133,8 +133,8 @@ static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
                           "this consumer has not opened the ring's GPU memory");
     if (o->stream == 0)
         return ts_err_set(err, TS_E_INVALID, 0, "stream 0 is not a valid DLPack stream");
-    /* -1: the caller orders its own work; releases then follow the legacy stream. A
-     * copy is our own work on that stream, so it waits for the producer's copy. */
+    /* -1: the caller orders its own work. A copy is our own work on the legacy stream,
+     * so it waits for the producer's copy. */
     CUstream stream = o->stream == -1 ? TS_CU_STREAM_LEGACY : (CUstream)(uintptr_t)o->stream;
     /* One wait per stream and lease: the slot's event stays as it is while it is held,
      * so the other leaves of a batch exported to the same stream need none. */
@@ -145,6 +145,11 @@ static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
     }
     int k = ts_lease_add_stream(lease, stream);
     if (wait && k >= 0) lease->waited |= 1u << k;
+    /* Streams the release cannot follow: -1 leaves the ordering to the caller, whose work
+     * may be on any stream (the legacy stream does not order non-blocking ones), and 2 is
+     * the calling thread's per-thread stream, not the deleter's. Their slot is released
+     * only after all work of this process's context has finished. */
+    if (o->stream == -1 || o->stream == 2) lease->all_streams = 1;
     *data = (void *)(uintptr_t)(base + leaf->offset);
     return TS_OK;
 }

@@ -27,7 +27,7 @@ typedef struct ts_lease {
      * released only after the work queued on them has finished. Written
      * under the GIL by exports, read by the final unref. */
     uint32_t n_streams;
-    int all_streams; /* more streams than fit: wait for the whole device */
+    int all_streams; /* wait for the whole context: more streams than fit, or -1 or 2 */
     CUstream streams[TS_LEASE_STREAMS];
     uint32_t waited; /* bit i: streams[i] already waits for the slot's device copy */
 } ts_lease;

@@ -30,6 +30,7 @@ struct ts_gpu {
     uint32_t slot_count;
     CUdeviceptr *ptr; /* owns: producer's allocations, consumer's opened mappings */
     CUevent *event;   /* owns: producer's events, consumer's opened events */
+    CUevent *copied;  /* owns (producer): local blocking-sync events, recorded with event */
     uint8_t *recorded; /* producer: the slot's event was recorded at least once */
     CUstream stream;   /* owns (producer): the copy stream */
     int imported;      /* consumer: ptr and event are open */
@@ -70,6 +71,28 @@ static void ts_gpu_leave(const ts_gpu *g)
     g->api->CtxPopCurrent(&ignored);
 }
 
+/* A driver call that failed while setting the GPU ring up means the GPU path cannot work
+ * here: GPUUnavailable, with the driver's words kept, so that callers fall back to the
+ * host ring. Out of device memory stays a CUDA error: its message names the knobs. */
+static ts_status ts_gpu_unusable(ts_err *err, ts_status st)
+{
+    if (st != TS_E_CUDA || err == NULL || err->sys_errno == ENOMEM) return st;
+    err->code = TS_E_GPU_UNAVAILABLE;
+    return TS_E_GPU_UNAVAILABLE;
+}
+
+/* Name of a compute mode other than the default. */
+static const char *ts_gpu_mode_name(int mode)
+{
+    switch (mode) {
+    case CU_COMPUTEMODE_PROHIBITED: return "PROHIBITED (no process may create a context on it)";
+    case CU_COMPUTEMODE_EXCLUSIVE_PROCESS:
+        return "EXCLUSIVE_PROCESS (one process at a time may use it, and the producer and "
+               "every consumer on it each need one)";
+    default: return "not DEFAULT";
+    }
+}
+
 /* New state for device ordinal (primary context retained). */
 static ts_gpu *ts_gpu_new(ts_cuda_api *api, int ordinal, uint32_t slots, int is_producer,
                           ts_err *err)
@@ -81,10 +104,12 @@ static ts_gpu *ts_gpu_new(ts_cuda_api *api, int ordinal, uint32_t slots, int is_
     }
     g->ptr = calloc(slots, sizeof *g->ptr);
     g->event = calloc(slots, sizeof *g->event);
+    g->copied = calloc(slots, sizeof *g->copied);
     g->recorded = calloc(slots, 1);
-    if (g->ptr == NULL || g->event == NULL || g->recorded == NULL) {
+    if (g->ptr == NULL || g->event == NULL || g->copied == NULL || g->recorded == NULL) {
         free(g->ptr);
         free(g->event);
+        free(g->copied);
         free(g->recorded);
         free(g);
         ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
@@ -98,16 +123,33 @@ static ts_gpu *ts_gpu_new(ts_cuda_api *api, int ordinal, uint32_t slots, int is_
     g->ordinal = ordinal;
     int count = 0;
     CUresult rc = api->DeviceGetCount(&count);
-    if (rc == CUDA_SUCCESS && (ordinal < 0 || ordinal >= count)) {
+    if (rc != CUDA_SUCCESS) {
+        ts_cuda_fail(api, err, rc, "cuDeviceGetCount");
+        goto error;
+    }
+    if (ordinal < 0 || ordinal >= count) {
         ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
                    "there is no CUDA device %d (this process sees %d; check "
                    "CUDA_VISIBLE_DEVICES)",
                    ordinal, count);
         goto error;
     }
-    if (rc == CUDA_SUCCESS) rc = api->DeviceGet(&g->dev, ordinal);
+    rc = api->DeviceGet(&g->dev, ordinal);
     if (rc != CUDA_SUCCESS) {
         ts_cuda_fail(api, err, rc, "cuDeviceGet");
+        goto error;
+    }
+    /* The pool's GPU is shared by the producer and the consumers on it, each with a
+     * context of its own: only the default compute mode allows that. */
+    int mode = CU_COMPUTEMODE_DEFAULT;
+    if (is_producer &&
+        api->DeviceGetAttribute(&mode, CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, g->dev) ==
+            CUDA_SUCCESS &&
+        mode != CU_COMPUTEMODE_DEFAULT) {
+        ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                   "GPU %d is in compute mode %s: the GPU ring needs the DEFAULT mode "
+                   "(nvidia-smi -i %d -c DEFAULT)",
+                   ordinal, ts_gpu_mode_name(mode), ordinal);
         goto error;
     }
     rc = api->DevicePrimaryCtxRetain(&g->ctx, g->dev);
@@ -120,10 +162,12 @@ static ts_gpu *ts_gpu_new(ts_cuda_api *api, int ordinal, uint32_t slots, int is_
     return g;
 
 error:
+    if (err != NULL) ts_gpu_unusable(err, err->code);
     pthread_mutex_destroy(&g->lock);
     pthread_cond_destroy(&g->cond);
     free(g->ptr);
     free(g->event);
+    free(g->copied);
     free(g->recorded);
     free(g);
     return NULL;
@@ -141,6 +185,7 @@ static void ts_gpu_teardown(ts_gpu *g)
         g->pool_n = 0;
         for (uint32_t k = 0; k < g->slot_count; k++) {
             if (g->event[k] != NULL) api->EventDestroy(g->event[k]);
+            if (g->copied[k] != NULL) api->EventDestroy(g->copied[k]);
             if (g->ptr[k] == 0) continue;
             if (g->is_producer) api->MemFree(g->ptr[k]);
             else api->IpcCloseMemHandle(g->ptr[k]);
@@ -153,6 +198,7 @@ static void ts_gpu_teardown(ts_gpu *g)
     if (g->importer >= 0) ts_ring_drop_importer(g->hdr, g->importer);
     g->importer = -1;
     memset(g->event, 0, g->slot_count * sizeof *g->event);
+    memset(g->copied, 0, g->slot_count * sizeof *g->copied);
     memset(g->ptr, 0, g->slot_count * sizeof *g->ptr);
     g->pinned = NULL;
     g->stream = NULL;
@@ -169,6 +215,7 @@ static void ts_gpu_free_struct(ts_gpu *g)
     free(g->pool);
     free(g->ptr);
     free(g->event);
+    free(g->copied);
     free(g->recorded);
     free(g);
 }
@@ -236,8 +283,8 @@ ts_status ts_gpu_create_pool(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_er
     rc = api->DeviceGetAttribute(&ipc_events, CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED, g->dev);
     if (rc != CUDA_SUCCESS || !ipc_events) {
         st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
-                        "GPU %d does not support CUDA IPC events, which the GPU ring needs "
-                        "to order consumers after the producer's copies",
+                        "GPU %d does not support CUDA IPC events (a MIG instance?), which the "
+                        "GPU ring needs to order consumers after the producer's copies",
                         ordinal);
         goto error;
     }
@@ -290,6 +337,13 @@ ts_status ts_gpu_create_pool(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_er
             goto error;
         }
         memcpy(e->event, eh.reserved, sizeof e->event);
+        /* The interprocess event cannot be waited on without spinning; this one sleeps. */
+        rc = api->EventCreate(&g->copied[k], CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC);
+        if (rc != CUDA_SUCCESS) {
+            g->copied[k] = NULL;
+            st = ts_cuda_fail(api, err, rc, "cuEventCreate");
+            goto error;
+        }
     }
     /* Page-locked host slots make each batch's copy one asynchronous DMA. If
      * the system refuses (locked-memory limits), copies from pageable memory
@@ -307,7 +361,7 @@ error:
     if (entered) ts_gpu_leave(g);
     ts_gpu_teardown(g);
     ts_gpu_free_struct(g);
-    return st;
+    return ts_gpu_unusable(err, st);
 }
 
 /* Wait until the last copy out of the slot's host data has finished. */
@@ -317,7 +371,7 @@ ts_status ts_gpu_prepare_slot(ts_ring *ring, uint32_t slot, ts_err *err)
     if (g == NULL || !g->recorded[slot]) return TS_OK;
     ts_status st = ts_gpu_enter(g, err);
     if (st != TS_OK) return st;
-    CUresult rc = g->api->EventSynchronize(g->event[slot]);
+    CUresult rc = g->api->EventSynchronize(g->copied[slot]);
     ts_gpu_leave(g);
     if (rc != CUDA_SUCCESS) return ts_cuda_fail(g->api, err, rc, "cuEventSynchronize");
     return TS_OK;
@@ -338,6 +392,7 @@ ts_status ts_gpu_publish_slot(ts_ring *ring, uint32_t slot, uint64_t bytes, ts_e
         st = ts_cuda_fail(g->api, err, rc, "cuMemcpyHtoDAsync of a batch");
     } else {
         rc = g->api->EventRecord(g->event[slot], g->stream);
+        if (rc == CUDA_SUCCESS) rc = g->api->EventRecord(g->copied[slot], g->stream);
         if (rc != CUDA_SUCCESS) st = ts_cuda_fail(g->api, err, rc, "cuEventRecord");
         else g->recorded[slot] = 1;
     }
@@ -389,7 +444,8 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
 
     CUuuid mine;
     rc = api->DeviceGetUuid(&mine, g->dev);
-    if (rc != CUDA_SUCCESS) return ts_cuda_fail(api, err, rc, "cuDeviceGetUuid");
+    if (rc != CUDA_SUCCESS)
+        return ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, "cuDeviceGetUuid"));
     /* Another GPU than the pool's reads it through peer access. The flag is passed for
      * the pool's own GPU too: the driver documents it as required, and a real one (H100,
      * driver 580) refuses 0 with CUDA_ERROR_INVALID_VALUE. */
@@ -403,7 +459,7 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
     if (st != TS_OK) {
         ts_ring_drop_importer(ring->hdr, g->importer);
         g->importer = -1;
-        return st;
+        return ts_gpu_unusable(err, st);
     }
     uint32_t k = 0;
     for (; k < h->slot_count; k++) {
@@ -448,7 +504,7 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
         ts_gpu_leave(g);
         ts_ring_drop_importer(ring->hdr, g->importer);
         g->importer = -1;
-        return st;
+        return ts_gpu_unusable(err, st);
     }
     ts_gpu_leave(g);
     g->reaper_started = 1;
@@ -465,12 +521,23 @@ ts_status ts_gpu_pin_host(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *
     if (g == NULL) return err != NULL ? err->code : TS_E_GPU_UNAVAILABLE;
     if (g->pinned != NULL) return TS_OK;
     ts_status st = ts_gpu_enter(g, err);
-    if (st != TS_OK) return st;
-    unsigned int flags = CU_MEMHOSTREGISTER_PORTABLE |
-                         (ring->is_producer ? 0 : CU_MEMHOSTREGISTER_READ_ONLY);
-    CUresult rc = api->MemHostRegister(ring->data, ring->data_bytes, flags);
+    if (st != TS_OK) return ts_gpu_unusable(err, st);
+    /* A consumer maps the slots read-only, and such memory registers only read-only. */
+    CUresult rc = api->MemHostRegister(ring->data, ring->data_bytes,
+                                       CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
     ts_gpu_leave(g);
-    if (rc != CUDA_SUCCESS) return ts_cuda_fail(api, err, rc, "cuMemHostRegister of the ring");
+    if (rc != CUDA_SUCCESS) {
+        int read_only = 1;
+        api->DeviceGetAttribute(&read_only, CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED,
+                                g->dev);
+        if (!read_only)
+            return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                              "GPU %d cannot page-lock read-only memory "
+                              "(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0), "
+                              "and a consumer maps the ring read-only",
+                              ordinal);
+        return ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, "cuMemHostRegister of the ring"));
+    }
     g->pinned = ring->data;
     return TS_OK;
 }
@@ -622,14 +689,16 @@ static void *ts_gpu_reaper_main(void *arg)
         if (g->head == NULL) g->tail = NULL;
         pthread_mutex_unlock(&g->lock);
 
-        if (ts_gpu_enter(g, NULL) == TS_OK) {
+        int entered = ts_gpu_enter(g, NULL) == TS_OK;
+        if (entered) {
             for (uint32_t i = 0; i < p->n; i++) g->api->EventSynchronize(p->events[i]);
             if (p->all) g->api->CtxSynchronize();
-            ts_gpu_leave(g);
         }
+        /* Inside the context: an event that does not fit back in the pool is destroyed. */
         pthread_mutex_lock(&g->lock);
         for (uint32_t i = 0; i < p->n; i++) ts_gpu_give_event(g, p->events[i]);
         pthread_mutex_unlock(&g->lock);
+        if (entered) ts_gpu_leave(g);
 
         ts_ring *ring = p->ring;
         ts_ring_release(ring, p->slot, p->consumer);

@@ -44,6 +44,7 @@ typedef struct {
     PyObject *GPUUnavailable;
     PyObject *CudaError;
     ts_cuda_api *cuda;   /* owns one reference once loaded, else NULL */
+    long cuda_pid;       /* the process that loaded it (a forked child cannot use it) */
     int cuda_tried;      /* loading was attempted (cuda_why says why it failed) */
     char cuda_why[512];
 } ts_state;
@@ -88,10 +89,28 @@ static PyObject *ts_raise(ts_state *state, const ts_err *err)
     return NULL;
 }
 
+/* 1 (and why, in buf) if the driver was loaded by the process that forked this one. */
+static int ts_cuda_forked(const ts_state *state, char *buf, size_t n)
+{
+    if (state->cuda == NULL || state->cuda_pid == (long)getpid()) return 0;
+    snprintf(buf, n,
+             "the CUDA driver was initialised in process %ld, which forked this one (pid %ld), "
+             "and a forked process cannot use it: create GPU rings and GPU consumers only in "
+             "processes started before anything initialised CUDA (or with the spawn start "
+             "method)",
+             state->cuda_pid, (long)getpid());
+    return 1;
+}
+
 /* The CUDA driver, loaded on first use; NULL with GPUUnavailable set if it
  * cannot be loaded (the reason is kept, and loading is not retried). */
 static ts_cuda_api *ts_state_cuda(ts_state *state)
 {
+    char why[sizeof state->cuda_why];
+    if (ts_cuda_forked(state, why, sizeof why)) {
+        PyErr_SetString(state->GPUUnavailable, why);
+        return NULL;
+    }
     if (state->cuda != NULL) return state->cuda;
     if (!state->cuda_tried) {
         ts_cuda_api *api = NULL;
@@ -105,7 +124,10 @@ static ts_cuda_api *ts_state_cuda(ts_state *state)
             return state->cuda;
         }
         state->cuda_tried = 1;
-        if (st == TS_OK) state->cuda = api;
+        if (st == TS_OK) {
+            state->cuda = api;
+            state->cuda_pid = (long)getpid();
+        }
         else snprintf(state->cuda_why, sizeof state->cuda_why, "%s", err.msg);
     }
     if (state->cuda == NULL) PyErr_SetString(state->GPUUnavailable, state->cuda_why);
@@ -639,12 +661,22 @@ static PyObject *Ring_unlink_name(PyTypeObject *cls, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Drop a ring reference without the GIL: the last one of a GPU ring joins the release
+ * thread (which may wait for queued kernels) and frees device memory. */
+static void ts_ring_unref_nogil(ts_ring *ring)
+{
+    if (ring == NULL) return;
+    Py_BEGIN_ALLOW_THREADS
+    ts_ring_unref(ring);
+    Py_END_ALLOW_THREADS
+}
+
 /* Ring.close(): drop this handle (views keep the mapping alive). */
 static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
     ts_ring *ring = self->ring;
     self->ring = NULL;
-    if (ring != NULL) ts_ring_unref(ring);
+    ts_ring_unref_nogil(ring);
     Py_RETURN_NONE;
 }
 
@@ -1263,7 +1295,7 @@ static PyObject *Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
 static void Ring_dealloc(RingObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    if (self->ring != NULL) ts_ring_unref(self->ring);
+    ts_ring_unref_nogil(self->ring);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -1361,11 +1393,14 @@ static PyObject *ts_py_segment_bytes(PyObject *Py_UNUSED(module), PyObject *args
 static PyObject *ts_py_cuda_status(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
     ts_state *state = PyModule_GetState(module);
+    char forked[sizeof state->cuda_why];
+    int in_child = ts_cuda_forked(state, forked, sizeof forked);
     ts_cuda_api *api = ts_state_cuda(state);
     if (api == NULL) {
         PyErr_Clear();
-        return Py_BuildValue("{sOsssOsi}", "available", Py_False, "reason", state->cuda_why,
-                             "devices", Py_None, "driver_version", 0);
+        return Py_BuildValue("{sOsssOsi}", "available", Py_False, "reason",
+                             in_child ? forked : state->cuda_why, "devices", Py_None,
+                             "driver_version", 0);
     }
     PyObject *devices = PyList_New(0);
     if (devices == NULL) return NULL;
@@ -1419,9 +1454,19 @@ done:
     return result;
 }
 
+/* cuda_loaded() -> bool: this process (or the one that forked it) initialised the driver. */
+static PyObject *ts_py_cuda_loaded(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    const ts_state *state = PyModule_GetState(module);
+    return PyBool_FromLong(state->cuda != NULL);
+}
+
 static PyMethodDef ts_module_methods[] = {
     {"cuda_status", ts_py_cuda_status, METH_NOARGS,
      "Whether the GPU path is available: driver, devices, or the reason it is not."},
+    {"cuda_loaded", ts_py_cuda_loaded, METH_NOARGS,
+     "True once the CUDA driver was initialised here (or in the process that forked this "
+     "one); it never loads the driver."},
     {"process_start_time", ts_py_process_start_time, METH_O,
      "Start time of a process in clock ticks (0 if it does not exist)."},
     {"process_alive", ts_py_process_alive, METH_VARARGS,

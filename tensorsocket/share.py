@@ -66,7 +66,7 @@ from typing import Any
 import torch
 import zmq
 
-from . import config
+from . import _core, config
 from ._election import (
     lock_holder,
     producer_live,
@@ -157,12 +157,15 @@ def share(
             idle_timeout, (int, float)) or not idle_timeout > 0):
         raise ValueError(f"idle_timeout must be a number of seconds > 0 or None, got "
                          f"{idle_timeout!r}")
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() or _core.cuda_loaded():
+        by = "torch" if torch.cuda.is_initialized() else \
+            "tensorsocket (a GPU consumer, pin_memory=True or gpu_status())"
         raise RuntimeError(
-            "tensorsocket.share() forks a producer process, and CUDA is already initialised "
-            "in this process (a forked child cannot use it): call share() before anything "
-            "touches the GPU (model.cuda(), .to('cuda'), torch.cuda calls), or run a "
-            "TensorProducer in a script of its own and use TensorConsumer(name=...) here"
+            f"tensorsocket.share() forks a producer process, and CUDA is already initialised "
+            f"in this process by {by} (a forked child cannot use it): call share() before "
+            "anything touches the GPU (model.cuda(), .to('cuda'), torch.cuda calls, an "
+            "earlier share() whose consumer reads a GPU ring), or run a TensorProducer in a "
+            "script of its own and use TensorConsumer(name=...) here"
         )
     endpoint = resolve(name)
     timeout = config.get("timeout", consumer_kw.get("timeout", UNSET))

@@ -136,6 +136,11 @@ def prod_pid(log, op):
     ({"FAKECUDA_NO_IPC_EVENTS": "1"}, "does not support CUDA IPC events"),
     ({"TENSORSOCKET_LIBCUDA": "/nonexistent/libcuda.so.1"}, "could not be loaded"),
     ({"FAKECUDA_FAIL_INIT": "1"}, "cuInit failed"),
+    ({"FAKECUDA_COMPUTE_MODE": "3"}, "compute mode EXCLUSIVE_PROCESS"),
+    ({"FAKECUDA_COMPUTE_MODE": "2"}, "compute mode PROHIBITED"),
+    # any driver call that fails while the pool is set up
+    ({"FAKECUDA_FAIL_OP": "stream_create"}, "cuStreamCreate: CUDA_ERROR_NOT_SUPPORTED"),
+    ({"FAKECUDA_FAIL_OP": "ctx_retain"}, "cuDevicePrimaryCtxRetain: CUDA_ERROR_NOT_SUPPORTED"),
 ])
 def test_producer_falls_back_to_host(procs, name, gpu_env, fault, expect):
     """Where CUDA IPC cannot work the producer warns why and serves a host ring."""
@@ -161,15 +166,72 @@ def test_producer_without_fallback_raises(procs, name, gpu_env):
     c.communicate(timeout=10)
 
 
-def test_consumer_without_driver_falls_back(procs, name, gpu_env):
-    """A consumer that cannot open the GPU ring warns why and reads the host copy."""
+@pytest.mark.parametrize("fault,expect", [
+    ({"FAKECUDA_FAIL_INIT": "1"}, "cuInit failed"),
+    # any driver call that fails while the consumer opens the ring
+    ({"FAKECUDA_FAIL_OP": "ipc_open_event"}, "cuIpcOpenEventHandle of a ring slot: "
+                                             "CUDA_ERROR_NOT_SUPPORTED"),
+    ({"FAKECUDA_FAIL_OP": "ipc_open_mem", "FAKECUDA_FAIL_CODE": "999"},
+     "cuIpcOpenMemHandle of a ring slot: CUDA_ERROR_UNKNOWN"),
+    ({"FAKECUDA_FAIL_OP": "ctx_retain"}, "cuDevicePrimaryCtxRetain: CUDA_ERROR_NOT_SUPPORTED"),
+])
+def test_consumer_that_cannot_open_the_ring_falls_back(procs, name, gpu_env, fault, expect):
+    """A consumer that cannot open the GPU ring warns why and reads the host copy; what
+    it had opened is closed again (the gpu_env fixture checks nothing is left)."""
     prod, (c,) = _run(procs, name, gpu_env, producer=("--device", "cuda:0"),
-                      consumers=((),), cenv={"FAKECUDA_FAIL_INIT": "1"})
+                      consumers=((),), cenv=fault)
     assert prod["stats"]["device"] == "cuda:0"
     assert c["errors"] == [] and c["epochs"] == _expected() and c["zero_copy"] is True
     assert c["stats"]["device"] == "cpu" and c["stats"]["zero_copy_gpu"] is False
-    assert "cuInit failed" in c["stats"]["device_fallback_reason"]
+    assert expect in c["stats"]["device_fallback_reason"]
     assert any("GPUFallbackWarning" in w for w in c["warnings"])
+
+
+def test_driver_initialised_before_fork(fake_lib):
+    """A process forked after the driver was initialised cannot use it: GPU rings and
+    gpu_status() in the child say so, and share() refuses to fork a producer."""
+    import subprocess
+    import sys
+
+    script = r"""
+import json, os, sys
+import torch
+from tensorsocket import _core, gpu_status, share
+before = _core.cuda_loaded()
+assert gpu_status()["available"], gpu_status()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    out = {"loaded": _core.cuda_loaded(), "status": gpu_status()["reason"]}
+    try:
+        _core.Ring.create("/tensorsocket-forktest-%d" % os.getpid(), 2, 4096, 2, device=0)
+        out["create"] = "created"
+    except Exception as e:
+        out["create"] = f"{type(e).__name__}: {e}"
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 65536))
+os.waitpid(pid, 0)
+try:
+    share([torch.zeros(1)], name="forktest")
+    refused = ""
+except RuntimeError as e:
+    refused = str(e)
+print(json.dumps({"before": before, "child": child, "refused": refused}))
+"""
+    env = {**os.environ, "TENSORSOCKET_LIBCUDA": str(fake_lib)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["before"] is False
+    assert r["child"]["loaded"] is True
+    assert "which forked this one" in r["child"]["status"]
+    assert r["child"]["create"].startswith("GPUUnavailable: the CUDA driver was initialised")
+    assert "CUDA is already initialised in this process by tensorsocket" in r["refused"]
 
 
 def test_cpu_consumer_on_gpu_ring(procs, name, gpu_env):

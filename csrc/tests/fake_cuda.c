@@ -21,8 +21,11 @@
  *
  * Environment: FAKECUDA_DEVICES, FAKECUDA_VISIBLE, FAKECUDA_FAIL_INIT,
  * FAKECUDA_NO_IPC_EVENTS, FAKECUDA_MIG, FAKECUDA_MEM_LIMIT,
- * FAKECUDA_OP_DELAY_US (read by cuInit) and FAKECUDA_LOG (a file every call
- * appends one line to: "<pid> <op> key=value ...").
+ * FAKECUDA_OP_DELAY_US, FAKECUDA_COMPUTE_MODE (the value of that attribute),
+ * FAKECUDA_FAIL_OP (an op name, as in the log: every call of it fails after
+ * cuInit) with FAKECUDA_FAIL_CODE (default 801, CUDA_ERROR_NOT_SUPPORTED)
+ * (read by cuInit) and FAKECUDA_LOG (a file every call appends one line to:
+ * "<pid> <op> key=value ...").
  *
  * Build (from the repository root):
  *   cc -std=c11 -Wall -Wextra -Werror -O1 -g -shared -fPIC -pthread -fvisibility=default \
@@ -201,6 +204,9 @@ static struct {
     int mig;
     unsigned long long mem_limit; /* 0: none */
     unsigned op_delay_us;
+    int compute_mode;   /* CU_DEVICE_ATTRIBUTE_COMPUTE_MODE of every device */
+    int fail_op;        /* an fc_opcode that always fails, or -1 */
+    CUresult fail_code; /* what it fails with */
 } g_cfg;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* guards everything below */
@@ -439,8 +445,10 @@ static void fc_pin_library(void)
 /* CUDA_SUCCESS if cuInit succeeded, else log op's failure. */
 static CUresult fc_need_init(fc_opcode op)
 {
-    if (atomic_load_explicit(&g_inited, memory_order_acquire)) return CUDA_SUCCESS;
-    return fc_fail(op, CUDA_ERROR_NOT_INITIALIZED, "cuInit_not_called");
+    if (!atomic_load_explicit(&g_inited, memory_order_acquire))
+        return fc_fail(op, CUDA_ERROR_NOT_INITIALIZED, "cuInit_not_called");
+    if ((int)op == g_cfg.fail_op) return fc_fail(op, g_cfg.fail_code, "FAKECUDA_FAIL_OP");
+    return CUDA_SUCCESS;
 }
 
 /* The calling thread's current context, which must be retained; else fail op. */
@@ -833,6 +841,12 @@ static int fc_configure(void)
     g_cfg.mem_limit = fc_env_ull("FAKECUDA_MEM_LIMIT", 0);
     unsigned long long delay = fc_env_ull("FAKECUDA_OP_DELAY_US", 0);
     g_cfg.op_delay_us = delay > 60000000ULL ? 60000000u : (unsigned)delay;
+    g_cfg.compute_mode = (int)fc_env_ull("FAKECUDA_COMPUTE_MODE", 0);
+    g_cfg.fail_op = -1;
+    const char *fail = getenv("FAKECUDA_FAIL_OP");
+    for (int op = 0; fail != NULL && op < FC_OP_COUNT; op++)
+        if (strcmp(fail, fc_op_names[op]) == 0) g_cfg.fail_op = op;
+    g_cfg.fail_code = (CUresult)fc_env_ull("FAKECUDA_FAIL_CODE", CUDA_ERROR_NOT_SUPPORTED);
     return g_cfg.nvis > 0 ? 0 : -1;
 }
 
@@ -912,7 +926,8 @@ FC_API CUresult cuDeviceGet(CUdevice *device, int ordinal)
     return CUDA_SUCCESS;
 }
 
-/* Attributes: unified addressing 1, IPC events 1 (0 with FAKECUDA_NO_IPC_EVENTS), others 0. */
+/* Attributes: unified addressing 1, IPC events 1 (0 with FAKECUDA_NO_IPC_EVENTS), read-only
+ * host registration 1, compute mode FAKECUDA_COMPUTE_MODE (0: default), others 0. */
 FC_API CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device)
 {
     CUresult rc = fc_need_init(FC_OP_DEVICE_ATTR);
@@ -923,6 +938,8 @@ FC_API CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device)
     int v = 0;
     if (attribute == CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) v = 1;
     if (attribute == CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED) v = !g_cfg.no_ipc_events;
+    if (attribute == CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED) v = 1;
+    if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_MODE) v = g_cfg.compute_mode;
     *value = v;
     fc_log(FC_OP_DEVICE_ATTR, "dev=%d attr=%d value=%d", device, attribute, v);
     return CUDA_SUCCESS;

@@ -759,6 +759,75 @@ out:
     prod_close(&p);
 }
 
+/* A view exported with stream -1 (the caller orders its own work) or 2 (the exporting
+ * thread's per-thread stream) is released only after all work of the context: here a
+ * kernel on a third stream that was never exported. The batch is made ready first
+ * through a view on our stream, dropped at once. */
+static void unfollowed_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    launch_read_fn launch = NULL;
+    CUstream other = NULL;
+    uint8_t want[32];
+    size_t n = leaf_bytes(5, 0, want);
+    if (cons_ready(&c, in, out, &launch) != 0) goto out;
+    REQUIRE(CHECK_CU(c.api->StreamCreate(&other, CU_STREAM_NON_BLOCKING)));
+    for (int round = 0; round < 2; round++) {
+        const int64_t stream = round == 0 ? -1 : 2;
+        unsigned long long sum = 0;
+        REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+        CHECK_EQ(a.index, 5);
+        uint64_t bit = 1ULL << c.index;
+        ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+        REQUIRE(l != NULL);
+        void *ready = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+        REQUIRE(CHECK_ST(ready != NULL ? TS_OK : err.code, TS_OK));
+        CHECK_CU(c.api->StreamSynchronize(c.stream));
+        ts_export_delete(ready, 1);
+        void *t = export_dev(l, 0, 1, 0, stream, &err);
+        REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+        CHECK_EQ(l->all_streams, 1);
+        REQUIRE(CHECK_CU(launch(other, (CUdeviceptr)(uintptr_t)tensor_of(t, 1)->data, n, &sum,
+                                KERNEL_US)));
+        uint64_t t_launch = ts_now_ns();
+        ts_export_delete(t, 1);
+        ts_lease_unref(l);
+        CHECK(readers_of(c.ring, a.slot) & bit);
+        CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
+        uint64_t waited = ts_now_ns() - t_launch;
+        if (!CHECK(waited >= KERNEL_US * 1000ULL))
+            printf("    stream %lld: released %llu us after the kernel was queued\n",
+                   (long long)stream, (unsigned long long)(waited / 1000));
+        CHECK_EQ(sum, fnv1a(want, n)); /* the kernel ran before the release */
+        SEND(out, M_DONE, 0, 0);
+    }
+    RECV(in, M_BYE, m);
+out:
+    if (other != NULL) CHECK_CU(c.api->StreamDestroy(other));
+    cons_close(&c);
+}
+
+static void test_unfollowed_streams(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(prod_start(&p, &c, unfollowed_consumer, &index) == 0);
+    for (uint64_t round = 0; round < 2; round++) {
+        REQUIRE_OK(publish_batch(p.ring, 5, &err));
+        RECV(c.from, M_DONE, m);
+    }
+    CHECK(prod_finish(&p, &c) == 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
 /* ==========================================================================
  * 4. stream=-1 exports and private device copies
  * ========================================================================== */
@@ -792,7 +861,7 @@ static void variants_consumer(int in, int out)
     CHECK(device_leaf_ok(&c, tensor_of(tv2, 1), a.slot, 1, 3, 0));
     ts_export_delete(tv2, 1);
 
-    /* stream -1: no wait is queued; the release follows the legacy stream. */
+    /* stream -1: no wait is queued; the release waits for the whole context. */
     int waits = fc_counter(c.api, "stream_wait_event");
     void *tn = export_dev(l, 1, 1, 0, -1, &err);
     REQUIRE(CHECK_ST(tn != NULL ? TS_OK : err.code, TS_OK));
@@ -801,6 +870,7 @@ static void variants_consumer(int in, int out)
     CHECK(device_leaf_ok(&c, tensor_of(tn, 1), a.slot, 1, 3, 0));
     CHECK_EQ(l->n_streams, 2);
     CHECK(l->streams[1] == TS_CU_STREAM_LEGACY);
+    CHECK_EQ(l->all_streams, 1);
 
     /* stream 0 is not a DLPack stream. */
     CHECK(export_dev(l, 0, 1, 0, 0, &err) == NULL);
@@ -816,7 +886,7 @@ static void variants_consumer(int in, int out)
     CHECK(device_leaf_ok(&c, tensor_of(tcopy, 1), a.slot, 0, 3, 1));
     CHECK_EQ(atomic_load(&l->refs), 3); /* ours + two views; the copy holds none */
 
-    /* Dropping the views and the lease releases the slot (after both streams). */
+    /* Dropping the views and the lease releases the slot (after the whole context). */
     ts_export_delete(tv, 1);
     ts_export_delete(tn, 1);
     ts_lease_unref(l);
@@ -1133,6 +1203,7 @@ static const ts_test g_tests[] = {
     {"import", test_import},
     {"device_views", test_device_views},
     {"deferred_release", test_deferred_release},
+    {"unfollowed_streams", test_unfollowed_streams},
     {"export_variants", test_export_variants},
     {"reaper_last_ref", test_reaper_last_ref},
     {"wait_released", test_wait_released},
