@@ -85,6 +85,7 @@ typedef struct msg {
     uint64_t a, b;
 } msg;
 
+/* Send message tag (a, b) on fd in one write; 1 if all of it was written. */
 static int send_msg(int fd, uint32_t tag, uint64_t a, uint64_t b)
 {
     msg m = {tag, 0, a, b};
@@ -177,6 +178,7 @@ static int spawn(peer *p, child_fn fn)
     return 0;
 }
 
+/* Take fd off the pipe ends a later child closes (the caller is closing it). */
 static void forget_fd(int fd)
 {
     for (int i = 0; i < g_nfds; i++)
@@ -438,6 +440,7 @@ static int cons_open(cons *c, int in)
     return 0;
 }
 
+/* Undo cons_open (ring, stream, context, driver); no device memory or event may be left. */
 static void cons_close(cons *c)
 {
     if (c->ring != NULL) ts_ring_unref(c->ring); /* joins the reaper, closes the mappings */
@@ -464,6 +467,7 @@ static int cons_ready(cons *c, int in, int out, launch_read_fn *launch)
     return CHECK(send_msg(out, M_READY, 0, 0)) ? 0 : -1;
 }
 
+/* The DLPack stream argument that names CUDA stream s. */
 static int64_t stream_arg(CUstream s) { return (int64_t)(uintptr_t)s; }
 
 /* Export leaf i of the lease as a device tensor. */
@@ -475,6 +479,7 @@ static void *export_dev(ts_lease *l, uint32_t i, int versioned, int copy, int64_
     return ts_export_leaf(l, i, &o, err);
 }
 
+/* The DLTensor of an exported tensor, versioned or legacy. */
 static DLTensor *tensor_of(void *managed, int versioned)
 {
     return versioned ? &((DLManagedTensorVersioned *)managed)->dl_tensor
@@ -527,6 +532,7 @@ static int device_leaf_ok(const cons *c, const DLTensor *t, uint32_t slot, uint3
  * 1. Creating a CUDA ring, importing its pool
  * ========================================================================== */
 
+/* Consumer: the imported pool, repeated and other-device imports; unref closes the mappings. */
 static void import_consumer(int in, int out)
 {
     cons c;
@@ -572,6 +578,7 @@ out:
     cons_close(&c);
 }
 
+/* A CUDA ring's header and IPC table, and the importer entry while a consumer maps its pool. */
 static void test_import(void)
 {
     prod p = {0};
@@ -633,6 +640,7 @@ out:
 
 #define DV_BATCHES 10
 
+/* Consumer: read DV_BATCHES batches through device views; every deferred release happens. */
 static void views_consumer(int in, int out)
 {
     cons c;
@@ -680,6 +688,7 @@ out:
     cons_close(&c);
 }
 
+/* Device views of 10 batches through 4 slots: right bytes, one copy per batch, slots reused. */
 static void test_device_views(void)
 {
     prod p = {0};
@@ -707,6 +716,7 @@ out:
 
 #define KERNEL_US 200000
 
+/* Consumer: drop a view with a kernel queued on it; the slot is released only after the kernel. */
 static void deferred_consumer(int in, int out)
 {
     cons c;
@@ -742,6 +752,7 @@ out:
     cons_close(&c);
 }
 
+/* A dropped device view releases its slot only once the kernel queued on it has run. */
 static void test_deferred_release(void)
 {
     prod p = {0};
@@ -810,6 +821,7 @@ out:
     cons_close(&c);
 }
 
+/* Views on stream -1 or 2 are released only after a kernel on a stream never exported. */
 static void test_unfollowed_streams(void)
 {
     prod p = {0};
@@ -832,6 +844,7 @@ out:
  * 4. stream=-1 exports and private device copies
  * ========================================================================== */
 
+/* Consumer: views on our stream and on stream -1, stream 0 refused, and a private device copy. */
 static void variants_consumer(int in, int out)
 {
     cons c;
@@ -904,6 +917,7 @@ out:
     cons_close(&c);
 }
 
+/* stream=-1 exports, a refused stream 0 and private device copies, on one batch. */
 static void test_export_variants(void)
 {
     prod p = {0};
@@ -926,6 +940,7 @@ out:
 
 #define LAST_REF_KERNEL_US 300000
 
+/* Consumer: drop the ring while a release is pending; the reaper then tears the GPU state down. */
 static void last_ref_consumer(int in, int out)
 {
     cons c;
@@ -963,6 +978,7 @@ out:
     cons_close(&c); /* then exit(): LeakSanitizer checks the freed state */
 }
 
+/* The reaper drops the last ring reference: slot and pool are released, the consumer lives on. */
 static void test_reaper_last_ref(void)
 {
     prod p = {0};
@@ -995,6 +1011,7 @@ out:
  * 6. ts_ring_wait_released waits for the importers, live ones only
  * ========================================================================== */
 
+/* Consumer: import, then on GO drop the ring (closing its mapping) and stay alive. */
 static void leaver_consumer(int in, int out)
 {
     cons c;
@@ -1009,6 +1026,7 @@ out:
     cons_close(&c);
 }
 
+/* Consumer: import and wait; the producer SIGKILLs it with its mapping open. */
 static void victim_consumer(int in, int out)
 {
     cons c;
@@ -1019,6 +1037,7 @@ out:
     cons_close(&c);
 }
 
+/* ts_ring_wait_released waits for live importers only: a closed or a killed one does not count. */
 static void test_wait_released(void)
 {
     prod p = {0};
@@ -1129,6 +1148,7 @@ out:
     unsetenv("FAKECUDA_NO_IPC_EVENTS");
 }
 
+/* Consumer: read batch 9 through device views of both leaves and release its slot. */
 static void reader_consumer(int in, int out)
 {
     cons c;
@@ -1242,6 +1262,7 @@ static int run_group(const ts_test *tests, size_t i)
     return 0;
 }
 
+/* Run the groups whose name contains argv[1] (all without it); needs TENSORSOCKET_LIBCUDA. */
 int main(int argc, char **argv)
 {
     g_role = "main";

@@ -80,16 +80,22 @@ static int consumer_add(fixture *fx, consumer *c, int activate)
     return ok ? 0 : -1;
 }
 
+/* Drop the consumer's own ring handle (if it has one). */
 static void consumer_drop(consumer *c)
 {
     if (c->ring != NULL) ts_ring_unref(c->ring);
     c->ring = NULL;
 }
 
+/* The seq of the entry slot k of r holds. */
 static uint64_t seq_of(const ts_ring *r, uint32_t k) { return ts_ring_slot(r, k)->seq; }
+/* The state of consumer table entry i of r. */
 static uint32_t state_of(const ts_ring *r, uint32_t i) { return r->hdr->consumers[i].state; }
+/* How many entries the producer of fx has published. */
 static uint64_t published(const fixture *fx) { return fx->prod->hdr->published; }
+/* Why consumer i of r stopped receiving (TS_REASON_*). */
 static uint32_t reason_of(const ts_ring *r, uint32_t i) { return r->hdr->consumers[i].reason; }
+/* The cursor of consumer i of r (the next seq it reads, | TS_CURSOR_DETACHED). */
 static uint64_t cursor_of(const ts_ring *r, uint32_t i) { return r->hdr->consumers[i].cursor; }
 
 /* Publish an END_EPOCH marker (no leaves, no meta). */
@@ -99,6 +105,7 @@ static ts_status publish_end(ts_ring *prod, uint64_t epoch, uint64_t index, ts_e
                            deadline_ms(1000), err);
 }
 
+/* Write "meta-<tag>" into buf (cap bytes); its length. */
 static size_t meta_for(uint64_t tag, char *buf, size_t cap)
 {
     return (size_t)snprintf(buf, cap, "meta-%llu", (unsigned long long)tag);
@@ -1530,6 +1537,7 @@ static const ts_test g_tests[] = {
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
 };
 
+/* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
 int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
