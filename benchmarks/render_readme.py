@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -84,10 +85,16 @@ def _collocated(doc: dict) -> list[str]:
             f"| {_num(ratios.get('cpu_s_per_sample'), '.2f')}x "
             f"| {cell('independent', n, 'peak_rss_total_mb', ',.0f')} MB "
             f"| {cell('shared', n, 'peak_rss_total_mb', ',.0f')} MB |")
-    errors = sorted({e for r in rows if r["mode"] == "original" for e in r.get("errors") or []})
+    # The same failure at several N differs only in its count of consumers: say it once.
+    errors: dict[str, set[int]] = {}
+    for r in rows:
+        for e in (r.get("errors") or []) if r["mode"] == "original" else []:
+            text = re.sub(r"^check failed in (\d+) of \1 consumers", "check failed in every "
+                          "consumer", e)[:200]
+            errors.setdefault(text, set()).add(r["consumers"])
     if errors:
-        out += ["", "The original TensorSocket in this workload: " +
-                "; ".join(f"`{e[:200]}`" for e in errors)]
+        out += ["", "The original TensorSocket in this workload: " + "; ".join(
+            f"N={', '.join(map(str, sorted(ns)))}: `{text}`" for text, ns in errors.items())]
     return out
 
 

@@ -6,6 +6,7 @@
 
 #include "ts_backend.h"
 #include "ts_copy.h"
+#include "ts_fault.h"
 #include "ts_ring.h"
 
 /* Map the data area: read-write for the producer, read-only for consumers. */
@@ -21,13 +22,17 @@ ts_status ts_host_open(ts_ring *ring, int fd, ts_err *err)
     ring->data = p;
     ring->data_bytes = bytes;
     if (ring->is_producer) ring->stream_min = ts_copy_stream_threshold(bytes);
+    else ts_fault_watch(p, bytes); /* an in-place op on a batch gets named */
     return TS_OK;
 }
 
 /* Unmap the data area. */
 void ts_host_close(ts_ring *ring)
 {
-    if (ring->data != NULL) munmap(ring->data, ring->data_bytes);
+    if (ring->data != NULL) {
+        if (!ring->is_producer) ts_fault_unwatch(ring->data);
+        munmap(ring->data, ring->data_bytes);
+    }
     ring->data = NULL;
 }
 

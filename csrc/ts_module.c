@@ -1454,6 +1454,15 @@ done:
     return result;
 }
 
+/* set_process_name(name): what ps and top show for this process (15 bytes kept). */
+static PyObject *ts_py_set_process_name(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    if (ts_proc_set_name(name) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
 /* cuda_loaded() -> bool: this process (or the one that forked it) initialised the driver. */
 static PyObject *ts_py_cuda_loaded(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
@@ -1464,6 +1473,8 @@ static PyObject *ts_py_cuda_loaded(PyObject *module, PyObject *Py_UNUSED(ignored
 static PyMethodDef ts_module_methods[] = {
     {"cuda_status", ts_py_cuda_status, METH_NOARGS,
      "Whether the GPU path is available: driver, devices, or the reason it is not."},
+    {"set_process_name", ts_py_set_process_name, METH_O,
+     "Name this process as ps and top show it (its first 15 bytes; Linux)."},
     {"cuda_loaded", ts_py_cuda_loaded, METH_NOARGS,
      "True once the CUDA driver was initialised here (or in the process that forked this "
      "one); it never loads the driver."},

@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "ts_proc.h"
 
+#include <sys/prctl.h>
 #include <sys/stat.h>
 
 #include <fcntl.h>
@@ -61,4 +62,12 @@ uint64_t ts_proc_pid_ns(void)
     struct stat st;
     if (stat("/proc/self/ns/pid", &st) != 0) return 0;
     return (uint64_t)st.st_ino;
+}
+
+/* Name the calling thread (see ts_proc.h). */
+int ts_proc_set_name(const char *name)
+{
+    char comm[16];
+    snprintf(comm, sizeof comm, "%s", name); /* the kernel keeps 15 bytes and a NUL */
+    return prctl(PR_SET_NAME, (unsigned long)comm, 0UL, 0UL, 0UL);
 }

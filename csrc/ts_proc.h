@@ -17,4 +17,8 @@ int ts_proc_alive(pid_t pid, uint64_t start_time);
  * processes with different values cannot share CUDA IPC handles. */
 uint64_t ts_proc_pid_ns(void);
 
+/* Name the calling thread (the process, from its main thread) as ps, top and
+ * /proc/pid/comm show it: the first 15 bytes of name. 0, or -1 with errno. */
+int ts_proc_set_name(const char *name);
+
 #endif /* TS_PROC_H */

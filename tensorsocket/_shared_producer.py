@@ -205,6 +205,7 @@ def _producer_process(loader: Any, endpoint: Endpoint, epochs: int | None,
         reporter.send({"pid": os.getpid(), "start": _core.process_start_time(os.getpid())})
         try:
             _setup_process(log_path)
+            _core.set_process_name(f"ts:{endpoint.name}")  # what ps and top show (15 bytes)
         except BaseException as e:
             reporter.error(f"cannot set up the producer process: {type(e).__name__}: {e}")
             raise

@@ -35,6 +35,7 @@ log = logging.getLogger("tensorsocket")
 DL_CUDA = 2  # DLDeviceType of a GPU ring
 
 DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
+STALL_WARN_AFTER = 5.0  # seconds waiting for a batch the consumer's own held batches block
 
 
 class TensorConsumer:
@@ -72,7 +73,15 @@ class TensorConsumer:
     producer's loader has no ``len()`` (a generator, say), or, with
     ``batch_size=``, when its sample count is unknown (a loader that is
     neither a DataLoader nor has an int ``batch_size``). ``tqdm(consumer)``
-    and ``list(consumer)`` handle that TypeError.
+    handles that TypeError.
+
+    Keeping batches: the ring has a few slots (``TensorProducer(ring_slots=)``)
+    and every batch still alive holds one, so code that keeps more batches
+    than that (``list(consumer)``, a batch taken with ``next(iter(consumer))``
+    and kept while the loop runs) stops the producer and every consumer. A
+    consumer that waits for a batch its own kept batches block warns after a
+    few seconds (TensorSocketWarning); ``copy=True`` gives batches that hold
+    no slot.
 
     Settings marked (env) below take their value from the argument, else from
     their ``TENSORSOCKET_*`` environment variable, else the default; see
@@ -106,6 +115,14 @@ class TensorConsumer:
       peer_access: read a GPU ring on another GPU through peer access
         (default True); False copies each batch into ``device`` instead.
     """
+
+    # Set by tensorsocket.share() on the consumers it returns.
+    started_producer: bool = False
+    """share(): True if this call started the producer process."""
+    producer_log: Any = None
+    """share(): the producer process's log file (a pathlib.Path), else None."""
+    dataset: Any = None
+    """share(): the caller's ``loader.dataset``, when its loader has one, else None."""
 
     def __init__(
         self,
@@ -204,6 +221,9 @@ class TensorConsumer:
         self.loader_batch_size: int | None = welcome["loader_batch_size"]
         self.samples_per_epoch: int | None = welcome["samples"]
         self._samples_exact: bool = welcome["samples_exact"]
+        # What the producer's loader reads: its dataset's type name and length (or None).
+        self.producer_dataset: str | None = welcome["dataset"]
+        self.producer_dataset_len: int | None = welcome["dataset_len"]
         self.producer_pid: int = welcome["producer_pid"]
         self.window: int = welcome["window"]
         self.max_lag: int | None = welcome["max_lag"] or None
@@ -410,7 +430,7 @@ class TensorConsumer:
         while True:
             start = time.perf_counter()
             try:
-                return self._ring.acquire(self.batch_timeout)
+                return self._acquire_slot()
             except ProducerFinished:
                 if self._epoch_pulled > 0 and self._after_end_marker:
                     # A late joiner's epoch spans two producer epochs, and the producer
@@ -455,6 +475,49 @@ class TensorConsumer:
                 ) from None
             finally:
                 self._wait_s += time.perf_counter() - start
+
+    def _acquire_slot(self) -> Any:
+        """Ring.acquire within batch_timeout; warns once if the wait is this consumer's
+        own doing (see _held_slots_blocking)."""
+        if self.batch_timeout is not None and self.batch_timeout <= STALL_WARN_AFTER:
+            return self._ring.acquire(self.batch_timeout)
+        try:
+            return self._ring.acquire(STALL_WARN_AFTER)
+        except TimeoutError:
+            held = self._held_slots_blocking()
+            if held:
+                message = (
+                    f"this consumer has waited {STALL_WARN_AFTER:.0f} s for its next batch, "
+                    f"which the producer cannot publish: the ring slot it must reuse holds a "
+                    f"batch this process received and still keeps alive ({held} of the "
+                    f"ring's {self._ring.info()['slot_count']} slots are held so). Every "
+                    "consumer of this producer waits until those batches are dropped. Kept "
+                    "batches are e.g. list(consumer), a batch from next(iter(consumer)) kept "
+                    "while the loop runs, or outputs that still reference a batch; drop them, "
+                    "or take private copies: TensorConsumer(copy=True) or tensor.clone()")
+                log.warning("%s", message)
+                warnings.warn(message, TensorSocketWarning, stacklevel=6)
+        remaining = None if self.batch_timeout is None else \
+            self.batch_timeout - STALL_WARN_AFTER
+        return self._ring.acquire(remaining)
+
+    def _held_slots_blocking(self) -> int:
+        """Slots this consumer holds (entries it took whose views are alive), if one of
+        them is the slot the producer must reuse for its next entry; else 0."""
+        info = self._ring.info()
+        slots, published = info["slot_count"], info["published"]
+        entry = self._ring.consumer(self._index)
+        if entry["token"] != self._client.token or published == 0 or entry["cursor"] >= 1 << 63:
+            return 0  # not ours any more, nothing published, nothing read yet, or detached
+        me = 1 << self._index
+        held = []
+        for k, readers in enumerate(self._ring.slot_readers()):
+            if k >= published or not readers & me:
+                continue
+            newest = published - 1 - (published - 1 - k) % slots  # the entry slot k holds
+            if newest < entry["cursor"]:
+                held.append(k)
+        return len(held) if published % slots in held else 0
 
     def _lagged(self) -> bool:
         entry = self._ring.consumer(self._index)

@@ -27,6 +27,7 @@ PENDING_TIMEOUT = 10.0  # a consumer that never says "ready" is dropped after th
 LIVENESS_INTERVAL = 0.25  # how often the server checks consumer processes
 MAX_ERROR_CHARS = 1000  # error replies stay well inside the protocol's string limit
 LAG_WARN_AFTER = 10.0  # seconds a consumer may hold the others back before a warning
+HELD_WARN_AFTER = 30.0  # seconds the producer may wait for a slot a consumer read and keeps
 
 
 @dataclass
@@ -80,6 +81,7 @@ class ControlServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.rejected = 0  # malformed messages seen
+        self._held: tuple[int, float, bool] = (-1, 0.0, False)  # (published, since, warned)
         self._handlers = {"hello": self._hello, "ready": self._ready,
                           "heartbeat": self._heartbeat, "bye": self._bye}
         self._thread = threading.Thread(target=self._run, name="tensorsocket-control", daemon=True)
@@ -228,6 +230,7 @@ class ControlServer:
         if ring is None:
             return
         self._check_lag(ring, now)
+        self._check_held(ring, now)
         for ident, peer in list(self._peers.items()):
             if peer.active and not peer.detached and \
                     ring.consumer(peer.index)["state"] == _core.CONSUMER_DETACHED:
@@ -253,6 +256,33 @@ class ControlServer:
                 ring.evict(entry["index"])
                 log.info("consumer %d (pid %d) exited after leaving, still holding batches; "
                          "its slots were released", entry["index"], entry["pid"])
+
+    def _check_held(self, ring: Any, now: float) -> None:
+        """Warn once when the producer has not published for HELD_WARN_AFTER seconds and
+        the slot it must reuse next is held by consumers that read its entry and keep it
+        alive: a training script keeping batches stalls every consumer."""
+        info = ring.info()
+        published, slots = info["published"], info["slot_count"]
+        readers = ring.slot_readers()[published % slots] if published >= slots else 0
+        last, since, warned = self._held
+        if published != last or readers == 0 or info["state"] != _core.RING_OPEN:
+            self._held = (published, now, False)
+            return
+        if warned or now - since < HELD_WARN_AFTER:
+            return
+        entry_seq = published - slots  # the entry in the slot to reuse
+        holders = [e for e in ring.consumers() if readers >> e["index"] & 1
+                   and entry_seq < e["cursor"] < 1 << 63]
+        if not holders:
+            return  # unread by a slow consumer: _check_lag's case
+        self._held = (published, since, True)
+        who = ", ".join(f"consumer {e['index']} (pid {e['pid']})" for e in holders)
+        log.warning(
+            "the producer has waited %.0f s to reuse a ring slot that %s read and still "
+            "keep%s alive; every consumer waits meanwhile. Unless a training step takes that "
+            "long, the script keeps batches (list(consumer), a batch from "
+            "next(iter(consumer)) kept while the loop runs): drop them, or use "
+            "TensorConsumer(copy=True)", now - since, who, "s" if len(holders) == 1 else "")
 
     def _check_lag(self, ring: Any, now: float) -> None:
         """Warn once about a consumer that holds the others back: it has been behind the

@@ -287,12 +287,15 @@ class TensorProducer:
         epoch has started and a callable's loader of it is known)."""
         loader = self._current
         samples, exact = _samples_per_epoch(loader)
+        dataset, dataset_len = data_identity(loader)
         return {
             "segment": self._segment,
             "length": self._length(),
             "loader_batch_size": _loader_batch_size(loader),
             "samples": samples,
             "samples_exact": exact,
+            "dataset": dataset,
+            "dataset_len": dataset_len,
             "epoch": self.epoch,
             "producer_pid": os.getpid(),
             "window": self.window,
@@ -668,7 +671,7 @@ def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
     producer = producer_ref()
     if producer is None:
         return {"segment": "", "length": None, "loader_batch_size": None, "samples": None,
-                "samples_exact": False,
+                "samples_exact": False, "dataset": None, "dataset_len": None,
                 "epoch": 0, "producer_pid": os.getpid(), "window": 0, "max_lag": 0,
                 "lag_policy": "raise"}
     return producer._welcome_info()
@@ -782,6 +785,21 @@ def _samples_per_epoch(loader: Any) -> tuple[int | None, bool]:
         except (AttributeError, TypeError):
             pass
     return batches * bs, False
+
+
+def data_identity(loader: Any) -> tuple[str | None, int | None]:
+    """(type name, length) of what a loader reads: its ``dataset`` when it has one (a
+    DataLoader), else the loader itself; None where unknown (a callable's loader before
+    its first epoch, an object without ``len()``)."""
+    if loader is None:
+        return None, None
+    data = getattr(loader, "dataset", loader)
+    kind = type(data)
+    try:
+        size = len(data)
+    except Exception:  # no len(), or an IterableDataset's TypeError
+        size = None
+    return f"{kind.__module__}.{kind.__qualname__}", size
 
 
 def _loader_batch_size(loader: Any) -> int | None:

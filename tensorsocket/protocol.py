@@ -14,12 +14,13 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: the welcome describes the loader's data
 MAX_MESSAGE_BYTES = 64 * 1024
 
 _INT = (int,)
 _OPT_INT = (int, type(None))
 _STR = (str,)
+_OPT_STR = (str, type(None))
 _BOOL = (bool,)
 
 # type -> {field: accepted python types}
@@ -39,6 +40,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "loader_batch_size": _OPT_INT,
         "samples": _OPT_INT,
         "samples_exact": _BOOL,
+        "dataset": _OPT_STR,
+        "dataset_len": _OPT_INT,
         "epoch": _INT,
         "producer_pid": _INT,
         "window": _INT,

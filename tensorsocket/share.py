@@ -80,8 +80,8 @@ from .config import UNSET
 from .consumer import TensorConsumer
 from .control import ControlClient
 from .endpoints import Endpoint, resolve
-from .errors import ProducerFinished, ProducerGone, ProducerNotFound
-from .producer import TensorProducer
+from .errors import ProducerFinished, ProducerGone, ProducerNotFound, TensorSocketError
+from .producer import TensorProducer, data_identity
 from .rebatch import consumer_len
 
 __all__ = ["share"]
@@ -192,6 +192,12 @@ def share(
         consumer = _attach(endpoint, want_bs, want_dl, consumer_kw)
     finally:
         release_lock(fd, lock_path)
+    if not started:
+        try:
+            _check_same_data(consumer, loader, endpoint, idle_timeout)
+        except BaseException:
+            consumer.close()
+            raise
     consumer.started_producer = started
     consumer.producer_log = log_path
     if hasattr(loader, "dataset"):
@@ -251,6 +257,32 @@ def _managed_message(key: str) -> str:
     return (f"share() sets {key}= itself: the producer waits for its first consumer, pauses "
             "while none is attached and ends idle_timeout= seconds after the last one left; "
             "pass share(..., idle_timeout=) instead")
+
+
+def _check_same_data(consumer: TensorConsumer, loader: Any, endpoint: Endpoint,
+                     idle_timeout: float | None) -> None:
+    """A producer this call did not start must read the same data as this caller's loader
+    (type and length of its dataset, where both are known): else a script edited and run
+    again while the last run's producer idles would silently train on the old data.
+    Batch sizes may differ (the consumer re-batches)."""
+    if callable(loader) and not hasattr(type(loader), "__iter__"):
+        return  # a factory of loaders: nothing to compare before it runs
+    kind, size = data_identity(loader)
+    theirs, their_size = consumer.producer_dataset, consumer.producer_dataset_len
+    differs = []
+    if kind is not None and theirs is not None and kind != theirs:
+        differs.append(f"it reads a {theirs}, this script's loader a {kind}")
+    if size is not None and their_size is not None and size != their_size:
+        differs.append(f"its dataset has {their_size} samples, this script's {size}")
+    if not differs:
+        return
+    idle = "" if idle_timeout is None else f" (it stays up idle_timeout={idle_timeout} s " \
+        "after its last consumer leaves)"
+    raise TensorSocketError(
+        f"the shared producer {endpoint.name!r} (pid {consumer.producer_pid}) serves other "
+        f"data than this script's loader: {'; '.join(differs)}. It was started by an earlier "
+        f"share() call{idle}: wait for it to end, stop it (kill {consumer.producer_pid}), or "
+        "share this loader under another name=; `tensorsocket status` lists the producers")
 
 
 def _check_loader(loader: Any, epochs: int | None) -> None:

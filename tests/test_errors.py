@@ -172,3 +172,46 @@ def test_segment_still_being_created_reads_as_not_there_yet(name):
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+IN_PLACE = r"""
+import sys
+from tensorsocket import TensorConsumer
+c = TensorConsumer(name=sys.argv[1], timeout=30)
+x, y = next(iter(c))
+print("received", flush=True)
+x.div_(255)
+print("written", flush=True)
+"""
+
+
+@pytest.mark.filterwarnings("ignore:the producer finished in the middle")  # a late joiner
+@pytest.mark.parametrize("faulthandler", [False, True])
+def test_in_place_write_to_a_batch_names_the_cause(procs, name, faulthandler):
+    """An in-place op on a batch tensor stops the process (the mapping is read-only), with
+    one line on stderr saying why and what to do instead; Python's faulthandler, when on,
+    still prints its traceback after it. The other consumers lose nothing."""
+    import signal
+    import subprocess
+    import sys
+
+    p = procs.start("producer", "--name", name, "--kind", "tuple", "--batches", "6")
+    procs.wait_ready(p)
+    flags = ["-X", "faulthandler"] if faulthandler else []
+    r = subprocess.run([sys.executable, *flags, "-c", IN_PLACE, name], capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout.split() == ["received"]
+    if os.environ.get("TENSORSOCKET_SANITIZE") != "1":  # ASan reports the fault its own way
+        assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stderr)
+    else:
+        assert r.returncode != 0
+    assert "tensorsocket: this process wrote into a batch tensor" in r.stderr, r.stderr
+    assert "TensorConsumer(copy=True)" in r.stderr
+    if faulthandler:
+        assert r.stderr.index("tensorsocket: this process") < r.stderr.index("Fatal Python")
+        assert "line 7 in <module>" in r.stderr
+    # The batch is intact for the next consumer, which reads the whole epoch.
+    with TensorConsumer(name=name, timeout=30) as c:
+        values = [int(x[0, 0]) for x, _ in c]
+    assert values[-1] == 5 and all(v == i + (6 - len(values)) for i, v in enumerate(values))
+    procs.result(p)

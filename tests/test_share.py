@@ -340,6 +340,7 @@ def test_len_and_epochs_in_process(rt, name):
     loader = DataLoader(ds, batch_size=4)
     c = tensorsocket.share(loader, name=name, epochs=1, idle_timeout=30)
     assert isinstance(c, TensorConsumer) and c.started_producer
+    assert psutil.Process(c.producer_pid).name() == f"ts:{name}"[:15]  # as ps and top show it
     assert c.dataset is ds
     assert len(c) == len(loader) == 3
     assert [b.tolist() for (b,) in c] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -415,3 +416,35 @@ def test_attaches_to_a_running_producer_without_starting_one(rt, name):
     c.close()
     producer.join()
     assert_nothing_left(rt, name)
+
+
+def test_stale_producer_serving_other_data_is_refused(rt, name):
+    """A producer left idling by an earlier run (another dataset length or type) is not
+    silently used: share() names what differs, the pid and the way out."""
+    first = tensorsocket.share(DataLoader(TensorDataset(torch.arange(12)), batch_size=4),
+                               name=name, idle_timeout=30)
+    pid = first.producer_pid
+    first.close()  # the run ended; its producer idles
+    other_len = DataLoader(TensorDataset(torch.arange(20)), batch_size=4)
+    with pytest.raises(TensorSocketError, match=rf"pid {pid}\) serves other data.*has 12 "
+                                                rf"samples, this script's 20.*kill {pid}"):
+        tensorsocket.share(other_len, name=name)
+
+    class Other(Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            return torch.tensor(i)
+
+    with pytest.raises(TensorSocketError, match="reads a torch.utils.data.dataset.TensorDataset"
+                                                ", this script's loader a .*Other"):
+        tensorsocket.share(DataLoader(Other(), batch_size=4), name=name)
+    # The same data with another batch size is fine: the consumer re-batches.
+    again = tensorsocket.share(DataLoader(TensorDataset(torch.arange(12)), batch_size=6),
+                               name=name)
+    assert not again.started_producer and again.producer_pid == pid
+    assert [len(b) for (b,) in again] == [6, 6]
+    again.close()
+    os.kill(pid, signal.SIGTERM)
+    wait_gone(pid, 10)
