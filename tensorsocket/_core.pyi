@@ -1,6 +1,6 @@
 """Type stubs for the C core (csrc/ts_module.c)."""
 
-from typing import Any, Sequence, TypedDict
+from typing import Any, Sequence, TypedDict, final
 
 MAX_CONSUMERS: int
 MAX_NDIM: int
@@ -17,7 +17,7 @@ REASON_DIED: int
 RING_OPEN: int
 RING_FINISHED: int
 
-class ConsumerEntry(TypedDict):
+class _ConsumerEntry(TypedDict):
     """One entry of a ring's consumer table (Ring.consumers(), Ring.consumer(i))."""
 
     index: int
@@ -46,13 +46,14 @@ class SharedMemoryTooSmall(TensorSocketError, OSError): ...
 class GPUUnavailable(TensorSocketError): ...
 class CudaError(TensorSocketError): ...
 
-DLType = tuple[int, int, int]
+_DLType = tuple[int, int, int]  # DLPack (code, bits, lanes)
 
+@final
 class SlotView:
     """One tensor of a ring slot; implements the DLPack protocol."""
 
     shape: tuple[int, ...]
-    dtype: DLType
+    dtype: _DLType
     nbytes: int
     data_ptr: int
     def __dlpack__(
@@ -65,6 +66,7 @@ class SlotView:
     ) -> Any: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
 
+@final
 class Slot:
     """A consumer's hold on one published ring slot."""
 
@@ -88,6 +90,7 @@ class Slot:
     def __enter__(self) -> "Slot": ...
     def __exit__(self, *exc: object) -> None: ...
 
+@final
 class Ring:
     """A process's handle on a shared-memory ring segment."""
 
@@ -109,7 +112,7 @@ class Ring:
     def evict(self, index: int) -> None: ...
     def publish(
         self,
-        leaves: Sequence[tuple[Any, DLType]],
+        leaves: Sequence[tuple[Any, _DLType]],
         meta: bytes,
         *,
         end_of_epoch: bool = False,
@@ -122,8 +125,8 @@ class Ring:
     def finish(self) -> None: ...
     def bind(self, index: int, token: int) -> None: ...
     def acquire(self, timeout: float | None = None) -> Slot: ...
-    def consumers(self) -> list[ConsumerEntry]: ...
-    def consumer(self, index: int) -> ConsumerEntry: ...
+    def consumers(self) -> list[_ConsumerEntry]: ...
+    def consumer(self, index: int) -> _ConsumerEntry: ...
     def slot_readers(self) -> tuple[int, ...]: ...
     def info(self) -> dict[str, Any]: ...
     def import_device(self, device: int | None = None) -> int: ...

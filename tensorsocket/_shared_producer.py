@@ -97,7 +97,8 @@ def _wait_ready(rfd: int, endpoint: Endpoint, log_path: Path, timeout: float | N
                     raise TensorSocketError(
                         f"the shared producer {endpoint.name!r} failed before its first batch: "
                         f"{msg['error']} (its log, with the traceback: {log_path})")
-            gone = eof or (pid is not None and not _core.process_alive(pid, start))
+            gone = eof or (pid is not None and start is not None
+                           and not _core.process_alive(pid, start))
             if gone:
                 _wait_gone(pid, start)
                 raise TensorSocketError(
@@ -125,7 +126,7 @@ def _wait_ready(rfd: int, endpoint: Endpoint, log_path: Path, timeout: float | N
 
 def _stop(pid: int | None, start: int | None) -> None:
     """SIGTERM the producer (it tears down cleanly), SIGKILL if it lingers."""
-    if pid is None or not _core.process_alive(pid, start):
+    if pid is None or start is None or not _core.process_alive(pid, start):
         return
     os.kill(pid, signal.SIGTERM)
     if not _wait_gone(pid, start, _KILL_GRACE):
@@ -135,7 +136,7 @@ def _stop(pid: int | None, start: int | None) -> None:
 
 def _wait_gone(pid: int | None, start: int | None, timeout: float = 10.0) -> bool:
     """Wait until the producer has exited (its name lock is free then)."""
-    if pid is None:
+    if pid is None or start is None:  # both come in the producer's first report
         return True
     end = time.monotonic() + timeout
     while _core.process_alive(pid, start):

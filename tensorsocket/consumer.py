@@ -151,8 +151,9 @@ class TensorConsumer:
                 origins[key] = config.SETTINGS[key].env
             return value
 
-        timeout = setting("timeout", timeout)
-        batch_timeout = setting("batch_timeout", batch_timeout)
+        # The timeouts as resolved: the argument, else the environment, else the default.
+        answer_wait: float | None = setting("timeout", timeout)
+        batch_wait: float | None = setting("batch_timeout", batch_timeout)
         if isinstance(device, str) and device == "auto":
             device = None  # explicitly the default: the environment does not apply
         else:
@@ -165,8 +166,8 @@ class TensorConsumer:
         self.unpack_fn = unpack_fn
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
-        self.batch_timeout = batch_timeout
-        self.timeout = timeout
+        self.batch_timeout = batch_wait
+        self.timeout = answer_wait
         self.copy = bool(copy)
         self._device_kind, self._device_index = parse_device(device)
         self.pin_memory = bool(pin_memory)
@@ -201,7 +202,7 @@ class TensorConsumer:
         self._skipped = 0
 
         self._context = zmq.Context()
-        self._client = ControlClient(self._context, self.endpoint.address, timeout)
+        self._client = ControlClient(self._context, self.endpoint.address, answer_wait)
         ring = None
         try:
             welcome = self._client.hello(batch_size)
@@ -267,6 +268,7 @@ class TensorConsumer:
                 return  # tensors come from GPU memory: nothing to page-lock
         else:
             # A host ring, or another GPU without peer access: copy from host memory.
+            assert index is not None  # only kind "cuda" comes here, and it has one
             self._move_to = torch.device("cuda", index)
             self.device = str(self._move_to)
         if self.pin_memory:
@@ -588,12 +590,13 @@ class TensorConsumer:
     def _device_leaves(self, slot: Any, kinds: list) -> list:
         """Torch leaves from the slot's GPU copy (zero-copy; ordered after the producer's
         copy on the current stream), numpy leaves from its host copy."""
+        assert self._cuda is not None  # set when the GPU ring was imported
         if NUMPY not in kinds and NUMPY_SCALAR not in kinds:
             tensors = _device_tensors(slot, self._cuda)
             return [t.clone() for t in tensors] if self.copy else tensors
         device_views = slot.views(device=True)
-        host_views = slot.views() if NUMPY in kinds or NUMPY_SCALAR in kinds else None
-        leaves = []
+        host_views = slot.views()  # numpy leaves come from the host copy
+        leaves: list[Any] = []
         for i, kind in enumerate(kinds):
             if kind == TORCH:
                 tensor = _device_tensor(device_views[i])

@@ -181,54 +181,54 @@ class TensorProducer:
             ring_slots = consumer_max_buffer_size  # the original's name for it
         elif consumer_max_buffer_size is not None:
             raise ValueError("give ring_slots= or consumer_max_buffer_size=, not both")
-        slots = setting("ring_slots", ring_slots)
-        slot_bytes = setting("slot_bytes", slot_bytes)
-        ring_bytes = setting("ring_bytes", ring_bytes)
-        min_consumers = setting("min_consumers", min_consumers)
-        start_timeout = setting("start_timeout", start_timeout)
-        publish_timeout = setting("publish_timeout", publish_timeout)
-        max_lag = setting("max_lag", max_lag)
-        lag_policy = setting("lag_policy", lag_policy)
-        device = setting("producer_device", device)
-        device_fallback = setting("device_fallback", device_fallback)
-        release_timeout = setting("release_timeout", release_timeout)
-        worker_heap_pad = setting("worker_heap_pad", worker_heap_pad)
+        # The settings as resolved: the argument, else the environment, else the default.
+        slots: int | None = setting("ring_slots", ring_slots)
+        slot_size: int | None = setting("slot_bytes", slot_bytes)
+        ring_size: int | None = setting("ring_bytes", ring_bytes)
+        wanted: int = setting("min_consumers", min_consumers)
+        start_wait: float | None = setting("start_timeout", start_timeout)
+        publish_wait: float | None = setting("publish_timeout", publish_timeout)
+        lag_limit: int | None = setting("max_lag", max_lag)
+        policy: str = setting("lag_policy", lag_policy)
+        where: Any = setting("producer_device", device)
+        fallback: bool = setting("device_fallback", device_fallback)
+        release_wait: float | None = setting("release_timeout", release_timeout)
+        heap_pad: Any = setting("worker_heap_pad", worker_heap_pad)  # checked below
         if slots is not None and not 2 <= int(slots) <= MAX_SLOTS:
             raise ValueError(f"ring_slots must be in 2..{MAX_SLOTS}, got {slots}")
-        if slot_bytes is not None and int(slot_bytes) <= 0:
-            raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
-        if min_consumers < 0 or min_consumers > _core.MAX_CONSUMERS:
+        if slot_size is not None and int(slot_size) <= 0:
+            raise ValueError(f"slot_bytes must be positive, got {slot_size}")
+        if wanted < 0 or wanted > _core.MAX_CONSUMERS:
             raise ValueError(f"min_consumers must be in 0..{_core.MAX_CONSUMERS}")
         if rubber_band_pct is not None and not 0 <= float(rubber_band_pct) <= 1:
             raise ValueError(f"rubber_band_pct must be in 0..1, got {rubber_band_pct}")
         if rubber_band is not None and int(rubber_band) < 0:
             raise ValueError(f"rubber_band must be >= 0 batches, got {rubber_band}")
-        if isinstance(worker_heap_pad, bool) or not isinstance(worker_heap_pad, int) \
-                or worker_heap_pad < 0:
+        if isinstance(heap_pad, bool) or not isinstance(heap_pad, int) or heap_pad < 0:
             raise ValueError(f"worker_heap_pad must be a number of bytes >= 0 (0 turns it "
-                             f"off), got {worker_heap_pad!r}")
-        if max_lag is not None and not 1 <= int(max_lag) <= MAX_SLOTS - 2:
-            raise ValueError(f"max_lag must be in 1..{MAX_SLOTS - 2} batches, got {max_lag}")
+                             f"off), got {heap_pad!r}")
+        if lag_limit is not None and not 1 <= int(lag_limit) <= MAX_SLOTS - 2:
+            raise ValueError(f"max_lag must be in 1..{MAX_SLOTS - 2} batches, got {lag_limit}")
         if rubber_band is not None and int(rubber_band) > MAX_SLOTS - 2:
             raise ValueError(f"rubber_band must be at most {MAX_SLOTS - 2} batches, got "
                              f"{rubber_band}")
-        kind, ordinal = parse_device(device)
+        kind, ordinal = parse_device(where)
         if kind == "cuda" and ordinal is None:
             ordinal = 0
         self._device_ordinal = ordinal if kind == "cuda" else None
         self.device = f"cuda:{ordinal}" if kind == "cuda" else "cpu"
-        self.device_fallback = bool(device_fallback)
+        self.device_fallback = bool(fallback)
         self.device_fallback_reason: str | None = None
-        self.release_timeout = release_timeout
-        self.worker_heap_pad = worker_heap_pad
-        if lag_policy not in LAG_POLICIES:
-            raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {lag_policy!r}")
+        self.release_timeout = release_wait
+        self.worker_heap_pad: int = heap_pad
+        if policy not in LAG_POLICIES:
+            raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {policy!r}")
         self._explicit_window = rubber_band is not None or rubber_band_pct is not None
         self.rubber_band_pct = DEFAULT_RUBBER_BAND_PCT if rubber_band_pct is None \
             else float(rubber_band_pct)
         self.rubber_band = int(rubber_band) if rubber_band is not None else None
-        self.max_lag = int(max_lag) if max_lag is not None else None
-        self.lag_policy = lag_policy
+        self.max_lag = int(lag_limit) if lag_limit is not None else None
+        self.lag_policy = policy
         self._ring_slots = int(slots) if slots is not None else None
         # The loader of the current epoch: the iterable itself, or the one the
         # callable returned for it (None before the first epoch).
@@ -238,11 +238,11 @@ class TensorProducer:
         self.data_loader = data_loader
         self.producer_batch_size = producer_batch_size
         self.pack_fn = pack_fn
-        self.min_consumers = int(min_consumers)
-        self.start_timeout = start_timeout
-        self.publish_timeout = publish_timeout
-        self._slot_bytes = int(slot_bytes) if slot_bytes is not None else None
-        self._ring_bytes = int(ring_bytes) if ring_bytes is not None else None
+        self.min_consumers = int(wanted)
+        self.start_timeout = start_wait
+        self.publish_timeout = publish_wait
+        self._slot_bytes = int(slot_size) if slot_size is not None else None
+        self._ring_bytes = int(ring_size) if ring_size is not None else None
         self._max_leaves = max_leaves
         self.epoch = 0
         self._wait_consumers_s = 0.0
@@ -269,7 +269,7 @@ class TensorProducer:
             raise
         self._finalizer = weakref.finalize(
             self, _teardown, self._server, self._context, self._segment, self._lock_fd, box,
-            self.endpoint, release_timeout,
+            self.endpoint, release_wait,
         )
         log.info("producer %r listening on %s", self.endpoint.name, self.endpoint.address)
         if self._origins:

@@ -23,7 +23,7 @@ first) with at least one dimension. Cutting follows these rules:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -112,7 +112,7 @@ def _combine(pieces: list[Piece], path: str) -> Any:
         if len(parts) == 1:
             return parts[0]
         if isinstance(first, torch.Tensor):
-            return torch.cat(parts)
+            return torch.cat(cast("list[torch.Tensor]", parts))
         return np.concatenate(parts)
     if _is_sample_seq(first, pieces[0][3]):
         out: list = []

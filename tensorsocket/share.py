@@ -209,8 +209,8 @@ def share(
 
 
 def _keywords(cls: type, skip: set[str]) -> set[str]:
-    """Keyword parameters of cls.__init__, less `skip`."""
-    params = inspect.signature(cls.__init__).parameters.values()
+    """Keyword parameters of cls's constructor, less `skip`."""
+    params = inspect.signature(cls).parameters.values()
     return {p.name for p in params
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - skip
 

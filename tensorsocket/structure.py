@@ -134,8 +134,9 @@ class Decoder:
     def _namedtuple(self, name: str, fields: tuple[str, ...]) -> type:
         """A namedtuple class with this name and fields (made here, never imported)."""
         key = (name, fields)
-        cls = self._namedtuples.get(key)
-        if cls is None:
-            cls = collections.namedtuple(name, fields)  # type: ignore[misc]
-            self._namedtuples[key] = cls
-        return cls
+        known = self._namedtuples.get(key)
+        if known is not None:
+            return known
+        made = collections.namedtuple(name, fields)  # type: ignore[misc]
+        self._namedtuples[key] = made
+        return made
