@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 PROG = "tensorsocket"
 
@@ -18,6 +18,34 @@ class UsageError(Exception):
     def __init__(self, message: str, hint: str = "") -> None:
         super().__init__(message)
         self.hint = hint
+
+
+class CommandError(Exception):
+    """An expected failure whose message says what to do (a bad runtime directory, a
+    bad TENSORSOCKET_* value): shown as one line, with ``hint`` if given; exit 1."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line and a hint with the usage of
+    the (sub)command they belong to."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """Parse; an argument this (sub)command does not know is its usage error (argparse
+        would leave it to the top-level parser, which shows the top-level usage)."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def error(self, message: str) -> NoReturn:
+        """Print `prog: error: message` and the usage on one line; exit 2."""
+        usage = " ".join(self.format_usage().split())
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"hint: {usage} (`{self.prog} --help` explains each option)\n")
 
 
 class _Terminated(BaseException):
@@ -59,6 +87,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.consumers > _core.MAX_CONSUMERS:
         raise UsageError(f"--consumers {args.consumers} is more than a ring supports",
                          f"use at most {_core.MAX_CONSUMERS}")
+    _check_settings()
+    _runtime_dir()  # the children would each fail on a bad one; say it once, here
     run(consumers=args.consumers, epochs=args.epochs, images=args.images, timeout=args.timeout,
         live=False if args.no_live else None)
     return 0
@@ -73,6 +103,41 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
     return value
+
+
+def _check_settings() -> None:
+    """CommandError for a TENSORSOCKET_* variable that does not parse (its message names
+    the variable and the fix)."""
+    from . import config
+
+    for setting in config.SETTINGS.values():
+        try:
+            setting.from_env()
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+
+
+def _runtime_dir() -> Any:
+    """The runtime directory for sockets and locks; CommandError if it cannot be used."""
+    from . import config
+    from .endpoints import runtime_dir
+
+    var = config.SETTINGS["runtime_dir"].env
+    try:
+        return runtime_dir()
+    except (OSError, ValueError) as e:
+        if var in str(e):  # the message names the variable and what to do
+            raise CommandError(str(e)) from None
+        raise CommandError(f"cannot use the runtime directory for sockets and locks: {e}",
+                           f"set {var} to a directory of your own (created mode 0700 if "
+                           "missing)") from None
+
+
+def _width() -> int:
+    """Columns to wrap text at: $COLUMNS if set, else the terminal's, else 80."""
+    import shutil
+
+    return shutil.get_terminal_size((80, 24)).columns
 
 
 def _check_name(name: str | None) -> None:
@@ -91,21 +156,25 @@ def _cmd_status(args: argparse.Namespace) -> int:
     """Print every producer of this user and its consumers, or a JSON document."""
     import json
 
-    from .status import as_json, render, survey
+    from .status import as_json, no_producer_named, other_users, render, survey
 
     _check_name(args.name)
     producers = survey(args.interval, args.name)
+    others = other_users(args.name)
+    missing = args.name is not None and not producers
+    line, hint = no_producer_named(args.name) if missing else ("", "")
     if args.json:
-        json.dump(as_json(producers, args.interval), sys.stdout, indent=2)
+        json.dump(as_json(producers, args.interval, others), sys.stdout, indent=2)
         print()
+    elif missing:
+        print(line)
+        if others:  # another user's producer of that name
+            print("\n".join(render([], _width(), others)[1:]))
     else:
-        if not producers and args.name is not None:
-            print(f"no producer named {args.name!r} on this machine (for this user)")
-        else:
-            print("\n".join(render(producers)))
-    if args.name is not None and not producers:
-        return 1
-    return 0
+        print("\n".join(render(producers, _width(), others)))
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+    return 1 if missing else 0
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
@@ -121,7 +190,8 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     from .clean import leftovers, remove
 
     _check_name(args.name)
-    found = [item for item in leftovers() if args.name is None or item.name == args.name]
+    rdir = _runtime_dir()
+    found = [item for item in leftovers(rdir) if args.name is None or item.name == args.name]
     if not found:
         print("nothing to clean: no segment, socket or lock of a dead producer")
         return 0
@@ -178,15 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subparser per subcommand."""
     from . import __version__
 
-    debug = argparse.ArgumentParser(add_help=False)
+    debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show tracebacks and the output of child processes on errors")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG, parents=[debug],
         description="tensorsocket: shared data loading for collocated PyTorch training jobs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
+                                parser_class=_Parser)
 
     demo = sub.add_parser(
         "demo", parents=[debug], help="run one producer and several training consumers",
@@ -214,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "batch, loader CPU) and its consumers (pid, batch size, cursor, lag, rate). "
                     "Rates are measured over --interval seconds.")
     status.add_argument("--json", action="store_true",
-                        help="print a JSON document (format 1) for scripts")
+                        help="print a JSON document (format 1, see docs/cli.md) for scripts")
     status.add_argument("--name", metavar="NAME", help=name_help)
     status.add_argument("--interval", type=_non_negative_float, default=0.5, metavar="SECONDS",
                         help="measure rates over this long (default: 0.5; 0: no rates)")
@@ -287,19 +358,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prefix}: terminated", file=sys.stderr)
         return 143
     except Exception as e:
-        # Errors that carry a hint (DemoError, UsageError) are expected failures: their
-        # message is for the user. Anything else is shown with its type.
+        # Errors that carry a hint (DemoError, UsageError, CommandError; "" for none) are
+        # expected failures: their message is for the user and says what to do. Anything
+        # else is unexpected: shown with its type and the --debug hint.
         hint = getattr(e, "hint", None)
+        details: str = getattr(e, "details", "")
         if debug:
             traceback.print_exc()
-            details = getattr(e, "details", "")
             if details:
                 print(details, file=sys.stderr)
         message = str(e) if hint is not None else f"{type(e).__name__}: {e}"
         print(f"{prefix}: error: {message}", file=sys.stderr)
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
-        if not debug and getattr(e, "details", ""):
+        if not debug and details:
             print("hint: run again with --debug to see the output of the child processes",
                   file=sys.stderr)
         elif not debug and hint is None:

@@ -79,7 +79,7 @@ def _consumers_alive(segment: str) -> list[int]:
 
 def _stale_files(rdir: Path) -> list[Leftover]:
     """Sockets and lock files of names no live producer holds."""
-    out = []
+    out: list[Leftover] = []
     try:
         entries = sorted(rdir.iterdir())
     except OSError:

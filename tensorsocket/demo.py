@@ -5,7 +5,8 @@ The parent (``run()``) starts a producer process and N consumer processes with
 a real per-sample CPU transform over a synthetic in-memory image set and
 publishes every batch to the shared-memory ring; each consumer trains a tiny
 CNN on those batches. Children report to the parent with one JSON object per
-stdout line, prefixed with ``MARK``; the parent prints progress and a summary.
+stdout line, prefixed with ``MARK``; the parent prints progress and a summary,
+with the live panel of ``tensorsocket._demo_panel`` under it on a terminal.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._demo_panel import LivePanel
 from .clean import remove_leftovers
 
 MARK = "@tensorsocket-demo "
@@ -381,61 +383,6 @@ def _child_output(children: list[_Child]) -> str:
     return "\n".join(parts)
 
 
-class _LivePanel:
-    """A few lines at the bottom of a terminal, redrawn in place under the event log:
-    the ring and each consumer's progress, read from the ring segment like
-    ``tensorsocket status`` does."""
-
-    REFRESH_S = 0.25
-
-    def __init__(self, name: str, total_batches: int, out: TextIO) -> None:
-        from .status import Survey
-
-        self.name = name
-        self.total = total_batches
-        self.out = out
-        self.survey = Survey()
-        self.lines: list[str] = []
-        self.next_at = 0.0
-
-    def clear(self) -> None:
-        """Erase the panel (before an event line is printed)."""
-        if self.lines:
-            self.out.write(f"\x1b[{len(self.lines)}F\x1b[J")
-            self.lines = []
-
-    def draw(self) -> None:
-        """Print the panel again (after an event line)."""
-        if self.lines:
-            self.out.write("\n".join(self.lines) + "\n")
-            self.out.flush()
-
-    def refresh(self, labels: dict[int, str]) -> None:
-        """Take a new reading if it is time, and redraw."""
-        if time.monotonic() < self.next_at:
-            return
-        self.next_at = time.monotonic() + self.REFRESH_S
-        producers = [p for p in self.survey.take(0.0, self.name) if p.state != "unreadable"]
-        lines = []
-        if producers:
-            p = producers[0]
-            cpu = "-" if p.cpu_rate is None else f"{p.cpu_rate:.2f}"
-            rate = "-" if p.rate is None else f"{p.rate:.0f}"
-            lines.append(f"  live: ring {p.occupied}/{p.slot_count} slots held, producer "
-                         f"{rate} batches/s, loader {cpu} cores")
-            for c in p.consumers:
-                done = min(c.delivered, self.total)
-                width = 24
-                filled = width * done // max(1, self.total)
-                crate = "-" if c.rate is None else f"{c.rate:.0f}"
-                lines.append(f"  {labels.get(c.pid, f'pid {c.pid}'):<11} "
-                             f"[{'#' * filled}{'.' * (width - filled)}] {done:4d}/{self.total} "
-                             f"batches  lag {c.lag}  {crate} batches/s")
-        self.clear()
-        self.lines = lines
-        self.draw()
-
-
 class _Demo:
     """The parent's side of one demo run: the children, their events, the results."""
 
@@ -454,9 +401,8 @@ class _Demo:
         self.consumer_results: dict[int, dict] = {}
         if live is None:
             live = out.isatty() and os.environ.get("TERM", "dumb") != "dumb"
-        # End markers are ring entries too: one per epoch.
-        total = self.epochs * (math.ceil(images / BATCH_SIZE) + 1)
-        self.panel = _LivePanel(self.name, total, out) if live else None
+        self.panel = LivePanel(self.name, math.ceil(images / BATCH_SIZE), epochs, out) \
+            if live else None
 
     def say(self, label: str, text: str) -> None:
         """Print one progress line (above the live panel)."""
@@ -527,7 +473,11 @@ class _Demo:
             for child in closing:
                 self.check_exit(child)
             if self.panel is not None:
-                self.panel.refresh({c.proc.pid: c.label for c in self.children})
+                self.panel.refresh(self._labels())
+
+    def _labels(self) -> dict[int, str]:
+        """Each child's label by pid (for the live panel)."""
+        return {c.proc.pid: c.label for c in self.children}
 
     def report(self, child: _Child, event: dict) -> None:
         """Print one child's event; DemoError if it reports a failure."""
@@ -551,6 +501,8 @@ class _Demo:
                 self.say(child.label, f"finished: {event['batches']} batches published")
             else:
                 self.consumer_results[child.rank] = event
+                if self.panel is not None:
+                    self.panel.finished(child.proc.pid, event["batches"], self._labels())
                 self.say(child.label, f"finished: {event['batches']} batches, "
                                       f"{event['samples_per_s']:.0f} samples/s, "
                                       f"final loss {event['final_loss']:.4f}")

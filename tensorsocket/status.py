@@ -6,12 +6,18 @@ counters, and its consumer table holds each consumer's pid, cursor and
 counters. ``survey()`` maps every such segment read-only in spirit (it only
 reads), so no daemon and no extra socket are needed, and looking never
 disturbs a producer. Rates come from two readings ``interval`` seconds apart.
+
+Ring entries are loader batches plus one end-of-epoch marker per epoch; the
+``batch_rate`` fields leave the markers out. Segments of other users (mode
+0600, so not readable) are listed by ``other_users()`` from their names alone.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import re
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -42,9 +48,10 @@ class ConsumerStatus:
     batch_size: int | None  # samples per batch it asked for (None: the loader's)
     cursor: int | None  # next ring entry it reads
     lag: int  # entries published that it has not taken yet
-    delivered: int  # ring entries it took
+    delivered: int  # ring entries it took (loader batches and end-of-epoch markers)
     delivered_bytes: int
     rate: float | None = None  # ring entries per second over the interval
+    batch_rate: float | None = None  # loader batches per second (markers left out)
     waiting: float | None = None  # fraction of the interval spent waiting for batches
     idle_seconds: float | None = None  # since it last took an entry
 
@@ -62,7 +69,10 @@ class ProducerStatus:
     epoch: int | None = None  # epoch of the newest published batch
     batch_index: int | None = None  # its index in that epoch
     published: int = 0  # ring entries published (batches and epoch ends)
+    batches_published: int | None = None  # loader batches among them (None: unknown)
+    epochs_ended: int | None = None  # end-of-epoch markers among them (None: unknown)
     rate: float | None = None  # entries per second over the interval
+    batch_rate: float | None = None  # loader batches per second (markers left out)
     slot_count: int = 0
     occupied: int = 0  # slots some consumer still holds
     slot_bytes: int = 0
@@ -70,7 +80,7 @@ class ProducerStatus:
     segment_bytes: int = 0
     device: str = "cpu"
     window: int = 0
-    max_lag: int = 0
+    max_lag: int | None = None  # detach consumers further behind (None: never, lossless)
     lag_detached: int = 0
     publish_wait_fraction: float | None = None  # of the interval, waiting for a free slot
     cpu_seconds: float | None = None  # producer and its child processes (loader workers)
@@ -110,6 +120,74 @@ def segments() -> list[tuple[str, str, int]]:
         if m:
             out.append((entry, m.group("name"), int(m.group("pid"))))
     return out
+
+
+@dataclass
+class OtherUserSegment:
+    """A producer segment of another user: only what its name and file say."""
+
+    user: str  # owner's user name (``uid N`` if the uid has no name here)
+    uid: int
+    name: str  # producer name
+    pid: int
+    alive: bool  # a process with that pid exists (it may be another after pid reuse)
+    segment: str
+    note: str  # why it is not shown in full
+
+
+_ANY_SEGMENT = re.compile(r"^tensorsocket-(?P<uid>\d+)-(?P<name>.+)-(?P<pid>\d+)$")
+
+
+def _user_name(uid: int) -> str:
+    """The user name of uid, else ``uid N``."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def other_users(name: str | None = None) -> list[OtherUserSegment]:
+    """Segments of other users' producers (of producer `name` if given). They are never
+    opened: their mode is 0600, and another user's ring is not ours to read."""
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        m = _ANY_SEGMENT.match(entry)
+        if m is None or int(m.group("uid")) == os.getuid():
+            continue
+        if name is not None and m.group("name") != name:
+            continue
+        uid = int(m.group("uid"))
+        readable = os.access(f"{SHM_DIR}/{entry}", os.R_OK)
+        note = "another user's producer (not read)" if readable else \
+            "not readable: another user's producer"
+        out.append(OtherUserSegment(user=_user_name(uid), uid=uid, name=m.group("name"),
+                                    pid=int(m.group("pid")),
+                                    alive=pid_alive(int(m.group("pid"))), segment=entry,
+                                    note=note))
+    return out
+
+
+def live_producer_names() -> list[str]:
+    """Names of this user's producers whose process is alive (for hints)."""
+    names = set()
+    for segment, name, pid in segments():
+        try:
+            ring = _core.Ring.open("/" + segment)
+        except Exception:  # unreadable: judge by the pid in its name
+            if pid_alive(pid):
+                names.add(name)
+            continue
+        try:
+            info = ring.info()
+        finally:
+            ring.close()
+        if _core.process_alive(info["producer_pid"], info["producer_start_time"]):
+            names.add(name)
+    return sorted(names)
 
 
 def pid_alive(pid: int) -> bool:
@@ -169,7 +247,7 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
         return ProducerStatus(name=name, segment=segment, pid=pid, alive=alive,
                               state="unreadable", error=str(e)), None
     try:
-        info = ring.info()
+        info, steady = _steady_info(ring)
         entries = ring.consumers()
     finally:
         ring.close()
@@ -194,24 +272,55 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
             idle_seconds=max(0.0, (time.monotonic_ns() - c["progress_ns"]) / 1e9),
         ))
     device = "cpu" if info["device_type"] != DL_CUDA else f"cuda:{info['device_ordinal']}"
+    ended = _epochs_ended(info) if steady else None
     status = ProducerStatus(
         name=name, segment=segment, pid=info["producer_pid"], alive=alive, state=state,
         epoch=info["newest_epoch"] if info["newest_valid"] else None,
         batch_index=info["newest_index"] if info["newest_valid"] else None,
-        published=info["published"], slot_count=info["slot_count"],
+        published=info["published"],
+        batches_published=None if ended is None else info["published"] - ended,
+        epochs_ended=ended, slot_count=info["slot_count"],
         occupied=info["occupied"], slot_bytes=info["slot_bytes"],
         batch_bytes=info["newest_bytes"] if info["newest_valid"] and info["newest_bytes"]
         else None,
         segment_bytes=info["segment_bytes"], device=device, window=info["window"],
-        max_lag=info["max_lag"], lag_detached=info["lag_detached"],
+        max_lag=info["max_lag"] or None, lag_detached=info["lag_detached"],
         cpu_seconds=process_tree_cpu(info["producer_pid"]) if alive else None,
         consumers=consumers,
     )
-    raw = {"t": time.monotonic(), "published": info["published"],
+    first = info["epoch_first_seq"]
+    raw = {"t": time.monotonic(), "published": info["published"], "epochs_ended": ended,
+           "last_marker": first - 1 if first > 0 else None,
            "publish_wait_ns": info["publish_wait_ns"],
-           "consumers": {c["index"]: (c["token"], c["delivered"], c["wait_ns"])
+           "consumers": {c["index"]: (c["token"], c["delivered"], c["wait_ns"], c["cursor"])
                          for c in entries}}
     return status, raw
+
+
+def _steady_info(ring: _core.Ring) -> tuple[dict, bool]:
+    """ring.info(), and whether its newest entry is the one before its `published` count
+    (info() loads the count twice; an entry published in between makes them disagree,
+    which a second info() with the same count rules out)."""
+    info = ring.info()
+    for _ in range(3):
+        again = ring.info()
+        if again["published"] == info["published"]:
+            return info, True
+        info = again
+    return info, False
+
+
+def _epochs_ended(info: dict) -> int | None:
+    """End-of-epoch markers among the published entries, None if unknown.
+
+    A producer numbers its epochs from 0 and ends each with one marker carrying the
+    epoch's number, so the newest entry tells: a batch of epoch e follows e markers, the
+    marker of epoch e is the (e + 1)-th. A marker has no bytes, a batch always has some."""
+    if info["published"] == 0:
+        return 0
+    if not info["newest_valid"]:  # overwritten while read
+        return None
+    return info["newest_epoch"] + (0 if info["newest_bytes"] else 1)
 
 
 def _add_rates(now: ProducerStatus, raw: dict, before: dict) -> None:
@@ -219,16 +328,32 @@ def _add_rates(now: ProducerStatus, raw: dict, before: dict) -> None:
     dt = raw["t"] - before["t"]
     if dt <= 0:
         return
-    now.rate = max(0, raw["published"] - before["published"]) / dt
+    entries = max(0, raw["published"] - before["published"])
+    now.rate = entries / dt
+    ends: int | None = None  # markers published in the interval
+    if raw["epochs_ended"] is not None and before["epochs_ended"] is not None:
+        ends = max(0, raw["epochs_ended"] - before["epochs_ended"])
+        now.batch_rate = max(0, entries - ends) / dt
     now.publish_wait_fraction = min(
         1.0, max(0, raw["publish_wait_ns"] - before["publish_wait_ns"]) / 1e9 / dt)
+    # The markers a consumer took: with at most one published in the interval, the newest
+    # marker at each reading are all it can have passed (unless an epoch is shorter than
+    # its lag), so they are counted where they lie; with more, the producer's share of
+    # markers is applied to the consumer's entries.
+    markers = {m for m in (before["last_marker"], raw["last_marker"]) if m is not None}
     for c in now.consumers:
         earlier, later = before["consumers"].get(c.index), raw["consumers"].get(c.index)
         if earlier is not None and later is not None and earlier[0] == later[0]:  # same token
-            _, d0, w0 = earlier
-            _, d1, w1 = later
-            c.rate = max(0, d1 - d0) / dt
+            _, d0, w0, _ = earlier
+            _, d1, w1, cursor = later
+            taken = max(0, d1 - d0)
+            c.rate = taken / dt
             c.waiting = min(1.0, max(0, w1 - w0) / 1e9 / dt)
+            if ends is not None and ends > 1:
+                c.batch_rate = c.rate * (entries - ends) / entries
+            elif ends is not None and cursor < 2**63:  # it took cursor - taken .. cursor - 1
+                passed = sum(1 for m in markers if cursor - taken <= m < cursor)
+                c.batch_rate = max(0, taken - passed) / dt
 
 
 class Survey:
@@ -269,15 +394,26 @@ def survey(interval: float = 0.5, name: str | None = None) -> list[ProducerStatu
     return Survey().take(interval, name)
 
 
-def as_json(producers: list[ProducerStatus], interval: float) -> dict:
-    """A JSON-ready document of a survey (the ``status --json`` format, version 1)."""
+def as_json(producers: list[ProducerStatus], interval: float,
+            others: list[OtherUserSegment] | None = None) -> dict:
+    """A JSON-ready document of a survey (the ``status --json`` format, version 1;
+    docs/cli.md describes every key)."""
     docs = []
     for p in producers:
         d = asdict(p)
         d["active_consumers"] = p.active_consumers
         d["cpu_saved_rate"] = p.cpu_saved_rate
         docs.append(d)
-    return {"format": 1, "interval": interval, "time": time.time(), "producers": docs}
+    return {"format": 1, "interval": interval, "time": time.time(), "producers": docs,
+            "other_users": [asdict(o) for o in others or []]}
+
+
+def no_producer_named(name: str) -> tuple[str, str]:
+    """The line for a --name that no producer of this user has, and a hint naming the
+    live producers ("" if there is none)."""
+    live = live_producer_names()
+    hint = f"live producers: {', '.join(live)}" if live else ""
+    return f"no producer named {name!r} on this machine (for this user)", hint
 
 
 # -- text ------------------------------------------------------------------------------
@@ -304,51 +440,107 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def _table(rows: list[list[str]], indent: str = "") -> list[str]:
-    """Left-aligned columns, two spaces apart."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-            for r in rows]
-
-
-def render(producers: list[ProducerStatus]) -> list[str]:
-    """Lines of text showing a survey (``status`` and ``top``)."""
-    if not producers:
-        return ["no tensorsocket producer on this machine (for this user)"]
+def _pack(fields: list[str], sep: str, width: int | None, indent: str = "",
+          more: str = "    ") -> list[str]:
+    """Fields joined by sep on as few lines of at most `width` columns as they fit
+    (None: one line); lines after the first start with `more`. A field is never split."""
     lines: list[str] = []
+    line = ""
+    for f in fields:
+        if not line:
+            line = (indent if not lines else more) + f
+        elif width is None or len(line) + len(sep) + len(f) <= width:
+            line += sep + f
+        else:
+            lines.append(line + sep.rstrip())
+            line = more + f
+    if line:
+        lines.append(line)
+    return lines
+
+
+# Column headers of the consumer table; wide headers take two rows on a narrow screen.
+_HEADERS = [("consumer",), ("pid",), ("state",), ("batch",), ("cursor",), ("lag",),
+            ("loader", "batches/s"), ("waiting",), ("entries", "delivered")]
+
+
+def _table(rows: list[list[str]], indent: str = "", width: int | None = None) -> list[str]:
+    """Left-aligned columns under _HEADERS, two spaces apart. Where one header row would
+    make the table wider than `width`, headers of two words take two rows; where it is
+    still too wide, the columns are split into tables that each repeat the first."""
+
+    def lay_out(cols: list[int], two_rows: bool) -> list[str]:
+        if two_rows:
+            head = [[_HEADERS[i][0] for i in cols],
+                    [_HEADERS[i][1] if len(_HEADERS[i]) > 1 else "" for i in cols]]
+        else:
+            head = [[" ".join(_HEADERS[i]) for i in cols]]
+        body = head + [[r[i] for i in cols] for r in rows]
+        widths = [max(len(r[k]) for r in body) for k in range(len(cols))]
+        return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                for r in body]
+
+    def fits(lines: list[str]) -> bool:
+        return width is None or max(len(ln) for ln in lines) <= width
+
+    def best(cols: list[int]) -> list[str]:
+        one_row = lay_out(cols, False)
+        return one_row if fits(one_row) else lay_out(cols, True)
+
+    every = best(list(range(len(_HEADERS))))
+    if fits(every):
+        return every
+    groups, group = [], [0]
+    for i in range(1, len(_HEADERS)):
+        if len(group) > 1 and not fits(best(group + [i])):
+            groups.append(group)
+            group = [0]
+        group.append(i)
+    groups.append(group)
+    return [line for g in groups for line in best(g)]
+
+
+def render(producers: list[ProducerStatus], width: int | None = None,
+           others: list[OtherUserSegment] | None = None) -> list[str]:
+    """Lines of text showing a survey (``status`` and ``top``); a producer's fields wrap
+    onto more lines where one would be wider than `width` (None: never)."""
+    lines: list[str] = []
+    if not producers:
+        lines.append("no tensorsocket producer on this machine (for this user)")
     for p in producers:
         if lines:
             lines.append("")
         if p.state == "unreadable":
             alive = "alive" if p.alive else "dead"
-            lines.append(f"producer {p.name!r}  pid {p.pid} ({alive})  segment unreadable: "
-                         f"{p.error}")
+            lines.extend(_pack([f"producer {p.name!r}", f"pid {p.pid} ({alive})",
+                                f"segment unreadable: {p.error}"], "  ", width))
             continue
         where = "-" if p.epoch is None else f"{p.epoch}:{p.batch_index}"
         saved = p.cpu_saved_rate
-        lines.append(
-            f"producer {p.name!r}  pid {p.pid}  {p.state}  device {p.device}  "
-            f"epoch:batch {where}  {_num(p.rate)} batches/s")
-        lines.append(
-            f"  ring {p.occupied}/{p.slot_count} slots held, {human_bytes(p.slot_bytes)} each; "
-            f"batch {human_bytes(p.batch_bytes)}; window {p.window}; "
-            f"max_lag {p.max_lag or '-'}; lag detaches {p.lag_detached}; "
-            f"waiting for slots {_pct(p.publish_wait_fraction)}")
+        lines.extend(_pack(
+            [f"producer {p.name!r}", f"pid {p.pid}", p.state, f"device {p.device}",
+             f"epoch:batch {where}", f"{_num(p.batch_rate)} loader batches/s"], "  ", width))
+        lines.extend(_pack(
+            [f"ring {p.occupied}/{p.slot_count} slots held, {human_bytes(p.slot_bytes)} each",
+             f"batch {human_bytes(p.batch_bytes)}", f"window {p.window}",
+             f"max_lag {p.max_lag or '-'}", f"lag detaches {p.lag_detached}",
+             f"waiting for slots {_pct(p.publish_wait_fraction)}"], "; ", width, "  "))
         if p.cpu_rate is not None:
-            lines.append(
-                f"  loader CPU {p.cpu_rate:.2f} cores now ({_num(p.cpu_seconds)} s in all); "
-                f"sharing it among {p.active_consumers} consumer(s) saves about "
-                f"{_num(saved, '{:.2f}')} cores")
+            lines.extend(_pack(
+                [f"loader CPU {p.cpu_rate:.2f} cores now ({_num(p.cpu_seconds)} s in all)",
+                 f"sharing it among {p.active_consumers} consumer(s) saves about "
+                 f"{_num(saved, '{:.2f}')} cores"], "; ", width, "  "))
         elif p.cpu_seconds is not None:
             lines.append(f"  loader CPU {p.cpu_seconds:.1f} s in all")
         if p.state == "dead":
-            lines.append("  the producer process is gone: `tensorsocket clean` removes what it "
-                         "left (consumers that still hold batches keep them)")
+            lines.extend(textwrap.wrap(
+                "the producer process is gone: `tensorsocket clean` removes what it left "
+                "(consumers that still hold batches keep them)", width or 1000,
+                initial_indent="  ", subsequent_indent="    "))
         if not p.consumers:
             lines.append("  no consumer attached")
             continue
-        rows = [["consumer", "pid", "state", "batch", "cursor", "lag", "batches/s", "waiting",
-                 "delivered"]]
+        rows = []
         for c in p.consumers:
             state = c.state if c.alive else "dead"
             if c.reason and c.state != "active":
@@ -356,7 +548,13 @@ def render(producers: list[ProducerStatus]) -> list[str]:
             rows.append([str(c.index), str(c.pid), state,
                          str(c.batch_size) if c.batch_size else "loader",
                          "-" if c.cursor is None else str(c.cursor), str(c.lag),
-                         _num(c.rate), _pct(c.waiting),
+                         _num(c.batch_rate), _pct(c.waiting),
                          f"{c.delivered} ({human_bytes(c.delivered_bytes)})"])
-        lines.extend(_table(rows, indent="  "))
+        lines.extend(_table(rows, indent="  ", width=width))
+    if others:
+        lines += ["", "other users' producers:"]
+    for o in others or []:
+        pid = f"pid {o.pid}" + ("" if o.alive else " (gone)")
+        lines.extend(_pack([f"producer {o.name!r}", pid, f"user {o.user}", o.note], "  ",
+                           width, "  "))
     return lines

@@ -10,11 +10,13 @@ terminal, over ssh and inside tmux. When standard output is not a terminal,
 
 from __future__ import annotations
 
+import shutil
 import sys
+import textwrap
 import time
 from typing import IO, Any
 
-from .status import ProducerStatus, Survey, render
+from .status import ProducerStatus, Survey, no_producer_named, other_users, render, segments
 
 KEYS = "q quit   + / - refresh slower / faster"
 MIN_INTERVAL = 0.2
@@ -29,12 +31,33 @@ def _header(producers: list[ProducerStatus], interval: float) -> str:
 
 def _attention(line: str) -> bool:
     """Lines worth a colour: dead processes, detached consumers, stale segments."""
-    return any(word in line for word in (" dead", "detached", "lagged", "gone", "unreadable"))
+    return any(word in line for word in (" dead", "detached", "lagged", "gone", "unreadable",
+                                         "waiting for it"))
+
+
+def _body(producers: list[ProducerStatus], name: str | None, width: int | None) -> list[str]:
+    """The lines under the header: the producers, or that producer `name` is awaited."""
+    if name is not None and not producers:
+        line, hint = no_producer_named(name)
+        lines: list[str] = []
+        for text in [f"{line}; waiting for it to appear"] + ([hint] if hint else []):
+            lines.extend(textwrap.wrap(text, width or len(text), subsequent_indent="    "))
+        others = other_users(name)
+        return lines + (render([], width, others)[1:] if others else [])
+    return render(producers, width, other_users(name))
+
+
+def _exists(name: str) -> bool:
+    """True if this user has a segment of producer `name` (live or not)."""
+    return any(seg_name == name for _, seg_name, _ in segments())
 
 
 def plain(interval: float, name: str | None, iterations: int | None,
-          out: IO[str] = sys.stdout) -> int:
-    """Print a snapshot every interval (for pipes and logs)."""
+          out: IO[str] = sys.stdout, width: int | None = None) -> int:
+    """Print a snapshot every interval (for pipes and logs), wrapped at `width` columns
+    (default: the terminal's, else 80)."""
+    if width is None:
+        width = shutil.get_terminal_size((80, 24)).columns
     survey = Survey()
     survey.take(0.0, name)
     n = 0
@@ -42,7 +65,7 @@ def plain(interval: float, name: str | None, iterations: int | None,
         time.sleep(interval)
         producers = survey.take(0.0, name)
         print(_header(producers, interval), file=out)
-        for line in render(producers):
+        for line in _body(producers, name, width):
             print(line, file=out)
         print(file=out, flush=True)
         n += 1
@@ -98,7 +121,9 @@ def interactive(interval: float, name: str | None, iterations: int | None) -> in
                 continue
             deadline = time.monotonic() + interval
             producers = survey.take(0.0, name)
-            _draw(screen, curses, [_header(producers, interval), KEYS, ""] + render(producers))
+            width = screen.getmaxyx()[1] - 1  # _draw leaves the last column free
+            _draw(screen, curses,
+                  [_header(producers, interval), KEYS, ""] + _body(producers, name, width))
             n += 1
         return 0
 
@@ -107,8 +132,17 @@ def interactive(interval: float, name: str | None, iterations: int | None) -> in
 
 def run(interval: float = 1.0, name: str | None = None, iterations: int | None = None,
         force_plain: bool = False) -> int:
-    """``tensorsocket top``: curses on a terminal, snapshots otherwise."""
+    """``tensorsocket top``: curses on a terminal, snapshots otherwise. With `name`: exit 1
+    at once if there is no such producer, as ``status --name`` does, unless the view is
+    interactive and open-ended (then it waits for the producer, saying so)."""
     interval = max(MIN_INTERVAL, interval)
-    if force_plain or not (sys.stdout.isatty() and sys.stdin.isatty()):
+    on_terminal = not force_plain and sys.stdout.isatty() and sys.stdin.isatty()
+    if name is not None and (not on_terminal or iterations is not None) and not _exists(name):
+        line, hint = no_producer_named(name)
+        print(line, flush=True)
+        if hint:
+            print(f"hint: {hint}", file=sys.stderr)
+        return 1
+    if not on_terminal:
         return plain(interval, name, iterations)
     return interactive(interval, name, iterations)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
+import io
 import json
 import os
 import pty
+import pwd
 import re
 import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 import uuid
 
@@ -192,27 +197,39 @@ def test_clean_removes_only_dead_producers_files(name, procs):
             path.unlink()
 
 
+# Every field of a producer and of its consumer table, as the text shows them.
+PRODUCER_FIELDS = ["loader batches/s", "epoch:batch", "slots held", "window", "max_lag",
+                   "lag detaches", "waiting for slots", "loader CPU", "saves about"]
+
+
 def test_top_plain_prints_snapshots(name, procs):
-    """top --plain: one snapshot per refresh, with the producer and its consumer."""
+    """top --plain: one snapshot per refresh, with the producer and its consumer; in 80
+    columns every field is there, wrapped onto more lines, none longer than 80."""
     prod, (cons,) = start_shared_loader(procs, name, [8])
-    r = cli("top", "--plain", "--name", name, "--interval", "0.3", "--iterations", "3")
+    r = cli("top", "--plain", "--name", name, "--interval", "0.3", "--iterations", "3",
+            env={"COLUMNS": "80"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("tensorsocket top") == 3
     assert r.stdout.count(f"producer {name!r}  pid {prod.pid}") == 3
     assert str(cons.pid) in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80, r.stdout
+    for f in PRODUCER_FIELDS:
+        assert r.stdout.count(f) >= 3, f
 
 
 def _run_in_terminal(args: list[str], keys: bytes = b"", after: float = 0.0,
-                     seen: bytes = b"", timeout: float = 30) -> tuple[int, bytes]:
-    """Run the CLI on a pseudo-terminal (as a person in a terminal would); optionally type
-    keys once `after` seconds have passed and `seen` is on the screen (a loaded machine
-    may take longer than `after` to draw the first frame). Returns (exit status, screen
-    bytes)."""
+                     seen: bytes = b"", timeout: float = 30,
+                     columns: int = 120) -> tuple[int, bytes]:
+    """Run the CLI on a pseudo-terminal of 40 lines and `columns` columns (as a person in
+    a terminal would); optionally type keys once `after` seconds have passed and `seen` is
+    on the screen (a loaded machine may take longer than `after` to draw the first frame).
+    Returns (exit status, screen bytes)."""
     pid, fd = pty.fork()
     if pid == 0:  # child
-        os.environ["TERM"] = "xterm"
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+        env = {**os.environ, "TERM": "xterm", "LINES": "40", "COLUMNS": str(columns)}
         os.chdir(ROOT)
-        os.execv(sys.executable, [sys.executable, "-m", "tensorsocket", *args])
+        os.execve(sys.executable, [sys.executable, "-m", "tensorsocket", *args], env)
     out = bytearray()
     start = time.monotonic()
     typed = not keys
@@ -239,14 +256,17 @@ def _run_in_terminal(args: list[str], keys: bytes = b"", after: float = 0.0,
 
 
 def test_top_full_screen_in_a_terminal(name, procs):
-    """top on a terminal draws with curses (alternate screen) and quits on q."""
+    """top on a terminal draws with curses (alternate screen) and quits on q; on an
+    80-column terminal the producer's fields wrap instead of being cut off."""
     prod, _ = start_shared_loader(procs, name, [8])
     code, screen = _run_in_terminal(["top", "--name", name, "--interval", "0.3"], keys=b"q",
-                                    after=1.0, seen=str(prod.pid).encode())
+                                    after=1.0, seen=b"saves about", columns=80)
     assert code == 0, screen[-2000:]
     assert b"\x1b[?1049h" in screen  # curses switched to the alternate screen ...
     assert b"\x1b[?1049l" in screen  # ... and restored the terminal on q
     assert name.encode() in screen and str(prod.pid).encode() in screen
+    for f in ("waiting for slots", "lag detaches", "saves about"):
+        assert f.encode() in screen, f
 
 
 def test_status_output_into_a_closed_pipe(name, procs):
@@ -310,3 +330,210 @@ def test_every_command_has_help(command):
     """--help describes each command and exits 0."""
     r = cli(command, "--help")
     assert r.returncode == 0 and f"usage: tensorsocket {command}" in r.stdout
+
+
+@pytest.mark.parametrize("command", ["status", "top", "clean", "demo", "config"])
+def test_an_unknown_option_shows_the_commands_usage(command):
+    """An option a subcommand does not know: one error line naming that subcommand and a
+    hint with its usage (not the top-level one), exit 2."""
+    r = cli(command, "--bogus")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2, r.stderr
+    assert lines[0] == f"tensorsocket {command}: error: unrecognized arguments: --bogus"
+    assert lines[1].startswith(f"hint: usage: tensorsocket {command} [-h]"), lines[1]
+    assert "COMMAND" not in r.stderr
+
+
+def test_a_missing_name_lists_the_live_producers(name, procs):
+    """status --name X and top --name X with no producer X: say so, hint at the live
+    producers, exit 1; top's full-screen view waits for X and says so."""
+    start_shared_loader(procs, name, [8])
+    missing = f"t-{uuid.uuid4().hex[:10]}"
+    for args in (["status", "--interval", "0"], ["status", "--json"],
+                 ["top", "--plain", "--iterations", "2"], ["top", "--iterations", "2"],
+                 ["top"]):
+        r = cli(*args, "--name", missing, timeout=30)
+        assert r.returncode == 1, (args, r.stdout, r.stderr)
+        if "--json" not in args:
+            assert r.stdout.strip() == f"no producer named {missing!r} on this machine " \
+                                       "(for this user)", (args, r.stdout)
+        hint = r.stderr.strip().splitlines()[-1]
+        assert hint.startswith("hint: live producers: ") and name in hint.split(": ")[2] \
+            .split(", "), (args, r.stderr)
+        assert "Traceback" not in r.stderr
+    code, screen = _run_in_terminal(["top", "--name", missing, "--interval", "0.3"],
+                                    keys=b"q", after=0.5, seen=b"waiting for it")
+    assert code == 0, screen[-2000:]
+    assert f"no producer named {missing!r}".encode() in screen
+    assert b"live producers:" in screen and name.encode() in screen
+
+
+@pytest.fixture
+def private_tmp(tmp_path):
+    """tmp_path with mode 0700, as a runtime directory's parent may be."""
+    tmp_path.chmod(0o700)
+    return tmp_path
+
+
+def test_a_bad_runtime_dir_is_one_line(private_tmp):
+    """clean and demo with a TENSORSOCKET_RUNTIME_DIR that cannot be used: the message,
+    which says how to fix it, on one line; no exception class, no --debug hint; exit 1.
+    status and top do not need the directory and work."""
+    a_file = private_tmp / "file"
+    a_file.write_text("")
+    shared = private_tmp / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    cases = {str(a_file): "is not a directory", str(shared): "chmod 700",
+             str(private_tmp / "no" / "dir"): "its parent directory does not exist",
+             "relative/dir": "fix or unset it"}
+    for value, fix in cases.items():
+        env = {"TENSORSOCKET_RUNTIME_DIR": value}
+        for args in (["clean", "--dry-run"], ["demo", "--no-live"]):
+            r = cli(*args, env=env)
+            assert r.returncode == 1, (value, args, r.stdout, r.stderr)
+            lines = r.stderr.strip().splitlines()
+            assert len(lines) == 1, (value, args, r.stderr)
+            assert lines[0].startswith(f"tensorsocket {args[0]}: error: ") and fix in lines[0]
+            assert "Error:" not in lines[0] and "--debug" not in r.stderr
+        assert cli("status", "--interval", "0", env=env).returncode == 0
+        assert cli("top", "--plain", "--iterations", "1", "--interval", "0.2",
+                   env=env).returncode == 0
+    r = cli("demo", "--no-live", env={"TENSORSOCKET_MAX_LAG": "lots"})
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "TENSORSOCKET_MAX_LAG='lots' is not valid" in r.stderr
+
+
+def _status(**fields) -> "object":
+    """A ProducerStatus of a busy producer with two consumers, wide values everywhere."""
+    from tensorsocket.status import ConsumerStatus, ProducerStatus
+
+    consumers = [ConsumerStatus(index=i, pid=4194301 + i, alive=True, state=state,
+                                reason=reason, batch_size=bs, cursor=1234567, lag=3,
+                                delivered=1234567, delivered_bytes=3 * 2**30, rate=950.5,
+                                batch_rate=949.9, waiting=0.25, idle_seconds=0.1)
+                 for i, (state, reason, bs) in enumerate([("active", "", 256),
+                                                          ("active", "", None),
+                                                          ("detached", "lagged", None)])]
+    p = ProducerStatus(name="imagenet-train-shared-loader", segment="s", pid=4194300,
+                       alive=True, state="running", epoch=123, batch_index=45678,
+                       published=1234570, batches_published=1234447, epochs_ended=123,
+                       rate=1001.0, batch_rate=1000.0, slot_count=4096, occupied=4095,
+                       slot_bytes=512 * 2**20, batch_bytes=300 * 2**20, device="cuda:7",
+                       window=16, max_lag=64, lag_detached=12, publish_wait_fraction=0.42,
+                       cpu_seconds=123456.7, cpu_rate=12.34, consumers=consumers)
+    for k, v in fields.items():
+        setattr(p, k, v)
+    return p
+
+
+def test_render_wraps_a_producer_at_80_columns():
+    """The text of status and top in 80 columns: every field of a producer with wide
+    values is there, on lines of at most 80 characters; unlimited width keeps each group
+    of fields on one line."""
+    from tensorsocket.status import render
+
+    p = _status()
+    narrow = render([p], width=80)
+    assert max(len(line) for line in narrow) <= 80, "\n".join(narrow)
+    text = "\n".join(narrow)
+    for f in PRODUCER_FIELDS + ["pid 4194300", "running", "device cuda:7", "123:45678",
+                                "1000.0 loader batches/s", "4095/4096 slots held",
+                                "512.0 MiB each", "batch 300.0 MiB", "window 16",
+                                "max_lag 64", "lag detaches 12", "waiting for slots 42%",
+                                "12.34 cores now", "2 consumer(s) saves about 12.34 cores",
+                                "detached (lagged)",
+                                "949.9", "1234567 (3.0 GiB)"]:
+        assert f in text, f
+    header = next(i for i, ln in enumerate(narrow) if ln.startswith("  consumer  "))
+    assert narrow[header + 1].split() == ["batches/s"]  # a two-row header
+    assert "entries delivered" in text  # in a second table: a wide one would not fit
+    wide = render([p])
+    assert len(wide) < len(narrow)
+    assert "waiting for slots 42%" in wide[1] and "max_lag 64" in wide[1]
+    assert "loader batches/s" in wide[3] and "entries delivered" in wide[3]
+    assert render([_status(max_lag=None)])[1].count("max_lag -") == 1
+
+
+def test_status_counts_loader_batches_and_epoch_ends(name, procs):
+    """status --json: published = batches_published + epochs_ended (one marker per epoch);
+    batch_rate leaves the markers out of rate; max_lag null means none; the text labels
+    the consumer columns as loader batches and ring entries."""
+    prod = procs.start("producer", "--name", name, "--kind", "samples", "--samples", "160",
+                       "--loader-bs", "8", "--delay", "0.02", "--epochs", "500",
+                       "--min-consumers", "1")
+    procs.wait_ready(prod)
+    procs.start("consumer", "--name", name, "--kind", "samples", "--samples", "160",
+                "--batch-size", "4", "--epochs", "500")
+    wait_for(lambda: (status_json(name, 0)["producers"] or [{"epochs_ended": 0}])[0]
+             ["epochs_ended"] >= 2, what="two epochs")
+    (p,) = status_json(name, 2.0)["producers"]
+    assert p["published"] == p["batches_published"] + p["epochs_ended"]
+    newest_is_batch = p["batch_bytes"] is not None
+    assert p["epochs_ended"] == p["epoch"] + (0 if newest_is_batch else 1)
+    assert p["batches_published"] == 20 * p["epoch"] + (p["batch_index"] + 1 if newest_is_batch
+                                                        else 20)
+    assert p["max_lag"] is None
+    assert 0.85 < p["batch_rate"] / p["rate"] < 0.99, (p["batch_rate"], p["rate"])
+    (c,) = p["consumers"]
+    assert c["batch_size"] == 4 and c["delivered"] > 0
+    assert 0 < c["batch_rate"] < c["rate"], (c["batch_rate"], c["rate"])
+    text = cli("status", "--name", name, env={"COLUMNS": "200"}).stdout
+    assert "loader batches/s" in text and "entries delivered" in text
+
+
+def _other_uid() -> int:
+    """A uid that is not ours."""
+    return 65534 if os.getuid() != 65534 else 65533
+
+
+def test_status_lists_other_users_producers(name, monkeypatch):
+    """Another user's segment (mode 0600) is listed with its owner, name and pid, as not
+    readable, in text and JSON, and never touched by clean."""
+    uid = _other_uid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = f"uid {uid}"
+    path = f"/dev/shm/tensorsocket-{uid}-{name}-4194000"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.close(fd)
+    try:
+        r = cli("status", "--json", "--name", name, "--interval", "0")
+        assert r.returncode == 1  # no producer of ours by that name
+        doc = json.loads(r.stdout)
+        assert doc["producers"] == []
+        (o,) = doc["other_users"]
+        assert o["user"] == user and o["uid"] == uid and o["name"] == name
+        assert o["pid"] == 4194000 and o["segment"] == os.path.basename(path)
+        assert "another user's producer" in o["note"]
+        r = cli("status", "--interval", "0", env={"COLUMNS": "200"})
+        assert r.returncode == 0, r.stderr
+        line = next(ln for ln in r.stdout.splitlines() if name in ln)
+        assert f"producer {name!r}" in line and "pid 4194000" in line
+        assert f"user {user}" in line and "another user's producer" in line
+        clean = cli("clean", "--dry-run", "--name", name)
+        assert clean.returncode == 0 and "nothing to clean" in clean.stdout
+        assert os.path.exists(path)
+
+        from tensorsocket import status
+
+        monkeypatch.setattr(status.os, "access", lambda path, mode: False)
+        (seen,) = status.other_users(name)
+        assert seen.note == "not readable: another user's producer"
+    finally:
+        os.unlink(path)
+
+
+def test_demo_panel_counts_batches_not_epoch_ends():
+    """The demo's live panel: a consumer that took every entry of 2 epochs of 32 batches
+    (and their 2 end markers) has taken 64 of 64 batches; a finished one is shown full."""
+    from tensorsocket._demo_panel import LivePanel
+
+    out = io.StringIO()
+    panel = LivePanel("demo-x", 32, 2, out)
+    assert panel.total == 64
+    assert [panel.batches_taken(n) for n in (0, 32, 33, 34, 65, 66)] == [0, 32, 32, 33, 64, 64]
+    panel.finished(4242, 64, {4242: "consumer 1"})
+    assert f"[{'#' * 24}]   64/64 batches" in out.getvalue()
