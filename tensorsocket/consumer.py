@@ -533,10 +533,12 @@ class TensorConsumer:
         self._rejoins += 1
         self._skipped += skipped
         ended = " The current epoch ends here." if self._epoch_pulled > 0 else ""
-        warnings.warn(
+        message = (
             f"this consumer fell more than max_lag={self.max_lag} batches behind the fastest "
             f"consumer, was detached and attached again as a late joiner; it skipped {skipped} "
-            f"ring entries.{ended}", LagWarning, stacklevel=6)
+            f"ring entries.{ended}")
+        log.warning("%s", message)
+        warnings.warn(message, LagWarning, stacklevel=6)
 
     def _attach_again(self) -> int:
         """Take a new place in the same producer's ring (a late joiner); its first seq."""
