@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # verdicts.py, when this file is imported from elsewhere
+from verdicts import evaluate  # noqa: E402
 ROOT = HERE.parent
 README = ROOT / "README.md"
 BEGIN, END = "<!-- performance:begin -->", "<!-- performance:end -->"
@@ -45,6 +47,16 @@ def _workers(cfg: dict) -> str:
             f"loader has what the N jobs have together, at most the cores ({shared}).")
 
 
+def _calibration(cal: dict) -> str:
+    """The run's own calibration: the loader's CPU cost per batch against a training step's."""
+    if not cal.get("loader_ms_per_batch") or not cal.get("train_ms_per_batch"):
+        return ""
+    return (f" Calibrated in the same run (one process, one thread): the loader takes "
+            f"{cal['loader_ms_per_batch']:.0f} ms per batch and a training step "
+            f"{cal['train_ms_per_batch']:.1f} ms, so L is about "
+            f"{cal['loader_ms_per_batch'] / cal['train_ms_per_batch']:.0f} T (below).")
+
+
 def _collocated(doc: dict) -> list[str]:
     rows = doc.get("summary") or []
     by = {(r["mode"], r["consumers"]): r for r in rows}
@@ -56,7 +68,7 @@ def _collocated(doc: dict) -> list[str]:
         f"small CNN on the CPU ({cal.get('model_params', '?'):,} parameters, one thread each) "
         f"on batches of {cfg.get('batch_size')} JPEG-decoded, randomly cropped and flipped "
         f"{cfg.get('crop')}x{cfg.get('crop')} images; medians of {doc.get('repeats')} runs. "
-        + _workers(cfg),
+        + _workers(cfg) + _calibration(cal),
         "",
         "| N | samples/s independent | samples/s shared | samples/s original | "
         "shared / independent | CPU s/sample independent | CPU s/sample shared | "
@@ -152,7 +164,7 @@ def _allocator_note(pair: tuple[Path | None, Path | None] | None, main: dict) ->
             text += (f"every worker of both modes padding its heap (`--worker-top-pad "
                      f"{dcfg.get('worker_top_pad', 0)}`): {_ratios(doc)}. ")
         else:
-            text += (f"the producer's workers with glibc's defaults too (`--producer-heap-pad "
+            text += (f"The producer's workers with glibc's defaults too (`--producer-heap-pad "
                      f"0`, as before the producer padded them): {_ratios(doc)}. ")
     links = " and ".join(f"[`{p.name}`]({p.relative_to(ROOT)})" for p, _ in docs)
     return ["", text + f"Files: {links}."]
@@ -222,7 +234,8 @@ def render(results: dict, path: Path) -> str:
     if results.get("handoff"):
         lines += _handoff(results["handoff"]) + [""]
     lines += ["| target | measured | |", "|---|---|---|"]
-    for v in results.get("verdicts") or []:
+    # Recomputed from the stored runs, so the table follows verdicts.py as it is now.
+    for v in evaluate(results):
         lines.append(f"| {v['target']} | {v['measured']} | {v['status']} |")
     lines.append(END)
     return "\n".join(lines)

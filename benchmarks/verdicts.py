@@ -29,10 +29,21 @@ def collocated_verdicts(doc: dict | None, n: int = 3) -> list[dict]:
     thr, cpu = ratios.get("samples_per_s"), ratios.get("cpu_s_per_sample")
     return [
         _verdict(f"collocated N={n}: shared throughput >= 2x independent DataLoaders", thr,
-                 None if thr is None else thr >= 2.0, f"{_fmt(thr)}x"),
+                 None if thr is None else thr >= 2.0,
+                 f"{_fmt(thr)}x{_per_repeat(doc, n, 'aggregate_samples_per_s', '.2f')}"),
         _verdict(f"collocated N={n}: CPU-seconds per sample <= 0.4x independent", cpu,
-                 None if cpu is None else cpu <= 0.4, f"{_fmt(cpu)}x"),
+                 None if cpu is None else cpu <= 0.4,
+                 f"{_fmt(cpu, '.3f')}x{_per_repeat(doc, n, 'cpu_s_per_sample', '.3f')}"),
     ]
+
+
+def _per_repeat(doc: dict | None, n: int, metric: str, spec: str) -> str:
+    """ " (per repeat: a, b, c)": shared / independent of each repeat at N, in run order."""
+    runs = [r for r in (doc or {}).get("runs") or [] if r.get("consumers") == n and r.get("ok")]
+    base = {r["repeat"]: r.get(metric) for r in runs if r["mode"] == "independent"}
+    cells = [format(r[metric] / base[r["repeat"]], spec) for r in runs
+             if r["mode"] == "shared" and r.get(metric) and base.get(r["repeat"])]
+    return f" (per repeat: {', '.join(cells)})" if len(cells) > 1 else ""
 
 
 def handoff_verdicts(doc: dict | None) -> list[dict]:
