@@ -22,7 +22,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import _core
-from .endpoints import segment_prefix
 
 SHM_DIR = "/dev/shm"
 _CONSUMER_STATES = {
@@ -101,25 +100,28 @@ class ProducerStatus:
         return self.cpu_rate * (self.active_consumers - 1)
 
 
-def _segment_pattern() -> re.Pattern[str]:
-    """Matches this user's segment names; groups: producer name, pid."""
-    prefix = segment_prefix("")  # "tensorsocket-<uid>--"
-    return re.compile(re.escape(prefix[:-1]) + r"(?P<name>.+)-(?P<pid>\d+)$")
+_SEGMENT = re.compile(r"^tensorsocket-(?P<uid>\d+)-(?P<name>.+)-(?P<pid>\d+)$")
 
 
-def segments() -> list[tuple[str, str, int]]:
-    """(segment, producer name, pid) of every tensorsocket segment of this user."""
-    pattern = _segment_pattern()
+def _all_segments() -> list[tuple[str, int, str, int]]:
+    """(segment, owner uid from its name, producer name, pid) of every tensorsocket
+    segment in /dev/shm, whoever's."""
     try:
         entries = sorted(os.listdir(SHM_DIR))
     except OSError:
         return []
     out = []
     for entry in entries:
-        m = pattern.match(entry)
+        m = _SEGMENT.match(entry)
         if m:
-            out.append((entry, m.group("name"), int(m.group("pid"))))
+            out.append((entry, int(m.group("uid")), m.group("name"), int(m.group("pid"))))
     return out
+
+
+def segments() -> list[tuple[str, str, int]]:
+    """(segment, producer name, pid) of every tensorsocket segment of this user."""
+    me = os.getuid()
+    return [(entry, name, pid) for entry, uid, name, pid in _all_segments() if uid == me]
 
 
 @dataclass
@@ -135,9 +137,6 @@ class OtherUserSegment:
     note: str  # why it is not shown in full
 
 
-_ANY_SEGMENT = re.compile(r"^tensorsocket-(?P<uid>\d+)-(?P<name>.+)-(?P<pid>\d+)$")
-
-
 def _user_name(uid: int) -> str:
     """The user name of uid, else ``uid N``."""
     try:
@@ -149,25 +148,15 @@ def _user_name(uid: int) -> str:
 def other_users(name: str | None = None) -> list[OtherUserSegment]:
     """Segments of other users' producers (of producer `name` if given). They are never
     opened: their mode is 0600, and another user's ring is not ours to read."""
-    try:
-        entries = sorted(os.listdir(SHM_DIR))
-    except OSError:
-        return []
     out = []
-    for entry in entries:
-        m = _ANY_SEGMENT.match(entry)
-        if m is None or int(m.group("uid")) == os.getuid():
+    for entry, uid, producer, pid in _all_segments():
+        if uid == os.getuid() or (name is not None and producer != name):
             continue
-        if name is not None and m.group("name") != name:
-            continue
-        uid = int(m.group("uid"))
         readable = os.access(f"{SHM_DIR}/{entry}", os.R_OK)
         note = "another user's producer (not read)" if readable else \
             "not readable: another user's producer"
-        out.append(OtherUserSegment(user=_user_name(uid), uid=uid, name=m.group("name"),
-                                    pid=int(m.group("pid")),
-                                    alive=pid_alive(int(m.group("pid"))), segment=entry,
-                                    note=note))
+        out.append(OtherUserSegment(user=_user_name(uid), uid=uid, name=producer, pid=pid,
+                                    alive=pid_alive(pid), segment=entry, note=note))
     return out
 
 
