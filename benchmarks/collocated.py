@@ -44,18 +44,18 @@ run (its numbers are kept, flagged, see "summary" below). Runs are interleaved (
 repeat, for each N, every mode) so that drifting load on the machine hits all modes
 alike; CPU used by other work during a run is measured and flagged.
 
-Calibration (printed at start, stored in the JSON): in this process, one thread, the
-loader-only rate (``dataset[i]`` x batch + collate: what one DataLoader worker does) and
-the train-only rate (one SGD step on a fixed batch). On a CPU-only machine training
+Calibration (printed at start, stored in the JSON): CPU time of one thread per batch,
+for the loader alone (``dataset[i]`` x batch + collate, what one DataLoader worker does,
+in a forked process whose heap is padded first as the producer's workers pad theirs) and
+for one SGD step on a fixed batch (in this process). On a CPU-only machine training
 costs CPU too, so what sharing can win depends on the loader's cost L per batch against
 the training cost T per batch: with C cores fully used, N independent jobs train
 C / (L + T) batches/s in all, a shared loader N C / (L + N T); the throughput ratio is
 N (L + T) / (L + N T) and the CPU-per-sample ratio (L + N T) / (N (L + T)). The defaults
 are the loader-bound regime of the paper (there, training runs on GPUs and costs the CPU
 almost nothing): 512x512 JPEGs decoded and randomly resized-cropped to 32x32, batch 32,
-a ~20k-parameter ResNet-style CNN, so L is about 12 T on the development machine (AMD
-EPYC, 2 cores): about 57 ms against 4.7 ms per batch. The calibration is printed and
-stored; CROP and WIDTHS in workload.py move the workload towards the training-bound side
+a ~20k-parameter ResNet-style CNN, so L is 6 to 9 T on the development machine (AMD
+EPYC, 2 cores; it moves with the host's load). The calibration is printed and stored; CROP and WIDTHS in workload.py move the workload towards the training-bound side
 (64x64 crops with widths 16,48,96 give L/T of about 1.4: measured 1.62x at N = 3, as the
 formula predicts).
 
@@ -108,7 +108,7 @@ there too, as before the producer padded); the producer reports what it used.
 Console: progress lines on stderr; on stdout the calibration and a table of medians over
 the repeats.
 
-JSON (``--json PATH``), schema ``tensorsocket-collocated/1``::
+JSON (``--json PATH``), schema ``tensorsocket-collocated/2``::
 
   schema, started (ISO time), argv, quick, repeats
   config: consumers [int], modes [str], batch_size, warmup_batches, measured_batches,
@@ -120,10 +120,12 @@ JSON (``--json PATH``), schema ``tensorsocket-collocated/1``::
       mem_total_gb, loadavg_start, loadavg_end, platform, python, torch, numpy, pillow,
       psutil, tensorsocket (this project's version and file), original (python, version,
       or error)
-  calibration: batch_size, loader_batches_per_s, loader_samples_per_s,
-      loader_ms_per_batch, train_batches_per_s, train_samples_per_s, train_ms_per_batch,
+  calibration: batch_size, clock ("thread CPU time"), loader_top_pad, loader_batches_per_s,
+      loader_samples_per_s, loader_ms_per_batch, loader_wall_ms_per_batch,
+      train_batches_per_s, train_samples_per_s, train_ms_per_batch, train_wall_ms_per_batch,
       train_over_loader (train rate / loader rate, > 1: loader-bound), loader_bound_one_worker,
-      model_params, threads
+      model_params, threads (the rates and ms_per_batch are CPU time; schema 1 held wall
+      times, the loader's measured in the orchestrator's own process)
   runs: [one per (repeat, N, mode)]:
       mode, consumers, repeat, ok (bool), error (str or null: the exception text, a
       failed check, or "hang after X s ..."), warnings [str], wall_s,
@@ -1312,11 +1314,12 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"original TensorSocket unavailable: {original['error']}")
     machine = _machine(original)
 
-    _log("calibrating (loader-only and train-only, 1 process, 1 thread) ...")
-    cal = wl.calibrate(images, args.batch_size, batches=4 if args.quick else 10)
-    per_batch = (cal["loader_ms_per_batch"] + cal["train_ms_per_batch"]) / 1e3
     producer_heap_pad = (args.producer_heap_pad if args.producer_heap_pad is not None
                          else _library_heap_pad())
+    _log("calibrating (loader-only and train-only CPU time, 1 thread each) ...")
+    cal = wl.calibrate(images, args.batch_size, batches=4 if args.quick else 10,
+                       top_pad=producer_heap_pad or wl.CALIBRATION_TOP_PAD)
+    per_batch = (cal["loader_wall_ms_per_batch"] + cal["train_wall_ms_per_batch"]) / 1e3
     cores = max(1, machine["usable_cores"] or 1)
 
     def producer_workers(n: int) -> int:
@@ -1334,10 +1337,9 @@ def main(argv: list[str] | None = None) -> int:
           f"1 thread per process, {repeats} repeat(s), loader workers' malloc "
           + (f"M_TOP_PAD={args.worker_top_pad}" if args.worker_top_pad else "defaults")
           + f", shared producer worker_heap_pad={producer_heap_pad}")
-    print(f"calibration: loader {cal['loader_batches_per_s']:.1f} batches/s "
-          f"({cal['loader_ms_per_batch']:.1f} ms/batch), train "
-          f"{cal['train_batches_per_s']:.1f} batches/s ({cal['train_ms_per_batch']:.1f} "
-          f"ms/batch): a training process consumes {cal['train_over_loader']:.2f}x what one "
+    print(f"calibration (CPU time): loader {cal['loader_ms_per_batch']:.1f} ms/batch "
+          f"(a forked process, heap padded), train {cal['train_ms_per_batch']:.1f} "
+          f"ms/batch: a training process consumes {cal['train_over_loader']:.2f}x what one "
           f"loader worker produces ("
           f"{'loader-bound' if cal['loader_bound_one_worker'] else 'NOT loader-bound'})",
           flush=True)
@@ -1376,7 +1378,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         doc = {
-            "schema": "tensorsocket-collocated/1",
+            "schema": "tensorsocket-collocated/2",
             "started": started,
             "argv": sys.argv[1:] if argv is None else argv,
             "quick": args.quick,

@@ -47,14 +47,23 @@ def _workers(cfg: dict) -> str:
             f"loader has what the N jobs have together, at most the cores ({shared}).")
 
 
-def _calibration(cal: dict) -> str:
-    """The run's own calibration: the loader's CPU cost per batch against a training step's."""
-    if not cal.get("loader_ms_per_batch") or not cal.get("train_ms_per_batch"):
+def _calibration(cal: dict, ns: list[int]) -> str:
+    """The run's own calibration: the loader's CPU cost per batch, L, against a training
+    step's, T, and what the model below predicts from them with no cost of sharing."""
+    load, train = cal.get("loader_ms_per_batch"), cal.get("train_ms_per_batch")
+    if not load or not train:
         return ""
-    return (f" Calibrated in the same run (one process, one thread): the loader takes "
-            f"{cal['loader_ms_per_batch']:.0f} ms per batch and a training step "
-            f"{cal['train_ms_per_batch']:.1f} ms, so L is about "
-            f"{cal['loader_ms_per_batch'] / cal['train_ms_per_batch']:.0f} T (below).")
+    if cal.get("clock") != "thread CPU time":  # schema 1: wall time, loader in one process
+        return (f" Calibrated in the same run (one process, one thread, wall time): the "
+                f"loader takes {load:.0f} ms per batch and a training step {train:.1f} ms.")
+    k = load / train
+    model = ", ".join(f"N={n}: {n * (k + 1) / (k + n):.2f}x and {(k + n) / (n * (k + 1)):.2f}x"
+                      for n in ns if n > 1)
+    return (f" Calibrated in the same run (CPU time of one thread; the loader in a forked "
+            f"process with its heap padded as the producer's workers pad theirs): the loader "
+            f"costs L = {load:.0f} ms per batch and a training step T = {train:.1f} ms, so "
+            f"L = {k:.1f} T. With sharing itself free, the model below predicts shared / "
+            f"independent throughput and CPU per sample of {model}.")
 
 
 def _collocated(doc: dict) -> list[str]:
@@ -68,7 +77,7 @@ def _collocated(doc: dict) -> list[str]:
         f"small CNN on the CPU ({cal.get('model_params', '?'):,} parameters, one thread each) "
         f"on batches of {cfg.get('batch_size')} JPEG-decoded, randomly cropped and flipped "
         f"{cfg.get('crop')}x{cfg.get('crop')} images; medians of {doc.get('repeats')} runs. "
-        + _workers(cfg) + _calibration(cal),
+        + _workers(cfg) + _calibration(cal, ns),
         "",
         "| N | samples/s independent | samples/s shared | samples/s original | "
         "shared / independent | CPU s/sample independent | CPU s/sample shared | "

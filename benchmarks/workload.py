@@ -19,7 +19,8 @@ import this file by path (``sys.path`` holds ``benchmarks/`` when ``collocated.p
   the epoch.
 - ``SmallResNet`` (~20k parameters with the default widths) and ``Trainer`` (SGD with
   momentum, cross-entropy).
-- ``calibrate``: loader-only and train-only rates of one process with one thread.
+- ``calibrate``: the loader's and a training step's CPU cost per batch, one thread each
+  (the loader in a forked process with its heap padded, as a producer's worker has it).
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ class JpegDataset(torch.utils.data.Dataset):
 
 M_TOP_PAD, M_MMAP_THRESHOLD = -2, -3  # glibc <malloc.h>
 MMAP_THRESHOLD = 32 << 20  # glibc's largest dynamic mmap threshold (64-bit)
+CALIBRATION_TOP_PAD = 16 << 20  # tensorsocket's default worker_heap_pad
 
 
 def pad_heap(top_pad: int, worker_id: int = 0) -> None:
@@ -282,49 +284,74 @@ class Trainer:
 # -- calibration -------------------------------------------------------------------------
 
 
+def _loader_cpu_s(root: str, batch_size: int, batches: int, warmup: int,
+                  top_pad: int) -> tuple[float, float]:
+    """CPU and wall seconds per batch of ``dataset[i]`` x batch + collate in this
+    process (one thread), after ``pad_heap(top_pad)``: what one padded worker does."""
+    torch.set_num_threads(1)
+    pad_heap(top_pad)
+    ds = JpegDataset(root, seed=0)
+    order = np.random.default_rng(0).permutation(len(ds))
+    collate = torch.utils.data.default_collate
+
+    def load(b: int):
+        idx = order[(b * batch_size + np.arange(batch_size)) % len(order)]
+        return collate([ds[int(i)] for i in idx])
+
+    for b in range(warmup):
+        load(b)
+    c0, t0 = time.thread_time(), time.perf_counter()
+    for b in range(batches):
+        load(warmup + b)
+    return ((time.thread_time() - c0) / batches, (time.perf_counter() - t0) / batches)
+
+
 def calibrate(root: str | os.PathLike, batch_size: int, batches: int = 6,
-              warmup: int = 1) -> dict:
-    """Loader-only and train-only rates of this process, one thread each.
+              warmup: int = 1, top_pad: int = CALIBRATION_TOP_PAD) -> dict:
+    """Loader-only and train-only CPU cost per batch, one thread each.
 
     loader: ``dataset[i]`` for a shuffled run of indices plus ``default_collate``, what one
-    DataLoader worker does per batch; train: ``Trainer.step`` on a fixed batch.
+    DataLoader worker does per batch, measured in a forked process whose heap is padded
+    first (``pad_heap(top_pad)``), as the producer's workers pad theirs: decoding in this
+    process instead would measure whatever malloc heap it happens to have (see
+    benchmarks/README.md, "The allocator"), up to twice the cost. train: ``Trainer.step``
+    on a batch of the loader's, in this process. Times are the calling thread's CPU time
+    (``time.thread_time``), the quantity the CPU-per-sample ratio is made of; the wall
+    times are kept beside them.
     """
+    import multiprocessing
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            load_s, load_wall_s = pool.apply(
+                _loader_cpu_s, (str(root), batch_size, batches, warmup, top_pad))
         ds = JpegDataset(root, seed=0)
-        order = np.random.default_rng(0).permutation(len(ds))
         collate = torch.utils.data.default_collate
-
-        def load(b: int):
-            idx = order[(b * batch_size + np.arange(batch_size)) % len(order)]
-            return collate([ds[int(i)] for i in idx])
-
-        for b in range(warmup):
-            load(b)
-        t0 = time.perf_counter()
-        for b in range(batches):
-            batch = load(warmup + b)
-        load_s = (time.perf_counter() - t0) / batches
-
+        x, y, _ = collate([ds[i] for i in range(batch_size)])
         trainer = Trainer(seed=0)
-        x, y = batch[0], batch[1]
         for _ in range(warmup + 1):
             trainer.step(x, y)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         for _ in range(batches):
             trainer.step(x, y)
-        train_s = (time.perf_counter() - t0) / batches
+        train_s = (time.thread_time() - c0) / batches
+        train_wall_s = (time.perf_counter() - t0) / batches
     finally:
         torch.set_num_threads(threads)
     return {
         "batch_size": batch_size,
+        "clock": "thread CPU time",
+        "loader_top_pad": top_pad,
         "loader_batches_per_s": 1.0 / load_s,
         "loader_samples_per_s": batch_size / load_s,
         "loader_ms_per_batch": load_s * 1e3,
+        "loader_wall_ms_per_batch": load_wall_s * 1e3,
         "train_batches_per_s": 1.0 / train_s,
         "train_samples_per_s": batch_size / train_s,
         "train_ms_per_batch": train_s * 1e3,
+        "train_wall_ms_per_batch": train_wall_s * 1e3,
         "train_over_loader": load_s / train_s,
         "loader_bound_one_worker": load_s > train_s,
         "model_params": num_params(trainer.model),
