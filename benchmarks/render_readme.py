@@ -106,16 +106,26 @@ def _collocated(doc: dict) -> list[str]:
             f"| {_num(ratios.get('cpu_s_per_sample'), '.2f')}x "
             f"| {cell('independent', n, 'peak_rss_total_mb', ',.0f')} MB "
             f"| {cell('shared', n, 'peak_rss_total_mb', ',.0f')} MB |")
-    # The same failure at several N differs only in its count of consumers: say it once.
-    errors: dict[str, set[int]] = {}
-    for r in rows:
-        for e in (r.get("errors") or []) if r["mode"] == "original" else []:
+    # The same failure at several N differs only in its count of consumers: say it once,
+    # with how many of the runs at each N it ended.
+    errors: dict[str, dict[int, int]] = {}
+    runs_at: dict[int, int] = {}
+    for r in doc.get("runs") or []:
+        if r.get("mode") != "original":
+            continue
+        runs_at[r["consumers"]] = runs_at.get(r["consumers"], 0) + 1
+        if r.get("error"):
             text = re.sub(r"^check failed in (\d+) of \1 consumers", "check failed in every "
-                          "consumer", e)[:200]
-            errors.setdefault(text, set()).add(r["consumers"])
+                          "consumer", r["error"])[:200]
+            at = errors.setdefault(text, {})
+            at[r["consumers"]] = at.get(r["consumers"], 0) + 1
+
+    def where(at: dict[int, int]) -> str:
+        return ", ".join(f"{n}" if k == runs_at[n] else f"{n} ({k} of {runs_at[n]} runs)"
+                         for n, k in sorted(at.items()))
     if errors:
         out += ["", "The original TensorSocket in this workload: " + "; ".join(
-            f"N={', '.join(map(str, sorted(ns)))}: `{text}`" for text, ns in errors.items())]
+            f"N={where(at)}: `{text}`" for text, at in errors.items())]
     return out
 
 
