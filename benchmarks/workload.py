@@ -29,6 +29,7 @@ import ctypes
 import functools
 import io
 import math
+import multiprocessing
 import os
 import shutil
 import time
@@ -319,8 +320,6 @@ def calibrate(root: str | os.PathLike, batch_size: int, batches: int = 6,
     (``time.thread_time``), the quantity the CPU-per-sample ratio is made of; the wall
     times are kept beside them.
     """
-    import multiprocessing
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
