@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import _core
 from .endpoints import lock_held, runtime_dir
-from .status import SHM_DIR, pid_alive, segments
+from .status import SHM_DIR, segment_producer, segments
 
 
 @dataclass(frozen=True)
@@ -44,23 +44,18 @@ def stale_segments(only: str | None = None) -> list[Leftover]:
         if only is not None and name != only:
             continue
         path = f"{SHM_DIR}/{segment}"
-        try:
-            ring = _core.Ring.open("/" + segment)
-        except Exception as e:
-            if not pid_alive(pid):
-                out.append(Leftover("segment", name, path,
-                                    f"unreadable ({e}) and process {pid} is gone"))
+        alive, producer, unreadable = segment_producer(segment, pid)
+        if alive:
             continue
-        try:
-            info = ring.info()
-        finally:
-            ring.close()
-        if not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
-            users = sum(1 for c in _consumers_alive(segment))
-            reason = f"producer pid {info['producer_pid']} is gone"
-            if users:
-                reason += f"; {users} consumer process(es) still map it (their views stay valid)"
-            out.append(Leftover("segment", name, path, reason))
+        if unreadable is not None:
+            out.append(Leftover("segment", name, path,
+                                f"unreadable ({unreadable}) and process {pid} is gone"))
+            continue
+        users = sum(1 for c in _consumers_alive(segment))
+        reason = f"producer pid {producer} is gone"
+        if users:
+            reason += f"; {users} consumer process(es) still map it (their views stay valid)"
+        out.append(Leftover("segment", name, path, reason))
     return out
 
 

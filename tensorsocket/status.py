@@ -160,23 +160,26 @@ def other_users(name: str | None = None) -> list[OtherUserSegment]:
     return out
 
 
+def segment_producer(segment: str, pid: int) -> tuple[bool, int, str | None]:
+    """(alive, producer pid, why unreadable) of a segment of this user. Judged by the
+    pid and start time in its header, so that a reused pid does not count; where the
+    header cannot be read, by the pid in its name (`why` then says what failed)."""
+    try:
+        ring = _core.Ring.open("/" + segment)
+    except Exception as e:
+        return pid_alive(pid), pid, str(e)
+    try:
+        info = ring.info()
+    finally:
+        ring.close()
+    producer = info["producer_pid"]
+    return _core.process_alive(producer, info["producer_start_time"]), producer, None
+
+
 def live_producer_names() -> list[str]:
     """Names of this user's producers whose process is alive (for hints)."""
-    names = set()
-    for segment, name, pid in segments():
-        try:
-            ring = _core.Ring.open("/" + segment)
-        except Exception:  # unreadable: judge by the pid in its name
-            if pid_alive(pid):
-                names.add(name)
-            continue
-        try:
-            info = ring.info()
-        finally:
-            ring.close()
-        if _core.process_alive(info["producer_pid"], info["producer_start_time"]):
-            names.add(name)
-    return sorted(names)
+    return sorted({name for segment, name, pid in segments()
+                   if segment_producer(segment, pid)[0]})
 
 
 def pid_alive(pid: int) -> bool:
