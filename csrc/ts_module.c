@@ -696,15 +696,26 @@ static PyObject *Ring_reserve(RingObject *self, PyObject *args)
     return Py_BuildValue("(IK)", index, (unsigned long long)token);
 }
 
-/* Ring.activate(index) -> first sequence number the consumer receives */
+/* Ring.activate(index, align=False, start=None) -> first sequence number the consumer
+ * receives (start: exactly that entry, which must still be in the ring) */
 static PyObject *Ring_activate(RingObject *self, PyObject *args)
 {
     unsigned int index;
-    if (!PyArg_ParseTuple(args, "I:activate", &index)) return NULL;
+    int align = 0;
+    PyObject *from_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "I|pO:activate", &index, &align, &from_obj)) return NULL;
     if (ts_role_check(self, 1) < 0) return NULL;
+    uint64_t from = TS_SEQ_NONE;
+    if (from_obj != Py_None) {
+        from = PyLong_AsUnsignedLongLong(from_obj);
+        if (from == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    }
     uint64_t start = 0;
     ts_err err = {0};
-    if (ts_ring_activate(self->ring, index, &start, &err) != TS_OK)
+    ts_status st = from == TS_SEQ_NONE
+                       ? ts_ring_activate(self->ring, index, align, &start, &err)
+                       : ts_ring_activate_from(self->ring, index, from, &start, &err);
+    if (st != TS_OK)
         return ts_raise(ts_get_state((PyObject *)self), &err);
     return PyLong_FromUnsignedLongLong(start);
 }

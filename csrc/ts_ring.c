@@ -432,20 +432,43 @@ ts_status ts_ring_set_policy(ts_ring *ring, uint64_t window, uint64_t max_lag, t
     return TS_OK;
 }
 
-/* First seq a consumer activated now starts at (caller holds the lock). */
-static uint64_t ts_join_seq(const ts_ring *ring)
+/* First seq a consumer activated now starts at (caller holds the lock). An
+ * aligned join looks back over every entry still in the ring, so that it can
+ * start at the current epoch's first entry whenever that is still readable. */
+static uint64_t ts_join_seq(const ts_ring *ring, int align)
 {
     const ts_header *h = ring->hdr;
     uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
-    uint64_t window = atomic_load_explicit(&h->window, memory_order_relaxed);
+    uint64_t window = align ? (uint64_t)h->slot_count - 1
+                            : atomic_load_explicit(&h->window, memory_order_relaxed);
     uint64_t first = atomic_load_explicit(&h->epoch_first_seq, memory_order_relaxed);
     uint64_t start = published > window ? published - window : 0;
     return start > first ? start : first;
 }
 
+static ts_status ts_activate(ts_ring *ring, uint32_t index, int align, uint64_t from,
+                             uint64_t *start_seq, ts_err *err);
+
 /* Make a reserved consumer receive entries: from the oldest retained entry of
- * the current epoch inside the window, else from the next one published. */
-ts_status ts_ring_activate(ts_ring *ring, uint32_t index, uint64_t *start_seq, ts_err *err)
+ * the current epoch inside the window (align: inside the whole ring), else from
+ * the next one published. */
+ts_status ts_ring_activate(ts_ring *ring, uint32_t index, int align, uint64_t *start_seq,
+                           ts_err *err)
+{
+    return ts_activate(ring, index, align, TS_SEQ_NONE, start_seq, err);
+}
+
+/* Make a reserved consumer receive entries from seq `from` on: every entry from it
+ * must still be in the ring (another consumer's bits keep them there). */
+ts_status ts_ring_activate_from(ts_ring *ring, uint32_t index, uint64_t from,
+                                uint64_t *start_seq, ts_err *err)
+{
+    return ts_activate(ring, index, 0, from, start_seq, err);
+}
+
+/* ts_ring_activate and ts_ring_activate_from: from == TS_SEQ_NONE picks the start. */
+static ts_status ts_activate(ts_ring *ring, uint32_t index, int align, uint64_t from,
+                             uint64_t *start_seq, ts_err *err)
 {
     ts_header *h = ring->hdr;
     ts_status st = TS_OK;
@@ -462,11 +485,21 @@ ts_status ts_ring_activate(ts_ring *ring, uint32_t index, uint64_t *start_seq, t
      * slot being filled held seq published - slot_count, which is older than
      * any retained entry (window < slot_count). */
     uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
-    uint64_t start = ts_join_seq(ring);
+    uint64_t start = from == TS_SEQ_NONE ? ts_join_seq(ring, align) : from;
+    if (from != TS_SEQ_NONE && (from > published || published - from >= h->slot_count)) {
+        st = ts_err_set(err, TS_E_INVALID, 0, "entry %llu is no longer in the ring",
+                        (unsigned long long)from);
+        goto done;
+    }
     for (uint64_t seq = start; seq < published; seq++) /* cannot trigger; stay safe */
         if (atomic_load_explicit(&ts_ring_slot(ring, (uint32_t)(seq % h->slot_count))->seq,
                                  memory_order_acquire) != seq)
             start = seq + 1;
+    if (from != TS_SEQ_NONE && start != from) {
+        st = ts_err_set(err, TS_E_INVALID, 0, "entry %llu is no longer in the ring",
+                        (unsigned long long)from);
+        goto done;
+    }
     for (uint64_t seq = start; seq < published; seq++)
         atomic_fetch_or_explicit(&ts_ring_slot(ring, (uint32_t)(seq % h->slot_count))->readers,
                                  bit, memory_order_acq_rel);

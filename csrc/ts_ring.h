@@ -264,8 +264,17 @@ ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_
 ts_status ts_ring_set_policy(ts_ring *ring, uint64_t window, uint64_t max_lag, ts_err *err);
 
 /* Make a reserved consumer receive entries: from the oldest entry of the
- * current epoch still inside the window, else from the next one published. */
-ts_status ts_ring_activate(ts_ring *ring, uint32_t index, uint64_t *start_seq, ts_err *err);
+ * current epoch still inside the window, else from the next one published.
+ * align != 0 widens the window to every entry still in the ring, so that a
+ * consumer that wants whole epochs starts at the current epoch's first entry
+ * whenever it is still readable. */
+ts_status ts_ring_activate(ts_ring *ring, uint32_t index, int align, uint64_t *start_seq,
+                           ts_err *err);
+
+/* Make a reserved consumer receive entries from seq `from` on (the ranks of a consumer
+ * group start together); TS_E_INVALID if an entry from `from` on left the ring. */
+ts_status ts_ring_activate_from(ts_ring *ring, uint32_t index, uint64_t from,
+                                uint64_t *start_seq, ts_err *err);
 
 /* A live consumer left: stop sending, drop its unread entries. Slots it still
  * holds views of stay held until those views are freed. */

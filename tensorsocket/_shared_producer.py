@@ -256,7 +256,7 @@ def _serve(loader: Any, endpoint: Endpoint, epochs: int | None, idle_timeout: fl
              "idle_timeout=%s", endpoint.name, os.getpid(), caller, epochs, idle_timeout)
     try:
         producer = TensorProducer(loader, name=endpoint.name, address=endpoint.address,
-                                  min_consumers=1, start_timeout=None, **producer_kw)
+                                  start_timeout=None, **{"min_consumers": 1, **producer_kw})
     except BaseException as e:
         log.exception("cannot start the producer")
         reporter.error(f"{type(e).__name__}: {e}")
@@ -332,7 +332,7 @@ class _Guard:
             try:
                 if self._idle_timeout is None:
                     continue
-                if self._producer.stats()["consumers"] > 0:
+                if self._producer.consumers_present() > 0:
                     idle_since = None
                     continue
                 now = time.monotonic()
@@ -358,7 +358,7 @@ class _Guard:
             if fd is None:
                 return False
             try:
-                if self._producer.stats()["consumers"] > 0:
+                if self._producer.consumers_present() > 0:
                     return False
                 log.info("no consumer for idle_timeout=%s s: ending", self._idle_timeout)
                 self.retired = True

@@ -161,6 +161,16 @@ def _parse_timeout(text: str) -> float | None:
     return None if math.isinf(value) else value
 
 
+def _parse_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError("not a finite number of seconds >= 0")
+    return value
+
+
 def _int_in(lo: int, hi: int, allow_none: bool = False) -> Callable[[str], int | None]:
     def parse(text: str) -> int | None:
         if allow_none and text.lower() == "none":
@@ -272,6 +282,11 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "seconds the producer waits for `min_consumers` (and for one consumer while none "
             "is attached), then `TimeoutError`",
             _parse_timeout, none_is_value=True),
+    Setting("start_grace", "start_grace", "TENSORSOCKET_START_GRACE", "producer", 3.0, "3",
+            "a number of seconds >= 0",
+            "seconds the producer waits, once `min_consumers` are attached, before its first "
+            "batch, so that jobs started together all begin at the same batch",
+            _parse_seconds),
     Setting("publish_timeout", "publish_timeout", "TENSORSOCKET_PUBLISH_TIMEOUT", "producer",
             None, "none (forever)", _TIMEOUT_ACCEPTS,
             "seconds the producer waits for a free slot, then `TimeoutError`",

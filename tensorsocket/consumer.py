@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 import weakref
@@ -29,6 +30,7 @@ from .errors import (
 )
 from .rebatch import EpochEnd, Rebatcher, batch_samples, consumer_len
 from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
+from .surface import LoaderSurface
 
 log = logging.getLogger("tensorsocket")
 
@@ -36,9 +38,13 @@ DL_CUDA = 2  # DLDeviceType of a GPU ring
 
 DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
 STALL_WARN_AFTER = 5.0  # seconds waiting for a batch the consumer's own held batches block
+SIBLING_PARK_AFTER = 0.5  # seconds of waiting before this process's idle consumers park
+
+# Every open consumer of this process, for parking the idle ones (see _park_idle_siblings).
+_CONSUMERS: "weakref.WeakSet[TensorConsumer]" = weakref.WeakSet()
 
 
-class TensorConsumer:
+class TensorConsumer(LoaderSurface):
     """Receive the batches of a TensorProducer; a drop-in for a DataLoader.
 
     ``for batch in consumer:`` is one epoch and ends with StopIteration;
@@ -57,9 +63,9 @@ class TensorConsumer:
     consumer; the next batch asked for attaches it again, as a late joiner.
 
     Positional parameters follow the original TensorSocket
-    (``port, ack_port, heart_ports, unpack_fn, batch_size``). When ``port`` is
-    given the consumer yields ``(batch_index, batch)`` pairs like the original
-    did (override with ``with_index=``).
+    (``port, ack_port, heart_ports, unpack_fn, batch_size``); like the original
+    (0.0.4, 0.0.5), the consumer yields the batch itself (``with_index=True``
+    yields ``(batch_index, batch)`` pairs instead).
 
     batch_size: samples per batch (None: the loader's own batches, untouched).
       When it divides the loader's batch size, batches are zero-copy slices;
@@ -114,6 +120,19 @@ class TensorConsumer:
         DataLoader(pin_memory=True), without its extra copy).
       peer_access: read a GPU ring on another GPU through peer access
         (default True); False copies each batch into ``device`` instead.
+      align_epochs: every epoch is one whole epoch of the producer, from its
+        first batch (default True): a consumer that attaches mid-epoch starts
+        at the next epoch's first batch, unless the current one's is still in
+        the ring. False: a late joiner starts at once, in the producer's
+        window, and its epochs span two of the producer's (docs/usage.md).
+        Only for loaders with ``len()``: without one, a late joiner always
+        starts at once (the stream may never start another epoch).
+      rank, world_size, group: this consumer is rank ``rank`` of the
+        ``world_size`` ranks of one data-parallel job (``group`` names the
+        job; share() fills all three from torchrun's environment): the ranks
+        split the stream, rank r taking loader batches r, r + world_size, ...
+        of each epoch, each rank the same number (``len(loader) //
+        world_size``); they start together, at the same entry.
     """
 
     # Set by tensorsocket.share() on the consumers it returns.
@@ -123,6 +142,7 @@ class TensorConsumer:
     """share(): the producer process's log file (a pathlib.Path), else None."""
     dataset: Any = None
     """share(): the caller's ``loader.dataset``, when its loader has one, else None."""
+    _defer_ready = False  # share(): ready is said later, by _ready_now()
 
     def __init__(
         self,
@@ -138,10 +158,14 @@ class TensorConsumer:
         timeout: float | None | Unset = UNSET,
         batch_timeout: float | None | Unset = UNSET,
         copy: bool = False,
-        with_index: bool | None = None,
+        with_index: bool = False,
         device: Any = UNSET,
         pin_memory: bool = False,
         peer_access: bool = True,
+        align_epochs: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group: str | None = None,
     ) -> None:
         origins: dict[str, str] = {}  # setting key -> its environment variable
 
@@ -164,10 +188,12 @@ class TensorConsumer:
         setting("runtime_dir", UNSET)
         self._rebatcher = Rebatcher(batch_size, drop_last) if batch_size is not None else None
         self.unpack_fn = unpack_fn
-        self.batch_size = batch_size
-        self.drop_last = bool(drop_last)
+        self._own_batch_size = batch_size  # None: the producer's batches as they are
+        self._drop_last = bool(drop_last)
+        self._loader_drop_last = False  # share(): the loader's, when batches come as they are
         self.batch_timeout = batch_wait
-        self.timeout = answer_wait
+        # Not `timeout`: training code reads that as DataLoader.timeout (a batch fetch limit).
+        self.answer_timeout = answer_wait
         self.copy = bool(copy)
         self._device_kind, self._device_index = parse_device(device)
         self.pin_memory = bool(pin_memory)
@@ -178,11 +204,19 @@ class TensorConsumer:
         self._cuda: torch.device | None = None  # the GPU they are on, when they do
         self._move_to: torch.device | None = None  # host tensors are copied here
         self._inflight: list = []  # (cuda event, host tensors) of copies not yet done
-        self.with_index = (port is not None) if with_index is None else bool(with_index)
+        # The original TensorSocket (0.0.5) yields the batch itself, with or without ports.
+        self.with_index = bool(with_index)
+        self.align_epochs = bool(align_epochs)
+        self._aligned = False  # align_epochs, and the loader has a len() (set on attach)
+        self.rank, self.world_size = _check_group(rank, world_size)
+        if group is not None and (not isinstance(group, str) or len(group) > 200):
+            raise TypeError(f"group must be a str of at most 200 characters, got {group!r}")
+        self.group = group
         self.endpoint = resolve(name, port, address)
         self.epoch = 0
         self._decoder = Decoder()
         self._closed = False
+        self._state_lock = threading.Lock()  # __iter__ against parking from another thread
         # Epoch bookkeeping: the consumer's epochs run from producer position
         # (epoch, index) = (e, i0) up to, not including, (e + 1, i0).
         self._in_epoch = False
@@ -192,6 +226,18 @@ class TensorConsumer:
         self._epoch_batches = 0  # batches returned in this epoch
         self._after_end_marker = False  # the last entry taken ended a producer epoch
         self._attached = True  # False after leaving mid-epoch, until the next batch
+        # Aligned epochs: the producer epoch this consumer's epoch reads (None: not
+        # anchored yet), the first producer epoch its next epoch may read, an entry taken
+        # that belongs to its next epoch, and the entries skipped waiting for an epoch start.
+        self._producer_epoch: int | None = None
+        self._want_epoch = 0
+        self._pending: Any = None
+        self._skipped_to_align = 0
+        self._group_taken = 0  # batches this rank took in the current epoch
+        self._local_loader: Any = None  # share(): the caller's own loader (attributes)
+        self._set_epoch_warned = False
+        self._resume_skip = 0  # batches of the next epoch to skip (load_state_dict)
+        self._skip_batches = 0  # ... of the current epoch, still to skip
         # Counters for stats().
         self._batches = 0
         self._samples = 0
@@ -205,10 +251,15 @@ class TensorConsumer:
         self._client = ControlClient(self._context, self.endpoint.address, answer_wait)
         ring = None
         try:
-            welcome = self._client.hello(batch_size)
+            welcome = self._client.hello(batch_size, group, self.rank, self.world_size)
             ring = _core.Ring.open(welcome["segment"])
             ring.bind(welcome["consumer"], welcome["token"])
-            self.start_seq = self._client.ready()
+            # Whole epochs need an epoch length: a loader without len() may be an endless
+            # stream, whose next epoch never starts; a late joiner reads on from where it is.
+            self._aligned = self.align_epochs and welcome["length"] is not None
+            self.start_seq = -1
+            if not self._defer_ready:
+                self.start_seq = self._client.ready(self._aligned, self.world_size > 1)
         except BaseException:
             if ring is not None:
                 ring.close()
@@ -229,6 +280,9 @@ class TensorConsumer:
         self.window: int = welcome["window"]
         self.max_lag: int | None = welcome["max_lag"] or None
         self.lag_policy: str = welcome["lag_policy"]
+        self.producer_fingerprint: str | None = welcome["fingerprint"]
+        # The producer calls set_epoch on its loader's sampler itself.
+        self._producer_sets_epoch: bool = welcome["auto_set_epoch"]
         try:
             self._setup_device(ring)
         except BaseException:
@@ -236,14 +290,39 @@ class TensorConsumer:
             self._client.close(say_bye=True, wait=0.2)
             self._context.term()
             raise
-        self._client.start_heartbeats()
+        if not self._defer_ready:
+            self._client.start_heartbeats()
         self._finalizer = weakref.finalize(self, _teardown, self._client, self._context, ring,
                                            self._inflight)
+        _CONSUMERS.add(self)
         log.info("consumer %d attached to %s at entry %d", self._index, self.endpoint.address,
                  self.start_seq)
         if origins:
             log.info("consumer settings from the environment: %s",
                      config.describe_origins(origins))
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether a short last batch is dropped: this consumer's drop_last= when it cuts
+        its own batches, else the loader's (share() knows it from the caller's loader)."""
+        return self._drop_last if self._own_batch_size is not None else self._loader_drop_last
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per batch, as DataLoader.batch_size: the batch_size= asked for, else
+        the producer's loader's (None if it has none)."""
+        return self._own_batch_size or self.loader_batch_size
+
+    def _ready_now(self) -> None:
+        """Say ready (a consumer made with _defer_ready: share() makes the ranks of a
+        group wait for each other outside its election lock)."""
+        try:
+            self.start_seq = self._client.ready(self._aligned, self.world_size > 1)
+        except BaseException:
+            self.close()
+            raise
+        self._client.start_heartbeats()
+        log.info("consumer %d started at entry %d", self._index, self.start_seq)
 
     # -- device ------------------------------------------------------------------------
 
@@ -317,41 +396,73 @@ class TensorConsumer:
                 "IterableDataset without __len__); iterate without len(), or give the "
                 "producer a loader with __len__"
             )
-        if self.batch_size is None:
-            return self._length
+        if self._own_batch_size is None:
+            return self._length // self.world_size
         if self.samples_per_epoch is None:
             raise TypeError(
                 f"len() of this consumer is unknown: the producer's loader does not tell "
                 f"its sample count (it is not a DataLoader and has no int batch_size), so "
-                f"the number of batch_size={self.batch_size} batches per epoch is unknown"
+                f"the number of batch_size={self._own_batch_size} batches per epoch is unknown"
             )
-        return consumer_len(self.samples_per_epoch, self.batch_size, self.drop_last)
+        return consumer_len(self._rank_samples(), self._own_batch_size, self._drop_last)
+
+    def _rank_samples(self) -> int:
+        """Samples one epoch brings this consumer (its rank's share in a group)."""
+        assert self.samples_per_epoch is not None
+        if self.world_size == 1:
+            return self.samples_per_epoch
+        assert self._length is not None
+        total = 0
+        for i in range(self.rank, self._group_batches() * self.world_size, self.world_size):
+            n = self._samples_in(i)
+            total += n if n is not None else (self.loader_batch_size or 0)
+        return total
+
+    def _group_batches(self) -> int:
+        """Loader batches each rank of the group takes per epoch (the same for every
+        rank, as DistributedSampler(drop_last=True) gives: the last len % world_size
+        loader batches of an epoch go to no rank)."""
+        assert self._length is not None
+        return self._length // self.world_size
 
     def __iter__(self) -> "EpochIterator":
         """The next epoch (an earlier iterator still mid-epoch ends here)."""
         if self._closed:
             raise TensorSocketError("this consumer is closed")
-        if self._in_epoch:  # an earlier iterator is still mid-epoch: it ends here
-            self._abandon_epoch(self.epoch)
-        self._in_epoch = True
-        self._source_done = False
-        self._epoch_pulled = 0
-        self._epoch_batches = 0
+        with self._state_lock:
+            if self._in_epoch:  # an earlier iterator is still mid-epoch: it ends here
+                self._abandon_epoch(self.epoch)
+            self._in_epoch = True
+            self._source_done = False
+            self._epoch_pulled = 0
+            self._epoch_batches = 0
+            self._group_taken = 0
+            self._skip_batches, self._resume_skip = self._resume_skip, 0
         return EpochIterator(self)
 
     def _next_batch(self) -> Any:
         """The next batch of the current epoch; StopIteration at its end."""
         if not self._in_epoch:
             raise StopIteration
+        if self._epoch_pulled == 0 and self._epoch_batches == 0:
+            _park_idle_siblings(self)  # nobody waits for this process's idle consumers
         try:
-            if self._rebatcher is None:
-                batch, n = self._pull()
-                self._samples += n if n is not None else _samples_or_zero(batch)
-            else:
-                batch = self._rebatcher.next_batch(self._pull)
-                self._samples += self._rebatcher.last_samples
+            while True:
+                if self._rebatcher is None:
+                    batch, n = self._pull()
+                    n = n if n is not None else _samples_or_zero(batch)
+                else:
+                    batch = self._rebatcher.next_batch(self._pull)
+                    n = self._rebatcher.last_samples
+                if self._skip_batches == 0:
+                    break
+                self._skip_batches -= 1  # taken before the state this epoch resumes from
+                self._epoch_batches += 1
+                del batch
+            self._samples += n
         except EpochEnd:
             self._end_epoch()
+            self._take_end_marker()
             raise StopIteration from None
         if self.unpack_fn is not None:
             batch = self.unpack_fn(batch)
@@ -366,22 +477,150 @@ class TensorConsumer:
             self._rebatcher.reset()
         self.epoch += 1
 
+    def _take_end_marker(self) -> None:
+        """After an epoch that ended with its last batch (len() known), take the
+        producer's end-of-epoch marker now if it is already published, so that nothing
+        of the finished epoch stays unread (an entry of the next epoch is kept for it)."""
+        if not self._aligned or self._pending is not None or not self._attached or \
+                self._after_end_marker:
+            return
+        try:
+            slot = self._ring.acquire(0)
+        except Exception:  # nothing published yet (or the producer is gone): later
+            return
+        if slot.is_end_of_epoch and slot.epoch < self._want_epoch:
+            slot.release()
+            self._after_end_marker = True
+        else:
+            self._pending = slot
+
+    def _epoch_complete(self) -> bool:
+        """Every batch of the current epoch was delivered (its end not yet reported)."""
+        if not self._source_done:
+            return False
+        return self._rebatcher is None or self._rebatcher.drop_last or \
+            self._rebatcher._current is None
+
     def _abandon_epoch(self, epoch: int) -> None:
-        """The epoch was left mid-way (break, or a new iteration): leave the ring at
-        once, so that nobody waits for us; the next batch asked for attaches again,
-        as a late joiner. Safe from a finalizer: it only sets events."""
+        """The epoch's iterator was dropped or replaced before StopIteration. An epoch
+        that delivered nothing is as if never started; one that delivered all its batches
+        (a loop that takes exactly len() of them) counts as done. Otherwise the epoch was
+        left mid-way (break): the consumer parks, so that nobody waits for it; its next
+        batch attaches it again, at the start of an epoch. Safe from a finalizer: it
+        only sets flags and events."""
         if self._closed or not self._in_epoch or self.epoch != epoch:
             return
+        if self._epoch_pulled == 0 and self._epoch_batches == 0:
+            self._in_epoch = False  # an iter() without next(): nothing happened
+            return
+        if self._epoch_complete():
+            self._end_epoch()
+            return
         self._end_epoch()
-        if self._attached:
+        if self._producer_epoch is not None:
+            self._want_epoch = max(self._want_epoch, self._producer_epoch + 1)
+            self._producer_epoch = None
+        if self.world_size > 1 and self._aligned:
+            # A rank stays attached and skips the rest of the epoch as it reads on, so
+            # that every rank of its group starts the same next epoch.
+            return
+        self._park()
+
+    def _park(self) -> None:
+        """Stop holding the producer back until the next batch is asked for (the
+        producer still counts this consumer; the next batch attaches it again)."""
+        if self._pending is not None:
+            self._pending.release()
+            self._pending = None
+        if self._attached and not self._closed:
             self._attached = False
-            self._client.request_leave()
+            if self._aligned:
+                self._client.request_park()
+            else:
+                self._client.request_leave()
 
     # -- the loader batches of this consumer's epoch ----------------------------------
 
     def _pull(self) -> tuple[Any, int | None]:
         """The next loader batch of this consumer's epoch and its sample count if the
         loader tells; EpochEnd after its last."""
+        if self._aligned:
+            return self._pull_aligned()
+        return self._pull_window()
+
+    def _pull_aligned(self) -> tuple[Any, int | None]:
+        """_pull for aligned epochs: each epoch of this consumer is one whole epoch of the
+        producer, from its first batch; a consumer that attached mid-epoch skips to the
+        next epoch's start. In a group, this rank's share of it."""
+        while True:
+            if self._source_done:
+                raise EpochEnd
+            slot, self._pending = (self._pending or self._acquire()), None
+            self._after_end_marker = slot.is_end_of_epoch
+            if slot.is_end_of_epoch:
+                epoch = slot.epoch
+                slot.release()
+                if self._producer_epoch is not None and epoch == self._producer_epoch:
+                    self._finish_source()
+                    raise EpochEnd
+                self._want_epoch = max(self._want_epoch, epoch + 1)
+                continue
+            if self._producer_epoch is None:
+                if slot.index != 0 or slot.epoch < self._want_epoch:
+                    if slot.index != 0:
+                        self._want_epoch = max(self._want_epoch, slot.epoch + 1)
+                    self._skip_to_align(slot)
+                    continue
+                self._producer_epoch = slot.epoch
+            elif slot.epoch != self._producer_epoch:
+                # The next epoch began with no end marker for ours: ours ends here.
+                self._pending = slot
+                self._finish_source()
+                raise EpochEnd
+            if self.world_size > 1:
+                if slot.index % self.world_size != self.rank or \
+                        slot.index >= self._group_batches() * self.world_size:
+                    slot.release()  # another rank's batch, or one no rank takes
+                    continue
+                self._group_taken += 1
+            index = slot.index
+            self._epoch_pulled += 1
+            self._loader_batches += 1
+            self._bytes += slot.nbytes
+            batch = self._build(slot)
+            if self._last_of_epoch(index):
+                self._finish_source()
+            return batch, self._samples_in(index)
+
+    def _last_of_epoch(self, index: int) -> bool:
+        """Whether loader batch `index` was this consumer's last of the epoch (known
+        only when the loader has a len())."""
+        if self._length is None:
+            return False
+        if self.world_size > 1:
+            return self._group_taken >= self._group_batches()
+        return index >= self._length - 1
+
+    def _finish_source(self) -> None:
+        """This epoch had its last loader batch; the next starts with the producer's next."""
+        self._source_done = True
+        if self._producer_epoch is not None:
+            self._want_epoch = max(self._want_epoch, self._producer_epoch + 1)
+        self._producer_epoch = None
+
+    def _skip_to_align(self, slot: Any) -> None:
+        """Drop an entry taken while waiting for the start of an epoch."""
+        slot.release()
+        if self._skipped_to_align == 0 or self._skipped_to_align % 1000 == 0:
+            log.info("consumer %d attached in the middle of the producer's epoch %d: waiting "
+                     "for the start of epoch %d, so that its epochs are whole (entries "
+                     "skipped so far: %d)", self._index, slot.epoch, self._want_epoch,
+                     self._skipped_to_align + 1)
+        self._skipped_to_align += 1
+
+    def _pull_window(self) -> tuple[Any, int | None]:
+        """_pull with align_epochs=False: a late joiner's epoch is the next len() batches
+        from where it started (see docs/usage.md)."""
         while True:
             if self._source_done:
                 raise EpochEnd
@@ -481,6 +720,16 @@ class TensorConsumer:
     def _acquire_slot(self) -> Any:
         """Ring.acquire within batch_timeout; warns once if the wait is this consumer's
         own doing (see _held_slots_blocking)."""
+        if _has_idle_siblings(self) and (self.batch_timeout is None
+                                         or self.batch_timeout > SIBLING_PARK_AFTER):
+            # This process may be about to wait here while another of its consumers sits
+            # between epochs holding its producer back (a validation loader during
+            # training): if the wait lasts, that one parks, so no two jobs wait on each
+            # other through two rings.
+            try:
+                return self._ring.acquire(SIBLING_PARK_AFTER)
+            except TimeoutError:
+                _park_idle_siblings(self)
         if self.batch_timeout is not None and self.batch_timeout <= STALL_WARN_AFTER:
             return self._ring.acquire(self.batch_timeout)
         try:
@@ -554,17 +803,21 @@ class TensorConsumer:
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
         self._client.stop_heartbeats()
-        welcome = self._client.hello(self.batch_size)
+        welcome = self._client.hello(self._own_batch_size, self.group, self.rank,
+                                     self.world_size)
         if welcome["segment"] != self._segment:
             raise ConsumerDetached(
                 "the producer that answered is a new one, not the one this consumer was "
                 "attached to; create a new TensorConsumer to attach to it")
         self._ring.bind(welcome["consumer"], welcome["token"])
         self._index = welcome["consumer"]
-        start = self._client.ready()
+        start = self._client.ready(self._aligned, self.world_size > 1)
         self._client.start_heartbeats()
         self._attached = True
         self._epoch_end = None  # epochs are anchored again at the next batch
+        if self._producer_epoch is not None:  # an epoch cut short: the next one is whole
+            self._want_epoch = max(self._want_epoch, self._producer_epoch + 1)
+            self._producer_epoch = None
         log.info("consumer attached again as %d at entry %d", self._index, start)
         return start
 
@@ -756,3 +1009,54 @@ def _samples_or_zero(batch: Any) -> int:
         return batch_samples(batch)
     except ValueError:
         return 0
+
+
+def _check_group(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size) of a consumer group, checked; (0, 1) for a lone consumer."""
+    if rank is None and world_size is None:
+        return 0, 1
+    if rank is None or world_size is None:
+        raise ValueError("give rank= and world_size= together (a consumer group: the ranks "
+                         "of one data-parallel job split the stream), or neither")
+    for what, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{what} must be an int, got {value!r}")
+    if not 1 <= world_size <= _core.MAX_CONSUMERS or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} and world_size={world_size}: need 0 <= rank < "
+                         f"world_size <= {_core.MAX_CONSUMERS}")
+    return rank, world_size
+
+
+def _idle(consumer: TensorConsumer) -> bool:
+    """Attached to its ring, yet between epochs: never iterated, or every batch of its
+    epoch delivered (a loop that stops at len() leaves the epoch open). The ranks of a
+    group are never idle: they stay attached, so that all of them read the same epochs."""
+    return consumer._attached and not consumer._closed and consumer._aligned \
+        and consumer.world_size == 1 \
+        and (not consumer._in_epoch or consumer._epoch_complete())
+
+
+def _sibling(me: TensorConsumer, other: TensorConsumer) -> bool:
+    """Whether `other` is a consumer of this process reading another producer than `me`
+    (consumers of the same producer only wait for each other as any two consumers do)."""
+    return other is not me and other._segment != me._segment
+
+
+def _has_idle_siblings(me: TensorConsumer) -> bool:
+    """Whether a consumer of another producer in this process is idle (see _idle)."""
+    return any(_sibling(me, c) and _idle(c) for c in list(_CONSUMERS))
+
+
+def _park_idle_siblings(me: TensorConsumer) -> None:
+    """Park the consumers of other producers in this process that sit between epochs:
+    this process is reading `me` now, so they would only hold their producers (and the
+    other jobs reading them) back, and two jobs alternating between two shared loaders
+    would wait on each other. Each attaches again, at an epoch start, when next iterated."""
+    for other in list(_CONSUMERS):
+        if not _sibling(me, other):
+            continue
+        with other._state_lock:
+            if _idle(other):
+                log.debug("consumer %d parks while this process reads another loader",
+                          other._index)
+                other._park()

@@ -24,6 +24,7 @@ log = logging.getLogger("tensorsocket")
 
 HEARTBEAT_INTERVAL = 1.0  # seconds between consumer heartbeats
 PENDING_TIMEOUT = 10.0  # a consumer that never says "ready" is dropped after this
+GROUP_TIMEOUT = 60.0  # the ranks of a group wait this long for each other to attach
 LIVENESS_INTERVAL = 0.25  # how often the server checks consumer processes
 MAX_ERROR_CHARS = 1000  # error replies stay well inside the protocol's string limit
 LAG_WARN_AFTER = 10.0  # seconds a consumer may hold the others back before a warning
@@ -42,9 +43,13 @@ class _Peer:
     batch_size: int | None = None
     active: bool = False
     detached: bool = False
+    parked: bool = False  # left the ring between epochs; still a consumer of this producer
     last_seen: float = field(default_factory=time.monotonic)
     lagging_since: float | None = None  # behind the fastest by (nearly) the whole ring
     lag_warned: bool = False
+    group: str | None = None  # "<group id>/<world size>" of a rank of a data-parallel job
+    rank: int = 0
+    ready_align: bool | None = None  # a rank's "ready", held until its group is complete
 
 
 class ControlServer:
@@ -83,7 +88,8 @@ class ControlServer:
         self.rejected = 0  # malformed messages seen
         self._held: tuple[int, float, bool] = (-1, 0.0, False)  # (published, since, warned)
         self._handlers = {"hello": self._hello, "ready": self._ready,
-                          "heartbeat": self._heartbeat, "bye": self._bye}
+                          "heartbeat": self._heartbeat, "bye": self._bye,
+                          "park": self._park}
         self._thread = threading.Thread(target=self._run, name="tensorsocket-control", daemon=True)
         self._thread.start()
 
@@ -188,8 +194,19 @@ class ControlServer:
             self._send(ident, "error", code="full", message=str(e))
             return
         with self._lock:
+            group = None
+        if msg["world_size"] > 1:
+            if not 0 <= msg["rank"] < msg["world_size"] <= _core.MAX_CONSUMERS:
+                ring.retire(index)
+                self.rejected += 1
+                self._send(ident, "error", code="protocol", message="hello with an impossible "
+                           "rank or world size")
+                return
+            group = f"{msg['group'] or ''}/{msg['world_size']}"
+        with self._lock:
             self._peers[ident] = _Peer(index, token, msg["pid"], msg["start_time"],
-                                       time.monotonic(), msg["batch_size"])
+                                       time.monotonic(), msg["batch_size"], group=group,
+                                       rank=msg["rank"])
         self._send(ident, "welcome", protocol=protocol.PROTOCOL_VERSION, consumer=index,
                    token=token, **self._welcome_info())
 
@@ -200,11 +217,55 @@ class ControlServer:
         ring = self._ring()
         if peer.active or ring is None:
             return
-        start = ring.activate(peer.index)
+        if peer.group is not None:
+            peer.ready_align = msg["align"]
+            self._start_group(peer.group, time.monotonic())
+            return
+        start = ring.activate(peer.index, msg["align"])
+        self._started(ident, peer, start, msg["align"])
+
+    def _started(self, ident: bytes, peer: _Peer, start: int, align: bool) -> None:
+        """The consumer receives entries from `start` on: tell it."""
+        ring = self._ring()
         peer.active = True
-        log.info("consumer %d (pid %d) joined at entry %d (%d published)", peer.index,
-                 peer.pid, start, ring.info()["published"])
+        log.info("consumer %d (pid %d%s) joined at entry %d (%d published%s)", peer.index,
+                 peer.pid, "" if peer.group is None else f", rank {peer.rank} of {peer.group}",
+                 start, ring.info()["published"], ", aligned" if align else "")
         self._send(ident, "started", start_seq=start)
+
+    def _start_group(self, group: str, now: float) -> None:
+        """Start the ranks of `group` that said ready, all at the same entry, once every
+        rank said so (or GROUP_TIMEOUT after the first): ranks that start at different
+        entries could read different epochs, and a data-parallel job then hangs in its
+        collectives. The first rank's bits keep the entry in the ring for the others."""
+        with self._lock:
+            members = [(i, p) for i, p in self._peers.items() if p.group == group]
+        waiting = [(i, p) for i, p in members if not p.active and p.ready_align is not None]
+        if not waiting:
+            return
+        world = int(group.rsplit("/", 1)[1])
+        ranks = {p.rank for _, p in members}
+        oldest = min(p.since for _, p in waiting)
+        if len(ranks) < world and now - oldest < GROUP_TIMEOUT:
+            return  # not all ranks are here yet
+        if len(ranks) < world:
+            log.warning("group %s: only ranks %s of %d attached within %.0f s; starting them",
+                        group, sorted(ranks), world, GROUP_TIMEOUT)
+        ring = self._ring()
+        running = [p for _, p in members if p.active]
+        start = None
+        if running:  # a rank attaching again: with the group, if its entries are still here
+            start = min(ring.consumer(p.index)["first_seq"] for p in running)
+        for ident, peer in waiting:
+            align = bool(peer.ready_align)
+            try:
+                begun = ring.activate(peer.index, align, start)
+            except ValueError:  # the group's entries left the ring: start where it can
+                begun = ring.activate(peer.index, align)
+            if start is None:
+                start = begun
+            peer.ready_align = None
+            self._started(ident, peer, begun, align)
 
     def _heartbeat(self, ident: bytes, msg: dict) -> None:
         self._peer(ident, msg)
@@ -215,11 +276,24 @@ class ControlServer:
         self._retire(ident)
         self._send(ident, "bye_ok")
 
+    def _park(self, ident: bytes, msg: dict) -> None:
+        """The consumer stopped reading between epochs (or left one mid-way): take it off
+        the ring so that nobody waits for it, but keep it as a consumer of this producer
+        (its heartbeats go on) until it attaches again or leaves."""
+        peer = self._peer(ident, msg)
+        ring = self._ring()
+        if peer is None or ring is None or peer.parked:
+            return
+        ring.retire(peer.index)
+        peer.parked = True
+        peer.active = False
+        log.info("consumer %d (pid %d) parked between epochs", peer.index, peer.pid)
+
     def _retire(self, ident: bytes) -> None:
         with self._lock:
             peer = self._peers.pop(ident, None)
         ring = self._ring()
-        if peer is not None and ring is not None:
+        if peer is not None and ring is not None and not peer.parked:
             ring.retire(peer.index)
             log.info("consumer %d (pid %d) left", peer.index, peer.pid)
 
@@ -240,10 +314,13 @@ class ControlServer:
             if not _core.process_alive(peer.pid, peer.start_time):
                 with self._lock:
                     self._peers.pop(ident, None)
-                ring.evict(peer.index)
+                if not peer.parked:
+                    ring.evict(peer.index)
                 log.warning("consumer %d (pid %d) died; its slots were released",
                             peer.index, peer.pid)
-            elif not peer.active and now - peer.since > PENDING_TIMEOUT:
+            elif peer.group is not None and peer.ready_align is not None:
+                self._start_group(peer.group, now)
+            elif not peer.active and not peer.parked and now - peer.since > PENDING_TIMEOUT:
                 self._retire(ident)
         # A consumer that said bye while still holding batches is no peer any more, but
         # its entry keeps its bits in those slots until the views die. If its process
@@ -328,10 +405,15 @@ class ControlServer:
         return sum(1 for p in peers
                    if ring.consumer(p.index)["state"] == _core.CONSUMER_ACTIVE)
 
+    def present_count(self) -> int:
+        """Consumers of this producer: attached, or parked between epochs."""
+        with self._lock:  # a rank waiting for its group, a consumer just saying hello too
+            return len(self._peers)
+
     def batch_sizes(self) -> dict[int, int | None]:
         """Batch size each attached consumer asked for, by consumer index."""
         with self._lock:
-            return {p.index: p.batch_size for p in self._peers.values()}
+            return {p.index: p.batch_size for p in self._peers.values() if not p.parked}
 
     def close(self) -> None:
         """Stop the thread; it closes the socket."""
@@ -352,18 +434,21 @@ class ControlClient:
         self._timeout = timeout
         self._stop = threading.Event()
         self._leave = threading.Event()  # leave the ring without closing (request_leave)
+        self._park = threading.Event()  # park between epochs (request_park)
         self._wake = threading.Event()  # cuts the heartbeat thread's wait short
         self._thread: threading.Thread | None = None
         self.consumer = -1
         self.token = 0
         self.left = False  # bye sent for the current consumer entry
 
-    def hello(self, batch_size: int | None) -> dict:
+    def hello(self, batch_size: int | None, group: str | None = None, rank: int = 0,
+              world_size: int = 1) -> dict:
         """Send hello; return the welcome, waiting up to the timeout for a producer."""
         pid = os.getpid()
         self._sock.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=pid,
                                         start_time=_core.process_start_time(pid),
-                                        batch_size=batch_size))
+                                        batch_size=batch_size, group=group, rank=rank,
+                                        world_size=world_size))
         msg = self._receive(self._timeout, "welcome")
         if msg is None:
             raise ProducerNotFound(
@@ -374,10 +459,12 @@ class ControlClient:
         self.left = False
         return msg
 
-    def ready(self) -> int:
-        """Tell the producer we mapped the ring; return our first sequence number."""
-        self._sock.send(protocol.encode("ready", consumer=self.consumer, token=self.token))
-        msg = self._receive(PENDING_TIMEOUT, "started")
+    def ready(self, align: bool = False, group: bool = False) -> int:
+        """Tell the producer we mapped the ring; return our first sequence number (align:
+        start at the current epoch's first entry if it is still in the ring)."""
+        self._sock.send(protocol.encode("ready", consumer=self.consumer, token=self.token,
+                                        align=bool(align)))
+        msg = self._receive(PENDING_TIMEOUT + (GROUP_TIMEOUT if group else 0), "started")
         if msg is None:
             raise ProducerNotFound(f"the producer at {self.address} stopped answering")
         return msg["start_seq"]
@@ -409,10 +496,17 @@ class ControlClient:
         """Hand the socket to a thread that sends heartbeats until stopped."""
         self._stop.clear()
         self._leave.clear()
+        self._park.clear()
         self._wake.clear()
         self._thread = threading.Thread(target=self._beat, name="tensorsocket-heartbeat",
                                         daemon=True)
         self._thread.start()
+
+    def request_park(self) -> None:
+        """Park soon (the heartbeat thread sends it; heartbeats go on): safe from any
+        thread, a finalizer included, as it only sets events."""
+        self._park.set()
+        self._wake.set()
 
     def request_leave(self) -> None:
         """Leave the ring soon, from the heartbeat thread (which owns the socket): safe
@@ -429,6 +523,13 @@ class ControlClient:
         self._thread = None
         if self._leave.is_set() and not self.left:
             self._send_bye()
+        elif self._park.is_set():
+            self._park.clear()
+            try:
+                self._sock.send(protocol.encode("park", consumer=self.consumer,
+                                                token=self.token), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     def _send_bye(self) -> None:
         try:
@@ -449,6 +550,10 @@ class ControlClient:
             if self._stop.is_set():
                 return
             try:
+                if self._park.is_set():
+                    self._park.clear()
+                    self._sock.send(protocol.encode("park", consumer=self.consumer,
+                                                    token=self.token), zmq.NOBLOCK)
                 self._sock.send(beat, zmq.NOBLOCK)
                 while self._sock.poll(0):
                     self._sock.recv()  # nothing is expected; drop stray replies

@@ -81,6 +81,11 @@ class TensorProducer:
     ``producer_batch_size`` is accepted and ignored (every loader batch is
     published as it is; consumers choose their own ``batch_size``).
 
+    Epochs: a loader with ``len()`` ends its epoch after that many batches even
+    if it would yield more (the original TensorSocket's loaders never stop);
+    before each epoch the producer calls ``set_epoch(epoch)`` on the loader's
+    sampler and batch sampler where they have it (a DistributedSampler).
+
     Late joiners: the last ``rubber_band_pct`` of an epoch's batches (rounded
     up), or ``rubber_band=`` batches, stay readable in the ring. A consumer
     that attaches mid-epoch starts at the oldest of them (never before the
@@ -104,6 +109,10 @@ class TensorProducer:
         nobody) until one attaches; 0 never waits.
       start_timeout: seconds to wait for them, and for one consumer while none
         is attached (None: forever) (env); TimeoutError after.
+      start_grace: once min_consumers are attached, seconds to wait more before
+        the first batch (default 3) (env), so that jobs started together (a
+        sweep launched by one shell line, the ranks of a torchrun) all begin at
+        batch 0 of epoch 0 instead of joining late; 0 starts at once.
       rubber_band: the late-joiner window in batches (overrides rubber_band_pct).
       max_lag: detach a consumer that falls more than this many batches behind
         the fastest consumer, so the others are not held back (default None:
@@ -155,6 +164,7 @@ class TensorProducer:
         address: str | None = None,
         min_consumers: int | Unset = UNSET,
         start_timeout: float | None | Unset = UNSET,
+        start_grace: float | Unset = UNSET,
         ring_slots: int | None | Unset = UNSET,
         slot_bytes: int | None | Unset = UNSET,
         ring_bytes: int | None | Unset = UNSET,
@@ -187,6 +197,7 @@ class TensorProducer:
         ring_size: int | None = setting("ring_bytes", ring_bytes)
         wanted: int = setting("min_consumers", min_consumers)
         start_wait: float | None = setting("start_timeout", start_timeout)
+        grace: Any = setting("start_grace", start_grace)
         publish_wait: float | None = setting("publish_timeout", publish_timeout)
         lag_limit: int | None = setting("max_lag", max_lag)
         policy: str = setting("lag_policy", lag_policy)
@@ -198,6 +209,10 @@ class TensorProducer:
             raise ValueError(f"ring_slots must be in 2..{MAX_SLOTS}, got {slots}")
         if slot_size is not None and int(slot_size) <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_size}")
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or \
+                not math.isfinite(grace) or grace < 0:
+            raise ValueError(f"start_grace must be a finite number of seconds >= 0, got "
+                             f"{grace!r}")
         if wanted < 0 or wanted > _core.MAX_CONSUMERS:
             raise ValueError(f"min_consumers must be in 0..{_core.MAX_CONSUMERS}")
         if rubber_band_pct is not None and not 0 <= float(rubber_band_pct) <= 1:
@@ -240,6 +255,9 @@ class TensorProducer:
         self.pack_fn = pack_fn
         self.min_consumers = int(wanted)
         self.start_timeout = start_wait
+        self.start_grace = float(grace)
+        self._sets_epoch = False  # the loader's sampler has set_epoch and we call it
+        self._graced = False  # the start grace is over (it runs once, before batch 0)
         self.publish_timeout = publish_wait
         self._slot_bytes = int(slot_size) if slot_size is not None else None
         self._ring_bytes = int(ring_size) if ring_size is not None else None
@@ -301,6 +319,8 @@ class TensorProducer:
             "window": self.window,
             "max_lag": self.max_lag or 0,
             "lag_policy": self.lag_policy,
+            "fingerprint": _fingerprint(loader),
+            "auto_set_epoch": self._sets_epoch,
         }
 
     def _show(self, key: str, value: Any) -> str:
@@ -484,6 +504,8 @@ class TensorProducer:
 
     def _run_epoch(self) -> Iterator[Any]:
         source = self._epoch_source()
+        self._sets_epoch = _set_sampler_epoch(source, self.epoch) or self._sets_epoch
+        limit = _length_of(source)
         with padded_workers(source, self.worker_heap_pad) as padded:
             it = iter(source)
         if padded:
@@ -493,6 +515,10 @@ class TensorProducer:
         index = 0
         try:
             for batch in it:
+                if limit is not None and index >= limit:
+                    # len() says the epoch is over, yet the loader goes on (a loader that
+                    # never stops, as the original TensorSocket's examples have): end it.
+                    break
                 meta, leaves = self._encode(batch)
                 if self._ring is None:
                     self._make_ring(meta, leaves)
@@ -540,16 +566,20 @@ class TensorProducer:
         self.epoch += 1
 
     def _wait_for_consumers(self) -> None:
-        """Before the first batch: wait for min_consumers. Later: for at least one."""
+        """Before the first batch: wait for min_consumers, then start_grace seconds for
+        jobs started together with them. Later: for at least one consumer."""
         if self.min_consumers == 0:
             return
         want = self.min_consumers if self._batches == 0 else 1
         if self._ring.wait_consumers(want, 0):
+            self._start_grace()
             return
         if self._batches > 0:
             log.info("no consumer attached: pausing until one attaches")
         start = time.perf_counter()
         ok = self._ring.wait_consumers(want, self.start_timeout)
+        if ok:
+            self._start_grace()
         self._wait_consumers_s += time.perf_counter() - start
         if not ok:
             where = f"producer {self.endpoint.name!r} at {self.endpoint.address}"
@@ -563,6 +593,18 @@ class TensorProducer:
                 f"{self.start_timeout} s ({where}); pass start_timeout=None to wait for "
                 "consumers indefinitely"
             )
+
+    def _start_grace(self) -> None:
+        """Before the very first batch only: give the jobs started together with the first
+        consumers start_grace seconds to attach, so that all of them begin at batch 0."""
+        if self._batches > 0 or self._graced or self.start_grace <= 0:
+            return
+        self._graced = True
+        log.info("first consumer attached: waiting start_grace=%s s for others started with "
+                 "it", self.start_grace)
+        end = time.monotonic() + self.start_grace
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
 
     # -- end ------------------------------------------------------------------------
 
@@ -600,6 +642,11 @@ class TensorProducer:
             self.close()
 
     # -- introspection --------------------------------------------------------------
+
+    def consumers_present(self) -> int:
+        """Consumers of this producer: attached, or parked between epochs (they attach
+        again when they next iterate)."""
+        return 0 if self._closed else self._server.present_count()
 
     @property
     def ring(self) -> Any:
@@ -673,7 +720,7 @@ def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
         return {"segment": "", "length": None, "loader_batch_size": None, "samples": None,
                 "samples_exact": False, "dataset": None, "dataset_len": None,
                 "epoch": 0, "producer_pid": os.getpid(), "window": 0, "max_lag": 0,
-                "lag_policy": "raise"}
+                "lag_policy": "raise", "fingerprint": None, "auto_set_epoch": False}
     return producer._welcome_info()
 
 
@@ -841,3 +888,45 @@ def _epoch_factory(loader: Any) -> Callable[[int], Any] | None:
     if required:
         return lambda epoch: loader(epoch)
     return lambda epoch: loader()
+
+
+def _fingerprint(loader: Any) -> str | None:
+    """The loader's identity for share()'s stale-producer check (None if it cannot be
+    told)."""
+    try:
+        from .fingerprint import describe
+    except ImportError:  # pragma: no cover - the module ships with the package
+        return None
+    try:
+        return describe(loader)
+    except Exception:  # a loader that resists description is simply not compared
+        log.debug("cannot fingerprint the loader", exc_info=True)
+        return None
+
+
+def _set_sampler_epoch(loader: Any, epoch: int) -> bool:
+    """Call set_epoch(epoch) on the loader's sampler and batch sampler where they have one
+    (a DistributedSampler, say), as a training loop does before each epoch; True if any
+    did. The consumers' ``sampler.set_epoch`` then has nothing left to do."""
+    called = False
+    seen: set[int] = set()
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (getattr(loader, "sampler", None), batch_sampler,
+                getattr(batch_sampler, "sampler", None)):
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        set_epoch = getattr(obj, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+            called = True
+    return called
+
+
+def _length_of(loader: Any) -> int | None:
+    """len(loader) if it has one, else None."""
+    try:
+        n = len(loader)
+    except (TypeError, NotImplementedError):
+        return None
+    return n if isinstance(n, int) and n > 0 else None

@@ -14,7 +14,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 3: the welcome describes the loader's data
+PROTOCOL_VERSION = 4  # 4: aligned joins, parking, consumer groups, loader fingerprint
 MAX_MESSAGE_BYTES = 64 * 1024
 
 _INT = (int,)
@@ -26,8 +26,10 @@ _BOOL = (bool,)
 # type -> {field: accepted python types}
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # consumer -> producer
-    "hello": {"protocol": _INT, "pid": _INT, "start_time": _INT, "batch_size": _OPT_INT},
-    "ready": {"consumer": _INT, "token": _INT},
+    "hello": {"protocol": _INT, "pid": _INT, "start_time": _INT, "batch_size": _OPT_INT,
+              "group": _OPT_STR, "rank": _INT, "world_size": _INT},
+    "ready": {"consumer": _INT, "token": _INT, "align": _BOOL},
+    "park": {"consumer": _INT, "token": _INT},
     "heartbeat": {"consumer": _INT, "token": _INT},
     "bye": {"consumer": _INT, "token": _INT},
     # producer -> consumer
@@ -47,6 +49,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "window": _INT,
         "max_lag": _INT,
         "lag_policy": _STR,
+        "fingerprint": _OPT_STR,
+        "auto_set_epoch": _BOOL,
     },
     "started": {"start_seq": _INT},
     "bye_ok": {},

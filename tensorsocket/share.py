@@ -83,6 +83,7 @@ from .endpoints import Endpoint, resolve
 from .errors import ProducerFinished, ProducerGone, ProducerNotFound, TensorSocketError
 from .producer import TensorProducer, data_identity
 from .rebatch import consumer_len
+from .surface import ForwardsLoaderAttributes
 
 __all__ = ["share"]
 
@@ -90,7 +91,8 @@ log = logging.getLogger("tensorsocket")
 
 # Keywords share() decides itself, for the producer and the consumers.
 _RENDEZVOUS = frozenset({"port", "ack_port", "heart_ports", "name", "address"})
-_MANAGED = frozenset({"min_consumers", "start_timeout"})
+_MANAGED = frozenset({"start_timeout"})
+_GROUP = frozenset({"rank", "world_size", "group"})
 
 def share(
     loader: Any,
@@ -98,6 +100,8 @@ def share(
     *,
     epochs: int | None = None,
     idle_timeout: float | None = UNSET,
+    min_consumers: int = 1,
+    start_grace: float = UNSET,
     producer_options: dict | None = None,
     **consumer_options: Any,
 ) -> TensorConsumer:
@@ -120,6 +124,12 @@ def share(
 
     epochs: epochs the producer runs (default None: as long as it has
       consumers). A consumer asking for more gets ProducerFinished.
+    min_consumers: consumers (jobs, or ranks of data-parallel jobs) that must be
+      attached before the first batch (default 1); with more, the producer waits
+      for them, within the first caller's ``timeout``.
+    start_grace: seconds the producer waits more, once min_consumers are
+      attached, before its first batch (default 3, ``$TENSORSOCKET_START_GRACE``), so
+      that jobs started together all begin at the first batch.
     idle_timeout: seconds without any consumer attached after which the
       producer ends (default 60, or ``$TENSORSOCKET_IDLE_TIMEOUT``; None:
       never, it then ends only after ``epochs``). A consumer that leaves the
@@ -148,6 +158,15 @@ def share(
     bad argument, naming it; RuntimeError if CUDA is initialised here.
     """
     producer_kw, consumer_kw = _check_options(producer_options, consumer_options)
+    if isinstance(min_consumers, bool) or not isinstance(min_consumers, int) or \
+            not 1 <= min_consumers <= _core.MAX_CONSUMERS:
+        raise ValueError(f"min_consumers must be an int in 1..{_core.MAX_CONSUMERS}, got "
+                         f"{min_consumers!r}")
+    producer_kw["min_consumers"] = min_consumers
+    if start_grace is not UNSET:
+        producer_kw["start_grace"] = start_grace
+    name, group = _data_parallel(loader, name, consumer_kw)
+    consumer_kw.update(group)
     _check_loader(loader, epochs)
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
                                or epochs < 1):
@@ -192,6 +211,8 @@ def share(
         consumer = _attach(endpoint, want_bs, want_dl, consumer_kw)
     finally:
         release_lock(fd, lock_path)
+    if consumer._defer_ready:  # a rank: wait for the others outside the lock
+        consumer._ready_now()
     if not started:
         try:
             _check_same_data(consumer, loader, endpoint, idle_timeout)
@@ -202,6 +223,8 @@ def share(
     consumer.producer_log = log_path
     if hasattr(loader, "dataset"):
         consumer.dataset = loader.dataset
+    consumer._local_loader = loader
+    consumer._loader_drop_last = want_dl
     return consumer
 
 
@@ -252,6 +275,105 @@ def _check_options(producer_options: dict | None,
     return options, dict(consumer_options)
 
 
+def _data_parallel(loader: Any, name: str | None,
+                   consumer_kw: dict) -> tuple[str | None, dict]:
+    """The name and the consumer group of a caller that is a rank of a data-parallel job
+    (torchrun, torch.distributed, Lightning, accelerate: RANK / WORLD_SIZE and
+    LOCAL_RANK / LOCAL_WORLD_SIZE in the environment, or an initialised process group).
+
+    - A loader sharded by a DistributedSampler over the job's ranks already gives each
+      rank its own part: each rank shares its loader under a name of its own
+      (``<name>.rank<R>of<W>``), with the same rank of other jobs.
+    - A loader sharded by a DistributedSampler over the nodes (one replica per node) is
+      this node's part: the ranks on this node split it (one producer per node).
+    - Any other loader reads the whole data: the ranks on this machine split its stream
+      between them (``rank=``, ``world_size=`` of the consumers), each sample to one of
+      them; on more than one node that would give every node all of it, so it is
+      refused, naming the fix.
+
+    Explicit ``rank=`` / ``world_size=`` consumer options win over the environment."""
+    if _GROUP & consumer_kw.keys():
+        return name, {}
+    rank, world, local_rank, local_world = _ranks()
+    if world <= 1:
+        return name, {}
+    sampler = getattr(loader, "sampler", None)
+    replicas = getattr(sampler, "num_replicas", None)
+    if _is_distributed_sampler(sampler) and replicas == world:
+        base = resolve(name).name
+        return f"{base}.rank{rank}of{world}", {}
+    nodes = world // max(1, local_world)
+    group = {"rank": local_rank, "world_size": local_world, "group": _job_id()}
+    if _is_distributed_sampler(sampler) and replicas == nodes and nodes > 1:
+        return name, group
+    if local_world != world:
+        raise ValueError(
+            f"share() in a data-parallel job over {nodes} nodes ({world} ranks, "
+            f"{local_world} on this node): each node needs a producer over its own part of "
+            "the data, and this loader reads all of it. Give the loader a "
+            f"DistributedSampler(dataset, num_replicas={nodes}, rank=<this node's rank>) so "
+            "that the ranks on each node split that node's part, or a "
+            f"DistributedSampler(dataset) over all {world} ranks so that each rank shares "
+            "its own part")
+    if _is_distributed_sampler(sampler):
+        raise ValueError(
+            f"the loader's DistributedSampler has num_replicas={replicas}, but the job has "
+            f"{world} ranks: give it num_replicas={world}, or no DistributedSampler (the "
+            "ranks then split the shared stream)")
+    return name, group
+
+
+def _job_id() -> str | None:
+    """What tells the ranks of one data-parallel job from those of another on this
+    machine: its rendezvous address (torchrun, Lightning and accelerate set it)."""
+    import os
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if port:
+        return f"{addr or 'localhost'}:{port}"
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return run if run and run != "none" else None
+
+
+def _ranks() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) of this process in a
+    data-parallel job; (0, 1, 0, 1) outside one."""
+    import os
+
+    def env(key: str) -> int | None:
+        try:
+            return int(os.environ[key])
+        except (KeyError, ValueError):
+            return None
+
+    rank, world = env("RANK"), env("WORLD_SIZE")
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+    except Exception:  # a torch without distributed support
+        pass
+    if rank is None or world is None or world <= 1:
+        return 0, 1, 0, 1
+    local_rank = env("LOCAL_RANK")
+    local_world = env("LOCAL_WORLD_SIZE")
+    if local_rank is None:
+        local_rank = rank
+    if local_world is None:
+        local_world = world
+    return rank, world, local_rank, local_world
+
+
+def _is_distributed_sampler(sampler: Any) -> bool:
+    """Whether sampler is a torch DistributedSampler (or a subclass)."""
+    try:
+        from torch.utils.data.distributed import DistributedSampler
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(sampler, DistributedSampler)
+
+
 def _managed_message(key: str) -> str:
     """The error for a keyword share() sets itself."""
     return (f"share() sets {key}= itself: the producer waits for its first consumer, pauses "
@@ -261,10 +383,14 @@ def _managed_message(key: str) -> str:
 
 def _check_same_data(consumer: TensorConsumer, loader: Any, endpoint: Endpoint,
                      idle_timeout: float | None) -> None:
-    """A producer this call did not start must read the same data as this caller's loader
-    (type and length of its dataset, where both are known): else a script edited and run
-    again while the last run's producer idles would silently train on the old data.
-    Batch sizes may differ (the consumer re-batches)."""
+    """Refuse a producer this call did not start if it serves other data than this caller's
+    loader would: another dataset (type, length) or another pipeline (transforms,
+    collate_fn, sampler, first sample's structure: tensorsocket.fingerprint), where both
+    sides are known; else a script edited and run again while the last run's producer
+    idles would silently train on the old pipeline. Batch size and drop_last may differ
+    (the consumer re-batches)."""
+    from .fingerprint import describe, differences, records_first_sample
+
     if callable(loader) and not hasattr(type(loader), "__iter__"):
         return  # a factory of loaders: nothing to compare before it runs
     kind, size = data_identity(loader)
@@ -274,15 +400,22 @@ def _check_same_data(consumer: TensorConsumer, loader: Any, endpoint: Endpoint,
         differs.append(f"it reads a {theirs}, this script's loader a {kind}")
     if size is not None and their_size is not None and size != their_size:
         differs.append(f"its dataset has {their_size} samples, this script's {size}")
+    their_pipeline = getattr(consumer, "producer_fingerprint", None)
+    if their_pipeline is not None:  # None: a producer that does not say
+        mine = describe(loader, first_sample=records_first_sample(their_pipeline))
+        differs += differences(mine, their_pipeline,
+                               ignore=("dataset", "len", "batch_size", "drop_last"))
     if not differs:
         return
-    idle = "" if idle_timeout is None else f" (it stays up idle_timeout={idle_timeout} s " \
-        "after its last consumer leaves)"
+    pid = consumer.producer_pid
+    idle = "wait for it to end" if idle_timeout is None else \
+        f"wait for it to end (idle_timeout={idle_timeout} s after its last consumer leaves)"
     raise TensorSocketError(
-        f"the shared producer {endpoint.name!r} (pid {consumer.producer_pid}) serves other "
-        f"data than this script's loader: {'; '.join(differs)}. It was started by an earlier "
-        f"share() call{idle}: wait for it to end, stop it (kill {consumer.producer_pid}), or "
-        "share this loader under another name=; `tensorsocket status` lists the producers")
+        f"the shared producer {endpoint.name!r} (pid {pid}) serves other data than this "
+        f"script's loader: {'; '.join(differs)}. It was started by an earlier share() call "
+        f"with another loader. Share this loader under another name= (it starts a producer "
+        f"of its own), stop the old producer (kill {pid}) and run again, or {idle}; "
+        "`tensorsocket status` lists the producers")
 
 
 def _check_loader(loader: Any, epochs: int | None) -> None:
@@ -319,6 +452,8 @@ def _attach(endpoint: Endpoint, want_bs: int | None, want_dl: bool,
     kwargs = dict(options, name=endpoint.name, address=endpoint.address)
     if want_bs is not None and not _same_batches(endpoint, want_bs, want_dl, options):
         kwargs.update(batch_size=want_bs, drop_last=want_dl)
+    if (options.get("world_size") or 1) > 1:
+        return _SharedRank(**kwargs)
     return _SharedConsumer(**kwargs)
 
 
@@ -341,7 +476,7 @@ def _same_batches(endpoint: Endpoint, want_bs: int, want_dl: bool, options: dict
     return consumer_len(samples, want_bs, want_dl) == length
 
 
-class _SharedConsumer(TensorConsumer):
+class _SharedConsumer(ForwardsLoaderAttributes, TensorConsumer):
     """A TensorConsumer from share(): its end-of-stream errors name the producer's log."""
 
     started_producer: bool = False
@@ -350,6 +485,13 @@ class _SharedConsumer(TensorConsumer):
     def __iter__(self) -> Any:
         """One epoch, with the shared producer named in its end-of-stream errors."""
         return _SharedEpoch(super().__iter__(), self)
+
+
+class _SharedRank(_SharedConsumer):
+    """A share() consumer that is a rank of a group: it says ready outside the election
+    lock, since it waits there for the other ranks, which need the lock to attach."""
+
+    _defer_ready = True
 
 
 class _SharedEpoch:

@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 
+# Most tests start one producer after another and attach their consumers before the first
+# batch on purpose: the 3 s start grace (jobs started together begin at batch 0) would
+# only slow them down. Tests of the grace itself, and of jobs started together (the real
+# framework clients), set it explicitly.
+os.environ.setdefault("TENSORSOCKET_START_GRACE", "0")
+
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = Path(__file__).resolve().parent / "roles.py"
 

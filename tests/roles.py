@@ -333,7 +333,7 @@ def consumer(a: argparse.Namespace) -> dict:
 
 def _open(a: argparse.Namespace) -> TensorConsumer:
     kw = dict(batch_size=a.batch_size, drop_last=a.drop_last, device=a.device,
-              pin_memory=a.pin_memory)
+              pin_memory=a.pin_memory, align_epochs=not a.no_align)
     if a.port is None:
         return TensorConsumer(name=a.name, timeout=a.timeout, **kw)
     return TensorConsumer(str(a.port), str(a.port + 1), **kw)
@@ -472,6 +472,8 @@ def main() -> None:
     ap.add_argument("--gate-consumers", type=int, default=2)
     ap.add_argument("--cut", help="EPOCH:N: the producer breaks out of epoch EPOCH after N")
     ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--no-align", action="store_true",
+                    help="consumer: align_epochs=False (a late joiner's epochs span two)")
     ap.add_argument("--drop-last", action="store_true")
     ap.add_argument("--leave-after", type=int, help="close after N batches")
     ap.add_argument("--break-after", type=int, help="break out of the loop after N batches")

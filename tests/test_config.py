@@ -315,7 +315,7 @@ from tensorsocket import TensorConsumer
 with TensorConsumer() as c:  # nothing given: all from the environment
     epochs = [[int(b[0, 0]) for b in c] for _ in range(2)]
     out = {"epochs": epochs, "len": len(c), "address": c.endpoint.address,
-           "timeout": c.timeout, "slots": c.ring.info()["slot_count"]}
+           "timeout": c.answer_timeout, "slots": c.ring.info()["slot_count"]}
 print(json.dumps(out), flush=True)
 """
 

@@ -43,7 +43,8 @@ def test_late_joiner_sees_exact_batches(procs, name, window, gate, first_epoch):
     procs.wait_ready(prod)
     early = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3")
     assert procs.wait_ready(prod) == {"gate": True}  # the producer holds before `gate`
-    late = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2")
+    late = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2",
+                       "--no-align")
     e, lt, p = procs.result(early), procs.result(late), procs.result(prod)
 
     # The consumer that was there from the start got every batch once, in order.
@@ -62,6 +63,27 @@ def test_late_joiner_sees_exact_batches(procs, name, window, gate, first_epoch):
     assert p["drained"] is True and p["stats"]["window"] == window
 
 
+@pytest.mark.parametrize("slots, gate, first_epoch", [
+    (12, "1:37", _batches(2, 0, 100)),  # mid-epoch: it waits for epoch 2
+    (60, "1:37", _batches(1, 0, 100)),  # the epoch start still in the ring: epoch 1
+    (12, "1:0", _batches(1, 0, 100)),  # between epochs: the next one
+], ids=["mid-epoch", "start-in-ring", "between-epochs"])
+def test_aligned_late_joiner_gets_whole_epochs(procs, name, slots, gate, first_epoch):
+    """By default a late joiner's epochs are whole producer epochs: it starts at the
+    current epoch's first batch while that is still in the ring, else at the next one's."""
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", "--epochs", "3",
+                       "--batches", "100", "--window", "10", "--gate", gate,
+                       "--slots", str(slots))
+    procs.wait_ready(prod)
+    early = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3")
+    assert procs.wait_ready(prod) == {"gate": True}
+    late = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "1")
+    e, lt = procs.result(early), procs.result(late)
+    procs.result(prod)
+    assert e["epochs"] == [_batches(k, 0, 100) for k in range(3)] and e["errors"] == []
+    assert lt["errors"] == [] and lt["epochs"] == [first_epoch]
+
+
 def test_late_joiner_realigns_after_a_short_producer_epoch(procs, name):
     """Joined at epoch 0, batch 37 (no window); the producer cuts epoch 1 at 20 batches:
     the joiner's first epoch ends with the producer's, and the next is epoch 2, whole."""
@@ -70,7 +92,8 @@ def test_late_joiner_realigns_after_a_short_producer_epoch(procs, name):
     procs.wait_ready(prod)
     early = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "3")
     assert procs.wait_ready(prod) == {"gate": True}
-    late = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2")
+    late = procs.start("consumer", "--name", name, "--kind", "tuple", "--epochs", "2",
+                       "--no-align")
     e, lt = procs.result(early), procs.result(late)
     procs.result(prod)
     assert e["epochs"] == [_batches(0, 0, 100), _batches(1, 0, 20), _batches(2, 0, 100)]

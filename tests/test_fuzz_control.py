@@ -377,9 +377,14 @@ def forged(index: int, token: int):
     )
     indices = st.one_of(st.just(index), st.integers(0, _core.MAX_CONSUMERS + 1))
     return st.builds(
-        lambda kind, i, t: protocol.encode(kind, consumer=i, token=t),
-        st.sampled_from(["ready", "heartbeat", "bye"]), indices, tokens,
+        peer_message, st.sampled_from(["ready", "heartbeat", "bye", "park"]), indices, tokens,
     )
+
+
+def peer_message(kind: str, consumer: int, token: int) -> bytes:
+    """A well-formed message of an attached consumer (a ready asks for no alignment)."""
+    extra = {"align": False} if kind == "ready" else {}
+    return protocol.encode(kind, consumer=consumer, token=token, **extra)
 
 
 def messages(index: int, token: int):
@@ -438,7 +443,7 @@ def test_fuzz_control_socket_while_a_consumer_reads(rig):
 
     fuzz()
     for s in dealers:
-        s.send(protocol.encode("bye", consumer=idx, token=token))  # the real token
+        s.send(peer_message("bye", idx, token))  # the real token
         tally["sent"] += 1
         tally["rejected"] += 1
     _wait_until(lambda: rig.server.rejected - base >= tally["rejected"], DEADLINE,
@@ -468,10 +473,10 @@ def test_forged_and_out_of_order_messages_do_not_detach_the_consumer(rig):
     games of a second client; none disturbs the real consumer."""
     idx, token = rig.consumer.index, rig.consumer.token
     s = rig.socket()
-    for kind in ("bye", "ready", "heartbeat", "bye"):
+    for kind in ("bye", "ready", "heartbeat", "park", "bye"):
         for t in (token + 1, token - 1, token ^ (1 << 40), 0, 2**64 - 1, token):
             base = rig.server.rejected
-            s.send(protocol.encode(kind, consumer=idx, token=t))
+            s.send(peer_message(kind, idx, t))
             reply = protocol.decode(s.recv())
             assert reply == {"type": "error", "code": "unknown",
                              "message": "no such consumer on this socket"}
@@ -481,14 +486,14 @@ def test_forged_and_out_of_order_messages_do_not_detach_the_consumer(rig):
     # A DEALER claiming the consumer's own routing id: zmq refuses the duplicate id,
     # so the forged bye (with the real index and token) never reaches the producer.
     spoof = rig.socket(ROUTING_ID=rig.ident)
-    spoof.send(protocol.encode("bye", consumer=idx, token=token))
+    spoof.send(peer_message("bye", idx, token))
     assert not spoof.poll(500), "the producer answered a spoofed routing id"
     spoof.close(0)
     rig.assert_consumer_intact()
 
     # A second client plays the handshake out of order.
     c = rig.socket()
-    c.send(protocol.encode("ready", consumer=idx, token=token))
+    c.send(peer_message("ready", idx, token))
     assert protocol.decode(c.recv())["code"] == "unknown"
     me = os.getpid()  # alive, so the liveness check leaves these places alone
     hello = protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=me,
@@ -500,20 +505,20 @@ def test_forged_and_out_of_order_messages_do_not_detach_the_consumer(rig):
     welcome = protocol.decode(c.recv())
     assert welcome["type"] == "welcome" and welcome["consumer"] != idx
     mine, my_token = welcome["consumer"], welcome["token"]
-    for kind in ("bye", "ready", "heartbeat"):  # our token, the real consumer's index
-        c.send(protocol.encode(kind, consumer=idx, token=my_token))
+    for kind in ("bye", "ready", "heartbeat", "park"):  # our token, the real consumer's index
+        c.send(peer_message(kind, idx, my_token))
         assert protocol.decode(c.recv())["code"] == "unknown"
-    c.send(protocol.encode("bye", consumer=mine, token=token))  # their token, our index
+    c.send(peer_message("bye", mine, token))  # their token, our index
     assert protocol.decode(c.recv())["code"] == "unknown"
-    c.send(protocol.encode("ready", consumer=mine, token=my_token))
+    c.send(peer_message("ready", mine, my_token))
     assert protocol.decode(c.recv())["type"] == "started"
-    c.send(protocol.encode("ready", consumer=mine, token=my_token))  # twice: ignored
-    c.send(protocol.encode("heartbeat", consumer=mine, token=my_token))
-    c.send(protocol.encode("bye", consumer=mine, token=my_token))
+    c.send(peer_message("ready", mine, my_token))  # twice: ignored
+    c.send(peer_message("heartbeat", mine, my_token))
+    c.send(peer_message("bye", mine, my_token))
     assert protocol.decode(c.recv())["type"] == "bye_ok"
-    c.send(protocol.encode("bye", consumer=mine, token=my_token))  # after bye
+    c.send(peer_message("bye", mine, my_token))  # after bye
     assert protocol.decode(c.recv())["code"] == "unknown"
-    c.send(protocol.encode("heartbeat", consumer=mine, token=my_token))
+    c.send(peer_message("heartbeat", mine, my_token))
     assert protocol.decode(c.recv())["code"] == "unknown"
     c.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=0, start_time=0,
                            batch_size=None))  # no process has pid 0: refused

@@ -374,7 +374,7 @@ static int prod_add(prod *p, peer *c, uint32_t *index)
     uint64_t token = 0, start = 0;
     if (!CHECK_ST(ts_ring_reserve(p->ring, c->pid, ts_proc_start_time(c->pid), 0, index, &token,
                                   &err), TS_OK) ||
-        !CHECK_ST(ts_ring_activate(p->ring, *index, &start, &err), TS_OK))
+        !CHECK_ST(ts_ring_activate(p->ring, *index, 0, &start, &err), TS_OK))
         return -1;
     return CHECK(send_msg(c->to, M_HELLO, *index, token)) ? 0 : -1;
 }

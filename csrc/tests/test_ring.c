@@ -65,7 +65,8 @@ static void fx_destroy(fixture *fx)
     if (fx->name[0] != '\0') ts_ring_unlink_name(fx->name, NULL);
 }
 
-/* Reserve (and activate, if asked) a consumer of this process with its own bound handle. */
+/* Reserve (and activate, if asked: 1, or 2 for an aligned join) a consumer of this process
+ * with its own bound handle. */
 static int consumer_add(fixture *fx, consumer *c, int activate)
 {
     ts_err err = {0};
@@ -73,8 +74,8 @@ static int consumer_add(fixture *fx, consumer *c, int activate)
     memset(c, 0, sizeof *c);
     int ok = CHECK_ST(ts_ring_reserve(fx->prod, pid, ts_proc_start_time(pid), 0, &c->index,
                                       &c->token, &err), TS_OK) &&
-             (!activate || CHECK_ST(ts_ring_activate(fx->prod, c->index, &c->start_seq, &err),
-                                    TS_OK)) &&
+             (!activate || CHECK_ST(ts_ring_activate(fx->prod, c->index, activate == 2,
+                                                     &c->start_seq, &err), TS_OK)) &&
              CHECK_ST(ts_ring_open(fx->name, &c->ring, &err), TS_OK) &&
              CHECK_ST(ts_ring_bind_consumer(c->ring, c->index, c->token, &err), TS_OK);
     return ok ? 0 : -1;
@@ -722,7 +723,7 @@ static void test_handshake_errors(void)
     CHECK_ST(ts_ring_bind_consumer(r, TS_MAX_CONSUMERS, A.token, &err), TS_E_INVALID);
     REQUIRE_OK(ts_ring_reserve(fx.prod, getppid(), 1, 0, &idx, &tok, &err));
     CHECK_ST(ts_ring_bind_consumer(r, idx, tok, &err), TS_E_INVALID); /* another pid's entry */
-    CHECK_ST(ts_ring_activate(fx.prod, 40, &start, &err), TS_E_INVALID); /* not pending */
+    CHECK_ST(ts_ring_activate(fx.prod, 40, 0, &start, &err), TS_E_INVALID); /* not pending */
     CHECK_ST(ts_ring_acquire(A.ring, deadline_ms(10), &a, &err), TS_E_DETACHED); /* pending */
     for (uint32_t i = 2; i < TS_MAX_CONSUMERS; i++)
         REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, 0, &idx, &tok, &err));
@@ -886,6 +887,54 @@ static void test_window_holds_slot(void)
 out:
     consumer_drop(&A);
     consumer_drop(&B);
+    fx_destroy(&fx);
+}
+
+/* An aligned join starts at the current epoch's first entry while it is still in the
+ * ring (whatever the window), else as far back as the ring still holds; never across an
+ * END_EPOCH marker. A plain join keeps to the window. */
+static void test_join_aligned(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0}, C = {0}, D = {0}, E = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 1, 0, &err));
+    REQUIRE(consumer_add(&fx, &A, 1) == 0);
+    PUBLISH(0);
+    PUBLISH(1);
+    PUBLISH(2);
+    REQUIRE(consumer_add(&fx, &B, 2) == 0);
+    CHECK_EQ(B.start_seq, 0); /* the epoch start, three entries back */
+    REQUIRE(consumer_add(&fx, &C, 1) == 0);
+    CHECK_EQ(C.start_seq, 2); /* the window: one entry back */
+    for (uint64_t seq = 0; seq < 3; seq++) {
+        TAKE(A, seq, 1);
+        TAKE(B, seq, 1);
+    }
+    TAKE(C, 2, 1);
+    PUBLISH(3);
+    PUBLISH(4);
+    PUBLISH(5);
+    /* Six published in a ring of six: seq 0 is still there, the next publish takes it. */
+    REQUIRE(consumer_add(&fx, &D, 2) == 0);
+    CHECK_EQ(D.start_seq, 1); /* the oldest entry the ring can still hand out */
+    for (uint64_t seq = 3; seq < 6; seq++) {
+        TAKE(A, seq, 1);
+        TAKE(B, seq, 1);
+        TAKE(C, seq, 1);
+    }
+    for (uint64_t seq = 1; seq < 6; seq++) TAKE(D, seq, 1);
+    REQUIRE_OK(publish_end(fx.prod, 0, 6, &err)); /* seq 6: the epoch ends */
+    REQUIRE(consumer_add(&fx, &E, 2) == 0);
+    CHECK_EQ(E.start_seq, 7); /* never back across the marker */
+out:
+    consumer_drop(&A);
+    consumer_drop(&B);
+    consumer_drop(&C);
+    consumer_drop(&D);
+    consumer_drop(&E);
     fx_destroy(&fx);
 }
 
@@ -1391,7 +1440,7 @@ static void test_detach_race(void)
         for (int i = 0; i < n && ok; i++)
             if ((ok = CHECK(pthread_create(&tc[i], NULL, dr_consumer, &rs[i]) == 0))) made++;
         for (int i = 0; i < made; i++) {
-            ts_status st = ok ? ts_ring_activate(fx.prod, cs[i].index, &cs[i].start_seq, &err)
+            ts_status st = ok ? ts_ring_activate(fx.prod, cs[i].index, 0, &cs[i].start_seq, &err)
                               : TS_E_INVALID;
             if (ok) ok = CHECK_ST(st, TS_OK);
             atomic_store(&rs[i].go, st == TS_OK ? 1 : -1);
@@ -1532,6 +1581,7 @@ static const ts_test g_tests[] = {
     {"handshake_errors", test_handshake_errors},
     {"policy", test_policy},             {"late_joiner", test_late_joiner},
     {"window_holds_slot", test_window_holds_slot}, {"join_epoch", test_join_epoch},
+    {"join_aligned", test_join_aligned},
     {"laggard", test_laggard},           {"laggard_blocked", test_laggard_blocked},
     {"detach_api", test_detach_api},
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},

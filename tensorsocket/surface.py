@@ -1,0 +1,206 @@
+"""What training code reads from a DataLoader, on a TensorConsumer.
+
+Frameworks and training scripts do more with a loader than iterate it: they
+read ``loader.dataset``, ``loader.batch_size`` and ``loader.sampler``, call
+``loader.sampler.set_epoch(epoch)`` (DistributedSampler), save and restore
+``state_dict()`` (torchdata's StatefulDataLoader convention), and read or set
+attributes of their own loader types (timm's ``mixup_enabled``). ``LoaderSurface``
+gives a TensorConsumer those, with the meaning each has for a shared loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from .errors import TensorSocketWarning
+
+log = logging.getLogger("tensorsocket")
+
+STATE_VERSION = 1  # of the dict state_dict() returns
+
+
+class SamplerView:
+    """``consumer.sampler`` and ``consumer.batch_sampler``: the producer's sampling seen
+    from a consumer. ``set_epoch(e)`` is what DistributedSampler users call before each
+    epoch; the producer calls set_epoch on its own loader's sampler itself, so here it
+    has nothing to do (it warns once if the epoch asked for is not the one that comes:
+    the shared producer, not this process, decides the order of samples)."""
+
+    def __init__(self, consumer: Any, batches: bool) -> None:
+        """A view of `consumer`'s sampling (of batches if `batches`, else of samples)."""
+        self._consumer = consumer
+        self._batches = batches
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per batch of this consumer (None: the producer's batches as they are)."""
+        return self._consumer.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether this consumer drops a short last batch."""
+        return self._consumer.drop_last
+
+    @property
+    def sampler(self) -> "SamplerView":
+        """The sample-level view (a BatchSampler's ``sampler``)."""
+        return SamplerView(self._consumer, batches=False)
+
+    @property
+    def epoch(self) -> int:
+        """Epochs this consumer completed (DistributedSampler's attribute)."""
+        return self._consumer.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """DistributedSampler.set_epoch: nothing to do here (see the class docstring)."""
+        self._consumer._note_set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Batches (batch sampler) or samples (sampler) of one epoch of this consumer."""
+        if self._batches:
+            return len(self._consumer)
+        consumer = self._consumer
+        if consumer.samples_per_epoch is None:
+            raise TypeError("the number of samples per epoch of the producer's loader is "
+                            "unknown")
+        return consumer._rank_samples()
+
+    def __iter__(self) -> Any:
+        """The indices of the caller's own loader's sampler (share()): code that builds a
+        DataLoader of its own from a loader's dataset and sampler (accelerate's
+        skip_first_batches) gets one that loads in this process, as it would from the
+        caller's DataLoader. A consumer's own batches come from the producer."""
+        local = self._consumer._local_loader
+        inner = getattr(local, "batch_sampler" if self._batches else "sampler", None)
+        if inner is None:
+            raise TypeError(
+                "the samples of a tensorsocket consumer are chosen by the shared producer's "
+                "loader; iterate the consumer itself for its batches")
+        return iter(inner)
+
+    def __repr__(self) -> str:
+        """What this is, for logs."""
+        kind = "batch_sampler" if self._batches else "sampler"
+        return f"<tensorsocket {kind} view of consumer {self._consumer._index}>"
+
+
+class LoaderSurface:
+    """Mixin of TensorConsumer: DataLoader attributes, resumable state and the caller's
+    loader's own attributes (see the module docstring)."""
+
+    # Set by the consumer; declared for type checkers.
+    epoch: int
+    _local_loader: Any
+    _set_epoch_warned: bool
+    _producer_sets_epoch: bool
+    _resume_skip: int
+
+    @property
+    def sampler(self) -> SamplerView:
+        """The sampling of this consumer's batches; ``set_epoch`` is accepted (see
+        SamplerView)."""
+        return SamplerView(self, batches=False)
+
+    @property
+    def batch_sampler(self) -> SamplerView:
+        """The batch-level view of the sampling, with ``batch_size`` and ``drop_last``."""
+        return SamplerView(self, batches=True)
+
+    @property
+    def num_workers(self) -> int:
+        """The caller's loader's ``num_workers`` (share()), else 0: this process runs no
+        loader worker; the producer does the loading."""
+        return int(getattr(self._local_loader, "num_workers", 0) or 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """As ``loader.sampler.set_epoch``: the shared producer orders the samples."""
+        self._note_set_epoch(epoch)
+
+    def _note_set_epoch(self, epoch: int) -> None:
+        """set_epoch(epoch) from training code: warn once if it cannot mean what it
+        says (another epoch than the one this consumer iterates next)."""
+        upcoming = self.epoch
+        if self._in_epoch and self._epoch_complete():  # type: ignore[attr-defined]
+            upcoming += 1  # a loop that stopped at len(): that epoch is over
+        if epoch == upcoming or self._set_epoch_warned:
+            return
+        self._set_epoch_warned = True
+        who = "calls set_epoch on its loader's sampler itself" if self._producer_sets_epoch \
+            else "reshuffles as its own loader does"
+        message = (
+            f"set_epoch({epoch}) has no effect on a tensorsocket consumer: the shared "
+            f"producer orders the samples (it {who}); this consumer's next epoch is its "
+            f"epoch {upcoming}. Every epoch is still a whole pass over the data")
+        log.info("%s", message)
+        warnings.warn(message, TensorSocketWarning, stacklevel=3)
+
+    def state_dict(self) -> dict:
+        """Where this consumer is, for resuming (torchdata StatefulDataLoader convention):
+        epochs completed and batches taken of the current one."""
+        in_epoch = self._in_epoch  # type: ignore[attr-defined]
+        return {
+            "tensorsocket_state": STATE_VERSION,
+            "epoch": self.epoch,
+            "batches_in_epoch": self._epoch_batches if in_epoch else 0,  # type: ignore
+            "batch_size": self._own_batch_size,  # type: ignore[attr-defined]
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from state_dict(): the epoch counter is restored and the next epoch
+        skips the batches already taken of the interrupted one, so it yields the rest
+        (len() minus those). The batches come from the producer's current epoch: with a
+        shuffling loader they are another permutation than before the interruption."""
+        if not isinstance(state, dict) or state.get("tensorsocket_state") != STATE_VERSION:
+            raise ValueError(
+                f"not a tensorsocket consumer state (from TensorConsumer.state_dict(), "
+                f"version {STATE_VERSION}): {state!r:.200}")
+        epoch, skip = state.get("epoch"), state.get("batches_in_epoch")
+        if not isinstance(epoch, int) or not isinstance(skip, int) or epoch < 0 or skip < 0:
+            raise ValueError(f"bad epoch or batches_in_epoch in the state: {state!r:.200}")
+        if state.get("batch_size") != self._own_batch_size:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"the state was saved by a consumer with batch_size={state.get('batch_size')}"
+                f", this one has batch_size={self.batch_size}: batches taken would not match")
+        if self._in_epoch:  # type: ignore[attr-defined]
+            raise RuntimeError("load_state_dict() in the middle of an epoch: call it before "
+                               "iterating the consumer")
+        self.epoch = epoch
+        self._resume_skip = skip
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the caller's own loader (share()) that a consumer lacks, e.g. a
+        framework's loader flags; AttributeError naming both otherwise."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        local = self.__dict__.get("_local_loader")
+        if local is not None and hasattr(local, name):
+            return getattr(local, name)
+        where = f" nor has this caller's {type(local).__name__}" if local is not None else ""
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}{where}")
+
+
+class ForwardsLoaderAttributes:
+    """Mixin of share()'s consumers: public attributes set on the consumer that only the
+    caller's loader has are set on that loader (see __setattr__)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting an attribute that only the caller's loader has sets it there, with a
+        warning: the shared producer runs its own copy of the loader, which it cannot
+        reach (mixup switched off in this script stays on in the producer)."""
+        if not name.startswith("_") and name not in self.__dict__ \
+                and not hasattr(type(self), name):
+            local = self.__dict__.get("_local_loader")
+            if local is not None and hasattr(local, name):
+                setattr(local, name, value)
+                message = (
+                    f"setting {name}= on a tensorsocket consumer sets it on this script's "
+                    f"{type(local).__name__}, not on the shared producer's copy of it, which "
+                    "keeps making batches as it was started; to change the batches, give "
+                    "the changed loader another share() name")
+                log.warning("%s", message)
+                warnings.warn(message, TensorSocketWarning, stacklevel=2)
+                return
+        object.__setattr__(self, name, value)
