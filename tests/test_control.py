@@ -59,7 +59,7 @@ def test_garbage_and_version_mismatch_do_not_disturb_the_producer(name):
             reply = protocol.decode(s.recv())
             assert reply["type"] == "error"
         s.send(protocol.encode("hello", protocol=999, pid=os.getpid(), start_time=0,
-                               batch_size=None))
+                               batch_size=None, group=None, rank=0, world_size=1))
         reply = protocol.decode(s.recv())
         assert reply["type"] == "error" and reply["code"] == "version"
         assert "999" in reply["message"]

@@ -143,6 +143,7 @@ class Jobs:
         self.env = env
         self.jobs: list[Job] = []
         self.killed_any = False  # some process had to be killed: its segments may be left
+        self.node_runtimes: list[Path] = []  # runtime directories of simulated nodes
 
     # -- starting ----------------------------------------------------------------------
 
@@ -160,10 +161,25 @@ class Jobs:
                                    "127.0.0.1", "--master_port", str(_free_port()),
                                    str(CLIENTS / script), *args, "--out", str(out)], out)
 
-    def _start(self, label: str, argv: list[str], out: Path) -> Job:
+    def torchrun_node(self, label: str, nodes: int, node: int, nproc: int, port: int,
+                      script: str, *args: str, out: Path) -> Job:
+        """Node `node` of a torchrun over `nodes` simulated nodes on this machine: each node
+        has a runtime directory of its own (as separate machines would have)."""
+        runtime = self.tmp / f"runtime-{label}"
+        runtime.mkdir(mode=0o700)
+        self.node_runtimes.append(runtime)
+        return self._start(label, [sys.executable, "-m", "torch.distributed.run",
+                                   "--nnodes", str(nodes), "--node_rank", str(node),
+                                   "--nproc_per_node", str(nproc), "--master_addr",
+                                   "127.0.0.1", "--master_port", str(port),
+                                   str(CLIENTS / script), *args, "--out", str(out)], out,
+                           env={"TENSORSOCKET_RUNTIME_DIR": str(runtime)})
+
+    def _start(self, label: str, argv: list[str], out: Path,
+               env: dict[str, str] | None = None) -> Job:
         log = self.tmp / f"{label}.log"
         with open(log, "wb") as f:
-            proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=f,
+            proc = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=f,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         job = Job(label, argv, proc, log, out)
@@ -234,7 +250,8 @@ class Jobs:
             for rank, record in sorted(records.items()):
                 parts.append(f"  rank {rank}: {_summary(record)}")
             parts.append("  output tail:\n" + _tail(job.log, 80 if job.killed else 25))
-        for log in sorted(self.runtime.glob("*.producer.log")):
+        for log in sorted(p for d in [self.runtime, *self.node_runtimes]
+                          for p in d.glob("*.producer.log")):
             parts.append(f"--- {log.name}:\n" + _tail(log, 40))
         return "\n".join(parts)
 
@@ -653,6 +670,26 @@ def test_torchrun_two_ddp_jobs_and_one_single(jobs, name):
         problems += check_epochs(job, "train", n, 2)
     problems += check_one_stream(started)
     problems += check_loads(jobs, producer_pids(started))
+    assert_no_problems(problems, jobs)
+    jobs.stop_producers()
+
+
+def test_torchrun_two_simulated_nodes(jobs, name):
+    """torchrun --nnodes 2 on this machine, 2 ranks per node, each node with a runtime
+    directory of its own: each node's producer reads that node's part of the data (a
+    DistributedSampler over the nodes in the loader), its 2 ranks split it; over the 4
+    ranks every sample comes exactly once per epoch, the same number of batches each."""
+    n = 128
+    port = _free_port()
+    out = jobs.tmp / "nodes"
+    started = [jobs.torchrun_node(f"node{k}", 2, k, 2, port, "ddp_torchrun.py", "--name", name,
+                                  "--samples", str(n), "--node-shard", out=out)
+               for k in range(2)]
+    jobs.wait(timeout=150)
+    problems = check_epochs(started[0], "train", n, 2)
+    records = started[0].records()
+    if sorted(records) != [0, 1, 2, 3]:
+        problems.append(f"records of ranks {sorted(records)}, not of all 4")
     assert_no_problems(problems, jobs)
     jobs.stop_producers()
 

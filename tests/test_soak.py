@@ -186,6 +186,8 @@ def read(c, k):
             break
     return n
 
+# The churners start where they attach (align_epochs=False): they stress attaching and
+# leaving at any moment; waiting for the next epoch start would leave few attaches.
 MODES = ["close-mid-epoch", "break-and-back", "bs3", "bs2-keep", "bs8-drop-with"]
 cycle, done, c = 0, False, None
 while not done:
@@ -201,7 +203,7 @@ while not done:
     k = rng.randint(5, 60)
     try:
         if mode == "close-mid-epoch":
-            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt)
+            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt, align_epochs=False)
             it = iter(c)
             attaches += 1
             state["next"] = None
@@ -210,17 +212,17 @@ while not done:
             c.close()  # the iterator is still mid-epoch
             del it
         elif mode == "break-and-back":
-            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt)
+            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt, align_epochs=False)
             read(c, k)
             time.sleep(rng.random() * 0.05)  # "evaluating"
             read(c, rng.randint(5, 60))  # attached again, as a late joiner
             c.close()
         elif mode == "bs3":
-            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt, batch_size=3)
+            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt, align_epochs=False, batch_size=3)
             read(c, k)
             c.close()
         elif mode == "bs2-keep":
-            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt, batch_size=2)
+            c = TensorConsumer(name=name, timeout=10, batch_timeout=bt, align_epochs=False, batch_size=2)
             attaches += 1
             state["next"] = None
             it = iter(c)
@@ -235,7 +237,7 @@ while not done:
                 errors.append(f"kept tensor changed after close: {first}")
             del kept
         else:
-            with TensorConsumer(name=name, timeout=10, batch_timeout=bt, batch_size=8,
+            with TensorConsumer(name=name, timeout=10, batch_timeout=bt, align_epochs=False, batch_size=8,
                                 drop_last=True) as c:
                 read(c, k)
         modes[mode] = modes.get(mode, 0) + 1

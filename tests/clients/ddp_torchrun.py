@@ -38,6 +38,9 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--samples", type=int, default=128)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--gloo-timeout", type=float, default=30)
+parser.add_argument("--node-shard", action="store_true",
+                    help="several nodes: the loader reads this node's part of the data "
+                         "(DistributedSampler over the nodes), shared by the node's ranks")
 parser.add_argument("--no-share", action="store_true",
                     default=os.environ.get("TS_TEST_NO_SHARE") == "1")
 args = parser.parse_args()
@@ -56,6 +59,13 @@ if args.no_share and distributed:
 
     ds = IdDataset(args.samples)
     plain = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, shuffle=True))
+elif args.node_shard:
+    from torch.utils.data.distributed import DistributedSampler
+
+    nodes = world // int(os.environ["LOCAL_WORLD_SIZE"])
+    ds = IdDataset(args.samples)
+    plain = DataLoader(ds, batch_size=8, sampler=DistributedSampler(
+        ds, num_replicas=nodes, rank=int(os.environ["GROUP_RANK"]), shuffle=True))
 else:
     plain = DataLoader(IdDataset(args.samples), batch_size=8, shuffle=True)
 loader, meta = make_loader(plain, args.name, args.no_share)
