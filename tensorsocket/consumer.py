@@ -231,6 +231,7 @@ class TensorConsumer(LoaderSurface):
         # that belongs to its next epoch, and the entries skipped waiting for an epoch start.
         self._producer_epoch: int | None = None
         self._want_epoch = 0
+        self._held_place = False  # parked between epochs, asking to keep the place
         self._pending: Any = None
         self._skipped_to_align = 0
         self._group_taken = 0  # batches this rank took in the current epoch
@@ -526,24 +527,45 @@ class TensorConsumer(LoaderSurface):
             return
         self._park()
 
-    def _park(self) -> None:
+    def _park(self, hold: bool = False) -> None:
         """Stop holding the producer back until the next batch is asked for (the
-        producer still counts this consumer; the next batch attaches it again)."""
-        if self._pending is not None:
+        producer still counts this consumer; the next batch attaches it again). hold:
+        this consumer sits between epochs and its process reads another loader for a
+        while; the producer keeps its place (and the entry it took ahead) for
+        park_hold seconds once others read, so that it reads the same next epoch as
+        the jobs it started with."""
+        if self._pending is not None and not hold:
             self._pending.release()
             self._pending = None
         if self._attached and not self._closed:
             self._attached = False
             if self._aligned:
-                self._client.request_park()
+                self._held_place = hold
+                self._client.request_park(hold)
             else:
                 self._client.request_leave()
+
+    def _ensure_attached(self) -> None:
+        """Before reading after a park: go on from the place the producer kept, or
+        attach again (at an epoch start)."""
+        if self._attached or self._closed:
+            return
+        if self._held_place:
+            self._held_place = False
+            if self._client.unpark():
+                self._attached = True
+                return
+            if self._pending is not None:  # an entry of the place given up
+                self._pending.release()
+                self._pending = None
+        self._attach_again()
 
     # -- the loader batches of this consumer's epoch ----------------------------------
 
     def _pull(self) -> tuple[Any, int | None]:
         """The next loader batch of this consumer's epoch and its sample count if the
         loader tells; EpochEnd after its last."""
+        self._ensure_attached()
         if self._aligned:
             return self._pull_aligned()
         return self._pull_window()
@@ -666,8 +688,7 @@ class TensorConsumer(LoaderSurface):
 
     def _acquire(self) -> Any:
         """The next ring entry for us, with errors turned into what the caller needs."""
-        if not self._attached:
-            self._attach_again()
+        self._ensure_attached()
         while True:
             start = time.perf_counter()
             try:
@@ -1059,4 +1080,4 @@ def _park_idle_siblings(me: TensorConsumer) -> None:
             if _idle(other):
                 log.debug("consumer %d parks while this process reads another loader",
                           other._index)
-                other._park()
+                other._park(hold=True)

@@ -50,6 +50,7 @@ class _Peer:
     group: str | None = None  # "<group id>/<world size>" of a rank of a data-parallel job
     rank: int = 0
     ready_align: bool | None = None  # a rank's "ready", held until its group is complete
+    held_until: float | None = None  # parked with its place in the ring kept until then
 
 
 class ControlServer:
@@ -65,8 +66,10 @@ class ControlServer:
         address: str,
         ring: Callable[[], Any],
         welcome_info: Callable[[], dict],
+        park_hold: float = 0.0,
     ) -> None:
         self._ring = ring
+        self.park_hold = park_hold
         self._welcome_info = welcome_info
         self._sock = context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -89,7 +92,7 @@ class ControlServer:
         self._held: tuple[int, float, bool] = (-1, 0.0, False)  # (published, since, warned)
         self._handlers = {"hello": self._hello, "ready": self._ready,
                           "heartbeat": self._heartbeat, "bye": self._bye,
-                          "park": self._park}
+                          "park": self._park, "unpark": self._unpark}
         self._thread = threading.Thread(target=self._run, name="tensorsocket-control", daemon=True)
         self._thread.start()
 
@@ -228,6 +231,7 @@ class ControlServer:
         """The consumer receives entries from `start` on: tell it."""
         ring = self._ring()
         peer.active = True
+        self._restart_holds(time.monotonic())
         log.info("consumer %d (pid %d%s) joined at entry %d (%d published%s)", peer.index,
                  peer.pid, "" if peer.group is None else f", rank {peer.rank} of {peer.group}",
                  start, ring.info()["published"], ", aligned" if align else "")
@@ -277,23 +281,70 @@ class ControlServer:
         self._send(ident, "bye_ok")
 
     def _park(self, ident: bytes, msg: dict) -> None:
-        """The consumer stopped reading between epochs (or left one mid-way): take it off
-        the ring so that nobody waits for it, but keep it as a consumer of this producer
-        (its heartbeats go on) until it attaches again or leaves."""
+        """The consumer stopped reading: take it off the ring so that nobody waits for
+        it, but keep it as a consumer of this producer (its heartbeats go on) until it
+        attaches again or leaves. One that stopped between epochs (hold), to read
+        another loader for a while (a validation loop), keeps its place in the ring for
+        park_hold seconds once others read again: the entries from the next epoch's
+        first on stay there, so that it reads the same epochs as the jobs it started
+        with, not a later one because it came back a moment after them."""
         peer = self._peer(ident, msg)
         ring = self._ring()
         if peer is None or ring is None or peer.parked:
             return
-        ring.retire(peer.index)
         peer.parked = True
         peer.active = False
-        log.info("consumer %d (pid %d) parked between epochs", peer.index, peer.pid)
+        if msg["hold"] and self.park_hold > 0 and \
+                ring.consumer(peer.index)["state"] == _core.CONSUMER_ACTIVE:
+            peer.held_until = time.monotonic() + self.park_hold
+            log.info("consumer %d (pid %d) parked between epochs; its place is kept",
+                     peer.index, peer.pid)
+            return
+        ring.retire(peer.index)
+        log.info("consumer %d (pid %d) parked", peer.index, peer.pid)
+
+    def _unpark(self, ident: bytes, msg: dict) -> None:
+        """A parked consumer reads again: it goes on from its place if that was kept."""
+        peer = self._peer(ident, msg)
+        ring = self._ring()
+        if peer is None or ring is None:
+            return
+        held = peer.held_until is not None and \
+            ring.consumer(peer.index)["state"] == _core.CONSUMER_ACTIVE
+        if held:
+            peer.held_until = None
+            peer.parked = False
+            peer.active = True
+            self._restart_holds(time.monotonic())
+            log.info("consumer %d (pid %d) reads again from its place", peer.index, peer.pid)
+        self._send(ident, "unparked", held=held)
+
+    def _restart_holds(self, now: float) -> None:
+        """A consumer reads again: the places kept for parked ones hold it back from now
+        on, for park_hold seconds at most (while all are parked, nobody waits)."""
+        for peer in list(self._peers.values()):
+            if peer.held_until is not None:
+                peer.held_until = max(peer.held_until, now + self.park_hold)
+
+    def _check_holds(self, ring: Any, now: float) -> None:
+        """Give up the places of consumers parked longer than park_hold while others
+        read: they would hold those back; they attach again at a later epoch."""
+        if not any(p.active for p in self._peers.values()):
+            return
+        for peer in list(self._peers.values()):
+            if peer.held_until is not None and now >= peer.held_until:
+                peer.held_until = None
+                ring.retire(peer.index)
+                log.info("consumer %d (pid %d) stayed parked longer than park_hold=%s s "
+                         "while others read; its place is given up (it starts at a later "
+                         "epoch when it reads again)", peer.index, peer.pid, self.park_hold)
 
     def _retire(self, ident: bytes) -> None:
         with self._lock:
             peer = self._peers.pop(ident, None)
         ring = self._ring()
-        if peer is not None and ring is not None and not peer.parked:
+        if peer is not None and ring is not None and \
+                (not peer.parked or peer.held_until is not None):
             ring.retire(peer.index)
             log.info("consumer %d (pid %d) left", peer.index, peer.pid)
 
@@ -305,6 +356,7 @@ class ControlServer:
             return
         self._check_lag(ring, now)
         self._check_held(ring, now)
+        self._check_holds(ring, now)
         for ident, peer in list(self._peers.items()):
             if peer.active and not peer.detached and \
                     ring.consumer(peer.index)["state"] == _core.CONSUMER_DETACHED:
@@ -314,7 +366,7 @@ class ControlServer:
             if not _core.process_alive(peer.pid, peer.start_time):
                 with self._lock:
                     self._peers.pop(ident, None)
-                if not peer.parked:
+                if not peer.parked or peer.held_until is not None:
                     ring.evict(peer.index)
                 log.warning("consumer %d (pid %d) died; its slots were released",
                             peer.index, peer.pid)
@@ -435,6 +487,7 @@ class ControlClient:
         self._stop = threading.Event()
         self._leave = threading.Event()  # leave the ring without closing (request_leave)
         self._park = threading.Event()  # park between epochs (request_park)
+        self._park_hold = False  # the park asks the producer to keep the place
         self._wake = threading.Event()  # cuts the heartbeat thread's wait short
         self._thread: threading.Thread | None = None
         self.consumer = -1
@@ -502,11 +555,25 @@ class ControlClient:
                                         daemon=True)
         self._thread.start()
 
-    def request_park(self) -> None:
-        """Park soon (the heartbeat thread sends it; heartbeats go on): safe from any
-        thread, a finalizer included, as it only sets events."""
+    def request_park(self, hold: bool = False) -> None:
+        """Park soon (the heartbeat thread sends it; heartbeats go on); hold: between
+        epochs, asking the producer to keep this consumer's place for a while. Safe from
+        any thread, a finalizer included, as it only sets events."""
+        self._park_hold = hold
         self._park.set()
         self._wake.set()
+
+    def unpark(self) -> bool:
+        """Read again after a park that asked to keep the place: whether the producer
+        kept it (go on from it); if not, the caller attaches again."""
+        self.stop_heartbeats()  # sends the park if the heartbeat thread had not yet
+        self._sock.send(protocol.encode("unpark", consumer=self.consumer, token=self.token))
+        msg = self._receive(PENDING_TIMEOUT, "unparked")
+        if msg is None:
+            raise ProducerNotFound(f"the producer at {self.address} stopped answering")
+        if msg["held"]:
+            self.start_heartbeats()
+        return msg["held"]
 
     def request_leave(self) -> None:
         """Leave the ring soon, from the heartbeat thread (which owns the socket): safe
@@ -527,7 +594,7 @@ class ControlClient:
             self._park.clear()
             try:
                 self._sock.send(protocol.encode("park", consumer=self.consumer,
-                                                token=self.token), zmq.NOBLOCK)
+                                                token=self.token, hold=self._park_hold), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 
@@ -553,7 +620,7 @@ class ControlClient:
                 if self._park.is_set():
                     self._park.clear()
                     self._sock.send(protocol.encode("park", consumer=self.consumer,
-                                                    token=self.token), zmq.NOBLOCK)
+                                                    token=self.token, hold=self._park_hold), zmq.NOBLOCK)
                 self._sock.send(beat, zmq.NOBLOCK)
                 while self._sock.poll(0):
                     self._sock.recv()  # nothing is expected; drop stray replies

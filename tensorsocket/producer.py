@@ -113,6 +113,11 @@ class TensorProducer:
         the first batch (default 3) (env), so that jobs started together (a
         sweep launched by one shell line, the ranks of a torchrun) all begin at
         batch 0 of epoch 0 instead of joining late; 0 starts at once.
+      park_hold: seconds a consumer that stopped reading between epochs (its
+        job runs its validation loader) keeps its place in the ring once
+        other consumers read again (default 10) (env): the next epoch's first
+        batches wait for it, so that jobs alternating loaders read the same
+        epochs; after that its place is given up and it starts at a later epoch.
       rubber_band: the late-joiner window in batches (overrides rubber_band_pct).
       max_lag: detach a consumer that falls more than this many batches behind
         the fastest consumer, so the others are not held back (default None:
@@ -165,6 +170,7 @@ class TensorProducer:
         min_consumers: int | Unset = UNSET,
         start_timeout: float | None | Unset = UNSET,
         start_grace: float | Unset = UNSET,
+        park_hold: float | Unset = UNSET,
         ring_slots: int | None | Unset = UNSET,
         slot_bytes: int | None | Unset = UNSET,
         ring_bytes: int | None | Unset = UNSET,
@@ -198,6 +204,7 @@ class TensorProducer:
         wanted: int = setting("min_consumers", min_consumers)
         start_wait: float | None = setting("start_timeout", start_timeout)
         grace: Any = setting("start_grace", start_grace)
+        hold: Any = setting("park_hold", park_hold)
         publish_wait: float | None = setting("publish_timeout", publish_timeout)
         lag_limit: int | None = setting("max_lag", max_lag)
         policy: str = setting("lag_policy", lag_policy)
@@ -209,10 +216,11 @@ class TensorProducer:
             raise ValueError(f"ring_slots must be in 2..{MAX_SLOTS}, got {slots}")
         if slot_size is not None and int(slot_size) <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_size}")
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or \
-                not math.isfinite(grace) or grace < 0:
-            raise ValueError(f"start_grace must be a finite number of seconds >= 0, got "
-                             f"{grace!r}")
+        for key, seconds in (("start_grace", grace), ("park_hold", hold)):
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
+                    not math.isfinite(seconds) or seconds < 0:
+                raise ValueError(f"{key} must be a finite number of seconds >= 0, got "
+                                 f"{seconds!r}")
         if wanted < 0 or wanted > _core.MAX_CONSUMERS:
             raise ValueError(f"min_consumers must be in 0..{_core.MAX_CONSUMERS}")
         if rubber_band_pct is not None and not 0 <= float(rubber_band_pct) <= 1:
@@ -256,6 +264,7 @@ class TensorProducer:
         self.min_consumers = int(wanted)
         self.start_timeout = start_wait
         self.start_grace = float(grace)
+        self.park_hold = float(hold)
         self._sets_epoch = False  # the loader's sampler has set_epoch and we call it
         self._graced = False  # the start grace is over (it runs once, before batch 0)
         self.publish_timeout = publish_wait
@@ -281,7 +290,8 @@ class TensorProducer:
             self._context = zmq.Context()
             box, me = self._ring_box, weakref.ref(self)
             self._server = ControlServer(self._context, self.endpoint.address,
-                                         lambda: box[0], lambda: _welcome_info(me))
+                                         lambda: box[0], lambda: _welcome_info(me),
+                                         park_hold=self.park_hold)
         except BaseException:
             os.close(self._lock_fd)
             raise

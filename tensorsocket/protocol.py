@@ -29,7 +29,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "hello": {"protocol": _INT, "pid": _INT, "start_time": _INT, "batch_size": _OPT_INT,
               "group": _OPT_STR, "rank": _INT, "world_size": _INT},
     "ready": {"consumer": _INT, "token": _INT, "align": _BOOL},
-    "park": {"consumer": _INT, "token": _INT},
+    "park": {"consumer": _INT, "token": _INT, "hold": _BOOL},
+    "unpark": {"consumer": _INT, "token": _INT},
     "heartbeat": {"consumer": _INT, "token": _INT},
     "bye": {"consumer": _INT, "token": _INT},
     # producer -> consumer
@@ -53,6 +54,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "auto_set_epoch": _BOOL,
     },
     "started": {"start_seq": _INT},
+    "unparked": {"held": _BOOL},
     "bye_ok": {},
     "error": {"code": _STR, "message": _STR},
 }

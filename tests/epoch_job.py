@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--step", type=float, default=0.0, help="seconds per training step")
+    ap.add_argument("--val-pause", type=float, default=0.0,
+                    help="seconds more after each validation epoch (a slower job)")
     ap.add_argument("--rank", type=int)
     ap.add_argument("--world-size", type=int)
     a = ap.parse_args()
@@ -78,6 +80,7 @@ def main() -> None:
         out["train"].append(seen)
         if val is not None:
             out["val"].append([i for b in val for i in ids_of(b)])
+            time.sleep(a.val_pause)
     print(json.dumps(out), flush=True)
     loader.close()
     if val is not None:

@@ -126,6 +126,55 @@ def test_two_jobs_alternating_train_and_validation_loaders(name, jobs):
         assert_whole_epochs(r["val"], 128)
 
 
+def test_alternating_jobs_read_the_same_epochs(name, jobs):
+    """Two jobs alternating training and validation loaders, one of them 1.5 s slower
+    after each validation: the training consumer it left between epochs keeps its place
+    (park_hold), so both jobs read the same training epochs, batch for batch, instead
+    of the slower one starting a later epoch than the other."""
+    jobs.append(start_job(name, "alternate", "--epochs", "3", "--step", "0.01"))
+    jobs.append(start_job(name, "alternate", "--epochs", "3", "--step", "0.01",
+                          "--val-pause", "1.5"))
+    fast, slow = (job_result(p) for p in jobs)
+    for r in (fast, slow):
+        assert_whole_epochs(r["train"], 256)
+        assert_whole_epochs(r["val"], 128)
+    assert fast["train"] == slow["train"], "the jobs read different training epochs"
+
+
+def test_a_place_kept_too_long_is_given_up(name):
+    """A consumer parked between epochs with its place kept holds the others back for
+    park_hold seconds at most: then its place is given up, the others read on, and it
+    starts at a later epoch, still whole."""
+    batches = [torch.arange(i * 4, i * 4 + 4) for i in range(6)]
+    producer = TensorProducer(batches, name=name, ring_slots=4, start_grace=0,
+                              min_consumers=2, park_hold=0.5)
+    thread = threading.Thread(target=lambda: [None for _ in range(12) for _ in producer],
+                              daemon=True)
+    thread.start()
+    try:
+        reader = TensorConsumer(name=name, timeout=30)
+        parked = TensorConsumer(name=name, timeout=30)
+        first: list[list[int]] = [[], []]
+        for a, b in zip(reader, parked):  # both read epoch 0, step by step
+            first[0] += a.tolist()
+            first[1] += b.tolist()
+        del a, b  # kept batches would hold their slots
+        parked._park(hold=True)  # between epochs, as when its job reads another loader
+        later = [[int(i) for b in reader for i in b] for _ in range(3)]  # never waits long
+        assert reader.epoch == 4
+        reader.close()  # attached and not reading, it would hold the ring now
+        resumed = [int(i) for b in parked for i in b]
+        for ids in first + later + [resumed]:
+            assert sorted(ids) == list(range(24))
+        assert parked.epoch == 2
+    finally:
+        for c in ("reader", "parked"):
+            if c in locals():
+                locals()[c].close()
+        producer.close()
+        thread.join(30)
+
+
 def test_ranks_of_a_group_split_the_stream(name, jobs):
     """The two ranks of a data-parallel job split each epoch (each sample to one of them,
     the same number of batches each), while a job of its own beside them gets all."""

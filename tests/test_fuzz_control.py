@@ -377,13 +377,14 @@ def forged(index: int, token: int):
     )
     indices = st.one_of(st.just(index), st.integers(0, _core.MAX_CONSUMERS + 1))
     return st.builds(
-        peer_message, st.sampled_from(["ready", "heartbeat", "bye", "park"]), indices, tokens,
+        peer_message, st.sampled_from(["ready", "heartbeat", "bye", "park", "unpark"]), indices, tokens,
     )
 
 
 def peer_message(kind: str, consumer: int, token: int) -> bytes:
-    """A well-formed message of an attached consumer (a ready asks for no alignment)."""
-    extra = {"align": False} if kind == "ready" else {}
+    """A well-formed message of an attached consumer (a ready asks for no alignment, a
+    park to keep the place)."""
+    extra = {"ready": {"align": False}, "park": {"hold": True}}.get(kind, {})
     return protocol.encode(kind, consumer=consumer, token=token, **extra)
 
 
@@ -473,7 +474,7 @@ def test_forged_and_out_of_order_messages_do_not_detach_the_consumer(rig):
     games of a second client; none disturbs the real consumer."""
     idx, token = rig.consumer.index, rig.consumer.token
     s = rig.socket()
-    for kind in ("bye", "ready", "heartbeat", "park", "bye"):
+    for kind in ("bye", "ready", "heartbeat", "park", "unpark", "bye"):
         for t in (token + 1, token - 1, token ^ (1 << 40), 0, 2**64 - 1, token):
             base = rig.server.rejected
             s.send(peer_message(kind, idx, t))
@@ -506,7 +507,7 @@ def test_forged_and_out_of_order_messages_do_not_detach_the_consumer(rig):
     welcome = protocol.decode(c.recv())
     assert welcome["type"] == "welcome" and welcome["consumer"] != idx
     mine, my_token = welcome["consumer"], welcome["token"]
-    for kind in ("bye", "ready", "heartbeat", "park"):  # our token, the real consumer's index
+    for kind in ("bye", "ready", "heartbeat", "park", "unpark"):  # our token, the real consumer's index
         c.send(peer_message(kind, idx, my_token))
         assert protocol.decode(c.recv())["code"] == "unknown"
     c.send(peer_message("bye", mine, token))  # their token, our index
