@@ -9,7 +9,8 @@
 #include "ts_fault.h"
 #include "ts_ring.h"
 
-/* Map the data area: read-write for the producer, read-only for consumers. */
+/* Map the data area: read-write for the producer; read-only for consumers, whose writes
+ * into a held slot make it private (ts_fault.h: fd stays open for that, see ts_ring_map_data). */
 ts_status ts_host_open(ts_ring *ring, int fd, ts_err *err)
 {
     const ts_header *h = ring->hdr;
@@ -21,8 +22,17 @@ ts_status ts_host_open(ts_ring *ring, int fd, ts_err *err)
                           strerror(errno));
     ring->data = p;
     ring->data_bytes = bytes;
-    if (ring->is_producer) ring->stream_min = ts_copy_stream_threshold(bytes);
-    else ts_fault_watch(p, bytes); /* an in-place op on a batch gets named */
+    if (ring->is_producer) {
+        ring->stream_min = ts_copy_stream_threshold(bytes);
+        return TS_OK;
+    }
+    ring->cow.start = p;
+    ring->cow.len = bytes;
+    ring->cow.fd = fd;
+    ring->cow.file_offset = h->data_offset;
+    ring->cow.slot_bytes = h->slot_bytes;
+    ring->cow.slot_count = h->slot_count;
+    ts_fault_watch(&ring->cow); /* an in-place op on a batch gets a private copy */
     return TS_OK;
 }
 
@@ -30,7 +40,7 @@ ts_status ts_host_open(ts_ring *ring, int fd, ts_err *err)
 void ts_host_close(ts_ring *ring)
 {
     if (ring->data != NULL) {
-        if (!ring->is_producer) ts_fault_unwatch(ring->data);
+        if (!ring->is_producer) ts_fault_unwatch(&ring->cow);
         munmap(ring->data, ring->data_bytes);
     }
     ring->data = NULL;

@@ -218,8 +218,12 @@ void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *o, ts_er
         m->version.minor = o->minor;
         m->manager_ctx = ctx;
         m->deleter = ts_deleter_versioned;
-        m->flags = o->copy ? TS_DLPACK_FLAG_IS_COPIED
-                           : (lease->ring->is_producer ? 0 : TS_DLPACK_FLAG_READ_ONLY);
+        /* A consumer's host view is writable where a write makes the slot private to this
+         * process (ts_fault.h); device memory is shared by every importer (no copy on write
+         * there), and a page-locked host mapping stays shared: read-only for those. */
+        int writable = lease->ring->is_producer ||
+                       (!o->device && ts_ring_host_writable(lease->ring));
+        m->flags = o->copy ? TS_DLPACK_FLAG_IS_COPIED : writable ? 0 : TS_DLPACK_FLAG_READ_ONLY;
         m->dl_tensor = t;
         return m;
     }

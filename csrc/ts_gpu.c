@@ -520,8 +520,17 @@ ts_status ts_gpu_pin_host(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *
     ts_gpu *g = ts_gpu_consumer_state(ring, api, ordinal, err);
     if (g == NULL) return err != NULL ? err->code : TS_E_GPU_UNAVAILABLE;
     if (g->pinned != NULL) return TS_OK;
+    /* Remapping a slot private on a write (ts_fault.h) would replace pages the driver has
+     * locked: a registered mapping stays shared, and a write into it is stopped as before. */
+    if (ts_fault_forbid(&ring->cow) != 0)
+        return ts_err_set(err, TS_E_INVALID, EBUSY,
+                          "cannot page-lock the ring: this process has written into a batch "
+                          "it still holds (pin the ring before taking batches)");
     ts_status st = ts_gpu_enter(g, err);
-    if (st != TS_OK) return ts_gpu_unusable(err, st);
+    if (st != TS_OK) {
+        st = ts_gpu_unusable(err, st);
+        goto error;
+    }
     /* A consumer maps the slots read-only, and such memory registers only read-only. */
     CUresult rc = api->MemHostRegister(ring->data, ring->data_bytes,
                                        CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
@@ -531,15 +540,21 @@ ts_status ts_gpu_pin_host(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *
         api->DeviceGetAttribute(&read_only, CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED,
                                 g->dev);
         if (!read_only)
-            return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
-                              "GPU %d cannot page-lock read-only memory "
-                              "(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0), "
-                              "and a consumer maps the ring read-only",
-                              ordinal);
-        return ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, "cuMemHostRegister of the ring"));
+            st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                            "GPU %d cannot page-lock read-only memory "
+                            "(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0), "
+                            "and a consumer maps the ring read-only",
+                            ordinal);
+        else
+            st = ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, "cuMemHostRegister of the ring"));
+        goto error;
     }
     g->pinned = ring->data;
     return TS_OK;
+
+error:
+    ts_fault_allow(&ring->cow); /* not page-locked: writes may be made private again */
+    return st;
 }
 
 /* The ordinal the pool was imported on, or -1. */

@@ -1241,7 +1241,7 @@ static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
         "consumer", (unsigned long long)r->consumer, "is_producer", r->is_producer);
     if (info == NULL) return NULL;
     PyObject *more = Py_BuildValue(
-        "{sIsKsKsKsKsK}", "occupied", occupied, "window",
+        "{sIsKsKsKsKsKsisI}", "occupied", occupied, "window",
         (unsigned long long)atomic_load_explicit(&h->window, memory_order_relaxed), "max_lag",
         (unsigned long long)atomic_load_explicit(&h->max_lag, memory_order_relaxed),
         "epoch_first_seq",
@@ -1249,7 +1249,9 @@ static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
         "lag_detached",
         (unsigned long long)atomic_load_explicit(&h->lag_detached, memory_order_relaxed),
         "publish_wait_ns",
-        (unsigned long long)atomic_load_explicit(&h->publish_wait_ns, memory_order_relaxed));
+        (unsigned long long)atomic_load_explicit(&h->publish_wait_ns, memory_order_relaxed),
+        "host_writable", ts_ring_host_writable(r), "private_slots",
+        ts_fault_private_slots(&r->cow));
     if (more == NULL || PyDict_Update(info, more) < 0) {
         Py_XDECREF(more);
         Py_DECREF(info);

@@ -170,13 +170,17 @@ static void ts_ring_free(ts_ring *ring)
     free(ring);
 }
 
-/* Let the backend map the slot data, then drop the segment fd (the mappings keep it). */
+/* Let the backend map the slot data. The producer then drops the segment fd (the mappings
+ * keep the segment); a consumer keeps it until ts_ring_free, to map a slot again, private
+ * or shared, when it writes into a batch and when it gives the slot back (ts_fault.h). */
 static ts_status ts_ring_map_data(ts_ring *ring, ts_err *err)
 {
     ts_status st = ring->backend->open(ring, ring->fd, err);
     if (st != TS_OK) return st;
-    close(ring->fd);
-    ring->fd = -1;
+    if (ring->is_producer) {
+        close(ring->fd);
+        ring->fd = -1;
+    }
     return TS_OK;
 }
 
@@ -973,6 +977,12 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
     ts_header *h = ring->hdr;
     if (ring->consumer >= TS_MAX_CONSUMERS)
         return ts_err_set(err, TS_E_INVALID, 0, "this ring handle is not a consumer");
+    int broken = atomic_load_explicit(&ring->cow.broken, memory_order_acquire);
+    if (broken != 0)
+        return ts_err_set(err, TS_E_SYS, broken,
+                          "this consumer's mapping of the ring is damaged: a slot it had "
+                          "written into could not be mapped back (%s); open the ring again",
+                          strerror(broken));
     ts_consumer *c = &h->consumers[ring->consumer];
     uint64_t bit = 1ULL << ring->consumer;
     for (;;) {
@@ -998,6 +1008,7 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
                                                          memory_order_seq_cst,
                                                          memory_order_seq_cst))
                 continue;
+            ts_fault_take(&ring->cow, k); /* before any pointer into the slot is handed out */
             out->slot = k;
             out->seq = cursor;
             out->kind = s->kind;
@@ -1043,5 +1054,20 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
 void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
 {
     if (slot >= ring->hdr->slot_count || consumer >= TS_MAX_CONSUMERS) return;
+    /* Every consumer hold ends here (the last lease, the GPU reaper, an acquire given back
+     * at once), so this is where a private slot gets its shared view back: before the bit
+     * is cleared, since from then on the producer may refill the slot, and the next batch
+     * in it must not be read through stale private pages. The slot stays locked against
+     * being made private until the bit is cleared (a write racing with the release of the
+     * last tensor of its batch is stopped, not made private after the restore). A handle
+     * can hold one slot twice (ts_fault_give_begin says when): only the last hold restores. */
+    int locked = ts_fault_give_begin(&ring->cow, slot);
     ts_slot_drop(ring->hdr, ts_ring_slot(ring, slot), 1ULL << consumer);
+    ts_fault_give_end(&ring->cow, slot, locked);
+}
+
+/* 1 if host views of this handle may be written into. */
+int ts_ring_host_writable(const ts_ring *ring)
+{
+    return ring->is_producer || ts_fault_writable(&ring->cow);
 }

@@ -3,7 +3,9 @@
  * One segment per producer. It starts with a control area (header, consumer
  * table, slot table), mapped read-write by everyone, followed by the slot data
  * of the host backend, mapped read-write by the producer and read-only by the
- * consumers (a batch is shared by every consumer: nobody may write to it).
+ * consumers (a batch is shared by every consumer: nobody may write to the shared
+ * copy). A consumer's write into a batch it holds maps that slot private to it,
+ * copy on write, until it gives the slot back (ts_fault.h).
  *
  * Protocol (single producer, up to 64 consumers):
  *  - Every published entry has a sequence number seq = 0, 1, 2, ...; it lives
@@ -39,6 +41,7 @@
 
 #include "ts_dlpack.h"
 #include "ts_error.h"
+#include "ts_fault.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
 #define TS_LAYOUT_VERSION 3
@@ -188,11 +191,14 @@ struct ts_gpu;
 typedef struct ts_ring {
     _Atomic int refs;
     int is_producer;
-    int fd;                  /* owns: segment fd; closed after mapping */
+    int fd;                  /* owns: segment fd; the producer closes it after mapping, a
+                              * consumer keeps it to remap slots (ts_fault.h) */
     ts_header *hdr;          /* owns: control mapping, read-write */
     size_t ctrl_bytes;
     uint8_t *data;           /* owns (host backend): slot data mapping */
     size_t data_bytes;
+    ts_fault_map cow;        /* consumer: copy-on-write state of the data mapping (watched
+                              * while mapped; borrows fd, owns its state array) */
     uint64_t stream_min;     /* copies of runs this long or longer stream (ts_copy.h) */
     const struct ts_backend *backend;
     void *backend_state;     /* owns: backend private state */
@@ -317,8 +323,13 @@ ts_status ts_ring_bind_consumer(ts_ring *ring, uint32_t index, uint64_t token, t
 /* Take the next entry for our consumer, waiting until deadline. */
 ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts_err *err);
 
-/* Drop our consumer's reference on slot (safe on any thread, no GIL). */
+/* Drop our consumer's reference on slot (safe on any thread, no GIL). A slot this
+ * process wrote into is mapped shared and read-only again before it is handed back. */
 void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer);
+
+/* 1 if host views of this handle may be written into (the producer's, or a consumer's
+ * whose slots are made private on a write, ts_fault.h). */
+int ts_ring_host_writable(const ts_ring *ring);
 
 /* Host address of slot data. */
 uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot);

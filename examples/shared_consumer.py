@@ -3,8 +3,9 @@
     python examples/shared_producer.py & python examples/shared_consumer.py --lr 0.1 &
     python examples/shared_consumer.py --lr 0.01; wait
 
-It waits for the producer named "example" (up to 60 s), then trains on its batches: zero-copy,
-read-only views of the shared ring. It prints its loss and samples per epoch.
+It waits for the producer named "example" (up to 60 s), then trains on its batches: zero-copy
+views of the shared ring (an in-place op on one stays private to this job). It prints its
+loss and samples per epoch.
 """
 
 import argparse

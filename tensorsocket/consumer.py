@@ -49,10 +49,12 @@ class TensorConsumer(LoaderSurface):
 
     ``for batch in consumer:`` is one epoch and ends with StopIteration;
     iterating again gives the next epoch. Batches keep the loader's
-    structure; tensors are zero-copy, read-only views of the shared ring
-    (in-place ops on them are not allowed: pass ``copy=True`` for private
-    writable copies, or ``.clone()``). A batch holds its ring slot for as long
-    as any tensor (or slice of one) from it is alive.
+    structure; tensors are zero-copy views of the shared ring, writable like a
+    DataLoader's: an in-place op makes the pages it writes private to this
+    process (copy on write; not on a GPU ring, nor with ``pin_memory=True``:
+    pass ``copy=True`` there for private writable copies, or ``.clone()``). A
+    batch holds its ring slot for as long as any tensor (or slice of one) from
+    it is alive.
 
     Epochs: a consumer attached before the producer's first batch, or between
     two epochs, sees the producer's epochs. A late joiner starts at the oldest

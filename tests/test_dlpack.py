@@ -67,13 +67,15 @@ def test_protocol_arguments(ring_pair):
         v.__dlpack__(1)  # keyword-only
 
 
-def test_numpy_arrays_are_read_only(ring_pair):
+def test_numpy_arrays_are_writable(ring_pair):
+    """Versioned exports carry no read-only flag: a write makes the slot private to this
+    process (copy on write), so numpy arrays are writable like torch tensors."""
     _, cons = ring_pair
     v = cons.acquire(1).views()[1]
     arr = np.from_dlpack(v)
-    assert arr.tolist() == list(range(6)) and not arr.flags.writeable
-    with pytest.raises(ValueError):
-        arr[0] = 1
+    assert arr.tolist() == list(range(6)) and arr.flags.writeable
+    arr[0] = 100
+    assert arr.tolist() == [100, *range(1, 6)]
 
 
 def test_copy_true_gives_private_memory(ring_pair):
@@ -129,11 +131,58 @@ def test_views_outlive_ring_close(ring_pair):
     assert prod.slot_readers()[0] == 0
 
 
+def _mapping_at(address: int) -> str:
+    """The permissions of this process's mapping that holds address (e.g. 'r--s')."""
+    for line in open(f"/proc/{os.getpid()}/maps").read().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return line.split()[1]
+    raise AssertionError(f"nothing is mapped at {address:#x}")
+
+
 def test_consumer_mapping_is_read_only(ring_pair):
-    """The consumer's mapping of slot data cannot be written (it is shared)."""
+    """The consumer's mapping of slot data is shared and cannot be written: a write goes to
+    a private copy of the slot (see test_write_is_private_until_release)."""
     _, cons = ring_pair
-    info = cons.info()
-    maps = open(f"/proc/{os.getpid()}/maps").read().splitlines()
-    start = info["data_address"]
-    line = next(m for m in maps if int(m.split("-")[0], 16) == start)
-    assert line.split()[1].startswith("r-"), line
+    assert _mapping_at(cons.info()["data_address"]) == "r--s"
+
+
+def test_write_is_private_until_release():
+    """A write into a held batch maps its slot private and writable (copy on write): the
+    producer and another consumer still read the published bytes. Its release maps the
+    shared, read-only view back, and the next batch in that slot reads as published."""
+    seg = f"/tensorsocket-{os.getuid()}-dl{uuid.uuid4().hex[:8]}-{os.getpid()}"
+    prod = _core.Ring.create(seg, 2, 1 << 16, 8)
+    try:
+        pid, start = os.getpid(), _core.process_start_time(os.getpid())
+        cons = []
+        for _ in range(2):
+            index, token = prod.reserve(pid, start)
+            ring = _core.Ring.open(seg)
+            ring.bind(index, token)
+            prod.activate(index)
+            cons.append(ring)
+        writer, reader = cons
+        assert writer.info()["host_writable"] == 1 and prod.info()["host_writable"] == 1
+        for v in range(3):  # entry 2 lands in slot 0 again
+            prod.publish([(np.full((2, 1024), v, dtype=np.float32), (2, 32, 1))], b"m")
+            w, r = writer.acquire(1), reader.acquire(1)
+            t = torch.from_dlpack(w.capsules(versioned=True)[0])
+            base = writer.info()["data_address"] + w.slot * writer.info()["slot_bytes"]
+            assert torch.equal(t, torch.full((2, 1024), float(v)))  # as published
+            assert _mapping_at(base) == "r--s"
+            t.mul_(2)
+            t[0] = -1
+            assert t[0].eq(-1).all() and t[1].eq(2 * v).all()
+            assert writer.info()["private_slots"] == 1 and _mapping_at(base) == "rw-p"
+            other = torch.from_dlpack(r.views()[0])
+            assert torch.equal(other, torch.full((2, 1024), float(v)))  # untouched
+            del t, other
+            w.release()
+            r.release()
+            assert writer.info()["private_slots"] == 0 and _mapping_at(base) == "r--s"
+        for ring in cons:
+            ring.close()
+    finally:
+        prod.close()
+        _core.Ring.unlink_name(seg)

@@ -180,18 +180,22 @@ from tensorsocket import TensorConsumer
 c = TensorConsumer(name=sys.argv[1], timeout=30)
 x, y = next(iter(c))
 print("received", flush=True)
+before = x.clone()
 x.div_(255)
+x += 1
+y[0] = -5
 print("written", flush=True)
+assert (x == before / 255 + 1).all() and int(y[0]) == -5, (x, y)
+print("changed", flush=True)
 """
 
 
 @pytest.mark.filterwarnings("ignore:the producer finished in the middle")  # a late joiner
 @pytest.mark.parametrize("faulthandler", [False, True])
-def test_in_place_write_to_a_batch_names_the_cause(procs, name, faulthandler):
-    """An in-place op on a batch tensor stops the process (the mapping is read-only), with
-    one line on stderr saying why and what to do instead; Python's faulthandler, when on,
-    still prints its traceback after it. The other consumers lose nothing."""
-    import signal
+def test_in_place_write_to_a_batch_is_private(procs, name, faulthandler):
+    """An in-place op on a batch tensor works, like on a DataLoader's batch: the written
+    pages become private to the process (copy on write), with or without Python's
+    faulthandler installed first. The other consumers lose nothing and see no change."""
     import subprocess
     import sys
 
@@ -200,16 +204,59 @@ def test_in_place_write_to_a_batch_names_the_cause(procs, name, faulthandler):
     flags = ["-X", "faulthandler"] if faulthandler else []
     r = subprocess.run([sys.executable, *flags, "-c", IN_PLACE, name], capture_output=True,
                        text=True, timeout=60)
+    assert r.stdout.split() == ["received", "written", "changed"], r.stderr
+    assert r.returncode == 0, r.stderr
+    assert "tensorsocket:" not in r.stderr, r.stderr
+    # The batch is intact for the next consumer, which reads the whole epoch.
+    with TensorConsumer(name=name, timeout=30, align_epochs=False) as c:
+        values = [(int(x[0, 0]), bool((x == x[0, 0]).all()), int(y[0])) for x, y in c]
+    assert values[-1][0] == 5 and all(v == (i + (6 - len(values)), True, i + (6 - len(values)))
+                                      for i, v in enumerate(values))
+    procs.result(p)
+
+
+RELEASED = r"""
+import ctypes, gc, sys
+from tensorsocket import TensorConsumer
+c = TensorConsumer(name=sys.argv[1], timeout=30)
+x, y = next(iter(c))
+print("received", flush=True)
+ptr = x.data_ptr()
+del x, y
+gc.collect()
+ctypes.memset(ptr, 0, 4)
+print("written", flush=True)
+"""
+
+
+@pytest.mark.filterwarnings("ignore:the producer finished in the middle")  # a late joiner
+@pytest.mark.parametrize("faulthandler", [False, True])
+def test_write_into_a_released_batch_names_the_cause(procs, name, faulthandler):
+    """A write into the memory of a batch the process no longer holds (a raw pointer kept
+    past its tensors) is not made private: it stops the process with SIGSEGV, with one line
+    on stderr saying why; Python's faulthandler, when on, still prints its traceback after
+    it. The other consumers lose nothing."""
+    import signal
+    import subprocess
+    import sys
+
+    # Slow enough that the producer still runs when the second consumer comes.
+    p = procs.start("producer", "--name", name, "--kind", "tuple", "--batches", "6",
+                    "--delay", "0.5")
+    procs.wait_ready(p)
+    flags = ["-X", "faulthandler"] if faulthandler else []
+    r = subprocess.run([sys.executable, *flags, "-c", RELEASED, name], capture_output=True,
+                       text=True, timeout=60)
     assert r.stdout.split() == ["received"]
     if os.environ.get("TENSORSOCKET_SANITIZE") != "1":  # ASan reports the fault its own way
         assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stderr)
     else:
         assert r.returncode != 0
     assert "tensorsocket: this process wrote into a batch tensor" in r.stderr, r.stderr
-    assert "TensorConsumer(copy=True)" in r.stderr
+    assert "no longer holds" in r.stderr and "TensorConsumer(copy=True)" in r.stderr
     if faulthandler:
         assert r.stderr.index("tensorsocket: this process") < r.stderr.index("Fatal Python")
-        assert "line 7 in <module>" in r.stderr
+        assert "line 10 in <module>" in r.stderr
     # The batch is intact for the next consumer, which reads the whole epoch.
     with TensorConsumer(name=name, timeout=30, align_epochs=False) as c:
         values = [int(x[0, 0]) for x, _ in c]

@@ -280,6 +280,52 @@ def test_pin_memory_registers_the_host_mapping_read_only(procs, name, gpu_env):
     assert len([line for line in log if line.op == "host_unregister"]) == 1
 
 
+PINNED_IN_PLACE = r"""
+import sys
+from tensorsocket import TensorConsumer
+c = TensorConsumer(name=sys.argv[1], timeout=30, pin_memory=True, device="cpu")
+x, y = next(iter(c))
+print("received", c.ring.info()["host_writable"], flush=True)
+x.div_(255)
+print("written", flush=True)
+"""
+
+
+@pytest.mark.filterwarnings("ignore:the producer finished in the middle")  # a late joiner
+def test_in_place_write_on_a_pinned_host_ring_still_stops(procs, name, gpu_env):
+    """pin_memory=True page-locks the consumer's host mapping for CUDA, and remapping a slot
+    private would break the registration: there, an in-place op on a batch is still stopped
+    with SIGSEGV, after a line naming the cause. The other consumers lose nothing."""
+    import signal
+    import subprocess
+    import sys
+
+    from tensorsocket import TensorConsumer
+
+    # Slow enough that the producer still runs when the second consumer comes.
+    p = procs.start("producer", "--name", name, "--kind", "tuple", "--batches", "6",
+                    "--delay", "0.5", env=gpu_env)
+    procs.wait_ready(p)
+    proc = subprocess.Popen([sys.executable, "-c", PINNED_IN_PLACE, name],
+                            env={**os.environ, **gpu_env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    fakecuda.cleanup_shm(proc.pid)  # a crashed process cannot free its context
+    assert out.split() == ["received", "0"], err  # host views are not writable here
+    if os.environ.get("TENSORSOCKET_SANITIZE") != "1":  # ASan reports the fault its own way
+        assert proc.returncode == -signal.SIGSEGV, (proc.returncode, err)
+    else:
+        assert proc.returncode != 0
+    assert "tensorsocket: this process wrote into a batch tensor" in err, err
+    assert "page-locked for CUDA (pin_memory=True)" in err
+    log = fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
+    assert len([line for line in log if line.op == "host_register"]) == 1
+    with TensorConsumer(name=name, timeout=30, align_epochs=False) as c:
+        values = [int(x[0, 0]) for x, _ in c]
+    assert values[-1] == 5 and all(v == i + (6 - len(values)) for i, v in enumerate(values))
+    procs.result(p)
+
+
 def test_killed_gpu_consumer_does_not_block_the_other(procs, name, gpu_env):
     """A SIGKILLed consumer holding a GPU batch is evicted; the other one finishes."""
     p = procs.start("producer", "--name", name, "--epochs", "1", "--batches", "30",

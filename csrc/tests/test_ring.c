@@ -6,8 +6,10 @@
  * Run:  ./test_ring [NAME]   runs the tests whose name contains NAME (all without it).
  * The last line is "N passed, M failed"; the exit status is non-zero if any failed. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -415,7 +417,7 @@ static void test_leases_dlpack(void)
     CHECK(t->dtype.code == kDLInt && t->dtype.bits == 32 && t->dtype.lanes == 1);
     CHECK_EQ(((int32_t *)t->data)[5], 105);
     CHECK(vv->version.major == TS_DLPACK_MAJOR && vv->version.minor == 1);
-    CHECK_EQ(vv->flags, TS_DLPACK_FLAG_READ_ONLY);
+    CHECK_EQ(vv->flags, 0); /* writable: a write makes the slot private (copy_on_write) */
     CHECK_EQ(vv->dl_tensor.shape[0], 3);
     CHECK_EQ(((uint8_t *)vv->dl_tensor.data)[2], 3);
     ts_lease_unref(lease); /* the view object goes; the exports still hold the slot */
@@ -1570,6 +1572,153 @@ out:
     free(dst);
 }
 
+/* The int32 leaf of the entry a consumer acquired, through its handle (volatile: every
+ * access below is a real load or store into the mapping). */
+static volatile int32_t *leaf0_of(const ts_ring *r, uint32_t slot)
+{
+    uint8_t *data = ts_ring_slot_data(r, slot);
+    return (volatile int32_t *)(data + ts_ring_slot(r, slot)->leaves[0].offset);
+}
+
+/* In a child: store v at p. What ended the child, and its stderr (into msg, cap bytes):
+ * 1 if it was stopped by a fault (SIGSEGV; under a sanitizer, its report's abort or exit). */
+static int child_write_faults(volatile int32_t *p, int32_t v, char *msg, size_t cap)
+{
+    int fds[2], status = 0;
+    msg[0] = '\0';
+    if (pipe(fds) != 0) return 0;
+    fflush(stdout);
+    fflush(stderr);
+    pid_t child = fork();
+    if (child < 0) return 0;
+    if (child == 0) {
+        dup2(fds[1], STDERR_FILENO);
+        close(fds[0]);
+        *p = v;
+        _exit(0); /* the write went through */
+    }
+    close(fds[1]);
+    size_t n = 0;
+    ssize_t got;
+    while (n + 1 < cap && (got = read(fds[0], msg + n, cap - 1 - n)) > 0) n += (size_t)got;
+    msg[n] = '\0';
+    close(fds[0]);
+    if (waitpid(child, &status, 0) != child) return 0;
+#if defined(__SANITIZE_ADDRESS__)
+    return !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+#else
+    return WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV;
+#endif
+}
+
+/* A consumer's write into a batch it holds lands on a private copy: the producer and a second
+ * consumer still read the published bytes, and only the written page is copied. When the
+ * consumer gives the slot back its shared view is back, so the next batch in that slot reads
+ * as published. A write into a slot it does not hold (published, not yet acquired; or given
+ * back) still faults, naming the cause; so does one into a forbidden (CUDA-registered)
+ * mapping. The last of two holds restores; a restore that fails breaks the ring handle. */
+static void test_copy_on_write(void)
+{
+    fixture fx = {0};
+    consumer c = {0}, d = {0};
+    ts_err err = {0};
+    ts_acquired a, b;
+    char msg[2048];
+    REQUIRE(fx_create(&fx, 2, 2, 3 * 4096) == 0); /* a slot is 3 pages */
+    REQUIRE(consumer_add(&fx, &c, 1) == 0);
+    REQUIRE(consumer_add(&fx, &d, 1) == 0);
+    CHECK(c.ring->fd >= 0);      /* a consumer keeps the segment fd to remap slots */
+    CHECK_EQ(fx.prod->fd, -1);   /* the producer does not need it */
+    CHECK(ts_ring_host_writable(c.ring) && ts_ring_host_writable(fx.prod));
+    PUBLISH(0);
+    PUBLISH(1);
+
+    /* c writes into entry 0 (slot 0): private to c. */
+    TAKE(c, 0, 0);
+    uint32_t k = a.slot;
+    volatile int32_t *x = leaf0_of(c.ring, k);
+    volatile uint8_t *page2 = ts_ring_slot_data(c.ring, k) + 2 * 4096;
+    CHECK_EQ(ts_fault_private_slots(&c.ring->cow), 0);
+    x[3] = -7;
+    x[4] += 1000;
+    CHECK_EQ(x[3], -7);
+    CHECK_EQ(x[4], 1004);
+    CHECK_EQ(ts_fault_private_slots(&c.ring->cow), 1);
+    CHECK_EQ(page2[0], 0); /* unwritten pages still read the shared file */
+    CHECK_EQ(leaf0_of(fx.prod, k)[3], 3); /* the producer's view is untouched */
+    TAKE(d, 0, 0); /* entry_ok: d reads every published byte of entry 0 */
+    CHECK_EQ(leaf0_of(d.ring, k)[3], 3);
+    CHECK_EQ(ts_fault_private_slots(&d.ring->cow), 0);
+    b = a;
+    /* The producer writes into the slot's untouched page (it never does while the slot is
+     * held; here it shows that page is still shared) and c sees it; c's written page not. */
+    ((uint8_t *)ts_ring_slot_data(fx.prod, k))[2 * 4096] = 0x5a;
+    CHECK_EQ(page2[0], 0x5a);
+    ((uint8_t *)ts_ring_slot_data(fx.prod, k))[2 * 4096] = 0;
+
+    /* Entry 1 is published but c has not acquired it: a write there faults. */
+    CHECK(child_write_faults(leaf0_of(c.ring, 1 - k), 1, msg, sizeof msg));
+    CHECK(strstr(msg, "tensorsocket: this process wrote into a batch tensor") != NULL);
+    CHECK(strstr(msg, "no longer holds") != NULL);
+    CHECK_EQ(leaf0_of(fx.prod, 1 - k)[0], 100);
+
+    /* Released: the shared view is back, before the producer may refill the slot. */
+    ts_ring_release(c.ring, k, c.index);
+    CHECK_EQ(ts_fault_private_slots(&c.ring->cow), 0);
+    CHECK_EQ(x[3], 3);
+    CHECK_EQ(x[4], 4);
+    CHECK(child_write_faults(x, 1, msg, sizeof msg)); /* no longer held */
+    ts_ring_release(d.ring, b.slot, d.index);
+    PUBLISH(2); /* into slot 0 */
+    TAKE(c, 1, 1);
+    TAKE(c, 2, 0); /* entry_ok: c reads entry 2 as published, in the slot it wrote into */
+    CHECK_EQ(a.slot, k);
+    TAKE(d, 1, 1);
+    TAKE(d, 2, 0);
+
+    /* Two holds of one slot (a handle bound again while its old batches live): the last one
+     * restores. */
+    x[0] = -1;
+    CHECK_EQ(ts_fault_private_slots(&c.ring->cow), 1);
+    ts_fault_take(&c.ring->cow, k);
+    CHECK_EQ(ts_fault_give_begin(&c.ring->cow, k), 0); /* not the last hold */
+    CHECK_EQ(x[0], -1);
+    CHECK_EQ(ts_fault_private_slots(&c.ring->cow), 1);
+
+    /* No page-locking while a slot is private; once forbidden, writes fault as before. */
+    CHECK_EQ(ts_fault_forbid(&c.ring->cow), EBUSY);
+    CHECK(ts_ring_host_writable(c.ring));
+    ts_ring_release(c.ring, k, c.index);
+    CHECK_EQ(x[0], 200);
+    CHECK_EQ(ts_fault_forbid(&c.ring->cow), 0);
+    CHECK(!ts_ring_host_writable(c.ring));
+    PUBLISH(3); /* slot 1 */
+    TAKE(c, 3, 0);
+    CHECK(child_write_faults(leaf0_of(c.ring, a.slot), 1, msg, sizeof msg));
+    CHECK(strstr(msg, "page-locked for CUDA") != NULL);
+    ts_fault_allow(&c.ring->cow);
+    CHECK(ts_ring_host_writable(c.ring));
+
+    /* A restore that fails (here: a bad fd) leaves nothing stale readable, and the handle
+     * hands out no further batch; the slot goes back to the producer all the same. */
+    leaf0_of(c.ring, a.slot)[0] = 7;
+    CHECK_EQ(leaf0_of(c.ring, a.slot)[0], 7);
+    int fd = c.ring->cow.fd;
+    c.ring->cow.fd = -1;
+    ts_ring_release(c.ring, a.slot, c.index);
+    c.ring->cow.fd = fd;
+    CHECK_EQ(readers_of(fx.prod, a.slot) & (1ULL << c.index), 0);
+    CHECK_EQ(c.ring->cow.broken, EBADF);
+    CHECK_ST(ts_ring_acquire(c.ring, deadline_ms(100), &b, &err), TS_E_SYS);
+    CHECK(strstr(err.msg, "could not be mapped back") != NULL);
+    CHECK(child_write_faults(leaf0_of(c.ring, a.slot), 1, msg, sizeof msg));
+    TAKE(d, 3, 1); /* the others are unaffected */
+out:
+    consumer_drop(&c);
+    consumer_drop(&d);
+    fx_destroy(&fx);
+}
+
 /* ---- registry and main ------------------------------------------------------------ */
 
 static const ts_test g_tests[] = {
@@ -1585,6 +1734,7 @@ static const ts_test g_tests[] = {
     {"laggard", test_laggard},           {"laggard_blocked", test_laggard_blocked},
     {"detach_api", test_detach_api},
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
+    {"copy_on_write", test_copy_on_write},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
