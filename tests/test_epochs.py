@@ -23,7 +23,7 @@ import tensorsocket
 from conftest import ROOT
 from tensorsocket import TensorConsumer, TensorProducer
 from tensorsocket.endpoints import runtime_dir
-from tensorsocket.errors import TensorSocketWarning
+from tensorsocket.errors import TensorSocketError, TensorSocketWarning
 
 JOB = ROOT / "tests" / "epoch_job.py"
 JOB_TIMEOUT = 150  # seconds; a hang fails the test with the job's output
@@ -148,8 +148,17 @@ def test_a_place_kept_too_long_is_given_up(name):
     batches = [torch.arange(i * 4, i * 4 + 4) for i in range(6)]
     producer = TensorProducer(batches, name=name, ring_slots=4, start_grace=0,
                               min_consumers=2, park_hold=0.5)
-    thread = threading.Thread(target=lambda: [None for _ in range(12) for _ in producer],
-                              daemon=True)
+
+    def produce() -> None:
+        """Epochs until the test closes the producer (which ends the wait in it)."""
+        try:
+            for _ in range(12):
+                for _ in producer:
+                    pass
+        except TensorSocketError:  # closed by the test while waiting for consumers
+            pass
+
+    thread = threading.Thread(target=produce, daemon=True)
     thread.start()
     try:
         reader = TensorConsumer(name=name, timeout=30)
