@@ -513,6 +513,18 @@ def assert_no_problems(problems: list[str], jobs_obj: Jobs) -> None:
 # -- PyTorch Lightning ---------------------------------------------------------------------
 
 
+def assert_trained_together(jobs_obj: Jobs, started: list, n: int) -> None:
+    """Jobs that trained 2 epochs on one shared loader of n samples: every sample once per
+    epoch per job, one stream, only the producer loading; then the producers end."""
+    problems = []
+    for job in started:
+        problems += check_epochs(job, "train", n, 2)
+    problems += check_one_stream(started)
+    problems += check_loads(jobs_obj, producer_pids(started))
+    assert_no_problems(problems, jobs_obj)
+    jobs_obj.stop_producers()
+
+
 def test_lightning_three_jobs(jobs, name):
     """Three Trainer.fit jobs on one device each, started together: each trains on every
     sample exactly once per epoch, from one producer, epochs aligned."""
@@ -521,13 +533,7 @@ def test_lightning_three_jobs(jobs, name):
     started = [jobs.python(f"lightning{k}", "lightning_fit.py", "--name", name,
                            "--samples", str(n)) for k in range(3)]
     jobs.wait(timeout=120)
-    problems = []
-    for job in started:
-        problems += check_epochs(job, "train", n, 2)
-    problems += check_one_stream(started)
-    problems += check_loads(jobs, producer_pids(started))
-    assert_no_problems(problems, jobs)
-    jobs.stop_producers()
+    assert_trained_together(jobs, started, n)
 
 
 def test_lightning_train_and_val(jobs, name):
@@ -665,13 +671,7 @@ def test_torchrun_two_ddp_jobs_and_one_single(jobs, name):
                              "--samples", str(n)),
                jobs.python("single", "ddp_torchrun.py", "--name", name, "--samples", str(n))]
     jobs.wait(timeout=120)
-    problems = []
-    for job in started:
-        problems += check_epochs(job, "train", n, 2)
-    problems += check_one_stream(started)
-    problems += check_loads(jobs, producer_pids(started))
-    assert_no_problems(problems, jobs)
-    jobs.stop_producers()
+    assert_trained_together(jobs, started, n)
 
 
 def test_torchrun_two_simulated_nodes(jobs, name):
