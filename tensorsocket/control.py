@@ -248,12 +248,14 @@ class ControlServer:
         if not waiting:
             return
         world = int(group.rsplit("/", 1)[1])
-        ranks = {p.rank for _, p in members}
+        # A rank counts once it said ready, not at its hello: one started before the
+        # others mapped the ring reads on, and frees the entries they would start at.
+        ranks = {p.rank for _, p in members if p.active or p.ready_align is not None}
         oldest = min(p.since for _, p in waiting)
         if len(ranks) < world and now - oldest < GROUP_TIMEOUT:
-            return  # not all ranks are here yet
+            return  # not all ranks are ready yet
         if len(ranks) < world:
-            log.warning("group %s: only ranks %s of %d attached within %.0f s; starting them",
+            log.warning("group %s: only ranks %s of %d ready within %.0f s; starting them",
                         group, sorted(ranks), world, GROUP_TIMEOUT)
         ring = self._ring()
         running = [p for _, p in members if p.active]

@@ -21,6 +21,11 @@ os.environ.setdefault("TENSORSOCKET_START_GRACE", "0")
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = Path(__file__).resolve().parent / "roles.py"
 
+# Processes the tests start import the tensorsocket of this tree, whatever an editable
+# install elsewhere (another checkout) says.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run long soak tests")

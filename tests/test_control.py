@@ -16,7 +16,7 @@ from tensorsocket import (
     TensorSocketError,
     VersionMismatch,
 )
-from tensorsocket import protocol
+from tensorsocket import _core, protocol
 from tensorsocket.endpoints import resolve
 
 
@@ -153,3 +153,57 @@ def test_bad_names_are_rejected():
     for bad in ["", "a/b", "../x", "x" * 100, "sp ace"]:
         with pytest.raises(ValueError, match="invalid producer name"):
             resolve(bad)
+
+
+def test_ranks_of_a_group_start_together_once_all_are_ready(name):
+    """A rank that said ready waits for the group's other ranks to say ready too, not
+    merely hello: started alone it would read on and free the entries the others need
+    (the CI failure: ranks of one torchrun job joined at entries 34 and 35)."""
+    import threading
+
+    import torch
+
+    loader = [(torch.full((2,), float(i)),) for i in range(1000)]
+    p = TensorProducer(loader, name=name, start_timeout=30)
+    stop = threading.Event()
+
+    def produce():
+        try:
+            for _ in p:
+                if stop.is_set():
+                    break
+        except TensorSocketError:  # closed by the test while waiting for its ring
+            pass
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    socks = [_raw_dealer(p.endpoint.address) for _ in range(2)]
+    try:
+        welcomes = []
+        for rank, s in enumerate(socks):
+            s.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=os.getpid(),
+                                   start_time=_core.process_start_time(os.getpid()),
+                                   batch_size=None, group="job", rank=rank, world_size=2))
+            reply = protocol.decode(s.recv())
+            assert reply["type"] == "welcome", reply
+            welcomes.append(reply)
+        w0, w1 = welcomes
+        socks[0].send(protocol.encode("ready", consumer=w0["consumer"], token=w0["token"],
+                                      align=True))
+        # Rank 1 said hello but not ready: rank 0 must not start. (Waiting longer could
+        # only make this check stricter, never make a correct producer fail it.)
+        assert socks[0].poll(1500) == 0, protocol.decode(socks[0].recv())
+        socks[1].send(protocol.encode("ready", consumer=w1["consumer"], token=w1["token"],
+                                      align=True))
+        starts = [protocol.decode(s.recv()) for s in socks]
+        assert [m["type"] for m in starts] == ["started", "started"], starts
+        assert starts[0]["start_seq"] == starts[1]["start_seq"]
+        for s, w in zip(socks, welcomes):
+            s.send(protocol.encode("bye", consumer=w["consumer"], token=w["token"]))
+            assert protocol.decode(s.recv())["type"] == "bye_ok"
+    finally:
+        stop.set()
+        for s in socks:
+            s.close()
+        p.close()
+        t.join(30)
