@@ -47,6 +47,8 @@ typedef struct ts_fault_entry {
 #define TS_FAULT_CLAIMED ((uintptr_t)1)
 
 static ts_fault_entry ts_fault_entries[TS_FAULT_WATCHED];
+/* Serialises watchers with a fork's copies (never taken by the handler). */
+static pthread_mutex_t ts_fault_table_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct sigaction ts_fault_previous; /* the SIGSEGV action before ours (set once) */
 static pthread_once_t ts_fault_once = PTHREAD_ONCE_INIT;
 
@@ -213,6 +215,7 @@ void ts_fault_watch(ts_fault_map *m)
             atomic_init(&m->state[k], TS_FAULT_SHARED);
     }
     pthread_once(&ts_fault_once, ts_fault_install);
+    pthread_mutex_lock(&ts_fault_table_lock);
     for (int i = 0; i < TS_FAULT_WATCHED; i++) {
         uintptr_t free_start = 0;
         if (!atomic_compare_exchange_strong_explicit(&ts_fault_entries[i].start, &free_start,
@@ -222,8 +225,10 @@ void ts_fault_watch(ts_fault_map *m)
         atomic_store_explicit(&ts_fault_entries[i].map, m, memory_order_relaxed);
         atomic_store_explicit(&ts_fault_entries[i].end, s + m->len, memory_order_relaxed);
         atomic_store_explicit(&ts_fault_entries[i].start, s, memory_order_release);
+        pthread_mutex_unlock(&ts_fault_table_lock);
         return;
     }
+    pthread_mutex_unlock(&ts_fault_table_lock);
     /* Not watched: a write cannot be made private, so none may be allowed. */
     free(m->state);
     m->state = NULL;
@@ -233,6 +238,7 @@ void ts_fault_watch(ts_fault_map *m)
 void ts_fault_unwatch(ts_fault_map *m)
 {
     uintptr_t s = (uintptr_t)m->start;
+    pthread_mutex_lock(&ts_fault_table_lock);
     if (s > TS_FAULT_CLAIMED) {
         for (int i = 0; i < TS_FAULT_WATCHED; i++) {
             uintptr_t expected = s;
@@ -242,6 +248,7 @@ void ts_fault_unwatch(ts_fault_map *m)
                 break;
         }
     }
+    pthread_mutex_unlock(&ts_fault_table_lock);
     free(m->state);
     m->state = NULL;
 }
@@ -360,4 +367,118 @@ uint32_t ts_fault_private_slots(const ts_fault_map *m)
             TS_FAULT_PRIVATE)
             n++;
     return n;
+}
+
+/* Copy every page of [p, p + n) of a private file mapping, so that none of them shows the
+ * file any more: MADV_POPULATE_WRITE breaks copy-on-write without writing; where the
+ * kernel lacks it, an atomic OR of 0 into each page does (a write that changes nothing,
+ * even under a concurrent writer). */
+static void ts_fault_copy_pages(uint8_t *p, size_t n)
+{
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+    if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return;
+    long page = sysconf(_SC_PAGESIZE);
+    for (size_t off = 0; off < n; off += (size_t)page)
+        atomic_fetch_or_explicit((_Atomic uint8_t *)(void *)(p + off), 0, memory_order_relaxed);
+}
+
+/* Make held slot k a whole private copy (see ts_fault.h). */
+int ts_fault_copy_slot(ts_fault_map *m, uint32_t k)
+{
+    if (m->state == NULL || k >= m->slot_count) return EINVAL;
+    if (atomic_load_explicit(&m->forbidden, memory_order_seq_cst)) return EPERM;
+    _Atomic uint32_t *state = &m->state[k];
+    uint32_t w = ts_fault_settled(state);
+    for (;;) {
+        if (w < TS_FAULT_HOLD) return EINVAL; /* not held: nothing to keep */
+        if ((w & TS_FAULT_MASK) == TS_FAULT_PRIVATE) break;
+        if ((w & TS_FAULT_MASK) == TS_FAULT_BUSY) {
+            w = ts_fault_settled(state);
+            continue;
+        }
+        if (!atomic_compare_exchange_weak_explicit(state, &w, w | TS_FAULT_BUSY,
+                                                   memory_order_seq_cst, memory_order_seq_cst))
+            continue;
+        int e = 0;
+        if (atomic_load_explicit(&m->forbidden, memory_order_seq_cst)) {
+            e = EPERM;
+        } else if (mmap(m->start + (uint64_t)k * m->slot_bytes, (size_t)m->slot_bytes,
+                        PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, m->fd,
+                        (off_t)(m->file_offset + (uint64_t)k * m->slot_bytes)) == MAP_FAILED) {
+            e = errno;
+        }
+        if (e != 0) {
+            atomic_fetch_and_explicit(state, ~(uint32_t)TS_FAULT_MASK, memory_order_release);
+            return e;
+        }
+        atomic_fetch_xor_explicit(state, TS_FAULT_BUSY ^ TS_FAULT_PRIVATE, memory_order_release);
+        break;
+    }
+    ts_fault_copy_pages(m->start + (uint64_t)k * m->slot_bytes, (size_t)m->slot_bytes);
+    return 0;
+}
+
+/* The watched map in entry i, or NULL (table lock held). */
+static ts_fault_map *ts_fault_entry_map(int i)
+{
+    if (atomic_load_explicit(&ts_fault_entries[i].start, memory_order_acquire) <= TS_FAULT_CLAIMED)
+        return NULL;
+    return atomic_load_explicit(&ts_fault_entries[i].map, memory_order_relaxed);
+}
+
+/* Before a fork: copy the held slots of every watched mapping (see ts_fault.h). A slot that
+ * cannot be copied (no memory) stays shared in the child, as before this existed. */
+void ts_fault_fork_prepare(void)
+{
+    pthread_mutex_lock(&ts_fault_table_lock);
+    for (int i = 0; i < TS_FAULT_WATCHED; i++) {
+        ts_fault_map *m = ts_fault_entry_map(i);
+        if (m == NULL || m->state == NULL) continue;
+        for (uint32_t k = 0; k < m->slot_count; k++) {
+            if (atomic_load_explicit(&m->state[k], memory_order_acquire) < TS_FAULT_HOLD)
+                continue;
+            if (m->fork_copies == NULL) m->fork_copies = calloc(m->slot_count, sizeof(void *));
+            if (m->fork_copies == NULL) break;
+            void *copy = mmap(NULL, (size_t)m->slot_bytes, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (copy == MAP_FAILED) continue;
+            memcpy(copy, m->start + (uint64_t)k * m->slot_bytes, (size_t)m->slot_bytes);
+            m->fork_copies[k] = copy;
+        }
+    }
+}
+
+/* Free what ts_fault_fork_prepare made (parent; or a child's leftovers). */
+static void ts_fault_fork_free(int in_child)
+{
+    for (int i = 0; i < TS_FAULT_WATCHED; i++) {
+        ts_fault_map *m = ts_fault_entry_map(i);
+        if (m == NULL || m->fork_copies == NULL) continue;
+        for (uint32_t k = 0; k < m->slot_count; k++) {
+            void *copy = m->fork_copies[k];
+            if (copy == NULL) continue;
+            void *slot = m->start + (uint64_t)k * m->slot_bytes;
+            size_t n = (size_t)m->slot_bytes;
+            /* The child: the copy moves over the slot, atomically for its readers. */
+            if (!in_child || mremap(copy, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, slot) == MAP_FAILED)
+                munmap(copy, n);
+        }
+        free(m->fork_copies);
+        m->fork_copies = NULL;
+    }
+    pthread_mutex_unlock(&ts_fault_table_lock);
+}
+
+/* After a fork, in the parent: drop the copies (see ts_fault.h). */
+void ts_fault_fork_parent(void)
+{
+    ts_fault_fork_free(0);
+}
+
+/* After a fork, in the child: the copies replace the held slots (see ts_fault.h). */
+void ts_fault_fork_child(void)
+{
+    ts_fault_fork_free(1);
 }

@@ -46,6 +46,8 @@ typedef struct ts_fault_map {
     _Atomic uint32_t *state;
     _Atomic int forbidden; /* 1: never make a slot private (the mapping is CUDA-registered) */
     _Atomic int broken;    /* errno of a failed restore: this mapping must not be read again */
+    void **fork_copies;    /* owns, between ts_fault_fork_prepare and _parent/_child: per
+                            * slot, an anonymous copy of a held slot, or NULL */
 } ts_fault_map;
 
 /* Watch m (start, len, fd, file_offset, slot_bytes and slot_count filled in by the caller,
@@ -83,6 +85,19 @@ int ts_fault_writable(const ts_fault_map *m);
 
 /* Slots of m that are private to this process now. */
 uint32_t ts_fault_private_slots(const ts_fault_map *m);
+
+/* Make held slot of m a private copy of what it shows now, every page copied, so that the
+ * file under it may change (ts_ring_set_aside, before the slot is handed back). The caller
+ * keeps holds of the slot from being given back meanwhile. 0, or an errno. */
+int ts_fault_copy_slot(ts_fault_map *m, uint32_t slot);
+
+/* Around a fork (os.register_at_fork, from the binding): prepare copies every slot this
+ * process holds, in every watched mapping, and keeps the table of mappings locked; in the
+ * child, those copies replace the slots' shared pages (a forked child reads its batches as
+ * they were, whatever the parent and the producer do next); in the parent they are freed. */
+void ts_fault_fork_prepare(void);
+void ts_fault_fork_parent(void);
+void ts_fault_fork_child(void);
 
 /* Most mappings watched at once (rings a process reads at the same time). */
 #define TS_FAULT_WATCHED 64

@@ -680,6 +680,26 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* Ring.set_aside(): copy the held slots privately and hand them back; reads no more. */
+static PyObject *Ring_set_aside(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_role_check(self, 0) < 0) return NULL;
+    ts_err err = {0};
+    ts_status st;
+    Py_BEGIN_ALLOW_THREADS /* copies whole slots */
+    st = ts_ring_set_aside(self->ring, &err);
+    Py_END_ALLOW_THREADS
+    if (st != TS_OK) return ts_raise(ts_get_state((PyObject *)self), &err);
+    Py_RETURN_NONE;
+}
+
+/* Ring.held_slots() -> slots this consumer handle holds (views of them are alive) */
+static PyObject *Ring_held_slots(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_role_check(self, 0) < 0) return NULL;
+    return PyLong_FromUnsignedLong(ts_ring_held_slots(self->ring));
+}
+
 /* Ring.reserve(pid, start_time, batch_size=0) -> (index, token) */
 static PyObject *Ring_reserve(RingObject *self, PyObject *args)
 {
@@ -1321,6 +1341,10 @@ static PyMethodDef Ring_methods[] = {
     {"unlink_name", (PyCFunction)Ring_unlink_name, METH_VARARGS | METH_CLASS,
      "Remove a segment name."},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "Drop this handle."},
+    {"set_aside", (PyCFunction)Ring_set_aside, METH_NOARGS,
+     "Copy the slots this handle holds privately and hand them back; it reads no more."},
+    {"held_slots", (PyCFunction)Ring_held_slots, METH_NOARGS,
+     "Slots this consumer handle holds (views of them are alive)."},
     {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "Reserve a consumer entry."},
     {"activate", (PyCFunction)Ring_activate, METH_VARARGS, "Start delivering to a consumer."},
     {"retire", (PyCFunction)Ring_retire, METH_VARARGS, "A live consumer left."},
@@ -1483,7 +1507,31 @@ static PyObject *ts_py_cuda_loaded(PyObject *module, PyObject *Py_UNUSED(ignored
     return PyBool_FromLong(state->cuda != NULL);
 }
 
+/* fork_prepare(), fork_parent(), fork_child(): os.register_at_fork hooks (ts_fault.h). */
+static PyObject *ts_py_fork_prepare(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    ts_fault_fork_prepare();
+    Py_RETURN_NONE;
+}
+
+static PyObject *ts_py_fork_parent(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    ts_fault_fork_parent();
+    Py_RETURN_NONE;
+}
+
+static PyObject *ts_py_fork_child(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    ts_fault_fork_child();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef ts_module_methods[] = {
+    {"fork_prepare", ts_py_fork_prepare, METH_NOARGS,
+     "Before os.fork: copy the ring slots this process holds (the child gets the copies)."},
+    {"fork_parent", ts_py_fork_parent, METH_NOARGS, "After os.fork, in the parent."},
+    {"fork_child", ts_py_fork_child, METH_NOARGS,
+     "After os.fork, in the child: its batches become private copies."},
     {"cuda_status", ts_py_cuda_status, METH_NOARGS,
      "Whether the GPU path is available: driver, devices, or the reason it is not."},
     {"set_process_name", ts_py_set_process_name, METH_O,

@@ -153,7 +153,9 @@ static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
     ring->consumer = UINT32_MAX;
     ring->stream_min = UINT64_MAX;
     strcpy(ring->name, name);
+    ring->pid = getpid();
     pthread_mutex_init(&ring->lock, NULL);
+    pthread_mutex_init(&ring->hold_lock, NULL);
     return ring;
 }
 
@@ -167,6 +169,8 @@ static void ts_ring_free(ts_ring *ring)
     ts_cuda_unref(ring->cuda);
     if (ring->fd >= 0) close(ring->fd);
     pthread_mutex_destroy(&ring->lock);
+    pthread_mutex_destroy(&ring->hold_lock);
+    free(ring->held);
     free(ring);
 }
 
@@ -336,6 +340,11 @@ ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err)
     }
     ring->hdr = p;
     ring->ctrl_bytes = ctrl;
+    ring->held = calloc(g.slot_count, sizeof *ring->held);
+    if (ring->held == NULL) {
+        st = ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
+        goto error;
+    }
     st = ts_ring_map_data(ring, err);
     if (st != TS_OK) goto error;
     *out = ring;
@@ -977,6 +986,12 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
     ts_header *h = ring->hdr;
     if (ring->consumer >= TS_MAX_CONSUMERS)
         return ts_err_set(err, TS_E_INVALID, 0, "this ring handle is not a consumer");
+    if (getpid() != ring->pid)
+        return ts_err_set(err, TS_E_INVALID, 0,
+                          "this ring handle was opened by process %d, not by this one (a "
+                          "forked child): it cannot read from the ring", (int)ring->pid);
+    if (atomic_load_explicit(&ring->aside, memory_order_acquire))
+        return ts_err_set(err, TS_E_INVALID, 0, "this ring handle was set aside");
     int broken = atomic_load_explicit(&ring->cow.broken, memory_order_acquire);
     if (broken != 0)
         return ts_err_set(err, TS_E_SYS, broken,
@@ -1009,6 +1024,7 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
                                                          memory_order_seq_cst))
                 continue;
             ts_fault_take(&ring->cow, k); /* before any pointer into the slot is handed out */
+            atomic_fetch_or_explicit(&ring->held[k], bit, memory_order_relaxed);
             out->slot = k;
             out->seq = cursor;
             out->kind = s->kind;
@@ -1054,6 +1070,19 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
 void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
 {
     if (slot >= ring->hdr->slot_count || consumer >= TS_MAX_CONSUMERS) return;
+    /* A forked child inherited the parent's views (as private copies, ts_fault.h): the
+     * holds are the parent's to give back. */
+    if (getpid() != ring->pid) return;
+    uint64_t bit = 1ULL << consumer;
+    pthread_mutex_lock(&ring->hold_lock);
+    if (atomic_load_explicit(&ring->aside, memory_order_acquire)) {
+        /* Handed back when the handle was set aside: only the private copy goes. */
+        ts_fault_give_end(&ring->cow, slot, ts_fault_give_begin(&ring->cow, slot));
+        pthread_mutex_unlock(&ring->hold_lock);
+        return;
+    }
+    if (ring->held != NULL)
+        atomic_fetch_and_explicit(&ring->held[slot], ~bit, memory_order_relaxed);
     /* Every consumer hold ends here (the last lease, the GPU reaper, an acquire given back
      * at once), so this is where a private slot gets its shared view back: before the bit
      * is cleared, since from then on the producer may refill the slot, and the next batch
@@ -1062,8 +1091,53 @@ void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
      * last tensor of its batch is stopped, not made private after the restore). A handle
      * can hold one slot twice (ts_fault_give_begin says when): only the last hold restores. */
     int locked = ts_fault_give_begin(&ring->cow, slot);
-    ts_slot_drop(ring->hdr, ts_ring_slot(ring, slot), 1ULL << consumer);
+    ts_slot_drop(ring->hdr, ts_ring_slot(ring, slot), bit);
     ts_fault_give_end(&ring->cow, slot, locked);
+    pthread_mutex_unlock(&ring->hold_lock);
+}
+
+/* Copy the held slots and hand them back; the handle reads no more (see ts_ring.h). */
+ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
+{
+    ts_status st = TS_OK;
+    if (ring->is_producer || ring->held == NULL || ring->data == NULL || ring->gpu != NULL ||
+        ring->hdr->device_type != kDLCPU || !ts_fault_writable(&ring->cow))
+        return ts_err_set(err, TS_E_INVALID, 0, "the slots of this ring cannot be copied "
+                          "privately here (a ring on or page-locked for a GPU)");
+    if (getpid() != ring->pid)
+        return ts_err_set(err, TS_E_INVALID, 0, "this ring handle belongs to process %d",
+                          (int)ring->pid);
+    pthread_mutex_lock(&ring->hold_lock);
+    uint32_t n = ring->hdr->slot_count;
+    /* Copy all first: if one copy fails, nothing was handed back and all stays as it was
+     * (copies already made are dropped by their slots' last releases, as after a write). */
+    for (uint32_t k = 0; k < n; k++) {
+        if (atomic_load_explicit(&ring->held[k], memory_order_relaxed) == 0) continue;
+        int e = ts_fault_copy_slot(&ring->cow, k);
+        if (e != 0) {
+            st = ts_err_set(err, TS_E_SYS, e, "copying a held slot privately failed: %s",
+                            strerror(e));
+            goto done;
+        }
+    }
+    atomic_store_explicit(&ring->aside, 1, memory_order_release);
+    for (uint32_t k = 0; k < n; k++) {
+        uint64_t bits = atomic_exchange_explicit(&ring->held[k], 0, memory_order_relaxed);
+        for (uint32_t i = 0; bits != 0; i++, bits >>= 1)
+            if (bits & 1) ts_slot_drop(ring->hdr, ts_ring_slot(ring, k), 1ULL << i);
+    }
+done:
+    pthread_mutex_unlock(&ring->hold_lock);
+    return st;
+}
+
+/* Slots this consumer handle holds now. */
+uint32_t ts_ring_held_slots(const ts_ring *ring)
+{
+    uint32_t n = 0;
+    for (uint32_t k = 0; ring->held != NULL && k < ring->hdr->slot_count; k++)
+        if (atomic_load_explicit(&ring->held[k], memory_order_relaxed) != 0) n++;
+    return n;
 }
 
 /* 1 if host views of this handle may be written into. */

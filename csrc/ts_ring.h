@@ -207,6 +207,11 @@ typedef struct ts_ring {
     pthread_mutex_t lock;    /* producer: publish vs roster changes */
     uint32_t consumer;       /* consumer side: our table index */
     uint64_t token;          /* consumer side: token of our entry */
+    pid_t pid;               /* the process that opened the handle (a fork's child is not it) */
+    _Atomic uint64_t *held;  /* owns (consumer side): per slot, the consumer bits under which
+                              * this handle holds the slot (set by acquire, cleared by release) */
+    _Atomic int aside;       /* 1 once set aside (ts_ring_set_aside): it reads no more */
+    pthread_mutex_t hold_lock; /* releases vs ts_ring_set_aside */
     uint64_t bytes_copied;   /* producer: bytes copied into slots */
     char name[256];          /* shm name, with the leading '/' */
 } ts_ring;
@@ -330,6 +335,17 @@ void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer);
 /* 1 if host views of this handle may be written into (the producer's, or a consumer's
  * whose slots are made private on a write, ts_fault.h). */
 int ts_ring_host_writable(const ts_ring *ring);
+
+/* Set this consumer handle aside, once its consumer entry no longer reads (it left, was
+ * parked or detached) while batches of it are still alive: every slot it holds becomes a
+ * private copy in this process and is handed back to the producer at once, so that the
+ * process, reading on through a new handle, never waits for a slot it holds itself. The
+ * handle reads no more; its views stay valid; their releases only free the copies. Host
+ * rings whose slots can be made private (not page-locked for CUDA) only. */
+ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err);
+
+/* Slots this consumer handle holds now. */
+uint32_t ts_ring_held_slots(const ts_ring *ring);
 
 /* Host address of slot data. */
 uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot);

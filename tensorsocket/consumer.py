@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
@@ -39,9 +40,17 @@ DL_CUDA = 2  # DLDeviceType of a GPU ring
 DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
 STALL_WARN_AFTER = 5.0  # seconds waiting for a batch the consumer's own held batches block
 SIBLING_PARK_AFTER = 0.5  # seconds of waiting before this process's idle consumers park
+SET_ASIDE_AFTER = 0.05  # seconds of waiting before kept batches that block are copied
 
 # Every open consumer of this process, for parking the idle ones (see _park_idle_siblings).
 _CONSUMERS: "weakref.WeakSet[TensorConsumer]" = weakref.WeakSet()
+
+# A child forked while this process holds batches (multiprocessing's fork, os.fork) gets
+# private copies of them: a DataLoader's batches are private memory that a fork copies, and
+# the parent dropping its views (the producer then refills their slots) must not change
+# what the child reads.
+os.register_at_fork(before=_core.fork_prepare, after_in_parent=_core.fork_parent,
+                    after_in_child=_core.fork_child)
 
 
 class TensorConsumer(LoaderSurface):
@@ -249,7 +258,9 @@ class TensorConsumer(LoaderSurface):
         self._wait_s = 0.0
         self._rejoins = 0
         self._skipped = 0
+        self._set_aside_batches = 0  # kept batches copied privately (see _set_aside_held)
 
+        self._pid = os.getpid()  # the process this consumer reads in (a fork's child may not)
         self._context = zmq.Context()
         self._client = ControlClient(self._context, self.endpoint.address, answer_wait)
         ring = None
@@ -295,8 +306,10 @@ class TensorConsumer(LoaderSurface):
             raise
         if not self._defer_ready:
             self._client.start_heartbeats()
-        self._finalizer = weakref.finalize(self, _teardown, self._client, self._context, ring,
-                                           self._inflight)
+        # The finalizer closes the current ring handle (set-aside ones go with their views).
+        self._ring_box = [ring]
+        self._finalizer = weakref.finalize(self, _teardown, self._client, self._context,
+                                           self._ring_box, self._inflight, self._pid)
         _CONSUMERS.add(self)
         log.info("consumer %d attached to %s at entry %d", self._index, self.endpoint.address,
                  self.start_seq)
@@ -428,8 +441,18 @@ class TensorConsumer(LoaderSurface):
         assert self._length is not None
         return self._length // self.world_size
 
+    def _check_process(self) -> None:
+        """Raise if this is not the process the consumer was made in (a fork of it)."""
+        if os.getpid() != self._pid:
+            raise TensorSocketError(
+                f"this TensorConsumer was created in process {self._pid} and cannot read in "
+                f"process {os.getpid()}, a fork of it (its place in the producer's ring and its "
+                "socket belong to the parent). Create a TensorConsumer in the child instead; "
+                "batches the parent had received when it forked stay valid in the child")
+
     def __iter__(self) -> "EpochIterator":
         """The next epoch (an earlier iterator still mid-epoch ends here)."""
+        self._check_process()
         if self._closed:
             raise TensorSocketError("this consumer is closed")
         with self._state_lock:
@@ -445,6 +468,7 @@ class TensorConsumer(LoaderSurface):
 
     def _next_batch(self) -> Any:
         """The next batch of the current epoch; StopIteration at its end."""
+        self._check_process()
         if not self._in_epoch:
             raise StopIteration
         if self._epoch_pulled == 0 and self._epoch_batches == 0:
@@ -511,7 +535,8 @@ class TensorConsumer(LoaderSurface):
         left mid-way (break): the consumer parks, so that nobody waits for it; its next
         batch attaches it again, at the start of an epoch. Safe from a finalizer: it
         only sets flags and events."""
-        if self._closed or not self._in_epoch or self.epoch != epoch:
+        if self._closed or not self._in_epoch or self.epoch != epoch or \
+                os.getpid() != self._pid:
             return
         if self._epoch_pulled == 0 and self._epoch_batches == 0:
             self._in_epoch = False  # an iter() without next(): nothing happened
@@ -753,6 +778,18 @@ class TensorConsumer(LoaderSurface):
                 return self._ring.acquire(SIBLING_PARK_AFTER)
             except TimeoutError:
                 _park_idle_siblings(self)
+        if self._ring.held_slots():
+            # Batches this consumer keeps may hold the slot the producer must refill next:
+            # then they are copied privately rather than waited for (see _set_aside_held).
+            first = SET_ASIDE_AFTER if self.batch_timeout is None else \
+                min(SET_ASIDE_AFTER, self.batch_timeout)
+            try:
+                return self._ring.acquire(first)
+            except TimeoutError:
+                if first == self.batch_timeout:
+                    raise
+                if self._held_slots_blocking():
+                    self._set_aside_held(rebind=True)
         if self.batch_timeout is not None and self.batch_timeout <= STALL_WARN_AFTER:
             return self._ring.acquire(self.batch_timeout)
         try:
@@ -825,6 +862,7 @@ class TensorConsumer(LoaderSurface):
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
+        self._set_aside_held()
         self._client.stop_heartbeats()
         welcome = self._client.hello(self._own_batch_size, self.group, self.rank,
                                      self.world_size)
@@ -843,6 +881,35 @@ class TensorConsumer(LoaderSurface):
             self._producer_epoch = None
         log.info("consumer attached again as %d at entry %d", self._index, start)
         return start
+
+    def _set_aside_held(self, rebind: bool = False) -> bool:
+        """Batches of this consumer still alive (the loop variable of a loop left with
+        break, batches the script keeps) hold their ring slots; when the producer must
+        refill one of them before this consumer's next batch can come, the consumer would
+        wait for itself. Instead those batches become private copies here (as a
+        DataLoader's batches are private memory), their slots go back to the producer, and
+        the consumer reads on through a new mapping of the ring: before it attaches again,
+        or (rebind) at once, in the same place. Whether that happened (not on a GPU ring,
+        nor with pin_memory=True: there the slots stay held)."""
+        ring = self._ring
+        held = ring.held_slots()
+        if held == 0 or self._import:
+            return False
+        try:
+            ring.set_aside()
+        except (ValueError, OSError) as e:
+            log.info("consumer %d keeps %d ring slots held by batches still alive: %s",
+                     self._index, held, e)
+            return False
+        fresh = _core.Ring.open(self._segment)
+        if rebind:
+            fresh.bind(self._index, self._client.token)
+        self._ring = self._ring_box[0] = fresh
+        ring.close()  # the views of its batches keep that mapping until they go
+        self._set_aside_batches += held
+        log.info("consumer %d: %d batches still alive were copied privately, so that it "
+                 "never waits for their ring slots", self._index, held)
+        return True
 
     def _build(self, slot: Any) -> Any:
         """Turn a slot into the loader's batch structure of tensors and values."""
@@ -891,6 +958,9 @@ class TensorConsumer(LoaderSurface):
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:  # a fork's child: the parent's to close
+            self._finalizer.detach()
+            return
         self._finalizer()
 
     def __enter__(self) -> "TensorConsumer":
@@ -916,7 +986,8 @@ class TensorConsumer(LoaderSurface):
         spent waiting for batches; lag: batches (ring entries) published but
         not yet taken; rejoins / skipped_entries: re-attachments after being
         detached for lagging and the entries they skipped; dropped_samples:
-        samples dropped by drop_last.
+        samples dropped by drop_last; copied_kept_batches: batches still alive
+        that were copied privately so that the consumer never waits for their slots.
         """
         lag = None
         if not self._closed:
@@ -935,6 +1006,7 @@ class TensorConsumer(LoaderSurface):
             "rejoins": self._rejoins,
             "skipped_entries": self._skipped,
             "dropped_samples": self._rebatcher.dropped_samples if self._rebatcher else 0,
+            "copied_kept_batches": self._set_aside_batches,
         }
 
 
@@ -1012,9 +1084,14 @@ def _same_gpu(info: dict, index: int | None) -> bool:
     return False
 
 
-def _teardown(client: ControlClient, context: zmq.Context, ring: Any, inflight: list) -> None:
+def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, inflight: list,
+              pid: int) -> None:
     """Say bye, close the socket and drop our ring handle. If the producer died,
-    the last one out removes its segment name (nobody else will)."""
+    the last one out removes its segment name (nobody else will). Nothing in a forked
+    child (the consumer, its socket and its place are the parent's)."""
+    if os.getpid() != pid:
+        return
+    ring = ring_box[0]
     for event, _ in inflight:
         event.synchronize()  # asynchronous copies out of ring slots finish first
     inflight.clear()

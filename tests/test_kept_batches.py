@@ -13,23 +13,23 @@ import pytest
 from tensorsocket import TensorConsumer, TensorSocketWarning
 
 
-def test_list_of_batches_stalls_and_says_why(procs, name):
-    """list(consumer) keeps every batch: once the ring is full, the producer cannot go
-    on; the consumer warns (naming the cause and the fixes) before batch_timeout ends."""
+def test_list_of_batches_works_like_a_dataloaders(procs, name):
+    """list(consumer) keeps every batch alive, three times as many as the ring has slots:
+    as with a DataLoader, every batch is there with its contents, and nothing waits (the
+    batches that held the slots the producer had to refill were copied privately)."""
     p = procs.start("producer", "--name", name, "--kind", "tuple", "--batches", "12",
                     "--slots", "4")
     procs.wait_ready(p)
-    c = TensorConsumer(name=name, timeout=30, batch_timeout=8)
-    with pytest.warns(TensorSocketWarning, match=r"still keeps alive \(4 of the ring's 4 "
-                                                 r"slots.*list\(consumer\).*copy=True"):
-        with pytest.raises(TimeoutError, match="batch_timeout=8"):
-            list(c)
-    c.close()  # the kept batches went with list()'s frame: the producer goes on
-    with TensorConsumer(name=name, timeout=30, align_epochs=False) as late, \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore", TensorSocketWarning)  # its epoch is cut short
-        rest = [int(x[0, 0]) for x, _ in late]
-    assert rest and rest[-1] == 11
+    with TensorConsumer(name=name, timeout=30, batch_timeout=20) as c:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TensorSocketWarning)
+            batches = list(c)
+        assert [int(x[0, 0]) for x, _ in batches] == list(range(12))
+        assert all(bool((x == i).all()) for i, (x, _) in enumerate(batches))
+        assert c.stats()["copied_kept_batches"] >= 8
+        batches[0][0].add_(1)  # still writable, and private
+        assert int(batches[0][0][0, 0]) == 1
+    del batches  # the producer's last entries wait for these views before it finishes
     procs.result(p)
 
 
@@ -106,3 +106,79 @@ def test_producer_logs_the_consumer_that_keeps_its_slots(name, procs, caplog, mo
     assert len(held) == 1, caplog.text
     assert f"(pid {keeper.pid}) read and still keeps alive" in held[0]
     assert "TensorConsumer(copy=True)" in held[0]
+
+
+BOUNDARY_JOB = r"""
+import json, sys
+from tensorsocket import TensorConsumer
+name, mode, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+c = TensorConsumer(name=name, timeout=60, batch_timeout=30)
+seen = []
+for epoch in range(epochs):
+    ids = []
+    for step, batch in enumerate(c):
+        ids.append(int(batch[0]))
+        if mode == "break" and step == 17:
+            break   # the loop variable still holds this batch when the next epoch starts
+    seen.append(ids)
+print(json.dumps(seen), flush=True)
+c.close()
+"""
+
+
+@pytest.mark.parametrize("policy", [{}, {"max_lag": 2, "lag_policy": "rejoin"}],
+                         ids=["lossless", "lag-rejoin"])
+def test_breaking_at_the_epoch_end_while_holding_the_batch_never_deadlocks(name, policy):
+    """A job that breaks out near each epoch's end keeps its last batch in the loop
+    variable while it attaches again for the next epoch: it must not wait for the slot
+    it holds itself (the producer cannot refill it, so both jobs and the producer would
+    wait for good). Its next epochs are whole; the other job loses nothing."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    import torch
+
+    from tensorsocket import TensorProducer
+
+    epochs = 3
+    loader = [torch.full((2,), float(i)) for i in range(20)]
+    producer = TensorProducer(loader, name=name, min_consumers=2, start_timeout=60, **policy)
+    jobs = {mode: subprocess.Popen([sys.executable, "-c", BOUNDARY_JOB, name, mode,
+                                    str(epochs)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for mode in ("break", "read")}
+    done = threading.Event()
+
+    def produce() -> None:
+        try:
+            while not done.is_set():  # epochs until the jobs are done
+                for _ in producer:
+                    pass
+        except Exception:  # closed by the test once the jobs are done
+            pass
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    try:
+        out = {}
+        for mode, job in jobs.items():
+            stdout, stderr = job.communicate(timeout=150)
+            assert job.returncode == 0, f"{mode}: {stderr[-3000:]}"
+            out[mode] = json.loads(stdout)
+    finally:
+        done.set()
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+        producer.close()
+        t.join(30)
+    if policy:  # a job detached for lagging ends its epoch where it was detached
+        for ids in out["read"] + out["break"]:
+            assert ids == list(range(len(ids))) and ids, out
+        assert all(len(ids) <= 18 for ids in out["break"]), out
+        return
+    assert out["read"] == [list(range(20))] * epochs
+    assert out["break"] == [list(range(18))] * epochs

@@ -1719,6 +1719,91 @@ out:
     fx_destroy(&fx);
 }
 
+/* Setting a handle aside: the slots it holds become private copies and go back to the
+ * producer at once, so the producer refills them while the views still read what they
+ * read (and stay writable); their releases then drop no bit (by then the slot is another
+ * entry's, read by this consumer too); the handle reads no more. And a fork: the child gets
+ * private copies of the slots the parent held (ts_fault_fork_*), so the parent's release
+ * and the producer's refill do not change what the child reads. */
+static void test_set_aside(void)
+{
+    fixture fx = {0};
+    consumer c = {0};
+    ts_err err = {0};
+    ts_acquired a, b;
+    REQUIRE(fx_create(&fx, 2, 2, 3 * 4096) == 0);
+    REQUIRE(consumer_add(&fx, &c, 1) == 0);
+    PUBLISH(0);
+    PUBLISH(1);
+    TAKE(c, 0, 0);
+    uint32_t k = a.slot;
+    volatile int32_t *x = leaf0_of(c.ring, k);
+    uint64_t bit = 1ULL << c.index;
+    CHECK_EQ(ts_ring_held_slots(c.ring), 1);
+    CHECK_EQ(readers_of(fx.prod, k), bit);
+    CHECK_ST(ts_ring_set_aside(c.ring, &err), TS_OK);
+    CHECK_EQ(readers_of(fx.prod, k), 0); /* handed back */
+    CHECK_EQ(ts_ring_held_slots(c.ring), 0);
+    CHECK_EQ(ts_fault_private_slots(&c.ring->cow), 1);
+    PUBLISH(2); /* refills slot k at once */
+    CHECK_EQ(leaf0_of(fx.prod, k)[3], 203);
+    CHECK_EQ(x[3], 3); /* the view still reads entry 0, every page of it */
+    x[3] = -5;
+    CHECK_EQ(x[3], -5);
+    CHECK_ST(ts_ring_acquire(c.ring, deadline_ms(100), &b, &err), TS_E_INVALID);
+    CHECK(strstr(err.msg, "set aside") != NULL);
+    CHECK_EQ(readers_of(fx.prod, k), bit); /* entry 2 waits for c */
+    ts_ring_release(c.ring, k, c.index);
+    CHECK_EQ(readers_of(fx.prod, k), bit); /* not dropped a second time */
+    CHECK_EQ(ts_fault_private_slots(&c.ring->cow), 0);
+    CHECK_EQ(x[3], 203); /* the shared view is back: the copy is gone */
+
+    /* A second handle of the same consumer reads on. */
+    ts_ring *again = NULL;
+    REQUIRE(CHECK_ST(ts_ring_open(fx.name, &again, &err), TS_OK));
+    REQUIRE(CHECK_ST(ts_ring_bind_consumer(again, c.index, c.token, &err), TS_OK));
+    REQUIRE(CHECK_ST(ts_ring_acquire(again, deadline_ms(1000), &b, &err), TS_OK));
+    CHECK_EQ(b.seq, 1);
+    CHECK(entry_ok(again, &b, 1));
+
+    /* Fork while holding entry 1: the child reads it as it was after the parent released
+     * it and the producer refilled its slot. */
+    volatile int32_t *y = leaf0_of(again, b.slot);
+    int go[2], done[2];
+    REQUIRE(pipe(go) == 0 && pipe(done) == 0);
+    ts_fault_fork_prepare();
+    pid_t child = fork();
+    if (child == 0) {
+        ts_fault_fork_child();
+        char ch;
+        int ok = read(go[0], &ch, 1) == 1 && y[0] == 100 && y[7] == 107;
+        ssize_t w = write(done[1], ok ? "y" : "n", 1);
+        (void)w;
+        _exit(0);
+    }
+    ts_fault_fork_parent();
+    REQUIRE(child > 0);
+    ts_ring_release(again, b.slot, c.index);
+    REQUIRE(CHECK_ST(ts_ring_acquire(again, deadline_ms(1000), &a, &err), TS_OK)); /* 2 */
+    ts_ring_release(again, a.slot, c.index);
+    PUBLISH(3); /* into entry 1's slot */
+    CHECK_EQ(leaf0_of(fx.prod, b.slot)[0], 300);
+    char verdict = 0;
+    CHECK_EQ(write(go[1], "g", 1), 1);
+    CHECK_EQ(read(done[0], &verdict, 1), 1);
+    CHECK_EQ(verdict, 'y');
+    int status = 0;
+    CHECK_EQ(waitpid(child, &status, 0), child);
+    close(go[0]);
+    close(go[1]);
+    close(done[0]);
+    close(done[1]);
+    ts_ring_unref(again);
+out:
+    consumer_drop(&c);
+    fx_destroy(&fx);
+}
+
 /* ---- registry and main ------------------------------------------------------------ */
 
 static const ts_test g_tests[] = {
@@ -1734,7 +1819,7 @@ static const ts_test g_tests[] = {
     {"laggard", test_laggard},           {"laggard_blocked", test_laggard_blocked},
     {"detach_api", test_detach_api},
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
-    {"copy_on_write", test_copy_on_write},
+    {"copy_on_write", test_copy_on_write}, {"set_aside", test_set_aside},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
