@@ -680,6 +680,46 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* Ring.activate_group(indices, align=False, start=None) -> the entry every one of the
+ * consumers starts at (the ranks of a group, in one step) */
+static PyObject *Ring_activate_group(RingObject *self, PyObject *args)
+{
+    PyObject *seq_obj, *from_obj = Py_None, *fast = NULL, *result = NULL;
+    int align = 0;
+    uint32_t indices[TS_MAX_CONSUMERS];
+    if (!PyArg_ParseTuple(args, "O|pO:activate_group", &seq_obj, &align, &from_obj)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    fast = PySequence_Fast(seq_obj, "activate_group: indices must be a sequence");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n < 1 || n > TS_MAX_CONSUMERS) {
+        PyErr_Format(PyExc_ValueError, "activate_group: %zd consumers (1 to %d)", n,
+                     TS_MAX_CONSUMERS);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == (unsigned long)-1 && PyErr_Occurred()) goto done;
+        indices[i] = (uint32_t)(v > UINT32_MAX ? UINT32_MAX : v);
+    }
+    uint64_t from = TS_SEQ_NONE;
+    if (from_obj != Py_None) {
+        from = PyLong_AsUnsignedLongLong(from_obj);
+        if (from == (uint64_t)-1 && PyErr_Occurred()) goto done;
+    }
+    uint64_t start = 0;
+    ts_err err = {0};
+    if (ts_ring_activate_group(self->ring, indices, (uint32_t)n, align, from, &start, &err) !=
+        TS_OK) {
+        ts_raise(ts_get_state((PyObject *)self), &err);
+        goto done;
+    }
+    result = PyLong_FromUnsignedLongLong(start);
+done:
+    Py_XDECREF(fast);
+    return result;
+}
+
 /* Ring.set_aside(): copy the held slots privately and hand them back; reads no more. */
 static PyObject *Ring_set_aside(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -1347,6 +1387,8 @@ static PyMethodDef Ring_methods[] = {
      "Slots this consumer handle holds (views of them are alive)."},
     {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "Reserve a consumer entry."},
     {"activate", (PyCFunction)Ring_activate, METH_VARARGS, "Start delivering to a consumer."},
+    {"activate_group", (PyCFunction)Ring_activate_group, METH_VARARGS,
+     "Start delivering to several consumers, all from the same entry."},
     {"retire", (PyCFunction)Ring_retire, METH_VARARGS, "A live consumer left."},
     {"evict", (PyCFunction)Ring_evict, METH_VARARGS, "A dead consumer: drop its holds."},
     {"detach", (PyCFunction)Ring_detach, METH_VARARGS, "Take a live consumer off."},

@@ -459,8 +459,8 @@ static uint64_t ts_join_seq(const ts_ring *ring, int align)
     return start > first ? start : first;
 }
 
-static ts_status ts_activate(ts_ring *ring, uint32_t index, int align, uint64_t from,
-                             uint64_t *start_seq, ts_err *err);
+static ts_status ts_activate(ts_ring *ring, const uint32_t *indices, uint32_t n, int align,
+                             uint64_t from, uint64_t *start_seq, ts_err *err);
 
 /* Make a reserved consumer receive entries: from the oldest retained entry of
  * the current epoch inside the window (align: inside the whole ring), else from
@@ -468,7 +468,7 @@ static ts_status ts_activate(ts_ring *ring, uint32_t index, int align, uint64_t 
 ts_status ts_ring_activate(ts_ring *ring, uint32_t index, int align, uint64_t *start_seq,
                            ts_err *err)
 {
-    return ts_activate(ring, index, align, TS_SEQ_NONE, start_seq, err);
+    return ts_activate(ring, &index, 1, align, TS_SEQ_NONE, start_seq, err);
 }
 
 /* Make a reserved consumer receive entries from seq `from` on: every entry from it
@@ -476,23 +476,40 @@ ts_status ts_ring_activate(ts_ring *ring, uint32_t index, int align, uint64_t *s
 ts_status ts_ring_activate_from(ts_ring *ring, uint32_t index, uint64_t from,
                                 uint64_t *start_seq, ts_err *err)
 {
-    return ts_activate(ring, index, 0, from, start_seq, err);
+    return ts_activate(ring, &index, 1, 0, from, start_seq, err);
 }
 
-/* ts_ring_activate and ts_ring_activate_from: from == TS_SEQ_NONE picks the start. */
-static ts_status ts_activate(ts_ring *ring, uint32_t index, int align, uint64_t from,
-                             uint64_t *start_seq, ts_err *err)
+/* Make n reserved consumers receive entries from one and the same entry on, picked as
+ * ts_ring_activate does (from == TS_SEQ_NONE), or from `from`: the ranks of a group, which
+ * must read the same entries. One call under the lock: started one after the other, the
+ * first could read and hand back the entry the others were to start at. */
+ts_status ts_ring_activate_group(ts_ring *ring, const uint32_t *indices, uint32_t n, int align,
+                                 uint64_t from, uint64_t *start_seq, ts_err *err)
+{
+    return ts_activate(ring, indices, n, align, from, start_seq, err);
+}
+
+/* ts_ring_activate, _from and _group: from == TS_SEQ_NONE picks the start. */
+static ts_status ts_activate(ts_ring *ring, const uint32_t *indices, uint32_t n, int align,
+                             uint64_t from, uint64_t *start_seq, ts_err *err)
 {
     ts_header *h = ring->hdr;
     ts_status st = TS_OK;
-    if (index >= TS_MAX_CONSUMERS)
-        return ts_err_set(err, TS_E_INVALID, 0, "no consumer %u", index);
-    ts_consumer *c = &h->consumers[index];
-    uint64_t bit = 1ULL << index;
+    uint64_t bits = 0;
+    if (n == 0) return ts_err_set(err, TS_E_INVALID, 0, "no consumer to start");
+    for (uint32_t i = 0; i < n; i++) {
+        if (indices[i] >= TS_MAX_CONSUMERS)
+            return ts_err_set(err, TS_E_INVALID, 0, "no consumer %u", indices[i]);
+        bits |= 1ULL << indices[i];
+    }
     pthread_mutex_lock(&ring->lock);
-    if (atomic_load_explicit(&c->state, memory_order_acquire) != TS_CONSUMER_PENDING) {
-        st = ts_err_set(err, TS_E_INVALID, 0, "consumer %u is not waiting to start", index);
-        goto done;
+    for (uint32_t i = 0; i < n; i++) {
+        if (atomic_load_explicit(&h->consumers[indices[i]].state, memory_order_acquire) !=
+            TS_CONSUMER_PENDING) {
+            st = ts_err_set(err, TS_E_INVALID, 0, "consumer %u is not waiting to start",
+                            indices[i]);
+            goto done;
+        }
     }
     /* published only changes under this lock, so nothing slips in between. The
      * slot being filled held seq published - slot_count, which is older than
@@ -515,12 +532,15 @@ static ts_status ts_activate(ts_ring *ring, uint32_t index, int align, uint64_t 
     }
     for (uint64_t seq = start; seq < published; seq++)
         atomic_fetch_or_explicit(&ts_ring_slot(ring, (uint32_t)(seq % h->slot_count))->readers,
-                                 bit, memory_order_acq_rel);
-    atomic_store_explicit(&c->cursor, start, memory_order_relaxed);
-    atomic_store_explicit(&c->first_seq, start, memory_order_relaxed);
-    atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
-    atomic_store_explicit(&c->state, TS_CONSUMER_ACTIVE, memory_order_release);
-    atomic_fetch_or_explicit(&h->active_mask, bit, memory_order_seq_cst);
+                                 bits, memory_order_acq_rel);
+    for (uint32_t i = 0; i < n; i++) {
+        ts_consumer *c = &h->consumers[indices[i]];
+        atomic_store_explicit(&c->cursor, start, memory_order_relaxed);
+        atomic_store_explicit(&c->first_seq, start, memory_order_relaxed);
+        atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
+        atomic_store_explicit(&c->state, TS_CONSUMER_ACTIVE, memory_order_release);
+    }
+    atomic_fetch_or_explicit(&h->active_mask, bits, memory_order_seq_cst);
     *start_seq = start;
 done:
     pthread_mutex_unlock(&ring->lock);

@@ -287,6 +287,11 @@ ts_status ts_ring_activate(ts_ring *ring, uint32_t index, int align, uint64_t *s
 ts_status ts_ring_activate_from(ts_ring *ring, uint32_t index, uint64_t from,
                                 uint64_t *start_seq, ts_err *err);
 
+/* Start n reserved consumers (the ranks of a group) at one and the same entry: picked as
+ * ts_ring_activate picks it, or `from` (TS_SEQ_NONE: pick), in one step. */
+ts_status ts_ring_activate_group(ts_ring *ring, const uint32_t *indices, uint32_t n, int align,
+                                 uint64_t from, uint64_t *start_seq, ts_err *err);
+
 /* A live consumer left: stop sending, drop its unread entries. Slots it still
  * holds views of stay held until those views are freed. */
 void ts_ring_retire(ts_ring *ring, uint32_t index);

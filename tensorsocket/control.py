@@ -262,14 +262,13 @@ class ControlServer:
         start = None
         if running:  # a rank attaching again: with the group, if its entries are still here
             start = min(ring.consumer(p.index)["first_seq"] for p in running)
+        align = any(bool(p.ready_align) for _, p in waiting)
+        indices = [p.index for _, p in waiting]
+        try:  # all in one step: started one by one, the first could read on and hand back
+            begun = ring.activate_group(indices, align, start)  # the others' first entry
+        except ValueError:  # the group's entries left the ring: start where it can
+            begun = ring.activate_group(indices, align)
         for ident, peer in waiting:
-            align = bool(peer.ready_align)
-            try:
-                begun = ring.activate(peer.index, align, start)
-            except ValueError:  # the group's entries left the ring: start where it can
-                begun = ring.activate(peer.index, align)
-            if start is None:
-                start = begun
             peer.ready_align = None
             self._started(ident, peer, begun, align)
 

@@ -34,12 +34,13 @@ IDLE = 1.5  # idle_timeout of the producers the tests start
 SAMPLES = 40
 
 TRAINER = r'''
-import json, os, sys, time
+import faulthandler, json, os, signal, sys, time
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 import tensorsocket
 
 cfg = json.loads(sys.argv[1])
+faulthandler.register(signal.SIGUSR1)  # a test that waits too long asks where we are
 
 class Ids(Dataset):
     """Sample i is the tensor i; every load is logged with the pid of the loader's
@@ -269,7 +270,14 @@ def test_first_caller_interrupted_others_finish(trainers, rt, name):
         trainers.line(p)  # attached
     assert trainers.line(first) == {"read": 2}
     os.killpg(first.pid, signal.SIGINT)
-    first.wait(timeout=20)
+    try:
+        first.wait(timeout=60)  # about 1 s here; a loaded machine is slower
+    except subprocess.TimeoutExpired:
+        first.send_signal(signal.SIGUSR1)  # its threads' tracebacks into the message
+        time.sleep(1)
+        first.kill()
+        first.wait(timeout=30)
+        raise AssertionError(f"the interrupted caller did not exit: {first.stderr.read()}")
     assert first.returncode != 0
     assert psutil.pid_exists(a["producer"]), "Ctrl-C to the first caller killed the producer"
     for p in others:

@@ -1804,6 +1804,45 @@ out:
     fx_destroy(&fx);
 }
 
+/* The ranks of a group start in one step at one entry, with every entry from it on held
+ * for each of them; a consumer not waiting to start makes the whole call fail. */
+static void test_activate_group(void)
+{
+    fixture fx = {0};
+    consumer c = {0}, d = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    REQUIRE(fx_create(&fx, 4, 2, 4096) == 0);
+    REQUIRE(consumer_add(&fx, &c, 1) == 0); /* keeps every entry in the ring */
+    for (uint64_t t = 0; t < 3; t++) PUBLISH(t);
+    consumer r0 = {0}, r1 = {0};
+    REQUIRE(consumer_add(&fx, &r0, 0) == 0);
+    REQUIRE(consumer_add(&fx, &r1, 0) == 0);
+    uint32_t both[2] = {r0.index, r1.index};
+    uint64_t start = 99;
+    REQUIRE(CHECK_ST(ts_ring_activate_group(fx.prod, both, 2, 1, 1, &start, &err), TS_OK));
+    CHECK_EQ(start, 1);
+    CHECK_EQ(cursor_of(fx.prod, r0.index), 1);
+    CHECK_EQ(cursor_of(fx.prod, r1.index), 1);
+    uint64_t bits = (1ULL << r0.index) | (1ULL << r1.index);
+    CHECK_EQ(readers_of(fx.prod, 1) & bits, bits);
+    CHECK_EQ(readers_of(fx.prod, 2) & bits, bits);
+    CHECK_EQ(readers_of(fx.prod, 0) & bits, 0);
+    TAKE(r0, 1, 1);
+    TAKE(r1, 1, 1);
+    REQUIRE(consumer_add(&fx, &d, 0) == 0);
+    uint32_t again[2] = {d.index, r0.index}; /* r0 is active already */
+    CHECK_ST(ts_ring_activate_group(fx.prod, again, 2, 0, TS_SEQ_NONE, &start, &err),
+             TS_E_INVALID);
+    CHECK_EQ(cursor_of(fx.prod, d.index), TS_SEQ_NONE); /* nothing of it happened */
+out:
+    consumer_drop(&r0);
+    consumer_drop(&r1);
+    consumer_drop(&c);
+    consumer_drop(&d);
+    fx_destroy(&fx);
+}
+
 /* ---- registry and main ------------------------------------------------------------ */
 
 static const ts_test g_tests[] = {
@@ -1820,6 +1859,7 @@ static const ts_test g_tests[] = {
     {"detach_api", test_detach_api},
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
     {"copy_on_write", test_copy_on_write}, {"set_aside", test_set_aside},
+    {"activate_group", test_activate_group},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
