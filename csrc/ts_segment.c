@@ -10,15 +10,18 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-/* Create segment name of bytes, mode 0600, with every page allocated. */
+/* Create segment name of bytes, mode 0600, with every page allocated. A name that is
+ * taken fails with TS_E_EXISTS and the file there is left alone: anyone may create files
+ * in /dev/shm, so it may not be ours (the caller picks another name). */
 ts_status ts_segment_create(const char *name, uint64_t bytes, int *fd_out, ts_err *err)
 {
     ts_status st = TS_OK;
-    int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    int fd = shm_open(name, O_CREAT | O_EXCL | O_NOFOLLOW | O_RDWR | O_CLOEXEC, 0600);
     if (fd < 0) {
         if (errno == EEXIST)
-            return ts_err_set(err, TS_E_EXISTS, errno, "shared-memory segment %s already exists",
-                              name);
+            return ts_err_set(err, TS_E_EXISTS, errno,
+                              "shared-memory segment %s already exists (a file there that "
+                              "this call did not create)", name);
         return ts_err_set(err, TS_E_SYS, errno, "shm_open(%s): %s", name, strerror(errno));
     }
     /* The umask may have cleared bits we never set, never added any: still, be exact. */
@@ -60,7 +63,7 @@ error:
 ts_status ts_segment_open(const char *name, int *fd_out, uint64_t *bytes_out, ts_err *err)
 {
     ts_status st = TS_OK;
-    int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+    int fd = shm_open(name, O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
     if (fd < 0) {
         if (errno == ENOENT)
             return ts_err_set(err, TS_E_NOT_FOUND, errno, "no shared-memory segment %s", name);

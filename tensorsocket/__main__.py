@@ -241,6 +241,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     problems += [p for p in config.check_environment() if p not in problems]
     for p in problems:
         print(f"problem: {p}", file=sys.stderr)
+    for w in config.environment_warnings():
+        print(f"warning: {w}", file=sys.stderr)
     return 1 if problems else 0
 
 
@@ -320,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
         "config", parents=[debug], help="the settings environment variables give here",
         description="List every TENSORSOCKET_* setting, its value in this environment (or "
                     "its default) and the argument that overrides it; exit 1 if a variable "
-                    "does not parse or is no setting (a typo).")
+                    "does not parse or is no setting (a typo). A value that is likely a "
+                    "mistake (an address other machines reach) gets a warning.")
     config.add_argument("--markdown", action="store_true",
                         help="print docs/configuration.md (the one table of settings)")
     config.set_defaults(func=_cmd_config)

@@ -1,10 +1,12 @@
 """The share() election: one lock file per producer name, and whether a producer of
 that name is alive.
 
-``<runtime dir>/<name>.share.lock`` is held while a share() caller checks for a live
+``<runtime dir>/<name>.share-lock`` is held while a share() caller checks for a live
 producer, starts one if there is none, and attaches; the producer process that share()
 started takes it too before it retires, so a caller never attaches to a producer on its
 way out. A live producer holds an exclusive flock on ``<name>.lock`` for its whole life.
+The election lock does not end in ``.lock``, so that it is never the name lock of another
+producer (``x.share.lock`` would be that of a producer named ``x.share``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import os
 import time
 from pathlib import Path
 
-from .endpoints import Endpoint, lock_held
+from .endpoints import Endpoint, lock_held, open_lock_file
+
+SHARE_LOCK_SUFFIX = ".share-lock"  # no producer's file ends so: it ends in .lock or .sock
 
 
 def share_lock_path(endpoint: Endpoint) -> Path:
     """The election lock file of a producer name."""
-    return endpoint.runtime_dir / f"{endpoint.name}.share.lock"
+    return endpoint.runtime_dir / f"{endpoint.name}{SHARE_LOCK_SUFFIX}"
 
 
 def producer_log_path(endpoint: Endpoint) -> Path:
@@ -33,7 +37,7 @@ def take_lock(path: Path, deadline: float | None) -> int | None:
     once closed): a lock on a file that is no longer at `path` is dropped and taken
     again on the new one."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_lock_file(path)
         try:
             while True:
                 try:

@@ -223,7 +223,8 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 def _setup_process(log_path: Path) -> None:
     """stdin from /dev/null; stdout, stderr and logging to the log; clean SIGTERM."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(fd, 1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _core
+from ._election import SHARE_LOCK_SUFFIX
 from .endpoints import lock_held, runtime_dir
 from .status import SHM_DIR, segment_producer, segments
 
@@ -79,8 +80,7 @@ def _stale_files(rdir: Path) -> list[Leftover]:
         entries = sorted(rdir.iterdir())
     except OSError:
         return out
-    names = {p.name[: -len(".lock")] for p in entries if p.name.endswith(".lock")
-             and not p.name.endswith(".share.lock")}
+    names = {p.name[: -len(".lock")] for p in entries if p.name.endswith(".lock")}
     names |= {p.name[: -len(".sock")] for p in entries if p.name.endswith(".sock")}
     for name in sorted(names):
         lock, sock = rdir / f"{name}.lock", rdir / f"{name}.sock"
@@ -90,8 +90,8 @@ def _stale_files(rdir: Path) -> list[Leftover]:
             out.append(Leftover("socket", name, str(sock), "no producer holds the name"))
         if lock.exists():
             out.append(Leftover("lock", name, str(lock), "no producer holds it"))
-    for share_lock in (p for p in entries if p.name.endswith(".share.lock")):
-        name = share_lock.name[: -len(".share.lock")]
+    for share_lock in (p for p in entries if p.name.endswith(SHARE_LOCK_SUFFIX)):
+        name = share_lock.name[: -len(SHARE_LOCK_SUFFIX)]
         if not lock_held(share_lock) and not (rdir / f"{name}.lock").exists():
             out.append(Leftover("lock", name, str(share_lock), "no share() election holds it"))
     return out

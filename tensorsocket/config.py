@@ -42,6 +42,7 @@ __all__ = [
     "Unset",
     "check_environment",
     "describe_origins",
+    "environment_warnings",
     "get",
     "lookup",
     "markdown",
@@ -161,6 +162,14 @@ def _parse_timeout(text: str) -> float | None:
     return None if math.isinf(value) else value
 
 
+def _parse_positive_timeout(text: str) -> float | None:
+    value = _parse_timeout(text)
+    if value == 0:
+        raise ValueError("0 is refused: the producer would end whenever no consumer is "
+                         "attached, even before the first one attaches; use `none` for never")
+    return value
+
+
 def _parse_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -249,7 +258,8 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "ipc socket `<runtime dir>/<name>.sock`",
             "`ipc://PATH` or `tcp://HOST:PORT`",
             "control-plane address; an explicit `port=` or `address=` argument overrides the "
-            "variable; a non-loopback TCP address makes the producer warn",
+            "variable; a non-loopback TCP address makes the producer and `tensorsocket "
+            "config` warn",
             _parse_address),
     Setting("runtime_dir", None, "TENSORSOCKET_RUNTIME_DIR", "both", None,
             "`$XDG_RUNTIME_DIR/tensorsocket` if `XDG_RUNTIME_DIR` is a directory of this "
@@ -351,8 +361,9 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("idle_timeout", "idle_timeout", "TENSORSOCKET_IDLE_TIMEOUT", "share()", 60.0,
             "60", "seconds > 0, or `none` (never)",
             "seconds a producer started by `share()` keeps running with no consumer "
-            "attached before it ends",
-            _parse_timeout, none_is_value=True),
+            "attached before it ends (0 is refused: it would end even before its first "
+            "consumer attaches)",
+            _parse_positive_timeout, none_is_value=True),
 )}
 
 OTHER_VARIABLES: dict[str, str] = {
@@ -415,6 +426,21 @@ def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:
         if var.startswith(ENV_PREFIX) and var not in known:
             problems.append(f"{var} is not a tensorsocket setting (a typo?); it is ignored")
     return problems
+
+
+def environment_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Values of the ``TENSORSOCKET_*`` variables that work but are likely a mistake: a
+    control-plane address reachable from other machines (a producer warns about it too)."""
+    from .endpoints import exposed_address_warning
+
+    env = os.environ if environ is None else environ
+    setting = SETTINGS["address"]
+    try:
+        address = setting.from_env(env)
+    except ValueError:  # check_environment reports it
+        return []
+    text = None if address is UNSET else exposed_address_warning(address)
+    return [] if text is None else [f"{setting.env}={address}: {text}"]
 
 
 # -- documentation --------------------------------------------------------------------
@@ -500,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{s.env}={text}")
         for p in problems:
             print(f"problem: {p}")
+        for w in environment_warnings():
+            print(f"warning: {w}")
         return 1 if problems else 0
     if args:
         print("usage: python -m tensorsocket.config [--table | --env]", file=sys.stderr)

@@ -11,6 +11,7 @@ used as given. See tensorsocket.config for the settings and their variables.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 from . import config
 
 DEFAULT_NAME = config.SETTINGS["name"].default
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}")  # the whole name (fullmatch)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def _private_dir(path: Path, create: bool) -> bool:
 
 def check_name(name: str) -> str:
     """Validate a producer name (used in file and segment names)."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(
             f"invalid producer name {name!r}: use 1-64 letters, digits, '_', '.' or '-'"
         )
@@ -175,16 +176,24 @@ def resolve(
             raise ValueError(f"socket path too long for ipc://: {address}; set "
                              "TENSORSOCKET_RUNTIME_DIR to a shorter directory")
     elif address.startswith("tcp://"):
-        host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        if for_producer and not _is_loopback(host):
-            warnings.warn(
-                f"tensorsocket control plane bound to {address}, which is reachable from other "
-                "machines; use a loopback address unless you mean it",
-                stacklevel=3,
-            )
+        exposed = exposed_address_warning(address)
+        if for_producer and exposed is not None:
+            warnings.warn(f"tensorsocket {exposed}", stacklevel=3)
     elif not address.startswith("ipc://"):
         raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")
     return Endpoint(name=name, address=address, runtime_dir=rdir)
+
+
+def exposed_address_warning(address: str) -> str | None:
+    """Why a producer should not listen at `address` (a tcp:// address other machines
+    reach), or None for a loopback or ipc:// address."""
+    if not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if _is_loopback(host):
+        return None
+    return (f"control plane bound to {address}, which is reachable from other machines; "
+            "use a loopback address (tcp://127.0.0.1:PORT) unless you mean it")
 
 
 def _is_loopback(host: str) -> bool:
@@ -195,6 +204,28 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def open_lock_file(path: Path) -> int:
+    """Open (creating it mode 0600) the lock file at `path` for reading and writing; the
+    fd. A symbolic link or anything but a regular file there is refused with
+    PermissionError, never followed: we write our pid into lock files."""
+    problem = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        problem = "is a symbolic link"
+    else:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            problem = "is not a regular file"
+    if problem is not None:
+        raise PermissionError(
+            f"lock file {path} {problem}, which tensorsocket never makes there; it was left "
+            f"alone (nothing written through it): remove it (rm {path}) and start again")
+    return fd
 
 
 def lock_held(path: Path) -> bool:

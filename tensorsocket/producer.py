@@ -7,6 +7,9 @@ import inspect
 import logging
 import math
 import os
+import secrets
+import signal
+import threading
 import time
 import warnings
 import weakref
@@ -17,7 +20,7 @@ import zmq
 from . import _core, config
 from .config import UNSET, Unset
 from .control import ControlServer
-from .endpoints import Endpoint, resolve
+from .endpoints import Endpoint, open_lock_file, resolve
 from .errors import (
     BatchTooLarge,
     GPUFallbackWarning,
@@ -39,6 +42,7 @@ DEFAULT_MAX_WINDOW = 8  # ... but at most this many, unless asked for explicitly
 SLOT_HEADROOM = 1.5  # slot size = first batch x this (plus room for the structure)
 MIN_SLOT_BYTES = 64 * 1024
 NAME_LOCK_TRIES = 5  # flock attempts 20 ms apart before "already running"
+SEGMENT_NAME_TRIES = 8  # segment names tried when the name is taken (a planted file)
 DL_CUDA = 2  # DLDeviceType of a GPU ring
 
 
@@ -285,6 +289,7 @@ class TensorProducer:
         self.endpoint: Endpoint = resolve(name, port, address, for_producer=True)
         self._lock_fd = _take_name_lock(self.endpoint)
         self._segment = self.endpoint.segment_name(os.getpid())
+        self._files = _OwnedFiles(self.endpoint)
         try:
             _sweep_stale_segments(self.endpoint.name)
             self._context = zmq.Context()
@@ -296,9 +301,10 @@ class TensorProducer:
             os.close(self._lock_fd)
             raise
         self._finalizer = weakref.finalize(
-            self, _teardown, self._server, self._context, self._segment, self._lock_fd, box,
-            self.endpoint, release_wait,
+            self, _teardown, self._server, self._context, self._files, self._lock_fd, box,
+            release_wait,
         )
+        _remove_on_sigterm(self._files)
         log.info("producer %r listening on %s", self.endpoint.name, self.endpoint.address)
         if self._origins:
             log.info("producer settings from the environment: %s",
@@ -442,6 +448,7 @@ class TensorProducer:
             ring.set_policy(self.window, self.max_lag or 0)
         except BaseException:
             ring.close()
+            self._files.segment = None
             _core.Ring.unlink_name(self._segment)
             raise
         self._ring_box[0] = ring
@@ -450,10 +457,10 @@ class TensorProducer:
     def _create_ring(self, slots: int, slot_bytes: int, max_leaves: int) -> Any:
         """A host ring, or a GPU ring on self.device (falling back to host if allowed)."""
         if self._device_ordinal is None:
-            return _core.Ring.create(self._segment, slots, slot_bytes, max_leaves)
+            return self._create_named(slots, slot_bytes, max_leaves)
         try:
-            return _core.Ring.create(self._segment, slots, slot_bytes, max_leaves,
-                                     device=self._device_ordinal)
+            return self._create_named(slots, slot_bytes, max_leaves,
+                                      device=self._device_ordinal)
         except GPUUnavailable as e:
             if not self.device_fallback:
                 raise GPUUnavailable(
@@ -466,7 +473,32 @@ class TensorProducer:
                 f"tensorsocket: the GPU ring cannot work here, using the host ring: {e}",
                 GPUFallbackWarning, stacklevel=4)
             log.warning("GPU ring unavailable, using the host ring: %s", e)
-            return _core.Ring.create(self._segment, slots, slot_bytes, max_leaves)
+            return self._create_named(slots, slot_bytes, max_leaves)
+
+    def _create_named(self, slots: int, slot_bytes: int, max_leaves: int, **kw: Any) -> Any:
+        """Ring.create under our segment name; where a file already has that name (anyone
+        may create files in /dev/shm, under any name), under the name with a random
+        ``.<tag>`` appended instead, a few times. A file found there is never removed: it
+        may not be ours."""
+        base = self.endpoint.segment_name(os.getpid())
+        taken = []
+        for attempt in range(SEGMENT_NAME_TRIES):
+            name = base if attempt == 0 else f"{base}.{secrets.token_hex(4)}"
+            try:
+                ring = _core.Ring.create(name, slots, slot_bytes, max_leaves, **kw)
+            except FileExistsError:
+                taken.append(name)
+                log.warning("shared-memory segment name %s is taken by a file that is not "
+                            "this producer's; trying another name", name)
+                continue
+            # Ours from here on (only now: SIGTERM must never remove the file found there).
+            self._segment = self._files.segment = name
+            return ring
+        raise TensorSocketError(
+            f"every shared-memory segment name tried for the ring is taken by a file "
+            f"already in /dev/shm ({', '.join('/dev/shm' + n for n in taken)}): someone "
+            "creates them on purpose; find out who (ls -l /dev/shm), remove them, and "
+            "start the producer again")
 
     def _publish(self, meta: bytes, leaves: list, *, end: bool = False, index: int = 0) -> None:
         try:
@@ -734,8 +766,8 @@ def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
     return producer._welcome_info()
 
 
-def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd: int,
-              ring_box: list, endpoint: Endpoint, release_timeout: float | None) -> None:
+def _teardown(server: ControlServer, context: zmq.Context, files: "_OwnedFiles",
+              lock_fd: int, ring_box: list, release_timeout: float | None) -> None:
     """Finish the ring, stop the control thread, unlink the segment, the socket file
     and the lock file, then drop the lock."""
     ring = ring_box[0]
@@ -749,10 +781,8 @@ def _teardown(server: ControlServer, context: zmq.Context, segment: str, lock_fd
         # Whatever happened above (a second Ctrl-C, say), the files must go.
         if ring is not None:
             ring.close()
-        _core.Ring.unlink_name(segment)
-        for path in (endpoint.lock_path, endpoint.socket_path):
-            if path is not None:  # we still hold the name lock: these files are ours
-                path.unlink(missing_ok=True)
+        files.remove()
+        _forget_on_sigterm(files)
         os.close(lock_fd)
 
 
@@ -774,9 +804,76 @@ def _wait_gpu_released(ring: Any, timeout: float | None) -> None:
             timeout, now["occupied"], now["gpu_importers"])
 
 
+class _OwnedFiles:
+    """What a producer removes as it ends: its ring segment (once it created one), and the
+    socket and lock files of its name, which are its own while it holds the name lock."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        """Set up; see the class docstring."""
+        self.pid = os.getpid()  # a forked child (a loader worker) owns none of them
+        self.segment: str | None = None
+        self.paths = [p for p in (endpoint.lock_path, endpoint.socket_path) if p is not None]
+        self.held = True  # the name lock is still ours
+
+    def remove(self) -> None:
+        """Unlink the segment, the socket and the lock file (missing ones are fine)."""
+        if os.getpid() != self.pid or not self.held:
+            return
+        if self.segment is not None:
+            _core.Ring.unlink_name(self.segment)
+        for path in self.paths:
+            path.unlink(missing_ok=True)
+
+
+# The files of this process's live producers, removed by SIGTERM (see _on_sigterm).
+_OWNED: dict[int, _OwnedFiles] = {}
+
+
+def _remove_on_sigterm(files: _OwnedFiles) -> None:
+    """Have SIGTERM remove these files, then end the process as its default action does.
+    The handler is installed only by the main thread, and only over the default action: a
+    handler the program installed (share()'s producer process has one, a training framework
+    may) is left in place and SIGTERM does what it says; a handler that raises SystemExit
+    still has the producer torn down as the interpreter exits."""
+    _OWNED[id(files)] = files
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # an interpreter without signals here: nothing to do
+        pass
+
+
+def _forget_on_sigterm(files: _OwnedFiles) -> None:
+    """The producer has removed its files and is about to drop its name lock; with the
+    last producer gone, the default SIGTERM action comes back (from the main thread)."""
+    files.held = False
+    _OWNED.pop(id(files), None)
+    if _OWNED or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except (ValueError, OSError, TypeError):  # at interpreter exit, say
+        pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM: remove the files of this process's producers (not one of their forked
+    children's), then die of the signal, with the status the default action gives."""
+    for files in list(_OWNED.values()):
+        try:
+            files.remove()
+        except Exception:  # the signal must still end the process
+            pass
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def _take_name_lock(endpoint: Endpoint) -> int:
     """flock the name's lock file; the kernel drops it if we die."""
-    fd = os.open(endpoint.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_lock_file(endpoint.lock_path)
     try:
         # A few tries: `tensorsocket status/clean` and share() probe the lock with a
         # shared flock that lasts an instant; only a holder that stays is a producer.

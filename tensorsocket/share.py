@@ -11,7 +11,7 @@ it. No separate producer script is needed.
 
 How it works:
 
-- Election. ``<runtime dir>/<name>.share.lock`` is flocked around "is a
+- Election. ``<runtime dir>/<name>.share-lock`` is flocked around "is a
   producer of this name live? If not, start one and wait until it publishes
   its first batch; attach". Liveness is the producer's own exclusive flock on
   ``<name>.lock``, which the kernel drops when it dies, so a crashed producer

@@ -1,11 +1,12 @@
 """What the producers of this user are doing, read from their ring segments.
 
 Every producer keeps its ring in a POSIX shared-memory segment named
-``tensorsocket-<uid>-<name>-<pid>``; its header holds the producer's pid and
-counters, and its consumer table holds each consumer's pid, cursor and
-counters. ``survey()`` maps every such segment read-only in spirit (it only
-reads), so no daemon and no extra socket are needed, and looking never
-disturbs a producer. Rates come from two readings ``interval`` seconds apart.
+``tensorsocket-<uid>-<name>-<pid>`` (with ``.<tag>`` appended where a file already had
+that name); its header holds the producer's pid and counters, and its consumer table
+holds each consumer's pid, cursor and counters. ``survey()`` maps every such segment
+read-only in spirit (it only reads), so no daemon and no extra socket are needed, and
+looking never disturbs a producer. Rates come from two readings ``interval`` seconds
+apart. Anything else in /dev/shm (where anyone may create files) is passed by.
 
 Ring entries are loader batches plus one end-of-epoch marker per epoch; the
 ``batch_rate`` fields leave the markers out. Segments of other users (mode
@@ -17,11 +18,13 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import stat
 import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 
 from . import _core
+from .endpoints import check_name
 
 SHM_DIR = "/dev/shm"
 _CONSUMER_STATES = {
@@ -100,28 +103,59 @@ class ProducerStatus:
         return self.cpu_rate * (self.active_consumers - 1)
 
 
-_SEGMENT = re.compile(r"^tensorsocket-(?P<uid>\d+)-(?P<name>.+)-(?P<pid>\d+)$")
+# tensorsocket-<uid>-<name>-<pid>, with ".<tag>" (hex) where a producer found that name taken.
+_SEGMENT = re.compile(
+    r"tensorsocket-(?P<uid>[0-9]{1,10})-(?P<name>.+)-(?P<pid>[0-9]{1,7})(?:\.[0-9a-f]{8})?")
+PID_MAX = 1 << 22  # PID_MAX_LIMIT of 64-bit Linux: no process has a larger pid
+UID_MAX = (1 << 32) - 2  # (uid_t)-1 means "no uid"
 
 
-def _all_segments() -> list[tuple[str, int, str, int]]:
-    """(segment, owner uid from its name, producer name, pid) of every tensorsocket
-    segment in /dev/shm, whoever's."""
+def _parse_segment(entry: str) -> tuple[int, str, int] | None:
+    """(owner uid from its name, producer name, pid) of a segment name, or None for a name
+    no producer makes: anyone may create files in /dev/shm, under any name."""
+    m = _SEGMENT.fullmatch(entry)
+    if m is None:
+        return None
+    uid, name, pid = int(m.group("uid")), m.group("name"), int(m.group("pid"))
+    if not (0 <= uid <= UID_MAX and 0 < pid <= PID_MAX):
+        return None
+    try:
+        check_name(name)
+    except ValueError:
+        return None
+    return uid, name, pid
+
+
+def _all_segments() -> list[tuple[str, int, str, int, int]]:
+    """(segment, owner uid from its name, producer name, pid, owner uid of the file) of
+    every tensorsocket segment in /dev/shm, whoever's: regular files under a name a
+    producer makes (links, directories and names with an impossible pid or uid are left
+    out)."""
     try:
         entries = sorted(os.listdir(SHM_DIR))
     except OSError:
         return []
     out = []
     for entry in entries:
-        m = _SEGMENT.match(entry)
-        if m:
-            out.append((entry, int(m.group("uid")), m.group("name"), int(m.group("pid"))))
+        parsed = _parse_segment(entry)
+        if parsed is None:
+            continue
+        try:
+            st = os.lstat(f"{SHM_DIR}/{entry}")
+        except OSError:  # gone meanwhile
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append((entry, *parsed, st.st_uid))
     return out
 
 
 def segments() -> list[tuple[str, str, int]]:
-    """(segment, producer name, pid) of every tensorsocket segment of this user."""
+    """(segment, producer name, pid) of every tensorsocket segment of this user: named
+    with our uid and owned by us. A file another user created under such a name is not
+    ours: it is never read, listed or removed as one of our producers' segments."""
     me = os.getuid()
-    return [(entry, name, pid) for entry, uid, name, pid in _all_segments() if uid == me]
+    return [(entry, name, pid) for entry, uid, name, pid, owner in _all_segments()
+            if uid == me and owner == me]
 
 
 @dataclass
@@ -149,7 +183,7 @@ def other_users(name: str | None = None) -> list[OtherUserSegment]:
     """Segments of other users' producers (of producer `name` if given). They are never
     opened: their mode is 0600, and another user's ring is not ours to read."""
     out = []
-    for entry, uid, producer, pid in _all_segments():
+    for entry, uid, producer, pid, _ in _all_segments():
         if uid == os.getuid() or (name is not None and producer != name):
             continue
         readable = os.access(f"{SHM_DIR}/{entry}", os.R_OK)

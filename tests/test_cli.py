@@ -325,6 +325,70 @@ def test_config_lists_the_environment_and_flags_typos():
     assert md.returncode == 0 and md.stdout == (ROOT / "docs" / "configuration.md").read_text()
 
 
+def test_config_flags_idle_timeout_0_and_an_address_other_machines_reach():
+    """TENSORSOCKET_IDLE_TIMEOUT=0 is a problem (share() refuses idle_timeout=0 too);
+    TENSORSOCKET_ADDRESS=tcp://0.0.0.0:PORT is a warning (it works, and may be meant), as
+    a producer given that address warns. Both passed silently before."""
+    zero = cli("config", env={"TENSORSOCKET_IDLE_TIMEOUT": "0"})
+    assert zero.returncode == 1
+    assert "problem: environment variable TENSORSOCKET_IDLE_TIMEOUT='0' is not valid: it " \
+        "takes seconds > 0, or `none` (never)" in zero.stderr
+    exposed = cli("config", env={"TENSORSOCKET_ADDRESS": "tcp://0.0.0.0:5555"})
+    assert exposed.returncode == 0, exposed.stderr
+    assert "warning: TENSORSOCKET_ADDRESS=tcp://0.0.0.0:5555: control plane bound to " \
+        "tcp://0.0.0.0:5555, which is reachable from other machines" in exposed.stderr
+    local = cli("config", env={"TENSORSOCKET_ADDRESS": "tcp://127.0.0.1:5555"})
+    assert local.returncode == 0 and "warning" not in local.stderr
+
+
+def test_planted_files_in_dev_shm_are_not_taken_for_ours(name):
+    """Anyone may create files in /dev/shm, under any name. Names no producer makes (a pid
+    out of range or no number: status, top, clean and a producer of the name died of
+    OverflowError on them), and links and directories under a producer's name, are
+    ignored; a file of another user under our segment name is never listed or removed
+    as a dead producer's of ours. All of them stay where they are."""
+    import torch
+
+    from tensorsocket import TensorProducer
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has now
+    prefix = f"/dev/shm/tensorsocket-{os.getuid()}-{name}-"
+    files = [prefix + "9" * 23, prefix + "abc", prefix + str((1 << 22) + 1)]  # PID_MAX_LIMIT + 1
+    link, folder = prefix + "4194001", prefix + "4194002"
+    foreign = prefix + str(gone.pid)
+    planted = files + [link, folder] + ([foreign] if os.geteuid() == 0 else [])
+    try:
+        for path in files:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.symlink("/dev/null", link)
+        os.mkdir(folder, 0o700)
+        if os.geteuid() == 0:  # only root can give a file away
+            os.close(os.open(foreign, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            os.chown(foreign, _other_uid(), -1)
+        runs = [cli("status", "--interval", "0", env={"COLUMNS": "200"}),
+                cli("status", "--json", "--interval", "0"),
+                cli("top", "--plain", "--iterations", "1", "--interval", "0.1"),
+                cli("clean", "--dry-run"),
+                cli("clean", "--name", name)]
+        for r in runs:
+            assert r.returncode == 0, r.args[3:] + [r.stderr]
+            assert "Traceback" not in r.stderr and prefix[len("/dev/shm/"):] not in r.stdout, \
+                r.args[3:]
+        assert all(o["name"] != name for o in json.loads(runs[1].stdout)["other_users"])
+        assert "nothing to clean" in runs[4].stdout
+        p = TensorProducer([torch.zeros(2)], name=name, min_consumers=0)
+        assert sum(1 for _ in p) == 1
+        p.close()
+        assert all(os.path.lexists(path) for path in planted)
+    finally:
+        for path in planted:
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+
+
 @pytest.mark.parametrize("command", ["status", "top", "clean", "demo", "config"])
 def test_every_command_has_help(command):
     """--help describes each command and exits 0."""

@@ -100,6 +100,8 @@ def test_registry_matches_the_signatures(name):
     ("device_fallback", "off", False),
     ("device_fallback", "YES", True),
     ("release_timeout", "none", None),
+    ("idle_timeout", "2.5", 2.5),
+    ("idle_timeout", "none", None),
 ])
 def test_environment_values_parse(key, text, value):
     assert config.get(key, environ={SETTINGS[key].env: text}) == value
@@ -124,6 +126,8 @@ def test_environment_values_parse(key, text, value):
     ("max_lag", "0", "1..4094"),
     ("lag_policy", "drop", "`rejoin`"),
     ("device_fallback", "maybe", "`false`"),
+    ("idle_timeout", "0", "seconds > 0"),  # as share(idle_timeout=0) refuses it
+    ("idle_timeout", "-2", "seconds > 0"),
 ])
 def test_bad_environment_values_name_the_variable(key, text, accepts):
     env = SETTINGS[key].env
@@ -157,6 +161,22 @@ def test_check_environment_finds_typos_and_bad_values():
     assert len(problems) == 2
     assert "TENSORSOCKET_TIMEOTU is not a tensorsocket setting" in problems[1]
     assert "TENSORSOCKET_MAX_LAG='x'" in problems[0]
+
+
+def test_environment_warnings_flag_an_address_other_machines_reach():
+    """TENSORSOCKET_ADDRESS=tcp://0.0.0.0:... parses (it may be meant) but is flagged, as
+    a producer given that address= warns; loopback and ipc addresses are not."""
+    for address in ("tcp://0.0.0.0:5555", "tcp://10.1.2.3:5555", "tcp://[::]:5555",
+                    "tcp://node7:5555"):
+        (warning,) = config.environment_warnings({"TENSORSOCKET_ADDRESS": address})
+        assert f"TENSORSOCKET_ADDRESS={address}" in warning
+        assert "reachable from other machines" in warning and "127.0.0.1" in warning
+        assert config.check_environment({"TENSORSOCKET_ADDRESS": address}) == []
+    for address in ("tcp://127.0.0.1:5555", "tcp://localhost:5555", "tcp://[::1]:5555",
+                    "ipc:///tmp/x.sock", ""):
+        assert config.environment_warnings({"TENSORSOCKET_ADDRESS": address}) == []
+    assert config.environment_warnings({"TENSORSOCKET_ADDRESS": "nonsense"}) == []
+    assert config.environment_warnings({}) == []
 
 
 # -- the producer and consumer use it ------------------------------------------------------

@@ -92,6 +92,47 @@ def test_argument_errors():
         TensorProducer([], rubber_band_pct=1.5)
 
 
+def test_a_name_ending_in_a_newline_is_refused(name):
+    """The name check matches the whole name: "x\\n" made files named "x\\n.lock" and
+    "x\\n.sock" (a regex's $ matches before a final newline)."""
+    from tensorsocket.endpoints import check_name
+
+    for bad in (f"{name}\n", f"{name}\n\n", "\n", f"{name}\nx"):
+        with pytest.raises(ValueError, match="invalid producer name"):
+            check_name(bad)
+        with pytest.raises(ValueError, match="invalid producer name"):
+            TensorProducer([torch.zeros(2)], name=bad, min_consumers=0)
+        with pytest.raises(ValueError, match="invalid producer name"):
+            TensorConsumer(name=bad, timeout=1)
+    assert check_name(name) == name
+
+
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_a_symlink_at_the_lock_path_is_not_followed(name, tmp_path, target_exists):
+    """A symbolic link planted where a producer's name lock or share()'s election lock
+    goes is refused, naming the file and the fix; the file it points to is neither
+    written nor created."""
+    from tensorsocket._election import share_lock_path, take_lock
+    from tensorsocket.endpoints import resolve, runtime_dir
+
+    target = tmp_path / "precious"
+    if target_exists:
+        target.write_text("keep me")
+    endpoint = resolve(name)
+    for link in (runtime_dir() / f"{name}.lock", share_lock_path(endpoint)):
+        link.symlink_to(target)
+        try:
+            with pytest.raises(PermissionError, match=rf"{link} is a symbolic link.*rm {link}"):
+                if link == endpoint.lock_path:
+                    TensorProducer([torch.zeros(2)], name=name, min_consumers=0)
+                else:
+                    take_lock(link, None)
+            assert link.is_symlink()
+            assert target.read_text() == "keep me" if target_exists else not target.exists()
+        finally:
+            link.unlink()
+
+
 def test_close_from_another_thread_interrupts_a_waiting_call(name):
     """close() while another thread waits in the ring: that call raises, nothing crashes."""
     loader = [torch.zeros(4)] * 3

@@ -1,5 +1,5 @@
-"""Faults in real processes: SIGKILL and SIGSTOP of either role, /dev/shm too small,
-random kills. Each test adds a row to the fault table (what was done, how long detection
+"""Faults in real processes: SIGKILL and SIGSTOP of either role, SIGTERM of the producer,
+/dev/shm too small, files planted in /dev/shm, random kills. Each test adds a row to the fault table (what was done, how long detection
 took, what the survivors saw, what was left behind); `python -m pytest tests/test_faults.py
 --fault-table docs/faults.md` writes it."""
 
@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
 import torch
 
 from conftest import shm_segments
-from tensorsocket import SharedMemoryTooSmall, TensorProducer
+from tensorsocket import SharedMemoryTooSmall, TensorConsumer, TensorProducer, TensorSocketError
 from tensorsocket import _core
 from tensorsocket.endpoints import resolve, runtime_dir
 
@@ -118,10 +119,11 @@ def test_consumer_sigstopped_is_detached_by_the_lag_policy(procs, name, fault_ta
                     "on SIGCONT", left)
 
 
-def _kill_producer_after_first_delivery(procs, name: str, *consumer_args: str,
-                                       settle: float) -> tuple[dict, float]:
-    """SIGKILL a producer (which sleeps after its first batch) `settle` s after a consumer
-    took that batch: (the consumer's result, seconds from the kill to its exception)."""
+def _kill_producer_after_first_delivery(procs, name: str, *consumer_args: str, settle: float,
+                                       sig: int = signal.SIGKILL) -> tuple[dict, float]:
+    """Send `sig` to a producer (which sleeps after its first batch) `settle` s after a
+    consumer took that batch: (the consumer's result, seconds from the kill to its
+    exception)."""
     prod = procs.start("producer", "--name", name, "--batches", "5", "--kind", "tuple",
                        "--delay", "3600")
     pid = procs.wait_ready(prod)["pid"]
@@ -129,8 +131,9 @@ def _kill_producer_after_first_delivery(procs, name: str, *consumer_args: str,
     _wait_for_delivery(name, pid, c.pid)
     time.sleep(settle)
     t0 = time.monotonic()
-    prod.kill()
+    prod.send_signal(sig)
     r = procs.result(c)
+    assert prod.wait(timeout=30) == -sig  # it dies of the signal, whatever it removed first
     return r, r["ended_at"] - t0
 
 
@@ -166,6 +169,18 @@ def test_producer_sigkilled_while_a_consumer_holds_a_batch(procs, name, fault_ta
     fault_table.add("producer SIGKILLed while a consumer holds a batch",
                     f"{took:.2f} s (at its next batch request, after its 2 s step)",
                     "the held batch stays valid; ProducerGone at the next request", left)
+
+
+def test_producer_sigtermed_while_a_consumer_waits(procs, name, fault_table):
+    """SIGTERM on a producer script (not started by share()) removes its segment, socket
+    and lock before it dies of the signal; its consumer sees it gone as after SIGKILL."""
+    r, took = _kill_producer_after_first_delivery(procs, name, settle=0.2, sig=signal.SIGTERM)
+    assert r["outcome"].startswith("ProducerGone") and took < 5.0
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("producer (a plain script) SIGTERMed while a consumer waits for a batch",
+                    f"{took:.2f} s (ProducerGone raised)",
+                    "ProducerGone; the producer removed its files, then died of SIGTERM", left)
 
 
 def test_shm_too_small_fails_at_start_naming_the_knob(name, fault_table):
@@ -245,3 +260,120 @@ def test_consumer_process_fds_return_to_baseline_after_producer_crash(procs, nam
     time.sleep(0.2)  # zmq's I/O thread closes its sockets asynchronously
     assert len(os.listdir(fd_dir)) <= before
     assert shm_segments(name) == []
+
+
+def _plant(path: str) -> None:
+    """An empty file at path, another user's where we may give it away (root)."""
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    if os.geteuid() == 0:
+        os.chown(path, 65534 if os.getuid() != 65534 else 65533, -1)
+
+
+def test_file_planted_at_the_segment_name_before_the_first_batch(name, fault_table):
+    """Anyone may create the file a producer's ring will have (its name is known from the
+    pid) before its first batch: the ring is then created under that name plus a random
+    tag, consumers attach as usual, and the planted file is left alone (the producer
+    died of FileExistsError before)."""
+    from tensorsocket.status import segments
+
+    base = resolve(name).segment_name(os.getpid())
+    planted = "/dev/shm" + base
+    p = TensorProducer([torch.full((4,), float(i)) for i in range(3)], name=name,
+                       start_timeout=30)
+    got: list = []
+
+    def read() -> None:
+        with TensorConsumer(name=name, timeout=30) as c:
+            got.extend(int(b[0]) for b in c)
+
+    try:
+        _plant(planted)
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert sum(1 for _ in p) == 3
+        reader.join(30)
+        assert got == [0, 1, 2]
+        ring = p.ring.info()["name"]
+        assert ring.startswith(base + ".") and len(ring) == len(base) + 9
+        assert (ring[1:], name, os.getpid()) in segments()  # status and clean see it
+        if os.geteuid() == 0:  # the planted file is another user's: never taken for ours
+            assert base[1:] not in [seg for seg, _, _ in segments()]
+        p.close()
+        assert os.path.exists(planted) and not os.path.exists("/dev/shm" + ring)
+        left = _left_behind(name)
+        assert left == base[1:]
+    finally:
+        p.close()
+        if os.path.exists(planted):
+            os.unlink(planted)
+    fault_table.add("a file planted at the producer's segment name before its first batch",
+                    "- (the name is taken: the ring is created under it plus a random tag)",
+                    "every batch once, in order",
+                    "the planted file (not the producer's to remove)")
+
+
+def test_every_segment_name_taken_is_an_error_naming_the_files(name, monkeypatch,
+                                                                fault_table):
+    """The producer tries a few names; when a planter took them all (here the random tags
+    are made predictable), the first batch raises an error naming the files."""
+    import tensorsocket.producer as producer_module
+
+    monkeypatch.setattr(producer_module.secrets, "token_hex", lambda n: "0badc0de")
+    base = resolve(name).segment_name(os.getpid())
+    taken = ["/dev/shm" + base, f"/dev/shm{base}.0badc0de"]
+    p = TensorProducer([torch.zeros(4)], name=name, min_consumers=0)
+    try:
+        for path in taken:
+            _plant(path)
+        t0 = time.monotonic()
+        with pytest.raises(TensorSocketError, match="ls -l /dev/shm") as e:
+            for _ in p:
+                pass
+        took = time.monotonic() - t0
+        assert all(path in str(e.value) for path in taken)
+        assert all(os.path.exists(path) for path in taken)
+    finally:
+        p.close()
+        for path in taken:
+            if os.path.exists(path):
+                os.unlink(path)
+    assert _left_behind(name) == "nothing"
+    fault_table.add("every segment name the producer tries is taken by planted files",
+                    f"{took:.2f} s (TensorSocketError at the first batch)",
+                    "an error naming the files and how to find their owner",
+                    "the planted files (not the producer's to remove)")
+
+
+def test_files_with_names_no_producer_makes_are_ignored(name, fault_table):
+    """Files in /dev/shm under names no producer makes (a pid out of range or no number),
+    and links or directories under a producer's name, are not segments: status, clean and
+    a producer of the name pass them by (an out-of-range pid was an OverflowError in all
+    three) and never remove them."""
+    from tensorsocket import clean, status
+
+    prefix = f"/dev/shm/tensorsocket-{os.getuid()}-{name}-"
+    files = [prefix + "9" * 23, prefix + "abc", prefix + str((1 << 22) + 1)]  # PID_MAX_LIMIT + 1
+    link, folder = prefix + "4194001", prefix + "4194002"
+    try:
+        for path in files:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.symlink("/dev/null", link)
+        os.mkdir(folder, 0o700)
+        assert [seg for seg in status.segments() if seg[1] == name] == []
+        assert [o for o in status.other_users(name)] == []
+        assert [item for item in clean.leftovers() if item.name == name] == []
+        p = TensorProducer([torch.zeros(4)], name=name, min_consumers=0)
+        assert sum(1 for _ in p) == 1
+        p.close()
+        assert all(os.path.lexists(path) for path in files + [link, folder])
+    finally:
+        for path in files + [link]:
+            if os.path.lexists(path):
+                os.unlink(path)
+        if os.path.isdir(folder):
+            os.rmdir(folder)
+    fault_table.add("files in /dev/shm under names no producer makes (pid 99...9 or abc), "
+                    "links and directories under a producer's name",
+                    "- (names and file types are checked before a segment is opened)",
+                    "status, top, clean and producers of the name pass them by",
+                    "the planted files (never removed)")

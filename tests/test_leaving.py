@@ -1,7 +1,11 @@
-"""A consumer that leaves while it still holds a batch, then exits without freeing it."""
+"""Leaving: a consumer that leaves while it still holds a batch, then exits without
+freeing it; a producer script stopped with SIGTERM."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -9,8 +13,9 @@ import threading
 
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, shm_segments
 from tensorsocket import TensorConsumer, TensorProducer
+from tensorsocket.endpoints import runtime_dir
 
 HOLD_AND_EXIT = textwrap.dedent("""
     import os, sys
@@ -51,3 +56,113 @@ def test_consumer_exiting_after_bye_with_a_held_batch_does_not_stall_the_ring(na
         thread.join(60)
         producer.close()
     assert not thread.is_alive() and errors == []
+
+
+# A plain producer script (not share()): it says where its files are once its ring exists,
+# then publishes until it is stopped. argv: name, what to do before the producer starts.
+PRODUCER_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import torch
+    from tensorsocket import TensorProducer
+    name, setup = sys.argv[1], sys.argv[2]
+    if setup == "own-handler":
+        def stop(signum, frame):
+            raise SystemExit(3)
+        signal.signal(signal.SIGTERM, stop)
+    p = TensorProducer([torch.zeros(4)] * 1000000, name=name, min_consumers=0)
+    for i, _ in enumerate(p):
+        if i == 0:
+            out = {"segment": p.ring.info()["name"],
+                   "files": [str(p.endpoint.lock_path), str(p.endpoint.socket_path)]}
+            if setup == "fork":
+                # A child of the producer's process (a loader worker, say) that dies of
+                # SIGTERM leaves its parent's files alone.
+                child = os.fork()
+                if child == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    os._exit(7)  # not reached: the signal ends the child
+                _, status = os.waitpid(child, 0)
+                out["child_signal"] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+                out["kept"] = all(os.path.exists(f) for f in
+                                  out["files"] + ["/dev/shm" + out["segment"]])
+            print(json.dumps(out), flush=True)
+        time.sleep(0.01)
+""")
+
+
+def _start_producer_script(name: str, setup: str) -> tuple[subprocess.Popen, dict]:
+    """The producer script and its first report (its ring exists then)."""
+    proc = subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, name, setup], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=30)
+        raise AssertionError(f"the producer script failed: {proc.stderr.read()}")
+    return proc, json.loads(line)
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """SIGTERM the script; its exit status."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    return proc.returncode
+
+
+def _left(name: str) -> list[str]:
+    """What of producer `name` is in /dev/shm and the runtime directory."""
+    return shm_segments(name) + sorted(p.name for p in runtime_dir().glob(name + ".*"))
+
+
+def test_sigterm_on_a_producer_script_removes_its_files(name):
+    """SIGTERM on a plain TensorProducer script removes its segment, socket and lock file,
+    and the process still dies of SIGTERM (before, all three were left behind)."""
+    proc, report = _start_producer_script(name, "default")
+    assert _left(name) == [report["segment"][1:], f"{name}.lock", f"{name}.sock"]
+    assert _stop(proc) == -signal.SIGTERM
+    assert _left(name) == []
+
+
+def test_sigterm_handler_of_the_program_is_kept(name):
+    """A SIGTERM handler the script installed is not replaced: it runs (here it exits 3)
+    and the producer is torn down as the interpreter exits."""
+    proc, _ = _start_producer_script(name, "own-handler")
+    assert _stop(proc) == 3
+    assert _left(name) == []
+
+
+def test_sigterm_on_a_forked_child_leaves_the_producers_files(name):
+    """A forked child inherits the handler but owns none of the producer's files: it dies
+    of SIGTERM and the parent's segment, socket and lock stay."""
+    proc, report = _start_producer_script(name, "fork")
+    assert report["child_signal"] == signal.SIGTERM and report["kept"] is True
+    assert _stop(proc) == -signal.SIGTERM
+    assert _left(name) == []
+
+
+def test_sigterm_handler_only_from_the_main_thread_over_the_default(name):
+    """The handler is installed by a producer the main thread creates, over the default
+    action only, and the default comes back once the last producer is closed."""
+    from tensorsocket.producer import _on_sigterm
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        p = TensorProducer([torch.zeros(2)], name=name, min_consumers=0)
+        assert signal.getsignal(signal.SIGTERM) is _on_sigterm
+        p.close()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        made: list = []
+        t = threading.Thread(target=lambda: made.append(
+            TensorProducer([torch.zeros(2)], name=name, min_consumers=0)))
+        t.start()
+        t.join(30)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        made[0].close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        p = TensorProducer([torch.zeros(2)], name=name, min_consumers=0)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        p.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

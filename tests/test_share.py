@@ -426,6 +426,31 @@ def test_attaches_to_a_running_producer_without_starting_one(rt, name):
     assert_nothing_left(rt, name)
 
 
+def test_a_producer_named_x_share_and_share_of_x_run_at_once(rt, name):
+    """share(name=x)'s election lock is no producer's name lock: a producer named
+    "x.share" held x.share.lock for its whole life, and share(name=x) waited for that lock
+    until its timeout. Both run now, each with its own files."""
+    import threading
+
+    other = tensorsocket.TensorProducer([torch.full((2,), float(i)) for i in range(3)],
+                                        name=f"{name}.share", start_timeout=30)
+    t = threading.Thread(target=lambda: [None for _ in other], daemon=True)
+    t.start()
+    try:
+        c = tensorsocket.share(DataLoader(TensorDataset(torch.arange(6)), batch_size=2),
+                               name=name, epochs=1, timeout=10)
+        assert c.started_producer and c.producer_pid != os.getpid()
+        with TensorConsumer(name=f"{name}.share", timeout=10) as reader:
+            assert [int(b[0]) for b in reader] == [0, 1, 2]
+        assert [b.tolist() for (b,) in c] == [[0, 1], [2, 3], [4, 5]]
+        c.close()
+    finally:
+        t.join(10)
+        other.close()
+    wait_gone(c.producer_pid, 10)
+    assert_nothing_left(rt, name)
+
+
 def test_stale_producer_serving_other_data_is_refused(rt, name):
     """A producer left idling by an earlier run (another dataset length or type) is not
     silently used: share() names what differs, the pid and the way out."""
