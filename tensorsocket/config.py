@@ -299,12 +299,6 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             _parse_seconds),
     Setting("park_hold", "park_hold", "TENSORSOCKET_PARK_HOLD", "producer", 10.0, "10",
             "a number of seconds >= 0",
-            "seconds the producer keeps an epoch's first batch for consumers that stopped "
-            "between epochs (a job in its validation loop), so that jobs alternating loaders "
-            "read the same epochs; 0 never waits",
-            _parse_seconds),
-    Setting("park_hold", "park_hold", "TENSORSOCKET_PARK_HOLD", "producer", 10.0, "10",
-            "a number of seconds >= 0",
             "seconds a consumer that stopped between epochs (its job runs another loader, "
             "e.g. validation) keeps its place in the ring while other consumers read, so "
             "that jobs alternating loaders read the same epochs; 0 keeps no place",
