@@ -119,8 +119,12 @@ def procs():
     ps.kill_all()
 
 
+# The test files that add rows to the fault table (docs/faults.md).
+FAULT_TABLE_FILES = ("tests/test_faults.py", "tests/test_fork.py", "tests/test_kept_batches.py")
+
+
 class FaultTable:
-    """Rows of the fault table, filled by tests/test_faults.py."""
+    """Rows of the fault table, filled by the tests of FAULT_TABLE_FILES."""
 
     HEADER = ("| fault | detection | what the others saw | left behind |\n"
               "|---|---|---|---|\n")
@@ -137,7 +141,8 @@ class FaultTable:
         lines = [f"| {' | '.join(row)} |" for row in self.rows]
         return (
             "# Fault table\n\n"
-            "Written by `python -m pytest tests/test_faults.py --fault-table docs/faults.md`"
+            f"Written by `python -m pytest {' '.join(FAULT_TABLE_FILES)} "
+            "--fault-table docs/faults.md`"
             f" on a {os.cpu_count()}-CPU {platform.machine()} "
             f"Linux {platform.release()}, Python {platform.python_version()}. Times are "
             "measured by the tests (CLOCK_MONOTONIC) from the fault to its detection.\n\n"
