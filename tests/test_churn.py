@@ -31,7 +31,7 @@ warnings.simplefilter("ignore")          # lag warnings are expected here
 rng = random.Random(seed)
 c = TensorConsumer(name=name, timeout=60, batch_timeout=45)
 kept, epochs, batches = [], 0, 0
-while time.time() < until:
+while epochs == 0 or time.time() < until:
     ids = []
     stop = rng.choice([None, None, rng.randrange(20)])
     for step, batch in enumerate(c):
