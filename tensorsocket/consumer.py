@@ -502,7 +502,7 @@ class TensorConsumer(LoaderSurface):
         if not self._source_done:
             return False
         return self._rebatcher is None or self._rebatcher.drop_last or \
-            self._rebatcher._current is None
+            not self._rebatcher.holding()
 
     def _abandon_epoch(self, epoch: int) -> None:
         """The epoch's iterator was dropped or replaced before StopIteration. An epoch
