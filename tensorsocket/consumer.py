@@ -101,10 +101,12 @@ class TensorConsumer(LoaderSurface):
       drop_last: drop the last batch of an epoch if it has fewer than
         batch_size samples (as DataLoader(drop_last=True)).
       name / address: rendezvous, as for TensorProducer (env).
-      timeout: seconds to wait for the producer to answer (default 60; None:
-        forever); then ProducerNotFound (env).
-      batch_timeout: seconds to wait for one batch (None, the default: as
-        long as the producer lives); then TimeoutError (env).
+      timeout: seconds to wait for the producer to answer (default 60; None
+        or float('inf'): forever; NaN or a negative number is refused); then
+        ProducerNotFound, or ProducerFailed at once if the producer died
+        first (env).
+      batch_timeout: seconds to wait for one batch (None, the default, or
+        float('inf'): as long as the producer lives); then TimeoutError (env).
       copy: deliver private, writable copies instead of views.
       with_index: yield (batch_index, batch) pairs; batch_index counts the
         batches of the current epoch from 0.
