@@ -8,12 +8,8 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 
-import pytest
-
-from conftest import ROOT
 
 LOADER_BATCHES = 40
 LOADER_BS = 16
@@ -78,11 +74,6 @@ print(json.dumps({"ids": ids, "sizes": sizes, "timeouts": timeouts,
 """
 
 
-def _start(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
-
-
 def _line(p: subprocess.Popen, timeout: float = 60) -> str:
     """The process's next stdout line (fails if it ends or says nothing in time)."""
     import selectors
@@ -111,42 +102,27 @@ def _check_every_sample_once(result: dict) -> None:
     assert result["sizes"] == [12] * (SAMPLES // 12) + [SAMPLES % 12]
 
 
-@pytest.fixture
-def started():
-    """Processes of one test, killed if still running at its end."""
-    ps: list[subprocess.Popen] = []
-    yield ps
-    for p in ps:
-        if p.poll() is None:
-            p.kill()
-        p.communicate(timeout=30)
-
-
-def test_batch_timeout_caught_in_the_loop_loses_no_sample(name, started):
+def test_batch_timeout_caught_in_the_loop_loses_no_sample(procs, name):
     """Every third loader batch comes 0.3 s late and batch_timeout is 0.05 s: the loop
     sees TimeoutErrors, mostly while half of its next batch is already taken."""
-    prod = _start(PRODUCER, name, "0.3", "-")
-    started.append(prod)
+    prod = procs.script(PRODUCER, name, "0.3", "-")
     assert _line(prod) == "ready\n"
-    cons = _start(CONSUMER, name, "0.05")
-    started.append(cons)
+    cons = procs.script(CONSUMER, name, "0.05")
     result = json.loads(_finish(cons).splitlines()[-1])
     _finish(prod)
     assert result["timeouts"] > 0  # (each late batch is 0.3 s late: a wait of 0.05 s ends)
     _check_every_sample_once(result)
 
 
-def test_keyboard_interrupt_during_the_wait_loses_no_sample(name, started, tmp_path):
+def test_keyboard_interrupt_during_the_wait_loses_no_sample(procs, name, tmp_path):
     """The consumer has its first batch of 12 (4 samples of loader batch 0 are left) and
     waits for loader batch 1, which the producer holds back; a SIGINT there raises
     KeyboardInterrupt in the consumer, whose loop goes on. Whenever the signal lands, no
     entry can be taken meanwhile, so nothing is in flight outside the consumer's state."""
     gate = tmp_path / "gate"
-    prod = _start(PRODUCER, name, "0", str(gate))
-    started.append(prod)
+    prod = procs.script(PRODUCER, name, "0", str(gate))
     assert _line(prod) == "ready\n"
-    cons = _start(CONSUMER, name, "1000")
-    started.append(cons)
+    cons = procs.script(CONSUMER, name, "1000")
     assert json.loads(_line(cons)) == {"got": 1}
     time.sleep(0.2)  # not needed for correctness: it only makes the wait the likely spot
     cons.send_signal(signal.SIGINT)

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from conftest import ROOT
 from tensorsocket import (
     ProducerFailed,
     ProducerFinished,
@@ -49,6 +47,7 @@ def batches():
     if mode in ("fail-first", "empty"):
         until(lambda: producer._server._waiting, "no consumer said hello")
     if mode == "fail-first":
+        print(f"raising at {time.monotonic()}", flush=True)  # CLOCK_MONOTONIC
         raise ValueError("no such file: /data/train.tar")
     if mode == "empty":
         return
@@ -56,6 +55,7 @@ def batches():
         until(lambda: False, "the test never killed the producer")
     for b in range(10):
         if mode == "fail-mid" and b == 5:
+            print(f"raising at {time.monotonic()}", flush=True)  # CLOCK_MONOTONIC
             raise RuntimeError("corrupt record in shard 5")
         if mode == "stall" and b == 2:
             until(lambda: False, "the test never killed the producer")
@@ -78,31 +78,18 @@ producer.join(timeout=60)
 """
 
 
-def _start(name: str, mode: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", PRODUCER, name, mode], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+def _start(procs, name: str, mode: str) -> subprocess.Popen:
+    p = procs.script(PRODUCER, name, mode)
     line = p.stdout.readline()
     assert line == "ready\n", p.communicate(timeout=30)
     return p
 
 
-@pytest.fixture
-def started():
-    """Producer processes of one test, killed if still running at its end."""
-    ps: list[subprocess.Popen] = []
-    yield ps
-    for p in ps:
-        if p.poll() is None:
-            p.kill()
-        p.communicate(timeout=30)
-
-
-def test_loader_error_before_the_first_batch_reaches_a_waiting_consumer(name, started):
+def test_loader_error_before_the_first_batch_reaches_a_waiting_consumer(procs, name):
     """The loader raises before its first batch while a consumer waits for the ring: the
     consumer gets ProducerFailed with the error at once, not ProducerNotFound after its
     whole timeout."""
-    prod = _start(name, "fail-first")
-    started.append(prod)
+    prod = _start(procs, name, "fail-first")
     t0 = time.monotonic()
     with pytest.raises(ProducerFailed) as e:
         TensorConsumer(name=name, timeout=30)
@@ -114,11 +101,10 @@ def test_loader_error_before_the_first_batch_reaches_a_waiting_consumer(name, st
     assert prod.returncode == 1 and "ValueError: no such file" in err
 
 
-def test_producer_closing_before_its_first_batch_ends_a_waiting_consumer(name, started):
+def test_producer_closing_before_its_first_batch_ends_a_waiting_consumer(procs, name):
     """An empty loader: the producer closes without a batch; the consumer that waits is
     told so (ProducerFinished), not left to wait for its timeout."""
-    prod = _start(name, "empty")
-    started.append(prod)
+    prod = _start(procs, name, "empty")
     t0 = time.monotonic()
     with pytest.raises(ProducerFinished, match="closed before publishing its first batch"):
         TensorConsumer(name=name, timeout=30)
@@ -127,12 +113,11 @@ def test_producer_closing_before_its_first_batch_ends_a_waiting_consumer(name, s
     assert prod.returncode == 0
 
 
-def test_producer_killed_before_its_first_batch(name, started):
+def test_producer_killed_before_its_first_batch(procs, name):
     """A producer that took its name and is killed before its first batch: the waiting
     consumer says so within a second or so, naming the pid, whether the kill came
     before or after the consumer started waiting."""
-    prod = _start(name, "block")
-    started.append(prod)
+    prod = _start(procs, name, "block")
     raised: list[BaseException] = []
 
     def attach() -> None:
@@ -159,14 +144,13 @@ def test_producer_killed_before_its_first_batch(name, started):
     ("fail-mid", "RuntimeError: corrupt record in shard 5"),
     ("loop-fail", "KeyError: 'label 7 has no class'"),
 ])
-def test_failure_mid_run_is_no_normal_end(name, started, mode, cause):
+def test_failure_mid_run_is_no_normal_end(procs, name, mode, cause):
     """The loader, or the loop that runs the producer, raises after 5 batches: the
     consumer receives those 5, then ProducerFailed (a ProducerGone, not a
     ProducerFinished) with the producer's error. (When the producer's own loop raises,
     its epoch iterator is dropped first, which ends the epoch as a break does: the
     consumer's epoch ends after the 5 batches, and its next one raises.)"""
-    prod = _start(name, mode)
-    started.append(prod)
+    prod = _start(procs, name, mode)
     epochs: list[list[int]] = []
     with TensorConsumer(name=name, timeout=30) as c:
         with pytest.raises(ProducerFailed) as e:
@@ -182,11 +166,10 @@ def test_failure_mid_run_is_no_normal_end(name, started, mode, cause):
     assert prod.returncode == 1
 
 
-def test_producer_killed_mid_run_is_a_failure_without_cause(name, started):
+def test_producer_killed_mid_run_is_a_failure_without_cause(procs, name):
     """A producer process killed mid-run: the consumer keeps the batches it has, then
     ProducerFailed (a ProducerGone; the cause is unknown) says to create a new one."""
-    prod = _start(name, "stall")
-    started.append(prod)
+    prod = _start(procs, name, "stall")
     with TensorConsumer(name=name, timeout=30) as c:
         it = iter(c)
         first, second = next(it), next(it)
