@@ -5,6 +5,7 @@ producer processes; the consumer runs in the test process."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
@@ -212,3 +213,42 @@ def test_a_producer_in_process_failing_reports_its_error(name):
     t.join(30)
     assert got == [0.0, 1.0] and len(outcome) == 1
     assert e.value.cause.startswith("OSError: disk went away")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_lock_file_of_an_earlier_run_is_waited_past(name):
+    """A dead producer's lock file older than this process (a leftover of an earlier
+    run) does not end the wait: a new producer may be on its way. The timeout's
+    ProducerNotFound mentions it."""
+    from tensorsocket import ProducerNotFound
+    from tensorsocket.endpoints import resolve
+
+    lock = resolve(name).lock_path
+    pid = _dead_pid()
+    lock.write_text(str(pid))
+    long_ago = time.time() - 10 * 24 * 3600
+    os.utime(lock, (long_ago, long_ago))
+    t0 = time.monotonic()
+    with pytest.raises(ProducerNotFound) as e:
+        TensorConsumer(name=name, timeout=1.5)
+    assert time.monotonic() - t0 >= 1.5
+    assert f"(pid {pid}) took it" in str(e.value) and "no longer running" in str(e.value)
+
+
+def test_lock_file_of_a_producer_that_just_died_ends_the_wait(name):
+    """A dead producer's lock file written since this process started, within the
+    timeout: that producer was started for this consumer and died."""
+    from tensorsocket.endpoints import resolve
+
+    lock = resolve(name).lock_path
+    pid = _dead_pid()
+    lock.write_text(str(pid))
+    t0 = time.monotonic()
+    with pytest.raises(ProducerFailed, match=f"pid {pid}"):
+        TensorConsumer(name=name, timeout=30)
+    assert time.monotonic() - t0 < 10
