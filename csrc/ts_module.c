@@ -1030,12 +1030,27 @@ static PyObject *Ring_wait_released(RingObject *self, PyObject *args)
     return PyBool_FromLong(rc == 0);
 }
 
-/* Ring.finish(): no more entries; wake every consumer. */
-static PyObject *Ring_finish(RingObject *self, PyObject *Py_UNUSED(ignored))
+/* Ring.finish(failure=None): no more entries; wake every consumer. failure: why the
+ * producer failed, for the consumers to read with failure() (None: a normal end). */
+static PyObject *Ring_finish(RingObject *self, PyObject *args)
 {
+    const char *failure = NULL;
+    if (!PyArg_ParseTuple(args, "|z:finish", &failure)) return NULL;
     if (ts_role_check(self, 1) < 0) return NULL;
-    ts_ring_finish(self->ring);
+    if (failure != NULL && failure[0] != '\0')
+        ts_ring_fail(self->ring, failure);
+    else
+        ts_ring_finish(self->ring);
     Py_RETURN_NONE;
+}
+
+/* Ring.failure() -> str or None: why the producer failed, once the ring is finished. */
+static PyObject *Ring_failure(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_ring_check(self) < 0) return NULL;
+    char buf[TS_FAILURE_BYTES];
+    if (!ts_ring_failure(self->ring, buf)) Py_RETURN_NONE;
+    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
 }
 
 /* Ring.bind(index, token): make this handle the given consumer. */
@@ -1400,7 +1415,10 @@ static PyMethodDef Ring_methods[] = {
      "Wait until n consumers are active."},
     {"wait_drained", (PyCFunction)Ring_wait_drained, METH_VARARGS,
      "Wait until the consumers read everything published."},
-    {"finish", (PyCFunction)Ring_finish, METH_NOARGS, "Mark the ring finished."},
+    {"finish", (PyCFunction)Ring_finish, METH_VARARGS,
+     "Mark the ring finished (with the producer's failure, if it failed)."},
+    {"failure", (PyCFunction)Ring_failure, METH_NOARGS,
+     "Why the producer failed, once the ring is finished; None after a normal end."},
     {"bind", (PyCFunction)Ring_bind, METH_VARARGS, "Bind to a consumer entry."},
     {"acquire", (PyCFunction)Ring_acquire, METH_VARARGS, "Take the next entry."},
     {"consumers", (PyCFunction)Ring_consumers, METH_NOARGS, "The consumer table."},

@@ -962,6 +962,28 @@ void ts_ring_finish(ts_ring *ring)
     ts_futex_wake_all(&h->pub_word);
 }
 
+/* Finish because the producer failed; the text first, so that whoever sees FINISHED
+ * (the store in ts_ring_finish is sequentially consistent) sees the text too. */
+void ts_ring_fail(ts_ring *ring, const char *why)
+{
+    ts_header *h = ring->hdr;
+    size_t n = strnlen(why, TS_FAILURE_BYTES - 1);
+    memcpy(h->failure, why, n);
+    h->failure[n] = '\0';
+    ts_ring_finish(ring);
+}
+
+/* The producer's failure text, once the ring is finished (see ts_ring.h). The text
+ * comes from shared memory: it is copied and terminated here whatever it holds. */
+int ts_ring_failure(const ts_ring *ring, char *buf)
+{
+    const ts_header *h = ring->hdr;
+    if (atomic_load_explicit(&h->state, memory_order_acquire) != TS_RING_FINISHED) return 0;
+    memcpy(buf, h->failure, TS_FAILURE_BYTES);
+    buf[TS_FAILURE_BYTES - 1] = '\0';
+    return buf[0] != '\0';
+}
+
 /* ==========================================================================
  * Consumer
  * ========================================================================== */

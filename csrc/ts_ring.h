@@ -44,13 +44,15 @@
 #include "ts_fault.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
-#define TS_LAYOUT_VERSION 3
+#define TS_LAYOUT_VERSION 4
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_NDIM 16
 #define TS_SEQ_NONE UINT64_MAX
 #define TS_DATA_ALIGN 64
 /* Set in a consumer's cursor by the producer when it takes the consumer off. */
 #define TS_CURSOR_DETACHED (1ULL << 63)
+/* Room for the text of a producer's failure (header.failure), NUL included. */
+#define TS_FAILURE_BYTES 1024
 
 /* Ring states (header.state). */
 enum { TS_RING_OPEN = 1, TS_RING_FINISHED = 2 };
@@ -164,6 +166,10 @@ typedef struct ts_header {
 
     ts_consumer consumers[TS_MAX_CONSUMERS];
     ts_importer importers[TS_MAX_CONSUMERS]; /* CUDA rings: who maps the device pool */
+
+    /* Why the producer stopped, if it failed (its loader raised, say): UTF-8, NUL
+     * terminated, written before state becomes FINISHED; empty after a normal end. */
+    char failure[TS_FAILURE_BYTES];
 } ts_header;
 
 /* CUDA rings: the IPC handles of one slot's device memory and event,
@@ -324,6 +330,14 @@ ts_status ts_ring_wait_released(ts_ring *ring, uint64_t deadline, ts_err *err);
 
 /* Mark the ring finished and wake every consumer. */
 void ts_ring_finish(ts_ring *ring);
+
+/* Finish the ring because the producer failed: `why` (cut to TS_FAILURE_BYTES - 1
+ * bytes) is stored for the consumers first (ts_ring_failure). */
+void ts_ring_fail(ts_ring *ring, const char *why);
+
+/* If the ring is finished and its producer failed, copy the failure's text into buf
+ * (TS_FAILURE_BYTES bytes, NUL terminated) and return 1; else return 0. */
+int ts_ring_failure(const ts_ring *ring, char *buf);
 
 /* ---- consumer -------------------------------------------------------------- */
 

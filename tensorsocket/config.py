@@ -25,6 +25,7 @@ environment.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import sys
@@ -168,6 +169,30 @@ def _parse_positive_timeout(text: str) -> float | None:
         raise ValueError("0 is refused: the producer would end whenever no consumer is "
                          "attached, even before the first one attaches; use `none` for never")
     return value
+
+
+# Parsers of settings in seconds whose arguments are checked by the parser too (see
+# _check_seconds_argument), so that an argument and the variable accept the same values.
+_SECONDS_PARSERS: tuple[Callable[[str], Any], ...] = (_parse_timeout,)
+
+
+def _check_seconds_argument(setting: "Setting", value: Any) -> Any:
+    """A seconds argument (a timeout), checked by its variable's parser: infinity means
+    forever (None), as the variable's `inf` does; NaN and negative numbers are refused
+    with the argument and the variable named."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{setting.argument}= takes a number of seconds, or None (wait "
+                        f"forever), not {value!r}")
+    try:
+        parsed = setting.parse(repr(float(value)))
+    except ValueError as e:
+        raise ValueError(
+            f"{setting.argument}={value!r} is not valid: it takes {setting.accepts} ({e}), "
+            f"as its variable {setting.env} does; None or float('inf') waits forever"
+        ) from None
+    return None if parsed is None else value
 
 
 def _parse_seconds(text: str) -> float:
@@ -379,11 +404,15 @@ def lookup(key: str, value: Any = UNSET,
     """(value, source) of setting `key` for argument `value`.
 
     source is "argument", "environment" or "default"; see the module
-    docstring for the rule. Raises KeyError for an unknown key and
-    ValueError for a bad environment value.
+    docstring for the rule. Raises KeyError for an unknown key, ValueError
+    for a bad environment value or timeout argument (NaN, negative), TypeError
+    for a timeout argument that is no number; an infinite timeout argument
+    comes back as None (forever).
     """
     setting = SETTINGS[key]
     if setting.given(value):
+        if setting.parse in _SECONDS_PARSERS:
+            value = _check_seconds_argument(setting, value)
         return value, "argument"
     env = setting.from_env(environ)
     if env is not UNSET:
@@ -477,6 +506,10 @@ counts as not given too (their `None` only means "automatic"), so a wrapper that
 whatever the environment says. For {chosen}, `None` is a choice of its own (the timeouts:
 wait forever; `max_lag=`: lossless): an explicit `None` wins over the environment, which
 spells that choice `none` (`inf` and `forever` are accepted for the timeouts too).
+
+A timeout argument is checked as its variable is: `float('inf')` waits forever, as `None`
+does; NaN and negative numbers are refused with a `ValueError` naming the argument and
+its variable.
 
 {markdown_table()}
 Notes:

@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from . import _core, config
+from ._producer_watch import ProducerWatch
 from .config import UNSET, Unset
 from .control import ControlClient
 from .endpoints import resolve
@@ -24,6 +25,7 @@ from .errors import (
     GPUFallbackWarning,
     GPUUnavailable,
     LagWarning,
+    ProducerFailed,
     ProducerFinished,
     ProducerGone,
     TensorSocketError,
@@ -108,10 +110,12 @@ class TensorConsumer(LoaderSurface):
       drop_last: drop the last batch of an epoch if it has fewer than
         batch_size samples (as DataLoader(drop_last=True)).
       name / address: rendezvous, as for TensorProducer (env).
-      timeout: seconds to wait for the producer to answer (default 60; None:
-        forever); then ProducerNotFound (env).
-      batch_timeout: seconds to wait for one batch (None, the default: as
-        long as the producer lives); then TimeoutError (env).
+      timeout: seconds to wait for the producer to answer (default 60; None
+        or float('inf'): forever; NaN or a negative number is refused); then
+        ProducerNotFound, or ProducerFailed at once if the producer died
+        first (env).
+      batch_timeout: seconds to wait for one batch (None, the default, or
+        float('inf'): as long as the producer lives); then TimeoutError (env).
       copy: deliver private, writable copies instead of views.
       with_index: yield (batch_index, batch) pairs; batch_index counts the
         batches of the current epoch from 0.
@@ -263,9 +267,14 @@ class TensorConsumer(LoaderSurface):
         self._pid = os.getpid()  # the process this consumer reads in (a fork's child may not)
         self._context = zmq.Context()
         self._client = ControlClient(self._context, self.endpoint.address, answer_wait)
+        # The name's lock file tells of a producer that died before answering; an address
+        # given explicitly may belong to a producer of another name.
+        watch = ProducerWatch(self.endpoint, answer_wait) \
+            if port is not None or address is None else None
         ring = None
         try:
-            welcome = self._client.hello(batch_size, group, self.rank, self.world_size)
+            welcome = self._client.hello(batch_size, group, self.rank, self.world_size,
+                                         watch=watch)
             ring = _core.Ring.open(welcome["segment"])
             ring.bind(welcome["consumer"], welcome["token"])
             # Whole epochs need an epoch length: a loader without len() may be an endless
@@ -526,7 +535,7 @@ class TensorConsumer(LoaderSurface):
         if not self._source_done:
             return False
         return self._rebatcher is None or self._rebatcher.drop_last or \
-            self._rebatcher._current is None
+            not self._rebatcher.holding()
 
     def _abandon_epoch(self, epoch: int) -> None:
         """The epoch's iterator was dropped or replaced before StopIteration. An epoch
@@ -721,6 +730,10 @@ class TensorConsumer(LoaderSurface):
             try:
                 return self._acquire_slot()
             except ProducerFinished:
+                failure = self._ring.failure()
+                if failure is not None:
+                    self._in_epoch = False
+                    raise _failed(self._ring, self.endpoint.address, failure) from None
                 if self._epoch_pulled > 0 and self._after_end_marker:
                     # A late joiner's epoch spans two producer epochs, and the producer
                     # stopped after the first of them. End the epoch with what came.
@@ -742,9 +755,9 @@ class TensorConsumer(LoaderSurface):
                     f"the producer finished after {self.epoch} epoch(s) seen by this "
                     "consumer; no more batches will come"
                 ) from None
-            except ProducerGone as e:
-                raise ProducerGone(
-                    f"{e}: no more batches will come from {self.endpoint.address}") from None
+            except ProducerGone:
+                self._in_epoch = False
+                raise _failed(self._ring, self.endpoint.address, None) from None
             except ConsumerDetached as e:
                 if self._closed:  # close() from another thread detached us first
                     raise TensorSocketError(
@@ -852,11 +865,11 @@ class TensorConsumer(LoaderSurface):
     def _attach_again(self) -> int:
         """Take a new place in the same producer's ring (a late joiner); its first seq."""
         info = self._ring.info()
-        if not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
+        failure = self._ring.failure()
+        if failure is not None or \
+                not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
             self._in_epoch = False
-            raise ProducerGone(
-                f"the producer process (pid {info['producer_pid']}) is gone; no more batches "
-                f"will come from {self.endpoint.address}")
+            raise _failed(self._ring, self.endpoint.address, failure)
         if info["state"] == _core.RING_FINISHED:
             self._in_epoch = False
             raise ProducerFinished(
@@ -1102,6 +1115,20 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, infli
     ring.close()
     if not producer_alive:
         _core.Ring.unlink_name(info["name"])
+
+
+def _failed(ring: Any, address: str, cause: str | None) -> ProducerFailed:
+    """The error for a producer that failed (cause: its error, from the ring) or whose
+    process is gone without finishing the ring (cause None)."""
+    pid = ring.info()["producer_pid"]
+    if cause is not None:
+        what = f"the producer (pid {pid}) failed: {cause}"
+    else:
+        what = (f"the producer process (pid {pid}) is gone without finishing: it was killed "
+                "(out of memory?) or crashed; its own output says why")
+    return ProducerFailed(
+        f"{what}. No more batches will come from {address}: this consumer is done; create a "
+        "new TensorConsumer once a producer runs there again", cause=cause)
 
 
 def _samples_or_zero(batch: Any) -> int:

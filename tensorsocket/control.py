@@ -18,7 +18,14 @@ from typing import Any, Callable
 import zmq
 
 from . import _core, protocol
-from .errors import ProducerNotFound, ProtocolError, TensorSocketError, VersionMismatch
+from .errors import (
+    ProducerFailed,
+    ProducerFinished,
+    ProducerNotFound,
+    ProtocolError,
+    TensorSocketError,
+    VersionMismatch,
+)
 
 log = logging.getLogger("tensorsocket")
 
@@ -29,6 +36,7 @@ LIVENESS_INTERVAL = 0.25  # how often the server checks consumer processes
 MAX_ERROR_CHARS = 1000  # error replies stay well inside the protocol's string limit
 LAG_WARN_AFTER = 10.0  # seconds a consumer may hold the others back before a warning
 HELD_WARN_AFTER = 30.0  # seconds the producer may wait for a slot a consumer read and keeps
+FAREWELL_LINGER_MS = 1000  # how long a closing server tries to deliver its farewells
 
 
 @dataclass
@@ -88,6 +96,7 @@ class ControlServer:
         self._waiting: list[tuple[bytes, dict]] = []  # hellos before the ring exists
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._farewell: tuple[str, str] | None = None  # see close()
         self.rejected = 0  # malformed messages seen
         self._held: tuple[int, float, bool] = (-1, 0.0, False)  # (published, since, warned)
         self._handlers = {"hello": self._hello, "ready": self._ready,
@@ -117,7 +126,24 @@ class ControlServer:
         except Exception:  # the thread must never die silently
             log.exception("tensorsocket control thread failed")
         finally:
-            self._sock.close(0)
+            said = self._say_farewell()
+            self._sock.close(FAREWELL_LINGER_MS if said else 0)
+
+    def _say_farewell(self) -> bool:
+        """The producer closes before its ring exists: answer the hellos waiting for it
+        with the farewell error (see close()) rather than leave those consumers waiting
+        out their timeout. Whether any was sent."""
+        if self._farewell is None or self._ring() is not None:
+            return False
+        try:
+            self._drain()  # hellos that came in the meantime
+        except zmq.ZMQError:
+            pass
+        code, message = self._farewell
+        waiting, self._waiting = self._waiting, []
+        for ident, _ in waiting:
+            self._send(ident, "error", code=code, message=message)
+        return bool(waiting)
 
     def _drain(self) -> None:
         """Handle every message waiting on the socket."""
@@ -468,8 +494,11 @@ class ControlServer:
         with self._lock:
             return {p.index: p.batch_size for p in self._peers.values() if not p.parked}
 
-    def close(self) -> None:
-        """Stop the thread; it closes the socket."""
+    def close(self, farewell: tuple[str, str] | None = None) -> None:
+        """Stop the thread; it closes the socket. farewell: (code, message) of the error
+        that consumers still waiting for the ring receive, if there is no ring: code
+        "failed" (message: the producer's error) or "finished" (message: how it ended)."""
+        self._farewell = farewell
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -496,18 +525,20 @@ class ControlClient:
         self.left = False  # bye sent for the current consumer entry
 
     def hello(self, batch_size: int | None, group: str | None = None, rank: int = 0,
-              world_size: int = 1) -> dict:
-        """Send hello; return the welcome, waiting up to the timeout for a producer."""
+              world_size: int = 1, watch: Any = None) -> dict:
+        """Send hello; return the welcome, waiting up to the timeout for a producer.
+        watch: a ProducerWatch, which raises while we wait if the producer died."""
         pid = os.getpid()
         self._sock.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=pid,
                                         start_time=_core.process_start_time(pid),
                                         batch_size=batch_size, group=group, rank=rank,
                                         world_size=world_size))
-        msg = self._receive(self._timeout, "welcome")
+        msg = self._receive(self._timeout, "welcome", watch)
         if msg is None:
             raise ProducerNotFound(
                 f"no tensorsocket producer answered at {self.address} within {self._timeout} s; "
                 "start the producer (same name=/port=) or raise the consumer's timeout="
+                + (watch.note() if watch is not None else "")
             )
         self.consumer, self.token = msg["consumer"], msg["token"]
         self.left = False
@@ -523,8 +554,9 @@ class ControlClient:
             raise ProducerNotFound(f"the producer at {self.address} stopped answering")
         return msg["start_seq"]
 
-    def _receive(self, timeout: float | None, want: str) -> dict | None:
-        """The next message of type want; raises on an error reply; None on timeout."""
+    def _receive(self, timeout: float | None, want: str, watch: Any = None) -> dict | None:
+        """The next message of type want; raises on an error reply; None on timeout.
+        watch: see hello()."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else deadline - time.monotonic()
@@ -532,6 +564,13 @@ class ControlClient:
                 return None
             wait_ms = 100 if left is None else max(1, min(100, int(left * 1000)))
             if not self._sock.poll(wait_ms):
+                if watch is not None:
+                    try:
+                        watch.check()
+                    except TensorSocketError:
+                        if self._sock.poll(250):
+                            continue  # the producer's last answer (its farewell) came: read it
+                        raise
                 continue
             try:
                 msg = protocol.decode(self._sock.recv())
@@ -542,6 +581,15 @@ class ControlClient:
                     raise VersionMismatch(msg["message"])
                 if msg["code"] == "unsupported":
                     raise NotImplementedError(msg["message"])
+                if msg["code"] == "failed":
+                    raise ProducerFailed(
+                        f"the producer at {self.address} failed before its first batch: "
+                        f"{msg['message']}. Fix it and start it again, then create the "
+                        "TensorConsumer again", cause=msg["message"])
+                if msg["code"] == "finished":
+                    raise ProducerFinished(
+                        f"the producer at {self.address} {msg['message']}; no batches will "
+                        "come from it")
                 raise TensorSocketError(f"producer refused: {msg['message']}")
             if msg["type"] == want:
                 return msg

@@ -26,6 +26,7 @@ __all__ = [
     "GPUFallbackWarning",
     "GPUUnavailable",
     "LagWarning",
+    "ProducerFailed",
     "ProducerFinished",
     "ProducerGone",
     "ProducerNotFound",
@@ -40,6 +41,20 @@ __all__ = [
 
 class ProducerNotFound(TensorSocketError, TimeoutError):
     """No producer answered at the endpoint within the consumer's timeout."""
+
+
+class ProducerFailed(ProducerGone):
+    """The producer ended by a failure, not a normal end: its loader (or the code that
+    runs it) raised, or its process died without finishing (killed, crashed).
+
+    ``cause`` is the producer's own error (``"ValueError: ..."``, where it was raised)
+    when it could tell, else None. A ProducerGone, so ``except ProducerGone`` catches it;
+    never a ProducerFinished, which is the normal end of the stream.
+    """
+
+    def __init__(self, message: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class ProtocolError(TensorSocketError):

@@ -11,6 +11,7 @@ import secrets
 import signal
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
@@ -44,6 +45,7 @@ MIN_SLOT_BYTES = 64 * 1024
 NAME_LOCK_TRIES = 5  # flock attempts 20 ms apart before "already running"
 SEGMENT_NAME_TRIES = 8  # segment names tried when the name is taken (a planted file)
 DL_CUDA = 2  # DLDeviceType of a GPU ring
+FAILURE_CHARS = 800  # the text of a failure the consumers are told (ring header, control)
 
 
 class TensorProducer:
@@ -278,6 +280,9 @@ class TensorProducer:
         self.epoch = 0
         self._wait_consumers_s = 0.0
         self._ring_box: list = [None]  # the ring, shared with the control thread and finalizer
+        # Why the producer failed (its loader raised, ...), for the finalizer to tell the
+        # consumers; None while it runs well.
+        self._failure_box: list[str | None] = [None]
         self._closed = False
         self._batches = 0
         self._used_up: Any = None  # the last iterator that yielded batches
@@ -302,7 +307,7 @@ class TensorProducer:
             raise
         self._finalizer = weakref.finalize(
             self, _teardown, self._server, self._context, self._files, self._lock_fd, box,
-            release_wait,
+            release_wait, self._failure_box,
         )
         _remove_on_sigterm(self._files)
         log.info("producer %r listening on %s", self.endpoint.name, self.endpoint.address)
@@ -545,6 +550,21 @@ class TensorProducer:
         return source
 
     def _run_epoch(self) -> Iterator[Any]:
+        try:
+            yield from self._publish_epoch()
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            self._note_failure(e)  # the consumers are told when the producer closes
+            raise
+        self._failure_box[0] = None  # a whole epoch ran after an earlier failure
+
+    def _note_failure(self, exc: BaseException) -> None:
+        text = _failure_text(exc)
+        if text is not None:
+            self._failure_box[0] = text
+
+    def _publish_epoch(self) -> Iterator[Any]:
         source = self._epoch_source()
         self._sets_epoch = _set_sampler_epoch(source, self.epoch) or self._sets_epoch
         limit = _length_of(source)
@@ -677,10 +697,12 @@ class TensorProducer:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """join() if the block ended normally, else close() at once."""
+        """join() if the block ended normally, else close() at once, telling the
+        consumers that the producer failed and why (ProducerFailed)."""
         if exc_type is None:
             self.join()
         else:
+            self._note_failure(exc)
             self.close()
 
     # -- introspection --------------------------------------------------------------
@@ -767,15 +789,21 @@ def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
 
 
 def _teardown(server: ControlServer, context: zmq.Context, files: "_OwnedFiles",
-              lock_fd: int, ring_box: list, release_timeout: float | None) -> None:
-    """Finish the ring, stop the control thread, unlink the segment, the socket file
-    and the lock file, then drop the lock."""
+              lock_fd: int, ring_box: list, release_timeout: float | None,
+              failure_box: list) -> None:
+    """Finish the ring (with the producer's failure, if it failed), stop the control
+    thread (answering consumers that still wait for a ring that never came), unlink the
+    segment, the socket file and the lock file, then drop the lock."""
     ring = ring_box[0]
+    failure = failure_box[0]
     try:
         if ring is not None:
-            ring.finish()
+            ring.finish(failure)
             _wait_gpu_released(ring, release_timeout)
-        server.close()
+        if failure is not None:
+            server.close(farewell=("failed", failure))
+        else:
+            server.close(farewell=("finished", "closed before publishing its first batch"))
         context.term()
     finally:
         # Whatever happened above (a second Ctrl-C, say), the files must go.
@@ -784,6 +812,27 @@ def _teardown(server: ControlServer, context: zmq.Context, files: "_OwnedFiles",
         files.remove()
         _forget_on_sigterm(files)
         os.close(lock_fd)
+
+
+def _failure_text(exc: BaseException) -> str | None:
+    """What the consumers are told of the error that ended the producer: its type, its
+    message and where it was raised, at most FAILURE_CHARS characters (the end of a long
+    message, where a DataLoader worker's traceback names the error, is kept). None for
+    an exit that is no failure (sys.exit(0))."""
+    if isinstance(exc, GeneratorExit) or (isinstance(exc, SystemExit) and
+                                          exc.code in (None, 0)):
+        return None
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        where = frames[-1]
+        text += f" (raised at {os.path.basename(where.filename)}:{where.lineno} in " \
+                f"{where.name})"
+    text = text.replace("\0", "?")
+    if len(text) > FAILURE_CHARS:
+        head = FAILURE_CHARS // 4
+        text = text[:head] + " [...] " + text[-(FAILURE_CHARS - head - 7):]
+    return text
 
 
 def _wait_gpu_released(ring: Any, timeout: float | None) -> None:

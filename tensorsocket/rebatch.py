@@ -159,27 +159,36 @@ class Rebatcher:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self._current: list | None = None  # [loader batch, n, offset]
+        # The pieces of the batch being made. They are state, not a local of next_batch:
+        # when pull() raises (batch_timeout's TimeoutError, a KeyboardInterrupt while it
+        # waits) and the caller goes on, the next batch starts with them.
+        self._pieces: list[Piece] = []
         self.dropped_samples = 0
         self.last_samples = 0  # samples in the batch next_batch returned last
 
     def reset(self) -> None:
-        """Forget a partly used loader batch (the epoch was cut short)."""
+        """Forget a partly used loader batch and a partly made batch (the epoch was cut
+        short)."""
         self._current = None
+        self._pieces = []
+
+    def holding(self) -> bool:
+        """Whether samples taken from the loader's batches are not yet returned."""
+        return self._current is not None or bool(self._pieces)
 
     def next_batch(self, pull: Callable[[], Any]) -> Any:
         """The next consumer batch, made of the loader batches pull() gives (see the
-        class docstring); sets last_samples to its sample count."""
-        pieces: list[Piece] = []
-        need = self.batch_size
-        while need > 0:
+        class docstring); sets last_samples to its sample count. If pull() raises
+        anything but EpochEnd, the samples taken so far stay here for the next call."""
+        while (need := self.batch_size - _samples_of(self._pieces)) > 0:
             if self._current is None:
                 try:
                     batch, n = pull()
                 except EpochEnd:
-                    if pieces and not self.drop_last:
-                        self.last_samples = self.batch_size - need
-                        return combine(pieces)
-                    self.dropped_samples += sum(stop - start for _, start, stop, _ in pieces)
+                    if self._pieces and not self.drop_last:
+                        return self._hand_over(self.batch_size - need)
+                    self.dropped_samples += _samples_of(self._pieces)
+                    self._pieces = []
                     raise
                 if n is None:
                     n = batch_samples(batch)
@@ -188,14 +197,24 @@ class Rebatcher:
                 self._current = [batch, n, 0]
             batch, n, offset = self._current
             take = min(need, n - offset)
-            pieces.append((batch, offset, offset + take, n))
-            need -= take
-            if offset + take == n:
-                self._current = None
-            else:
-                self._current[2] = offset + take
-        self.last_samples = self.batch_size
-        return combine(pieces)
+            piece = (batch, offset, offset + take, n)
+            rest = None if offset + take == n else [batch, n, offset + take]
+            # Both in one step, with no call in between: an exception (a signal's) never
+            # finds these samples both in the batch being made and still in _current.
+            self._pieces, self._current = self._pieces + [piece], rest
+        return self._hand_over(self.batch_size)
+
+    def _hand_over(self, samples: int) -> Any:
+        """The batch of the pieces taken; they leave only once it is made (an exception
+        while it is made leaves them here)."""
+        batch = combine(self._pieces)
+        self._pieces = []
+        self.last_samples = samples
+        return batch
+
+
+def _samples_of(pieces: list[Piece]) -> int:
+    return sum(stop - start for _, start, stop, _ in pieces)
 
 
 def consumer_len(samples: int, batch_size: int, drop_last: bool) -> int:

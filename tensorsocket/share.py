@@ -80,7 +80,13 @@ from .config import UNSET
 from .consumer import TensorConsumer
 from .control import ControlClient
 from .endpoints import Endpoint, resolve
-from .errors import ProducerFinished, ProducerGone, ProducerNotFound, TensorSocketError
+from .errors import (
+    ProducerFailed,
+    ProducerFinished,
+    ProducerGone,
+    ProducerNotFound,
+    TensorSocketError,
+)
 from .producer import TensorProducer, data_identity
 from .rebatch import consumer_len
 from .surface import ForwardsLoaderAttributes
@@ -514,11 +520,14 @@ class _SharedEpoch:
         try:
             return next(self._it)
         except (ProducerFinished, ProducerGone) as e:
-            raise type(e)(
+            named = type(e)(
                 f"{e} (shared producer {self._consumer.endpoint.name!r}: it stops when its "
                 "loader fails, after the epochs= of the share() call that started it, or "
                 "idle_timeout= seconds after its last consumer left; its log is "
-                f"{self._consumer.producer_log})") from None
+                f"{self._consumer.producer_log})")
+            if isinstance(e, ProducerFailed):
+                named.cause = e.cause
+            raise named from None
 
     def __len__(self) -> int:
         """Batches in this epoch."""

@@ -66,14 +66,23 @@ def name():
 
 
 class Procs:
-    """Role processes started by one test; all are killed at teardown."""
+    """Role processes started by one test; those still running at teardown are killed,
+    and the rings of the ones killed so are removed (see kill_all)."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, role: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """Run tests/roles.py as `role` (producer, consumer) with these options."""
+        return self._run([str(ROLES), role, *args], env)
+
+    def script(self, code: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """Run `python -c code args`."""
+        return self._run(["-c", code, *args], env)
+
+    def _run(self, argv: list[str], env: dict | None) -> subprocess.Popen:
         p = subprocess.Popen(
-            [sys.executable, str(ROLES), role, *args],
+            [sys.executable, *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -103,17 +112,33 @@ class Procs:
         return json.loads(out.strip().splitlines()[-1])
 
     def kill_all(self) -> None:
+        """SIGKILL the processes still running, then remove the segments of those that
+        were producers: a SIGKILLed producer cannot, and whether one of its consumers
+        noticed its death and removed the segment (the last one out does) must not depend
+        on the order of the kills. A producer that ended by itself is not touched here,
+        so the `name` fixture still finds a segment it leaked."""
+        killed = []
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
+                killed.append(p.pid)
             try:
                 p.communicate(timeout=10)
             except Exception:
                 pass
+        prefix = f"tensorsocket-{os.getuid()}-"
+        for seg in os.listdir("/dev/shm"):
+            if seg.startswith(prefix) and any(seg.endswith(f"-{pid}") for pid in killed):
+                try:
+                    os.unlink(f"/dev/shm/{seg}")
+                except FileNotFoundError:
+                    pass  # its last consumer removed it after all
 
 
 @pytest.fixture
-def procs():
+def procs(name):
+    """Starts processes for the test (see Procs). It depends on `name` so that it is torn
+    down first: the processes are gone when `name` checks for leaked segments."""
     ps = Procs()
     yield ps
     ps.kill_all()

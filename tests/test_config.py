@@ -244,6 +244,51 @@ def test_errors_about_a_value_from_the_environment_name_it(monkeypatch, name):
         TensorConsumer(timeout=1)
 
 
+@pytest.mark.parametrize("key", [k for k, s in SETTINGS.items()
+                                 if s.accepts == SETTINGS["timeout"].accepts])
+def test_timeout_arguments_are_checked_as_their_variables_are(key):
+    """A timeout argument takes what its variable takes: inf waits forever (None), as
+    `inf` does in the variable; NaN and negative numbers are refused, naming both."""
+    env = SETTINGS[key].env
+    assert config.get(key, float("inf"), environ={}) is None
+    assert config.get(key, environ={env: "inf"}) is None
+    assert config.get(key, 2.5, environ={}) == 2.5 and config.get(key, 0, environ={}) == 0
+    for bad in (float("nan"), -1, -0.5, float("-inf")):
+        with pytest.raises(ValueError) as ei:
+            config.get(key, bad, environ={})
+        msg = str(ei.value)
+        assert f"{SETTINGS[key].argument}={bad!r}" in msg and env in msg
+        assert "seconds >= 0" in msg
+        with pytest.raises(ValueError, match="seconds >= 0"):
+            config.get(key, environ={env: repr(bad)})
+    for wrong in ("5", True):
+        with pytest.raises(TypeError, match=f"{SETTINGS[key].argument}= takes a number"):
+            config.get(key, wrong, environ={})
+
+
+def test_consumer_timeouts_inf_nan_negative(name):
+    """TensorConsumer(timeout=inf) waits forever like None; nan or a negative timeout is
+    refused at once, naming the knob and its variable."""
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="TENSORSOCKET_TIMEOUT"):
+            TensorConsumer(name=name, timeout=bad)
+        with pytest.raises(ValueError, match="TENSORSOCKET_BATCH_TIMEOUT"):
+            TensorConsumer(name=name, timeout=0.1, batch_timeout=bad)
+    p = TensorProducer([torch.zeros(2)], name=name, min_consumers=1, start_timeout=30)
+    try:
+        import threading
+
+        t = threading.Thread(target=lambda: [None for _ in p])
+        t.start()
+        with TensorConsumer(name=name, timeout=float("inf"),
+                            batch_timeout=float("inf")) as c:
+            assert c.answer_timeout is None and c.batch_timeout is None
+            assert [b.tolist() for b in c] == [[0.0, 0.0]]
+        t.join(30)
+    finally:
+        p.close()
+
+
 def test_consumer_timeout_from_the_environment(monkeypatch, name):
     """TENSORSOCKET_TIMEOUT bounds the wait for a producer; a timeout= argument wins."""
     monkeypatch.setenv("TENSORSOCKET_TIMEOUT", "0.3")

@@ -154,7 +154,8 @@ def test_close_from_another_thread_interrupts_a_waiting_call(name):
     t = drain_in_thread(p)
     c = TensorConsumer(name=name, timeout=10)  # one of two: the producer keeps waiting
     t2 = drain_in_thread(c)
-    time.sleep(0.3)
+    _wait_until_in_call(t, "_ring.wait_consumers(want, self.start_timeout)")
+    _wait_until_in_call(t2, "_ring.acquire(STALL_WARN_AFTER)")
     c.close()
     p.close()
     t.join(10)
@@ -162,6 +163,22 @@ def test_close_from_another_thread_interrupts_a_waiting_call(name):
     assert not t.is_alive() and not t2.is_alive()
     assert len(raised) == 2
     assert all("closed by another thread" in str(e) for e in raised), raised
+
+
+def _wait_until_in_call(thread: threading.Thread, call: str, timeout: float = 30) -> None:
+    """Until `thread` waits in the C call made by the source line that contains `call`
+    (its innermost Python frame is at that line: the call has not returned)."""
+    import linecache
+    import sys
+
+    deadline = time.monotonic() + timeout
+    while True:
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and call in linecache.getline(frame.f_code.co_filename,
+                                                            frame.f_lineno):
+            return
+        assert time.monotonic() < deadline, f"the thread never reached {call}"
+        time.sleep(0.01)
 
 
 def test_segment_of_another_user_or_open_to_others_is_refused(name):

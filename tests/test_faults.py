@@ -140,7 +140,8 @@ def _kill_producer_after_first_delivery(procs, name: str, *consumer_args: str, s
 def test_producer_sigkilled_while_a_consumer_waits(procs, name, fault_table):
     # The producer publishes batch 0, then sleeps; the consumer waits for batch 1.
     r, took = _kill_producer_after_first_delivery(procs, name, settle=0.2)
-    assert r["outcome"].startswith("ProducerGone") and took < 5.0
+    assert r["outcome"].startswith("ProducerFailed") and took < 5.0
+    assert "is gone without finishing" in r["outcome"]
     assert r["epochs"] == [] or r["epochs"][0][:1] == [0]
     # A new producer of the same name starts at once.
     t1 = time.monotonic()
@@ -151,16 +152,16 @@ def test_producer_sigkilled_while_a_consumer_waits(procs, name, fault_table):
     left = _left_behind(name)
     assert left == "nothing"
     fault_table.add("producer SIGKILLed while a consumer waits for a batch",
-                    f"{took:.2f} s (ProducerGone raised)",
-                    f"ProducerGone; a new producer of the name was ready {restart:.2f} s "
-                    "after being started", left)
+                    f"{took:.2f} s (ProducerFailed raised)",
+                    f"ProducerFailed (a ProducerGone); a new producer of the name was ready "
+                    f"{restart:.2f} s after being started", left)
 
 
 def test_producer_sigkilled_while_a_consumer_holds_a_batch(procs, name, fault_table):
     # The consumer holds each batch for 2 s ("training"), then asks for the next.
     r, took = _kill_producer_after_first_delivery(procs, name, "--hold", "--delay", "2",
                                                   settle=0.5)
-    assert r["outcome"].startswith("ProducerGone") and took < 5.0
+    assert r["outcome"].startswith("ProducerFailed") and took < 5.0
     assert r["errors"] == []  # the batch it held stayed valid while the producer died
     left = _left_behind(name)
     # The consumer, last party out, removed the segment; the dead producer's socket and
@@ -168,7 +169,95 @@ def test_producer_sigkilled_while_a_consumer_holds_a_batch(procs, name, fault_ta
     assert shm_segments(name) == []
     fault_table.add("producer SIGKILLed while a consumer holds a batch",
                     f"{took:.2f} s (at its next batch request, after its 2 s step)",
-                    "the held batch stays valid; ProducerGone at the next request", left)
+                    "the held batch stays valid; ProducerFailed at the next request", left)
+
+
+def _attach_in_thread(name: str, timeout: float) -> tuple[threading.Thread, list]:
+    """A consumer attaching in a thread: [(its exception, CLOCK_MONOTONIC when raised)]."""
+    from tensorsocket import TensorConsumer
+
+    raised: list = []
+
+    def attach() -> None:
+        try:
+            TensorConsumer(name=name, timeout=timeout).close()
+        except BaseException as e:
+            raised.append((e, time.monotonic()))
+
+    thread = threading.Thread(target=attach)
+    thread.start()
+    return thread, raised
+
+
+def test_producer_sigkilled_before_its_first_batch(procs, name, fault_table):
+    """The producer took its name, and its loader has not given the first batch yet,
+    when it is SIGKILLed; a consumer waiting for its welcome is told at once."""
+    from tensorsocket import ProducerFailed
+    from test_producer_failure import PRODUCER
+
+    prod = procs.script(PRODUCER, name, "block")
+    assert prod.stdout.readline() == "ready\n"
+    waiter, raised = _attach_in_thread(name, timeout=30)
+    time.sleep(0.5)  # for the measurement only: the consumer waits for its welcome by now
+    t0 = time.monotonic()
+    prod.kill()
+    prod.wait()
+    waiter.join(40)
+    (e, at), = raised
+    took = at - t0
+    assert isinstance(e, ProducerFailed) and f"(pid {prod.pid}) died before" in str(e)
+    assert took < 5.0
+    left = _left_behind(name)
+    assert shm_segments(name) == []  # no ring yet; its socket and lock files stay
+    fault_table.add("producer SIGKILLed before its first batch, a consumer waiting for it",
+                    f"{took:.2f} s (the name's lock file names a dead pid)",
+                    "ProducerFailed naming the pid, not ProducerNotFound after its 30 s "
+                    "timeout", left)
+
+
+def test_loader_raises_before_the_first_batch(procs, name, fault_table):
+    from tensorsocket import ProducerFailed
+    from test_producer_failure import PRODUCER
+
+    prod = procs.script(PRODUCER, name, "fail-first")
+    assert prod.stdout.readline() == "ready\n"
+    waiter, raised = _attach_in_thread(name, timeout=30)
+    waiter.join(40)
+    (e, at), = raised
+    out, _ = prod.communicate(timeout=60)
+    took = at - float(out.split("raising at ")[1].split()[0])
+    assert isinstance(e, ProducerFailed) and "ValueError: no such file" in e.cause
+    assert took < 5.0
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("the loader raises before the first batch, a consumer waiting for it",
+                    f"{took:.2f} s (the producer answers the waiting consumers as it "
+                    "closes)",
+                    "ProducerFailed with the loader's error and where it was raised", left)
+
+
+def test_loader_raises_mid_run(procs, name, fault_table):
+    from tensorsocket import ProducerFailed, TensorConsumer
+    from test_producer_failure import PRODUCER
+
+    prod = procs.script(PRODUCER, name, "fail-mid")
+    assert prod.stdout.readline() == "ready\n"
+    got = []
+    with TensorConsumer(name=name, timeout=30) as c:
+        with pytest.raises(ProducerFailed) as e:
+            for batch in c:
+                got.append(int(batch[0]))
+        at = time.monotonic()
+    out, _ = prod.communicate(timeout=60)
+    took = at - float(out.split("raising at ")[1].split()[0])
+    assert got == [0, 1, 2, 3, 4] and e.value.cause.startswith("RuntimeError: corrupt")
+    assert took < 5.0
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("the loader raises after 5 batches",
+                    f"{took:.2f} s (the error is in the ring's header when it finishes)",
+                    "the 5 batches, then ProducerFailed with the loader's error (not "
+                    "ProducerFinished)", left)
 
 
 def test_producer_sigtermed_while_a_consumer_waits(procs, name, fault_table):
@@ -235,7 +324,7 @@ def test_random_kills_leave_nothing_behind(procs, name, fault_table, seed):
     assert left == "nothing", left
     role = "producer" if victim is prod else "consumer"
     fault_table.add(f"random SIGKILL (seed {seed}): the {role}", "-",
-                    "the others end (finish, or ProducerGone)", left)
+                    "the others end (finish, or ProducerFailed)", left)
 
 
 def test_consumer_process_fds_return_to_baseline_after_producer_crash(procs, name):

@@ -151,3 +151,36 @@ def _next_or_end(it):
         return next(it)
     except StopIteration:
         raise EpochEnd from None
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+       b=st.integers(1, 30), drop_last=st.booleans(),
+       raises=st.lists(st.integers(0, 10), max_size=6))
+def test_an_exception_from_pull_keeps_the_samples_taken(sizes, b, drop_last, raises):
+    """pull() raises (TimeoutError, KeyboardInterrupt) before some of its batches and the
+    caller goes on: every sample still comes once, in order, in batches of b."""
+    pull = source(sizes)
+    calls = 0
+
+    def flaky_pull():
+        nonlocal calls
+        calls += 1
+        if calls in raises:
+            raise TimeoutError if calls % 2 else KeyboardInterrupt
+        return pull()
+
+    r = Rebatcher(b, drop_last)
+    got = []
+    while True:
+        try:
+            got.append(r.next_batch(flaky_pull))
+        except (TimeoutError, KeyboardInterrupt):
+            continue
+        except EpochEnd:
+            break
+    total = sum(sizes)
+    ids = [i for batch in got for i in batch["ids"].tolist()]
+    assert ids == list(range(total - total % b if drop_last else total))
+    assert all(len(batch["ids"]) == b for batch in got[:-1])
+    assert not r.holding()

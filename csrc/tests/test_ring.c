@@ -591,9 +591,36 @@ static void test_finish(void)
     CHECK_ST(ts_ring_acquire(A.ring, deadline_ms(5000), &a, &err), TS_E_FINISHED);
     CHECK(ts_now_ns() - t < 1000 * MS);
     CHECK_ST(ts_ring_wait_drained(fx.prod, deadline_ms(1000), &err), TS_OK);
+    char why[TS_FAILURE_BYTES];
+    CHECK(ts_ring_failure(A.ring, why) == 0); /* a normal end carries no failure */
 out:
     consumer_drop(&A);
     consumer_drop(&B);
+    fx_destroy(&fx);
+}
+
+/* fail: like finish, and the consumers read why; a text too long is cut, terminated. */
+static void test_fail(void)
+{
+    fixture fx = {0};
+    consumer A = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    char why[TS_FAILURE_BYTES], longer[TS_FAILURE_BYTES + 100];
+    REQUIRE(fx_create(&fx, 4, 2, 4096) == 0);
+    REQUIRE(consumer_add(&fx, &A, 1) == 0);
+    PUBLISH(0);
+    CHECK(ts_ring_failure(A.ring, why) == 0); /* still running */
+    ts_ring_fail(fx.prod, "ValueError: bad sample 3");
+    TAKE(A, 0, 1); /* what was published is still delivered */
+    CHECK_ST(ts_ring_acquire(A.ring, deadline_ms(1000), &a, &err), TS_E_FINISHED);
+    CHECK(ts_ring_failure(A.ring, why) == 1 && strcmp(why, "ValueError: bad sample 3") == 0);
+    memset(longer, 'x', sizeof longer - 1);
+    longer[sizeof longer - 1] = '\0';
+    ts_ring_fail(fx.prod, longer);
+    CHECK(ts_ring_failure(A.ring, why) == 1 && strlen(why) == TS_FAILURE_BYTES - 1);
+out:
+    consumer_drop(&A);
     fx_destroy(&fx);
 }
 
@@ -1850,6 +1877,7 @@ static const ts_test g_tests[] = {
     {"bitmaps", test_bitmaps},           {"leases_dlpack", test_leases_dlpack},
     {"deadlines", test_deadlines},       {"strided_source", test_strided_source},
     {"too_big", test_too_big},           {"finish", test_finish},
+    {"fail", test_fail},
     {"cross_thread", test_cross_thread}, {"proc_alive", test_proc_alive},
     {"handshake_errors", test_handshake_errors},
     {"policy", test_policy},             {"late_joiner", test_late_joiner},
