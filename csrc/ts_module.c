@@ -720,6 +720,19 @@ done:
     return result;
 }
 
+/* Ring.await_next_epoch(index): the consumer skips the rest of the producer's epoch,
+ * keeping its place (it receives again from the next epoch's first entry). */
+static PyObject *Ring_await_next_epoch(RingObject *self, PyObject *args)
+{
+    unsigned int index;
+    if (!PyArg_ParseTuple(args, "I:await_next_epoch", &index)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    ts_err err = {0};
+    if (ts_ring_await_next_epoch(self->ring, index, &err) != TS_OK)
+        return ts_raise(ts_get_state((PyObject *)self), &err);
+    Py_RETURN_NONE;
+}
+
 /* Ring.set_aside(): copy the held slots privately and hand them back; reads no more. */
 static PyObject *Ring_set_aside(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -1402,6 +1415,8 @@ static PyMethodDef Ring_methods[] = {
      "Slots this consumer handle holds (views of them are alive)."},
     {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "Reserve a consumer entry."},
     {"activate", (PyCFunction)Ring_activate, METH_VARARGS, "Start delivering to a consumer."},
+    {"await_next_epoch", (PyCFunction)Ring_await_next_epoch, METH_VARARGS,
+     "A consumer skips the rest of the producer's epoch, keeping its place."},
     {"activate_group", (PyCFunction)Ring_activate_group, METH_VARARGS,
      "Start delivering to several consumers, all from the same entry."},
     {"retire", (PyCFunction)Ring_retire, METH_VARARGS, "A live consumer left."},

@@ -411,6 +411,7 @@ ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_
         atomic_store_explicit(&c->delivered_bytes, 0, memory_order_relaxed);
         atomic_store_explicit(&c->wait_ns, 0, memory_order_relaxed);
         atomic_store_explicit(&c->progress_ns, now, memory_order_relaxed);
+        atomic_store_explicit(&c->awaiting, 0, memory_order_relaxed);
         atomic_store_explicit(&c->state, TS_CONSUMER_PENDING, memory_order_release);
         *index = i;
         *token = c->token;
@@ -561,6 +562,7 @@ static void ts_stop_locked(ts_ring *ring, uint32_t index, uint32_t reason)
     if (reason != TS_REASON_NONE)
         atomic_store_explicit(&c->reason, reason, memory_order_seq_cst);
     atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
+    atomic_store_explicit(&c->awaiting, 0, memory_order_seq_cst);
     uint64_t cursor = atomic_fetch_or_explicit(&c->cursor, TS_CURSOR_DETACHED,
                                                memory_order_seq_cst) & ~TS_CURSOR_DETACHED;
     uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
@@ -614,6 +616,51 @@ void ts_ring_detach(ts_ring *ring, uint32_t index, uint32_t reason)
     ts_signal(&h->pub_word, &h->pub_waiters); /* wake it if it waits for an entry */
 }
 
+/* Skip the rest of the producer's epoch, keeping the place (see ts_ring.h). */
+ts_status ts_ring_await_next_epoch(ts_ring *ring, uint32_t index, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    ts_status st = TS_OK;
+    if (index >= TS_MAX_CONSUMERS)
+        return ts_err_set(err, TS_E_INVALID, 0, "no consumer %u", index);
+    ts_consumer *c = &h->consumers[index];
+    uint64_t bit = 1ULL << index;
+    pthread_mutex_lock(&ring->lock);
+    uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_seq_cst);
+    if (atomic_load_explicit(&c->state, memory_order_acquire) != TS_CONSUMER_ACTIVE ||
+        (cursor & TS_CURSOR_DETACHED)) {
+        st = ts_err_set(err, TS_E_INVALID, 0, "consumer %u is not receiving", index);
+        goto done;
+    }
+    /* The epoch's end marker may be published already (the consumer's bit keeps it and
+     * what follows in the ring): then the place is right after it. */
+    uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
+    uint64_t next = published;
+    for (uint64_t seq = cursor; seq < published; seq++) {
+        const ts_slot *s = ts_ring_slot(ring, (uint32_t)(seq % h->slot_count));
+        if (atomic_load_explicit(&s->seq, memory_order_acquire) == seq &&
+            s->kind == TS_ENTRY_END_EPOCH) {
+            next = seq + 1;
+            break;
+        }
+    }
+    if (next == published) {
+        /* Awaiting first, then the cursor moves past every published entry: an acquire
+         * that loses its claim to this sees the flag when it looks again, and waits. */
+        atomic_store_explicit(&c->awaiting, 1, memory_order_seq_cst);
+        atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
+    }
+    cursor = atomic_exchange_explicit(&c->cursor, next, memory_order_seq_cst);
+    for (uint32_t i = 0; i < h->slot_count; i++) {
+        ts_slot *s = ts_ring_slot(ring, i);
+        uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
+        if (seq != TS_SEQ_NONE && seq >= cursor && seq < next) ts_slot_drop(h, s, bit);
+    }
+done:
+    pthread_mutex_unlock(&ring->lock);
+    return st;
+}
+
 /* A dead consumer: drop every reference it had. */
 void ts_ring_evict(ts_ring *ring, uint32_t index)
 {
@@ -623,6 +670,7 @@ void ts_ring_evict(ts_ring *ring, uint32_t index)
     ts_consumer *c = &h->consumers[index];
     pthread_mutex_lock(&ring->lock);
     atomic_store_explicit(&c->reason, TS_REASON_DIED, memory_order_seq_cst);
+    atomic_store_explicit(&c->awaiting, 0, memory_order_seq_cst);
     atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
     atomic_fetch_or_explicit(&c->cursor, TS_CURSOR_DETACHED, memory_order_seq_cst);
     for (uint32_t i = 0; i < h->slot_count; i++) ts_slot_drop(h, ts_ring_slot(ring, i), bit);
@@ -819,8 +867,19 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
     atomic_store_explicit(&s->readers, mask, memory_order_relaxed);
     atomic_store_explicit(&s->seq, seq, memory_order_release);
     atomic_store_explicit(&h->published, seq + 1, memory_order_seq_cst);
-    if (kind == TS_ENTRY_END_EPOCH)
+    if (kind == TS_ENTRY_END_EPOCH) {
         atomic_store_explicit(&h->epoch_first_seq, seq + 1, memory_order_relaxed);
+        /* Consumers that skipped the rest of this epoch receive from the next one on. */
+        for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
+            ts_consumer *c = &h->consumers[i];
+            if (!atomic_load_explicit(&c->awaiting, memory_order_seq_cst) ||
+                atomic_load_explicit(&c->state, memory_order_acquire) != TS_CONSUMER_ACTIVE)
+                continue;
+            atomic_store_explicit(&c->cursor, seq + 1, memory_order_seq_cst);
+            atomic_fetch_or_explicit(&h->active_mask, 1ULL << i, memory_order_seq_cst);
+            atomic_store_explicit(&c->awaiting, 0, memory_order_seq_cst);
+        }
+    }
     int detached = ts_detach_laggards_locked(ring);
     pthread_mutex_unlock(&ring->lock);
     ring->bytes_copied += off + meta_bytes;
@@ -832,8 +891,12 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
 /* Number of active consumers. */
 static uint32_t ts_active_count(const ts_header *h)
 {
-    return (uint32_t)__builtin_popcountll(
-        atomic_load_explicit(&h->active_mask, memory_order_seq_cst));
+    /* One awaiting the next epoch counts: it receives once the producer goes on to it. */
+    uint64_t mask = atomic_load_explicit(&h->active_mask, memory_order_seq_cst);
+    for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++)
+        if (atomic_load_explicit(&h->consumers[i].awaiting, memory_order_seq_cst))
+            mask |= 1ULL << i;
+    return (uint32_t)__builtin_popcountll(mask);
 }
 
 /* At least *(uint32_t *)n consumers are active. */
@@ -1047,7 +1110,8 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
         if ((cursor & TS_CURSOR_DETACHED) || c->token != ring->token ||
             atomic_load_explicit(&c->state, memory_order_acquire) != TS_CONSUMER_ACTIVE)
             return ts_detached_error(ring, c, err);
-        if (atomic_load_explicit(&h->published, memory_order_acquire) > cursor) {
+        int awaiting = atomic_load_explicit(&c->awaiting, memory_order_seq_cst);
+        if (!awaiting && atomic_load_explicit(&h->published, memory_order_acquire) > cursor) {
             uint32_t k = (uint32_t)(cursor % h->slot_count);
             ts_slot *s = ts_ring_slot(ring, k);
             uint64_t readers = atomic_load_explicit(&s->readers, memory_order_acquire);
@@ -1089,7 +1153,8 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
         atomic_fetch_add_explicit(&h->pub_waiters, 1, memory_order_seq_cst);
         int rc = 0;
         uint64_t t0 = ts_now_ns();
-        if (atomic_load_explicit(&h->published, memory_order_seq_cst) <= cursor &&
+        if ((awaiting ? atomic_load_explicit(&c->awaiting, memory_order_seq_cst) != 0
+                      : atomic_load_explicit(&h->published, memory_order_seq_cst) <= cursor) &&
             atomic_load_explicit(&h->state, memory_order_seq_cst) != TS_RING_FINISHED &&
             atomic_load_explicit(&c->cursor, memory_order_seq_cst) == cursor)
             rc = ts_sleep(&h->pub_word, seen, deadline);
@@ -1097,7 +1162,9 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
         atomic_fetch_add_explicit(&c->wait_ns, ts_now_ns() - t0, memory_order_relaxed);
         if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
         if (rc == ETIMEDOUT) {
-            if (atomic_load_explicit(&h->published, memory_order_acquire) > cursor) continue;
+            if (!atomic_load_explicit(&c->awaiting, memory_order_acquire) &&
+                atomic_load_explicit(&h->published, memory_order_acquire) > cursor)
+                continue;
             if (!ts_proc_alive(h->producer_pid, h->producer_start_time))
                 return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
                                   "the producer process (pid %d) is gone", h->producer_pid);

@@ -116,6 +116,8 @@ typedef struct ts_consumer {
     _Atomic uint64_t delivered_bytes; /* slot bytes of those entries */
     _Atomic uint64_t wait_ns;      /* time spent asleep waiting for entries */
     _Atomic uint64_t progress_ns;  /* CLOCK_MONOTONIC of the last acquire */
+    _Atomic uint32_t awaiting;     /* 1: skips the rest of the producer's epoch; receives
+                                    * again from the next one's first entry */
 } ts_consumer;
 
 /* A process that maps a CUDA ring's device pool (ts_gpu_import). The producer
@@ -305,6 +307,12 @@ void ts_ring_retire(ts_ring *ring, uint32_t index);
 /* Take a live consumer off (reason TS_REASON_*): like retire, but the entry
  * stays DETACHED (not reusable) until the consumer retires or is evicted. */
 void ts_ring_detach(ts_ring *ring, uint32_t index, uint32_t reason);
+
+/* Consumer index (active) skips the rest of the producer's current epoch, keeping its
+ * place: its unread entries are dropped, it receives nothing more until the epoch's end
+ * marker is published, then everything from the next epoch's first entry on (a job that
+ * left its epoch with break; nobody waits for it meanwhile). TS_E_INVALID if not active. */
+ts_status ts_ring_await_next_epoch(ts_ring *ring, uint32_t index, ts_err *err);
 
 /* A dead consumer: drop every reference it had. */
 void ts_ring_evict(ts_ring *ring, uint32_t index);

@@ -541,9 +541,13 @@ class TensorConsumer(LoaderSurface):
         """The epoch's iterator was dropped or replaced before StopIteration. An epoch
         that delivered nothing is as if never started; one that delivered all its batches
         (a loop that takes exactly len() of them) counts as done. Otherwise the epoch was
-        left mid-way (break): the consumer parks, so that nobody waits for it; its next
-        batch attaches it again, at the start of an epoch. Safe from a finalizer: it
-        only sets flags and events."""
+        left mid-way (break): the consumer parks, and its next batch comes from the start
+        of the producer's next epoch. Aligned, it keeps its place while parked (for
+        park_hold seconds once others read; it skips the rest of the epoch it left when it
+        reads again), so that its next epoch is the one the jobs it started with read: a
+        loop left early (Lightning's sanity check of a validation loader) would otherwise
+        come back as a late joiner, an epoch later than the others. Safe from a finalizer:
+        it only sets flags and events."""
         if self._closed or not self._in_epoch or self.epoch != epoch or \
                 os.getpid() != self._pid:
             return
@@ -561,9 +565,9 @@ class TensorConsumer(LoaderSurface):
             # A rank stays attached and skips the rest of the epoch as it reads on, so
             # that every rank of its group starts the same next epoch.
             return
-        self._park()
+        self._park(hold=self._aligned, skip_epoch=True)
 
-    def _park(self, hold: bool = False) -> None:
+    def _park(self, hold: bool = False, skip_epoch: bool = False) -> None:
         """Stop holding the producer back until the next batch is asked for (the
         producer still counts this consumer; the next batch attaches it again). hold:
         this consumer sits between epochs and its process reads another loader for a
@@ -577,7 +581,7 @@ class TensorConsumer(LoaderSurface):
             self._attached = False
             if self._aligned:
                 self._held_place = hold
-                self._client.request_park(hold)
+                self._client.request_park(hold, skip_epoch)
             else:
                 self._client.request_leave()
 

@@ -323,6 +323,12 @@ class ControlServer:
         peer.active = False
         if msg["hold"] and self.park_hold > 0 and \
                 ring.consumer(peer.index)["state"] == _core.CONSUMER_ACTIVE:
+            if msg["skip_epoch"]:  # left its epoch with break: its place is the next one's
+                try:
+                    ring.await_next_epoch(peer.index)
+                except ValueError:  # detached meanwhile: no place to keep
+                    ring.retire(peer.index)
+                    return
             peer.held_until = time.monotonic() + self.park_hold
             log.info("consumer %d (pid %d) parked between epochs; its place is kept",
                      peer.index, peer.pid)
@@ -518,6 +524,7 @@ class ControlClient:
         self._leave = threading.Event()  # leave the ring without closing (request_leave)
         self._park = threading.Event()  # park between epochs (request_park)
         self._park_hold = False  # the park asks the producer to keep the place
+        self._park_skip = False  # ... at the producer's next epoch
         self._wake = threading.Event()  # cuts the heartbeat thread's wait short
         self._thread: threading.Thread | None = None
         self.consumer = -1
@@ -604,11 +611,13 @@ class ControlClient:
                                         daemon=True)
         self._thread.start()
 
-    def request_park(self, hold: bool = False) -> None:
-        """Park soon (the heartbeat thread sends it; heartbeats go on); hold: between
-        epochs, asking the producer to keep this consumer's place for a while. Safe from
-        any thread, a finalizer included, as it only sets events."""
+    def request_park(self, hold: bool = False, skip_epoch: bool = False) -> None:
+        """Park soon (the heartbeat thread sends it; heartbeats go on); hold: asking the
+        producer to keep this consumer's place for a while: where it is (between epochs),
+        or (skip_epoch: it left its epoch with break) at the producer's next epoch. Safe
+        from any thread, a finalizer included, as it only sets events."""
         self._park_hold = hold
+        self._park_skip = skip_epoch
         self._park.set()
         self._wake.set()
 
@@ -643,7 +652,8 @@ class ControlClient:
             self._park.clear()
             try:
                 self._sock.send(protocol.encode("park", consumer=self.consumer,
-                                                token=self.token, hold=self._park_hold), zmq.NOBLOCK)
+                                                token=self.token, hold=self._park_hold,
+                                                skip_epoch=self._park_skip), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 
@@ -669,7 +679,8 @@ class ControlClient:
                 if self._park.is_set():
                     self._park.clear()
                     self._sock.send(protocol.encode("park", consumer=self.consumer,
-                                                    token=self.token, hold=self._park_hold), zmq.NOBLOCK)
+                                                    token=self.token, hold=self._park_hold,
+                                                skip_epoch=self._park_skip), zmq.NOBLOCK)
                 self._sock.send(beat, zmq.NOBLOCK)
                 while self._sock.poll(0):
                     self._sock.recv()  # nothing is expected; drop stray replies

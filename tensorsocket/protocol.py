@@ -14,7 +14,8 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 4  # 4: aligned joins, parking, consumer groups, loader fingerprint
+PROTOCOL_VERSION = 5  # 4: aligned joins, parking, consumer groups, loader fingerprint;
+# 5: park{skip_epoch} (a loop left with break keeps its place at the next epoch)
 MAX_MESSAGE_BYTES = 64 * 1024
 
 _INT = (int,)
@@ -29,7 +30,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "hello": {"protocol": _INT, "pid": _INT, "start_time": _INT, "batch_size": _OPT_INT,
               "group": _OPT_STR, "rank": _INT, "world_size": _INT},
     "ready": {"consumer": _INT, "token": _INT, "align": _BOOL},
-    "park": {"consumer": _INT, "token": _INT, "hold": _BOOL},
+    "park": {"consumer": _INT, "token": _INT, "hold": _BOOL, "skip_epoch": _BOOL},
     "unpark": {"consumer": _INT, "token": _INT},
     "heartbeat": {"consumer": _INT, "token": _INT},
     "bye": {"consumer": _INT, "token": _INT},

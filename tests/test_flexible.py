@@ -197,16 +197,22 @@ def test_laggard_rejoins_as_a_late_joiner_with_a_warning(procs, name):
     assert f["errors"] == [] and f["epochs"] == [_batches(k, 0, 40) for k in range(3)]
     assert s["errors"] == [] and s["outcome"].startswith("ProducerFinished"), s["outcome"]
     assert any(w.startswith("LagWarning") and "max_lag=8" in w for w in s["warnings"])
-    assert s["stats"]["rejoins"] == 1 and s["stats"]["skipped_entries"] > 0
+    # Once, as a rule; a loaded machine can stall it past max_lag again later.
+    assert s["stats"]["rejoins"] >= 1 and s["stats"]["skipped_entries"] > 0
+    assert p["stats"]["lag_detached"] == s["stats"]["rejoins"]
     # Nothing twice, nothing out of order, across all its epochs.
     got = [v for ep in s["epochs"] for v in ep]
     assert got == sorted(set(got)), got
     # The epoch it was detached in ended early. The next starts where it rejoined (the
     # oldest batch of the window) and is 40 consecutive batches, wrapping into the
-    # producer's next epoch.
+    # producer's next epoch (unless it was detached again in it).
     assert 0 < len(s["epochs"][0]) < 40
-    _assert_late_joiner_epoch(s["epochs"][1], 3, 40)
-    assert p["stats"]["lag_detached"] == 1
+    stream = [v for k in range(3) for v in _batches(k, 0, 40)]
+    for ep in s["epochs"][1:]:
+        start = stream.index(ep[0])
+        assert ep == stream[start:start + len(ep)], ep
+    if s["stats"]["rejoins"] == 1:
+        _assert_late_joiner_epoch(s["epochs"][1], 3, 40)
 
 
 def test_leave_and_attach_again_without_disturbing_others(procs, name):

@@ -384,7 +384,7 @@ def forged(index: int, token: int):
 def peer_message(kind: str, consumer: int, token: int) -> bytes:
     """A well-formed message of an attached consumer (a ready asks for no alignment, a
     park to keep the place)."""
-    extra = {"ready": {"align": False}, "park": {"hold": True}}.get(kind, {})
+    extra = {"ready": {"align": False}, "park": {"hold": True, "skip_epoch": False}}.get(kind, {})
     return protocol.encode(kind, consumer=consumer, token=token, **extra)
 
 

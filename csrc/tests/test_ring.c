@@ -1870,6 +1870,48 @@ out:
     fx_destroy(&fx);
 }
 
+/* A consumer that left its epoch with break keeps its place at the next epoch: its unread
+ * entries are dropped at once, it gets none of the rest of the epoch (nobody waits for
+ * it), and receives again from the first entry after the end marker. */
+static void test_await_next_epoch(void)
+{
+    fixture fx = {0};
+    consumer c = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    REQUIRE(fx_create(&fx, 4, 2, 4096) == 0);
+    REQUIRE(consumer_add(&fx, &c, 1) == 0);
+    uint64_t bit = 1ULL << c.index;
+    PUBLISH(0);
+    PUBLISH(1);
+    TAKE(c, 0, 1);
+    CHECK_ST(ts_ring_await_next_epoch(fx.prod, c.index, &err), TS_OK);
+    CHECK_EQ(readers_of(fx.prod, 1) & bit, 0); /* its unread entry is dropped */
+    PUBLISH(2);
+    CHECK_EQ(readers_of(fx.prod, 2) & bit, 0); /* the rest of the epoch is not for it */
+    CHECK_ST(ts_ring_acquire(c.ring, deadline_ms(50), &a, &err), TS_E_TIMEOUT);
+    REQUIRE_OK(publish_end(fx.prod, 0, 3, &err)); /* seq 3 */
+    CHECK_EQ(readers_of(fx.prod, 3) & bit, 0);
+    CHECK_EQ(cursor_of(fx.prod, c.index), 4);
+    PUBLISH(4);
+    CHECK_EQ(readers_of(fx.prod, 0) & bit, bit); /* seq 4 is in slot 0 */
+    TAKE(c, 4, 1);
+    /* The end marker already published: the place is right after it, at once. */
+    PUBLISH(5);
+    REQUIRE_OK(publish_end(fx.prod, 1, 6, &err)); /* seq 6 */
+    PUBLISH(7);
+    TAKE(c, 5, 1);
+    CHECK_ST(ts_ring_await_next_epoch(fx.prod, c.index, &err), TS_OK);
+    CHECK_EQ(cursor_of(fx.prod, c.index), 7);
+    CHECK_EQ(readers_of(fx.prod, 6 % 4) & bit, 0);
+    CHECK_EQ(readers_of(fx.prod, 7 % 4) & bit, bit);
+    TAKE(c, 7, 1);
+    CHECK_ST(ts_ring_await_next_epoch(fx.prod, 63, &err), TS_E_INVALID); /* not active */
+out:
+    consumer_drop(&c);
+    fx_destroy(&fx);
+}
+
 /* ---- registry and main ------------------------------------------------------------ */
 
 static const ts_test g_tests[] = {
@@ -1887,7 +1929,7 @@ static const ts_test g_tests[] = {
     {"detach_api", test_detach_api},
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
     {"copy_on_write", test_copy_on_write}, {"set_aside", test_set_aside},
-    {"activate_group", test_activate_group},
+    {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
