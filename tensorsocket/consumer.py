@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from . import _core, config
+from .auth import ClientSecret
 from .config import UNSET, Unset
 from .control import ControlClient
 from .endpoints import resolve
@@ -135,6 +136,10 @@ class TensorConsumer(LoaderSurface):
         split the stream, rank r taking loader batches r, r + world_size, ...
         of each epoch, each rank the same number (``len(loader) //
         world_size``); they start together, at the same entry.
+      auth_token: the producer's secret, for a producer on a TCP address
+        (env). Default: read from the producer's ``<runtime dir>/<name>.secret``
+        (same user, runtime directory and name/port as the producer); give it
+        where that file cannot be read. See tensorsocket.auth.
     """
 
     # Set by tensorsocket.share() on the consumers it returns.
@@ -168,6 +173,7 @@ class TensorConsumer(LoaderSurface):
         rank: int | None = None,
         world_size: int | None = None,
         group: str | None = None,
+        auth_token: str | None = None,
     ) -> None:
         origins: dict[str, str] = {}  # setting key -> its environment variable
 
@@ -250,8 +256,9 @@ class TensorConsumer(LoaderSurface):
         self._rejoins = 0
         self._skipped = 0
 
+        secret = ClientSecret(self.endpoint, auth_token)
         self._context = zmq.Context()
-        self._client = ControlClient(self._context, self.endpoint.address, answer_wait)
+        self._client = ControlClient(self._context, self.endpoint.address, answer_wait, secret)
         ring = None
         try:
             welcome = self._client.hello(batch_size, group, self.rank, self.world_size)
