@@ -815,27 +815,31 @@ static PyObject *Ring_detach(RingObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* Ring.retire(index) / Ring.evict(index) */
-static PyObject *Ring_retire_or_evict(RingObject *self, PyObject *args, int evict)
-{
-    unsigned int index;
-    if (!PyArg_ParseTuple(args, "I", &index)) return NULL;
-    if (ts_role_check(self, 1) < 0) return NULL;
-    if (evict) ts_ring_evict(self->ring, index);
-    else ts_ring_retire(self->ring, index);
-    Py_RETURN_NONE;
-}
-
 /* Ring.retire(index): a live consumer left. */
 static PyObject *Ring_retire(RingObject *self, PyObject *args)
 {
-    return Ring_retire_or_evict(self, args, 0);
+    unsigned int index;
+    if (!PyArg_ParseTuple(args, "I:retire", &index)) return NULL;
+    if (ts_role_check(self, 1) < 0) return NULL;
+    ts_ring_retire(self->ring, index);
+    Py_RETURN_NONE;
 }
 
-/* Ring.evict(index): a dead consumer. */
-static PyObject *Ring_evict(RingObject *self, PyObject *args)
+/* Ring.evict(index, reason=REASON_DIED): a dead (or silent) consumer. */
+static PyObject *Ring_evict(RingObject *self, PyObject *args, PyObject *kwargs)
 {
-    return Ring_retire_or_evict(self, args, 1);
+    static char *kwlist[] = {"index", "reason", NULL};
+    unsigned int index, reason = TS_REASON_DIED;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "I|I:evict", kwlist, &index, &reason))
+        return NULL;
+    if (reason != TS_REASON_DIED && reason != TS_REASON_SILENT) {
+        PyErr_Format(PyExc_ValueError,
+                     "evict reason must be REASON_DIED or REASON_SILENT, got %u", reason);
+        return NULL;
+    }
+    if (ts_role_check(self, 1) < 0) return NULL;
+    ts_ring_evict_for(self->ring, index, reason);
+    Py_RETURN_NONE;
 }
 
 /* Map a DLPack (code, bits, lanes) from a Python tuple. */
@@ -1420,7 +1424,8 @@ static PyMethodDef Ring_methods[] = {
     {"activate_group", (PyCFunction)Ring_activate_group, METH_VARARGS,
      "Start delivering to several consumers, all from the same entry."},
     {"retire", (PyCFunction)Ring_retire, METH_VARARGS, "A live consumer left."},
-    {"evict", (PyCFunction)Ring_evict, METH_VARARGS, "A dead consumer: drop its holds."},
+    {"evict", (PyCFunction)(void (*)(void))Ring_evict, METH_VARARGS | METH_KEYWORDS,
+     "A dead (or silent) consumer: drop its holds."},
     {"detach", (PyCFunction)Ring_detach, METH_VARARGS, "Take a live consumer off."},
     {"set_policy", (PyCFunction)Ring_set_policy, METH_VARARGS,
      "Set the late-joiner window and the lag limit."},
@@ -1690,6 +1695,7 @@ static int ts_module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "LAYOUT_VERSION", TS_LAYOUT_VERSION) < 0 ||
         PyModule_AddIntConstant(module, "DLPACK_MAJOR", TS_DLPACK_MAJOR) < 0 ||
         PyModule_AddIntConstant(module, "DLPACK_MINOR", TS_DLPACK_MINOR) < 0 ||
+        PyModule_AddIntConstant(module, "CONSUMER_FREE", TS_CONSUMER_FREE) < 0 ||
         PyModule_AddIntConstant(module, "CONSUMER_PENDING", TS_CONSUMER_PENDING) < 0 ||
         PyModule_AddIntConstant(module, "CONSUMER_ACTIVE", TS_CONSUMER_ACTIVE) < 0 ||
         PyModule_AddIntConstant(module, "CONSUMER_LEAVING", TS_CONSUMER_LEAVING) < 0 ||
@@ -1697,6 +1703,7 @@ static int ts_module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "REASON_LEFT", TS_REASON_LEFT) < 0 ||
         PyModule_AddIntConstant(module, "REASON_LAGGED", TS_REASON_LAGGED) < 0 ||
         PyModule_AddIntConstant(module, "REASON_DIED", TS_REASON_DIED) < 0 ||
+        PyModule_AddIntConstant(module, "REASON_SILENT", TS_REASON_SILENT) < 0 ||
         PyModule_AddIntConstant(module, "RING_OPEN", TS_RING_OPEN) < 0 ||
         PyModule_AddIntConstant(module, "RING_FINISHED", TS_RING_FINISHED) < 0)
         goto done;

@@ -664,12 +664,18 @@ done:
 /* A dead consumer: drop every reference it had. */
 void ts_ring_evict(ts_ring *ring, uint32_t index)
 {
+    ts_ring_evict_for(ring, index, TS_REASON_DIED);
+}
+
+/* Drop every reference a consumer had, recording why. */
+void ts_ring_evict_for(ts_ring *ring, uint32_t index, uint32_t reason)
+{
     ts_header *h = ring->hdr;
     if (index >= TS_MAX_CONSUMERS) return;
     uint64_t bit = 1ULL << index;
     ts_consumer *c = &h->consumers[index];
     pthread_mutex_lock(&ring->lock);
-    atomic_store_explicit(&c->reason, TS_REASON_DIED, memory_order_seq_cst);
+    atomic_store_explicit(&c->reason, reason, memory_order_seq_cst);
     atomic_store_explicit(&c->awaiting, 0, memory_order_seq_cst);
     atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
     atomic_fetch_or_explicit(&c->cursor, TS_CURSOR_DETACHED, memory_order_seq_cst);
@@ -1079,6 +1085,14 @@ static ts_status ts_detached_error(const ts_ring *ring, const ts_consumer *c, ts
                                                                    memory_order_relaxed));
     case TS_REASON_LEFT:
         return ts_err_set(err, TS_E_DETACHED, 0, "this consumer has left the ring");
+    case TS_REASON_SILENT:
+        return ts_err_set(err, TS_E_DETACHED, 0,
+                          "this consumer sent no heartbeat for longer than the producer's "
+                          "heartbeat_timeout (its process was stopped, or its heartbeat "
+                          "thread could not run), so the producer evicted it and gave its "
+                          "batches to the others; a consumer busy for that long needs a "
+                          "longer TensorProducer(heartbeat_timeout=) or "
+                          "TENSORSOCKET_HEARTBEAT_TIMEOUT");
     default:
         return ts_err_set(err, TS_E_DETACHED, 0,
                           "this consumer was detached from the ring by the producer");

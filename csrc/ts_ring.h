@@ -72,6 +72,7 @@ enum {
     TS_REASON_LEFT = 1,   /* it said bye */
     TS_REASON_LAGGED = 2, /* it fell more than max_lag entries behind */
     TS_REASON_DIED = 3,   /* its process is gone */
+    TS_REASON_SILENT = 4, /* its process lives, but it sent no heartbeat for too long */
 };
 
 /* Kinds of published entries. */
@@ -316,6 +317,11 @@ ts_status ts_ring_await_next_epoch(ts_ring *ring, uint32_t index, ts_err *err);
 
 /* A dead consumer: drop every reference it had. */
 void ts_ring_evict(ts_ring *ring, uint32_t index);
+
+/* Drop every reference a consumer had, recording why (TS_REASON_DIED, or
+ * TS_REASON_SILENT for one that stopped sending heartbeats: if it runs again,
+ * its next acquire says so). */
+void ts_ring_evict_for(ts_ring *ring, uint32_t index, uint32_t reason);
 
 /* Copy leaves and meta into the next slot and publish it. Waits for the slot
  * until deadline (TS_E_TIMEOUT, TS_E_INTR: nothing was written, call again). */

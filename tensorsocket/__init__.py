@@ -11,6 +11,7 @@ import logging
 
 from .consumer import TensorConsumer
 from .errors import (
+    AuthenticationError,
     BatchTooLarge,
     ConsumerDetached,
     CudaError,
@@ -35,6 +36,7 @@ from .share import share
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationError",
     "BatchTooLarge",
     "ConsumerDetached",
     "CudaError",

@@ -7,6 +7,7 @@ MAX_NDIM: int
 LAYOUT_VERSION: int
 DLPACK_MAJOR: int
 DLPACK_MINOR: int
+CONSUMER_FREE: int
 CONSUMER_PENDING: int
 CONSUMER_ACTIVE: int
 CONSUMER_LEAVING: int
@@ -14,6 +15,7 @@ CONSUMER_DETACHED: int
 REASON_LEFT: int
 REASON_LAGGED: int
 REASON_DIED: int
+REASON_SILENT: int
 RING_OPEN: int
 RING_FINISHED: int
 
@@ -114,7 +116,7 @@ class Ring:
                        start: int | None = None) -> int: ...
     def retire(self, index: int) -> None: ...
     def detach(self, index: int) -> None: ...
-    def evict(self, index: int) -> None: ...
+    def evict(self, index: int, reason: int = ...) -> None: ...
     def publish(
         self,
         leaves: Sequence[tuple[Any, _DLType]],

@@ -52,6 +52,7 @@ __all__ = [
 
 ENV_PREFIX = "TENSORSOCKET_"
 MAX_SLOTS = 4096  # most slots a ring holds (ring_slots, max_lag + 2)
+MIN_HEARTBEAT_TIMEOUT = 3.0  # seconds: three of the consumers' heartbeat intervals
 _NONE_WORDS = ("none", "inf", "forever")
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
@@ -195,6 +196,19 @@ def _check_seconds_argument(setting: "Setting", value: Any) -> Any:
     return None if parsed is None else value
 
 
+def _parse_heartbeat_timeout(text: str) -> float | None:
+    value = _parse_timeout(text)
+    if value is not None and value < MIN_HEARTBEAT_TIMEOUT:
+        raise ValueError(f"{value:g} is under {MIN_HEARTBEAT_TIMEOUT:g} seconds")
+    return value
+
+
+def _parse_token(text: str) -> str:
+    from .auth import check_token
+
+    return check_token(text)
+
+
 def _parse_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -293,6 +307,14 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "this user with mode 0700",
             "directory of the ipc sockets and name locks; producer and consumers must agree",
             _parse_dir),
+    Setting("auth_token", "auth_token", "TENSORSOCKET_AUTH_TOKEN", "both", None,
+            "producer: a random one; consumer: read from `<runtime dir>/<name>.secret`",
+            "16-1024 printable ASCII characters, no spaces",
+            "the secret a consumer must present to a producer on a TCP address: the producer "
+            "writes it to `<runtime dir>/<name>.secret` (mode 0600) for consumers of its "
+            "user; give both sides the same value where a consumer cannot read that file "
+            "(another runtime directory, another container)",
+            _parse_token),
     # -- consumer ----------------------------------------------------------------------
     Setting("timeout", "timeout", "TENSORSOCKET_TIMEOUT", "consumer", 60.0, "60",
             _TIMEOUT_ACCEPTS,
@@ -328,6 +350,13 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "e.g. validation) keeps its place in the ring while other consumers read, so "
             "that jobs alternating loaders read the same epochs; 0 keeps no place",
             _parse_seconds),
+    Setting("heartbeat_timeout", "heartbeat_timeout", "TENSORSOCKET_HEARTBEAT_TIMEOUT",
+            "producer", 30.0, "30",
+            f"seconds >= {MIN_HEARTBEAT_TIMEOUT:g}, or `none` (never evict)",
+            "seconds without a heartbeat after which the producer evicts a consumer whose "
+            "process lives on (stopped, hung) and gives its batches to the others; consumers "
+            "send one every second from a thread, through long training steps too",
+            _parse_heartbeat_timeout, none_is_value=True),
     Setting("publish_timeout", "publish_timeout", "TENSORSOCKET_PUBLISH_TIMEOUT", "producer",
             None, "none (forever)", _TIMEOUT_ACCEPTS,
             "seconds the producer waits for a free slot, then `TimeoutError`",

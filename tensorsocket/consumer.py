@@ -16,6 +16,7 @@ import zmq
 
 from . import _core, config
 from ._producer_watch import ProducerWatch
+from .auth import ClientSecret
 from .config import UNSET, Unset
 from .control import ControlClient
 from .endpoints import resolve
@@ -148,6 +149,10 @@ class TensorConsumer(LoaderSurface):
         split the stream, rank r taking loader batches r, r + world_size, ...
         of each epoch, each rank the same number (``len(loader) //
         world_size``); they start together, at the same entry.
+      auth_token: the producer's secret, for a producer on a TCP address
+        (env). Default: read from the producer's ``<runtime dir>/<name>.secret``
+        (same user, runtime directory and name/port as the producer); give it
+        where that file cannot be read. See tensorsocket.auth.
     """
 
     # Set by tensorsocket.share() on the consumers it returns.
@@ -181,6 +186,7 @@ class TensorConsumer(LoaderSurface):
         rank: int | None = None,
         world_size: int | None = None,
         group: str | None = None,
+        auth_token: str | None = None,
     ) -> None:
         origins: dict[str, str] = {}  # setting key -> its environment variable
 
@@ -265,8 +271,9 @@ class TensorConsumer(LoaderSurface):
         self._set_aside_batches = 0  # kept batches copied privately (see _set_aside_held)
 
         self._pid = os.getpid()  # the process this consumer reads in (a fork's child may not)
+        secret = ClientSecret(self.endpoint, auth_token)
         self._context = zmq.Context()
-        self._client = ControlClient(self._context, self.endpoint.address, answer_wait)
+        self._client = ControlClient(self._context, self.endpoint.address, answer_wait, secret)
         # The name's lock file tells of a producer that died before answering; an address
         # given explicitly may belong to a producer of another name.
         watch = ProducerWatch(self.endpoint, answer_wait) \

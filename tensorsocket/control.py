@@ -17,8 +17,10 @@ from typing import Any, Callable
 
 import zmq
 
-from . import _core, protocol
+from . import _core, config, protocol
+from .auth import ClientSecret, Gate
 from .errors import (
+    AuthenticationError,
     ProducerFailed,
     ProducerFinished,
     ProducerNotFound,
@@ -30,6 +32,7 @@ from .errors import (
 log = logging.getLogger("tensorsocket")
 
 HEARTBEAT_INTERVAL = 1.0  # seconds between consumer heartbeats
+HEARTBEAT_TIMEOUT = config.SETTINGS["heartbeat_timeout"].default  # then a consumer is evicted
 PENDING_TIMEOUT = 10.0  # a consumer that never says "ready" is dropped after this
 GROUP_TIMEOUT = 60.0  # the ranks of a group wait this long for each other to attach
 LIVENESS_INTERVAL = 0.25  # how often the server checks consumer processes
@@ -37,6 +40,7 @@ MAX_ERROR_CHARS = 1000  # error replies stay well inside the protocol's string l
 LAG_WARN_AFTER = 10.0  # seconds a consumer may hold the others back before a warning
 HELD_WARN_AFTER = 30.0  # seconds the producer may wait for a slot a consumer read and keeps
 FAREWELL_LINGER_MS = 1000  # how long a closing server tries to deliver its farewells
+REFUSAL_WARNINGS = 3  # refused hellos logged as warnings; later ones at debug level
 
 
 @dataclass
@@ -65,7 +69,10 @@ class ControlServer:
     """Producer side: answers handshakes, heartbeats and leaves in a thread.
 
     welcome_info() supplies the handshake reply fields; ring() the ring once
-    it exists (hellos that arrive before are answered when it does).
+    it exists (hellos that arrive before are answered when it does). A hello is
+    admitted only from a peer that tensorsocket.auth lets in (secret: what a peer
+    without credentials must present, None: nothing). A consumer not heard from for
+    heartbeat_timeout seconds (None: never) is evicted.
     """
 
     def __init__(
@@ -75,9 +82,13 @@ class ControlServer:
         ring: Callable[[], Any],
         welcome_info: Callable[[], dict],
         park_hold: float = 0.0,
+        secret: str | None = None,
+        heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
     ) -> None:
         self._ring = ring
         self.park_hold = park_hold
+        self.heartbeat_timeout = heartbeat_timeout
+        self._gate = Gate(address, secret)
         self._welcome_info = welcome_info
         self._sock = context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -98,8 +109,9 @@ class ControlServer:
         self._stop = threading.Event()
         self._farewell: tuple[str, str] | None = None  # see close()
         self.rejected = 0  # malformed messages seen
+        self.refused = 0  # hellos not admitted (tensorsocket.auth)
         self._held: tuple[int, float, bool] = (-1, 0.0, False)  # (published, since, warned)
-        self._handlers = {"hello": self._hello, "ready": self._ready,
+        self._handlers = {"ready": self._ready,
                           "heartbeat": self._heartbeat, "bye": self._bye,
                           "park": self._park, "unpark": self._unpark}
         self._thread = threading.Thread(target=self._run, name="tensorsocket-control", daemon=True)
@@ -111,11 +123,15 @@ class ControlServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         next_check = 0.0
+        last = time.monotonic()
         try:
             while not self._stop.is_set():
                 if poller.poll(100):
                     self._drain()
                 now = time.monotonic()
+                if now - last > HEARTBEAT_INTERVAL:
+                    self._excuse(now - last, now)
+                last = now
                 if self._waiting and self._ring() is not None:
                     waiting, self._waiting = self._waiting, []
                     for ident, msg in waiting:
@@ -145,23 +161,38 @@ class ControlServer:
             self._send(ident, "error", code=code, message=message)
         return bool(waiting)
 
+    def _excuse(self, gap: float, now: float) -> None:
+        """This thread did not run for `gap` seconds (the producer was stopped, or
+        starved): the consumers' heartbeats of that time may still wait unread in the
+        socket, so it does not count as their silence."""
+        with self._lock:
+            for peer in self._peers.values():
+                peer.last_seen = min(now, peer.last_seen + gap)
+
     def _drain(self) -> None:
         """Handle every message waiting on the socket."""
         while True:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 2:
                 self.rejected += 1
                 continue
-            ident, payload = frames
+            ident, payload = frames[0].bytes, frames[1].bytes
             try:
                 msg = protocol.decode(payload)
             except ProtocolError as e:
                 self.rejected += 1
                 log.debug("rejected control message: %s", e)
-                self._send(ident, "error", code="protocol", message=str(e))
+                version = protocol.foreign_hello(payload)
+                if version is not None:
+                    self._send(ident, "error", code="version", message=_version_message(version))
+                else:
+                    self._send(ident, "error", code="protocol", message=str(e))
+                continue
+            if msg["type"] == "hello":
+                self._admit(ident, msg, frames[1])
                 continue
             handler = self._handlers.get(msg["type"])
             if handler is None:
@@ -198,7 +229,10 @@ class ControlServer:
 
     # -- messages ----------------------------------------------------------------
 
-    def _hello(self, ident: bytes, msg: dict) -> None:
+    def _admit(self, ident: bytes, msg: dict, frame: zmq.Frame) -> None:
+        """A hello: answered if it is well formed, of this protocol version and from a
+        peer tensorsocket.auth lets in; refused with an error that tells nothing of the
+        producer otherwise."""
         if not 0 < msg["pid"] < 2**31 or not 0 <= msg["start_time"] < 2**64:
             self.rejected += 1
             self._send(ident, "error", code="protocol", message="hello with an impossible pid")
@@ -207,10 +241,27 @@ class ControlServer:
             self.rejected += 1
             log.warning("consumer pid %s speaks protocol %s, this producer %s",
                         msg["pid"], msg["protocol"], protocol.PROTOCOL_VERSION)
-            self._send(ident, "error", code="version",
-                       message=f"producer speaks protocol {protocol.PROTOCOL_VERSION}, consumer "
-                       f"{msg['protocol']}: install the same tensorsocket version on both sides")
+            self._send(ident, "error", code="version", message=_version_message(msg["protocol"]))
             return
+        refusal = self._gate.refusal(frame, msg)
+        if refusal is not None:
+            self.rejected += 1
+            self.refused += 1
+            log.log(logging.WARNING if self.refused <= REFUSAL_WARNINGS else logging.DEBUG,
+                    "refused a hello (claiming pid %d)%s: %s", msg["pid"],
+                    " (later refusals are logged at debug level)"
+                    if self.refused == REFUSAL_WARNINGS else "", refusal)
+            self._send(ident, "error", code="auth", message=refusal)
+            return
+        try:
+            self._hello(ident, msg)
+        except Exception as e:  # a message must never take the control thread down
+            self.rejected += 1
+            log.warning("control message hello failed: %s: %s", type(e).__name__, e)
+            self._send(ident, "error", code="protocol", message=f"hello failed: {type(e).__name__}")
+
+    def _hello(self, ident: bytes, msg: dict) -> None:
+        """An admitted hello: reserve an entry and answer welcome (once the ring exists)."""
         ring = self._ring()
         if ring is None:
             self._waiting.append((ident, msg))
@@ -257,6 +308,7 @@ class ControlServer:
         """The consumer receives entries from `start` on: tell it."""
         ring = self._ring()
         peer.active = True
+        peer.last_seen = time.monotonic()  # its heartbeats start now (a rank waited for its group)
         self._restart_holds(time.monotonic())
         log.info("consumer %d (pid %d%s) joined at entry %d (%d published%s)", peer.index,
                  peer.pid, "" if peer.group is None else f", rank {peer.rank} of {peer.group}",
@@ -382,8 +434,9 @@ class ControlServer:
             log.info("consumer %d (pid %d) left", peer.index, peer.pid)
 
     def _check_peers(self, now: float) -> None:
-        """Evict consumers whose process died; note consumers the ring detached for
-        lagging; drop handshakes never finished."""
+        """Evict consumers whose process died, and those not heard from for
+        heartbeat_timeout; note consumers the ring detached for lagging; drop handshakes
+        never finished."""
         ring = self._ring()
         if ring is None:
             return
@@ -403,6 +456,8 @@ class ControlServer:
                     ring.evict(peer.index)
                 log.warning("consumer %d (pid %d) died; its slots were released",
                             peer.index, peer.pid)
+            elif self._silent(peer, now):
+                self._evict_silent(ring, ident, peer, now)
             elif peer.group is not None and peer.ready_align is not None:
                 self._start_group(peer.group, now)
             elif not peer.active and not peer.parked and now - peer.since > PENDING_TIMEOUT:
@@ -418,6 +473,31 @@ class ControlServer:
                 ring.evict(entry["index"])
                 log.info("consumer %d (pid %d) exited after leaving, still holding batches; "
                          "its slots were released", entry["index"], entry["pid"])
+
+    def _silent(self, peer: _Peer, now: float) -> bool:
+        """Whether a consumer whose heartbeat thread runs (it started reading, or parked)
+        has not been heard from for heartbeat_timeout. One still in its handshake sends
+        none yet: PENDING_TIMEOUT and GROUP_TIMEOUT bound that."""
+        return self.heartbeat_timeout is not None and (peer.active or peer.parked) and \
+            now - peer.last_seen > self.heartbeat_timeout
+
+    def _evict_silent(self, ring: Any, ident: bytes, peer: _Peer, now: float) -> None:
+        """Evict a consumer whose process lives on but sends nothing (stopped, hung, or
+        a client that said hello and went quiet): it reads nothing either, so the others
+        would wait for it for ever. Its slots are released, even those it holds, which
+        the producer may then overwrite: if it ever runs again, its next batch request
+        raises ConsumerDetached, saying why."""
+        with self._lock:
+            self._peers.pop(ident, None)
+        entry = ring.consumer(peer.index)
+        if entry["token"] == peer.token and entry["state"] != _core.CONSUMER_FREE:
+            ring.evict(peer.index, _core.REASON_SILENT)
+        log.warning(
+            "consumer %d (pid %d) sent no heartbeat for %.0f s, though its process lives (it "
+            "is stopped or hung); it was evicted and its slots released, so the others go on. "
+            "A consumer that is busy for that long needs a longer "
+            "TensorProducer(heartbeat_timeout=) or TENSORSOCKET_HEARTBEAT_TIMEOUT",
+            peer.index, peer.pid, now - peer.last_seen)
 
     def _check_held(self, ring: Any, now: float) -> None:
         """Warn once when the producer has not published for HELD_WARN_AFTER seconds and
@@ -510,11 +590,19 @@ class ControlServer:
             self._thread.join(timeout=5)
 
 
+def _version_message(theirs: int) -> str:
+    """The error for a consumer that speaks protocol version `theirs`."""
+    return (f"producer speaks protocol {protocol.PROTOCOL_VERSION}, consumer {theirs}: "
+            "install the same tensorsocket version on both sides")
+
+
 class ControlClient:
     """Consumer side: handshake in the caller's thread, then heartbeats in a thread."""
 
-    def __init__(self, context: zmq.Context, address: str, timeout: float | None) -> None:
+    def __init__(self, context: zmq.Context, address: str, timeout: float | None,
+                 secret: ClientSecret | None = None) -> None:
         self.address = address
+        self._secret = secret  # what a hello carries as the producer's secret
         self._sock = context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
@@ -533,14 +621,28 @@ class ControlClient:
 
     def hello(self, batch_size: int | None, group: str | None = None, rank: int = 0,
               world_size: int = 1, watch: Any = None) -> dict:
-        """Send hello; return the welcome, waiting up to the timeout for a producer.
-        watch: a ProducerWatch, which raises while we wait if the producer died."""
+        """Send hello; return the welcome, waiting up to the timeout for a producer. A
+        hello refused for its secret is sent again if the secret changed meanwhile (a
+        producer that started after this hello was sent wrote a new one). watch: a
+        ProducerWatch, which raises while we wait if the producer died."""
         pid = os.getpid()
-        self._sock.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=pid,
-                                        start_time=_core.process_start_time(pid),
-                                        batch_size=batch_size, group=group, rank=rank,
-                                        world_size=world_size))
-        msg = self._receive(self._timeout, "welcome", watch)
+        fields = dict(protocol=protocol.PROTOCOL_VERSION, pid=pid,
+                      start_time=_core.process_start_time(pid), batch_size=batch_size,
+                      group=group, rank=rank, world_size=world_size)
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        sent = self._secret.current() if self._secret is not None else None
+        self._sock.send(protocol.encode("hello", secret=sent, **fields))
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                msg = self._receive(left, "welcome", watch)
+                break
+            except AuthenticationError:
+                now = self._secret.current() if self._secret is not None else None
+                if now is None or now == sent:
+                    raise
+                sent = now
+                self._sock.send(protocol.encode("hello", secret=sent, **fields))
         if msg is None:
             raise ProducerNotFound(
                 f"no tensorsocket producer answered at {self.address} within {self._timeout} s; "
@@ -586,6 +688,11 @@ class ControlClient:
             if msg["type"] == "error":
                 if msg["code"] == "version":
                     raise VersionMismatch(msg["message"])
+                if msg["code"] == "auth":
+                    note = self._secret.note() if self._secret is not None else ""
+                    raise AuthenticationError(
+                        f"the producer at {self.address} refused this consumer: "
+                        f"{msg['message']}" + (f" ({note})" if note else ""))
                 if msg["code"] == "unsupported":
                     raise NotImplementedError(msg["message"])
                 if msg["code"] == "failed":
@@ -675,15 +782,23 @@ class ControlClient:
                 return
             if self._stop.is_set():
                 return
+            parking = False
             try:
                 if self._park.is_set():
                     self._park.clear()
+                    parking = True
                     self._sock.send(protocol.encode("park", consumer=self.consumer,
                                                     token=self.token, hold=self._park_hold,
-                                                skip_epoch=self._park_skip), zmq.NOBLOCK)
+                                                    skip_epoch=self._park_skip), zmq.NOBLOCK)
+                    parking = False
                 self._sock.send(beat, zmq.NOBLOCK)
                 while self._sock.poll(0):
                     self._sock.recv()  # nothing is expected; drop stray replies
+            except zmq.Again:
+                # The queue to the producer is full (it read nothing for a long while, e.g.
+                # stopped): beat on, or the producer would evict us once it runs again.
+                if parking:
+                    self._park.set()  # sent at the next beat
             except zmq.ZMQError:
                 return
 

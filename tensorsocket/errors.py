@@ -20,6 +20,7 @@ from ._core import (
 )
 
 __all__ = [
+    "AuthenticationError",
     "BatchTooLarge",
     "ConsumerDetached",
     "CudaError",
@@ -59,6 +60,11 @@ class ProducerFailed(ProducerGone):
 
 class ProtocolError(TensorSocketError):
     """A control message was malformed or out of order."""
+
+
+class AuthenticationError(TensorSocketError, PermissionError):
+    """The producer refused this consumer: another user's process, a hello for another
+    process, or a missing or wrong secret on a TCP address (see tensorsocket.auth)."""
 
 
 class TensorSocketWarning(UserWarning):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import zmq
 
-from . import _core, config
+from . import _core, auth, config
 from .config import UNSET, Unset
 from .control import ControlServer
 from .endpoints import Endpoint, open_lock_file, resolve
@@ -124,6 +124,17 @@ class TensorProducer:
         other consumers read again (default 10) (env): the next epoch's first
         batches wait for it, so that jobs alternating loaders read the same
         epochs; after that its place is given up and it starts at a later epoch.
+      heartbeat_timeout: seconds without a heartbeat after which a consumer whose
+        process lives on (stopped, hung) is evicted and its batches go to the
+        others (default 30; None: never) (env). Consumers heartbeat every second
+        from a thread of their own, through long training steps too.
+      auth_token: the secret a consumer must present on a TCP address (``port=``
+        or ``address="tcp://..."``) (env). Default: a random one. Either way it
+        is written to ``<runtime dir>/<name>.secret`` (mode 0600, removed at
+        close), where consumers of this user find it; consumers that cannot read
+        that file take the same ``auth_token``. Over ipc:// the peer's user and
+        pid are checked instead. ``producer.auth_token`` is the secret in use
+        (None for ipc:// without one).
       rubber_band: the late-joiner window in batches (overrides rubber_band_pct).
       max_lag: detach a consumer that falls more than this many batches behind
         the fastest consumer, so the others are not held back (default None:
@@ -177,6 +188,8 @@ class TensorProducer:
         start_timeout: float | None | Unset = UNSET,
         start_grace: float | Unset = UNSET,
         park_hold: float | Unset = UNSET,
+        heartbeat_timeout: float | None | Unset = UNSET,
+        auth_token: str | None = None,
         ring_slots: int | None | Unset = UNSET,
         slot_bytes: int | None | Unset = UNSET,
         ring_bytes: int | None | Unset = UNSET,
@@ -211,6 +224,7 @@ class TensorProducer:
         start_wait: float | None = setting("start_timeout", start_timeout)
         grace: Any = setting("start_grace", start_grace)
         hold: Any = setting("park_hold", park_hold)
+        silence: Any = setting("heartbeat_timeout", heartbeat_timeout)
         publish_wait: float | None = setting("publish_timeout", publish_timeout)
         lag_limit: int | None = setting("max_lag", max_lag)
         policy: str = setting("lag_policy", lag_policy)
@@ -227,6 +241,13 @@ class TensorProducer:
                     not math.isfinite(seconds) or seconds < 0:
                 raise ValueError(f"{key} must be a finite number of seconds >= 0, got "
                                  f"{seconds!r}")
+        if silence is not None and (isinstance(silence, bool) or
+                                    not isinstance(silence, (int, float)) or
+                                    not silence >= config.MIN_HEARTBEAT_TIMEOUT):
+            raise ValueError(
+                f"heartbeat_timeout must be None (never evict) or a number of seconds >= "
+                f"{config.MIN_HEARTBEAT_TIMEOUT:g} (consumers heartbeat every second), got "
+                f"{silence!r}")
         if wanted < 0 or wanted > _core.MAX_CONSUMERS:
             raise ValueError(f"min_consumers must be in 0..{_core.MAX_CONSUMERS}")
         if rubber_band_pct is not None and not 0 <= float(rubber_band_pct) <= 1:
@@ -271,6 +292,7 @@ class TensorProducer:
         self.start_timeout = start_wait
         self.start_grace = float(grace)
         self.park_hold = float(hold)
+        self.heartbeat_timeout: float | None = None if silence is None else float(silence)
         self._sets_epoch = False  # the loader's sampler has set_epoch and we call it
         self._graced = False  # the start grace is over (it runs once, before batch 0)
         self.publish_timeout = publish_wait
@@ -296,13 +318,19 @@ class TensorProducer:
         self._segment = self.endpoint.segment_name(os.getpid())
         self._files = _OwnedFiles(self.endpoint)
         try:
+            # (never through setting(): the log of settings from the environment shows values)
+            self.auth_token: str | None = auth.producer_secret(self.endpoint, auth_token)
+            if self.auth_token is not None and self.endpoint.socket_path is None:  # TCP
+                auth.write_secret(auth.secret_path(self.endpoint), self.auth_token)
             _sweep_stale_segments(self.endpoint.name)
             self._context = zmq.Context()
             box, me = self._ring_box, weakref.ref(self)
             self._server = ControlServer(self._context, self.endpoint.address,
                                          lambda: box[0], lambda: _welcome_info(me),
-                                         park_hold=self.park_hold)
+                                         park_hold=self.park_hold, secret=self.auth_token,
+                                         heartbeat_timeout=self.heartbeat_timeout)
         except BaseException:
+            auth.secret_path(self.endpoint).unlink(missing_ok=True)
             os.close(self._lock_fd)
             raise
         self._finalizer = weakref.finalize(
@@ -728,7 +756,8 @@ class TensorProducer:
         per consumer, its lag in ring entries (batches plus one end marker per
         epoch) behind the producer, entries and bytes delivered, and the time
         it spent waiting for batches; rejected_messages: malformed control
-        messages and consumers of another protocol version turned away.
+        messages, consumers of another protocol version, and hellos refused by
+        tensorsocket.auth (another user, another pid, no or a wrong secret).
         """
         ring = self._ring if self._ring is not None and not self._ring.closed else None
         info = ring.info() if ring is not None else {}
@@ -855,17 +884,19 @@ def _wait_gpu_released(ring: Any, timeout: float | None) -> None:
 
 class _OwnedFiles:
     """What a producer removes as it ends: its ring segment (once it created one), and the
-    socket and lock files of its name, which are its own while it holds the name lock."""
+    secret, socket and lock files of its name, which are its own while it holds the name
+    lock."""
 
     def __init__(self, endpoint: Endpoint) -> None:
         """Set up; see the class docstring."""
         self.pid = os.getpid()  # a forked child (a loader worker) owns none of them
         self.segment: str | None = None
-        self.paths = [p for p in (endpoint.lock_path, endpoint.socket_path) if p is not None]
+        self.paths = [p for p in (auth.secret_path(endpoint), endpoint.lock_path,
+                                  endpoint.socket_path) if p is not None]
         self.held = True  # the name lock is still ours
 
     def remove(self) -> None:
-        """Unlink the segment, the socket and the lock file (missing ones are fine)."""
+        """Unlink the segment, the secret, socket and lock files (missing ones are fine)."""
         if os.getpid() != self.pid or not self.held:
             return
         if self.segment is not None:

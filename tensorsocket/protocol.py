@@ -14,8 +14,9 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 5  # 4: aligned joins, parking, consumer groups, loader fingerprint;
-# 5: park{skip_epoch} (a loop left with break keeps its place at the next epoch)
+PROTOCOL_VERSION = 5  # 5: hello carries the producer's secret (TCP), park{skip_epoch} (a
+#                       loop left with break keeps its place at the next epoch); 4: aligned
+#                       joins, parking, consumer groups, loader fingerprint
 MAX_MESSAGE_BYTES = 64 * 1024
 
 _INT = (int,)
@@ -27,8 +28,9 @@ _BOOL = (bool,)
 # type -> {field: accepted python types}
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # consumer -> producer
+    # secret: the producer's secret, which a TCP producer requires (tensorsocket.auth)
     "hello": {"protocol": _INT, "pid": _INT, "start_time": _INT, "batch_size": _OPT_INT,
-              "group": _OPT_STR, "rank": _INT, "world_size": _INT},
+              "group": _OPT_STR, "rank": _INT, "world_size": _INT, "secret": _OPT_STR},
     "ready": {"consumer": _INT, "token": _INT, "align": _BOOL},
     "park": {"consumer": _INT, "token": _INT, "hold": _BOOL, "skip_epoch": _BOOL},
     "unpark": {"consumer": _INT, "token": _INT},
@@ -68,8 +70,32 @@ def encode(kind: str, **fields: Any) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
+def foreign_hello(data: bytes) -> int | None:
+    """The protocol version of a hello that decode() refused because it comes from
+    another version of tensorsocket (whose hello has other fields); else None. Lets the
+    producer answer such a consumer with a version error rather than a schema error."""
+    try:
+        msg = _unpack(data)
+    except ProtocolError:  # garbage: not a hello of any version
+        return None
+    if not isinstance(msg, dict) or msg.get("type") != "hello":
+        return None
+    version = msg.get("protocol")
+    if type(version) is not int or version == PROTOCOL_VERSION:
+        return None
+    return version
+
+
 def decode(data: bytes) -> dict[str, Any]:
     """Decode and check one message; raises ProtocolError on anything unexpected."""
+    msg = _unpack(data)
+    _check(msg)
+    return msg
+
+
+def _unpack(data: bytes) -> Any:
+    """The msgpack value of data, within the protocol's limits (not yet checked against
+    a schema); ProtocolError if it is not one."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
@@ -85,7 +111,6 @@ def decode(data: bytes) -> dict[str, Any]:
         )
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"undecodable control message: {type(e).__name__}: {e}") from None
-    _check(msg)
     return msg
 
 

@@ -76,6 +76,7 @@ from ._election import (
     take_lock,
 )
 from ._shared_producer import start_producer
+from .auth import ClientSecret
 from .config import UNSET
 from .consumer import TensorConsumer
 from .control import ControlClient
@@ -468,7 +469,8 @@ def _same_batches(endpoint: Endpoint, want_bs: int, want_dl: bool, options: dict
     the producer (a handshake without joining its ring, so nothing is published for it)."""
     timeout = config.get("timeout", options.get("timeout", UNSET))
     context = zmq.Context()
-    client = ControlClient(context, endpoint.address, timeout)
+    client = ControlClient(context, endpoint.address, timeout,
+                           ClientSecret(endpoint, options.get("auth_token")))
     try:
         welcome = client.hello(None)
     finally:

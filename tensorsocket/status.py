@@ -34,7 +34,7 @@ _CONSUMER_STATES = {
     _core.CONSUMER_DETACHED: "detached",
 }
 _REASONS = {_core.REASON_LEFT: "left", _core.REASON_LAGGED: "lagged",
-            _core.REASON_DIED: "died"}
+            _core.REASON_DIED: "died", _core.REASON_SILENT: "silent"}
 DL_CUDA = 2
 
 

@@ -59,7 +59,8 @@ def test_garbage_and_version_mismatch_do_not_disturb_the_producer(name):
             reply = protocol.decode(s.recv())
             assert reply["type"] == "error"
         s.send(protocol.encode("hello", protocol=999, pid=os.getpid(), start_time=0,
-                               batch_size=None, group=None, rank=0, world_size=1))
+                               batch_size=None, group=None, rank=0, world_size=1,
+                               secret=None))
         reply = protocol.decode(s.recv())
         assert reply["type"] == "error" and reply["code"] == "version"
         assert "999" in reply["message"]
@@ -81,6 +82,28 @@ def test_garbage_and_version_mismatch_do_not_disturb_the_producer(name):
             pass
         t.join(30)
         assert got == [0.0, 1.0, 2.0, 3.0, 4.0]
+    finally:
+        p.close()
+
+
+def test_hello_of_another_layout_gets_a_version_error(name):
+    """A hello of another tensorsocket version has other fields (protocol 4 had no
+    secret; a later one may add some): it fails the schema, and yet its sender is told
+    about the versions, which is what to fix, not about a field."""
+    p = TensorProducer(_loader(), name=name)
+    try:
+        s = _raw_dealer(p.endpoint.address)
+        base = dict(type="hello", pid=os.getpid(), start_time=0, batch_size=None,
+                    group=None, rank=0, world_size=1)
+        for theirs, fields in ((protocol.PROTOCOL_VERSION - 1, {}),
+                               (protocol.PROTOCOL_VERSION + 1,
+                                {"secret": None, "something_new": 1})):
+            s.send(msgpack.packb({**base, "protocol": theirs, **fields}))
+            reply = protocol.decode(s.recv())
+            assert reply["type"] == "error" and reply["code"] == "version", reply
+            assert f"consumer {theirs}" in reply["message"], reply
+        s.close()
+        assert p._server.rejected == 2
     finally:
         p.close()
 
@@ -183,7 +206,8 @@ def test_ranks_of_a_group_start_together_once_all_are_ready(name):
         for rank, s in enumerate(socks):
             s.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=os.getpid(),
                                    start_time=_core.process_start_time(os.getpid()),
-                                   batch_size=None, group="job", rank=rank, world_size=2))
+                                   batch_size=None, group="job", rank=rank, world_size=2,
+                                   secret=None))
             reply = protocol.decode(s.recv())
             assert reply["type"] == "welcome", reply
             welcomes.append(reply)

@@ -8,15 +8,17 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import threading
 import time
 
 import pytest
 import torch
+import zmq
 
 from conftest import shm_segments
 from tensorsocket import SharedMemoryTooSmall, TensorConsumer, TensorProducer, TensorSocketError
-from tensorsocket import _core
+from tensorsocket import _core, protocol
 from tensorsocket.endpoints import resolve, runtime_dir
 
 
@@ -36,6 +38,12 @@ def _ring_of(name: str, producer_pid: int, timeout: float = 60):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_until(predicate, timeout: float, step: float = 0.01) -> float:
@@ -117,6 +125,127 @@ def test_consumer_sigstopped_is_detached_by_the_lag_policy(procs, name, fault_ta
                     f"{took:.2f} s (detached once 4 batches behind the other)",
                     "every batch once, in order; the stopped one gets ConsumerDetached "
                     "on SIGCONT", left)
+
+
+def test_consumer_sigstopped_without_max_lag_is_evicted(procs, name, fault_table):
+    """Lossless (no max_lag): a stopped consumer's heartbeats stop, and after
+    heartbeat_timeout it is evicted, so the others stop waiting for it."""
+    env = {"TENSORSOCKET_HEARTBEAT_TIMEOUT": "3"}
+    prod = procs.start("producer", "--name", name, "--batches", "80", "--kind", "tuple",
+                       "--min-consumers", "2", env=env)
+    pid = procs.wait_ready(prod)["pid"]
+    stopped = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
+    survivor = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
+    ring = _ring_of(name, pid)
+    try:
+        _wait_until(lambda: any(c["pid"] == stopped.pid and c["delivered"] >= 3
+                                for c in ring.consumers()), 30)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        took = _wait_until(lambda: all(c["pid"] != stopped.pid for c in ring.consumers()),
+                           30)
+    finally:
+        ring.close()
+        os.kill(stopped.pid, signal.SIGCONT)
+    r = procs.result(survivor)
+    assert r["errors"] == [] and r["epochs"] == [_batches(0, 0, 80)]
+    s = procs.result(stopped)
+    assert s["outcome"].startswith("ConsumerDetached") and \
+        "heartbeat_timeout" in s["outcome"], s["outcome"]
+    procs.result(prod)
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("consumer SIGSTOPped (no max_lag, heartbeat_timeout=3)",
+                    f"{took:.2f} s (evicted: no heartbeat for heartbeat_timeout; its slots "
+                    "released)",
+                    "every batch once, in order, after a pause; the stopped one gets "
+                    "ConsumerDetached naming heartbeat_timeout on SIGCONT", left)
+
+
+def test_producer_sigstopped_longer_than_heartbeat_timeout(procs, name, fault_table):
+    """The producer's own pause is no silence of its consumers: their heartbeats wait in
+    the socket while it is stopped, and none is evicted when it runs again."""
+    env = {"TENSORSOCKET_HEARTBEAT_TIMEOUT": "3"}
+    prod = procs.start("producer", "--name", name, "--batches", "60", "--kind", "tuple",
+                       "--min-consumers", "2", env=env)
+    pid = procs.wait_ready(prod)["pid"]
+    cons = [procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
+            for _ in range(2)]
+    ring = _ring_of(name, pid)
+    try:
+        _wait_until(lambda: sum(c["delivered"] >= 3 for c in ring.consumers()) == 2, 30)
+        os.kill(pid, signal.SIGSTOP)
+        stop_end = time.monotonic() + 5  # longer than heartbeat_timeout
+        try:
+            while time.monotonic() < stop_end:
+                time.sleep(0.1)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        ring.close()
+    for c in cons:
+        r = procs.result(c)
+        assert r["outcome"] == "done" and r["errors"] == [], r["outcome"]
+        assert r["epochs"] == [_batches(0, 0, 60)]
+    procs.result(prod)
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("producer SIGSTOPped for 5 s (heartbeat_timeout=3)",
+                    "- (no consumer is evicted: the producer's own pause is no silence of "
+                    "theirs)", "every batch once, in order, after the pause", left)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_forged_hello_is_refused(procs, name, fault_table, transport):
+    """A hello as pid 1 (alive for ever, so never evicted as dead), then ready: over TCP
+    another local user can connect, but has no secret; over ipc:// only this user can,
+    and the kernel says which process it is. Refused, it learns nothing, and the real
+    consumer reads every batch from the first (it used to join late behind a consumer
+    that never reads, and everything hung for good)."""
+    if transport == "tcp":
+        port = _free_port()
+        where, address = ["--port", str(port)], f"tcp://127.0.0.1:{port}"
+        owner = f"port{port}"
+    else:
+        where, address, owner = ["--name", name], resolve(name, None, None).address, name
+    prod = procs.start("producer", *where, "--batches", "20", "--kind", "tuple")
+    procs.wait_ready(prod)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 30000)
+    s.connect(address)
+    try:
+        hello = dict(protocol=protocol.PROTOCOL_VERSION, pid=1,
+                     start_time=_core.process_start_time(1), batch_size=None, group=None,
+                     rank=0, world_size=1)
+        for field in protocol.SCHEMAS["hello"]:  # the secret: another user has none
+            hello.setdefault(field, None)
+        t0 = time.monotonic()
+        s.send(protocol.encode("hello", **hello))
+        reply = protocol.decode(s.recv())
+        took = time.monotonic() - t0
+        if reply["type"] == "welcome":  # hijacked: the forger is consumer 0, and ready
+            s.send(protocol.encode("ready", consumer=reply["consumer"], token=reply["token"],
+                                   align=False))
+            assert protocol.decode(s.recv())["type"] == "started"
+        cons = procs.start("consumer", *where, "--kind", "tuple")
+        r = procs.result(cons, timeout=60)
+    finally:
+        s.close(0)
+    assert r["errors"] == [] and r["epochs"] == [_batches(0, 0, 20)], r
+    assert reply["type"] == "error" and reply["code"] == "auth", reply
+    assert "tensorsocket-" not in reply["message"]
+    assert ("secret" if transport == "tcp" else "pid 1") in reply["message"], reply
+    assert procs.result(prod)["stats"]["rejected_messages"] == 1
+    left = _left_behind(owner)
+    assert left == "nothing"
+    if transport == "tcp":
+        fault, why = "another local user's hello as pid 1 on a TCP port (then ready)", \
+            "no secret"
+    else:
+        fault, why = "a hello as pid 1 over ipc:// (then ready)", \
+            "the kernel's peer credentials name another pid"
+    fault_table.add(fault, f"{took:.2f} s (refused at hello: {why}; nothing of the producer "
+                    "revealed)", "every batch once, in order, from batch 0", left)
 
 
 def _kill_producer_after_first_delivery(procs, name: str, *consumer_args: str, settle: float,

@@ -1330,6 +1330,39 @@ out:
     fx_destroy(&fx);
 }
 
+/* A consumer evicted for silence loses its holds like a dead one, and its next acquire
+ * says why (the producer's heartbeat_timeout), not that it was merely detached. */
+static void test_evict_silent(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    REQUIRE(fx_create(&fx, 2, 2, 4096) == 0);
+    REQUIRE(consumer_add(&fx, &A, 1) == 0 && consumer_add(&fx, &B, 1) == 0);
+    uint64_t bitB = 1ULL << B.index;
+    PUBLISH(0);
+    PUBLISH(1);
+    TAKE(A, 0, 0); /* A holds entry 0 and falls silent; 1 stays unread */
+    TAKE(B, 0, 1);
+    ts_ring_evict_for(fx.prod, A.index, TS_REASON_SILENT);
+    CHECK_EQ(state_of(fx.prod, A.index), TS_CONSUMER_FREE);
+    CHECK_EQ(reason_of(fx.prod, A.index), TS_REASON_SILENT);
+    CHECK_EQ(readers_of(fx.prod, 0), 0);
+    CHECK_EQ(readers_of(fx.prod, 1), bitB);
+    CHECK_EQ(fx.prod->hdr->active_mask, bitB);
+    CHECK_ST(ts_ring_acquire(A.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
+    CHECK(strstr(err.msg, "heartbeat_timeout") != NULL);
+    PUBLISH(2); /* slot 0 is free for the producer at once */
+    TAKE(B, 1, 1);
+    TAKE(B, 2, 1);
+    ts_ring_evict(fx.prod, B.index); /* the plain eviction: a dead consumer */
+    CHECK_EQ(reason_of(fx.prod, B.index), TS_REASON_DIED);
+out:
+    consumer_drop(&A), consumer_drop(&B);
+    fx_destroy(&fx);
+}
+
 #define DR_BUDGET_MS 700
 #define DR_MAX_ROUNDS 2000
 #define DR_MAX_LAG 4
@@ -1926,7 +1959,7 @@ static const ts_test g_tests[] = {
     {"window_holds_slot", test_window_holds_slot}, {"join_epoch", test_join_epoch},
     {"join_aligned", test_join_aligned},
     {"laggard", test_laggard},           {"laggard_blocked", test_laggard_blocked},
-    {"detach_api", test_detach_api},
+    {"detach_api", test_detach_api},     {"evict_silent", test_evict_silent},
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
     {"copy_on_write", test_copy_on_write}, {"set_aside", test_set_aside},
     {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
