@@ -393,12 +393,13 @@ def test_producer_sigtermed_while_a_consumer_waits(procs, name, fault_table):
     """SIGTERM on a producer script (not started by share()) removes its segment, socket
     and lock before it dies of the signal; its consumer sees it gone as after SIGKILL."""
     r, took = _kill_producer_after_first_delivery(procs, name, settle=0.2, sig=signal.SIGTERM)
-    assert r["outcome"].startswith("ProducerGone") and took < 5.0
+    assert r["outcome"].startswith("ProducerFailed") and took < 5.0  # a ProducerGone
     left = _left_behind(name)
     assert left == "nothing"
     fault_table.add("producer (a plain script) SIGTERMed while a consumer waits for a batch",
-                    f"{took:.2f} s (ProducerGone raised)",
-                    "ProducerGone; the producer removed its files, then died of SIGTERM", left)
+                    f"{took:.2f} s (ProducerFailed raised)",
+                    "ProducerFailed (a ProducerGone); the producer removed its files, then "
+                    "died of SIGTERM", left)
 
 
 def test_shm_too_small_fails_at_start_naming_the_knob(name, fault_table):
