@@ -131,7 +131,7 @@ c.close()
 def test_breaking_at_the_epoch_end_while_holding_the_batch_never_deadlocks(name, policy,
                                                                            fault_table):
     """A job that breaks out near each epoch's end keeps its last batch in the loop
-    variable while it attaches again for the next epoch: it must not wait for the slot
+    variable while it reads on into the next epoch: it must not wait for the slot
     it holds itself (the producer cannot refill it, so both jobs and the producer would
     wait for good). Its next epochs are whole; the other job loses nothing."""
     import json
@@ -181,15 +181,17 @@ def test_breaking_at_the_epoch_end_while_holding_the_batch_never_deadlocks(name,
             assert ids == list(range(len(ids))) and ids, out
         assert all(len(ids) <= 18 for ids in out["break"]), out
         fault_table.add("a job breaks out near each epoch's end holding its batch, then "
-                        "attaches again (max_lag=2, lag_policy='rejoin')",
-                        "- (its live batches are copied privately before it attaches again)",
+                        "reads its next epoch (max_lag=2, lag_policy='rejoin')",
+                        "- (its place is kept at the next epoch; a batch it keeps is copied "
+                        "privately once it would block the producer)",
                         "every epoch of both jobs starts at batch 0, no gap or repeat; "
                         "nothing waits", "nothing")
         return
     assert out["read"] == [list(range(20))] * epochs
     assert out["break"] == [list(range(18))] * epochs
     fault_table.add("a job breaks out at batch 18 of 20 each epoch holding its batch, then "
-                    "attaches again for the next epoch",
-                    "- (its live batches are copied privately before it attaches again)",
+                    "reads its next epoch",
+                    "- (its place is kept at the next epoch; a batch it keeps is copied "
+                        "privately once it would block the producer)",
                     "the other job reads every batch once; the breaker's next epochs are "
                     "whole", "nothing")
