@@ -802,20 +802,28 @@ class TensorConsumer(LoaderSurface):
                 return self._ring.acquire(SIBLING_PARK_AFTER)
             except TimeoutError:
                 _park_idle_siblings(self)
-        if self._ring.held_slots():
-            # Batches this consumer keeps may hold the slot the producer must refill next:
-            # then they are copied privately rather than waited for (see _set_aside_held).
-            first = SET_ASIDE_AFTER if self.batch_timeout is None else \
-                min(SET_ASIDE_AFTER, self.batch_timeout)
+        deadline = None if self.batch_timeout is None else \
+            time.monotonic() + self.batch_timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        # Batches this consumer keeps may come to hold the slot the producer must refill
+        # next (as soon as it gets there): then they are copied privately rather than
+        # waited for (see _set_aside_held). Only while it keeps some: in short waits.
+        while self._ring.held_slots() and self._import is False:
+            wait = left()
+            step = SET_ASIDE_AFTER if wait is None else min(SET_ASIDE_AFTER, wait)
             try:
-                return self._ring.acquire(first)
+                return self._ring.acquire(step)
             except TimeoutError:
-                if first == self.batch_timeout:
+                if wait is not None and step >= wait:
                     raise
-                if self._held_slots_blocking():
-                    self._set_aside_held(rebind=True)
-        if self.batch_timeout is not None and self.batch_timeout <= STALL_WARN_AFTER:
-            return self._ring.acquire(self.batch_timeout)
+                if self._held_slots_blocking() and not self._set_aside_held(rebind=True):
+                    break  # they cannot be copied here: wait for them (and say so below)
+        wait = left()
+        if wait is not None and wait <= STALL_WARN_AFTER:
+            return self._ring.acquire(wait)
         try:
             return self._ring.acquire(STALL_WARN_AFTER)
         except TimeoutError:
@@ -832,9 +840,7 @@ class TensorConsumer(LoaderSurface):
                     "or take private copies: TensorConsumer(copy=True) or tensor.clone()")
                 log.warning("%s", message)
                 warnings.warn(message, TensorSocketWarning, stacklevel=6)
-        remaining = None if self.batch_timeout is None else \
-            self.batch_timeout - STALL_WARN_AFTER
-        return self._ring.acquire(remaining)
+        return self._ring.acquire(left())
 
     def _held_slots_blocking(self) -> int:
         """Slots this consumer holds (entries it took whose views are alive), if one of
