@@ -55,7 +55,8 @@ class Producing:
 def test_generator_gives_one_epoch_then_a_clear_error(procs, name):
     """A generator is published once, in full; asking it for a second epoch raises a
     TypeError naming the problem and the fix, and the consumer is told the producer
-    finished, instead of waiting for an epoch that would never come."""
+    failed with that error (ProducerFailed), instead of waiting for an epoch that would
+    never come."""
     producer = TensorProducer(_tuples(0, 7), name=name, start_timeout=30)
     run = Producing(producer, epochs=2)
     try:
@@ -64,7 +65,8 @@ def test_generator_gives_one_epoch_then_a_clear_error(procs, name):
     finally:
         run.finish()
     assert r["errors"] == [] and r["epochs"] == [_values(0, 7)]
-    assert r["outcome"].startswith("ProducerFinished: the producer finished after 1 epoch")
+    assert r["outcome"].startswith("ProducerFailed: "), r["outcome"]
+    assert "TypeError" in r["outcome"] and "'generator'" in r["outcome"], r["outcome"]
     assert "no len()" in r["len"]
     assert run.published == [7]
     assert isinstance(run.error, TypeError)
