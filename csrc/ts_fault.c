@@ -384,39 +384,20 @@ static void ts_fault_copy_pages(uint8_t *p, size_t n)
         atomic_fetch_or_explicit((_Atomic uint8_t *)(void *)(p + off), 0, memory_order_relaxed);
 }
 
-/* Make held slot k a whole private copy (see ts_fault.h). */
+/* Make held slot k a whole private copy (see ts_fault.h): the write-fault path makes it
+ * private (the same lock and checks), then every page is copied. */
 int ts_fault_copy_slot(ts_fault_map *m, uint32_t k)
 {
     if (m->state == NULL || k >= m->slot_count) return EINVAL;
-    if (atomic_load_explicit(&m->forbidden, memory_order_seq_cst)) return EPERM;
-    _Atomic uint32_t *state = &m->state[k];
-    uint32_t w = ts_fault_settled(state);
-    for (;;) {
-        if (w < TS_FAULT_HOLD) return EINVAL; /* not held: nothing to keep */
-        if ((w & TS_FAULT_MASK) == TS_FAULT_PRIVATE) break;
-        if ((w & TS_FAULT_MASK) == TS_FAULT_BUSY) {
-            w = ts_fault_settled(state);
-            continue;
-        }
-        if (!atomic_compare_exchange_weak_explicit(state, &w, w | TS_FAULT_BUSY,
-                                                   memory_order_seq_cst, memory_order_seq_cst))
-            continue;
-        int e = 0;
-        if (atomic_load_explicit(&m->forbidden, memory_order_seq_cst)) {
-            e = EPERM;
-        } else if (mmap(m->start + (uint64_t)k * m->slot_bytes, (size_t)m->slot_bytes,
-                        PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, m->fd,
-                        (off_t)(m->file_offset + (uint64_t)k * m->slot_bytes)) == MAP_FAILED) {
-            e = errno;
-        }
-        if (e != 0) {
-            atomic_fetch_and_explicit(state, ~(uint32_t)TS_FAULT_MASK, memory_order_release);
-            return e;
-        }
-        atomic_fetch_xor_explicit(state, TS_FAULT_BUSY ^ TS_FAULT_PRIVATE, memory_order_release);
-        break;
+    uint8_t *slot = m->start + (uint64_t)k * m->slot_bytes;
+    errno = 0;
+    switch (ts_fault_privatize(m, (uintptr_t)slot)) {
+    case TS_FAULT_FIXED: break;
+    case TS_FAULT_PINNED: return EPERM;
+    case TS_FAULT_NOT_HELD: return EINVAL; /* not held: nothing to keep */
+    default: return errno != 0 ? errno : EIO;
     }
-    ts_fault_copy_pages(m->start + (uint64_t)k * m->slot_bytes, (size_t)m->slot_bytes);
+    ts_fault_copy_pages(slot, (size_t)m->slot_bytes);
     return 0;
 }
 

@@ -680,6 +680,15 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* A sequence number argument that may be None (then TS_SEQ_NONE); -1 with an exception. */
+static int ts_optional_seq(PyObject *obj, uint64_t *out)
+{
+    *out = TS_SEQ_NONE;
+    if (obj == Py_None) return 0;
+    *out = PyLong_AsUnsignedLongLong(obj);
+    return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* Ring.activate_group(indices, align=False, start=None) -> the entry every one of the
  * consumers starts at (the ranks of a group, in one step) */
 static PyObject *Ring_activate_group(RingObject *self, PyObject *args)
@@ -702,11 +711,8 @@ static PyObject *Ring_activate_group(RingObject *self, PyObject *args)
         if (v == (unsigned long)-1 && PyErr_Occurred()) goto done;
         indices[i] = (uint32_t)(v > UINT32_MAX ? UINT32_MAX : v);
     }
-    uint64_t from = TS_SEQ_NONE;
-    if (from_obj != Py_None) {
-        from = PyLong_AsUnsignedLongLong(from_obj);
-        if (from == (uint64_t)-1 && PyErr_Occurred()) goto done;
-    }
+    uint64_t from;
+    if (ts_optional_seq(from_obj, &from) < 0) goto done;
     uint64_t start = 0;
     ts_err err = {0};
     if (ts_ring_activate_group(self->ring, indices, (uint32_t)n, align, from, &start, &err) !=
@@ -778,11 +784,8 @@ static PyObject *Ring_activate(RingObject *self, PyObject *args)
     PyObject *from_obj = Py_None;
     if (!PyArg_ParseTuple(args, "I|pO:activate", &index, &align, &from_obj)) return NULL;
     if (ts_role_check(self, 1) < 0) return NULL;
-    uint64_t from = TS_SEQ_NONE;
-    if (from_obj != Py_None) {
-        from = PyLong_AsUnsignedLongLong(from_obj);
-        if (from == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    }
+    uint64_t from;
+    if (ts_optional_seq(from_obj, &from) < 0) return NULL;
     uint64_t start = 0;
     ts_err err = {0};
     ts_status st = from == TS_SEQ_NONE
