@@ -246,6 +246,9 @@ class TensorConsumer(LoaderSurface):
         self._epoch_pulled = 0  # loader batches taken in this epoch
         self._epoch_batches = 0  # batches returned in this epoch
         self._after_end_marker = False  # the last entry taken ended a producer epoch
+        # The epoch ended with its last batch before the producer's end marker came: the
+        # next entry is that marker (an entry of the ring, but no batch: stats() skips it).
+        self._end_marker_unread = False
         self._attached = True  # False after leaving mid-epoch, until the next batch
         # Aligned epochs: the producer epoch this consumer's epoch reads (None: not
         # anchored yet), the first producer epoch its next epoch may read, an entry taken
@@ -530,6 +533,7 @@ class TensorConsumer(LoaderSurface):
         try:
             slot = self._ring.acquire(0)
         except Exception:  # nothing published yet (or the producer is gone): later
+            self._end_marker_unread = True
             return
         if slot.is_end_of_epoch and slot.epoch < self._want_epoch:
             slot.release()
@@ -584,6 +588,7 @@ class TensorConsumer(LoaderSurface):
         if self._pending is not None and not hold:
             self._pending.release()
             self._pending = None
+        self._end_marker_unread = False  # parked: the producer drops or keeps it
         if self._attached and not self._closed:
             self._attached = False
             if self._aligned:
@@ -626,6 +631,7 @@ class TensorConsumer(LoaderSurface):
                 raise EpochEnd
             slot, self._pending = (self._pending or self._acquire()), None
             self._after_end_marker = slot.is_end_of_epoch
+            self._end_marker_unread = False
             if slot.is_end_of_epoch:
                 epoch = slot.epoch
                 slot.release()
@@ -1014,7 +1020,8 @@ class TensorConsumer(LoaderSurface):
         batches / samples: delivered so far; loader_batches and bytes: ring
         entries taken (bytes of tensor data and structure); wait_seconds: time
         spent waiting for batches; lag: batches (ring entries) published but
-        not yet taken; rejoins / skipped_entries: re-attachments after being
+        not yet taken (an end-of-epoch marker the consumer has not reached yet is
+        no batch: a finished epoch leaves lag 0); rejoins / skipped_entries: re-attachments after being
         detached for lagging and the entries they skipped; dropped_samples:
         samples dropped by drop_last; copied_kept_batches: batches still alive
         that were copied privately so that the consumer never waits for their slots.
@@ -1022,6 +1029,8 @@ class TensorConsumer(LoaderSurface):
         lag = None
         if not self._closed:
             lag = self._ring.consumer(self._index)["lag"]
+            if lag > 0 and self._end_marker_unread and self._attached:
+                lag -= 1
         return {
             "epoch": self.epoch,
             "device": self.device,

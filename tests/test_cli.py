@@ -63,13 +63,14 @@ def procs(procs):
 
 def start_shared_loader(procs, name: str, batch_sizes: list[int]) -> tuple:
     """A producer over 8-sample loader batches, paced at ~25 batches/s, and one
-    consumer per batch size, each running until killed."""
-    prod = procs.start("producer", "--name", name, "--kind", "samples", "--samples", "4000",
+    consumer per batch size, each running until killed (an epoch lasts 20 minutes: the
+    producer must outlive every test, also under ASan on a loaded machine)."""
+    prod = procs.start("producer", "--name", name, "--kind", "samples", "--samples", "240000",
                        "--loader-bs", "8", "--delay", "0.04", "--min-consumers",
                        str(len(batch_sizes)))
     procs.wait_ready(prod)
     consumers = [procs.start("consumer", "--name", name, "--kind", "samples", "--samples",
-                             "4000", "--batch-size", str(bs)) for bs in batch_sizes]
+                             "240000", "--batch-size", str(bs)) for bs in batch_sizes]
     return prod, consumers
 
 

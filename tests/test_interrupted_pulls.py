@@ -48,8 +48,10 @@ p.join(timeout=60)
 
 # Takes batches of 12 and goes on after TimeoutError and KeyboardInterrupt (SIGINT).
 CONSUMER = r"""
-import json, sys
+import faulthandler, json, signal, sys
 from tensorsocket import TensorConsumer
+
+faulthandler.register(signal.SIGUSR1)  # a test that waits too long asks where we are
 
 name, batch_timeout = sys.argv[1], float(sys.argv[2])
 ids, sizes, timeouts, interrupts = [], [], 0, 0
@@ -81,7 +83,11 @@ def _line(p: subprocess.Popen, timeout: float = 60) -> str:
     with selectors.DefaultSelector() as sel:
         sel.register(p.stdout, selectors.EVENT_READ)
         if not sel.select(timeout):
-            raise AssertionError("no output in time")
+            p.send_signal(signal.SIGUSR1)  # the consumer's stacks (faulthandler), then end it
+            time.sleep(1)
+            p.kill()
+            p.wait(10)
+            raise AssertionError(f"no output in {timeout} s; stderr:\n{p.stderr.read()}")
     line = p.stdout.readline()
     if not line:
         p.wait(10)

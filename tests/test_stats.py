@@ -15,12 +15,14 @@ def test_stats_of_producer_and_consumers(name):
     producer = TensorProducer(loader, name=name, min_consumers=2, ring_slots=6,
                               start_timeout=30)
     published = threading.Event()
+    last_out = threading.Event()  # the producer holds its end marker back until then
     errors: list = []
 
     def run():
         try:
-            for _ in producer:
-                pass
+            for i, _ in enumerate(producer):
+                if i == len(loader) - 1:
+                    last_out.wait(30)
             published.set()
         except Exception as e:  # reported by the assertion below
             errors.append(e)
@@ -65,9 +67,13 @@ def test_stats_of_producer_and_consumers(name):
             next(it_halves)
             next(it_halves)
         assert len(list(it_halves)) == 6  # it started 3 loader batches behind
+        # Both epochs ended with their last batches (len() is known), before the end marker
+        # came; it is an entry of the ring, but no batch: the finished epoch has lag 0.
+        last_out.set()
         assert published.wait(10) and errors == []
+        assert producer.ring.info()["published"] == 31
         assert whole.stats()["batches"] == 30 and halves.stats()["batches"] == 60
-        assert whole.stats()["lag"] == 0
+        assert whole.stats()["lag"] == 0 and halves.stats()["lag"] == 0
         final = producer.stats()
         assert final["batches"] == 30 and final["wait_seconds"] > 0
     finally:
