@@ -71,6 +71,7 @@ time.sleep(float(sys.argv[2]))
 def test_producer_logs_the_consumer_that_keeps_its_slots(name, procs, caplog, monkeypatch):
     """The producer names the consumer whose kept batches hold the slot it must reuse."""
     import logging
+    import selectors
     import subprocess
     import sys
     import threading
@@ -82,7 +83,9 @@ def test_producer_logs_the_consumer_that_keeps_its_slots(name, procs, caplog, mo
     monkeypatch.setattr(control, "HELD_WARN_AFTER", 1.0)
     caplog.set_level(logging.WARNING, logger="tensorsocket")
     loader = [torch.full((2,), float(i)) for i in range(8)]
-    producer = TensorProducer(loader, name=name, ring_slots=4, rubber_band=0, start_timeout=3)
+    # The keeper may take long to start on a loaded machine: the first wait is long, the
+    # one after the keeper left (the end of this test) short.
+    producer = TensorProducer(loader, name=name, ring_slots=4, rubber_band=0, start_timeout=60)
     keeper = subprocess.Popen([sys.executable, "-c", KEEPER, name, "4"],
                               stdout=subprocess.PIPE, text=True)
     procs.procs.append(keeper)
@@ -90,13 +93,17 @@ def test_producer_logs_the_consumer_that_keeps_its_slots(name, procs, caplog, mo
 
     def run() -> None:
         try:
-            for _ in producer:
-                pass
+            for i, _ in enumerate(producer):
+                if i == 0:
+                    producer.start_timeout = 3
         except TimeoutError as e:  # the keeper left and nobody else came
             ended.append(str(e))
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
+    with selectors.DefaultSelector() as sel:
+        sel.register(keeper.stdout, selectors.EVENT_READ)
+        assert sel.select(60), "the keeper did not take its batches within 60 s"
     assert keeper.stdout.readline().strip() == "kept"
     keeper.wait(timeout=30)  # it exits: its slots are released
     t.join(timeout=30)
