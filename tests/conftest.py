@@ -18,6 +18,12 @@ import pytest
 # framework clients), set it explicitly.
 os.environ.setdefault("TENSORSOCKET_START_GRACE", "0")
 
+# A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits
+# SIGINT ignored, and so would every process it starts: the Ctrl-C tests would see their
+# SIGINT vanish. The test processes start as they would from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = Path(__file__).resolve().parent / "roles.py"
 
