@@ -10,8 +10,6 @@ import warnings
 import weakref
 from typing import Any, Callable
 
-import numpy as np
-import torch
 import zmq
 
 from . import _core, config, diagnosis
@@ -19,13 +17,11 @@ from ._producer_watch import ProducerWatch
 from .auth import ClientSecret
 from .config import UNSET, Unset
 from .control import ControlClient
+from .delivery import Delivery
 from .endpoints import resolve
 from .epoch_cursor import Abandon, EpochCursor, Step
-from .gpu import parse_device
 from .errors import (
     ConsumerDetached,
-    GPUFallbackWarning,
-    GPUUnavailable,
     LagWarning,
     ProducerFailed,
     ProducerFinished,
@@ -35,12 +31,9 @@ from .errors import (
 )
 from .loader_info import LoaderShape
 from .rebatch import EpochEnd, Rebatcher, batch_samples, consumer_len
-from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
 from .surface import LoaderSurface
 
 log = logging.getLogger("tensorsocket")
-
-DL_CUDA = 2  # DLDeviceType of a GPU ring
 
 DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
 STALL_WARN_AFTER = 5.0  # seconds waiting for a batch the consumer's own held batches block
@@ -211,15 +204,9 @@ class TensorConsumer(LoaderSurface):
         # Not `timeout`: training code reads that as DataLoader.timeout (a batch fetch limit).
         self.answer_timeout = answer_wait
         self.copy = bool(copy)
-        self._device_kind, self._device_index = parse_device(device)
         self.pin_memory = bool(pin_memory)
         self.peer_access = bool(peer_access)
-        self.device = "cpu"  # where tensors are delivered (set once attached)
-        self.device_fallback_reason: str | None = None
-        self._import = False  # tensors come from the ring's GPU copy
-        self._cuda: torch.device | None = None  # the GPU they are on, when they do
-        self._move_to: torch.device | None = None  # host tensors are copied here
-        self._inflight: list = []  # (cuda event, host tensors) of copies not yet done
+        self._delivery = Delivery(device, self.copy, self.pin_memory, self.peer_access)
         # The original TensorSocket (0.0.5) yields the batch itself, with or without ports.
         self.with_index = bool(with_index)
         self.align_epochs = bool(align_epochs)
@@ -229,7 +216,6 @@ class TensorConsumer(LoaderSurface):
             raise TypeError(f"group must be a str of at most 200 characters, got {group!r}")
         self.group = group
         self.endpoint = resolve(name, port, address)
-        self._decoder = Decoder()
         self._closed = False
         self._state_lock = threading.Lock()  # __iter__ against parking from another thread
         self._attached = True  # False after leaving mid-epoch, until the next batch
@@ -293,7 +279,7 @@ class TensorConsumer(LoaderSurface):
         # The producer calls set_epoch on its loader's sampler itself.
         self._producer_sets_epoch: bool = welcome.auto_set_epoch
         try:
-            self._setup_device(ring)
+            self._delivery.attach(ring)
         except BaseException:
             ring.close()
             self._client.close(say_bye=True, wait=0.2)
@@ -304,12 +290,22 @@ class TensorConsumer(LoaderSurface):
         # The finalizer closes the current ring handle (set-aside ones go with their views).
         self._ring_box = [ring]
         self._finalizer = weakref.finalize(self, _teardown, self._client, self._context,
-                                           self._ring_box, self._inflight, self._pid)
+                                           self._ring_box, self._delivery, self._pid)
         _CONSUMERS.add(self)
         log.info("consumer %d attached to %s at entry %d", self._index, self.endpoint.address,
                  self.start_seq)
         if given.origins:
             log.info("consumer settings from the environment: %s", given.describe())
+
+    @property
+    def device(self) -> str:
+        """Where tensors are delivered: ``"cpu"``, or ``"cuda:N"``."""
+        return self._delivery.device
+
+    @property
+    def device_fallback_reason(self) -> str | None:
+        """Why the producer's GPU ring is read through host memory here (None: it is not)."""
+        return self._delivery.fallback_reason
 
     @property
     def drop_last(self) -> bool:
@@ -333,66 +329,6 @@ class TensorConsumer(LoaderSurface):
             raise
         self._client.start_heartbeats()
         log.info("consumer %d started at entry %d", self._index, self.start_seq)
-
-    # -- device ------------------------------------------------------------------------
-
-    def _setup_device(self, ring: Any) -> None:
-        """Decide where tensors are delivered and open what that needs."""
-        info = ring.info()
-        gpu_ring = info["device_type"] == DL_CUDA
-        kind, index = self._device_kind, self._device_index
-        if kind == "cuda" and index is None:
-            index = 0
-        if kind == "cpu" or (kind == "auto" and not gpu_ring):
-            self.device = "cpu"
-        elif gpu_ring and (kind == "auto" or self.peer_access or _same_gpu(info, index)):
-            try:
-                ordinal = ring.import_device(None if kind == "auto" else index)
-            except GPUUnavailable as e:
-                self._fall_back(str(e), None if kind == "auto" else index)
-            else:
-                self._import = True
-                self._cuda = torch.device("cuda", ordinal)
-                self.device = str(self._cuda)
-                return  # tensors come from GPU memory: nothing to page-lock
-        else:
-            # A host ring, or another GPU without peer access: copy from host memory.
-            assert index is not None  # only kind "cuda" comes here, and it has one
-            self._move_to = torch.device("cuda", index)
-            self.device = str(self._move_to)
-        if self.pin_memory:
-            try:
-                ring.pin_host(index or 0)
-            except GPUUnavailable as e:
-                raise GPUUnavailable(f"pin_memory=True needs a GPU: {e}") from None
-
-    def _fall_back(self, reason: str, index: int | None) -> None:
-        """CUDA IPC cannot work here: deliver through host memory instead."""
-        self.device_fallback_reason = reason
-        if index is not None:
-            self._move_to = torch.device("cuda", index)
-            self.device = str(self._move_to)
-        where = f"copied to {self.device} by this consumer" if index is not None else \
-            "delivered as host tensors"
-        warnings.warn(f"tensorsocket: cannot read the producer's GPU ring here ({reason}); "
-                      f"batches are {where}", GPUFallbackWarning, stacklevel=4)
-        log.warning("GPU ring unavailable to this consumer: %s", reason)
-
-    def _to_device(self, leaves: list, kinds: list) -> list:
-        """Copy the torch leaves to self._move_to; hold the host views until the copies
-        are done (the ring slot must not be reused under an asynchronous copy)."""
-        moved, held = [], []
-        for kind, leaf in zip(kinds, leaves, strict=True):
-            if kind == TORCH:
-                held.append(leaf)
-                leaf = leaf.to(self._move_to, non_blocking=self.pin_memory)
-            moved.append(leaf)
-        if self.pin_memory and held:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._move_to))
-            self._inflight.append((event, held))
-        self._inflight[:] = [(e, h) for e, h in self._inflight if not e.query()]
-        return moved
 
     # -- DataLoader protocol -----------------------------------------------------------
 
@@ -608,7 +544,7 @@ class TensorConsumer(LoaderSurface):
         epoch, index = slot.epoch, slot.index
         self._loader_batches += 1
         self._bytes += slot.nbytes
-        batch = self._build(slot)
+        batch = self._delivery.build(slot)
         self._cursor.taken(epoch, index)
         return batch, self._shape.samples_in(index)
 
@@ -699,7 +635,7 @@ class TensorConsumer(LoaderSurface):
         # Batches this consumer keeps may come to hold the slot the producer must refill
         # next (as soon as it gets there): then they are copied privately rather than
         # waited for (see _set_aside_held). Only while it keeps some: in short waits.
-        while diagnosis.may_set_aside(self._ring, self._import):
+        while diagnosis.may_set_aside(self._ring, self._delivery.gpu_import):
             wait = left()
             step = SET_ASIDE_AFTER if wait is None else min(SET_ASIDE_AFTER, wait)
             try:
@@ -783,7 +719,7 @@ class TensorConsumer(LoaderSurface):
         nor with pin_memory=True: there the slots stay held)."""
         ring = self._ring
         held = ring.held_slots()
-        if held == 0 or self._import:
+        if held == 0 or self._delivery.gpu_import:
             return False
         try:
             ring.set_aside()
@@ -800,46 +736,6 @@ class TensorConsumer(LoaderSurface):
         log.info("consumer %d: %d batches still alive were copied privately, so that it "
                  "never waits for their ring slots", self._index, held)
         return True
-
-    def _build(self, slot: Any) -> Any:
-        """Turn a slot into the loader's batch structure of tensors and values."""
-        build, kinds = self._decoder.compile(slot.meta)
-        if self._import:
-            leaves = self._device_leaves(slot, kinds)
-        elif NUMPY not in kinds and NUMPY_SCALAR not in kinds:
-            leaves = [torch.from_dlpack(c) for c in slot.capsules(versioned=True, copy=self.copy)]
-        else:
-            leaves = []
-            for kind, view in zip(kinds, slot.views(), strict=True):
-                if kind == TORCH:
-                    leaves.append(torch.from_dlpack(view.__dlpack__(max_version=(1, 0),
-                                                                    copy=self.copy or None)))
-                else:
-                    array = np.from_dlpack(view)
-                    leaves.append(array.copy() if self.copy else array)
-        slot.release()
-        if self._move_to is not None:
-            leaves = self._to_device(leaves, kinds)
-        return build(leaves)
-
-    def _device_leaves(self, slot: Any, kinds: list) -> list:
-        """Torch leaves from the slot's GPU copy (zero-copy; ordered after the producer's
-        copy on the current stream), numpy leaves from its host copy."""
-        assert self._cuda is not None  # set when the GPU ring was imported
-        if NUMPY not in kinds and NUMPY_SCALAR not in kinds:
-            tensors = _device_tensors(slot, self._cuda)
-            return [t.clone() for t in tensors] if self.copy else tensors
-        device_views = slot.views(device=True)
-        host_views = slot.views()  # numpy leaves come from the host copy
-        leaves: list[Any] = []
-        for i, kind in enumerate(kinds):
-            if kind == TORCH:
-                tensor = _device_tensor(device_views[i])
-                leaves.append(tensor.clone() if self.copy else tensor)
-            else:
-                array = np.from_dlpack(host_views[i])
-                leaves.append(array.copy() if self.copy else array)
-        return leaves
 
     # -- end ---------------------------------------------------------------------------
 
@@ -888,7 +784,7 @@ class TensorConsumer(LoaderSurface):
         return {
             "epoch": self.epoch,
             "device": self.device,
-            "zero_copy_gpu": self._import,
+            "zero_copy_gpu": self._delivery.gpu_import,
             "device_fallback_reason": self.device_fallback_reason,
             "batches": self._batches,
             "samples": self._samples,
@@ -939,45 +835,7 @@ class EpochIterator:
         return len(self._consumer)
 
 
-def _device_tensor(view: Any) -> torch.Tensor:
-    """A torch tensor over a device SlotView; torch passes its current stream, which
-    is made to wait for the producer's copy of the slot."""
-    return torch.from_dlpack(view)
-
-
-def _device_tensors(slot: Any, device: torch.device) -> list[torch.Tensor]:
-    """Torch tensors over every leaf of a slot's GPU copy, all exported in one call with
-    this thread's current stream on ``device`` (made to wait for the producer's copy),
-    without torch.from_dlpack's per-view protocol calls."""
-    caps = slot.capsules(versioned=True, device=True, stream=_stream_of(device))
-    return [torch.from_dlpack(c) for c in caps]
-
-
-# The raw handle of the current stream without building a torch.cuda.Stream (a private
-# function torch's own generated code calls; the public way where it is missing).
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _stream_of(device: torch.device) -> int:
-    """The DLPack stream number of this thread's current stream on ``device``: its handle,
-    or 1 for the legacy default stream (whose handle is 0, which DLPack forbids)."""
-    if _raw_stream is not None:
-        handle = _raw_stream(device.index)
-    else:
-        handle = torch.cuda.current_stream(device).cuda_stream
-    return handle if handle != 0 else 1
-
-
-def _same_gpu(info: dict, index: int | None) -> bool:
-    """True if CUDA device index of this process is the GPU holding the ring's pool."""
-    status = _core.cuda_status()
-    for dev in status["devices"] or ():
-        if dev["ordinal"] == index:
-            return dev["uuid"] == info["device_uuid"]
-    return False
-
-
-def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, inflight: list,
+def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, delivery: Delivery,
               pid: int) -> None:
     """Say bye, close the socket and drop our ring handle. If the producer died,
     the last one out removes its segment name (nobody else will). Nothing in a forked
@@ -985,9 +843,7 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, infli
     if os.getpid() != pid:
         return
     ring = ring_box[0]
-    for event, _ in inflight:
-        event.synchronize()  # asynchronous copies out of ring slots finish first
-    inflight.clear()
+    delivery.finish()  # asynchronous copies out of ring slots finish first
     info = ring.info()
     producer_alive = _core.process_alive(info["producer_pid"], info["producer_start_time"])
     client.close(say_bye=producer_alive and info["state"] == _core.RING_OPEN)
