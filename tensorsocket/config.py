@@ -144,12 +144,14 @@ class Text(Kind):
 class Seconds(Kind):
     """A number of seconds >= minimum (> minimum if above). none: what None (variable:
     `none`, `inf`, `forever`; argument: None or float('inf')) means, if anything.
-    at_minimum: why the minimum itself is refused, if above."""
+    at_minimum: why the minimum itself is refused, if above; why_minimum: why there is a
+    minimum above 0."""
 
     minimum: float = 0.0
     none: str | None = None
     above: bool = False
     at_minimum: str = ""
+    why_minimum: str = ""
 
     @property
     def takes(self) -> str:
@@ -179,11 +181,11 @@ class Seconds(Kind):
     def _bounded(self, value: float) -> float | None:
         """value if it is in range; None for infinity where None is a value."""
         finite = "" if self.none else " finite"
-        if math.isnan(value) or (math.isinf(value) and not self.none) or \
-                (value < 0 <= self.minimum):
+        if math.isnan(value) or (math.isinf(value) and not self.none) or value < 0:
             raise ValueError(f"not a{finite} number of seconds >= 0")
         if value < self.minimum:
-            raise ValueError(f"{value:g} is under {self.minimum:g} seconds")
+            why = f": {self.why_minimum}" if self.why_minimum else ""
+            raise ValueError(f"{value:g} is under {self.minimum:g} seconds{why}")
         if self.above and value == self.minimum:
             raise ValueError(self.at_minimum or f"{value:g} is refused")
         return None if math.isinf(value) else value
@@ -214,17 +216,27 @@ class Integer(Kind):
         return self._bounded(value)
 
     def check(self, value: Any) -> Any:
-        """An integer argument (not a bool), or None where that is a value."""
+        """An integer argument (a whole number, not a bool), or None where that is a
+        value."""
         if value is None and self.none:
             return None
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ArgumentTypeError(f"takes {self.takes}, not {value!r}")
-        return self._bounded(int(value))
+        return self._bounded(_whole(value, self.takes))
 
     def _bounded(self, value: int) -> int:
         if not self.lo <= value <= self.hi:
             raise ValueError(f"{value} is outside {self.lo}..{self.hi}")
         return value
+
+
+def _whole(value: Any, takes: str) -> int:
+    """An argument that must be a whole number: an int (a float such as 64e6 too, if
+    whole), never a bool."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+            math.isfinite(value) and float(value).is_integer():
+        return int(value)
+    raise ArgumentTypeError(f"takes {takes}, not {value!r}")
 
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
@@ -257,12 +269,11 @@ class Size(Kind):
         return value
 
     def check(self, value: Any) -> Any:
-        """A bytes argument: an int (not a bool) in range."""
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ArgumentTypeError(f"takes {self.takes}, not {value!r}")
+        """A bytes argument: a whole number (not a bool) in range."""
+        value = _whole(value, self.takes)
         if value < 0 or (value == 0 and not self.off):
             raise ValueError("negative" if value < 0 else "not positive")
-        return int(value)
+        return value
 
 
 @dataclass(frozen=True)
@@ -305,8 +316,8 @@ class Boolean(Kind):
         raise ValueError("not a boolean")
 
     def check(self, value: Any) -> Any:
-        """A bool (or 0 or 1)."""
-        if value not in (True, False) or not isinstance(value, (bool, numbers.Integral)):
+        """A bool (or a number equal to one: 0, 1)."""
+        if not isinstance(value, numbers.Number) or value not in (True, False):
             raise ArgumentTypeError(f"takes {self.takes}, not {value!r}")
         return bool(value)
 
@@ -498,7 +509,8 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "seconds without a heartbeat after which the producer evicts a consumer whose "
             "process lives on (stopped, hung) and gives its batches to the others; consumers "
             "send one every second from a thread, through long training steps too",
-            Seconds(MIN_HEARTBEAT_TIMEOUT, none="never evict")),
+            Seconds(MIN_HEARTBEAT_TIMEOUT, none="never evict",
+                    why_minimum="consumers heartbeat every second")),
     Setting("publish_timeout", "publish_timeout", "TENSORSOCKET_PUBLISH_TIMEOUT", "producer",
             None, "none (forever)", _TIMEOUT_ACCEPTS,
             "seconds the producer waits for a free slot, then `TimeoutError`",
@@ -555,7 +567,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "consumer attaches)",
             Seconds(none="never", above=True, at_minimum=(
                 "0 is refused: the producer would end whenever no consumer is attached, "
-                "even before the first one attaches; use `none` for never"))),
+                "even before the first one attaches"))),
 )}
 
 OTHER_VARIABLES: dict[str, str] = {
