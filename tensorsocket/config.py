@@ -235,7 +235,7 @@ def _whole(value: Any, takes: str) -> int:
         return int(value)
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and \
             math.isfinite(value) and float(value).is_integer():
-        return int(value)
+        return int(float(value))
     raise ArgumentTypeError(f"takes {takes}, not {value!r}")
 
 

@@ -92,11 +92,12 @@ class Message:
     """A control message, checked against its schema: one frozen dataclass per type (see
     MESSAGES), whose fields are the schema's."""
 
-    kind: ClassVar[str] = ""
+    kind: ClassVar[str] = ""  # the message type
+    names: ClassVar[tuple[str, ...]] = ()  # its fields, in schema order
 
     def fields(self) -> dict[str, Any]:
         """The fields, as the wire map has them (less ``type``)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {name: getattr(self, name) for name in self.names}
 
     def encode(self) -> bytes:
         """The message's bytes on the wire."""
@@ -119,7 +120,8 @@ def _message_class(kind: str, schema: dict[str, tuple]) -> type[Message]:
     fields = [(field, _annotation(types)) for field, types in schema.items()]
     doc = f"The {kind} control message" + (f": {', '.join(schema)}." if schema else ".")
     cls = dataclasses.make_dataclass(name, fields, bases=(Message,), frozen=True,
-                                     namespace={"kind": kind, "__doc__": doc})
+                                     namespace={"kind": kind, "names": tuple(schema),
+                                                "__doc__": doc})
     cls.__module__ = __name__
     return cls
 
