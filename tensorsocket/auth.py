@@ -173,8 +173,9 @@ class Gate:
         self._ipc = address.startswith("ipc://")
         self._secret = secret
 
-    def refusal(self, frame: zmq.Frame, hello: dict) -> str | None:
-        """None if this hello may attach, else why not (for the error reply)."""
+    def refusal(self, frame: zmq.Frame, hello: Any) -> str | None:
+        """None if this hello (or info: a protocol.Message with pid and secret) may be
+        answered, else why not (for the error reply)."""
         creds = peer_credentials(frame) if self._ipc else None
         if creds is not None:
             uid, _, pid = creds
@@ -182,18 +183,18 @@ class Gate:
                 return (f"this producer takes consumers of its own user (uid {os.getuid()}) "
                         f"only, and the process that connected (pid {pid}) runs as uid {uid}: "
                         "run the consumer as the same user as the producer")
-            if pid != hello["pid"]:
-                return (f"the hello claims pid {hello['pid']} but comes from pid {pid}: a "
+            if pid != hello.pid:
+                return (f"the {hello.kind} claims pid {hello.pid} but comes from pid {pid}: a "
                         "consumer speaks for its own process only (a consumer in another "
                         "PID namespace, another container, cannot attach over ipc://; run "
                         "both in the same one)")
             return None
         if self._secret is None:
             return None  # an ipc peer without credentials: the 0700 directory decides
-        given = hello["secret"]
+        given = hello.secret
         if given is None:
-            return f"this producer requires its secret, and the hello has none: {_ADVICE}"
+            return f"this producer requires its secret, and the {hello.kind} has none: {_ADVICE}"
         if not hmac.compare_digest(given.encode("utf-8", "replace"),
                                    self._secret.encode("ascii")):
-            return f"the secret in the hello is not this producer's: {_ADVICE}"
+            return f"the secret in the {hello.kind} is not this producer's: {_ADVICE}"
         return None

@@ -15,62 +15,12 @@ without touching anything live:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import _core
 from ._election import SHARE_LOCK_SUFFIX
 from .endpoints import lock_held, runtime_dir
-from .status import SHM_DIR, segment_producer, segments
-
-
-@dataclass(frozen=True)
-class Leftover:
-    """One file a dead producer left."""
-
-    kind: str  # "segment", "socket", "lock"
-    name: str  # producer name
-    path: str  # what to remove
-    reason: str  # why it is stale
-
-    def describe(self) -> str:
-        """One line for the user."""
-        return f"{self.kind:<7} {self.path}  ({self.reason})"
-
-
-def stale_segments(only: str | None = None) -> list[Leftover]:
-    """Segments whose producer is gone (of producer `only` if given)."""
-    out = []
-    for segment, name, pid in segments():
-        if only is not None and name != only:
-            continue
-        path = f"{SHM_DIR}/{segment}"
-        alive, producer, unreadable = segment_producer(segment, pid)
-        if alive:
-            continue
-        if unreadable is not None:
-            out.append(Leftover("segment", name, path,
-                                f"unreadable ({unreadable}) and process {pid} is gone"))
-            continue
-        users = sum(1 for c in _consumers_alive(segment))
-        reason = f"producer pid {producer} is gone"
-        if users:
-            reason += f"; {users} consumer process(es) still map it (their views stay valid)"
-        out.append(Leftover("segment", name, path, reason))
-    return out
-
-
-def _consumers_alive(segment: str) -> list[int]:
-    """Pids of live consumers in a segment's consumer table."""
-    try:
-        ring = _core.Ring.open("/" + segment)
-    except Exception:
-        return []
-    try:
-        return [c["pid"] for c in ring.consumers()
-                if _core.process_alive(c["pid"], c["start_time"])]
-    finally:
-        ring.close()
+from .segments import Leftover, stale_segments
 
 
 def _stale_files(rdir: Path) -> list[Leftover]:

@@ -2,11 +2,18 @@
 
 Every setting is looked up the same way:
 
-1. the argument, when it is given;
+1. the argument, when it is given, checked;
 2. else its environment variable (``TENSORSOCKET_*``), parsed and checked;
    a bad value raises ValueError naming the variable, the value and what it
    accepts; an empty variable counts as unset;
 3. else the default.
+
+Each :class:`Setting` declares the kind of value it takes (:class:`Kind`:
+seconds, an integer in a range, a size in bytes, ...), which checks an
+argument and parses the variable's text alike, so both accept the same values
+and a bad one of either is refused with an error naming the argument and its
+variable. :class:`Resolver` looks up the settings of one producer or consumer
+and remembers which came from the environment.
 
 An argument counts as "not given" when it is left out. For settings whose
 ``None`` only means "automatic" (``name``, ``address``, ``ring_slots``,
@@ -36,7 +43,10 @@ from . import _core
 
 __all__ = [
     "ENV_PREFIX",
+    "ArgumentTypeError",
+    "Kind",
     "OTHER_VARIABLES",
+    "Resolver",
     "SETTINGS",
     "UNSET",
     "Setting",
@@ -86,9 +96,257 @@ UNSET: Any = Unset()
 """Argument default meaning "not given": look at the environment, then the default."""
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """A setting's argument of a type it does not take. A TypeError, and a ValueError
+    too, as a bad value is: code that catches either for a bad setting sees it."""
+
+
+# -- kinds of value (what a variable's text and an argument may be) --------------------
+
+
+class Kind:
+    """What values a setting takes. parse() reads its variable's text, check() an
+    argument; both raise ValueError with a short reason (check(): ArgumentTypeError for
+    an argument of another type). takes: what an argument takes, for errors. none: what
+    None means where it is a value of its own (wait forever, lossless), else None: then
+    a None argument only means "not given"."""
+
+    none: str | None = None
+
+    @property
+    def takes(self) -> str:
+        """What an argument takes (in words, for errors)."""
+        return "a str"
+
+    def parse(self, text: str) -> Any:
+        """The value of a variable's text (stripped, not empty)."""
+        raise NotImplementedError
+
+    def check(self, value: Any) -> Any:
+        """An argument, checked (and an infinite timeout turned into None)."""
+        return value
+
+
+@dataclass(frozen=True)
+class Text(Kind):
+    """A string checked where it is used (a name, an address, a directory, a secret):
+    reader parses the variable's text; an argument is checked by its user (endpoints,
+    auth), whose errors name it."""
+
+    reader: Callable[[str], str]
+
+    def parse(self, text: str) -> Any:
+        """The text, checked by reader."""
+        return self.reader(text)
+
+
+@dataclass(frozen=True)
+class Seconds(Kind):
+    """A number of seconds >= minimum (> minimum if above). none: what None (variable:
+    `none`, `inf`, `forever`; argument: None or float('inf')) means, if anything.
+    at_minimum: why the minimum itself is refused, if above; why_minimum: why there is a
+    minimum above 0."""
+
+    minimum: float = 0.0
+    none: str | None = None
+    above: bool = False
+    at_minimum: str = ""
+    why_minimum: str = ""
+
+    @property
+    def takes(self) -> str:
+        """What an argument takes."""
+        bound = f"{'>' if self.above else '>='} {self.minimum:g}"
+        forever = f", or None or float('inf') ({self.none})" if self.none else ""
+        return f"a number of seconds {bound}{forever}"
+
+    def parse(self, text: str) -> Any:
+        """The seconds of a variable's text."""
+        if self.none and text.lower() in _NONE_WORDS:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("not a number") from None
+        return self._bounded(value)
+
+    def check(self, value: Any) -> Any:
+        """A seconds argument: a real number (not a bool), or None where that is a value."""
+        if value is None and self.none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ArgumentTypeError(f"takes {self.takes}, not {value!r}")
+        return None if self._bounded(float(value)) is None else value
+
+    def _bounded(self, value: float) -> float | None:
+        """value if it is in range; None for infinity where None is a value."""
+        finite = "" if self.none else " finite"
+        if math.isnan(value) or (math.isinf(value) and not self.none) or value < 0:
+            raise ValueError(f"not a{finite} number of seconds >= 0")
+        if value < self.minimum:
+            why = f": {self.why_minimum}" if self.why_minimum else ""
+            raise ValueError(f"{value:g} is under {self.minimum:g} seconds{why}")
+        if self.above and value == self.minimum:
+            raise ValueError(self.at_minimum or f"{value:g} is refused")
+        return None if math.isinf(value) else value
+
+
+@dataclass(frozen=True)
+class Integer(Kind):
+    """An integer in lo..hi; none: what None (variable: `none`) means, if anything."""
+
+    lo: int
+    hi: int
+    none: str | None = None
+
+    @property
+    def takes(self) -> str:
+        """What an argument takes."""
+        return f"an int in {self.lo}..{self.hi}" + (f", or None ({self.none})"
+                                                   if self.none else "")
+
+    def parse(self, text: str) -> Any:
+        """The integer of a variable's text."""
+        if self.none and text.lower() == "none":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("not an integer") from None
+        return self._bounded(value)
+
+    def check(self, value: Any) -> Any:
+        """An integer argument (a whole number, not a bool), or None where that is a
+        value."""
+        if value is None and self.none:
+            return None
+        return self._bounded(_whole(value, self.takes))
+
+    def _bounded(self, value: int) -> int:
+        if not self.lo <= value <= self.hi:
+            raise ValueError(f"{value} is outside {self.lo}..{self.hi}")
+        return value
+
+
+def _whole(value: Any, takes: str) -> int:
+    """An argument that must be a whole number: an int (a float such as 64e6 too, if
+    whole), never a bool."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+            math.isfinite(value) and float(value).is_integer():
+        return int(float(value))
+    raise ArgumentTypeError(f"takes {takes}, not {value!r}")
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+               "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+@dataclass(frozen=True)
+class Size(Kind):
+    """A number of bytes > 0, with an optional unit suffix in a variable (`64M`); with
+    off, 0 too (variable: also `off` and the other false words), which turns it off."""
+
+    off: bool = False
+
+    @property
+    def takes(self) -> str:
+        """What an argument takes."""
+        return "a number of bytes >= 0 (0 turns it off)" if self.off else \
+            "a number of bytes > 0"
+
+    def parse(self, text: str) -> Any:
+        """The bytes of a variable's text."""
+        if self.off and text.lower() in _FALSE_WORDS:
+            return 0
+        m = re.match(r"^(\d+)\s*([A-Za-z]*)$", text)
+        if m is None or m.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError("not a size in bytes")
+        value = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+        if value <= 0:
+            raise ValueError("not positive")
+        return value
+
+    def check(self, value: Any) -> Any:
+        """A bytes argument: a whole number (not a bool) in range."""
+        value = _whole(value, self.takes)
+        if value < 0 or (value == 0 and not self.off):
+            raise ValueError("negative" if value < 0 else "not positive")
+        return value
+
+
+@dataclass(frozen=True)
+class Choice(Kind):
+    """One of a few words."""
+
+    choices: tuple[str, ...]
+
+    @property
+    def takes(self) -> str:
+        """What an argument takes."""
+        return " or ".join(repr(c) for c in self.choices)
+
+    def parse(self, text: str) -> Any:
+        """The word of a variable's text."""
+        return self.check(text)
+
+    def check(self, value: Any) -> Any:
+        """One of the choices."""
+        if value not in self.choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(self.choices)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Boolean(Kind):
+    """True or False (a variable: `1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off`)."""
+
+    @property
+    def takes(self) -> str:
+        """What an argument takes."""
+        return "True or False"
+
+    def parse(self, text: str) -> Any:
+        """The truth of a variable's text."""
+        if text.lower() in _TRUE_WORDS:
+            return True
+        if text.lower() in _FALSE_WORDS:
+            return False
+        raise ValueError("not a boolean")
+
+    def check(self, value: Any) -> Any:
+        """A bool (or a number equal to one: 0, 1)."""
+        if not isinstance(value, numbers.Number) or value not in (True, False):
+            raise ArgumentTypeError(f"takes {self.takes}, not {value!r}")
+        return bool(value)
+
+
+@dataclass(frozen=True)
+class Device(Kind):
+    """A device name (`cpu`, `cuda`, `cuda:N`; a consumer's also `auto`). An argument
+    is checked where it is used (tensorsocket.gpu.parse_device, which names it)."""
+
+    auto: bool = False
+
+    def parse(self, text: str) -> Any:
+        """The device of a variable's text (None for `auto`)."""
+        from .gpu import parse_device
+
+        if self.auto and text == "auto":
+            return None
+        try:
+            kind, index = parse_device(text)
+        except (TypeError, ValueError):
+            raise ValueError("not a device") from None
+        return kind if index is None else f"{kind}:{index}"
+
+
 @dataclass(frozen=True)
 class Setting:
-    """One setting: its argument, environment variable, parser, default and meaning.
+    """One setting: its argument, environment variable, kind of value, default and
+    meaning. Both an argument and the variable's text are checked by its kind, and a
+    bad one of either raises an error naming the setting.
 
     key: unique name in :data:`SETTINGS` (the argument's name, prefixed with
     the side where the two sides have an argument of the same name).
@@ -97,9 +355,7 @@ class Setting:
     "share()" (the producer that share() starts).
     default: the value used when neither is given; default_text shows it in
     the table. accepts: what the environment variable accepts. meaning: one
-    line. parse: text -> value; raises ValueError on a bad value.
-    none_is_value: an explicit ``None`` argument is a choice of its own
-    (forever, lossless), not "not given".
+    line. kind: the values it takes (a Kind).
     """
 
     key: str
@@ -110,8 +366,17 @@ class Setting:
     default_text: str
     accepts: str
     meaning: str
-    parse: Callable[[str], Any]
-    none_is_value: bool = False
+    kind: Kind
+
+    @property
+    def none_is_value(self) -> bool:
+        """An explicit ``None`` argument is a choice of its own (forever, lossless), not
+        "not given"."""
+        return self.kind.none is not None
+
+    def parse(self, text: str) -> Any:
+        """The value of the variable's text; ValueError with a short reason."""
+        return self.kind.parse(text)
 
     def from_env(self, environ: Mapping[str, str] | None = None) -> Any:
         """The environment's value, parsed; UNSET if the variable is unset or empty."""
@@ -119,19 +384,31 @@ class Setting:
         if text is None or not text.strip():
             return UNSET
         try:
-            return self.parse(text.strip())
+            return self.kind.parse(text.strip())
         except ValueError as e:
             raise ValueError(
                 f"environment variable {self.env}={text!r} is not valid: it takes "
                 f"{self.accepts} ({e}); fix or unset it (see docs/configuration.md)"
             ) from None
 
+    def from_argument(self, value: Any) -> Any:
+        """A given argument, checked by its kind (an infinite timeout comes back as None,
+        forever); an error names the argument and its variable."""
+        try:
+            return self.kind.check(value)
+        except ArgumentTypeError as e:
+            raise ArgumentTypeError(f"{self.argument}= {e}") from None
+        except ValueError as e:
+            raise ValueError(
+                f"{self.argument}={value!r} is not valid: it takes {self.kind.takes} ({e}), "
+                f"as its variable {self.env} does") from None
+
     def given(self, value: Any) -> bool:
         """True if an argument value counts as given (it wins over the environment)."""
         return value is not UNSET and (value is not None or self.none_is_value)
 
 
-# -- parsers (text -> value; ValueError with a short reason) --------------------------
+# -- kinds of the settings' values ----------------------------------------------------
 
 
 def _parse_name(text: str) -> str:
@@ -152,137 +429,13 @@ def _parse_dir(text: str) -> str:
     return os.path.normpath(text)
 
 
-def _parse_timeout(text: str) -> float | None:
-    if text.lower() in _NONE_WORDS:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError("not a number") from None
-    if math.isnan(value) or value < 0:
-        raise ValueError("not a number of seconds >= 0")
-    return None if math.isinf(value) else value
-
-
-def _parse_positive_timeout(text: str) -> float | None:
-    value = _parse_timeout(text)
-    if value == 0:
-        raise ValueError("0 is refused: the producer would end whenever no consumer is "
-                         "attached, even before the first one attaches; use `none` for never")
-    return value
-
-
-# Parsers of settings in seconds whose arguments are checked by the parser too (see
-# _check_seconds_argument), so that an argument and the variable accept the same values.
-_SECONDS_PARSERS: tuple[Callable[[str], Any], ...] = (_parse_timeout,)
-
-
-def _check_seconds_argument(setting: "Setting", value: Any) -> Any:
-    """A seconds argument (a timeout), checked by its variable's parser: infinity means
-    forever (None), as the variable's `inf` does; NaN and negative numbers are refused
-    with the argument and the variable named."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{setting.argument}= takes a number of seconds, or None (wait "
-                        f"forever), not {value!r}")
-    try:
-        parsed = setting.parse(repr(float(value)))
-    except ValueError as e:
-        raise ValueError(
-            f"{setting.argument}={value!r} is not valid: it takes {setting.accepts} ({e}), "
-            f"as its variable {setting.env} does; None or float('inf') waits forever"
-        ) from None
-    return None if parsed is None else value
-
-
-def _parse_heartbeat_timeout(text: str) -> float | None:
-    value = _parse_timeout(text)
-    if value is not None and value < MIN_HEARTBEAT_TIMEOUT:
-        raise ValueError(f"{value:g} is under {MIN_HEARTBEAT_TIMEOUT:g} seconds")
-    return value
-
-
 def _parse_token(text: str) -> str:
     from .auth import check_token
 
     return check_token(text)
 
 
-def _parse_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError("not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise ValueError("not a finite number of seconds >= 0")
-    return value
-
-
-def _int_in(lo: int, hi: int, allow_none: bool = False) -> Callable[[str], int | None]:
-    def parse(text: str) -> int | None:
-        if allow_none and text.lower() == "none":
-            return None
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError("not an integer") from None
-        if not lo <= value <= hi:
-            raise ValueError(f"{value} is outside {lo}..{hi}")
-        return value
-
-    return parse
-
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-               "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
-
-
-def _parse_bytes(text: str) -> int:
-    m = re.match(r"^(\d+)\s*([A-Za-z]*)$", text)
-    if m is None or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError("not a size in bytes")
-    value = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise ValueError("not positive")
-    return value
-
-
-def _parse_bytes_or_off(text: str) -> int:
-    if text.lower() in _FALSE_WORDS:
-        return 0
-    return _parse_bytes(text)
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
-        return text
-
-    return parse
-
-
-def _parse_device(text: str, allow_auto: bool) -> str | None:
-    from .gpu import parse_device
-
-    if allow_auto and text == "auto":
-        return None
-    try:
-        kind, index = parse_device(text)
-    except (TypeError, ValueError):
-        raise ValueError("not a device") from None
-    return kind if index is None else f"{kind}:{index}"
-
-
-def _parse_bool(text: str) -> bool:
-    if text.lower() in _TRUE_WORDS:
-        return True
-    if text.lower() in _FALSE_WORDS:
-        return False
-    raise ValueError("not a boolean")
-
-
+_TIMEOUT = Seconds(none="wait forever")
 _TIMEOUT_ACCEPTS = "seconds >= 0, or `none` (wait forever)"
 _SIZE_ACCEPTS = "bytes > 0, optionally with a suffix `K`, `M`, `G` (powers of 1024), e.g. `64M`"
 
@@ -292,21 +445,21 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "1-64 letters, digits, `_`, `.`, `-`",
             "rendezvous name: a consumer finds the producer of the same name; one live "
             "producer per name (with `port=` and no name: `port<N>`)",
-            _parse_name),
+            Text(_parse_name)),
     Setting("address", "address", "TENSORSOCKET_ADDRESS", "both", None,
             "ipc socket `<runtime dir>/<name>.sock`",
             "`ipc://PATH` or `tcp://HOST:PORT`",
             "control-plane address; an explicit `port=` or `address=` argument overrides the "
             "variable; a non-loopback TCP address makes the producer and `tensorsocket "
             "config` warn",
-            _parse_address),
+            Text(_parse_address)),
     Setting("runtime_dir", None, "TENSORSOCKET_RUNTIME_DIR", "both", None,
             "`$XDG_RUNTIME_DIR/tensorsocket` if `XDG_RUNTIME_DIR` is a directory of this "
             "user, else `/tmp/tensorsocket-<uid>`",
             "an absolute path; created mode 0700 if missing, else it must be a directory of "
             "this user with mode 0700",
             "directory of the ipc sockets and name locks; producer and consumers must agree",
-            _parse_dir),
+            Text(_parse_dir)),
     Setting("auth_token", "auth_token", "TENSORSOCKET_AUTH_TOKEN", "both", None,
             "producer: a random one; consumer: read from `<runtime dir>/<name>.secret`",
             "16-1024 printable ASCII characters, no spaces",
@@ -314,104 +467,107 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "writes it to `<runtime dir>/<name>.secret` (mode 0600) for consumers of its "
             "user; give both sides the same value where a consumer cannot read that file "
             "(another runtime directory, another container)",
-            _parse_token),
+            Text(_parse_token)),
     # -- consumer ----------------------------------------------------------------------
     Setting("timeout", "timeout", "TENSORSOCKET_TIMEOUT", "consumer", 60.0, "60",
             _TIMEOUT_ACCEPTS,
             "seconds a consumer waits for its producer to answer, then `ProducerNotFound`",
-            _parse_timeout, none_is_value=True),
+            _TIMEOUT),
     Setting("batch_timeout", "batch_timeout", "TENSORSOCKET_BATCH_TIMEOUT", "consumer", None,
             "none (as long as the producer lives)", _TIMEOUT_ACCEPTS,
             "seconds a consumer waits for one batch, then `TimeoutError`",
-            _parse_timeout, none_is_value=True),
+            _TIMEOUT),
     Setting("consumer_device", "device", "TENSORSOCKET_CONSUMER_DEVICE", "consumer", None,
             "`auto`: where the producer put them",
             "`auto`, `cpu`, `cuda`, `cuda:N`",
             "where a consumer's tensors are delivered (see docs/gpu.md)",
-            lambda text: _parse_device(text, allow_auto=True)),
+            Device(auto=True)),
     # -- producer ----------------------------------------------------------------------
     Setting("min_consumers", "min_consumers", "TENSORSOCKET_MIN_CONSUMERS", "producer", 1,
             "1", f"an integer in 0..{_core.MAX_CONSUMERS}",
             "consumers attached before the first batch is published",
-            _int_in(0, _core.MAX_CONSUMERS)),
+            Integer(0, _core.MAX_CONSUMERS)),
     Setting("start_timeout", "start_timeout", "TENSORSOCKET_START_TIMEOUT", "producer", None,
             "none (forever)", _TIMEOUT_ACCEPTS,
             "seconds the producer waits for `min_consumers` (and for one consumer while none "
             "is attached), then `TimeoutError`",
-            _parse_timeout, none_is_value=True),
+            _TIMEOUT),
     Setting("start_grace", "start_grace", "TENSORSOCKET_START_GRACE", "producer", 3.0, "3",
             "a number of seconds >= 0",
             "seconds the producer waits, once `min_consumers` are attached, before its first "
             "batch, so that jobs started together all begin at the same batch",
-            _parse_seconds),
+            Seconds()),
     Setting("park_hold", "park_hold", "TENSORSOCKET_PARK_HOLD", "producer", 10.0, "10",
             "a number of seconds >= 0",
             "seconds a consumer that stopped between epochs (its job runs another loader, "
             "e.g. validation) keeps its place in the ring while other consumers read, so "
             "that jobs alternating loaders read the same epochs; 0 keeps no place",
-            _parse_seconds),
+            Seconds()),
     Setting("heartbeat_timeout", "heartbeat_timeout", "TENSORSOCKET_HEARTBEAT_TIMEOUT",
             "producer", 30.0, "30",
             f"seconds >= {MIN_HEARTBEAT_TIMEOUT:g}, or `none` (never evict)",
             "seconds without a heartbeat after which the producer evicts a consumer whose "
             "process lives on (stopped, hung) and gives its batches to the others; consumers "
             "send one every second from a thread, through long training steps too",
-            _parse_heartbeat_timeout, none_is_value=True),
+            Seconds(MIN_HEARTBEAT_TIMEOUT, none="never evict",
+                    why_minimum="consumers heartbeat every second")),
     Setting("publish_timeout", "publish_timeout", "TENSORSOCKET_PUBLISH_TIMEOUT", "producer",
             None, "none (forever)", _TIMEOUT_ACCEPTS,
             "seconds the producer waits for a free slot, then `TimeoutError`",
-            _parse_timeout, none_is_value=True),
+            _TIMEOUT),
     Setting("ring_slots", "ring_slots", "TENSORSOCKET_RING_SLOTS", "producer", None,
             "max(4, window + 2, max_lag + 2)", f"an integer in 2..{MAX_SLOTS}",
             "slots in the ring (`consumer_max_buffer_size=` is the same argument)",
-            _int_in(2, MAX_SLOTS)),
+            Integer(2, MAX_SLOTS)),
     Setting("slot_bytes", "slot_bytes", "TENSORSOCKET_SLOT_BYTES", "producer", None,
             "first batch x 1.5", _SIZE_ACCEPTS,
             "capacity of one slot; a larger batch raises `BatchTooLarge`",
-            _parse_bytes),
+            Size()),
     Setting("ring_bytes", "ring_bytes", "TENSORSOCKET_RING_BYTES", "producer", None,
             "none", _SIZE_ACCEPTS,
             "total slot memory: sets the slot count from `slot_bytes` (unless `ring_slots` "
             "is set)",
-            _parse_bytes),
+            Size()),
     Setting("max_lag", "max_lag", "TENSORSOCKET_MAX_LAG", "producer", None,
             "none (lossless)", f"an integer in 1..{MAX_SLOTS - 2}, or `none` (lossless)",
             "detach a consumer more than this many batches behind the fastest one",
-            _int_in(1, MAX_SLOTS - 2, allow_none=True), none_is_value=True),
+            Integer(1, MAX_SLOTS - 2, none="lossless")),
     Setting("lag_policy", "lag_policy", "TENSORSOCKET_LAG_POLICY", "producer", "raise",
             "`raise`", "`raise` or `rejoin`",
             "what a detached laggard does: raise `ConsumerDetached`, or warn and attach "
             "again as a late joiner",
-            _choice("raise", "rejoin")),
+            Choice(("raise", "rejoin"))),
     Setting("producer_device", "device", "TENSORSOCKET_PRODUCER_DEVICE", "producer", None,
             "`cpu` (host memory only)", "`cpu`, `cuda`, `cuda:N`",
             "`cuda:N`: the ring's slots also live in GPU memory, one copy per batch for all "
             "consumers",
-            lambda text: _parse_device(text, allow_auto=False)),
+            Device()),
     Setting("device_fallback", "device_fallback", "TENSORSOCKET_DEVICE_FALLBACK", "producer",
             True, "true", "`1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off`",
             "where the GPU ring cannot work: warn and use the host ring (false: raise "
             "`GPUUnavailable`)",
-            _parse_bool),
+            Boolean()),
     Setting("release_timeout", "release_timeout", "TENSORSOCKET_RELEASE_TIMEOUT", "producer",
             30.0, "30", _TIMEOUT_ACCEPTS,
             "seconds teardown waits for consumers to unmap a GPU ring, then frees it with a "
             "warning",
-            _parse_timeout, none_is_value=True),
+            _TIMEOUT),
     Setting("worker_heap_pad", "worker_heap_pad", "TENSORSOCKET_WORKER_HEAP_PAD", "producer",
             16 << 20, "16M", _SIZE_ACCEPTS.replace("bytes > 0", "bytes >= 0") +
             "; `0` or `off` turns it off",
             "bytes each DataLoader worker of the producer keeps at the top of its malloc "
             "heap (glibc), so that decoding does not fault memory in again for every sample "
             "(docs/usage.md, \"The loader's workers\")",
-            _parse_bytes_or_off),
+            Size(off=True)),
     # -- share() -----------------------------------------------------------------------
     Setting("idle_timeout", "idle_timeout", "TENSORSOCKET_IDLE_TIMEOUT", "share()", 60.0,
             "60", "seconds > 0, or `none` (never)",
             "seconds a producer started by `share()` keeps running with no consumer "
             "attached before it ends (0 is refused: it would end even before its first "
             "consumer attaches)",
-            _parse_positive_timeout, none_is_value=True),
+            Seconds(none="never", above=True, at_minimum=(
+                "0 is refused: the producer would end whenever no consumer is attached, "
+                "even before the first one attaches"))),
 )}
 
 OTHER_VARIABLES: dict[str, str] = {
@@ -434,15 +590,13 @@ def lookup(key: str, value: Any = UNSET,
 
     source is "argument", "environment" or "default"; see the module
     docstring for the rule. Raises KeyError for an unknown key, ValueError
-    for a bad environment value or timeout argument (NaN, negative), TypeError
-    for a timeout argument that is no number; an infinite timeout argument
-    comes back as None (forever).
+    for a bad environment value or argument, ArgumentTypeError (a TypeError
+    and a ValueError) for an argument of a type the setting does not take;
+    an infinite timeout argument comes back as None (forever).
     """
     setting = SETTINGS[key]
     if setting.given(value):
-        if setting.parse in _SECONDS_PARSERS:
-            value = _check_seconds_argument(setting, value)
-        return value, "argument"
+        return setting.from_argument(value), "argument"
     env = setting.from_env(environ)
     if env is not UNSET:
         return env, "environment"
@@ -453,6 +607,34 @@ def get(key: str, value: Any = UNSET, environ: Mapping[str, str] | None = None) 
     """The value of setting `key`: the argument if given, else the environment
     variable's, else the default (see :func:`lookup`)."""
     return lookup(key, value, environ)[0]
+
+
+class Resolver:
+    """The settings of one object (a producer, a consumer), each looked up by the rule
+    above, remembering which came from the environment: they are logged, and errors
+    about a value name its variable (``max_lag=3 (from TENSORSOCKET_MAX_LAG)``)."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        """No setting looked up yet; environ: the environment (default os.environ)."""
+        self._environ = environ
+        self.origins: dict[str, str] = {}  # setting key -> the variable it came from
+
+    def get(self, key: str, value: Any = UNSET) -> Any:
+        """The value of setting `key` for argument `value` (see :func:`lookup`)."""
+        value, source = lookup(key, value, self._environ)
+        if source == "environment":
+            self.origins[key] = SETTINGS[key].env
+        return value
+
+    def show(self, key: str, value: Any) -> str:
+        """``argument=value`` for messages, naming the variable it came from."""
+        text = f"{SETTINGS[key].argument}={value}"
+        env = self.origins.get(key)
+        return f"{text} (from {env})" if env else text
+
+    def describe(self) -> str:
+        """``VAR=value, ...`` of the settings that came from the environment."""
+        return describe_origins(self.origins, self._environ)
 
 
 def describe_origins(origins: Mapping[str, str],

@@ -10,21 +10,18 @@ import warnings
 import weakref
 from typing import Any, Callable
 
-import numpy as np
-import torch
 import zmq
 
-from . import _core, config
+from . import _core, config, diagnosis
 from ._producer_watch import ProducerWatch
 from .auth import ClientSecret
 from .config import UNSET, Unset
 from .control import ControlClient
+from .delivery import Delivery
 from .endpoints import resolve
-from .gpu import parse_device
+from .epoch_cursor import Abandon, EpochCursor, Step
 from .errors import (
     ConsumerDetached,
-    GPUFallbackWarning,
-    GPUUnavailable,
     LagWarning,
     ProducerFailed,
     ProducerFinished,
@@ -32,13 +29,11 @@ from .errors import (
     TensorSocketError,
     TensorSocketWarning,
 )
+from .loader_info import LoaderShape
 from .rebatch import EpochEnd, Rebatcher, batch_samples, consumer_len
-from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
 from .surface import LoaderSurface
 
 log = logging.getLogger("tensorsocket")
-
-DL_CUDA = 2  # DLDeviceType of a GPU ring
 
 DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
 STALL_WARN_AFTER = 5.0  # seconds waiting for a batch the consumer's own held batches block
@@ -188,25 +183,18 @@ class TensorConsumer(LoaderSurface):
         group: str | None = None,
         auth_token: str | None = None,
     ) -> None:
-        origins: dict[str, str] = {}  # setting key -> its environment variable
-
-        def setting(key: str, value: Any) -> Any:
-            value, source = config.lookup(key, value)
-            if source == "environment":
-                origins[key] = config.SETTINGS[key].env
-            return value
-
+        given = config.Resolver()
         # The timeouts as resolved: the argument, else the environment, else the default.
-        answer_wait: float | None = setting("timeout", timeout)
-        batch_wait: float | None = setting("batch_timeout", batch_timeout)
+        answer_wait: float | None = given.get("timeout", timeout)
+        batch_wait: float | None = given.get("batch_timeout", batch_timeout)
         if isinstance(device, str) and device == "auto":
             device = None  # explicitly the default: the environment does not apply
         else:
-            device = setting("consumer_device", device)
-        name = setting("name", name)
+            device = given.get("consumer_device", device)
+        name = given.get("name", name)
         if port is None:
-            address = setting("address", address)
-        setting("runtime_dir", UNSET)
+            address = given.get("address", address)
+        given.get("runtime_dir")
         self._rebatcher = Rebatcher(batch_size, drop_last) if batch_size is not None else None
         self.unpack_fn = unpack_fn
         self._own_batch_size = batch_size  # None: the producer's batches as they are
@@ -216,15 +204,9 @@ class TensorConsumer(LoaderSurface):
         # Not `timeout`: training code reads that as DataLoader.timeout (a batch fetch limit).
         self.answer_timeout = answer_wait
         self.copy = bool(copy)
-        self._device_kind, self._device_index = parse_device(device)
         self.pin_memory = bool(pin_memory)
         self.peer_access = bool(peer_access)
-        self.device = "cpu"  # where tensors are delivered (set once attached)
-        self.device_fallback_reason: str | None = None
-        self._import = False  # tensors come from the ring's GPU copy
-        self._cuda: torch.device | None = None  # the GPU they are on, when they do
-        self._move_to: torch.device | None = None  # host tensors are copied here
-        self._inflight: list = []  # (cuda event, host tensors) of copies not yet done
+        self._delivery = Delivery(device, self.copy, self.pin_memory, self.peer_access)
         # The original TensorSocket (0.0.5) yields the batch itself, with or without ports.
         self.with_index = bool(with_index)
         self.align_epochs = bool(align_epochs)
@@ -234,35 +216,14 @@ class TensorConsumer(LoaderSurface):
             raise TypeError(f"group must be a str of at most 200 characters, got {group!r}")
         self.group = group
         self.endpoint = resolve(name, port, address)
-        self.epoch = 0
-        self._decoder = Decoder()
         self._closed = False
         self._state_lock = threading.Lock()  # __iter__ against parking from another thread
-        # Epoch bookkeeping: the consumer's epochs run from producer position
-        # (epoch, index) = (e, i0) up to, not including, (e + 1, i0).
-        self._in_epoch = False
-        self._epoch_end: tuple[int, int] | None = None  # first position past this epoch
-        self._source_done = False  # no more loader batches in this epoch
-        self._epoch_pulled = 0  # loader batches taken in this epoch
-        self._epoch_batches = 0  # batches returned in this epoch
-        self._after_end_marker = False  # the last entry taken ended a producer epoch
-        # The epoch ended with its last batch before the producer's end marker came: the
-        # next entry is that marker (an entry of the ring, but no batch: stats() skips it).
-        self._end_marker_unread = False
         self._attached = True  # False after leaving mid-epoch, until the next batch
-        # Aligned epochs: the producer epoch this consumer's epoch reads (None: not
-        # anchored yet), the first producer epoch its next epoch may read, an entry taken
-        # that belongs to its next epoch, and the entries skipped waiting for an epoch start.
-        self._producer_epoch: int | None = None
-        self._want_epoch = 0
         self._held_place = False  # parked between epochs, asking to keep the place
-        self._pending: Any = None
-        self._skipped_to_align = 0
-        self._group_taken = 0  # batches this rank took in the current epoch
+        self._pending: Any = None  # an entry taken that belongs to the next epoch
+        self._skipped_to_align = 0  # entries skipped waiting for an epoch start
         self._local_loader: Any = None  # share(): the caller's own loader (attributes)
         self._set_epoch_warned = False
-        self._resume_skip = 0  # batches of the next epoch to skip (load_state_dict)
-        self._skip_batches = 0  # ... of the current epoch, still to skip
         # Counters for stats().
         self._batches = 0
         self._samples = 0
@@ -285,11 +246,13 @@ class TensorConsumer(LoaderSurface):
         try:
             welcome = self._client.hello(batch_size, group, self.rank, self.world_size,
                                          watch=watch)
-            ring = _core.Ring.open(welcome["segment"])
-            ring.bind(welcome["consumer"], welcome["token"])
+            ring = _core.Ring.open(welcome.segment)
+            ring.bind(welcome.consumer, welcome.token)
             # Whole epochs need an epoch length: a loader without len() may be an endless
             # stream, whose next epoch never starts; a late joiner reads on from where it is.
-            self._aligned = self.align_epochs and welcome["length"] is not None
+            self._aligned = self.align_epochs and welcome.length is not None
+            self._cursor = EpochCursor(self._aligned, welcome.length, self.rank,
+                                       self.world_size)
             self.start_seq = -1
             if not self._defer_ready:
                 self.start_seq = self._client.ready(self._aligned, self.world_size > 1)
@@ -300,24 +263,23 @@ class TensorConsumer(LoaderSurface):
             self._context.term()
             raise
         self._ring = ring
-        self._segment: str = welcome["segment"]
-        self._index: int = welcome["consumer"]
-        self._length: int | None = welcome["length"]
-        self.loader_batch_size: int | None = welcome["loader_batch_size"]
-        self.samples_per_epoch: int | None = welcome["samples"]
-        self._samples_exact: bool = welcome["samples_exact"]
+        self._segment: str = welcome.segment
+        self._index: int = welcome.consumer
+        self._shape = LoaderShape.of_reply(welcome)  # what the producer's loader yields
+        self.loader_batch_size: int | None = welcome.loader_batch_size
+        self.samples_per_epoch: int | None = welcome.samples
         # What the producer's loader reads: its dataset's type name and length (or None).
-        self.producer_dataset: str | None = welcome["dataset"]
-        self.producer_dataset_len: int | None = welcome["dataset_len"]
-        self.producer_pid: int = welcome["producer_pid"]
-        self.window: int = welcome["window"]
-        self.max_lag: int | None = welcome["max_lag"] or None
-        self.lag_policy: str = welcome["lag_policy"]
-        self.producer_fingerprint: str | None = welcome["fingerprint"]
+        self.producer_dataset: str | None = welcome.dataset
+        self.producer_dataset_len: int | None = welcome.dataset_len
+        self.producer_pid: int = welcome.producer_pid
+        self.window: int = welcome.window
+        self.max_lag: int | None = welcome.max_lag or None
+        self.lag_policy: str = welcome.lag_policy
+        self.producer_fingerprint: str | None = welcome.fingerprint
         # The producer calls set_epoch on its loader's sampler itself.
-        self._producer_sets_epoch: bool = welcome["auto_set_epoch"]
+        self._producer_sets_epoch: bool = welcome.auto_set_epoch
         try:
-            self._setup_device(ring)
+            self._delivery.attach(ring)
         except BaseException:
             ring.close()
             self._client.close(say_bye=True, wait=0.2)
@@ -328,13 +290,22 @@ class TensorConsumer(LoaderSurface):
         # The finalizer closes the current ring handle (set-aside ones go with their views).
         self._ring_box = [ring]
         self._finalizer = weakref.finalize(self, _teardown, self._client, self._context,
-                                           self._ring_box, self._inflight, self._pid)
+                                           self._ring_box, self._delivery, self._pid)
         _CONSUMERS.add(self)
         log.info("consumer %d attached to %s at entry %d", self._index, self.endpoint.address,
                  self.start_seq)
-        if origins:
-            log.info("consumer settings from the environment: %s",
-                     config.describe_origins(origins))
+        if given.origins:
+            log.info("consumer settings from the environment: %s", given.describe())
+
+    @property
+    def device(self) -> str:
+        """Where tensors are delivered: ``"cpu"``, or ``"cuda:N"``."""
+        return self._delivery.device
+
+    @property
+    def device_fallback_reason(self) -> str | None:
+        """Why the producer's GPU ring is read through host memory here (None: it is not)."""
+        return self._delivery.fallback_reason
 
     @property
     def drop_last(self) -> bool:
@@ -359,72 +330,12 @@ class TensorConsumer(LoaderSurface):
         self._client.start_heartbeats()
         log.info("consumer %d started at entry %d", self._index, self.start_seq)
 
-    # -- device ------------------------------------------------------------------------
-
-    def _setup_device(self, ring: Any) -> None:
-        """Decide where tensors are delivered and open what that needs."""
-        info = ring.info()
-        gpu_ring = info["device_type"] == DL_CUDA
-        kind, index = self._device_kind, self._device_index
-        if kind == "cuda" and index is None:
-            index = 0
-        if kind == "cpu" or (kind == "auto" and not gpu_ring):
-            self.device = "cpu"
-        elif gpu_ring and (kind == "auto" or self.peer_access or _same_gpu(info, index)):
-            try:
-                ordinal = ring.import_device(None if kind == "auto" else index)
-            except GPUUnavailable as e:
-                self._fall_back(str(e), None if kind == "auto" else index)
-            else:
-                self._import = True
-                self._cuda = torch.device("cuda", ordinal)
-                self.device = str(self._cuda)
-                return  # tensors come from GPU memory: nothing to page-lock
-        else:
-            # A host ring, or another GPU without peer access: copy from host memory.
-            assert index is not None  # only kind "cuda" comes here, and it has one
-            self._move_to = torch.device("cuda", index)
-            self.device = str(self._move_to)
-        if self.pin_memory:
-            try:
-                ring.pin_host(index or 0)
-            except GPUUnavailable as e:
-                raise GPUUnavailable(f"pin_memory=True needs a GPU: {e}") from None
-
-    def _fall_back(self, reason: str, index: int | None) -> None:
-        """CUDA IPC cannot work here: deliver through host memory instead."""
-        self.device_fallback_reason = reason
-        if index is not None:
-            self._move_to = torch.device("cuda", index)
-            self.device = str(self._move_to)
-        where = f"copied to {self.device} by this consumer" if index is not None else \
-            "delivered as host tensors"
-        warnings.warn(f"tensorsocket: cannot read the producer's GPU ring here ({reason}); "
-                      f"batches are {where}", GPUFallbackWarning, stacklevel=4)
-        log.warning("GPU ring unavailable to this consumer: %s", reason)
-
-    def _to_device(self, leaves: list, kinds: list) -> list:
-        """Copy the torch leaves to self._move_to; hold the host views until the copies
-        are done (the ring slot must not be reused under an asynchronous copy)."""
-        moved, held = [], []
-        for kind, leaf in zip(kinds, leaves, strict=True):
-            if kind == TORCH:
-                held.append(leaf)
-                leaf = leaf.to(self._move_to, non_blocking=self.pin_memory)
-            moved.append(leaf)
-        if self.pin_memory and held:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._move_to))
-            self._inflight.append((event, held))
-        self._inflight[:] = [(e, h) for e, h in self._inflight if not e.query()]
-        return moved
-
     # -- DataLoader protocol -----------------------------------------------------------
 
     def __len__(self) -> int:
         """Batches in one epoch of this consumer; TypeError if that is unknown (see the
         class docstring)."""
-        if self._length is None:
+        if self._shape.length is None:
             raise TypeError(
                 "len() of this consumer is unknown: the producer's loader has no len() (a "
                 "generator or an iterable without __len__, as a DataLoader over an "
@@ -432,7 +343,7 @@ class TensorConsumer(LoaderSurface):
                 "producer a loader with __len__"
             )
         if self._own_batch_size is None:
-            return self._length // self.world_size
+            return self._shape.length // self.world_size
         if self.samples_per_epoch is None:
             raise TypeError(
                 f"len() of this consumer is unknown: the producer's loader does not tell "
@@ -443,22 +354,7 @@ class TensorConsumer(LoaderSurface):
 
     def _rank_samples(self) -> int:
         """Samples one epoch brings this consumer (its rank's share in a group)."""
-        assert self.samples_per_epoch is not None
-        if self.world_size == 1:
-            return self.samples_per_epoch
-        assert self._length is not None
-        total = 0
-        for i in range(self.rank, self._group_batches() * self.world_size, self.world_size):
-            n = self._samples_in(i)
-            total += n if n is not None else (self.loader_batch_size or 0)
-        return total
-
-    def _group_batches(self) -> int:
-        """Loader batches each rank of the group takes per epoch (the same for every
-        rank, as DistributedSampler(drop_last=True) gives: the last len % world_size
-        loader batches of an epoch go to no rank)."""
-        assert self._length is not None
-        return self._length // self.world_size
+        return self._shape.rank_samples(self.rank, self.world_size)
 
     def _check_process(self) -> None:
         """Raise if this is not the process the consumer was made in (a fork of it)."""
@@ -475,22 +371,18 @@ class TensorConsumer(LoaderSurface):
         if self._closed:
             raise TensorSocketError("this consumer is closed")
         with self._state_lock:
-            if self._in_epoch:  # an earlier iterator is still mid-epoch: it ends here
+            if self._cursor.in_epoch:  # an earlier iterator is still mid-epoch: it ends here
                 self._abandon_epoch(self.epoch)
-            self._in_epoch = True
-            self._source_done = False
-            self._epoch_pulled = 0
-            self._epoch_batches = 0
-            self._group_taken = 0
-            self._skip_batches, self._resume_skip = self._resume_skip, 0
+            self._cursor.begin()
         return EpochIterator(self)
 
     def _next_batch(self) -> Any:
         """The next batch of the current epoch; StopIteration at its end."""
         self._check_process()
-        if not self._in_epoch:
+        cursor = self._cursor
+        if not cursor.in_epoch:
             raise StopIteration
-        if self._epoch_pulled == 0 and self._epoch_batches == 0:
+        if cursor.fresh():
             _park_idle_siblings(self)  # nobody waits for this process's idle consumers
         try:
             while True:
@@ -500,10 +392,8 @@ class TensorConsumer(LoaderSurface):
                 else:
                     batch = self._rebatcher.next_batch(self._pull)
                     n = self._rebatcher.last_samples
-                if self._skip_batches == 0:
+                if not cursor.skip_delivered():  # else taken before the state resumed from
                     break
-                self._skip_batches -= 1  # taken before the state this epoch resumes from
-                self._epoch_batches += 1
                 del batch
             self._samples += n
         except EpochEnd:
@@ -512,66 +402,58 @@ class TensorConsumer(LoaderSurface):
             raise StopIteration from None
         if self.unpack_fn is not None:
             batch = self.unpack_fn(batch)
-        index = self._epoch_batches
-        self._epoch_batches += 1
+        index = cursor.deliver()
         self._batches += 1
         return (index, batch) if self.with_index else batch
 
     def _end_epoch(self) -> None:
-        self._in_epoch = False
+        self._cursor.end()
         if self._rebatcher is not None:
             self._rebatcher.reset()
-        self.epoch += 1
 
     def _take_end_marker(self) -> None:
         """After an epoch that ended with its last batch (len() known), take the
         producer's end-of-epoch marker now if it is already published, so that nothing
         of the finished epoch stays unread (an entry of the next epoch is kept for it)."""
-        if not self._aligned or self._pending is not None or not self._attached or \
-                self._after_end_marker:
+        if not self._cursor.wants_end_marker() or self._pending is not None or \
+                not self._attached:
             return
         try:
             slot = self._ring.acquire(0)
         except Exception:  # nothing published yet (or the producer is gone): later
-            self._end_marker_unread = True
+            self._cursor.marker_unpublished()
             return
-        if slot.is_end_of_epoch and slot.epoch < self._want_epoch:
+        if self._cursor.ends_finished_epoch(slot):
             slot.release()
-            self._after_end_marker = True
         else:
             self._pending = slot
 
+    def _holding(self) -> bool:
+        """Samples of the current epoch are held back, to be delivered (a partial batch
+        of the re-batcher, unless drop_last drops it)."""
+        rebatcher = self._rebatcher
+        return rebatcher is not None and not rebatcher.drop_last and rebatcher.holding()
+
     def _epoch_complete(self) -> bool:
         """Every batch of the current epoch was delivered (its end not yet reported)."""
-        if not self._source_done:
-            return False
-        return self._rebatcher is None or self._rebatcher.drop_last or \
-            not self._rebatcher.holding()
+        return self._cursor.complete(self._holding())
 
     def _abandon_epoch(self, epoch: int) -> None:
-        """The epoch's iterator was dropped or replaced before StopIteration. An epoch
-        that delivered nothing is as if never started; one that delivered all its batches
-        (a loop that takes exactly len() of them) counts as done. Otherwise the epoch was
-        left mid-way (break): the consumer parks, and its next batch comes from the start
-        of the producer's next epoch. Aligned, it keeps its place while parked (for
-        park_hold seconds once others read; it skips the rest of the epoch it left when it
-        reads again), so that its next epoch is the one the jobs it started with read: a
-        loop left early (Lightning's sanity check of a validation loader) would otherwise
-        come back as a late joiner, an epoch later than the others. Safe from a finalizer:
-        it only sets flags and events."""
-        if self._closed or not self._in_epoch or self.epoch != epoch or \
-                os.getpid() != self._pid:
+        """The epoch's iterator was dropped or replaced before StopIteration (see
+        EpochCursor.abandon). Left mid-way (break), the consumer parks, and its next
+        batch comes from the start of the producer's next epoch. Aligned, it keeps its
+        place while parked (for park_hold seconds once others read; it skips the rest of
+        the epoch it left when it reads again), so that its next epoch is the one the jobs
+        it started with read: a loop left early (Lightning's sanity check of a validation
+        loader) would otherwise come back as a late joiner, an epoch later than the
+        others. Safe from a finalizer: it only sets flags and events."""
+        if self._closed or os.getpid() != self._pid:
             return
-        if self._epoch_pulled == 0 and self._epoch_batches == 0:
-            self._in_epoch = False  # an iter() without next(): nothing happened
+        outcome = self._cursor.abandon(epoch, self._holding())
+        if outcome in (Abandon.COMPLETE, Abandon.LEFT) and self._rebatcher is not None:
+            self._rebatcher.reset()
+        if outcome is not Abandon.LEFT:
             return
-        if self._epoch_complete():
-            self._end_epoch()
-            return
-        self._end_epoch()
-        if self._producer_epoch is not None:
-            self._want_epoch = max(self._want_epoch, self._producer_epoch + 1)
-            self._producer_epoch = None
         if self.world_size > 1 and self._aligned:
             # A rank stays attached and skips the rest of the epoch as it reads on, so
             # that every rank of its group starts the same next epoch.
@@ -588,7 +470,7 @@ class TensorConsumer(LoaderSurface):
         if self._pending is not None and not hold:
             self._pending.release()
             self._pending = None
-        self._end_marker_unread = False  # parked: the producer drops or keeps it
+        self._cursor.parked()
         if self._attached and not self._closed:
             self._attached = False
             if self._aligned:
@@ -625,63 +507,46 @@ class TensorConsumer(LoaderSurface):
     def _pull_aligned(self) -> tuple[Any, int | None]:
         """_pull for aligned epochs: each epoch of this consumer is one whole epoch of the
         producer, from its first batch; a consumer that attached mid-epoch skips to the
-        next epoch's start. In a group, this rank's share of it."""
+        next epoch's start. In a group, this rank's share of it (see EpochCursor)."""
         while True:
-            if self._source_done:
+            if self._cursor.source_done:
                 raise EpochEnd
             slot, self._pending = (self._pending or self._acquire()), None
-            self._after_end_marker = slot.is_end_of_epoch
-            self._end_marker_unread = False
-            if slot.is_end_of_epoch:
-                epoch = slot.epoch
-                slot.release()
-                if self._producer_epoch is not None and epoch == self._producer_epoch:
-                    self._finish_source()
-                    raise EpochEnd
-                self._want_epoch = max(self._want_epoch, epoch + 1)
-                continue
-            if self._producer_epoch is None:
-                if slot.index != 0 or slot.epoch < self._want_epoch:
-                    if slot.index != 0:
-                        self._want_epoch = max(self._want_epoch, slot.epoch + 1)
-                    self._skip_to_align(slot)
-                    continue
-                self._producer_epoch = slot.epoch
-            elif slot.epoch != self._producer_epoch:
-                # The next epoch began with no end marker for ours: ours ends here.
-                self._pending = slot
-                self._finish_source()
+            step = self._cursor.place(slot)
+            if step is Step.TAKE:
+                return self._take(slot)
+            if step is Step.END_BEFORE:
+                self._pending = slot  # the next epoch's first entry
                 raise EpochEnd
-            if self.world_size > 1:
-                if slot.index % self.world_size != self.rank or \
-                        slot.index >= self._group_batches() * self.world_size:
-                    slot.release()  # another rank's batch, or one no rank takes
-                    continue
-                self._group_taken += 1
-            index = slot.index
-            self._epoch_pulled += 1
-            self._loader_batches += 1
-            self._bytes += slot.nbytes
-            batch = self._build(slot)
-            if self._last_of_epoch(index):
-                self._finish_source()
-            return batch, self._samples_in(index)
+            if step is Step.SKIP:
+                self._skip_to_align(slot)
+                continue
+            slot.release()
+            if step is Step.END:
+                raise EpochEnd
 
-    def _last_of_epoch(self, index: int) -> bool:
-        """Whether loader batch `index` was this consumer's last of the epoch (known
-        only when the loader has a len())."""
-        if self._length is None:
-            return False
-        if self.world_size > 1:
-            return self._group_taken >= self._group_batches()
-        return index >= self._length - 1
+    def _pull_window(self) -> tuple[Any, int | None]:
+        """_pull with align_epochs=False: a late joiner's epoch is the next len() batches
+        from where it started (see docs/usage.md)."""
+        while True:
+            if self._cursor.source_done:
+                raise EpochEnd
+            slot = self._acquire()
+            step = self._cursor.place(slot)
+            if step is Step.TAKE:
+                return self._take(slot)
+            slot.release()
+            if step is Step.END:
+                raise EpochEnd
 
-    def _finish_source(self) -> None:
-        """This epoch had its last loader batch; the next starts with the producer's next."""
-        self._source_done = True
-        if self._producer_epoch is not None:
-            self._want_epoch = max(self._want_epoch, self._producer_epoch + 1)
-        self._producer_epoch = None
+    def _take(self, slot: Any) -> tuple[Any, int | None]:
+        """The batch of a slot of this epoch, and its sample count if the loader tells."""
+        epoch, index = slot.epoch, slot.index
+        self._loader_batches += 1
+        self._bytes += slot.nbytes
+        batch = self._delivery.build(slot)
+        self._cursor.taken(epoch, index)
+        return batch, self._shape.samples_in(index)
 
     def _skip_to_align(self, slot: Any) -> None:
         """Drop an entry taken while waiting for the start of an epoch."""
@@ -689,59 +554,14 @@ class TensorConsumer(LoaderSurface):
         if self._skipped_to_align == 0 or self._skipped_to_align % 1000 == 0:
             log.info("consumer %d attached in the middle of the producer's epoch %d: waiting "
                      "for the start of epoch %d, so that its epochs are whole (entries "
-                     "skipped so far: %d)", self._index, slot.epoch, self._want_epoch,
+                     "skipped so far: %d)", self._index, slot.epoch, self._cursor.want_epoch,
                      self._skipped_to_align + 1)
         self._skipped_to_align += 1
-
-    def _pull_window(self) -> tuple[Any, int | None]:
-        """_pull with align_epochs=False: a late joiner's epoch is the next len() batches
-        from where it started (see docs/usage.md)."""
-        while True:
-            if self._source_done:
-                raise EpochEnd
-            slot = self._acquire()
-            self._after_end_marker = slot.is_end_of_epoch
-            if slot.is_end_of_epoch:
-                epoch = slot.epoch
-                slot.release()
-                if self._epoch_end is not None and (epoch + 1, 0) >= self._epoch_end:
-                    # The producer's epoch ended here (perhaps cut short): the next of
-                    # ours starts with its next epoch, aligned with it from now on.
-                    self._source_done = True
-                    self._epoch_end = (epoch + 2, 0)
-                    raise EpochEnd
-                continue
-            position = (slot.epoch, slot.index)
-            if self._epoch_end is None:  # the first batch since we attached: anchor epochs
-                self._epoch_end = (slot.epoch + 1, slot.index)
-            self._epoch_pulled += 1
-            self._loader_batches += 1
-            self._bytes += slot.nbytes
-            batch = self._build(slot)
-            if (position[0], position[1] + 1) >= self._epoch_end:
-                self._close_source()
-            return batch, self._samples_in(position[1])
-
-    def _samples_in(self, index: int) -> int | None:
-        """Samples in loader batch `index` of an epoch, when the loader tells."""
-        size, length = self.loader_batch_size, self._length
-        if size is None or length is None:
-            return None
-        if index < length - 1:
-            return size
-        if self._samples_exact and self.samples_per_epoch is not None:
-            return self.samples_per_epoch - (length - 1) * size
-        return None
-
-    def _close_source(self) -> None:
-        """This epoch had its last loader batch; the next one ends a producer epoch later."""
-        self._source_done = True
-        assert self._epoch_end is not None
-        self._epoch_end = (self._epoch_end[0] + 1, self._epoch_end[1])
 
     def _acquire(self) -> Any:
         """The next ring entry for us, with errors turned into what the caller needs."""
         self._ensure_attached()
+        cursor = self._cursor
         while True:
             start = time.perf_counter()
             try:
@@ -749,23 +569,21 @@ class TensorConsumer(LoaderSurface):
             except ProducerFinished:
                 failure = self._ring.failure()
                 if failure is not None:
-                    self._in_epoch = False
+                    cursor.in_epoch = False
                     raise _failed(self._ring, self.endpoint.address, failure) from None
-                if self._epoch_pulled > 0 and self._after_end_marker:
+                if cursor.finished_between_windows():
                     # A late joiner's epoch spans two producer epochs, and the producer
                     # stopped after the first of them. End the epoch with what came.
                     warnings.warn(
                         f"the producer finished in the middle of this consumer's epoch "
                         f"{self.epoch} (it joined late, so its epochs span two of the "
-                        f"producer's); the epoch ends after {self._epoch_pulled} loader batches",
+                        f"producer's); the epoch ends after {cursor.pulled} loader batches",
                         TensorSocketWarning, stacklevel=5)
-                    self._source_done = True
                     raise EpochEnd from None
-                self._in_epoch = False
-                if self._epoch_pulled > 0:
+                if cursor.pulled > 0:
                     raise ProducerFinished(
                         f"the producer stopped in the middle of its epoch, after this "
-                        f"consumer's epoch {self.epoch} had received {self._epoch_pulled} "
+                        f"consumer's epoch {self.epoch} had received {cursor.pulled} "
                         "of the loader's batches; no more batches will come"
                     ) from None
                 raise ProducerFinished(
@@ -773,19 +591,19 @@ class TensorConsumer(LoaderSurface):
                     "consumer; no more batches will come"
                 ) from None
             except ProducerGone:
-                self._in_epoch = False
+                cursor.in_epoch = False
                 raise _failed(self._ring, self.endpoint.address, None) from None
             except ConsumerDetached as e:
                 if self._closed:  # close() from another thread detached us first
                     raise TensorSocketError(
                         "the consumer was closed by another thread while this call waited"
                     ) from None
-                if not self._lagged() or self.lag_policy != "rejoin":
+                if not diagnosis.lagged(self._ring, self._index, self._client.token) or \
+                        self.lag_policy != "rejoin":
                     raise ConsumerDetached(
                         f"{e}; create a new TensorConsumer to attach again") from None
                 self._rejoin()
-                if self._epoch_pulled > 0:
-                    self._source_done = True
+                if cursor.rejoined():
                     raise EpochEnd from None
             except TimeoutError:
                 raise TimeoutError(
@@ -797,7 +615,7 @@ class TensorConsumer(LoaderSurface):
 
     def _acquire_slot(self) -> Any:
         """Ring.acquire within batch_timeout; warns once if the wait is this consumer's
-        own doing (see _held_slots_blocking)."""
+        own doing (see diagnosis.blocking_held_slots)."""
         if _has_idle_siblings(self) and (self.batch_timeout is None
                                          or self.batch_timeout > SIBLING_PARK_AFTER):
             # This process may be about to wait here while another of its consumers sits
@@ -817,7 +635,7 @@ class TensorConsumer(LoaderSurface):
         # Batches this consumer keeps may come to hold the slot the producer must refill
         # next (as soon as it gets there): then they are copied privately rather than
         # waited for (see _set_aside_held). Only while it keeps some: in short waits.
-        while self._ring.held_slots() and self._import is False:
+        while diagnosis.may_set_aside(self._ring, self._delivery.gpu_import):
             wait = left()
             step = SET_ASIDE_AFTER if wait is None else min(SET_ASIDE_AFTER, wait)
             try:
@@ -835,40 +653,15 @@ class TensorConsumer(LoaderSurface):
         except TimeoutError:
             held = self._held_slots_blocking()
             if held:
-                message = (
-                    f"this consumer has waited {STALL_WARN_AFTER:.0f} s for its next batch, "
-                    f"which the producer cannot publish: the ring slot it must reuse holds a "
-                    f"batch this process received and still keeps alive ({held} of the "
-                    f"ring's {self._ring.info()['slot_count']} slots are held so). Every "
-                    "consumer of this producer waits until those batches are dropped. Kept "
-                    "batches are e.g. list(consumer), a batch from next(iter(consumer)) kept "
-                    "while the loop runs, or outputs that still reference a batch; drop them, "
-                    "or take private copies: TensorConsumer(copy=True) or tensor.clone()")
+                message = diagnosis.kept_batches_warning(
+                    STALL_WARN_AFTER, held, self._ring.info()["slot_count"])
                 log.warning("%s", message)
                 warnings.warn(message, TensorSocketWarning, stacklevel=6)
         return self._ring.acquire(left())
 
     def _held_slots_blocking(self) -> int:
-        """Slots this consumer holds (entries it took whose views are alive), if one of
-        them is the slot the producer must reuse for its next entry; else 0."""
-        info = self._ring.info()
-        slots, published = info["slot_count"], info["published"]
-        entry = self._ring.consumer(self._index)
-        if entry["token"] != self._client.token or published == 0 or entry["cursor"] >= 1 << 63:
-            return 0  # not ours any more, nothing published, nothing read yet, or detached
-        me = 1 << self._index
-        held = []
-        for k, readers in enumerate(self._ring.slot_readers()):
-            if k >= published or not readers & me:
-                continue
-            newest = published - 1 - (published - 1 - k) % slots  # the entry slot k holds
-            if newest < entry["cursor"]:
-                held.append(k)
-        return len(held) if published % slots in held else 0
-
-    def _lagged(self) -> bool:
-        entry = self._ring.consumer(self._index)
-        return entry["token"] == self._client.token and entry["reason"] == _core.REASON_LAGGED
+        """Slots this consumer holds, if one is the slot the producer must reuse next."""
+        return diagnosis.blocking_held_slots(self._ring, self._index, self._client.token)
 
     def _rejoin(self) -> None:
         """Attach again as a late joiner after the producer detached us for lagging."""
@@ -877,7 +670,7 @@ class TensorConsumer(LoaderSurface):
         skipped = max(0, start - old_cursor)
         self._rejoins += 1
         self._skipped += skipped
-        ended = " The current epoch ends here." if self._epoch_pulled > 0 else ""
+        ended = " The current epoch ends here." if self._cursor.pulled > 0 else ""
         message = (
             f"this consumer fell more than max_lag={self.max_lag} batches behind the fastest "
             f"consumer, was detached and attached again as a late joiner; it skipped {skipped} "
@@ -891,10 +684,10 @@ class TensorConsumer(LoaderSurface):
         failure = self._ring.failure()
         if failure is not None or \
                 not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
-            self._in_epoch = False
+            self._cursor.in_epoch = False
             raise _failed(self._ring, self.endpoint.address, failure)
         if info["state"] == _core.RING_FINISHED:
-            self._in_epoch = False
+            self._cursor.in_epoch = False
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
@@ -902,19 +695,16 @@ class TensorConsumer(LoaderSurface):
         self._client.stop_heartbeats()
         welcome = self._client.hello(self._own_batch_size, self.group, self.rank,
                                      self.world_size)
-        if welcome["segment"] != self._segment:
+        if welcome.segment != self._segment:
             raise ConsumerDetached(
                 "the producer that answered is a new one, not the one this consumer was "
                 "attached to; create a new TensorConsumer to attach to it")
-        self._ring.bind(welcome["consumer"], welcome["token"])
-        self._index = welcome["consumer"]
+        self._ring.bind(welcome.consumer, welcome.token)
+        self._index = welcome.consumer
         start = self._client.ready(self._aligned, self.world_size > 1)
         self._client.start_heartbeats()
         self._attached = True
-        self._epoch_end = None  # epochs are anchored again at the next batch
-        if self._producer_epoch is not None:  # an epoch cut short: the next one is whole
-            self._want_epoch = max(self._want_epoch, self._producer_epoch + 1)
-            self._producer_epoch = None
+        self._cursor.attached_again()
         log.info("consumer attached again as %d at entry %d", self._index, start)
         return start
 
@@ -929,7 +719,7 @@ class TensorConsumer(LoaderSurface):
         nor with pin_memory=True: there the slots stay held)."""
         ring = self._ring
         held = ring.held_slots()
-        if held == 0 or self._import:
+        if held == 0 or self._delivery.gpu_import:
             return False
         try:
             ring.set_aside()
@@ -946,46 +736,6 @@ class TensorConsumer(LoaderSurface):
         log.info("consumer %d: %d batches still alive were copied privately, so that it "
                  "never waits for their ring slots", self._index, held)
         return True
-
-    def _build(self, slot: Any) -> Any:
-        """Turn a slot into the loader's batch structure of tensors and values."""
-        build, kinds = self._decoder.compile(slot.meta)
-        if self._import:
-            leaves = self._device_leaves(slot, kinds)
-        elif NUMPY not in kinds and NUMPY_SCALAR not in kinds:
-            leaves = [torch.from_dlpack(c) for c in slot.capsules(versioned=True, copy=self.copy)]
-        else:
-            leaves = []
-            for kind, view in zip(kinds, slot.views(), strict=True):
-                if kind == TORCH:
-                    leaves.append(torch.from_dlpack(view.__dlpack__(max_version=(1, 0),
-                                                                    copy=self.copy or None)))
-                else:
-                    array = np.from_dlpack(view)
-                    leaves.append(array.copy() if self.copy else array)
-        slot.release()
-        if self._move_to is not None:
-            leaves = self._to_device(leaves, kinds)
-        return build(leaves)
-
-    def _device_leaves(self, slot: Any, kinds: list) -> list:
-        """Torch leaves from the slot's GPU copy (zero-copy; ordered after the producer's
-        copy on the current stream), numpy leaves from its host copy."""
-        assert self._cuda is not None  # set when the GPU ring was imported
-        if NUMPY not in kinds and NUMPY_SCALAR not in kinds:
-            tensors = _device_tensors(slot, self._cuda)
-            return [t.clone() for t in tensors] if self.copy else tensors
-        device_views = slot.views(device=True)
-        host_views = slot.views()  # numpy leaves come from the host copy
-        leaves: list[Any] = []
-        for i, kind in enumerate(kinds):
-            if kind == TORCH:
-                tensor = _device_tensor(device_views[i])
-                leaves.append(tensor.clone() if self.copy else tensor)
-            else:
-                array = np.from_dlpack(host_views[i])
-                leaves.append(array.copy() if self.copy else array)
-        return leaves
 
     # -- end ---------------------------------------------------------------------------
 
@@ -1030,12 +780,12 @@ class TensorConsumer(LoaderSurface):
         lag = None
         if not self._closed:
             lag = self._ring.consumer(self._index)["lag"]
-            if lag > 0 and self._end_marker_unread and self._attached:
+            if lag > 0 and self._cursor.end_marker_unread and self._attached:
                 lag -= 1
         return {
             "epoch": self.epoch,
             "device": self.device,
-            "zero_copy_gpu": self._import,
+            "zero_copy_gpu": self._delivery.gpu_import,
             "device_fallback_reason": self.device_fallback_reason,
             "batches": self._batches,
             "samples": self._samples,
@@ -1086,45 +836,7 @@ class EpochIterator:
         return len(self._consumer)
 
 
-def _device_tensor(view: Any) -> torch.Tensor:
-    """A torch tensor over a device SlotView; torch passes its current stream, which
-    is made to wait for the producer's copy of the slot."""
-    return torch.from_dlpack(view)
-
-
-def _device_tensors(slot: Any, device: torch.device) -> list[torch.Tensor]:
-    """Torch tensors over every leaf of a slot's GPU copy, all exported in one call with
-    this thread's current stream on ``device`` (made to wait for the producer's copy),
-    without torch.from_dlpack's per-view protocol calls."""
-    caps = slot.capsules(versioned=True, device=True, stream=_stream_of(device))
-    return [torch.from_dlpack(c) for c in caps]
-
-
-# The raw handle of the current stream without building a torch.cuda.Stream (a private
-# function torch's own generated code calls; the public way where it is missing).
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _stream_of(device: torch.device) -> int:
-    """The DLPack stream number of this thread's current stream on ``device``: its handle,
-    or 1 for the legacy default stream (whose handle is 0, which DLPack forbids)."""
-    if _raw_stream is not None:
-        handle = _raw_stream(device.index)
-    else:
-        handle = torch.cuda.current_stream(device).cuda_stream
-    return handle if handle != 0 else 1
-
-
-def _same_gpu(info: dict, index: int | None) -> bool:
-    """True if CUDA device index of this process is the GPU holding the ring's pool."""
-    status = _core.cuda_status()
-    for dev in status["devices"] or ():
-        if dev["ordinal"] == index:
-            return dev["uuid"] == info["device_uuid"]
-    return False
-
-
-def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, inflight: list,
+def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, delivery: Delivery,
               pid: int) -> None:
     """Say bye, close the socket and drop our ring handle. If the producer died,
     the last one out removes its segment name (nobody else will). Nothing in a forked
@@ -1132,9 +844,7 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, infli
     if os.getpid() != pid:
         return
     ring = ring_box[0]
-    for event, _ in inflight:
-        event.synchronize()  # asynchronous copies out of ring slots finish first
-    inflight.clear()
+    delivery.finish()  # asynchronous copies out of ring slots finish first
     info = ring.info()
     producer_alive = _core.process_alive(info["producer_pid"], info["producer_start_time"])
     client.close(say_bye=producer_alive and info["state"] == _core.RING_OPEN)
@@ -1186,8 +896,7 @@ def _idle(consumer: TensorConsumer) -> bool:
     epoch delivered (a loop that stops at len() leaves the epoch open). The ranks of a
     group are never idle: they stay attached, so that all of them read the same epochs."""
     return consumer._attached and not consumer._closed and consumer._aligned \
-        and consumer.world_size == 1 \
-        and (not consumer._in_epoch or consumer._epoch_complete())
+        and consumer.world_size == 1 and consumer._cursor.idle(consumer._holding())
 
 
 def _sibling(me: TensorConsumer, other: TensorConsumer) -> bool:

@@ -1,6 +1,7 @@
 """The control plane over pyzmq: ROUTER in the producer, DEALER per consumer.
 
-Only handshakes, heartbeats and leaves travel here; batches never do. The
+Only handshakes, heartbeats and leaves travel here; batches never do. Messages
+are read and built as the typed messages of tensorsocket.protocol. The
 producer's server runs in a background thread that owns its socket; it
 answers consumers even while the producer's main thread is blocked waiting
 for a free slot.
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 import zmq
 
-from . import _core, config, protocol
+from . import _core, config, diagnosis, protocol
 from .auth import ClientSecret, Gate
 from .errors import (
     AuthenticationError,
@@ -104,7 +105,7 @@ class ControlServer:
             ) from None
         self.address = address
         self._peers: dict[bytes, _Peer] = {}
-        self._waiting: list[tuple[bytes, dict]] = []  # hellos before the ring exists
+        self._waiting: list[tuple[bytes, protocol.Message]] = []  # hellos, infos before the ring
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._farewell: tuple[str, str] | None = None  # see close()
@@ -135,7 +136,7 @@ class ControlServer:
                 if self._waiting and self._ring() is not None:
                     waiting, self._waiting = self._waiting, []
                     for ident, msg in waiting:
-                        self._hello(ident, msg)
+                        self._answer(ident, msg)
                 if now >= next_check:
                     next_check = now + LIVENESS_INTERVAL
                     self._check_peers(now)
@@ -181,7 +182,7 @@ class ControlServer:
                 continue
             ident, payload = frames[0].bytes, frames[1].bytes
             try:
-                msg = protocol.decode(payload)
+                msg = protocol.read(payload)
             except ProtocolError as e:
                 self.rejected += 1
                 log.debug("rejected control message: %s", e)
@@ -191,23 +192,23 @@ class ControlServer:
                 else:
                     self._send(ident, "error", code="protocol", message=str(e))
                 continue
-            if msg["type"] == "hello":
+            if msg.kind in protocol.ADMISSIONS:
                 self._admit(ident, msg, frames[1])
                 continue
-            handler = self._handlers.get(msg["type"])
+            handler = self._handlers.get(msg.kind)
             if handler is None:
                 self.rejected += 1
                 self._send(ident, "error", code="protocol",
-                           message=f"{msg['type']} is not a consumer message")
+                           message=f"{msg.kind} is not a consumer message")
                 continue
             try:
                 handler(ident, msg)
             except Exception as e:  # a message must never take the control thread down
                 self.rejected += 1
-                log.warning("control message %s failed: %s: %s", msg["type"],
+                log.warning("control message %s failed: %s: %s", msg.kind,
                             type(e).__name__, e)
                 self._send(ident, "error", code="protocol",
-                           message=f"{msg['type']} failed: {type(e).__name__}")
+                           message=f"{msg.kind} failed: {type(e).__name__}")
 
     def _send(self, ident: bytes, kind: str, **fields: Any) -> None:
         if kind == "error":
@@ -217,10 +218,10 @@ class ControlServer:
         except zmq.ZMQError:
             pass  # the peer is gone or its queue is full: it will time out
 
-    def _peer(self, ident: bytes, msg: dict) -> _Peer | None:
+    def _peer(self, ident: bytes, msg: protocol.Message) -> _Peer | None:
         """The peer this message claims to be, if it really is that peer."""
         peer = self._peers.get(ident)
-        if peer is None or peer.index != msg["consumer"] or peer.token != msg["token"]:
+        if peer is None or peer.index != msg.consumer or peer.token != msg.token:
             self.rejected += 1
             self._send(ident, "error", code="unknown", message="no such consumer on this socket")
             return None
@@ -229,68 +230,79 @@ class ControlServer:
 
     # -- messages ----------------------------------------------------------------
 
-    def _admit(self, ident: bytes, msg: dict, frame: zmq.Frame) -> None:
-        """A hello: answered if it is well formed, of this protocol version and from a
-        peer tensorsocket.auth lets in; refused with an error that tells nothing of the
-        producer otherwise."""
-        if not 0 < msg["pid"] < 2**31 or not 0 <= msg["start_time"] < 2**64:
+    def _admit(self, ident: bytes, msg: protocol.Message, frame: zmq.Frame) -> None:
+        """A hello (or an info): answered if it is well formed, of this protocol version
+        and from a peer tensorsocket.auth lets in; refused with an error that tells nothing
+        of the producer otherwise."""
+        if not 0 < msg.pid < 2**31 or not 0 <= msg.start_time < 2**64:
             self.rejected += 1
-            self._send(ident, "error", code="protocol", message="hello with an impossible pid")
+            self._send(ident, "error", code="protocol",
+                       message=f"{msg.kind} with an impossible pid")
             return
-        if msg["protocol"] != protocol.PROTOCOL_VERSION:
+        if msg.protocol != protocol.PROTOCOL_VERSION:
             self.rejected += 1
             log.warning("consumer pid %s speaks protocol %s, this producer %s",
-                        msg["pid"], msg["protocol"], protocol.PROTOCOL_VERSION)
-            self._send(ident, "error", code="version", message=_version_message(msg["protocol"]))
+                        msg.pid, msg.protocol, protocol.PROTOCOL_VERSION)
+            self._send(ident, "error", code="version", message=_version_message(msg.protocol))
             return
         refusal = self._gate.refusal(frame, msg)
         if refusal is not None:
             self.rejected += 1
             self.refused += 1
             log.log(logging.WARNING if self.refused <= REFUSAL_WARNINGS else logging.DEBUG,
-                    "refused a hello (claiming pid %d)%s: %s", msg["pid"],
+                    "refused a %s (claiming pid %d)%s: %s", msg.kind, msg.pid,
                     " (later refusals are logged at debug level)"
                     if self.refused == REFUSAL_WARNINGS else "", refusal)
             self._send(ident, "error", code="auth", message=refusal)
             return
         try:
-            self._hello(ident, msg)
+            self._answer(ident, msg)
         except Exception as e:  # a message must never take the control thread down
             self.rejected += 1
-            log.warning("control message hello failed: %s: %s", type(e).__name__, e)
-            self._send(ident, "error", code="protocol", message=f"hello failed: {type(e).__name__}")
+            log.warning("control message %s failed: %s: %s", msg.kind, type(e).__name__, e)
+            self._send(ident, "error", code="protocol",
+                       message=f"{msg.kind} failed: {type(e).__name__}")
 
-    def _hello(self, ident: bytes, msg: dict) -> None:
-        """An admitted hello: reserve an entry and answer welcome (once the ring exists)."""
-        ring = self._ring()
-        if ring is None:
+    def _answer(self, ident: bytes, msg: protocol.Message) -> None:
+        """An admitted hello or info, answered once the ring exists (before it, a loader
+        callable's loader is not known yet, nor is the segment)."""
+        if self._ring() is None:
             self._waiting.append((ident, msg))
-            return
+        elif msg.kind == "info":
+            info = self._welcome_info()
+            self._send(ident, "loader_info", protocol=protocol.PROTOCOL_VERSION,
+                       **{f: info[f] for f in protocol.SCHEMAS["loader_info"] if f != "protocol"})
+        else:
+            self._hello(ident, msg)
+
+    def _hello(self, ident: bytes, msg: protocol.Message) -> None:
+        """An admitted hello, once the ring exists: reserve an entry and answer welcome."""
+        ring = self._ring()
         if ident in self._peers:
             self._retire(ident)
         try:
-            index, token = ring.reserve(msg["pid"], msg["start_time"], msg["batch_size"] or 0)
+            index, token = ring.reserve(msg.pid, msg.start_time, msg.batch_size or 0)
         except _core.TooManyConsumers as e:
             self._send(ident, "error", code="full", message=str(e))
             return
         with self._lock:
             group = None
-        if msg["world_size"] > 1:
-            if not 0 <= msg["rank"] < msg["world_size"] <= _core.MAX_CONSUMERS:
+        if msg.world_size > 1:
+            if not 0 <= msg.rank < msg.world_size <= _core.MAX_CONSUMERS:
                 ring.retire(index)
                 self.rejected += 1
                 self._send(ident, "error", code="protocol", message="hello with an impossible "
                            "rank or world size")
                 return
-            group = f"{msg['group'] or ''}/{msg['world_size']}"
+            group = f"{msg.group or ''}/{msg.world_size}"
         with self._lock:
-            self._peers[ident] = _Peer(index, token, msg["pid"], msg["start_time"],
-                                       time.monotonic(), msg["batch_size"], group=group,
-                                       rank=msg["rank"])
+            self._peers[ident] = _Peer(index, token, msg.pid, msg.start_time,
+                                       time.monotonic(), msg.batch_size, group=group,
+                                       rank=msg.rank)
         self._send(ident, "welcome", protocol=protocol.PROTOCOL_VERSION, consumer=index,
                    token=token, **self._welcome_info())
 
-    def _ready(self, ident: bytes, msg: dict) -> None:
+    def _ready(self, ident: bytes, msg: protocol.Message) -> None:
         peer = self._peer(ident, msg)
         if peer is None:
             return
@@ -298,11 +310,11 @@ class ControlServer:
         if peer.active or ring is None:
             return
         if peer.group is not None:
-            peer.ready_align = msg["align"]
+            peer.ready_align = msg.align
             self._start_group(peer.group, time.monotonic())
             return
-        start = ring.activate(peer.index, msg["align"])
-        self._started(ident, peer, start, msg["align"])
+        start = ring.activate(peer.index, msg.align)
+        self._started(ident, peer, start, msg.align)
 
     def _started(self, ident: bytes, peer: _Peer, start: int, align: bool) -> None:
         """The consumer receives entries from `start` on: tell it."""
@@ -350,16 +362,16 @@ class ControlServer:
             peer.ready_align = None
             self._started(ident, peer, begun, align)
 
-    def _heartbeat(self, ident: bytes, msg: dict) -> None:
+    def _heartbeat(self, ident: bytes, msg: protocol.Message) -> None:
         self._peer(ident, msg)
 
-    def _bye(self, ident: bytes, msg: dict) -> None:
+    def _bye(self, ident: bytes, msg: protocol.Message) -> None:
         if self._peer(ident, msg) is None:
             return
         self._retire(ident)
         self._send(ident, "bye_ok")
 
-    def _park(self, ident: bytes, msg: dict) -> None:
+    def _park(self, ident: bytes, msg: protocol.Message) -> None:
         """The consumer stopped reading: take it off the ring so that nobody waits for
         it, but keep it as a consumer of this producer (its heartbeats go on) until it
         attaches again or leaves. One that stopped between epochs (hold), to read
@@ -373,9 +385,9 @@ class ControlServer:
             return
         peer.parked = True
         peer.active = False
-        if msg["hold"] and self.park_hold > 0 and \
+        if msg.hold and self.park_hold > 0 and \
                 ring.consumer(peer.index)["state"] == _core.CONSUMER_ACTIVE:
-            if msg["skip_epoch"]:  # left its epoch with break: its place is the next one's
+            if msg.skip_epoch:  # left its epoch with break: its place is the next one's
                 try:
                     ring.await_next_epoch(peer.index)
                 except ValueError:  # detached meanwhile: no place to keep
@@ -388,7 +400,7 @@ class ControlServer:
         ring.retire(peer.index)
         log.info("consumer %d (pid %d) parked", peer.index, peer.pid)
 
-    def _unpark(self, ident: bytes, msg: dict) -> None:
+    def _unpark(self, ident: bytes, msg: protocol.Message) -> None:
         """A parked consumer reads again: it goes on from its place if that was kept."""
         peer = self._peer(ident, msg)
         ring = self._ring()
@@ -512,39 +524,23 @@ class ControlServer:
             return
         if warned or now - since < HELD_WARN_AFTER:
             return
-        entry_seq = published - slots  # the entry in the slot to reuse
-        holders = [e for e in ring.consumers() if readers >> e["index"] & 1
-                   and entry_seq < e["cursor"] < 1 << 63]
+        holders = diagnosis.next_slot_holders(ring, info)
         if not holders:
             return  # unread by a slow consumer: _check_lag's case
         self._held = (published, since, True)
-        who = ", ".join(f"consumer {e['index']} (pid {e['pid']})" for e in holders)
-        log.warning(
-            "the producer has waited %.0f s to reuse a ring slot that %s read and still "
-            "keep%s alive; every consumer waits meanwhile. Unless a training step takes that "
-            "long, the script keeps batches (list(consumer), a batch from "
-            "next(iter(consumer)) kept while the loop runs): drop them, or use "
-            "TensorConsumer(copy=True)", now - since, who, "s" if len(holders) == 1 else "")
+        log.warning("%s", diagnosis.kept_slot_warning(now - since, holders))
 
     def _check_lag(self, ring: Any, now: float) -> None:
         """Warn once about a consumer that holds the others back: it has been behind the
         fastest consumer by (nearly) the whole ring for LAG_WARN_AFTER seconds, so the
-        producer and every faster consumer wait for it. Consumers that are all equally
-        slow hold nobody back and are not warned about (that is ordinary back-pressure);
-        with max_lag the ring detaches such a consumer instead (warned about below)."""
-        entries = {e["index"]: e for e in ring.consumers()
-                   if e["state"] == _core.CONSUMER_ACTIVE}
-        if len(entries) < 2:
-            return
-        info = ring.info()
-        lead = max(e["cursor"] for e in entries.values())
-        limit = max(2, info["slot_count"] - 2)
+        producer and every faster consumer wait for it (see diagnosis.lag_behind_fastest;
+        with max_lag the ring detaches such a consumer instead, warned about below)."""
+        lag = diagnosis.lag_behind_fastest(ring)
         for peer in list(self._peers.values()):
-            entry = entries.get(peer.index)
-            if entry is None or not peer.active or peer.detached:
+            if peer.index not in lag or not peer.active or peer.detached:
                 continue
-            behind = lead - entry["cursor"]
-            if behind < limit:
+            behind, holds_back = lag[peer.index]
+            if not holds_back:
                 peer.lagging_since = None
                 peer.lag_warned = False
                 continue
@@ -552,11 +548,8 @@ class ControlServer:
                 peer.lagging_since = now
             elif not peer.lag_warned and now - peer.lagging_since >= LAG_WARN_AFTER:
                 peer.lag_warned = True
-                log.warning(
-                    "consumer %d (pid %d) is %d batches behind the fastest consumer and has "
-                    "held the producer and the others back for %.0f s; they go at its pace "
-                    "(TensorProducer(max_lag=N) detaches consumers that fall further behind)",
-                    peer.index, peer.pid, behind, now - peer.lagging_since)
+                log.warning("%s", diagnosis.laggard_warning(peer.index, peer.pid, behind,
+                                                            now - peer.lagging_since))
 
     # -- owner -------------------------------------------------------------------
 
@@ -620,37 +613,48 @@ class ControlClient:
         self.left = False  # bye sent for the current consumer entry
 
     def hello(self, batch_size: int | None, group: str | None = None, rank: int = 0,
-              world_size: int = 1, watch: Any = None) -> dict:
+              world_size: int = 1, watch: Any = None) -> protocol.Message:
         """Send hello; return the welcome, waiting up to the timeout for a producer. A
         hello refused for its secret is sent again if the secret changed meanwhile (a
         producer that started after this hello was sent wrote a new one). watch: a
         ProducerWatch, which raises while we wait if the producer died."""
+        msg = self._admission("hello", "welcome", watch, batch_size=batch_size, group=group,
+                              rank=rank, world_size=world_size)
+        self.consumer, self.token = msg.consumer, msg.token
+        self.left = False
+        return msg
+
+    def info(self, watch: Any = None) -> protocol.Message:
+        """What the producer's loader is (its loader_info reply), asked as a hello is but
+        taking no place in its ring: nothing to say bye for."""
+        return self._admission("info", "loader_info", watch)
+
+    def _admission(self, kind: str, want: str, watch: Any, **fields: Any) -> protocol.Message:
+        """Send a hello or an info (with this process's identity and the producer's
+        secret); the reply `want`, waiting up to the timeout for a producer (see hello)."""
         pid = os.getpid()
-        fields = dict(protocol=protocol.PROTOCOL_VERSION, pid=pid,
-                      start_time=_core.process_start_time(pid), batch_size=batch_size,
-                      group=group, rank=rank, world_size=world_size)
+        fields.update(protocol=protocol.PROTOCOL_VERSION, pid=pid,
+                      start_time=_core.process_start_time(pid))
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         sent = self._secret.current() if self._secret is not None else None
-        self._sock.send(protocol.encode("hello", secret=sent, **fields))
+        self._sock.send(protocol.encode(kind, secret=sent, **fields))
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                msg = self._receive(left, "welcome", watch)
+                msg = self._receive(left, want, watch)
                 break
             except AuthenticationError:
                 now = self._secret.current() if self._secret is not None else None
                 if now is None or now == sent:
                     raise
                 sent = now
-                self._sock.send(protocol.encode("hello", secret=sent, **fields))
+                self._sock.send(protocol.encode(kind, secret=sent, **fields))
         if msg is None:
             raise ProducerNotFound(
                 f"no tensorsocket producer answered at {self.address} within {self._timeout} s; "
                 "start the producer (same name=/port=) or raise the consumer's timeout="
                 + (watch.note() if watch is not None else "")
             )
-        self.consumer, self.token = msg["consumer"], msg["token"]
-        self.left = False
         return msg
 
     def ready(self, align: bool = False, group: bool = False) -> int:
@@ -661,9 +665,10 @@ class ControlClient:
         msg = self._receive(PENDING_TIMEOUT + (GROUP_TIMEOUT if group else 0), "started")
         if msg is None:
             raise ProducerNotFound(f"the producer at {self.address} stopped answering")
-        return msg["start_seq"]
+        return msg.start_seq
 
-    def _receive(self, timeout: float | None, want: str, watch: Any = None) -> dict | None:
+    def _receive(self, timeout: float | None, want: str,
+                 watch: Any = None) -> protocol.Message | None:
         """The next message of type want; raises on an error reply; None on timeout.
         watch: see hello()."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -682,31 +687,34 @@ class ControlClient:
                         raise
                 continue
             try:
-                msg = protocol.decode(self._sock.recv())
+                msg = protocol.read(self._sock.recv())
             except ProtocolError as e:
                 raise ProtocolError(f"bad reply from the producer at {self.address}: {e}") from None
-            if msg["type"] == "error":
-                if msg["code"] == "version":
-                    raise VersionMismatch(msg["message"])
-                if msg["code"] == "auth":
-                    note = self._secret.note() if self._secret is not None else ""
-                    raise AuthenticationError(
-                        f"the producer at {self.address} refused this consumer: "
-                        f"{msg['message']}" + (f" ({note})" if note else ""))
-                if msg["code"] == "unsupported":
-                    raise NotImplementedError(msg["message"])
-                if msg["code"] == "failed":
-                    raise ProducerFailed(
-                        f"the producer at {self.address} failed before its first batch: "
-                        f"{msg['message']}. Fix it and start it again, then create the "
-                        "TensorConsumer again", cause=msg["message"])
-                if msg["code"] == "finished":
-                    raise ProducerFinished(
-                        f"the producer at {self.address} {msg['message']}; no batches will "
-                        "come from it")
-                raise TensorSocketError(f"producer refused: {msg['message']}")
-            if msg["type"] == want:
+            if msg.kind == "error":
+                raise self._refusal(msg.code, msg.message)
+            if msg.kind == want:
                 return msg
+
+    def _refusal(self, code: str, message: str) -> Exception:
+        """The exception for an error reply of the producer."""
+        if code == "version":
+            return VersionMismatch(message)
+        if code == "auth":
+            note = self._secret.note() if self._secret is not None else ""
+            return AuthenticationError(
+                f"the producer at {self.address} refused this consumer: {message}"
+                + (f" ({note})" if note else ""))
+        if code == "unsupported":
+            return NotImplementedError(message)
+        if code == "failed":
+            return ProducerFailed(
+                f"the producer at {self.address} failed before its first batch: {message}. "
+                "Fix it and start it again, then create the TensorConsumer again",
+                cause=message)
+        if code == "finished":
+            return ProducerFinished(
+                f"the producer at {self.address} {message}; no batches will come from it")
+        return TensorSocketError(f"producer refused: {message}")
 
     def start_heartbeats(self) -> None:
         """Hand the socket to a thread that sends heartbeats until stopped."""
@@ -736,9 +744,9 @@ class ControlClient:
         msg = self._receive(PENDING_TIMEOUT, "unparked")
         if msg is None:
             raise ProducerNotFound(f"the producer at {self.address} stopped answering")
-        if msg["held"]:
+        if msg.held:
             self.start_heartbeats()
-        return msg["held"]
+        return msg.held
 
     def request_leave(self) -> None:
         """Leave the ring soon, from the heartbeat thread (which owns the socket): safe

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import fcntl
-import inspect
 import logging
 import math
 import os
 import secrets
-import signal
-import threading
 import time
 import traceback
 import warnings
@@ -21,7 +17,7 @@ import zmq
 from . import _core, auth, config
 from .config import UNSET, Unset
 from .control import ControlServer
-from .endpoints import Endpoint, open_lock_file, resolve
+from .endpoints import Endpoint, resolve
 from .errors import (
     BatchTooLarge,
     GPUFallbackWarning,
@@ -30,6 +26,21 @@ from .errors import (
     TensorSocketError,
 )
 from .gpu import parse_device
+from .loader_info import (
+    describe_loader,
+    epoch_factory,
+    epoch_limit,
+    is_iterable,
+    length_of,
+    set_sampler_epoch,
+)
+from .producer_files import (
+    OwnedFiles,
+    forget_on_sigterm,
+    remove_on_sigterm,
+    sweep_stale_segments,
+    take_name_lock,
+)
 from .structure import flatten
 from .worker_heap import padded_workers
 
@@ -37,12 +48,10 @@ log = logging.getLogger("tensorsocket")
 
 DEFAULT_SLOTS = 4
 MAX_SLOTS = config.MAX_SLOTS
-LAG_POLICIES = ("raise", "rejoin")
 DEFAULT_RUBBER_BAND_PCT = 0.005  # of an epoch's batches ...
 DEFAULT_MAX_WINDOW = 8  # ... but at most this many, unless asked for explicitly
 SLOT_HEADROOM = 1.5  # slot size = first batch x this (plus room for the structure)
 MIN_SLOT_BYTES = 64 * 1024
-NAME_LOCK_TRIES = 5  # flock attempts 20 ms apart before "already running"
 SEGMENT_NAME_TRIES = 8  # segment names tried when the name is taken (a planted file)
 DL_CUDA = 2  # DLDeviceType of a GPU ring
 FAILURE_CHARS = 800  # the text of a failure the consumers are told (ring header, control)
@@ -203,83 +212,39 @@ class TensorProducer:
         release_timeout: float | None | Unset = UNSET,
         worker_heap_pad: int | Unset = UNSET,
     ) -> None:
-        self._factory = _epoch_factory(data_loader)
-        self._origins: dict[str, str] = {}  # setting key -> its environment variable
-
-        def setting(key: str, value: Any) -> Any:
-            value, source = config.lookup(key, value)
-            if source == "environment":
-                self._origins[key] = config.SETTINGS[key].env
-            return value
-
+        self._factory = epoch_factory(data_loader)
+        given = self._settings = config.Resolver()
         if ring_slots is None or ring_slots is UNSET:
             ring_slots = consumer_max_buffer_size  # the original's name for it
         elif consumer_max_buffer_size is not None:
             raise ValueError("give ring_slots= or consumer_max_buffer_size=, not both")
         # The settings as resolved: the argument, else the environment, else the default.
-        slots: int | None = setting("ring_slots", ring_slots)
-        slot_size: int | None = setting("slot_bytes", slot_bytes)
-        ring_size: int | None = setting("ring_bytes", ring_bytes)
-        wanted: int = setting("min_consumers", min_consumers)
-        start_wait: float | None = setting("start_timeout", start_timeout)
-        grace: Any = setting("start_grace", start_grace)
-        hold: Any = setting("park_hold", park_hold)
-        silence: Any = setting("heartbeat_timeout", heartbeat_timeout)
-        publish_wait: float | None = setting("publish_timeout", publish_timeout)
-        lag_limit: int | None = setting("max_lag", max_lag)
-        policy: str = setting("lag_policy", lag_policy)
-        where: Any = setting("producer_device", device)
-        fallback: bool = setting("device_fallback", device_fallback)
-        release_wait: float | None = setting("release_timeout", release_timeout)
-        heap_pad: Any = setting("worker_heap_pad", worker_heap_pad)  # checked below
-        if slots is not None and not 2 <= int(slots) <= MAX_SLOTS:
-            raise ValueError(f"ring_slots must be in 2..{MAX_SLOTS}, got {slots}")
-        if slot_size is not None and int(slot_size) <= 0:
-            raise ValueError(f"slot_bytes must be positive, got {slot_size}")
-        for key, seconds in (("start_grace", grace), ("park_hold", hold)):
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
-                    not math.isfinite(seconds) or seconds < 0:
-                raise ValueError(f"{key} must be a finite number of seconds >= 0, got "
-                                 f"{seconds!r}")
-        if silence is not None and (isinstance(silence, bool) or
-                                    not isinstance(silence, (int, float)) or
-                                    not silence >= config.MIN_HEARTBEAT_TIMEOUT):
-            raise ValueError(
-                f"heartbeat_timeout must be None (never evict) or a number of seconds >= "
-                f"{config.MIN_HEARTBEAT_TIMEOUT:g} (consumers heartbeat every second), got "
-                f"{silence!r}")
-        if wanted < 0 or wanted > _core.MAX_CONSUMERS:
-            raise ValueError(f"min_consumers must be in 0..{_core.MAX_CONSUMERS}")
+        slots: int | None = given.get("ring_slots", ring_slots)
+        slot_size: int | None = given.get("slot_bytes", slot_bytes)
+        ring_size: int | None = given.get("ring_bytes", ring_bytes)
+        lag_limit: int | None = given.get("max_lag", max_lag)
+        where: Any = given.get("producer_device", device)
         if rubber_band_pct is not None and not 0 <= float(rubber_band_pct) <= 1:
             raise ValueError(f"rubber_band_pct must be in 0..1, got {rubber_band_pct}")
-        if rubber_band is not None and int(rubber_band) < 0:
-            raise ValueError(f"rubber_band must be >= 0 batches, got {rubber_band}")
-        if isinstance(heap_pad, bool) or not isinstance(heap_pad, int) or heap_pad < 0:
-            raise ValueError(f"worker_heap_pad must be a number of bytes >= 0 (0 turns it "
-                             f"off), got {heap_pad!r}")
-        if lag_limit is not None and not 1 <= int(lag_limit) <= MAX_SLOTS - 2:
-            raise ValueError(f"max_lag must be in 1..{MAX_SLOTS - 2} batches, got {lag_limit}")
-        if rubber_band is not None and int(rubber_band) > MAX_SLOTS - 2:
-            raise ValueError(f"rubber_band must be at most {MAX_SLOTS - 2} batches, got "
+        if rubber_band is not None and not 0 <= int(rubber_band) <= MAX_SLOTS - 2:
+            raise ValueError(f"rubber_band must be in 0..{MAX_SLOTS - 2} batches, got "
                              f"{rubber_band}")
         kind, ordinal = parse_device(where)
         if kind == "cuda" and ordinal is None:
             ordinal = 0
         self._device_ordinal = ordinal if kind == "cuda" else None
         self.device = f"cuda:{ordinal}" if kind == "cuda" else "cpu"
-        self.device_fallback = bool(fallback)
+        self.device_fallback: bool = given.get("device_fallback", device_fallback)
         self.device_fallback_reason: str | None = None
-        self.release_timeout = release_wait
-        self.worker_heap_pad: int = heap_pad
-        if policy not in LAG_POLICIES:
-            raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {policy!r}")
+        self.release_timeout: float | None = given.get("release_timeout", release_timeout)
+        self.worker_heap_pad: int = given.get("worker_heap_pad", worker_heap_pad)
         self._explicit_window = rubber_band is not None or rubber_band_pct is not None
         self.rubber_band_pct = DEFAULT_RUBBER_BAND_PCT if rubber_band_pct is None \
             else float(rubber_band_pct)
         self.rubber_band = int(rubber_band) if rubber_band is not None else None
-        self.max_lag = int(lag_limit) if lag_limit is not None else None
-        self.lag_policy = policy
-        self._ring_slots = int(slots) if slots is not None else None
+        self.max_lag = lag_limit
+        self.lag_policy: str = given.get("lag_policy", lag_policy)
+        self._ring_slots = slots
         # The loader of the current epoch: the iterable itself, or the one the
         # callable returned for it (None before the first epoch).
         self._current: Any = data_loader if self._factory is None else None
@@ -288,16 +253,17 @@ class TensorProducer:
         self.data_loader = data_loader
         self.producer_batch_size = producer_batch_size
         self.pack_fn = pack_fn
-        self.min_consumers = int(wanted)
-        self.start_timeout = start_wait
-        self.start_grace = float(grace)
-        self.park_hold = float(hold)
+        self.min_consumers: int = given.get("min_consumers", min_consumers)
+        self.start_timeout: float | None = given.get("start_timeout", start_timeout)
+        self.start_grace = float(given.get("start_grace", start_grace))
+        self.park_hold = float(given.get("park_hold", park_hold))
+        silence = given.get("heartbeat_timeout", heartbeat_timeout)
         self.heartbeat_timeout: float | None = None if silence is None else float(silence)
         self._sets_epoch = False  # the loader's sampler has set_epoch and we call it
         self._graced = False  # the start grace is over (it runs once, before batch 0)
-        self.publish_timeout = publish_wait
-        self._slot_bytes = int(slot_size) if slot_size is not None else None
-        self._ring_bytes = int(ring_size) if ring_size is not None else None
+        self.publish_timeout: float | None = given.get("publish_timeout", publish_timeout)
+        self._slot_bytes = slot_size
+        self._ring_bytes = ring_size
         self._max_leaves = max_leaves
         self.epoch = 0
         self._wait_consumers_s = 0.0
@@ -309,20 +275,20 @@ class TensorProducer:
         self._batches = 0
         self._used_up: Any = None  # the last iterator that yielded batches
 
-        name = setting("name", name)
+        name = given.get("name", name)
         if port is None:
-            address = setting("address", address)
-        setting("runtime_dir", UNSET)
+            address = given.get("address", address)
+        given.get("runtime_dir")
         self.endpoint: Endpoint = resolve(name, port, address, for_producer=True)
-        self._lock_fd = _take_name_lock(self.endpoint)
+        self._lock_fd = take_name_lock(self.endpoint)
         self._segment = self.endpoint.segment_name(os.getpid())
-        self._files = _OwnedFiles(self.endpoint)
+        self._files = OwnedFiles(self.endpoint)
         try:
-            # (never through setting(): the log of settings from the environment shows values)
+            # (never through the Resolver: the log of settings from the environment shows values)
             self.auth_token: str | None = auth.producer_secret(self.endpoint, auth_token)
             if self.auth_token is not None and self.endpoint.socket_path is None:  # TCP
                 auth.write_secret(auth.secret_path(self.endpoint), self.auth_token)
-            _sweep_stale_segments(self.endpoint.name)
+            sweep_stale_segments(self.endpoint.name)
             self._context = zmq.Context()
             box, me = self._ring_box, weakref.ref(self)
             self._server = ControlServer(self._context, self.endpoint.address,
@@ -335,13 +301,12 @@ class TensorProducer:
             raise
         self._finalizer = weakref.finalize(
             self, _teardown, self._server, self._context, self._files, self._lock_fd, box,
-            release_wait, self._failure_box,
+            self.release_timeout, self._failure_box,
         )
-        _remove_on_sigterm(self._files)
+        remove_on_sigterm(self._files)
         log.info("producer %r listening on %s", self.endpoint.name, self.endpoint.address)
-        if self._origins:
-            log.info("producer settings from the environment: %s",
-                     config.describe_origins(self._origins))
+        if given.origins:
+            log.info("producer settings from the environment: %s", given.describe())
 
     # -- handshake info ------------------------------------------------------------
 
@@ -352,31 +317,16 @@ class TensorProducer:
     def _welcome_info(self) -> dict:
         """Handshake fields for a consumer (sent once the ring exists, so the first
         epoch has started and a callable's loader of it is known)."""
-        loader = self._current
-        samples, exact = _samples_per_epoch(loader)
-        dataset, dataset_len = data_identity(loader)
         return {
+            **describe_loader(self._current),
             "segment": self._segment,
-            "length": self._length(),
-            "loader_batch_size": _loader_batch_size(loader),
-            "samples": samples,
-            "samples_exact": exact,
-            "dataset": dataset,
-            "dataset_len": dataset_len,
             "epoch": self.epoch,
             "producer_pid": os.getpid(),
             "window": self.window,
             "max_lag": self.max_lag or 0,
             "lag_policy": self.lag_policy,
-            "fingerprint": _fingerprint(loader),
             "auto_set_epoch": self._sets_epoch,
         }
-
-    def _show(self, key: str, value: Any) -> str:
-        """``arg=value`` for messages, naming the environment variable it came from."""
-        text = f"{config.SETTINGS[key].argument}={value}"
-        env = self._origins.get(key)
-        return f"{text} (from {env})" if env else text
 
     def _window_batches(self) -> int:
         """The late-joiner window in batches, before the default's clamps."""
@@ -405,32 +355,26 @@ class TensorProducer:
             )
         if max_lag is not None and max_lag <= window:
             raise ValueError(
-                f"{self._show('max_lag', max_lag)} must exceed the late-joiner window of "
+                f"{self._settings.show('max_lag', max_lag)} must exceed the late-joiner window of "
                 f"{window} batches (rubber_band= / rubber_band_pct=): a late joiner starts "
                 "that far behind"
             )
         if slots is not None and slots <= window:
             raise ValueError(
-                f"{self._show('ring_slots', slots)} cannot keep a late-joiner window of "
+                f"{self._settings.show('ring_slots', slots)} cannot keep a late-joiner window of "
                 f"{window} batches: raise ring_slots= or lower rubber_band= / rubber_band_pct="
             )
         if slots is not None and max_lag is not None and max_lag + 2 > slots:
             raise ValueError(
-                f"{self._show('max_lag', max_lag)} needs ring_slots >= max_lag + 2 "
-                f"({self._show('ring_slots', slots)}): a consumer that holds its current "
+                f"{self._settings.show('max_lag', max_lag)} needs ring_slots >= max_lag + 2 "
+                f"({self._settings.show('ring_slots', slots)}): a consumer that holds its current "
                 "batch while it trains can only fall ring_slots - 1 batches behind"
             )
         return window
 
     def _length(self) -> int | None:
         """Batches per epoch: len() of the current epoch's loader, if it has one."""
-        loader = self._current
-        if loader is None:
-            return None
-        try:
-            return len(loader)
-        except (TypeError, NotImplementedError):
-            return None
+        return length_of(self._current)
 
     def __len__(self) -> int:
         """Batches per epoch of the loader; TypeError if it has no len() (a generator,
@@ -569,7 +513,7 @@ class TensorProducer:
         if self._factory is None:
             return self.data_loader
         source = self._factory(self.epoch)
-        if not _is_iterable(source):
+        if not is_iterable(source):
             raise TypeError(
                 f"the data loader callable returned {type(source).__name__!r} for epoch "
                 f"{self.epoch}, which is not iterable: it must return an iterable of batches"
@@ -594,8 +538,8 @@ class TensorProducer:
 
     def _publish_epoch(self) -> Iterator[Any]:
         source = self._epoch_source()
-        self._sets_epoch = _set_sampler_epoch(source, self.epoch) or self._sets_epoch
-        limit = _length_of(source)
+        self._sets_epoch = set_sampler_epoch(source, self.epoch) or self._sets_epoch
+        limit = epoch_limit(source)
         with padded_workers(source, self.worker_heap_pad) as padded:
             it = iter(source)
         if padded:
@@ -817,7 +761,7 @@ def _welcome_info(producer_ref: "weakref.ref[TensorProducer]") -> dict:
     return producer._welcome_info()
 
 
-def _teardown(server: ControlServer, context: zmq.Context, files: "_OwnedFiles",
+def _teardown(server: ControlServer, context: zmq.Context, files: "OwnedFiles",
               lock_fd: int, ring_box: list, release_timeout: float | None,
               failure_box: list) -> None:
     """Finish the ring (with the producer's failure, if it failed), stop the control
@@ -839,7 +783,7 @@ def _teardown(server: ControlServer, context: zmq.Context, files: "_OwnedFiles",
         if ring is not None:
             ring.close()
         files.remove()
-        _forget_on_sigterm(files)
+        forget_on_sigterm(files)
         os.close(lock_fd)
 
 
@@ -882,238 +826,9 @@ def _wait_gpu_released(ring: Any, timeout: float | None) -> None:
             timeout, now["occupied"], now["gpu_importers"])
 
 
-class _OwnedFiles:
-    """What a producer removes as it ends: its ring segment (once it created one), and the
-    secret, socket and lock files of its name, which are its own while it holds the name
-    lock."""
-
-    def __init__(self, endpoint: Endpoint) -> None:
-        """Set up; see the class docstring."""
-        self.pid = os.getpid()  # a forked child (a loader worker) owns none of them
-        self.segment: str | None = None
-        self.paths = [p for p in (auth.secret_path(endpoint), endpoint.lock_path,
-                                  endpoint.socket_path) if p is not None]
-        self.held = True  # the name lock is still ours
-
-    def remove(self) -> None:
-        """Unlink the segment, the secret, socket and lock files (missing ones are fine)."""
-        if os.getpid() != self.pid or not self.held:
-            return
-        if self.segment is not None:
-            _core.Ring.unlink_name(self.segment)
-        for path in self.paths:
-            path.unlink(missing_ok=True)
-
-
-# The files of this process's live producers, removed by SIGTERM (see _on_sigterm).
-_OWNED: dict[int, _OwnedFiles] = {}
-
-
-def _remove_on_sigterm(files: _OwnedFiles) -> None:
-    """Have SIGTERM remove these files, then end the process as its default action does.
-    The handler is installed only by the main thread, and only over the default action: a
-    handler the program installed (share()'s producer process has one, a training framework
-    may) is left in place and SIGTERM does what it says; a handler that raises SystemExit
-    still has the producer torn down as the interpreter exits."""
-    _OWNED[id(files)] = files
-    if threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-    except (ValueError, OSError):  # an interpreter without signals here: nothing to do
-        pass
-
-
-def _forget_on_sigterm(files: _OwnedFiles) -> None:
-    """The producer has removed its files and is about to drop its name lock; with the
-    last producer gone, the default SIGTERM action comes back (from the main thread)."""
-    files.held = False
-    _OWNED.pop(id(files), None)
-    if _OWNED or threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    except (ValueError, OSError, TypeError):  # at interpreter exit, say
-        pass
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM: remove the files of this process's producers (not one of their forked
-    children's), then die of the signal, with the status the default action gives."""
-    for files in list(_OWNED.values()):
-        try:
-            files.remove()
-        except Exception:  # the signal must still end the process
-            pass
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _take_name_lock(endpoint: Endpoint) -> int:
-    """flock the name's lock file; the kernel drops it if we die."""
-    fd = open_lock_file(endpoint.lock_path)
-    try:
-        # A few tries: `tensorsocket status/clean` and share() probe the lock with a
-        # shared flock that lasts an instant; only a holder that stays is a producer.
-        for attempt in range(NAME_LOCK_TRIES):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if attempt == NAME_LOCK_TRIES - 1:
-                    raise
-                time.sleep(0.02)
-    except BlockingIOError:
-        try:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        finally:
-            os.close(fd)
-        raise TensorSocketError(
-            f"a producer named {endpoint.name!r} is already running (pid {owner}); "
-            "give this one another name= or port="
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-def _sweep_stale_segments(name: str) -> None:
-    """Remove segments of earlier producers of this name whose process is gone. Holding
-    the name lock is not enough to know that: a producer of the same name under another
-    runtime directory holds another lock, and its live segment must stay."""
-    from .clean import stale_segments
-
-    for item in stale_segments(name):
-        log.info("removing stale segment %s (%s)", item.path, item.reason)
-        _core.Ring.unlink_name("/" + item.path.rsplit("/", 1)[-1])
-
-
 def _batch_bytes(leaves: list) -> int:
     """Bytes of tensor data in a flattened batch."""
     total = 0
     for buf, _ in leaves:
         total += memoryview(buf).nbytes + 64
     return total
-
-
-def _samples_per_epoch(loader: Any) -> tuple[int | None, bool]:
-    """(samples one epoch of the loader yields, whether that count is exact).
-
-    Exact for a torch DataLoader (its sampler's length, or full batches with
-    drop_last); for another loader with a batch_size and a len(), full batches
-    are assumed."""
-    bs = _loader_batch_size(loader)
-    if bs is None:
-        return None, False
-    try:
-        batches = len(loader)
-    except TypeError:
-        return None, False
-    if getattr(loader, "batch_sampler", None) is not None:
-        if getattr(loader, "drop_last", False):
-            return batches * bs, True
-        try:
-            return min(len(loader.sampler), batches * bs), True
-        except (AttributeError, TypeError):
-            pass
-    return batches * bs, False
-
-
-def data_identity(loader: Any) -> tuple[str | None, int | None]:
-    """(type name, length) of what a loader reads: its ``dataset`` when it has one (a
-    DataLoader), else the loader itself; None where unknown (a callable's loader before
-    its first epoch, an object without ``len()``)."""
-    if loader is None:
-        return None, None
-    data = getattr(loader, "dataset", loader)
-    kind = type(data)
-    try:
-        size = len(data)
-    except Exception:  # no len(), or an IterableDataset's TypeError
-        size = None
-    return f"{kind.__module__}.{kind.__qualname__}", size
-
-
-def _loader_batch_size(loader: Any) -> int | None:
-    bs = getattr(loader, "batch_size", None)
-    return bs if isinstance(bs, int) and not isinstance(bs, bool) else None
-
-
-def _is_iterable(obj: Any) -> bool:
-    """True if iter(obj) works, told without calling it (iter() on a DataLoader
-    would start its workers)."""
-    return hasattr(type(obj), "__iter__") or hasattr(type(obj), "__getitem__")
-
-
-def _epoch_factory(loader: Any) -> Callable[[int], Any] | None:
-    """None for an iterable loader; for a callable, a function epoch -> its result
-    (called with the epoch number if it has a required positional parameter)."""
-    if _is_iterable(loader):
-        return None
-    if not callable(loader):
-        raise TypeError(
-            f"data_loader must be an iterable of batches (a DataLoader, a list, a generator, "
-            f"...) or a callable that returns one for each epoch, not "
-            f"{type(loader).__name__!r}"
-        )
-    try:
-        params = inspect.signature(loader).parameters.values()
-    except (TypeError, ValueError):  # no signature (some builtins): call it bare
-        return lambda epoch: loader()
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [p.name for p in params if p.default is p.empty and p.kind in positional]
-    keyword_only = [p.name for p in params
-                    if p.default is p.empty and p.kind == inspect.Parameter.KEYWORD_ONLY]
-    if len(required) > 1 or keyword_only:
-        raise TypeError(
-            f"a callable data_loader is called with no argument, or with the epoch number if "
-            f"it has a required positional parameter; {loader!r} requires "
-            f"{', '.join(required + keyword_only)}"
-        )
-    if required:
-        return lambda epoch: loader(epoch)
-    return lambda epoch: loader()
-
-
-def _fingerprint(loader: Any) -> str | None:
-    """The loader's identity for share()'s stale-producer check (None if it cannot be
-    told)."""
-    try:
-        from .fingerprint import describe
-    except ImportError:  # pragma: no cover - the module ships with the package
-        return None
-    try:
-        return describe(loader)
-    except Exception:  # a loader that resists description is simply not compared
-        log.debug("cannot fingerprint the loader", exc_info=True)
-        return None
-
-
-def _set_sampler_epoch(loader: Any, epoch: int) -> bool:
-    """Call set_epoch(epoch) on the loader's sampler and batch sampler where they have one
-    (a DistributedSampler, say), as a training loop does before each epoch; True if any
-    did. The consumers' ``sampler.set_epoch`` then has nothing left to do."""
-    called = False
-    seen: set[int] = set()
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    for obj in (getattr(loader, "sampler", None), batch_sampler,
-                getattr(batch_sampler, "sampler", None)):
-        if obj is None or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        set_epoch = getattr(obj, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-            called = True
-    return called
-
-
-def _length_of(loader: Any) -> int | None:
-    """len(loader) if it has one, else None."""
-    try:
-        n = len(loader)
-    except (TypeError, NotImplementedError):
-        return None
-    return n if isinstance(n, int) and n > 0 else None

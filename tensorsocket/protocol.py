@@ -3,20 +3,28 @@
 Nothing received is ever unpickled or evaluated. A message is a msgpack map
 with a string ``type`` and exactly the typed fields its schema lists; anything
 else is rejected with ProtocolError.
+
+Each message type also has a class made from its schema (``MESSAGES``: a frozen
+dataclass whose fields are the schema's, ``Welcome``, ``Ready``, ...):
+``read()`` decodes bytes into one, ``message()`` builds one, checked, and its
+``encode()`` gives the bytes, so the control plane reads and writes messages by
+attribute. ``decode()`` and ``encode()`` do the same with plain dicts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 5  # 5: hello carries the producer's secret (TCP), park{skip_epoch} (a
-#                       loop left with break keeps its place at the next epoch); 4: aligned
-#                       joins, parking, consumer groups, loader fingerprint
+PROTOCOL_VERSION = 6  # 6: info / loader_info (share() learns of the producer's loader
+#                       without attaching); 5: hello carries the producer's secret (TCP),
+#                       park{skip_epoch} (a loop left with break keeps its place at the next
+#                       epoch); 4: aligned joins, parking, consumer groups, loader fingerprint
 MAX_MESSAGE_BYTES = 64 * 1024
 
 _INT = (int,)
@@ -36,6 +44,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "unpark": {"consumer": _INT, "token": _INT},
     "heartbeat": {"consumer": _INT, "token": _INT},
     "bye": {"consumer": _INT, "token": _INT},
+    # what the producer's loader is, asked without attaching (share()); admitted as a hello
+    "info": {"protocol": _INT, "pid": _INT, "start_time": _INT, "secret": _OPT_STR},
     # producer -> consumer
     "welcome": {
         "protocol": _INT,
@@ -56,11 +66,81 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "fingerprint": _OPT_STR,
         "auto_set_epoch": _BOOL,
     },
+    "loader_info": {  # the answer to info: the loader fields of a welcome
+        "protocol": _INT,
+        "producer_pid": _INT,
+        "length": _OPT_INT,
+        "loader_batch_size": _OPT_INT,
+        "samples": _OPT_INT,
+        "samples_exact": _BOOL,
+        "dataset": _OPT_STR,
+        "dataset_len": _OPT_INT,
+        "fingerprint": _OPT_STR,
+    },
     "started": {"start_seq": _INT},
     "unparked": {"held": _BOOL},
     "bye_ok": {},
     "error": {"code": _STR, "message": _STR},
 }
+
+
+# Message types a consumer sends before it has a place (checked by tensorsocket.auth).
+ADMISSIONS = ("hello", "info")
+
+
+class Message:
+    """A control message, checked against its schema: one frozen dataclass per type (see
+    MESSAGES), whose fields are the schema's."""
+
+    kind: ClassVar[str] = ""  # the message type
+    names: ClassVar[tuple[str, ...]] = ()  # its fields, in schema order
+
+    def fields(self) -> dict[str, Any]:
+        """The fields, as the wire map has them (less ``type``)."""
+        return {name: getattr(self, name) for name in self.names}
+
+    def encode(self) -> bytes:
+        """The message's bytes on the wire."""
+        return encode(self.kind, **self.fields())
+
+    if TYPE_CHECKING:  # the fields are made at import time, from SCHEMAS
+        def __getattr__(self, name: str) -> Any: ...
+
+
+def _annotation(types: tuple) -> Any:
+    """The type hint of a field that accepts `types`."""
+    real = [t for t in types if t is not type(None)]
+    hint: Any = real[0] if len(real) == 1 else Any
+    return Optional[hint] if type(None) in types else hint
+
+
+def _message_class(kind: str, schema: dict[str, tuple]) -> type[Message]:
+    """The dataclass of message type `kind` (``loader_info`` -> ``LoaderInfo``)."""
+    name = "".join(part.title() for part in kind.split("_"))
+    fields = [(field, _annotation(types)) for field, types in schema.items()]
+    doc = f"The {kind} control message" + (f": {', '.join(schema)}." if schema else ".")
+    cls = dataclasses.make_dataclass(name, fields, bases=(Message,), frozen=True,
+                                     namespace={"kind": kind, "names": tuple(schema),
+                                                "__doc__": doc})
+    cls.__module__ = __name__
+    return cls
+
+
+MESSAGES: dict[str, type[Message]] = {kind: _message_class(kind, schema)
+                                      for kind, schema in SCHEMAS.items()}
+
+
+def message(kind: str, **fields: Any) -> Message:
+    """A message of type kind, checked against its schema (ProtocolError if it does not
+    match)."""
+    _check({"type": kind, **fields})
+    return MESSAGES[kind](**fields)
+
+
+def read(data: bytes) -> Message:
+    """Decode and check one message into its class; ProtocolError on anything unexpected."""
+    fields = decode(data)
+    return MESSAGES[fields.pop("type")](**fields)
 
 
 def encode(kind: str, **fields: Any) -> bytes:
@@ -71,14 +151,14 @@ def encode(kind: str, **fields: Any) -> bytes:
 
 
 def foreign_hello(data: bytes) -> int | None:
-    """The protocol version of a hello that decode() refused because it comes from
-    another version of tensorsocket (whose hello has other fields); else None. Lets the
-    producer answer such a consumer with a version error rather than a schema error."""
+    """The protocol version of a hello (or info) that decode() refused because it comes
+    from another version of tensorsocket (whose hello has other fields); else None. Lets
+    the producer answer such a consumer with a version error rather than a schema error."""
     try:
         msg = _unpack(data)
     except ProtocolError:  # garbage: not a hello of any version
         return None
-    if not isinstance(msg, dict) or msg.get("type") != "hello":
+    if not isinstance(msg, dict) or msg.get("type") not in ADMISSIONS:
         return None
     version = msg.get("protocol")
     if type(version) is not int or version == PROTOCOL_VERSION:

@@ -88,8 +88,8 @@ from .errors import (
     ProducerNotFound,
     TensorSocketError,
 )
-from .producer import TensorProducer, data_identity
-from .rebatch import consumer_len
+from .loader_info import LoaderShape, batch_size_of, data_identity, drop_last_of, is_iterable
+from .producer import TensorProducer
 from .surface import ForwardsLoaderAttributes
 
 __all__ = ["share"]
@@ -179,10 +179,6 @@ def share(
                                or epochs < 1):
         raise ValueError(f"epochs must be a positive integer or None, got {epochs!r}")
     idle_timeout = config.get("idle_timeout", idle_timeout)
-    if idle_timeout is not None and (isinstance(idle_timeout, bool) or not isinstance(
-            idle_timeout, (int, float)) or not idle_timeout > 0):
-        raise ValueError(f"idle_timeout must be a number of seconds > 0 or None, got "
-                         f"{idle_timeout!r}")
     if torch.cuda.is_initialized() or _core.cuda_loaded():
         by = "torch" if torch.cuda.is_initialized() else \
             "tensorsocket (a GPU consumer, pin_memory=True or gpu_status())"
@@ -196,8 +192,8 @@ def share(
     endpoint = resolve(name)
     timeout = config.get("timeout", consumer_kw.get("timeout", UNSET))
     deadline = None if timeout is None else time.monotonic() + float(timeout)
-    want_bs = consumer_kw.pop("batch_size", _loader_batch_size(loader))
-    want_dl = bool(consumer_kw.pop("drop_last", getattr(loader, "drop_last", False)))
+    want_bs = consumer_kw.pop("batch_size", batch_size_of(loader))
+    want_dl = bool(consumer_kw.pop("drop_last", drop_last_of(loader)))
     lock_path = share_lock_path(endpoint)
     log_path = producer_log_path(endpoint)
 
@@ -398,7 +394,7 @@ def _check_same_data(consumer: TensorConsumer, loader: Any, endpoint: Endpoint,
     (the consumer re-batches)."""
     from .fingerprint import describe, differences, records_first_sample
 
-    if callable(loader) and not hasattr(type(loader), "__iter__"):
+    if not is_iterable(loader):
         return  # a factory of loaders: nothing to compare before it runs
     kind, size = data_identity(loader)
     theirs, their_size = consumer.producer_dataset, consumer.producer_dataset_len
@@ -427,8 +423,7 @@ def _check_same_data(consumer: TensorConsumer, loader: Any, endpoint: Endpoint,
 
 def _check_loader(loader: Any, epochs: int | None) -> None:
     """Refuse loaders a forked producer cannot serve, naming the fix."""
-    iterable = hasattr(type(loader), "__iter__") or hasattr(type(loader), "__getitem__")
-    if not iterable and not callable(loader):
+    if not is_iterable(loader) and not callable(loader):
         raise TypeError(f"share() needs a DataLoader or another iterable of batches, not "
                         f"{type(loader).__name__!r}")
     if isinstance(loader, collections.abc.Iterator) and epochs != 1:
@@ -444,10 +439,6 @@ def _check_loader(loader: Any, epochs: int | None) -> None:
             "call share() before iterating the loader")
 
 
-def _loader_batch_size(loader: Any) -> int | None:
-    """The caller's loader's batch size, if it has one."""
-    bs = getattr(loader, "batch_size", None)
-    return bs if isinstance(bs, int) and not isinstance(bs, bool) else None
 
 # -- the caller's side ----------------------------------------------------------------
 
@@ -466,22 +457,17 @@ def _attach(endpoint: Endpoint, want_bs: int | None, want_dl: bool,
 
 def _same_batches(endpoint: Endpoint, want_bs: int, want_dl: bool, options: dict) -> bool:
     """Whether the producer's batches are batches of want_bs with drop_last=want_dl. Asks
-    the producer (a handshake without joining its ring, so nothing is published for it)."""
+    the producer what its loader is (info: no place in its ring is taken for it)."""
     timeout = config.get("timeout", options.get("timeout", UNSET))
     context = zmq.Context()
     client = ControlClient(context, endpoint.address, timeout,
                            ClientSecret(endpoint, options.get("auth_token")))
     try:
-        welcome = client.hello(None)
+        about = client.info()
     finally:
-        client.close(say_bye=client.consumer >= 0, wait=0.5)
+        client.close(say_bye=False)
         context.term()
-    if welcome.get("loader_batch_size") != want_bs:
-        return False
-    length, samples = welcome.get("length"), welcome.get("samples")
-    if length is None or samples is None:
-        return not want_dl
-    return consumer_len(samples, want_bs, want_dl) == length
+    return LoaderShape.of_reply(about).same_batches(want_bs, want_dl)
 
 
 class _SharedConsumer(ForwardsLoaderAttributes, TensorConsumer):
@@ -527,7 +513,7 @@ class _SharedEpoch:
                 "loader fails, after the epochs= of the share() call that started it, or "
                 "idle_timeout= seconds after its last consumer left; its log is "
                 f"{self._consumer.producer_log})")
-            if isinstance(e, ProducerFailed):
+            if isinstance(e, ProducerFailed) and isinstance(named, ProducerFailed):
                 named.cause = e.cause
             raise named from None
 

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import os
 import pwd
-import re
-import stat
 import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 
 from . import _core
-from .endpoints import check_name
+from .segments import SHM_DIR, all_segments, pid_alive, segment_producer, segments
 
-SHM_DIR = "/dev/shm"
 _CONSUMER_STATES = {
     _core.CONSUMER_PENDING: "joining",
     _core.CONSUMER_ACTIVE: "active",
@@ -103,61 +100,6 @@ class ProducerStatus:
         return self.cpu_rate * (self.active_consumers - 1)
 
 
-# tensorsocket-<uid>-<name>-<pid>, with ".<tag>" (hex) where a producer found that name taken.
-_SEGMENT = re.compile(
-    r"tensorsocket-(?P<uid>[0-9]{1,10})-(?P<name>.+)-(?P<pid>[0-9]{1,7})(?:\.[0-9a-f]{8})?")
-PID_MAX = 1 << 22  # PID_MAX_LIMIT of 64-bit Linux: no process has a larger pid
-UID_MAX = (1 << 32) - 2  # (uid_t)-1 means "no uid"
-
-
-def _parse_segment(entry: str) -> tuple[int, str, int] | None:
-    """(owner uid from its name, producer name, pid) of a segment name, or None for a name
-    no producer makes: anyone may create files in /dev/shm, under any name."""
-    m = _SEGMENT.fullmatch(entry)
-    if m is None:
-        return None
-    uid, name, pid = int(m.group("uid")), m.group("name"), int(m.group("pid"))
-    if not (0 <= uid <= UID_MAX and 0 < pid <= PID_MAX):
-        return None
-    try:
-        check_name(name)
-    except ValueError:
-        return None
-    return uid, name, pid
-
-
-def _all_segments() -> list[tuple[str, int, str, int, int]]:
-    """(segment, owner uid from its name, producer name, pid, owner uid of the file) of
-    every tensorsocket segment in /dev/shm, whoever's: regular files under a name a
-    producer makes (links, directories and names with an impossible pid or uid are left
-    out)."""
-    try:
-        entries = sorted(os.listdir(SHM_DIR))
-    except OSError:
-        return []
-    out = []
-    for entry in entries:
-        parsed = _parse_segment(entry)
-        if parsed is None:
-            continue
-        try:
-            st = os.lstat(f"{SHM_DIR}/{entry}")
-        except OSError:  # gone meanwhile
-            continue
-        if stat.S_ISREG(st.st_mode):
-            out.append((entry, *parsed, st.st_uid))
-    return out
-
-
-def segments() -> list[tuple[str, str, int]]:
-    """(segment, producer name, pid) of every tensorsocket segment of this user: named
-    with our uid and owned by us. A file another user created under such a name is not
-    ours: it is never read, listed or removed as one of our producers' segments."""
-    me = os.getuid()
-    return [(entry, name, pid) for entry, uid, name, pid, owner in _all_segments()
-            if uid == me and owner == me]
-
-
 @dataclass
 class OtherUserSegment:
     """A producer segment of another user: only what its name and file say."""
@@ -183,7 +125,7 @@ def other_users(name: str | None = None) -> list[OtherUserSegment]:
     """Segments of other users' producers (of producer `name` if given). They are never
     opened: their mode is 0600, and another user's ring is not ours to read."""
     out = []
-    for entry, uid, producer, pid, _ in _all_segments():
+    for entry, uid, producer, pid, _ in all_segments():
         if uid == os.getuid() or (name is not None and producer != name):
             continue
         readable = os.access(f"{SHM_DIR}/{entry}", os.R_OK)
@@ -194,37 +136,10 @@ def other_users(name: str | None = None) -> list[OtherUserSegment]:
     return out
 
 
-def segment_producer(segment: str, pid: int) -> tuple[bool, int, str | None]:
-    """(alive, producer pid, why unreadable) of a segment of this user. Judged by the
-    pid and start time in its header, so that a reused pid does not count; where the
-    header cannot be read, by the pid in its name (`why` then says what failed)."""
-    try:
-        ring = _core.Ring.open("/" + segment)
-    except Exception as e:
-        return pid_alive(pid), pid, str(e)
-    try:
-        info = ring.info()
-    finally:
-        ring.close()
-    producer = info["producer_pid"]
-    return _core.process_alive(producer, info["producer_start_time"]), producer, None
-
-
 def live_producer_names() -> list[str]:
     """Names of this user's producers whose process is alive (for hints)."""
     return sorted({name for segment, name, pid in segments()
                    if segment_producer(segment, pid)[0]})
-
-
-def pid_alive(pid: int) -> bool:
-    """True if a process with this pid exists (it may be another program after reuse)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def process_tree_cpu(pid: int) -> float | None:

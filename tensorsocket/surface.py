@@ -14,6 +14,7 @@ import logging
 import warnings
 from typing import Any
 
+from .epoch_cursor import EpochCursor
 from .errors import TensorSocketWarning
 
 log = logging.getLogger("tensorsocket")
@@ -91,11 +92,16 @@ class LoaderSurface:
     loader's own attributes (see the module docstring)."""
 
     # Set by the consumer; declared for type checkers.
-    epoch: int
+    _cursor: EpochCursor
     _local_loader: Any
     _set_epoch_warned: bool
     _producer_sets_epoch: bool
-    _resume_skip: int
+    _own_batch_size: int | None
+
+    @property
+    def epoch(self) -> int:
+        """Epochs this consumer completed (the number of the one it iterates, or next)."""
+        return self._cursor.epoch
 
     @property
     def sampler(self) -> SamplerView:
@@ -122,7 +128,7 @@ class LoaderSurface:
         """set_epoch(epoch) from training code: warn once if it cannot mean what it
         says (another epoch than the one this consumer iterates next)."""
         upcoming = self.epoch
-        if self._in_epoch and self._epoch_complete():  # type: ignore[attr-defined]
+        if self._cursor.in_epoch and self._epoch_complete():  # type: ignore[attr-defined]
             upcoming += 1  # a loop that stopped at len(): that epoch is over
         if epoch == upcoming or self._set_epoch_warned:
             return
@@ -139,12 +145,12 @@ class LoaderSurface:
     def state_dict(self) -> dict:
         """Where this consumer is, for resuming (torchdata StatefulDataLoader convention):
         epochs completed and batches taken of the current one."""
-        in_epoch = self._in_epoch  # type: ignore[attr-defined]
+        epoch, taken = self._cursor.state()
         return {
             "tensorsocket_state": STATE_VERSION,
-            "epoch": self.epoch,
-            "batches_in_epoch": self._epoch_batches if in_epoch else 0,  # type: ignore
-            "batch_size": self._own_batch_size,  # type: ignore[attr-defined]
+            "epoch": epoch,
+            "batches_in_epoch": taken,
+            "batch_size": self._own_batch_size,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -159,15 +165,11 @@ class LoaderSurface:
         epoch, skip = state.get("epoch"), state.get("batches_in_epoch")
         if not isinstance(epoch, int) or not isinstance(skip, int) or epoch < 0 or skip < 0:
             raise ValueError(f"bad epoch or batches_in_epoch in the state: {state!r:.200}")
-        if state.get("batch_size") != self._own_batch_size:  # type: ignore[attr-defined]
+        if state.get("batch_size") != self._own_batch_size:
             raise ValueError(
                 f"the state was saved by a consumer with batch_size={state.get('batch_size')}"
                 f", this one has batch_size={self.batch_size}: batches taken would not match")
-        if self._in_epoch:  # type: ignore[attr-defined]
-            raise RuntimeError("load_state_dict() in the middle of an epoch: call it before "
-                               "iterating the consumer")
-        self.epoch = epoch
-        self._resume_skip = skip
+        self._cursor.resume(epoch, skip)
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the caller's own loader (share()) that a consumer lacks, e.g. a

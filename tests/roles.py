@@ -191,10 +191,10 @@ class FakeGpu:
         self.stream = self.cuda.stream_create(1)  # non-blocking, like torch's streams
         self.delay_us = kernel_delay_us
         self.reads: list = []  # (result cell, expected checksum)
-        self.batch_exports = 0  # batches exported in one call (consumer._device_tensors)
+        self.batch_exports = 0  # batches exported in one call (delivery._device_tensors)
 
     def tensor(self, view) -> torch.Tensor:
-        """Stands in for consumer._device_tensor (one view, as torch.from_dlpack does)."""
+        """Stands in for delivery._device_tensor (one view, as torch.from_dlpack does)."""
         capsule = view.__dlpack__(stream=self.stream, max_version=(1, 0))
         self.cuda.stream_synchronize(self.stream)
         t = self._read(view)
@@ -202,7 +202,7 @@ class FakeGpu:
         return t
 
     def tensors(self, slot, device) -> list:
-        """Stands in for consumer._device_tensors (every leaf exported in one call)."""
+        """Stands in for delivery._device_tensors (every leaf exported in one call)."""
         caps = slot.capsules(versioned=True, device=True, stream=self.stream)
         self.batch_exports += 1
         self.cuda.stream_synchronize(self.stream)
@@ -342,11 +342,11 @@ def _open(a: argparse.Namespace) -> TensorConsumer:
 def _consume(a: argparse.Namespace) -> dict:
     fake_gpu = None
     if a.gpu_double:
-        import tensorsocket.consumer
+        import tensorsocket.delivery
 
         fake_gpu = FakeGpu(a.kernel_delay_us)
-        tensorsocket.consumer._device_tensor = fake_gpu.tensor
-        tensorsocket.consumer._device_tensors = fake_gpu.tensors
+        tensorsocket.delivery._device_tensor = fake_gpu.tensor
+        tensorsocket.delivery._device_tensors = fake_gpu.tensors
     c = _open(a)
     info = c.ring.info()
     lo, hi = info["data_address"], info["data_address"] + info["data_bytes"]

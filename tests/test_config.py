@@ -414,3 +414,33 @@ def test_processes_meet_through_the_environment_only(procs, name, tmp_path):
     assert p == {"drained": True, "slots": 5, "batches": 12}
     assert list(rt.iterdir()) == []  # socket and lock removed at teardown
     assert Path(rt).stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("key, text, bad", [
+    ("min_consumers", "3", 65),
+    ("ring_slots", "6", 1),
+    ("max_lag", "8", 5000),
+    ("slot_bytes", "64K", 0),
+    ("worker_heap_pad", "0", -1),
+    ("start_grace", "2.5", -1.0),
+    ("park_hold", "0", float("inf")),
+    ("heartbeat_timeout", "3", 2.0),
+    ("idle_timeout", "none", 0),
+    ("lag_policy", "rejoin", "drop"),
+    ("device_fallback", "false", 2),
+])
+def test_one_kind_checks_the_argument_and_parses_the_variable(key, text, bad):
+    """Each setting's kind of value decides for both sources: the value its variable's
+    text gives is accepted as an argument, and a bad argument is refused as the variable
+    would be, by an error naming the argument and its variable."""
+    setting = SETTINGS[key]
+    value = config.get(key, environ={setting.env: text})
+    if value is not None:
+        assert config.get(key, value, environ={}) == value
+    with pytest.raises(ValueError) as ei:  # ArgumentTypeError is a ValueError too
+        config.get(key, bad, environ={})
+    assert f"{setting.argument}=" in str(ei.value)
+    assert setting.env in str(ei.value) or isinstance(ei.value, config.ArgumentTypeError)
+    if key != "lag_policy":  # a number of some kind: text is the wrong type of argument
+        with pytest.raises(config.ArgumentTypeError, match=f"{setting.argument}= takes"):
+            config.get(key, "5", environ={})

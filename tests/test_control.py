@@ -231,3 +231,54 @@ def test_ranks_of_a_group_start_together_once_all_are_ready(name):
             s.close()
         p.close()
         t.join(30)
+
+
+def test_info_tells_the_loader_without_attaching(name):
+    """info (what share() asks) is answered with the producer's loader, once its ring
+    exists, and takes no place in the ring; it is admitted as a hello is."""
+    import threading
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tensorsocket.control import ControlClient
+    from tensorsocket.loader_info import LoaderShape
+
+    loader = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=4)
+    p = TensorProducer(loader, name=name, min_consumers=1, start_timeout=30, start_grace=0)
+    producing = threading.Thread(target=lambda: [None for _ in p], daemon=True)
+    me = os.getpid()
+    info = dict(protocol=protocol.PROTOCOL_VERSION, pid=me,
+                start_time=_core.process_start_time(me), secret=None)
+    try:
+        s = _raw_dealer(p.endpoint.address)
+        s.send(protocol.encode("info", **info))
+        assert not s.poll(300)  # no ring yet: answered once there is one
+        producing.start()
+        reply = protocol.read(s.recv())
+        assert reply.kind == "loader_info", reply
+        assert (reply.length, reply.loader_batch_size, reply.samples, reply.samples_exact) \
+            == (3, 4, 10, True)
+        assert (reply.producer_pid, reply.dataset_len) == (me, 10)
+        assert reply.dataset == "torch.utils.data.dataset.TensorDataset"
+        assert p._server.present_count() == 0 and p.stats()["consumers"] == 0
+        s.send(protocol.encode("info", **{**info, "pid": 2**31 - 1, "start_time": 1}))
+        assert protocol.read(s.recv()).code == "auth"  # another process: refused
+        s.close()
+
+        context = zmq.Context()
+        client = ControlClient(context, p.endpoint.address, 10)
+        try:
+            shape = LoaderShape.of_reply(client.info())
+        finally:
+            client.close(say_bye=False)
+            context.term()
+        assert shape.same_batches(4, False)
+        assert not shape.same_batches(4, True) and not shape.same_batches(5, False)
+        assert p._server.present_count() == 0
+
+        with TensorConsumer(name=name, timeout=10) as c:
+            assert [b[0].tolist() for b in c] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        producing.join(30)
+    finally:
+        p.close()

@@ -209,7 +209,7 @@ def rig(name):
 def classify(frames: list[bytes]) -> str:
     """What the producer must do with a message of these frames from a DEALER:
     'oversized' (zmq drops the connection), 'rejected' (counted once), 'hello'
-    (a genuine handshake, not garbage)."""
+    (a genuine handshake or info, not garbage)."""
     if any(len(f) > MAX for f in frames):
         return "oversized"
     if len(frames) != 1:
@@ -218,7 +218,7 @@ def classify(frames: list[bytes]) -> str:
         msg = protocol.decode(frames[0])
     except ProtocolError:
         return "rejected"
-    if msg["type"] == "hello" and msg["protocol"] == protocol.PROTOCOL_VERSION:
+    if msg["type"] in protocol.ADMISSIONS and msg["protocol"] == protocol.PROTOCOL_VERSION:
         if not 0 < msg["pid"] < 2**31 or not 0 <= msg["start_time"] < 2**64:
             return "rejected"  # an impossible pid: refused with an error
         return "hello"

@@ -145,12 +145,12 @@ def test_sigterm_on_a_forked_child_leaves_the_producers_files(name):
 def test_sigterm_handler_only_from_the_main_thread_over_the_default(name):
     """The handler is installed by a producer the main thread creates, over the default
     action only, and the default comes back once the last producer is closed."""
-    from tensorsocket.producer import _on_sigterm
+    from tensorsocket.producer_files import on_sigterm
 
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         p = TensorProducer([torch.zeros(2)], name=name, min_consumers=0)
-        assert signal.getsignal(signal.SIGTERM) is _on_sigterm
+        assert signal.getsignal(signal.SIGTERM) is on_sigterm
         p.close()
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         made: list = []

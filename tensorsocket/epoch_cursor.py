@@ -1,0 +1,309 @@
+"""Where a consumer is in its epochs, and which ring entries belong to them.
+
+The ring carries the producer's stream: loader batches, each labelled with
+its producer epoch and index, and one end-of-epoch marker after each epoch.
+A consumer's epoch is cut out of that stream:
+
+- aligned (the default, for a loader with ``len()``): one whole producer
+  epoch, from its first batch. A consumer that attached mid-epoch skips to
+  the next epoch's start; in a group of ``world_size`` ranks, rank r takes
+  batches r, r + world_size, ... of the first ``len // world_size *
+  world_size``. The epoch ends with its last batch (len() known), without
+  waiting for the producer's marker, which is taken later if it is not
+  published yet; or at the marker, or at a batch of the next epoch, when the
+  producer's epoch was cut short.
+- windowed (``align_epochs=False``, or a loader without ``len()``): the next
+  ``len()`` batches from where the consumer started, wrapping into the
+  producer's next epoch (docs/usage.md).
+
+``EpochCursor`` holds that state and makes those decisions; it never touches
+the ring. The consumer shows it each entry it takes (``place()``) and does
+what the answer says (deliver the batch, drop the entry, end the epoch).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+
+class Entry(Protocol):
+    """What the cursor reads of a ring entry (a Slot has these)."""
+
+    is_end_of_epoch: bool
+    epoch: int  # the producer epoch it belongs to
+    index: int  # its batch index in that epoch (the batch count, for an end marker)
+
+
+class Step(enum.Enum):
+    """What to do with an entry the consumer took (see EpochCursor.place)."""
+
+    TAKE = "take"  # a batch of this epoch: build and deliver it, then call taken()
+    DROP = "drop"  # not this consumer's (another rank's batch, an end marker): next one
+    SKIP = "skip"  # a batch before the epoch start this consumer waits for: next one
+    END = "end"  # the epoch ended here; the entry (its end marker) is used up
+    END_BEFORE = "end_before"  # the epoch ended before this entry: keep it for the next
+
+
+class Abandon(enum.Enum):
+    """What leaving an epoch before its StopIteration amounts to (EpochCursor.abandon)."""
+
+    NOTHING = "nothing"  # not the current epoch (an old iterator): nothing to do
+    UNSTARTED = "unstarted"  # iter() without next(): as if never started
+    COMPLETE = "complete"  # every batch was delivered: the epoch is done
+    LEFT = "left"  # left mid-way (break): done; the next starts at a producer epoch start
+
+
+class EpochCursor:
+    """The epoch state of one consumer (see the module docstring).
+
+    aligned: whole producer epochs (needs ``length``). length: loader batches per
+    producer epoch (None: no len()). rank, world_size: this consumer's place in a
+    group (0, 1 alone).
+
+    State, read by the consumer: ``epoch`` (epochs completed), ``in_epoch`` (an
+    epoch is being iterated), ``source_done`` (it had its last loader batch),
+    ``pulled`` / ``delivered`` (loader batches taken, batches returned in this
+    epoch), ``skip`` (batches of this epoch still to skip, from load_state_dict),
+    ``end_marker_unread`` (the epoch ended with its last batch before the
+    producer's end marker came: the next entry is that marker, an entry of the
+    ring but no batch).
+    """
+
+    def __init__(self, aligned: bool, length: int | None, rank: int = 0,
+                 world_size: int = 1) -> None:
+        """A consumer before its first epoch."""
+        self.aligned = aligned
+        self.length = length
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.in_epoch = False
+        self.source_done = False
+        self.pulled = 0
+        self.delivered = 0
+        self.group_taken = 0  # batches this rank took in the current epoch
+        self.skip = 0
+        self.resume_skip = 0  # batches of the next epoch to skip (load_state_dict)
+        self.after_end_marker = False  # the last entry taken ended a producer epoch
+        self.end_marker_unread = False
+        # Aligned: the producer epoch this epoch reads (None: not anchored yet), and the
+        # first producer epoch the next one may read.
+        self.producer_epoch: int | None = None
+        self.want_epoch = 0
+        # Windowed: the first producer position (epoch, index) past this epoch.
+        self.epoch_end: tuple[int, int] | None = None
+
+    # -- epochs ------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """A new epoch is iterated (an earlier one was ended or abandoned first)."""
+        self.in_epoch = True
+        self.source_done = False
+        self.pulled = 0
+        self.delivered = 0
+        self.group_taken = 0
+        self.skip, self.resume_skip = self.resume_skip, 0
+
+    def fresh(self) -> bool:
+        """Nothing of the current epoch was taken or delivered yet."""
+        return self.pulled == 0 and self.delivered == 0
+
+    def end(self) -> None:
+        """The current epoch is over (its StopIteration, or left): count it."""
+        self.in_epoch = False
+        self.epoch += 1
+
+    def complete(self, holding: bool) -> bool:
+        """Every batch of the current epoch was delivered (its end not reported yet);
+        holding: samples of it are still held back (a re-batcher's partial batch)."""
+        return self.source_done and not holding
+
+    def idle(self, holding: bool) -> bool:
+        """Between epochs: none iterated, or every batch of it delivered (a loop that
+        stops at len() leaves the epoch open)."""
+        return not self.in_epoch or self.complete(holding)
+
+    def skip_delivered(self) -> bool:
+        """A batch was made: whether it is one to skip (taken before the state this epoch
+        resumes from, load_state_dict); if so it counts as delivered."""
+        if self.skip == 0:
+            return False
+        self.skip -= 1
+        self.delivered += 1
+        return True
+
+    def deliver(self) -> int:
+        """A batch is returned: its index in this epoch."""
+        index = self.delivered
+        self.delivered += 1
+        return index
+
+    def abandon(self, epoch: int, holding: bool) -> Abandon:
+        """The iterator of `epoch` was dropped or replaced before StopIteration. An epoch
+        that delivered nothing is as if never started; one that delivered all its batches
+        (a loop that takes exactly len() of them) counts as done; otherwise it was left
+        mid-way and the next epoch starts at the producer's next one."""
+        if not self.in_epoch or self.epoch != epoch:
+            return Abandon.NOTHING
+        if self.fresh():
+            self.in_epoch = False
+            return Abandon.UNSTARTED
+        complete = self.complete(holding)
+        self.end()
+        if complete:
+            return Abandon.COMPLETE
+        self._next_epoch_whole()
+        return Abandon.LEFT
+
+    # -- entries -----------------------------------------------------------------------
+
+    def place(self, entry: Entry) -> Step:
+        """Where `entry`, the next ring entry this consumer took, stands in its epoch."""
+        self.after_end_marker = entry.is_end_of_epoch
+        if self.aligned:
+            return self._place_aligned(entry)
+        return self._place_windowed(entry)
+
+    def _place_aligned(self, entry: Entry) -> Step:
+        self.end_marker_unread = False
+        if entry.is_end_of_epoch:
+            if self.producer_epoch is not None and entry.epoch == self.producer_epoch:
+                self._finish_source()
+                return Step.END
+            self.want_epoch = max(self.want_epoch, entry.epoch + 1)
+            return Step.DROP
+        if self.producer_epoch is None:
+            if entry.index != 0 or entry.epoch < self.want_epoch:
+                if entry.index != 0:
+                    self.want_epoch = max(self.want_epoch, entry.epoch + 1)
+                return Step.SKIP
+            self.producer_epoch = entry.epoch
+        elif entry.epoch != self.producer_epoch:
+            # The next epoch began with no end marker for ours: ours ends here.
+            self._finish_source()
+            return Step.END_BEFORE
+        if self.world_size > 1:
+            if entry.index % self.world_size != self.rank or \
+                    entry.index >= self.group_batches() * self.world_size:
+                return Step.DROP  # another rank's batch, or one no rank takes
+            self.group_taken += 1
+        self.pulled += 1
+        return Step.TAKE
+
+    def _place_windowed(self, entry: Entry) -> Step:
+        if entry.is_end_of_epoch:
+            if self.epoch_end is not None and (entry.epoch + 1, 0) >= self.epoch_end:
+                # The producer's epoch ended here (perhaps cut short): the next of ours
+                # starts with its next epoch, aligned with it from now on.
+                self.source_done = True
+                self.epoch_end = (entry.epoch + 2, 0)
+                return Step.END
+            return Step.DROP
+        if self.epoch_end is None:  # the first batch since we attached: anchor epochs
+            self.epoch_end = (entry.epoch + 1, entry.index)
+        self.pulled += 1
+        return Step.TAKE
+
+    def taken(self, epoch: int, index: int) -> None:
+        """The batch at producer position (epoch, index) that place() said to TAKE was
+        delivered: if it was the last of this epoch, the source of the epoch is done."""
+        if self.aligned:
+            if self.last_of_epoch(index):
+                self._finish_source()
+            return
+        assert self.epoch_end is not None
+        if (epoch, index + 1) >= self.epoch_end:
+            # The next epoch ends a producer epoch later.
+            self.source_done = True
+            self.epoch_end = (self.epoch_end[0] + 1, self.epoch_end[1])
+
+    def group_batches(self) -> int:
+        """Loader batches each rank of the group takes per epoch (the same for every
+        rank, as DistributedSampler(drop_last=True) gives: the last len % world_size
+        loader batches of an epoch go to no rank)."""
+        assert self.length is not None
+        return self.length // self.world_size
+
+    def last_of_epoch(self, index: int) -> bool:
+        """Whether loader batch `index` was this consumer's last of the epoch (known
+        only when the loader has a len())."""
+        if self.length is None:
+            return False
+        if self.world_size > 1:
+            return self.group_taken >= self.group_batches()
+        return index >= self.length - 1
+
+    def _finish_source(self) -> None:
+        """This epoch had its last loader batch; the next starts with the producer's next."""
+        self.source_done = True
+        self._next_epoch_whole()
+
+    def _next_epoch_whole(self) -> None:
+        """The next epoch is the producer's next one, from its start."""
+        if self.producer_epoch is not None:
+            self.want_epoch = max(self.want_epoch, self.producer_epoch + 1)
+        self.producer_epoch = None
+
+    # -- the producer's end marker -----------------------------------------------------
+
+    def wants_end_marker(self) -> bool:
+        """After an aligned epoch that ended with its last batch, before the producer's
+        end marker: the marker should be taken now if it is published already, so that
+        nothing of the finished epoch stays unread."""
+        return self.aligned and not self.after_end_marker
+
+    def marker_unpublished(self) -> None:
+        """The end marker wanted is not published yet: it is the next entry."""
+        self.end_marker_unread = True
+
+    def ends_finished_epoch(self, entry: Entry) -> bool:
+        """Whether `entry`, taken right after an epoch ended, is the end marker of that
+        epoch (used up), rather than an entry of the next epoch (to keep for it)."""
+        if entry.is_end_of_epoch and entry.epoch < self.want_epoch:
+            self.after_end_marker = True
+            return True
+        return False
+
+    # -- leaving and attaching again ---------------------------------------------------
+
+    def parked(self) -> None:
+        """The consumer left the ring: the producer drops or keeps the marker unread."""
+        self.end_marker_unread = False
+
+    def attached_again(self) -> None:
+        """The consumer took a new place in the ring: epochs are anchored again at the
+        next batch; an epoch cut short is followed by a whole one."""
+        self.epoch_end = None
+        self._next_epoch_whole()
+
+    def rejoined(self) -> bool:
+        """The consumer was detached for lagging and took a new place as a late joiner:
+        whether the current epoch, which had batches, ends here (its source is done)."""
+        if self.pulled > 0:
+            self.source_done = True
+            return True
+        return False
+
+    def finished_between_windows(self) -> bool:
+        """The producer finished: whether this was a windowed epoch that spans two producer
+        epochs and the producer stopped after the first (the epoch ends with what came,
+        with a warning); else the epoch is over (the consumer raises)."""
+        if self.pulled > 0 and self.after_end_marker:
+            self.source_done = True
+            return True
+        self.in_epoch = False
+        return False
+
+    def state(self) -> tuple[int, int]:
+        """(epochs completed, batches delivered of the current one), for state_dict()."""
+        return self.epoch, self.delivered if self.in_epoch else 0
+
+    def resume(self, epoch: int, skip: int) -> None:
+        """load_state_dict(): continue after `epoch` epochs, skipping `skip` batches of the
+        next one (taken before the state was saved)."""
+        if self.in_epoch:
+            raise RuntimeError("load_state_dict() in the middle of an epoch: call it before "
+                               "iterating the consumer")
+        self.epoch = epoch
+        self.resume_skip = skip
