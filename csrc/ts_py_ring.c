@@ -666,7 +666,7 @@ static PyObject *Ring_pin_host(RingObject *self, PyObject *args)
 #define TS_CF(field, kind) TS_PY_FIELD(ts_consumer_info, field, kind)
 static const ts_py_field ts_consumer_fields[] = {
     TS_CF(index, 'u'),     TS_CF(state, 'u'),           TS_CF(reason, 'u'),
-    TS_CF(pid, 'i'),       TS_CF(cursor, 'K'),          TS_CF(first_seq, 'K'),
+    TS_CF(pid, 'i'),       TS_CF(cursor, 'q'),          TS_CF(first_seq, 'K'),
     TS_CF(lag, 'L'),       TS_CF(delivered, 'K'),       TS_CF(delivered_bytes, 'K'),
     TS_CF(wait_ns, 'K'),   TS_CF(progress_ns, 'K'),     TS_CF(start_time, 'K'),
     TS_CF(batch_size, 'u'), TS_CF(token, 'K'),

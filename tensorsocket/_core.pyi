@@ -30,7 +30,7 @@ class _ConsumerEntry(TypedDict):
     state: int  # CONSUMER_*
     reason: int  # REASON_* once it stopped receiving, else 0
     pid: int
-    cursor: int  # next seq it reads (2**64 - 1: none yet)
+    cursor: int | None  # next seq it reads (None: none yet)
     first_seq: int
     lag: int  # entries published that it has not taken
     delivered: int

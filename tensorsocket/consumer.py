@@ -38,8 +38,6 @@ from .surface import LoaderSurface
 
 log = logging.getLogger("tensorsocket")
 
-DL_CUDA = 2  # DLDeviceType of a GPU ring
-
 DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
 STALL_WARN_AFTER = 5.0  # seconds waiting for a batch the consumer's own held batches block
 SIBLING_PARK_AFTER = 0.5  # seconds of waiting before this process's idle consumers park
@@ -364,7 +362,7 @@ class TensorConsumer(LoaderSurface):
     def _setup_device(self, ring: Any) -> None:
         """Decide where tensors are delivered and open what that needs."""
         info = ring.info()
-        gpu_ring = info["device_type"] == DL_CUDA
+        gpu_ring = info["device_type"] == _core.DL_CUDA
         kind, index = self._device_kind, self._device_index
         if kind == "cuda" and index is None:
             index = 0
@@ -854,8 +852,8 @@ class TensorConsumer(LoaderSurface):
         info = self._ring.info()
         slots, published = info["slot_count"], info["published"]
         entry = self._ring.consumer(self._index)
-        if entry["token"] != self._client.token or published == 0 or entry["cursor"] >= 1 << 63:
-            return 0  # not ours any more, nothing published, nothing read yet, or detached
+        if entry["token"] != self._client.token or published == 0:
+            return 0  # not ours any more, or nothing published
         me = 1 << self._index
         held = []
         for k, readers in enumerate(self._ring.slot_readers()):
@@ -872,7 +870,7 @@ class TensorConsumer(LoaderSurface):
 
     def _rejoin(self) -> None:
         """Attach again as a late joiner after the producer detached us for lagging."""
-        old_cursor = self._ring.consumer(self._index)["cursor"]
+        old_cursor = self._ring.consumer(self._index)["cursor"] or 0  # set: it was reading
         start = self._attach_again()
         skipped = max(0, start - old_cursor)
         self._rejoins += 1

@@ -514,7 +514,7 @@ class ControlServer:
             return
         entry_seq = published - slots  # the entry in the slot to reuse
         holders = [e for e in ring.consumers() if readers >> e["index"] & 1
-                   and entry_seq < e["cursor"] < 1 << 63]
+                   and e["cursor"] is not None and entry_seq < e["cursor"]]
         if not holders:
             return  # unread by a slow consumer: _check_lag's case
         self._held = (published, since, True)
