@@ -66,8 +66,9 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
     if (!from_env) path = TS_LIBCUDA_DEFAULT;
     ts_cuda_api *api = calloc(1, sizeof *api);
     if (api == NULL) return ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
-    atomic_init(&api->refs, 1);
-    snprintf(api->path, sizeof api->path, "%s", path);
+    api->base.device = &ts_device_cuda;
+    atomic_init(&api->base.refs, 1);
+    snprintf(api->base.path, sizeof api->base.path, "%s", path);
 
     api->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (api->lib == NULL) {
@@ -98,7 +99,7 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
         st = TS_E_GPU_UNAVAILABLE;
         goto error;
     }
-    api->DriverGetVersion(&api->driver_version);
+    api->DriverGetVersion(&api->base.version);
     *out = api;
     return TS_OK;
 
@@ -111,14 +112,25 @@ error:
 /* Take a reference on the table. */
 void ts_cuda_ref(ts_cuda_api *api)
 {
-    atomic_fetch_add_explicit(&api->refs, 1, memory_order_relaxed);
+    ts_device_driver_ref(&api->base);
 }
 
-/* Drop a reference; the library is closed at zero. */
+/* Drop a reference; the library is closed at zero (ts_cuda_unload). */
 void ts_cuda_unref(ts_cuda_api *api)
 {
-    if (api == NULL) return;
-    if (atomic_fetch_sub_explicit(&api->refs, 1, memory_order_acq_rel) != 1) return;
+    if (api != NULL) ts_device_driver_unref(&api->base);
+}
+
+/* The table of a driver the CUDA backend loaded (base is its first member). */
+ts_cuda_api *ts_cuda_of(ts_device_driver *driver)
+{
+    return (ts_cuda_api *)driver;
+}
+
+/* Close the library and free the table. */
+void ts_cuda_unload(ts_device_driver *driver)
+{
+    ts_cuda_api *api = ts_cuda_of(driver);
     dlclose(api->lib);
     free(api);
 }

@@ -7,9 +7,8 @@
  * environment variable TENSORSOCKET_LIBCUDA names another library to load
  * (the tests use it to load a test double of the driver).
  *
- * The table is reference counted: the module holds one reference, and every
- * ring using the GPU one more, so DLPack deleters that run after the module
- * is gone still find the driver. */
+ * The table is a ts_device_driver (ts_device.h): reference counted, and known to the
+ * ring only as the driver of the CUDA backend (ts_gpu.c), never by its functions. */
 #ifndef TS_CUDA_H
 #define TS_CUDA_H
 
@@ -17,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ts_device.h"
 #include "ts_error.h"
 
 /* ---- driver types (ABI of cuda.h) ------------------------------------------ */
@@ -74,10 +74,8 @@ typedef struct CUipcEventHandle_st {
 /* ---- the function table ------------------------------------------------------ */
 
 typedef struct ts_cuda_api {
-    _Atomic int refs;
-    void *lib;          /* owns: dlopen handle */
-    int driver_version; /* cuDriverGetVersion, e.g. 12040 */
-    char path[256];     /* the library that was loaded */
+    ts_device_driver base; /* refs, version (cuDriverGetVersion), path; first member */
+    void *lib;             /* owns: dlopen handle */
 
     CUresult (*Init)(unsigned int flags);
     CUresult (*DriverGetVersion)(int *version);
@@ -122,8 +120,14 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err);
 /* Take a reference on the table. */
 void ts_cuda_ref(ts_cuda_api *api);
 
-/* Drop a reference; the library is closed at zero. */
+/* Drop a reference (NULL is fine); the library is closed at zero. */
 void ts_cuda_unref(ts_cuda_api *api);
+
+/* The table of a driver the CUDA backend loaded. */
+ts_cuda_api *ts_cuda_of(ts_device_driver *driver);
+
+/* Close the library and free the table (its last reference went). */
+void ts_cuda_unload(ts_device_driver *driver);
 
 /* Record a failed driver call in err: "<what>: CUDA_ERROR_X (text)". */
 ts_status ts_cuda_fail(const ts_cuda_api *api, ts_err *err, CUresult rc, const char *what);

@@ -29,27 +29,38 @@ void ts_lease_ref(ts_lease *lease)
     atomic_fetch_add_explicit(&lease->refs, 1, memory_order_relaxed);
 }
 
+/* A device release is done: the hold ends, and the ring reference taken for it goes. */
+static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer)
+{
+    ts_ring_release(ring, slot, consumer);
+    ts_ring_unref(ring);
+}
+
 /* Drop a reference; at zero the slot is released and the lease freed. A slot
- * exported to the GPU is released once the work queued on its streams is done. */
+ * exported to the device is released once the work queued on its streams is done. */
 void ts_lease_unref(ts_lease *lease)
 {
     if (atomic_fetch_sub_explicit(&lease->refs, 1, memory_order_acq_rel) != 1) return;
-    if (lease->n_streams > 0 || lease->all_streams)
-        ts_gpu_release_after(lease->ring, lease->slot, lease->consumer, lease->streams,
-                             lease->n_streams, lease->all_streams);
-    else
-        ts_ring_release(lease->ring, lease->slot, lease->consumer);
-    ts_ring_unref(lease->ring);
+    ts_ring *ring = lease->ring;
+    if ((lease->n_streams > 0 || lease->all_streams) && ring->dev != NULL) {
+        ts_ring_ref(ring); /* until done: the device may call it later, on its thread */
+        ring->dev->device->release_after(ring->dev, lease->slot, lease->consumer,
+                                         lease->streams, lease->n_streams,
+                                         lease->all_streams, ts_lease_released, ring);
+    } else {
+        ts_ring_release(ring, lease->slot, lease->consumer);
+    }
+    ts_ring_unref(ring);
     free(lease);
 }
 
 /* Remember that the slot's device copy is used on stream; returns its index in
  * lease->streams, or -1 when they are full (then the whole device is waited for). */
-static int ts_lease_add_stream(ts_lease *lease, CUstream stream)
+static int ts_lease_add_stream(ts_lease *lease, ts_device_stream stream)
 {
     for (uint32_t i = 0; i < lease->n_streams; i++)
         if (lease->streams[i] == stream) return (int)i;
-    if (lease->n_streams < TS_LEASE_STREAMS) {
+    if (lease->n_streams < TS_DEVICE_STREAMS) {
         lease->streams[lease->n_streams] = stream;
         return (int)lease->n_streams++;
     }
@@ -58,7 +69,7 @@ static int ts_lease_add_stream(ts_lease *lease, CUstream stream)
 }
 
 /* True if stream already waits for the slot's device copy (an earlier leaf's export). */
-static int ts_lease_stream_waits(const ts_lease *lease, CUstream stream)
+static int ts_lease_stream_waits(const ts_lease *lease, ts_device_stream stream)
 {
     for (uint32_t i = 0; i < lease->n_streams; i++)
         if (lease->streams[i] == stream) return (lease->waited >> i) & 1u;
@@ -86,7 +97,7 @@ typedef struct ts_export_ctx {
     ts_lease *lease; /* owns one lease reference; NULL for a copy */
     void *copy;      /* owns: private host copy of the data, or NULL */
     ts_ring *device_copy_ring; /* owns one ring reference while device_copy lives */
-    CUdeviceptr device_copy;   /* owns: private device copy, or 0 */
+    uint64_t device_copy;      /* owns: private device copy, or 0 */
     int64_t shape[TS_MAX_NDIM];
     int64_t strides[TS_MAX_NDIM];
 } ts_export_ctx;
@@ -97,7 +108,8 @@ static void ts_export_ctx_free(ts_export_ctx *ctx)
     if (ctx->lease != NULL) ts_lease_unref(ctx->lease);
     free(ctx->copy);
     if (ctx->device_copy_ring != NULL) {
-        ts_gpu_free_copy(ctx->device_copy_ring, ctx->device_copy);
+        ts_device_state *dev = ctx->device_copy_ring->dev;
+        dev->device->free_copy(dev, ctx->device_copy);
         ts_ring_unref(ctx->device_copy_ring);
     }
     free(ctx);
@@ -115,10 +127,11 @@ static void ts_deleter_versioned(DLManagedTensorVersioned *self)
     ts_export_ctx_free(self->manager_ctx);
 }
 
-/* Where leaf i's data is: a host address, or a device address with the
- * stream made to wait for it. Records the stream in the lease. */
+/* Where leaf i's data is: a host address, or a device address with the stream made to
+ * wait for it (*stream: the stream, for a copy). Records the stream in the lease. */
 static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
-                                  const ts_export_opts *o, void **data, ts_err *err)
+                                  const ts_export_opts *o, void **data,
+                                  ts_device_stream *stream, ts_err *err)
 {
     ts_ring *ring = lease->ring;
     if (!o->device) {
@@ -127,29 +140,26 @@ static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
         *data = base + leaf->offset;
         return TS_OK;
     }
-    CUdeviceptr base = ts_gpu_slot_ptr(ring, lease->slot);
+    uint64_t base = ts_ring_device_ptr(ring, lease->slot);
     if (base == 0)
         return ts_err_set(err, TS_E_INVALID, 0,
                           "this consumer has not opened the ring's GPU memory");
-    if (o->stream == 0)
-        return ts_err_set(err, TS_E_INVALID, 0, "stream 0 is not a valid DLPack stream");
-    /* -1: the caller orders its own work. A copy is our own work on the legacy stream,
-     * so it waits for the producer's copy. */
-    CUstream stream = o->stream == -1 ? TS_CU_STREAM_LEGACY : (CUstream)(uintptr_t)o->stream;
+    ts_device_state *dev = ring->dev;
+    int followable = 0;
+    /* -1: the caller orders its own work. A copy is our own work on the stream -1 names
+     * (the legacy one), so it waits for the producer's copy. */
+    ts_status st = dev->device->dlpack_stream(o->stream, stream, &followable, err);
+    if (st != TS_OK) return st;
     /* One wait per stream and lease: the slot's event stays as it is while it is held,
      * so the other leaves of a batch exported to the same stream need none. */
-    int wait = (o->stream != -1 || o->copy) && !ts_lease_stream_waits(lease, stream);
-    if (wait) {
-        ts_status st = ts_gpu_stream_wait(ring, lease->slot, stream, err);
-        if (st != TS_OK) return st;
-    }
-    int k = ts_lease_add_stream(lease, stream);
+    int wait = (o->stream != -1 || o->copy) && !ts_lease_stream_waits(lease, *stream);
+    if (wait && (st = dev->device->stream_wait(dev, lease->slot, *stream, err)) != TS_OK)
+        return st;
+    int k = ts_lease_add_stream(lease, *stream);
     if (wait && k >= 0) lease->waited |= 1u << k;
-    /* Streams the release cannot follow: -1 leaves the ordering to the caller, whose work
-     * may be on any stream (the legacy stream does not order non-blocking ones), and 2 is
-     * the calling thread's per-thread stream, not the deleter's. Their slot is released
-     * only after all work of this process's context has finished. */
-    if (o->stream == -1 || o->stream == 2) lease->all_streams = 1;
+    /* A stream the release cannot follow: the slot is released only after all work of
+     * this process on the device has finished. */
+    if (!followable) lease->all_streams = 1;
     *data = (void *)(uintptr_t)(base + leaf->offset);
     return TS_OK;
 }
@@ -163,17 +173,17 @@ void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *o, ts_er
         return NULL;
     }
     void *data = NULL;
-    if (ts_export_locate(lease, leaf, o, &data, err) != TS_OK) return NULL;
+    ts_device_stream stream = 0;
+    if (ts_export_locate(lease, leaf, o, &data, &stream, err) != TS_OK) return NULL;
     ts_export_ctx *ctx = calloc(1, sizeof *ctx);
     if (ctx == NULL) {
         ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
         return NULL;
     }
     if (o->copy && o->device) {
-        CUstream stream = o->stream == -1 ? TS_CU_STREAM_LEGACY
-                                          : (CUstream)(uintptr_t)o->stream;
-        if (ts_gpu_copy(lease->ring, (CUdeviceptr)(uintptr_t)data, leaf->nbytes, stream,
-                        &ctx->device_copy, err) != TS_OK) {
+        ts_device_state *dev = lease->ring->dev;
+        if (dev->device->copy(dev, (uint64_t)(uintptr_t)data, leaf->nbytes, stream,
+                              &ctx->device_copy, err) != TS_OK) {
             free(ctx);
             return NULL;
         }
@@ -201,11 +211,9 @@ void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *o, ts_er
         ctx->strides[d] = stride;
         stride *= leaf->shape[d] > 0 ? leaf->shape[d] : 1;
     }
-    DLDevice device = {kDLCPU, 0};
-    if (o->device) device = (DLDevice){kDLCUDA, ts_gpu_imported_device(lease->ring)};
     DLTensor t = {
         .data = data,
-        .device = device,
+        .device = ts_ring_dl_device(lease->ring, o->device),
         .ndim = leaf->ndim,
         .dtype = leaf->dtype,
         .shape = ctx->shape,

@@ -11,10 +11,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "ts_device.h"
 #include "ts_dlpack.h"
-#include "ts_cuda.h"
 #include "ts_error.h"
-#include "ts_gpu.h"
 #include "ts_ring.h"
 
 typedef struct ts_lease {
@@ -27,8 +26,9 @@ typedef struct ts_lease {
      * released only after the work queued on them has finished. Written
      * under the GIL by exports, read by the final unref. */
     uint32_t n_streams;
-    int all_streams; /* wait for the whole context: more streams than fit, or -1 or 2 */
-    CUstream streams[TS_LEASE_STREAMS];
+    int all_streams; /* wait for the whole device: more streams than fit, or one the
+                      * release cannot follow (DLPack -1 or 2) */
+    ts_device_stream streams[TS_DEVICE_STREAMS];
     uint32_t waited; /* bit i: streams[i] already waits for the slot's device copy */
 } ts_lease;
 
@@ -37,7 +37,7 @@ typedef struct ts_export_opts {
     int versioned;  /* DLManagedTensorVersioned rather than the legacy DLManagedTensor */
     uint32_t minor; /* versioned: the minor version to report */
     int copy;       /* a private copy instead of a view */
-    int device;     /* the slot's device copy (CUDA ring imported with ts_gpu_import) */
+    int device;     /* the slot's device copy (a pool imported with ts_ring_import_device) */
     int64_t stream; /* device: DLPack stream (1 legacy, 2 per-thread, >2 handle, -1 none) */
 } ts_export_opts;
 

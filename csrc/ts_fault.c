@@ -214,7 +214,6 @@ void ts_fault_watch(ts_fault_map *m)
         for (uint32_t k = 0; m->state != NULL && k < m->slot_count; k++)
             atomic_init(&m->state[k], TS_FAULT_SHARED);
     }
-    pthread_once(&ts_fault_once, ts_fault_install);
     pthread_mutex_lock(&ts_fault_table_lock);
     for (int i = 0; i < TS_FAULT_WATCHED; i++) {
         uintptr_t free_start = 0;
@@ -253,9 +252,10 @@ void ts_fault_unwatch(ts_fault_map *m)
     m->state = NULL;
 }
 
-/* One more hold of slot (see ts_fault.h). */
+/* One more hold of slot (see ts_fault.h); the first in this process installs the handler. */
 void ts_fault_take(ts_fault_map *m, uint32_t slot)
 {
+    pthread_once(&ts_fault_once, ts_fault_install);
     if (m->state == NULL || slot >= m->slot_count) return;
     atomic_fetch_add_explicit(&m->state[slot], TS_FAULT_HOLD, memory_order_acq_rel);
 }

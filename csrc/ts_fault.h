@@ -24,8 +24,11 @@
  *
  * The handler is process-wide by necessity (a signal handler cannot reach module state); it
  * only reads the table of watched mappings, which watchers update lock-free. It is installed
- * once, when the first mapping is watched; a SIGSEGV handler installed after it runs first
- * (Python's faulthandler, enabled later, reports a write into a batch as a fatal error). */
+ * once, when the process first takes a hold of a slot (ts_fault_take: a consumer's first
+ * batch), before any pointer into a slot exists: a process that only maps rings to read
+ * their headers (tensorsocket status) or only produces never installs it. A SIGSEGV handler
+ * installed after it runs first (Python's faulthandler, enabled later, reports a write into
+ * a batch as a fatal error). */
 #ifndef TS_FAULT_H
 #define TS_FAULT_H
 
@@ -51,7 +54,7 @@ typedef struct ts_fault_map {
 } ts_fault_map;
 
 /* Watch m (start, len, fd, file_offset, slot_bytes and slot_count filled in by the caller,
- * the rest zero); installs the handler on first use. Slots can be made private only where
+ * the rest zero). Slots can be made private only where
  * the geometry is page aligned and fd is open; the mapping is still watched (for the
  * message) otherwise. Silently does nothing more once TS_FAULT_WATCHED mappings are
  * watched. m must stay in place until ts_fault_unwatch. */
@@ -61,7 +64,8 @@ void ts_fault_watch(ts_fault_map *m);
  * of it is held). */
 void ts_fault_unwatch(ts_fault_map *m);
 
-/* This process took one more hold of slot (before it can hand out a pointer into it). */
+/* This process took one more hold of slot (before it can hand out a pointer into it); the
+ * first hold in the process installs the handler. */
 void ts_fault_take(ts_fault_map *m, uint32_t slot);
 
 /* One hold of slot ends. When it is the last, the shared read-only view of the slot is

@@ -1,30 +1,48 @@
-/* ts_gpu.c - one process's GPU state for one ring (see ts_gpu.h). */
+/* ts_gpu.c - the CUDA backend of the device interface (ts_device.h).
+ *
+ * Producer (CUDA ring): a pool of device memory, one cuMemAlloc per slot (a base
+ * allocation, so its IPC handle is valid), one interprocess event per slot, both exported
+ * once into the segment's IPC table; a copy stream; the host slot data page-locked so that
+ * each batch's copy to the device is a single asynchronous DMA.
+ *
+ * Consumer: every slot's memory and event handle opened once (never in the exporting
+ * process) on the device the consumer asked for, with lazy peer access when that is another
+ * GPU than the pool's. A slot exported to the device is released only after the work
+ * queued on the consumer's streams up to the moment its last view died has finished: the
+ * release records an event on each stream and a reaper thread calls the ring back when the
+ * events complete. Optionally the consumer's mapping of the host slot data is page-locked
+ * (cuMemHostRegister, read-only) so its own copies to a GPU are asynchronous without
+ * pin_memory.
+ *
+ * Every function pushes the device's primary context (the one torch uses) on the calling
+ * thread and pops it again, so any thread may call them, including DLPack deleters without
+ * the GIL. Nothing here knows the ring: what it needs of it comes in a ts_device_ring. */
 #define _GNU_SOURCE
-#include "ts_gpu.h"
-
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ts_proc.h"
+#include "ts_cuda.h"
+#include "ts_device.h"
 
 /* A release waiting for the consumer's GPU work on the slot to finish. */
 typedef struct ts_pending {
     struct ts_pending *next;
-    ts_ring *ring; /* owns one ring reference */
+    ts_device_done_fn done; /* called once the events completed */
+    void *arg;              /* for done (the ring's, holding what it needs) */
     uint32_t slot;
     uint32_t consumer;
-    uint32_t n;                      /* events to wait for */
-    int all;                         /* wait for the whole device instead */
-    CUevent events[TS_LEASE_STREAMS]; /* owns: taken from the pool */
+    uint32_t n;                        /* events to wait for */
+    int all;                           /* wait for the whole device instead */
+    CUevent events[TS_DEVICE_STREAMS]; /* owns: taken from the pool */
 } ts_pending;
 
-struct ts_gpu {
-    ts_cuda_api *api; /* owns one reference */
+typedef struct ts_gpu {
+    ts_device_state base; /* first member: device, ordinal, imported, host_pinned */
+    ts_cuda_api *api;     /* owns one reference */
     CUdevice dev;
-    int ordinal;
     CUcontext ctx; /* owns: a retain of dev's primary context */
     int is_producer;
     uint32_t slot_count;
@@ -33,10 +51,7 @@ struct ts_gpu {
     CUevent *copied;  /* owns (producer): local blocking-sync events, recorded with event */
     uint8_t *recorded; /* producer: the slot's event was recorded at least once */
     CUstream stream;   /* owns (producer): the copy stream */
-    int imported;      /* consumer: ptr and event are open */
-    int importer;      /* consumer: our entry in the header's importer table, or -1 */
-    ts_header *hdr;    /* the ring's header (valid until the state is torn down) */
-    void *pinned;      /* page-locked host range (the ring's data mapping), or NULL */
+    void *pinned;      /* borrowed: the page-locked host range (the ring's data mapping) */
 
     /* Consumer: deferred releases, handled by the reaper thread. */
     pthread_mutex_t lock;
@@ -50,7 +65,19 @@ struct ts_gpu {
     CUevent *pool;    /* owns: idle events for releases */
     uint32_t pool_n;
     uint32_t pool_cap;
-};
+} ts_gpu;
+
+/* The backend's state behind the interface's (base is its first member). */
+static ts_gpu *ts_gpu_of(ts_device_state *state)
+{
+    return (ts_gpu *)state;
+}
+
+/* Const version of ts_gpu_of. */
+static const ts_gpu *ts_gpu_of_const(const ts_device_state *state)
+{
+    return (const ts_gpu *)state;
+}
 
 /* ==========================================================================
  * Context and life cycle
@@ -117,10 +144,10 @@ static ts_gpu *ts_gpu_new(ts_cuda_api *api, int ordinal, uint32_t slots, int is_
     }
     pthread_mutex_init(&g->lock, NULL);
     pthread_cond_init(&g->cond, NULL);
+    g->base.device = &ts_device_cuda;
+    g->base.ordinal = ordinal;
     g->slot_count = slots;
     g->is_producer = is_producer;
-    g->importer = -1;
-    g->ordinal = ordinal;
     int count = 0;
     CUresult rc = api->DeviceGetCount(&count);
     if (rc != CUDA_SUCCESS) {
@@ -194,13 +221,12 @@ static void ts_gpu_teardown(ts_gpu *g)
         if (g->stream != NULL) api->StreamDestroy(g->stream);
         ts_gpu_leave(g);
     }
-    /* Our mappings are closed: the producer may free the pool. */
-    if (g->importer >= 0) ts_ring_drop_importer(g->hdr, g->importer);
-    g->importer = -1;
     memset(g->event, 0, g->slot_count * sizeof *g->event);
     memset(g->copied, 0, g->slot_count * sizeof *g->copied);
     memset(g->ptr, 0, g->slot_count * sizeof *g->ptr);
     g->pinned = NULL;
+    g->base.imported = 0;
+    g->base.host_pinned = 0;
     g->stream = NULL;
     g->api->DevicePrimaryCtxRelease(g->dev);
     ts_cuda_unref(g->api);
@@ -220,20 +246,17 @@ static void ts_gpu_free_struct(ts_gpu *g)
     free(g);
 }
 
-static void *ts_gpu_reaper_main(void *arg);
-
-/* Free the ring's GPU state (from ts_ring_free; any thread). */
-void ts_gpu_close(ts_ring *ring)
+/* Free the state (the ring's last reference went; any thread, the reaper's too). */
+static void ts_gpu_close(ts_device_state *state)
 {
-    ts_gpu *g = ring->gpu;
+    ts_gpu *g = ts_gpu_of(state);
     if (g == NULL) return;
-    ring->gpu = NULL;
     if (g->reaper_started) {
         pthread_mutex_lock(&g->lock);
         g->stop = 1;
         if (pthread_equal(pthread_self(), g->reaper)) {
-            /* The reaper dropped the last ring reference: it frees the struct
-             * on its way out; the CUDA resources go now. */
+            /* The reaper's callback dropped the last ring reference: it frees the
+             * struct on its way out; the CUDA resources go now. */
             g->self_free = 1;
             pthread_mutex_unlock(&g->lock);
             pthread_detach(g->reaper);
@@ -263,20 +286,20 @@ static ts_status ts_gpu_ipc_unsupported(const ts_gpu *g, ts_err *err, CUresult r
         ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
                    "CUDA IPC is not supported on GPU %d (MIG instances and some virtual "
                    "GPUs have none): %s",
-                   g->ordinal, detail);
+                   g->base.ordinal, detail);
     }
     return err != NULL ? err->code : TS_E_CUDA;
 }
 
-/* Allocate the device pool of a new CUDA ring (see ts_gpu.h). */
-ts_status ts_gpu_create_pool(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *err)
+/* Allocate the device pool of a new CUDA ring (see ts_device.h). */
+static ts_status ts_gpu_create_pool(ts_device_driver *driver, int ordinal,
+                                    const ts_device_ring *r, ts_device_state **out, ts_err *err)
 {
     ts_status st = TS_OK;
-    ts_header *h = ring->hdr;
+    ts_cuda_api *api = ts_cuda_of(driver);
     CUresult rc;
     int entered = 0;
-    if (ring->gpu != NULL) return ts_err_set(err, TS_E_INVALID, 0, "the pool exists already");
-    ts_gpu *g = ts_gpu_new(api, ordinal, h->slot_count, 1, err);
+    ts_gpu *g = ts_gpu_new(api, ordinal, r->slot_count, 1, err);
     if (g == NULL) return err != NULL ? err->code : TS_E_GPU_UNAVAILABLE;
 
     int ipc_events = 0;
@@ -294,7 +317,7 @@ ts_status ts_gpu_create_pool(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_er
         st = ts_cuda_fail(api, err, rc, "cuDeviceGetUuid");
         goto error;
     }
-    memcpy(h->device_uuid, uuid.bytes, sizeof h->device_uuid);
+    memcpy(r->uuid, uuid.bytes, sizeof uuid.bytes);
 
     st = ts_gpu_enter(g, err);
     if (st != TS_OK) goto error;
@@ -304,9 +327,9 @@ ts_status ts_gpu_create_pool(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_er
         st = ts_cuda_fail(api, err, rc, "cuStreamCreate");
         goto error;
     }
-    for (uint32_t k = 0; k < h->slot_count; k++) {
-        ts_ipc_entry *e = ts_ring_ipc_entry(ring, k);
-        rc = api->MemAlloc(&g->ptr[k], (size_t)h->slot_bytes);
+    for (uint32_t k = 0; k < r->slot_count; k++) {
+        ts_device_ipc *e = &r->ipc[k];
+        rc = api->MemAlloc(&g->ptr[k], (size_t)r->slot_bytes);
         if (rc != CUDA_SUCCESS) {
             g->ptr[k] = 0;
             st = ts_cuda_fail(api, err, rc, "cuMemAlloc of a ring slot");
@@ -314,7 +337,7 @@ ts_status ts_gpu_create_pool(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_er
                 st = ts_err_set(err, TS_E_CUDA, ENOMEM,
                                 "GPU %d has no room for %u ring slots of %llu bytes (slot %u "
                                 "failed): lower ring_slots= or slot_bytes=",
-                                ordinal, h->slot_count, (unsigned long long)h->slot_bytes, k);
+                                ordinal, r->slot_count, (unsigned long long)r->slot_bytes, k);
             goto error;
         }
         CUipcMemHandle mh;
@@ -348,13 +371,13 @@ ts_status ts_gpu_create_pool(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_er
     /* Page-locked host slots make each batch's copy one asynchronous DMA. If
      * the system refuses (locked-memory limits), copies from pageable memory
      * still work, only slower. */
-    if (api->MemHostRegister(ring->data, ring->data_bytes, CU_MEMHOSTREGISTER_PORTABLE) ==
+    if (api->MemHostRegister(r->host, r->host_bytes, CU_MEMHOSTREGISTER_PORTABLE) ==
         CUDA_SUCCESS) {
-        g->pinned = ring->data;
-        h->host_pinned = 1;
+        g->pinned = r->host;
+        g->base.host_pinned = 1;
     }
     ts_gpu_leave(g);
-    ring->gpu = g;
+    *out = &g->base;
     return TS_OK;
 
 error:
@@ -365,10 +388,10 @@ error:
 }
 
 /* Wait until the last copy out of the slot's host data has finished. */
-ts_status ts_gpu_prepare_slot(ts_ring *ring, uint32_t slot, ts_err *err)
+static ts_status ts_gpu_prepare(ts_device_state *state, uint32_t slot, ts_err *err)
 {
-    ts_gpu *g = ring->gpu;
-    if (g == NULL || !g->recorded[slot]) return TS_OK;
+    ts_gpu *g = ts_gpu_of(state);
+    if (!g->recorded[slot]) return TS_OK;
     ts_status st = ts_gpu_enter(g, err);
     if (st != TS_OK) return st;
     CUresult rc = g->api->EventSynchronize(g->copied[slot]);
@@ -378,16 +401,15 @@ ts_status ts_gpu_prepare_slot(ts_ring *ring, uint32_t slot, ts_err *err)
 }
 
 /* Copy the slot's tensors to the device and record its event. */
-ts_status ts_gpu_publish_slot(ts_ring *ring, uint32_t slot, uint64_t bytes, ts_err *err)
+static ts_status ts_gpu_publish(ts_device_state *state, uint32_t slot, const void *host,
+                                uint64_t bytes, ts_err *err)
 {
-    ts_gpu *g = ring->gpu;
-    if (g == NULL) return ts_err_set(err, TS_E_INVALID, 0, "this ring has no device pool");
+    ts_gpu *g = ts_gpu_of(state);
     ts_status st = ts_gpu_enter(g, err);
     if (st != TS_OK) return st;
     CUresult rc = CUDA_SUCCESS;
     if (bytes > 0)
-        rc = g->api->MemcpyHtoDAsync(g->ptr[slot], ts_ring_slot_data(ring, slot), (size_t)bytes,
-                                     g->stream);
+        rc = g->api->MemcpyHtoDAsync(g->ptr[slot], host, (size_t)bytes, g->stream);
     if (rc != CUDA_SUCCESS) {
         st = ts_cuda_fail(g->api, err, rc, "cuMemcpyHtoDAsync of a batch");
     } else {
@@ -404,43 +426,26 @@ ts_status ts_gpu_publish_slot(ts_ring *ring, uint32_t slot, uint64_t bytes, ts_e
  * Consumer: importing the pool
  * ========================================================================== */
 
-/* State of a consumer handle, made on first use with device ordinal. */
-static ts_gpu *ts_gpu_consumer_state(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *err)
+/* A consumer's state on device ordinal (see ts_device.h). */
+static ts_status ts_gpu_open(ts_device_driver *driver, int ordinal, uint32_t slot_count,
+                             ts_device_state **out, ts_err *err)
 {
-    if (ring->gpu != NULL) {
-        if (ring->gpu->ordinal == ordinal) return ring->gpu;
-        ts_err_set(err, TS_E_INVALID, 0,
-                   "this consumer already uses the ring on GPU %d, not GPU %d",
-                   ring->gpu->ordinal, ordinal);
-        return NULL;
-    }
-    ring->gpu = ts_gpu_new(api, ordinal, ring->hdr->slot_count, 0, err);
-    if (ring->gpu != NULL) ring->gpu->hdr = ring->hdr;
-    return ring->gpu;
+    ts_gpu *g = ts_gpu_new(ts_cuda_of(driver), ordinal, slot_count, 0, err);
+    if (g == NULL) return err != NULL ? err->code : TS_E_GPU_UNAVAILABLE;
+    *out = &g->base;
+    return TS_OK;
 }
 
 static void *ts_gpu_reaper_main(void *arg);
 
-/* Open every slot's memory and event handle on device ordinal. */
-ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *err)
+/* Open every slot's memory and event handle (see ts_device.h). */
+static ts_status ts_gpu_import(ts_device_state *state, const ts_device_ring *r, ts_err *err)
 {
     ts_status st = TS_OK;
-    const ts_header *h = ring->hdr;
+    ts_gpu *g = ts_gpu_of(state);
+    const ts_cuda_api *api = g->api;
     CUresult rc;
-    if (h->ipc_offset == 0)
-        return ts_err_set(err, TS_E_INVALID, 0, "the producer's ring holds no GPU memory");
-    if (ring->is_producer)
-        return ts_err_set(err, TS_E_INVALID, 0,
-                          "the producer's own handle cannot import its GPU ring (CUDA IPC "
-                          "handles open only in other processes)");
-    uint64_t ns = ts_proc_pid_ns();
-    if (h->pid_ns != 0 && ns != 0 && h->pid_ns != ns)
-        return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
-                          "the producer runs in another PID namespace (a container without a "
-                          "shared --pid): CUDA IPC handles do not work across PID namespaces");
-    ts_gpu *g = ts_gpu_consumer_state(ring, api, ordinal, err);
-    if (g == NULL) return err != NULL ? err->code : TS_E_GPU_UNAVAILABLE;
-    if (g->imported) return TS_OK;
+    if (g->base.imported) return TS_OK;
 
     CUuuid mine;
     rc = api->DeviceGetUuid(&mine, g->dev);
@@ -449,21 +454,13 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
     /* Another GPU than the pool's reads it through peer access. The flag is passed for
      * the pool's own GPU too: the driver documents it as required, and a real one (H100,
      * driver 580) refuses 0 with CUDA_ERROR_INVALID_VALUE. */
-    int peer = memcmp(mine.bytes, h->device_uuid, sizeof mine.bytes) != 0;
+    int peer = memcmp(mine.bytes, r->uuid, sizeof mine.bytes) != 0;
     const unsigned int flags = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS;
-    /* Announce the mapping before it exists: the producer never frees under it. */
-    g->importer = ts_ring_add_importer(ring);
-    if (g->importer < 0)
-        return ts_err_set(err, TS_E_FULL, 0, "too many processes map this GPU ring");
     st = ts_gpu_enter(g, err);
-    if (st != TS_OK) {
-        ts_ring_drop_importer(ring->hdr, g->importer);
-        g->importer = -1;
-        return ts_gpu_unusable(err, st);
-    }
+    if (st != TS_OK) return ts_gpu_unusable(err, st);
     uint32_t k = 0;
-    for (; k < h->slot_count; k++) {
-        const ts_ipc_entry *e = ts_ring_ipc_entry(ring, k);
+    for (; k < r->slot_count; k++) {
+        const ts_device_ipc *e = &r->ipc[k];
         CUipcMemHandle mh;
         CUipcEventHandle eh;
         memcpy(mh.reserved, e->mem, sizeof mh.reserved);
@@ -478,7 +475,7 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
                 if (err != NULL) snprintf(detail, sizeof detail, "%s", err->msg);
                 st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
                                 "cannot open the producer's GPU memory on GPU %d (%s%s)",
-                                ordinal, detail,
+                                g->base.ordinal, detail,
                                 peer ? "; is peer access between the two GPUs possible?"
                                       : "");
             }
@@ -495,44 +492,31 @@ ts_status ts_gpu_import(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *er
         st = ts_err_set(err, TS_E_SYS, EAGAIN, "cannot start the GPU release thread");
     if (st != TS_OK) {
         /* Close what was opened; the state stays for pin_host or another try. */
-        for (uint32_t i = 0; i <= k && i < h->slot_count; i++) {
+        for (uint32_t i = 0; i <= k && i < r->slot_count; i++) {
             if (g->event[i] != NULL) api->EventDestroy(g->event[i]);
             if (g->ptr[i] != 0) api->IpcCloseMemHandle(g->ptr[i]);
             g->event[i] = NULL;
             g->ptr[i] = 0;
         }
         ts_gpu_leave(g);
-        ts_ring_drop_importer(ring->hdr, g->importer);
-        g->importer = -1;
         return ts_gpu_unusable(err, st);
     }
     ts_gpu_leave(g);
     g->reaper_started = 1;
-    g->imported = 1;
+    g->base.imported = 1;
     return TS_OK;
 }
 
-/* Page-lock this process's mapping of the host slot data. */
-ts_status ts_gpu_pin_host(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *err)
+/* Page-lock this process's mapping of the host slot data (see ts_device.h). */
+static ts_status ts_gpu_pin_host(ts_device_state *state, const ts_device_ring *r, ts_err *err)
 {
-    if (ring->is_producer)
-        return ts_err_set(err, TS_E_INVALID, 0, "the producer's slots are page-locked already");
-    ts_gpu *g = ts_gpu_consumer_state(ring, api, ordinal, err);
-    if (g == NULL) return err != NULL ? err->code : TS_E_GPU_UNAVAILABLE;
+    ts_gpu *g = ts_gpu_of(state);
+    const ts_cuda_api *api = g->api;
     if (g->pinned != NULL) return TS_OK;
-    /* Remapping a slot private on a write (ts_fault.h) would replace pages the driver has
-     * locked: a registered mapping stays shared, and a write into it is stopped as before. */
-    if (ts_fault_forbid(&ring->cow) != 0)
-        return ts_err_set(err, TS_E_INVALID, EBUSY,
-                          "cannot page-lock the ring: this process has written into a batch "
-                          "it still holds (pin the ring before taking batches)");
     ts_status st = ts_gpu_enter(g, err);
-    if (st != TS_OK) {
-        st = ts_gpu_unusable(err, st);
-        goto error;
-    }
+    if (st != TS_OK) return ts_gpu_unusable(err, st);
     /* A consumer maps the slots read-only, and such memory registers only read-only. */
-    CUresult rc = api->MemHostRegister(ring->data, ring->data_bytes,
+    CUresult rc = api->MemHostRegister(r->host, r->host_bytes,
                                        CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
     ts_gpu_leave(g);
     if (rc != CUDA_SUCCESS) {
@@ -540,79 +524,81 @@ ts_status ts_gpu_pin_host(ts_ring *ring, ts_cuda_api *api, int ordinal, ts_err *
         api->DeviceGetAttribute(&read_only, CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED,
                                 g->dev);
         if (!read_only)
-            st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
-                            "GPU %d cannot page-lock read-only memory "
-                            "(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0), "
-                            "and a consumer maps the ring read-only",
-                            ordinal);
-        else
-            st = ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, "cuMemHostRegister of the ring"));
-        goto error;
+            return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                              "GPU %d cannot page-lock read-only memory "
+                              "(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0), "
+                              "and a consumer maps the ring read-only",
+                              g->base.ordinal);
+        return ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, "cuMemHostRegister of the ring"));
     }
-    g->pinned = ring->data;
+    g->pinned = r->host;
+    g->base.host_pinned = 1;
     return TS_OK;
-
-error:
-    ts_fault_allow(&ring->cow); /* not page-locked: writes may be made private again */
-    return st;
-}
-
-/* The ordinal the pool was imported on, or -1. */
-int ts_gpu_imported_device(const ts_ring *ring)
-{
-    return ring->gpu != NULL && ring->gpu->imported ? ring->gpu->ordinal : -1;
-}
-
-/* 1 if this process's mapping of the host slot data is page-locked. */
-int ts_gpu_host_pinned(const ts_ring *ring)
-{
-    return ring->gpu != NULL && ring->gpu->pinned != NULL;
 }
 
 /* Device address of slot data in this process (0 if not imported). */
-CUdeviceptr ts_gpu_slot_ptr(const ts_ring *ring, uint32_t slot)
+static uint64_t ts_gpu_slot_ptr(const ts_device_state *state, uint32_t slot)
 {
-    if (ring->gpu == NULL || slot >= ring->gpu->slot_count) return 0;
-    return ring->gpu->ptr[slot];
+    const ts_gpu *g = ts_gpu_of_const(state);
+    if (slot >= g->slot_count) return 0;
+    return g->ptr[slot];
+}
+
+/* The CUstream a DLPack stream number names: 1 legacy, 2 per-thread, >2 a handle; -1
+ * leaves the ordering to the caller, whose work may be on any stream (the legacy stream
+ * does not order non-blocking ones), and 2 is the calling thread's per-thread stream, not
+ * the deleter's: a release cannot follow either, it waits for the whole context. */
+static ts_status ts_gpu_dlpack_stream(int64_t number, ts_device_stream *out, int *followable,
+                                      ts_err *err)
+{
+    if (number == 0)
+        return ts_err_set(err, TS_E_INVALID, 0, "stream 0 is not a valid DLPack stream");
+    CUstream s = number == -1 ? TS_CU_STREAM_LEGACY : (CUstream)(uintptr_t)number;
+    *out = (ts_device_stream)s;
+    *followable = number != -1 && number != 2;
+    return TS_OK;
 }
 
 /* Make stream wait for the slot's content (its event). */
-ts_status ts_gpu_stream_wait(ts_ring *ring, uint32_t slot, CUstream stream, ts_err *err)
+static ts_status ts_gpu_stream_wait(ts_device_state *state, uint32_t slot,
+                                    ts_device_stream stream, ts_err *err)
 {
-    ts_gpu *g = ring->gpu;
+    ts_gpu *g = ts_gpu_of(state);
     ts_status st = ts_gpu_enter(g, err);
     if (st != TS_OK) return st;
-    CUresult rc = g->api->StreamWaitEvent(stream, g->event[slot], 0);
+    CUresult rc = g->api->StreamWaitEvent((CUstream)stream, g->event[slot], 0);
     ts_gpu_leave(g);
     if (rc != CUDA_SUCCESS) return ts_cuda_fail(g->api, err, rc, "cuStreamWaitEvent");
     return TS_OK;
 }
 
 /* A private device copy of n bytes at src, made on stream. */
-ts_status ts_gpu_copy(ts_ring *ring, CUdeviceptr src, uint64_t n, CUstream stream,
-                      CUdeviceptr *out, ts_err *err)
+static ts_status ts_gpu_copy(ts_device_state *state, uint64_t src, uint64_t n,
+                             ts_device_stream stream, uint64_t *out, ts_err *err)
 {
-    ts_gpu *g = ring->gpu;
+    ts_gpu *g = ts_gpu_of(state);
+    CUdeviceptr p = 0;
     ts_status st = ts_gpu_enter(g, err);
     if (st != TS_OK) return st;
-    CUresult rc = g->api->MemAlloc(out, (size_t)(n > 0 ? n : 1));
+    CUresult rc = g->api->MemAlloc(&p, (size_t)(n > 0 ? n : 1));
     if (rc != CUDA_SUCCESS) {
         st = ts_cuda_fail(g->api, err, rc, "cuMemAlloc for copy=True");
     } else if (n > 0) {
-        rc = g->api->MemcpyDtoDAsync(*out, src, (size_t)n, stream);
+        rc = g->api->MemcpyDtoDAsync(p, (CUdeviceptr)src, (size_t)n, (CUstream)stream);
         if (rc != CUDA_SUCCESS) {
             st = ts_cuda_fail(g->api, err, rc, "cuMemcpyDtoDAsync for copy=True");
-            g->api->MemFree(*out);
+            g->api->MemFree(p);
         }
     }
     ts_gpu_leave(g);
+    if (st == TS_OK) *out = p;
     return st;
 }
 
 /* Free a copy made by ts_gpu_copy (cuMemFree waits for work using it). */
-void ts_gpu_free_copy(ts_ring *ring, CUdeviceptr p)
+static void ts_gpu_free_copy(ts_device_state *state, uint64_t p)
 {
-    ts_gpu *g = ring->gpu;
+    ts_gpu *g = ts_gpu_of(state);
     if (g == NULL || ts_gpu_enter(g, NULL) != TS_OK) return;
     g->api->MemFree(p);
     ts_gpu_leave(g);
@@ -650,11 +636,12 @@ static void ts_gpu_give_event(ts_gpu *g, CUevent ev)
     g->pool[g->pool_n++] = ev;
 }
 
-/* Release once the work queued so far on the streams has finished. */
-void ts_gpu_release_after(ts_ring *ring, uint32_t slot, uint32_t consumer,
-                          const CUstream *streams, uint32_t n, int all)
+/* Call done once the work queued so far on the streams has finished (see ts_device.h). */
+static void ts_gpu_release_after(ts_device_state *state, uint32_t slot, uint32_t consumer,
+                                 const ts_device_stream *streams, uint32_t n, int all,
+                                 ts_device_done_fn done, void *arg)
 {
-    ts_gpu *g = ring->gpu;
+    ts_gpu *g = ts_gpu_of(state);
     ts_pending *p = NULL;
     if (g != NULL && g->reaper_started) p = calloc(1, sizeof *p);
     if (p == NULL || ts_gpu_enter(g, NULL) != TS_OK) {
@@ -662,27 +649,27 @@ void ts_gpu_release_after(ts_ring *ring, uint32_t slot, uint32_t consumer,
         free(p);
         if (g != NULL && ts_gpu_enter(g, NULL) == TS_OK) {
             if (all) g->api->CtxSynchronize();
-            for (uint32_t i = 0; i < n; i++) g->api->StreamSynchronize(streams[i]);
+            for (uint32_t i = 0; i < n; i++) g->api->StreamSynchronize((CUstream)streams[i]);
             ts_gpu_leave(g);
         }
-        ts_ring_release(ring, slot, consumer);
+        done(arg, slot, consumer);
         return;
     }
+    p->done = done;
+    p->arg = arg;
     p->slot = slot;
     p->consumer = consumer;
     p->all = all;
     pthread_mutex_lock(&g->lock);
     for (uint32_t i = 0; i < n && !p->all; i++) {
         CUevent ev = ts_gpu_take_event(g);
-        if (ev != NULL && g->api->EventRecord(ev, streams[i]) == CUDA_SUCCESS) {
+        if (ev != NULL && g->api->EventRecord(ev, (CUstream)streams[i]) == CUDA_SUCCESS) {
             p->events[p->n++] = ev;
         } else {
             if (ev != NULL) ts_gpu_give_event(g, ev);
             p->all = 1; /* cannot follow this stream: wait for the whole device */
         }
     }
-    ts_ring_ref(ring);
-    p->ring = ring;
     if (g->tail != NULL) g->tail->next = p;
     else g->head = p;
     g->tail = p;
@@ -715,11 +702,10 @@ static void *ts_gpu_reaper_main(void *arg)
         pthread_mutex_unlock(&g->lock);
         if (entered) ts_gpu_leave(g);
 
-        ts_ring *ring = p->ring;
-        ts_ring_release(ring, p->slot, p->consumer);
+        ts_pending fin = *p;
         free(p);
-        /* May be the last reference: ts_gpu_close then runs on this thread. */
-        ts_ring_unref(ring);
+        /* May drop the ring's last reference: ts_gpu_close then runs on this thread. */
+        fin.done(fin.arg, fin.slot, fin.consumer);
         pthread_mutex_lock(&g->lock);
     }
     int self_free = g->self_free;
@@ -727,3 +713,72 @@ static void *ts_gpu_reaper_main(void *arg)
     if (self_free) ts_gpu_free_struct(g);
     return NULL;
 }
+
+/* ==========================================================================
+ * The driver table and the backend
+ * ========================================================================== */
+
+/* Load the CUDA driver (ts_cuda.h) as the backend's driver. */
+static ts_status ts_gpu_load(ts_device_driver **out, ts_err *err)
+{
+    ts_cuda_api *api = NULL;
+    ts_status st = ts_cuda_load(&api, err);
+    if (st == TS_OK) *out = &api->base;
+    return st;
+}
+
+/* Visible devices, or -1. */
+static int ts_gpu_device_count(ts_device_driver *driver)
+{
+    int count = 0;
+    if (ts_cuda_of(driver)->DeviceGetCount(&count) != CUDA_SUCCESS) return -1;
+    return count;
+}
+
+/* Name, UUID and IPC event support of visible device ordinal; -1 if it cannot be had. */
+static int ts_gpu_describe(ts_device_driver *driver, int ordinal, ts_device_desc *out)
+{
+    const ts_cuda_api *api = ts_cuda_of(driver);
+    CUdevice dev;
+    CUuuid uuid;
+    memset(out, 0, sizeof *out);
+    if (api->DeviceGet(&dev, ordinal) != CUDA_SUCCESS) return -1;
+    api->DeviceGetName(out->name, (int)sizeof out->name - 1, dev);
+    api->DeviceGetAttribute(&out->ipc_events, CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED, dev);
+    if (api->DeviceGetUuid(&uuid, dev) == CUDA_SUCCESS)
+        for (int b = 0; b < 16; b++)
+            snprintf(out->uuid + 2 * b, 3, "%02x", (unsigned char)uuid.bytes[b]);
+    out->ipc_events = out->ipc_events != 0;
+    return 0;
+}
+
+/* The ordinal of the visible device with this UUID, or -1. */
+static int ts_gpu_find(ts_device_driver *driver, const uint8_t *uuid)
+{
+    CUuuid u;
+    memcpy(u.bytes, uuid, sizeof u.bytes);
+    return ts_cuda_find_device(ts_cuda_of(driver), &u);
+}
+
+const ts_device ts_device_cuda = {
+    .name = "cuda",
+    .device_type = kDLCUDA,
+    .load = ts_gpu_load,
+    .unload = ts_cuda_unload,
+    .device_count = ts_gpu_device_count,
+    .describe = ts_gpu_describe,
+    .find = ts_gpu_find,
+    .create_pool = ts_gpu_create_pool,
+    .prepare = ts_gpu_prepare,
+    .publish = ts_gpu_publish,
+    .open = ts_gpu_open,
+    .import = ts_gpu_import,
+    .pin_host = ts_gpu_pin_host,
+    .slot_ptr = ts_gpu_slot_ptr,
+    .dlpack_stream = ts_gpu_dlpack_stream,
+    .stream_wait = ts_gpu_stream_wait,
+    .release_after = ts_gpu_release_after,
+    .copy = ts_gpu_copy,
+    .free_copy = ts_gpu_free_copy,
+    .close = ts_gpu_close,
+};

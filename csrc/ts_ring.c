@@ -8,11 +8,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "ts_backend.h"
 #include "ts_clock.h"
-#include "ts_cuda.h"
+#include "ts_copy.h"
+#include "ts_device.h"
 #include "ts_futex.h"
-#include "ts_gpu.h"
 #include "ts_proc.h"
 #include "ts_segment.h"
 
@@ -51,7 +50,7 @@ static uint64_t ts_ipc_table_offset(const ts_geometry *g)
 /* Bytes a segment of geometry g needs, and the control-area size. */
 uint64_t ts_ring_segment_bytes(const ts_geometry *g, uint64_t *ctrl_bytes)
 {
-    uint64_t ipc = g->on_device ? (uint64_t)g->slot_count * sizeof(ts_ipc_entry) : 0;
+    uint64_t ipc = g->on_device ? (uint64_t)g->slot_count * sizeof(ts_device_ipc) : 0;
     uint64_t ctrl = ts_round_up(ts_ipc_table_offset(g) + ipc, TS_PAGE);
     uint64_t slot = ts_round_up(g->slot_bytes, TS_PAGE);
     if (ctrl_bytes != NULL) *ctrl_bytes = ctrl;
@@ -72,11 +71,23 @@ uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot)
     return ring->data + (uint64_t)slot * ring->hdr->slot_bytes;
 }
 
-/* CUDA rings: the IPC handles of slot i (NULL for host rings). */
-ts_ipc_entry *ts_ring_ipc_entry(const ts_ring *ring, uint32_t i)
+/* Device rings: the IPC handles of slot i (NULL for host rings). */
+ts_device_ipc *ts_ring_ipc_entry(const ts_ring *ring, uint32_t i)
 {
     if (ring->hdr->ipc_offset == 0 || i >= ring->hdr->slot_count) return NULL;
-    return (ts_ipc_entry *)((uint8_t *)ring->hdr + ring->hdr->ipc_offset) + i;
+    return (ts_device_ipc *)((uint8_t *)ring->hdr + ring->hdr->ipc_offset) + i;
+}
+
+/* Entries published so far. */
+uint64_t ts_ring_published(const ts_ring *ring)
+{
+    return atomic_load_explicit(&ring->hdr->published, memory_order_acquire);
+}
+
+/* The reader bitmap of slot i. */
+uint64_t ts_ring_slot_readers(const ts_ring *ring, uint32_t i)
+{
+    return atomic_load_explicit(&ts_ring_slot(ring, i)->readers, memory_order_acquire);
 }
 
 /* ==========================================================================
@@ -149,7 +160,7 @@ static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
     atomic_init(&ring->refs, 1);
     ring->is_producer = is_producer;
     ring->fd = -1;
-    ring->backend = &ts_backend_host;
+    ring->importer = -1;
     ring->consumer = UINT32_MAX;
     ring->stream_min = UINT64_MAX;
     strcpy(ring->name, name);
@@ -159,14 +170,23 @@ static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
     return ring;
 }
 
+static void ts_ring_drop_importer(ts_header *h, int entry);
+
 /* Release everything the handle owns. */
 static void ts_ring_free(ts_ring *ring)
 {
     /* Device state first: it page-locked and mirrors the host slot data. */
-    ts_gpu_close(ring);
-    if (ring->backend != NULL && ring->hdr != NULL) ring->backend->close(ring);
+    if (ring->dev != NULL) ring->dev->device->close(ring->dev);
+    ring->dev = NULL;
+    /* Our mappings of the pool are closed: the producer may free it. */
+    if (ring->importer >= 0) ts_ring_drop_importer(ring->hdr, ring->importer);
+    ring->importer = -1;
+    if (ring->data != NULL) {
+        if (!ring->is_producer) ts_fault_unwatch(&ring->cow);
+        munmap(ring->data, ring->data_bytes);
+        ring->data = NULL;
+    }
     if (ring->hdr != NULL) munmap(ring->hdr, ring->ctrl_bytes);
-    ts_cuda_unref(ring->cuda);
     if (ring->fd >= 0) close(ring->fd);
     pthread_mutex_destroy(&ring->lock);
     pthread_mutex_destroy(&ring->hold_lock);
@@ -174,18 +194,49 @@ static void ts_ring_free(ts_ring *ring)
     free(ring);
 }
 
-/* Let the backend map the slot data. The producer then drops the segment fd (the mappings
- * keep the segment); a consumer keeps it until ts_ring_free, to map a slot again, private
- * or shared, when it writes into a batch and when it gives the slot back (ts_fault.h). */
+/* Map the slot data: read-write for the producer, which then drops the segment fd (the
+ * mappings keep the segment); read-only for a consumer, whose writes into a held slot make
+ * it private (ts_fault.h): it keeps the fd until ts_ring_free, to map a slot again, private
+ * or shared, when it writes into a batch and when it gives the slot back. */
 static ts_status ts_ring_map_data(ts_ring *ring, ts_err *err)
 {
-    ts_status st = ring->backend->open(ring, ring->fd, err);
-    if (st != TS_OK) return st;
+    const ts_header *h = ring->hdr;
+    size_t bytes = (size_t)(h->segment_bytes - h->data_offset);
+    int prot = ring->is_producer ? PROT_READ | PROT_WRITE : PROT_READ;
+    void *p = mmap(NULL, bytes, prot, MAP_SHARED, ring->fd, (off_t)h->data_offset);
+    if (p == MAP_FAILED)
+        return ts_err_set(err, TS_E_SYS, errno, "mmap of %zu bytes of slot data: %s", bytes,
+                          strerror(errno));
+    ring->data = p;
+    ring->data_bytes = bytes;
     if (ring->is_producer) {
+        ring->stream_min = ts_copy_stream_threshold(bytes);
         close(ring->fd);
         ring->fd = -1;
+        return TS_OK;
     }
+    ring->cow.start = p;
+    ring->cow.len = bytes;
+    ring->cow.fd = ring->fd;
+    ring->cow.file_offset = h->data_offset;
+    ring->cow.slot_bytes = h->slot_bytes;
+    ring->cow.slot_count = h->slot_count;
+    ts_fault_watch(&ring->cow); /* an in-place op on a batch gets a private copy */
     return TS_OK;
+}
+
+/* What the device backend sees of this ring (ts_device.h). */
+static ts_device_ring ts_ring_device_view(const ts_ring *ring)
+{
+    ts_header *h = ring->hdr;
+    return (ts_device_ring){
+        .slot_count = h->slot_count,
+        .slot_bytes = h->slot_bytes,
+        .host = ring->data,
+        .host_bytes = ring->data_bytes,
+        .ipc = ts_ring_ipc_entry(ring, 0),
+        .uuid = h->device_uuid,
+    };
 }
 
 /* Create a new segment `name` (mode 0600) with geometry g, as producer. */
@@ -196,17 +247,18 @@ ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, 
     return ts_ring_create_on_device(name, &host, NULL, -1, out, err);
 }
 
-/* Create a ring whose slot data also lives on CUDA device `ordinal`. */
-ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g, ts_cuda_api *api,
-                                   int ordinal, ts_ring **out, ts_err *err)
+/* Create a ring whose slot data also lives on device `ordinal` of driver's backend. */
+ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g,
+                                   ts_device_driver *driver, int ordinal, ts_ring **out,
+                                   ts_err *err)
 {
     ts_status st = TS_OK;
     int created = 0;
-    if (g->on_device && api == NULL)
-        return ts_err_set(err, TS_E_INVALID, 0, "a CUDA ring needs the CUDA driver");
-    if (g->slot_count < 2 || g->slot_count > 4096)
-        return ts_err_set(err, TS_E_INVALID, 0, "slot count %u is outside 2..4096",
-                          g->slot_count);
+    if (g->on_device && driver == NULL)
+        return ts_err_set(err, TS_E_INVALID, 0, "a device ring needs the device's driver");
+    if (g->slot_count < 2 || g->slot_count > TS_MAX_SLOTS)
+        return ts_err_set(err, TS_E_INVALID, 0, "slot count %u is outside 2..%u",
+                          g->slot_count, TS_MAX_SLOTS);
     if (g->max_leaves < 1 || g->max_leaves > 65536)
         return ts_err_set(err, TS_E_INVALID, 0, "max_leaves %u is outside 1..65536",
                           g->max_leaves);
@@ -216,11 +268,6 @@ ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g, ts_cu
 
     ts_ring *ring = ts_ring_alloc(name, 1, err);
     if (ring == NULL) return err ? err->code : TS_E_SYS;
-    if (g->on_device) {
-        ring->backend = &ts_backend_cuda;
-        ts_cuda_ref(api);
-        ring->cuda = api;
-    }
 
     uint64_t ctrl = 0;
     uint64_t total = ts_ring_segment_bytes(g, &ctrl);
@@ -248,7 +295,7 @@ ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g, ts_cu
     h->segment_bytes = total;
     h->producer_pid = (int32_t)getpid();
     h->producer_start_time = ts_proc_start_time(getpid());
-    h->device_type = ring->backend->device_type;
+    h->device_type = g->on_device ? driver->device->device_type : kDLCPU;
     h->pid_ns = ts_proc_pid_ns();
     h->device_ordinal = g->on_device ? ordinal : -1;
     h->ipc_offset = g->on_device ? ts_ipc_table_offset(g) : 0;
@@ -268,8 +315,10 @@ ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g, ts_cu
     if (st != TS_OK) goto error;
     if (g->on_device) {
         /* Device pool, events, handles into the table, page-locked host data. */
-        st = ts_gpu_create_pool(ring, api, ordinal, err);
+        ts_device_ring view = ts_ring_device_view(ring);
+        st = driver->device->create_pool(driver, ordinal, &view, &ring->dev, err);
         if (st != TS_OK) goto error;
+        h->host_pinned = (uint32_t)ring->dev->host_pinned;
     }
     *out = ring;
     return TS_OK;
@@ -319,13 +368,12 @@ ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err)
         goto error;
     }
     ts_geometry g = {probe.slot_count, probe.max_leaves, probe.slot_bytes,
-                     probe.device_type == kDLCUDA};
-    if (probe.device_type != kDLCPU && probe.device_type != kDLCUDA) {
+                     probe.device_type != kDLCPU};
+    if (probe.device_type != kDLCPU && ts_device_for(probe.device_type) == NULL) {
         st = ts_err_set(err, TS_E_VERSION, 0, "segment %s holds slot data on device type %d, "
                         "which this build does not know", name, probe.device_type);
         goto error;
     }
-    if (g.on_device) ring->backend = &ts_backend_cuda;
     uint64_t ctrl = 0;
     if (probe.segment_bytes != bytes || ts_ring_segment_bytes(&g, &ctrl) != bytes ||
         ctrl != probe.ctrl_bytes || probe.data_offset != ctrl ||
@@ -748,9 +796,18 @@ uint64_t ts_ring_batch_bytes(const ts_src_leaf *leaves, uint32_t n_leaves, uint6
     return ts_round_up(off, 8) + meta_bytes;
 }
 
+/* Copy n bytes into the slot data at off: streaming stores for long runs into a ring
+ * bigger than the cache (ts_copy.h). */
+static void ts_copy_in(ts_ring *ring, uint64_t off, const void *src, uint64_t n)
+{
+    if (n >= ring->stream_min)
+        ts_copy_stream(ring->data + off, src, (size_t)n);
+    else
+        memcpy(ring->data + off, src, (size_t)n);
+}
+
 /* Copy a strided array to consecutive bytes at dst_off, run by run. */
-static ts_status ts_copy_leaf(ts_ring *ring, uint64_t dst_off, const ts_src_leaf *l,
-                              ts_err *err)
+static void ts_copy_leaf(ts_ring *ring, uint64_t dst_off, const ts_src_leaf *l)
 {
     /* Find the longest contiguous tail: dims [inner, ndim) form one run. */
     int32_t inner = l->ndim;
@@ -760,15 +817,17 @@ static ts_status ts_copy_leaf(ts_ring *ring, uint64_t dst_off, const ts_src_leaf
         run *= (uint64_t)l->shape[inner];
     }
     uint64_t total = ts_leaf_nbytes(l);
-    if (total == 0) return TS_OK;
-    if (inner == 0) return ring->backend->copy_in(ring, dst_off, l->data, total, err);
+    if (total == 0) return;
+    if (inner == 0) {
+        ts_copy_in(ring, dst_off, l->data, total);
+        return;
+    }
 
     /* Odometer over the outer dims [0, inner). */
     int64_t idx[TS_MAX_NDIM] = {0};
     const uint8_t *src = l->data;
     for (uint64_t done = 0; done < total; done += run) {
-        ts_status st = ring->backend->copy_in(ring, dst_off + done, src, run, err);
-        if (st != TS_OK) return st;
+        ts_copy_in(ring, dst_off + done, src, run);
         for (int32_t d = inner - 1; d >= 0; d--) {
             src += l->strides[d];
             if (++idx[d] < l->shape[d]) break;
@@ -776,7 +835,6 @@ static ts_status ts_copy_leaf(ts_ring *ring, uint64_t dst_off, const ts_src_leaf
             idx[d] = 0;
         }
     }
-    return TS_OK;
 }
 
 /* The slot has no readers. */
@@ -835,8 +893,9 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
     ts_slot *s = ts_ring_slot(ring, k);
     st = ts_wait_slot_free(ring, s, deadline, err);
     if (st != TS_OK) return st;
-    st = ring->backend->prepare(ring, k, err);
-    if (st != TS_OK) return st;
+    /* A device ring: earlier copies out of the slot's host data have finished. */
+    if (ring->dev != NULL && (st = ring->dev->device->prepare(ring->dev, k, err)) != TS_OK)
+        return st;
 
     atomic_store_explicit(&s->seq, TS_SEQ_NONE, memory_order_relaxed);
     uint64_t base = (uint64_t)k * h->slot_bytes, off = 0;
@@ -849,15 +908,11 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
         d->dtype = l->dtype;
         d->ndim = l->ndim;
         for (int32_t j = 0; j < l->ndim; j++) d->shape[j] = l->shape[j];
-        st = ts_copy_leaf(ring, base + off, l, err);
-        if (st != TS_OK) return st;
+        ts_copy_leaf(ring, base + off, l);
         off += d->nbytes;
     }
     off = ts_round_up(off, 8);
-    if (meta_bytes > 0) {
-        st = ring->backend->copy_in(ring, base + off, meta, meta_bytes, err);
-        if (st != TS_OK) return st;
-    }
+    if (meta_bytes > 0) ts_copy_in(ring, base + off, meta, meta_bytes);
     s->kind = kind;
     s->n_leaves = n_leaves;
     s->epoch = epoch;
@@ -865,8 +920,13 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
     s->meta_offset = off;
     s->meta_bytes = meta_bytes;
     s->used_bytes = off + meta_bytes;
-    st = ring->backend->fence(ring, k, err);
-    if (st != TS_OK) return st;
+    /* A device ring copies the tensors to the device (they come first in a slot; the
+     * structure blob is host-only) and marks the slot's content for consumers to wait on.
+     * Host writes are made visible by the release store that publishes the slot. */
+    if (ring->dev != NULL &&
+        (st = ring->dev->device->publish(ring->dev, k, ring->data + base,
+                                         n_leaves > 0 ? off : 0, err)) != TS_OK)
+        return st;
 
     pthread_mutex_lock(&ring->lock);
     uint64_t mask = atomic_load_explicit(&h->active_mask, memory_order_seq_cst);
@@ -952,8 +1012,8 @@ ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err)
     return st;
 }
 
-/* Record that this process maps the device pool. */
-int ts_ring_add_importer(ts_ring *ring)
+/* Record that this process maps the device pool; its importer entry, or -1 (table full). */
+static int ts_ring_add_importer(ts_ring *ring)
 {
     ts_header *h = ring->hdr;
     for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
@@ -970,8 +1030,8 @@ int ts_ring_add_importer(ts_ring *ring)
     return -1;
 }
 
-/* This process closed its mapping of the device pool. */
-void ts_ring_drop_importer(ts_header *h, int entry)
+/* This process closed its mapping of the device pool (entry from add). */
+static void ts_ring_drop_importer(ts_header *h, int entry)
 {
     if (entry < 0 || entry >= TS_MAX_CONSUMERS) return;
     atomic_store_explicit(&h->importers[entry].state, TS_IMPORTER_FREE, memory_order_release);
@@ -999,6 +1059,102 @@ uint32_t ts_ring_importers(const ts_ring *ring)
     return n;
 }
 
+/* ==========================================================================
+ * Devices (ts_device.h)
+ * ========================================================================== */
+
+/* This consumer handle's device state on driver's device ordinal, made on first use. */
+static ts_status ts_ring_device_state(ts_ring *ring, ts_device_driver *driver, int ordinal,
+                                      ts_err *err)
+{
+    if (ring->dev == NULL)
+        return driver->device->open(driver, ordinal, ring->hdr->slot_count, &ring->dev, err);
+    if (ring->dev->device == driver->device && ring->dev->ordinal == ordinal) return TS_OK;
+    return ts_err_set(err, TS_E_INVALID, 0,
+                      "this consumer already uses the ring on GPU %d, not GPU %d",
+                      ring->dev->ordinal, ordinal);
+}
+
+/* Open the ring's device pool in this consumer process (see ts_ring.h). */
+ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ordinal,
+                                ts_err *err)
+{
+    const ts_header *h = ring->hdr;
+    if (h->ipc_offset == 0)
+        return ts_err_set(err, TS_E_INVALID, 0, "the producer's ring holds no GPU memory");
+    if (ring->is_producer)
+        return ts_err_set(err, TS_E_INVALID, 0,
+                          "the producer's own handle cannot import its GPU ring (CUDA IPC "
+                          "handles open only in other processes)");
+    if (driver->device->device_type != h->device_type)
+        return ts_err_set(err, TS_E_INVALID, 0,
+                          "the ring's pool is on device type %d, the %s driver's are %d",
+                          h->device_type, driver->device->name, driver->device->device_type);
+    uint64_t ns = ts_proc_pid_ns();
+    if (h->pid_ns != 0 && ns != 0 && h->pid_ns != ns)
+        return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                          "the producer runs in another PID namespace (a container without a "
+                          "shared --pid): CUDA IPC handles do not work across PID namespaces");
+    if (ordinal < 0 && (ordinal = driver->device->find(driver, h->device_uuid)) < 0)
+        return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                          "the producer's GPU is not visible to this process (check "
+                          "CUDA_VISIBLE_DEVICES), pass device='cuda:N' to read the ring from "
+                          "another GPU");
+    ts_status st = ts_ring_device_state(ring, driver, ordinal, err);
+    if (st != TS_OK || ring->dev->imported) return st;
+    /* Announce the mapping before it exists: the producer never frees under it. */
+    int entry = ts_ring_add_importer(ring);
+    if (entry < 0) return ts_err_set(err, TS_E_FULL, 0, "too many processes map this GPU ring");
+    ts_device_ring view = ts_ring_device_view(ring);
+    st = ring->dev->device->import(ring->dev, &view, err);
+    if (st != TS_OK) {
+        ts_ring_drop_importer(ring->hdr, entry);
+        return st;
+    }
+    ring->importer = entry;
+    return TS_OK;
+}
+
+/* Page-lock this consumer's mapping of the host slot data (see ts_ring.h). */
+ts_status ts_ring_pin_host(ts_ring *ring, ts_device_driver *driver, int ordinal, ts_err *err)
+{
+    if (ring->is_producer)
+        return ts_err_set(err, TS_E_INVALID, 0, "the producer's slots are page-locked already");
+    ts_status st = ts_ring_device_state(ring, driver, ordinal, err);
+    if (st != TS_OK || ring->dev->host_pinned) return st;
+    /* Remapping a slot private on a write (ts_fault.h) would replace pages the driver has
+     * locked: a registered mapping stays shared, and a write into it is stopped as before. */
+    if (ts_fault_forbid(&ring->cow) != 0)
+        return ts_err_set(err, TS_E_INVALID, EBUSY,
+                          "cannot page-lock the ring: this process has written into a batch "
+                          "it still holds (pin the ring before taking batches)");
+    ts_device_ring view = ts_ring_device_view(ring);
+    st = ring->dev->device->pin_host(ring->dev, &view, err);
+    if (st != TS_OK) ts_fault_allow(&ring->cow); /* not page-locked: writes may be private */
+    return st;
+}
+
+/* The ordinal the pool was imported on, or -1. */
+int ts_ring_imported_device(const ts_ring *ring)
+{
+    return ring->dev != NULL && ring->dev->imported ? ring->dev->ordinal : -1;
+}
+
+/* Device address of slot data in this process (0 if not imported). */
+uint64_t ts_ring_device_ptr(const ts_ring *ring, uint32_t slot)
+{
+    if (ring->dev == NULL) return 0;
+    return ring->dev->device->slot_ptr(ring->dev, slot);
+}
+
+/* The DLDevice of this handle's views (see ts_ring.h). */
+DLDevice ts_ring_dl_device(const ts_ring *ring, int device)
+{
+    if (!device) return (DLDevice){kDLCPU, 0};
+    if (ring->dev == NULL) return (DLDevice){ring->hdr->device_type, -1};
+    return (DLDevice){ring->dev->device->device_type, ts_ring_imported_device(ring)};
+}
+
 /* No slot carries a reader bit and nobody maps the device pool. */
 static int ts_ring_is_released(const ts_ring *ring, const void *unused)
 {
@@ -1006,7 +1162,7 @@ static int ts_ring_is_released(const ts_ring *ring, const void *unused)
     for (uint32_t i = 0; i < ring->hdr->slot_count; i++)
         if (atomic_load_explicit(&ts_ring_slot(ring, i)->readers, memory_order_seq_cst) != 0)
             return 0;
-    return ring->hdr->device_type != kDLCUDA || ts_ring_importers(ring) == 0;
+    return ring->hdr->device_type == kDLCPU || ts_ring_importers(ring) == 0;
 }
 
 /* Wait until no slot is held by any consumer (views included). */
@@ -1150,6 +1306,10 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
             out->kind = s->kind;
             out->epoch = s->epoch;
             out->index = s->index;
+            out->n_leaves = s->n_leaves;
+            out->used_bytes = s->used_bytes;
+            out->meta = ts_ring_slot_data(ring, k) + s->meta_offset;
+            out->meta_bytes = s->meta_bytes;
             uint64_t used = s->used_bytes;
             atomic_fetch_add_explicit(&c->delivered, 1, memory_order_relaxed);
             atomic_fetch_add_explicit(&c->delivered_bytes, used, memory_order_relaxed);
@@ -1223,7 +1383,7 @@ void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
 ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
 {
     ts_status st = TS_OK;
-    if (ring->is_producer || ring->held == NULL || ring->data == NULL || ring->gpu != NULL ||
+    if (ring->is_producer || ring->held == NULL || ring->data == NULL || ring->dev != NULL ||
         ring->hdr->device_type != kDLCPU || !ts_fault_writable(&ring->cow))
         return ts_err_set(err, TS_E_INVALID, 0, "the slots of this ring cannot be copied "
                           "privately here (a ring on or page-locked for a GPU)");
@@ -1267,4 +1427,102 @@ uint32_t ts_ring_held_slots(const ts_ring *ring)
 int ts_ring_host_writable(const ts_ring *ring)
 {
     return ring->is_producer || ts_fault_writable(&ring->cow);
+}
+
+/* ==========================================================================
+ * Snapshots for status displays
+ * ========================================================================== */
+
+/* The newest published entry's epoch, batch index and bytes, read without a lock
+ * (seqlock-style): newest_valid is 0 if the entry is not there or was overwritten
+ * while read. */
+static void ts_ring_newest(const ts_ring *ring, uint64_t published, ts_ring_info *out)
+{
+    out->newest_valid = 0;
+    out->newest_epoch = out->newest_index = out->newest_bytes = 0;
+    if (published == 0) return;
+    uint64_t seq = published - 1;
+    const ts_slot *s = ts_ring_slot(ring, (uint32_t)(seq % ring->hdr->slot_count));
+    if (atomic_load_explicit(&s->seq, memory_order_acquire) != seq) return;
+    /* Acquire loads (the fields are plain: GCC's builtins), so that the second read of seq
+     * cannot move before them (an acquire fence would do, but ThreadSanitizer lacks it). */
+    uint64_t epoch = __atomic_load_n(&s->epoch, __ATOMIC_ACQUIRE);
+    uint64_t index = __atomic_load_n(&s->index, __ATOMIC_ACQUIRE);
+    uint32_t kind = __atomic_load_n(&s->kind, __ATOMIC_ACQUIRE);
+    uint64_t bytes = __atomic_load_n(&s->used_bytes, __ATOMIC_ACQUIRE);
+    if (atomic_load_explicit(&s->seq, memory_order_relaxed) != seq) return;
+    out->newest_valid = 1;
+    out->newest_epoch = epoch;
+    out->newest_index = index;
+    out->newest_bytes = kind == TS_ENTRY_BATCH ? bytes : 0;
+}
+
+/* Read the header and this handle's state into out (see ts_ring.h). */
+void ts_ring_snapshot(const ts_ring *ring, ts_ring_info *out)
+{
+    static const char hex[] = "0123456789abcdef";
+    const ts_header *h = ring->hdr;
+    memset(out, 0, sizeof *out);
+    out->name = ring->name;
+    out->slot_count = h->slot_count;
+    out->max_leaves = h->max_leaves;
+    out->slot_bytes = h->slot_bytes;
+    out->segment_bytes = h->segment_bytes;
+    out->producer_pid = h->producer_pid;
+    out->producer_start_time = h->producer_start_time;
+    out->state = atomic_load_explicit(&h->state, memory_order_acquire);
+    out->published = atomic_load_explicit(&h->published, memory_order_acquire);
+    out->active_mask = atomic_load_explicit(&h->active_mask, memory_order_acquire);
+    out->bytes_copied = ring->bytes_copied;
+    out->data_address = (uint64_t)(uintptr_t)ring->data;
+    out->data_bytes = ring->data_bytes;
+    out->consumer = ring->consumer;
+    out->is_producer = ring->is_producer;
+    for (uint32_t i = 0; i < h->slot_count; i++)
+        if (atomic_load_explicit(&ts_ring_slot(ring, i)->readers, memory_order_relaxed) != 0)
+            out->occupied++;
+    out->window = atomic_load_explicit(&h->window, memory_order_relaxed);
+    out->max_lag = atomic_load_explicit(&h->max_lag, memory_order_relaxed);
+    out->epoch_first_seq = atomic_load_explicit(&h->epoch_first_seq, memory_order_relaxed);
+    out->lag_detached = atomic_load_explicit(&h->lag_detached, memory_order_relaxed);
+    out->publish_wait_ns = atomic_load_explicit(&h->publish_wait_ns, memory_order_relaxed);
+    out->host_writable = ts_ring_host_writable(ring);
+    out->private_slots = ts_fault_private_slots(&ring->cow);
+    ts_ring_newest(ring, atomic_load_explicit(&h->published, memory_order_acquire), out);
+    out->device_type = h->device_type;
+    out->device_ordinal = h->device_ordinal;
+    for (int i = 0; h->device_type != kDLCPU && i < 16; i++) {
+        out->device_uuid[2 * i] = hex[h->device_uuid[i] >> 4];
+        out->device_uuid[2 * i + 1] = hex[h->device_uuid[i] & 15];
+    }
+    out->producer_host_pinned = (int)h->host_pinned;
+    out->imported_device = ts_ring_imported_device(ring);
+    out->host_pinned = ring->dev != NULL && ring->dev->host_pinned;
+    out->same_pid_namespace = h->pid_ns == ts_proc_pid_ns();
+    out->gpu_importers = h->device_type != kDLCPU ? ts_ring_importers(ring) : 0;
+}
+
+/* Read consumer table entry index into out (see ts_ring.h). The state is read first: an
+ * entry seen active has its cursor (stored before the state) in place. */
+void ts_ring_consumer_snapshot(const ts_ring *ring, uint32_t index, ts_consumer_info *out)
+{
+    const ts_header *h = ring->hdr;
+    const ts_consumer *c = &h->consumers[index];
+    out->index = index;
+    out->state = atomic_load_explicit(&c->state, memory_order_acquire);
+    out->reason = atomic_load_explicit(&c->reason, memory_order_relaxed);
+    out->pid = c->pid;
+    uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_acquire);
+    uint64_t published = atomic_load_explicit(&h->published, memory_order_acquire);
+    uint64_t at = cursor & ~TS_CURSOR_DETACHED;
+    out->cursor = cursor == TS_SEQ_NONE ? TS_SEQ_NONE : at;
+    out->lag = (cursor == TS_SEQ_NONE || at > published) ? 0 : (int64_t)(published - at);
+    out->first_seq = atomic_load_explicit(&c->first_seq, memory_order_relaxed);
+    out->delivered = atomic_load_explicit(&c->delivered, memory_order_relaxed);
+    out->delivered_bytes = atomic_load_explicit(&c->delivered_bytes, memory_order_relaxed);
+    out->wait_ns = atomic_load_explicit(&c->wait_ns, memory_order_relaxed);
+    out->progress_ns = atomic_load_explicit(&c->progress_ns, memory_order_relaxed);
+    out->start_time = c->start_time;
+    out->batch_size = c->batch_size;
+    out->token = c->token;
 }

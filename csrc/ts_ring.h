@@ -39,6 +39,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "ts_device.h"
 #include "ts_dlpack.h"
 #include "ts_error.h"
 #include "ts_fault.h"
@@ -46,6 +47,7 @@
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
 #define TS_LAYOUT_VERSION 4
 #define TS_MAX_CONSUMERS 64
+#define TS_MAX_SLOTS 4096 /* most slots a ring holds */
 #define TS_MAX_NDIM 16
 #define TS_SEQ_NONE UINT64_MAX
 #define TS_DATA_ALIGN 64
@@ -121,7 +123,7 @@ typedef struct ts_consumer {
                                     * again from the next one's first entry */
 } ts_consumer;
 
-/* A process that maps a CUDA ring's device pool (ts_gpu_import). The producer
+/* A process that maps a device ring's pool (ts_ring_import_device). The producer
  * frees the pool only once every importer has closed its mapping or died:
  * freeing exported memory still open elsewhere is undefined behaviour. */
 typedef struct ts_importer {
@@ -144,10 +146,10 @@ typedef struct ts_header {
     uint64_t data_offset;     /* where slot 0's data starts */
     uint64_t segment_bytes;
     int32_t producer_pid;
-    int32_t device_type; /* kDLCPU, or kDLCUDA: slot data also lives on a GPU */
+    int32_t device_type; /* kDLCPU, or a device's (kDLCUDA): slot data also lives there */
     uint64_t producer_start_time;
     uint64_t pid_ns;          /* inode of the producer's PID namespace (0: unknown) */
-    uint64_t ipc_offset;      /* CUDA rings: where the ts_ipc_entry table starts */
+    uint64_t ipc_offset;      /* CUDA rings: where the ts_device_ipc table starts */
     int32_t device_ordinal;   /* CUDA rings: the producer's device ordinal */
     uint32_t host_pinned;     /* CUDA rings: the producer page-locked the host slot data */
     uint8_t device_uuid[16];  /* CUDA rings: UUID of the GPU holding the slot pool */
@@ -175,13 +177,6 @@ typedef struct ts_header {
     char failure[TS_FAILURE_BYTES];
 } ts_header;
 
-/* CUDA rings: the IPC handles of one slot's device memory and event,
- * written once by the producer at creation (opaque bytes here). */
-typedef struct ts_ipc_entry {
-    char mem[64];   /* CUipcMemHandle of the slot's cuMemAlloc allocation */
-    char event[64]; /* CUipcEventHandle of the slot's interprocess event */
-} ts_ipc_entry;
-
 /* Ring geometry chosen by the producer. */
 typedef struct ts_geometry {
     uint32_t slot_count;
@@ -189,10 +184,6 @@ typedef struct ts_geometry {
     uint64_t slot_bytes;
     uint32_t on_device; /* 1: CUDA ring (adds the IPC handle table) */
 } ts_geometry;
-
-struct ts_backend;
-struct ts_cuda_api;
-struct ts_gpu;
 
 /* A process's handle on a ring segment. Reference counted: the owner (the
  * Python object) holds one reference and every consumer lease one more, so
@@ -209,10 +200,9 @@ typedef struct ts_ring {
     ts_fault_map cow;        /* consumer: copy-on-write state of the data mapping (watched
                               * while mapped; borrows fd, owns its state array) */
     uint64_t stream_min;     /* copies of runs this long or longer stream (ts_copy.h) */
-    const struct ts_backend *backend;
-    void *backend_state;     /* owns: backend private state */
-    struct ts_cuda_api *cuda; /* CUDA rings, producer: the driver (one reference) */
-    struct ts_gpu *gpu;       /* owns: this process's GPU state (ts_gpu.h), or NULL */
+    ts_device_state *dev;    /* owns: this process's device state (ts_device.h), or NULL */
+    int importer;            /* consumer: our importer table entry while the pool is
+                              * imported, or -1 */
     pthread_mutex_t lock;    /* producer: publish vs roster changes */
     uint32_t consumer;       /* consumer side: our table index */
     uint64_t token;          /* consumer side: token of our entry */
@@ -242,17 +232,79 @@ typedef struct ts_acquired {
     uint64_t seq;
     uint64_t epoch;
     uint64_t index;
+    uint32_t n_leaves;
+    uint64_t used_bytes;  /* bytes of the entry in its slot (tensors and meta) */
+    const uint8_t *meta;  /* borrowed: the structure blob, valid while the slot is held */
+    uint64_t meta_bytes;
 } ts_acquired;
+
+/* A reading of a ring's header and of this handle (ts_ring_snapshot). Counters are read
+ * one by one without a lock: each is current, together they need not be consistent. */
+typedef struct ts_ring_info {
+    const char *name;           /* borrowed: the segment name */
+    uint32_t slot_count;
+    uint32_t max_leaves;
+    uint64_t slot_bytes;
+    uint64_t segment_bytes;
+    int32_t producer_pid;
+    uint64_t producer_start_time;
+    uint32_t state;             /* TS_RING_* */
+    uint64_t published;
+    uint64_t active_mask;
+    uint64_t bytes_copied;      /* producer handle: bytes it copied into slots */
+    uint64_t data_address;      /* this handle's mapping of the slot data */
+    uint64_t data_bytes;
+    uint32_t consumer;          /* consumer handle: its table index (UINT32_MAX: none) */
+    int is_producer;
+    uint32_t occupied;          /* slots some consumer holds */
+    uint64_t window;
+    uint64_t max_lag;
+    uint64_t epoch_first_seq;
+    uint64_t lag_detached;
+    uint64_t publish_wait_ns;
+    int host_writable;          /* ts_ring_host_writable */
+    uint32_t private_slots;     /* slots this handle made private by writing (ts_fault.h) */
+    int newest_valid;           /* the newest entry was read whole (not overwritten meanwhile) */
+    uint64_t newest_epoch;
+    uint64_t newest_index;
+    uint64_t newest_bytes;      /* its bytes; 0 for an epoch's end marker */
+    int32_t device_type;        /* DLDeviceType of the ring's slot data (kDLCPU: host only) */
+    int32_t device_ordinal;     /* the producer's device, -1 on a host ring */
+    char device_uuid[33];       /* hex UUID of the pool's device; "" on a host ring */
+    int producer_host_pinned;   /* the producer page-locked its host slot data */
+    int imported_device;        /* ts_ring_imported_device */
+    int host_pinned;            /* this handle page-locked its mapping of the slot data */
+    int same_pid_namespace;     /* the producer runs in this process's PID namespace */
+    uint32_t gpu_importers;     /* live processes mapping the device pool */
+} ts_ring_info;
+
+/* A reading of one consumer table entry (ts_ring_consumer_snapshot). */
+typedef struct ts_consumer_info {
+    uint32_t index;
+    uint32_t state;             /* TS_CONSUMER_* */
+    uint32_t reason;            /* TS_REASON_* */
+    int32_t pid;
+    uint64_t cursor;            /* next seq it reads; TS_SEQ_NONE: none yet */
+    uint64_t first_seq;
+    int64_t lag;                /* published entries it has not taken */
+    uint64_t delivered;
+    uint64_t delivered_bytes;
+    uint64_t wait_ns;
+    uint64_t progress_ns;
+    uint64_t start_time;
+    uint32_t batch_size;
+    uint64_t token;
+} ts_consumer_info;
 
 /* ---- life cycle ---------------------------------------------------------- */
 
 /* Create a new segment `name` (mode 0600) with geometry g, as producer. */
 ts_status ts_ring_create(const char *name, const ts_geometry *g, ts_ring **out, ts_err *err);
 
-/* Create a CUDA ring: slot data on device `ordinal` as well (api: the driver,
- * the ring takes its own reference). */
+/* Create a device ring: slot data on device `ordinal` of driver's backend as well (its
+ * device state takes its own driver reference). */
 ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g,
-                                   struct ts_cuda_api *api, int ordinal, ts_ring **out,
+                                   ts_device_driver *driver, int ordinal, ts_ring **out,
                                    ts_err *err);
 
 /* Open an existing segment as consumer. */
@@ -272,6 +324,18 @@ uint64_t ts_ring_segment_bytes(const ts_geometry *g, uint64_t *ctrl_bytes);
 
 /* Slot descriptor i. */
 ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i);
+
+/* Entries published so far. */
+uint64_t ts_ring_published(const ts_ring *ring);
+
+/* The reader bitmap of slot i. */
+uint64_t ts_ring_slot_readers(const ts_ring *ring, uint32_t i);
+
+/* Read the header and this handle's state into out. */
+void ts_ring_snapshot(const ts_ring *ring, ts_ring_info *out);
+
+/* Read consumer table entry index (< TS_MAX_CONSUMERS) into out. */
+void ts_ring_consumer_snapshot(const ts_ring *ring, uint32_t index, ts_consumer_info *out);
 
 /* ---- producer -------------------------------------------------------------- */
 
@@ -383,15 +447,30 @@ uint32_t ts_ring_held_slots(const ts_ring *ring);
 /* Host address of slot data. */
 uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot);
 
-/* CUDA rings: the IPC handles of slot i (NULL for host rings). */
-ts_ipc_entry *ts_ring_ipc_entry(const ts_ring *ring, uint32_t i);
+/* ---- devices (ts_device.h) ----------------------------------------------------- */
 
-/* Record that this process maps the device pool; returns the importer entry
- * or -1 if the table is full. */
-int ts_ring_add_importer(ts_ring *ring);
+/* Device rings: the IPC handles of slot i (NULL for host rings). */
+ts_device_ipc *ts_ring_ipc_entry(const ts_ring *ring, uint32_t i);
 
-/* This process closed its mapping of the device pool (entry from add). */
-void ts_ring_drop_importer(ts_header *h, int entry);
+/* Consumer: open the ring's device pool on device ordinal of driver's backend (once;
+ * calling again with the same ordinal does nothing). ordinal < 0: the visible device that
+ * holds the pool (found by UUID). */
+ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ordinal,
+                                ts_err *err);
+
+/* Consumer: page-lock this process's mapping of the host slot data for device ordinal. */
+ts_status ts_ring_pin_host(ts_ring *ring, ts_device_driver *driver, int ordinal,
+                           ts_err *err);
+
+/* The ordinal the pool was imported on, or -1. */
+int ts_ring_imported_device(const ts_ring *ring);
+
+/* Device address of slot data in this process (0 if not imported). */
+uint64_t ts_ring_device_ptr(const ts_ring *ring, uint32_t slot);
+
+/* The DLDevice of this handle's views: of the imported device copy (device != 0), or of
+ * the host slot data. */
+DLDevice ts_ring_dl_device(const ts_ring *ring, int device);
 
 /* Live processes that still map the device pool. */
 uint32_t ts_ring_importers(const ts_ring *ring);

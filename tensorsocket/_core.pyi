@@ -1,9 +1,13 @@
-"""Type stubs for the C core (csrc/ts_module.c)."""
+"""Type stubs for the C core (csrc/ts_module.c, ts_py_ring.c, ts_py_slot.c)."""
 
 from typing import Any, Sequence, TypedDict, final
 
 MAX_CONSUMERS: int
+MAX_SLOTS: int  # most slots a ring holds
 MAX_NDIM: int
+DL_CPU: int  # DLPack device types (Ring.info()["device_type"], __dlpack_device__)
+DL_CUDA: int
+DL_CUDA_HOST: int
 LAYOUT_VERSION: int
 DLPACK_MAJOR: int
 DLPACK_MINOR: int
@@ -26,7 +30,7 @@ class _ConsumerEntry(TypedDict):
     state: int  # CONSUMER_*
     reason: int  # REASON_* once it stopped receiving, else 0
     pid: int
-    cursor: int  # next seq it reads (2**64 - 1: none yet)
+    cursor: int | None  # next seq it reads (None: none yet)
     first_seq: int
     lag: int  # entries published that it has not taken
     delivered: int

@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 ENV_PREFIX = "TENSORSOCKET_"
-MAX_SLOTS = 4096  # most slots a ring holds (ring_slots, max_lag + 2)
+MAX_SLOTS = _core.MAX_SLOTS  # most slots a ring holds (ring_slots, max_lag + 2)
 MIN_HEARTBEAT_TIMEOUT = 3.0  # seconds: three of the consumers' heartbeat intervals
 _NONE_WORDS = ("none", "inf", "forever")
 _TRUE_WORDS = ("1", "true", "yes", "on")

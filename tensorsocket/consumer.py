@@ -665,7 +665,7 @@ class TensorConsumer(LoaderSurface):
 
     def _rejoin(self) -> None:
         """Attach again as a late joiner after the producer detached us for lagging."""
-        old_cursor = self._ring.consumer(self._index)["cursor"]
+        old_cursor = self._ring.consumer(self._index)["cursor"] or 0  # set: it was reading
         start = self._attach_again()
         skipped = max(0, start - old_cursor)
         self._rejoins += 1

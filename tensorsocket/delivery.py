@@ -24,8 +24,6 @@ from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
 
 log = logging.getLogger("tensorsocket")
 
-DL_CUDA = 2  # DLDeviceType of a GPU ring
-
 
 class Delivery:
     """A consumer's delivery of batches: where its tensors go (``device``, set by
@@ -58,7 +56,7 @@ class Delivery:
     def attach(self, ring: Any) -> None:
         """Decide where tensors are delivered from `ring` and open what that needs."""
         info = ring.info()
-        gpu_ring = info["device_type"] == DL_CUDA
+        gpu_ring = info["device_type"] == _core.DL_CUDA
         kind, index = self.kind, self.index
         if kind == "cuda" and index is None:
             index = 0

@@ -21,8 +21,6 @@ from typing import Any
 
 from . import _core
 
-DETACHED_CURSOR = 1 << 63  # a cursor at or past this: the entry reads nothing (detached)
-
 
 # -- the consumer's side ---------------------------------------------------------------
 
@@ -40,8 +38,8 @@ def blocking_held_slots(ring: Any, index: int, token: int) -> int:
     info = ring.info()
     slots, published = info["slot_count"], info["published"]
     entry = ring.consumer(index)
-    if entry["token"] != token or published == 0 or entry["cursor"] >= DETACHED_CURSOR:
-        return 0  # not ours any more, nothing published, nothing read yet, or detached
+    if entry["token"] != token or published == 0 or entry["cursor"] is None:
+        return 0  # not ours any more, nothing published, or nothing read yet
     me = 1 << index
     held = []
     for k, readers in enumerate(ring.slot_readers()):
@@ -84,7 +82,7 @@ def next_slot_holders(ring: Any, info: dict) -> list[dict]:
         return []
     entry_seq = published - slots  # the entry in the slot to reuse
     return [e for e in ring.consumers() if readers >> e["index"] & 1
-            and entry_seq < e["cursor"] < DETACHED_CURSOR]
+            and e["cursor"] is not None and entry_seq < e["cursor"]]
 
 
 def kept_slot_warning(waited: float, holders: list[dict]) -> str:

@@ -53,7 +53,6 @@ DEFAULT_MAX_WINDOW = 8  # ... but at most this many, unless asked for explicitly
 SLOT_HEADROOM = 1.5  # slot size = first batch x this (plus room for the structure)
 MIN_SLOT_BYTES = 64 * 1024
 SEGMENT_NAME_TRIES = 8  # segment names tried when the name is taken (a planted file)
-DL_CUDA = 2  # DLDeviceType of a GPU ring
 FAILURE_CHARS = 800  # the text of a failure the consumers are told (ring header, control)
 
 
@@ -814,7 +813,7 @@ def _wait_gpu_released(ring: Any, timeout: float | None) -> None:
     elsewhere is undefined behaviour). The control thread still runs meanwhile, so
     consumers that die are evicted and stop counting."""
     info = ring.info()
-    if info["device_type"] != DL_CUDA or ring.wait_released(0):
+    if info["device_type"] != _core.DL_CUDA or ring.wait_released(0):
         return
     log.info("waiting up to %s s for consumers to free the GPU batches they hold", timeout)
     if not ring.wait_released(timeout):

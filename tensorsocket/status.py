@@ -32,7 +32,6 @@ _CONSUMER_STATES = {
 }
 _REASONS = {_core.REASON_LEFT: "left", _core.REASON_LAGGED: "lagged",
             _core.REASON_DIED: "died", _core.REASON_SILENT: "silent"}
-DL_CUDA = 2
 
 
 @dataclass
@@ -207,12 +206,12 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
             alive=_core.process_alive(c["pid"], c["start_time"]),
             state=st, reason=_REASONS.get(c["reason"], ""),
             batch_size=c["batch_size"] or None,
-            cursor=None if c["cursor"] >= 2**63 else c["cursor"],
+            cursor=c["cursor"],
             lag=max(0, c["lag"]), delivered=c["delivered"],
             delivered_bytes=c["delivered_bytes"],
             idle_seconds=max(0.0, (time.monotonic_ns() - c["progress_ns"]) / 1e9),
         ))
-    device = "cpu" if info["device_type"] != DL_CUDA else f"cuda:{info['device_ordinal']}"
+    device = "cpu" if info["device_type"] != _core.DL_CUDA else f"cuda:{info['device_ordinal']}"
     ended = _epochs_ended(info) if steady else None
     status = ProducerStatus(
         name=name, segment=segment, pid=info["producer_pid"], alive=alive, state=state,
@@ -292,7 +291,7 @@ def _add_rates(now: ProducerStatus, raw: dict, before: dict) -> None:
             c.waiting = min(1.0, max(0, w1 - w0) / 1e9 / dt)
             if ends is not None and ends > 1:
                 c.batch_rate = c.rate * (entries - ends) / entries
-            elif ends is not None and cursor < 2**63:  # it took cursor - taken .. cursor - 1
+            elif ends is not None and cursor is not None:  # it took cursor - taken .. cursor - 1
                 passed = sum(1 for m in markers if cursor - taken <= m < cursor)
                 c.batch_rate = max(0, taken - passed) / dt
 

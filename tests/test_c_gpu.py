@@ -1,7 +1,7 @@
 """Build and run the C-level unit tests of the GPU ring (csrc/tests/test_gpu.c).
 
 The test program is compiled together with every csrc/ts_*.c except the Python
-binding (ts_module.c), with the compiler named by $CC (default ``cc``), and runs
+binding (ts_module.c, ts_py_*.c), with the compiler named by $CC (default ``cc``), and runs
 on the CUDA driver test double (csrc/tests/fake_cuda.c, built by tests/fakecuda.py)
 named by TENSORSOCKET_LIBCUDA. TENSORSOCKET_SANITIZE=1 adds AddressSanitizer and
 UndefinedBehaviorSanitizer to both, with leak detection on in the test processes.
@@ -34,7 +34,7 @@ def _core_sources() -> list[str]:
     return [
         str(p.relative_to(ROOT))
         for p in sorted(CSRC.glob("ts_*.c"))
-        if p.name != "ts_module.c"
+        if p.name != "ts_module.c" and not p.name.startswith("ts_py_")
     ]
 
 

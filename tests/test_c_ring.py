@@ -1,7 +1,7 @@
 """Build and run the C-level unit tests of the shared-memory ring (csrc/tests/test_ring.c).
 
 The test program is compiled together with every csrc/ts_*.c except the Python
-binding (ts_module.c), with the compiler named by $CC (default ``cc``).
+binding (ts_module.c, ts_py_*.c), with the compiler named by $CC (default ``cc``).
 TENSORSOCKET_SANITIZE=1 adds AddressSanitizer and UndefinedBehaviorSanitizer.
 A second test builds with ThreadSanitizer and runs only the cross-thread test;
 it is skipped where the toolchain or the kernel cannot run TSan binaries.
@@ -40,7 +40,7 @@ def _core_sources() -> list[str]:
     return [
         str(p.relative_to(ROOT))
         for p in sorted(CSRC.glob("ts_*.c"))
-        if p.name != "ts_module.c"
+        if p.name != "ts_module.c" and not p.name.startswith("ts_py_")
     ]
 
 

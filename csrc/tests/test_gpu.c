@@ -1,4 +1,4 @@
-/* test_gpu.c - C-level unit tests of the GPU ring (ts_gpu.c, the CUDA paths of ts_ring.c
+/* test_gpu.c - C-level unit tests of the GPU ring (ts_gpu.c, the device paths of ts_ring.c
  * and ts_export.c), on the CUDA driver test double (csrc/tests/fake_cuda.c).
  *
  * The double refuses to open an IPC handle in the process that exported it, as the real
@@ -11,7 +11,7 @@
  *
  * Build (from the repository root):
  *   cc -std=c11 -Wall -Wextra -Werror -O1 -g -pthread -Icsrc csrc/tests/test_gpu.c \
- *      $(ls csrc/ts_*.c | grep -v ts_module.c) -o test_gpu -lrt -ldl
+ *      $(ls csrc/ts_*.c | grep -v 'ts_module.c\|ts_py_') -o test_gpu -lrt -ldl
  * Run:  TENSORSOCKET_LIBCUDA=path/to/libfakecuda.so ./test_gpu [NAME]
  * (tests/fakecuda.py builds the double; tests/test_c_gpu.py does all of it.)
  * NAME runs the groups whose name contains it. The last line is "N passed, M failed";
@@ -36,7 +36,6 @@
 #include "ts_cuda.h"
 #include "ts_error.h"
 #include "ts_export.h"
-#include "ts_gpu.h"
 #include "ts_proc.h"
 #include "ts_ring.h"
 
@@ -362,7 +361,7 @@ static int prod_open(prod *p)
     memset(p, 0, sizeof *p);
     if (!CHECK_ST(ts_cuda_load(&p->api, &err), TS_OK)) return -1;
     ts_ring_unlink_name(g_name, NULL);
-    if (!CHECK_ST(ts_ring_create_on_device(g_name, &g, p->api, 0, &p->ring, &err), TS_OK))
+    if (!CHECK_ST(ts_ring_create_on_device(g_name, &g, &p->api->base, 0, &p->ring, &err), TS_OK))
         return -1;
     return 0;
 }
@@ -436,7 +435,7 @@ static int cons_open(cons *c, int in)
     if (!CHECK_CU(c->api->CtxPushCurrent(c->ctx))) return -1;
     c->pushed = 1;
     if (!CHECK_CU(c->api->StreamCreate(&c->stream, CU_STREAM_NON_BLOCKING))) return -1;
-    if (!CHECK_ST(ts_gpu_import(c->ring, c->api, 0, &err), TS_OK)) return -1;
+    if (!CHECK_ST(ts_ring_import_device(c->ring, &c->api->base, 0, &err), TS_OK)) return -1;
     return 0;
 }
 
@@ -511,7 +510,7 @@ static int device_leaf_ok(const cons *c, const DLTensor *t, uint32_t slot, uint3
     uint8_t want[32];
     size_t n = leaf_bytes(tag, i, want);
     const ts_leaf *leaf = &ts_ring_slot(c->ring, slot)->leaves[i];
-    CUdeviceptr at = ts_gpu_slot_ptr(c->ring, slot) + leaf->offset;
+    CUdeviceptr at = ts_ring_device_ptr(c->ring, slot) + leaf->offset;
     int ok = CHECK_EQ(t->device.device_type, kDLCUDA) && CHECK_EQ(t->device.device_id, 0) &&
              CHECK_EQ(t->ndim, 1) && CHECK_EQ(t->shape[0], i == 0 ? 8 : 3) &&
              CHECK_EQ(t->strides[0], 1) && CHECK_EQ(t->byte_offset, 0) &&
@@ -542,29 +541,29 @@ static void import_consumer(int in, int out)
     if (cons_open(&c, in) != 0) goto out;
     const ts_header *h = c.ring->hdr;
     CHECK_EQ(h->device_type, kDLCUDA);
-    CHECK_EQ(ts_gpu_imported_device(c.ring), 0);
+    CHECK_EQ(ts_ring_imported_device(c.ring), 0);
     for (uint32_t k = 0; k < SLOTS; k++) {
-        ptrs[k] = ts_gpu_slot_ptr(c.ring, k);
+        ptrs[k] = ts_ring_device_ptr(c.ring, k);
         CHECK(ptrs[k] != 0);
         for (uint32_t j = 0; j < k; j++) CHECK(ptrs[j] != ptrs[k]);
-        const ts_ipc_entry *e = ts_ring_ipc_entry(c.ring, k);
+        const ts_device_ipc *e = ts_ring_ipc_entry(c.ring, k);
         REQUIRE(e != NULL);
         CHECK(nonzero(e->mem, sizeof e->mem) && nonzero(e->event, sizeof e->event));
     }
-    CHECK_EQ(ts_gpu_slot_ptr(c.ring, SLOTS), 0); /* out of range */
+    CHECK_EQ(ts_ring_device_ptr(c.ring, SLOTS), 0); /* out of range */
     CHECK_EQ(fc_counter(c.api, "ipc_open_mem"), SLOTS);
     CHECK_EQ(fc_counter(c.api, "ipc_open_event"), SLOTS);
 
     /* Importing again changes nothing and opens nothing. */
-    REQUIRE_OK(ts_gpu_import(c.ring, c.api, 0, &err));
-    CHECK_EQ(ts_gpu_imported_device(c.ring), 0);
-    for (uint32_t k = 0; k < SLOTS; k++) CHECK_EQ(ts_gpu_slot_ptr(c.ring, k), ptrs[k]);
+    REQUIRE_OK(ts_ring_import_device(c.ring, &c.api->base, 0, &err));
+    CHECK_EQ(ts_ring_imported_device(c.ring), 0);
+    for (uint32_t k = 0; k < SLOTS; k++) CHECK_EQ(ts_ring_device_ptr(c.ring, k), ptrs[k]);
     CHECK_EQ(fc_counter(c.api, "ipc_open_mem"), SLOTS);
     CHECK_EQ(fc_counter(c.api, "ipc_open_event"), SLOTS);
     /* Another device than the one imported on is refused, the import stays. */
-    CHECK_ST(ts_gpu_import(c.ring, c.api, 1, &err), TS_E_INVALID);
+    CHECK_ST(ts_ring_import_device(c.ring, &c.api->base, 1, &err), TS_E_INVALID);
     CHECK(strstr(err.msg, "GPU 0") != NULL);
-    CHECK_EQ(ts_gpu_imported_device(c.ring), 0);
+    CHECK_EQ(ts_ring_imported_device(c.ring), 0);
 
     SEND(out, M_READY, 0, 0);
     RECV(in, M_GO, m);
@@ -596,12 +595,12 @@ static void test_import(void)
     CHECK_EQ(h->host_pinned, 1);
     /* The IPC table: one memory and one event handle per slot, all different. */
     for (uint32_t k = 0; k < SLOTS; k++) {
-        const ts_ipc_entry *e = ts_ring_ipc_entry(p.ring, k);
+        const ts_device_ipc *e = ts_ring_ipc_entry(p.ring, k);
         REQUIRE(e != NULL);
         CHECK(nonzero(e->mem, sizeof e->mem));
         CHECK(nonzero(e->event, sizeof e->event));
         for (uint32_t j = 0; j < k; j++) {
-            const ts_ipc_entry *f = ts_ring_ipc_entry(p.ring, j);
+            const ts_device_ipc *f = ts_ring_ipc_entry(p.ring, j);
             CHECK(memcmp(e->mem, f->mem, sizeof e->mem) != 0);
             CHECK(memcmp(e->event, f->event, sizeof e->event) != 0);
         }
@@ -662,7 +661,7 @@ static void views_consumer(int in, int out)
         void *t1 = export_dev(l, 1, 0, 0, stream_arg(c.stream), &err);
         CHECK_ST(t1 != NULL ? TS_OK : err.code, TS_OK);
         CHECK_EQ(l->n_streams, 1);
-        CHECK(l->streams[0] == c.stream);
+        CHECK(l->streams[0] == (ts_device_stream)c.stream);
         CHECK_CU(c.api->StreamSynchronize(c.stream));
         if (t0 != NULL) {
             const DLManagedTensorVersioned *v = t0;
@@ -882,7 +881,7 @@ static void variants_consumer(int in, int out)
     CHECK_EQ(((DLManagedTensorVersioned *)tn)->flags, TS_DLPACK_FLAG_READ_ONLY);
     CHECK(device_leaf_ok(&c, tensor_of(tn, 1), a.slot, 1, 3, 0));
     CHECK_EQ(l->n_streams, 2);
-    CHECK(l->streams[1] == TS_CU_STREAM_LEGACY);
+    CHECK(l->streams[1] == (ts_device_stream)TS_CU_STREAM_LEGACY);
     CHECK_EQ(l->all_streams, 1);
 
     /* stream 0 is not a DLPack stream. */
@@ -968,7 +967,7 @@ static void last_ref_consumer(int in, int out)
     uint64_t dl = deadline_ms(5000);
     while (thread_count() != threads - 1 && ts_now_ns() < dl) sleep_us(500);
     CHECK_EQ(thread_count(), threads - 1);
-    CHECK_EQ(atomic_load(&c.api->refs), 1); /* the ring's state gave its reference back */
+    CHECK_EQ(atomic_load(&c.api->base.refs), 1); /* the ring's state gave its reference back */
     CHECK_EQ(fc_counter(c.api, "ipc_close_mem"), SLOTS);
     CHECK_CU(c.api->StreamSynchronize(c.stream));
     CHECK_EQ(sum, fnv1a(want, n));
@@ -1101,7 +1100,7 @@ static void test_mig(void)
     setenv("FAKECUDA_MIG", "1", 1);
     REQUIRE_OK(ts_cuda_load(&api, &err));
     ts_ring_unlink_name(g_name, NULL);
-    CHECK_ST(ts_ring_create_on_device(g_name, &g, api, 0, &ring, &err), TS_E_GPU_UNAVAILABLE);
+    CHECK_ST(ts_ring_create_on_device(g_name, &g, &api->base, 0, &ring, &err), TS_E_GPU_UNAVAILABLE);
     CHECK_EQ(err.code, TS_E_GPU_UNAVAILABLE);
     CHECK(strstr(err.msg, "MIG") != NULL);
     CHECK(strstr(err.msg, "CUDA_ERROR_NOT_SUPPORTED") != NULL);
@@ -1111,7 +1110,7 @@ static void test_mig(void)
     CHECK_EQ(fc_counter(api, "alloc"), 1);
     CHECK_EQ(fc_counter(api, "free"), 1);
     CHECK_EQ(fakecuda_objects(getpid(), 0), 0);
-    CHECK_EQ(atomic_load(&api->refs), 1); /* the failed ring gave its references back */
+    CHECK_EQ(atomic_load(&api->base.refs), 1); /* the failed ring gave its references back */
     /* A host ring still works with the same driver loaded. */
     g.on_device = 0;
     CHECK_ST(ts_ring_create(g_name, &g, &ring, &err), TS_OK);
@@ -1132,15 +1131,15 @@ static void test_no_ipc_events(void)
     setenv("FAKECUDA_NO_IPC_EVENTS", "1", 1);
     REQUIRE_OK(ts_cuda_load(&api, &err));
     ts_ring_unlink_name(g_name, NULL);
-    CHECK_ST(ts_ring_create_on_device(g_name, &g, api, 0, &ring, &err), TS_E_GPU_UNAVAILABLE);
+    CHECK_ST(ts_ring_create_on_device(g_name, &g, &api->base, 0, &ring, &err), TS_E_GPU_UNAVAILABLE);
     CHECK(strstr(err.msg, "IPC events") != NULL);
     CHECK(ring == NULL);
     CHECK(no_segment());
     CHECK_EQ(fakecuda_objects(getpid(), 0), 0);
-    CHECK_EQ(atomic_load(&api->refs), 1);
+    CHECK_EQ(atomic_load(&api->base.refs), 1);
     /* And a device this process does not see. */
     g.slot_count = SLOTS;
-    CHECK_ST(ts_ring_create_on_device(g_name, &g, api, 3, &ring, &err), TS_E_GPU_UNAVAILABLE);
+    CHECK_ST(ts_ring_create_on_device(g_name, &g, &api->base, 3, &ring, &err), TS_E_GPU_UNAVAILABLE);
     CHECK(strstr(err.msg, "no CUDA device 3") != NULL);
     CHECK(no_segment());
 out:
@@ -1186,16 +1185,16 @@ static void test_import_in_exporter(void)
     REQUIRE(spawn(&c, reader_consumer) == 0);
     REQUIRE(prod_open(&p) == 0);
     /* The producer's own handle is refused outright, and its pool stays untouched. */
-    CHECK_ST(ts_gpu_import(p.ring, p.api, 0, &err), TS_E_INVALID);
+    CHECK_ST(ts_ring_import_device(p.ring, &p.api->base, 0, &err), TS_E_INVALID);
     CHECK(strstr(err.msg, "only in other processes") != NULL);
-    for (uint32_t k = 0; k < SLOTS; k++) CHECK(ts_gpu_slot_ptr(p.ring, k) != 0);
+    for (uint32_t k = 0; k < SLOTS; k++) CHECK(ts_ring_device_ptr(p.ring, k) != 0);
     REQUIRE_OK(ts_ring_open(g_name, &mine, &err));
     for (int attempt = 0; attempt < 2; attempt++) {
-        CHECK_ST(ts_gpu_import(mine, p.api, 0, &err), TS_E_GPU_UNAVAILABLE);
+        CHECK_ST(ts_ring_import_device(mine, &p.api->base, 0, &err), TS_E_GPU_UNAVAILABLE);
         CHECK(strstr(err.msg, "cannot open the producer's GPU memory on GPU 0") != NULL);
         CHECK(strstr(err.msg, "CUDA_ERROR_INVALID_CONTEXT") != NULL);
-        CHECK_EQ(ts_gpu_imported_device(mine), -1);
-        for (uint32_t k = 0; k < SLOTS; k++) CHECK_EQ(ts_gpu_slot_ptr(mine, k), 0);
+        CHECK_EQ(ts_ring_imported_device(mine), -1);
+        for (uint32_t k = 0; k < SLOTS; k++) CHECK_EQ(ts_ring_device_ptr(mine, k), 0);
         /* No importer entry is left behind, so the producer is not held up. */
         CHECK_EQ(ts_ring_importers(p.ring), 0);
         for (int i = 0; i < TS_MAX_CONSUMERS; i++)

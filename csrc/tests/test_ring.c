@@ -2,7 +2,7 @@
  *
  * Build (from the repository root):
  *   cc -std=c11 -Wall -Wextra -Werror -O1 -g -pthread -Icsrc csrc/tests/test_ring.c \
- *      $(ls csrc/ts_*.c | grep -v ts_module.c) -o test_ring -lrt
+ *      $(ls csrc/ts_*.c | grep -v 'ts_module.c\|ts_py_') -o test_ring -lrt
  * Run:  ./test_ring [NAME]   runs the tests whose name contains NAME (all without it).
  * The last line is "N passed, M failed"; the exit status is non-zero if any failed. */
 #define _GNU_SOURCE
