@@ -78,9 +78,10 @@ STDOUT = subprocess.STDOUT
 _STARTUP_VARIABLES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "GOMP_", "MKL_",
                       "OPENBLAS_", "ASAN_", "UBSAN_", "TSAN_", "LSAN_", "TORCH_", "PYTORCH_",
                       "NVIDIA_", "LANG", "LC_", "PATH", "TZ")
-# ... except these, which are read later (or which the child sets its streams up for).
+# ... except these, which are read later (PyTorch sizes its intra-op thread pool from
+# OMP_NUM_THREADS at its first parallel op), or which the child sets its streams up for.
 _LATE_VARIABLES = {"PYTHONUNBUFFERED", "PYTORCH_NVML_BASED_CUDA_CHECK",
-                   "PYTORCH_CUDA_ALLOC_CONF"}
+                   "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS"}
 
 
 class ChildFailed(AssertionError):
@@ -575,9 +576,12 @@ class ForkServer:
         finally:
             listener.close()
         ready = self.proc.stderr.readline() if self.proc.stderr else b""
-        if ready.strip() != b"ready":
+        if not ready.startswith(b"ready "):
             rest = ready + (self.proc.stderr.read() if self.proc.poll() is not None else b"")
             raise RuntimeError(f"the fork server did not start: {_tail(rest)}")
+        # Whether /proc/PID/cmdline and environ of a forked child show its own argv and
+        # environment (as ps and psutil read them), not the server's.
+        self.proc_identity = ready.split()[1] == b"1"
         # Its stderr is not read any more: a message of a dying server must not block it.
         server = self
 
@@ -738,7 +742,11 @@ def _serve() -> None:
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(wake_r, selectors.EVENT_READ, "reap")
     sel.register(sys.stdin, selectors.EVENT_READ, "parent")
-    sys.stderr.write("ready\n")
+    # Whether a child can show its own argv and environment in /proc (see _set_identity):
+    # tried on this process, with its own.
+    identity = _set_identity(getattr(sys, "orig_argv", [sys.executable, *sys.argv]),
+                             dict(os.environ))
+    sys.stderr.write(f"ready {int(identity)}\n")
     sys.stderr.flush()
 
     def reap() -> None:
@@ -819,6 +827,55 @@ def _serve() -> None:
                 conn.close()
 
 
+_IDENTITY: list = []  # the buffers /proc/self/cmdline and environ point into now
+
+
+def _set_identity(argv: list[str], env: dict[str, str]) -> bool:
+    """Make /proc/self/cmdline and /proc/self/environ show `argv` and `env` (what ps,
+    psutil and a test that looks for its processes by their environment read), as after
+    an exec: prctl(PR_SET_MM, PR_SET_MM_MAP). False where the kernel does not allow it
+    (no CONFIG_CHECKPOINT_RESTORE): they show the fork server's then."""
+    import ctypes
+
+    class MMMap(ctypes.Structure):  # struct prctl_mm_map
+        _fields_ = [(n, ctypes.c_uint64) for n in (
+            "start_code", "end_code", "start_data", "end_data", "start_brk", "brk",
+            "start_stack", "arg_start", "arg_end", "env_start", "env_end", "auxv")] + \
+            [("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sbrk.restype = ctypes.c_void_p
+        libc.sbrk.argtypes = (ctypes.c_ssize_t,)
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(")") + 2:].split()
+
+        def field(n: int) -> int:  # proc(5) numbers the fields from 1; fields[0] is 3
+            return int(fields[n - 3])
+
+        args = b"".join(os.fsencode(a) + b"\0" for a in argv)
+        environ = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0"
+                           for k, v in env.items())
+        block = ctypes.create_string_buffer(args + environ, len(args) + len(environ))
+        with open("/proc/self/auxv", "rb") as f:
+            auxv_bytes = f.read()
+        auxv = ctypes.create_string_buffer(auxv_bytes, len(auxv_bytes))
+        base = ctypes.addressof(block)
+        m = MMMap(start_code=field(26), end_code=field(27), start_data=field(45),
+                  end_data=field(46), start_brk=field(47), brk=libc.sbrk(0) or 0,
+                  start_stack=field(28), arg_start=base, arg_end=base + len(args),
+                  env_start=base + len(args), env_end=base + len(args) + len(environ),
+                  auxv=ctypes.addressof(auxv), auxv_size=len(auxv_bytes),
+                  exe_fd=0xFFFFFFFF)
+        if libc.prctl(35, 14, ctypes.byref(m), ctypes.sizeof(m), 0) != 0:  # PR_SET_MM_MAP
+            return False
+    except (OSError, ValueError, IndexError, AttributeError):
+        return False
+    _IDENTITY[:] = [block, auxv]
+    return True
+
+
 def _child(request: dict, fds: list[int]) -> None:
     """In a forked child of the server: become `python argv...` and exit as it would."""
     import io
@@ -842,6 +899,7 @@ def _child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _set_identity([sys.executable, *request["argv"]], request["env"])
         tempfile.tempdir = None
         sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
                                      encoding=sys.stdin.encoding, errors="strict") \

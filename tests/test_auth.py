@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import socket
 import stat
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -26,7 +25,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import ROOT
+from conftest import ROOT, run as run_python
 from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError, _core, protocol
 from tensorsocket.endpoints import runtime_dir
 
@@ -206,9 +205,11 @@ def test_ipc_peer_of_another_user_is_refused(name):
             reply = protocol.decode(s.recv())
             print(reply["type"], reply.get("code"), reply.get("message"))
         """)
-        out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True,
-                             timeout=DEADLINE, cwd="/", env={**os.environ,
-                                                             "PYTHONPATH": str(ROOT)})
+        # cwd="/": the client imports this tree's tensorsocket through PYTHONPATH, which
+        # conftest starts with ROOT.
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+        out = run_python([sys.executable, "-c", client], capture_output=True, text=True,
+                         timeout=DEADLINE, cwd="/")
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith("error auth "), out.stdout
         assert "uid 65534" in out.stdout and "same user" in out.stdout, out.stdout
