@@ -823,9 +823,9 @@ def run_once(spec: RunSpec) -> dict:
         out = tmp / f"{label}.out"
         err = tmp / f"{label}.err"
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            p = subprocess.Popen(_child_cmd(python, role, **dict(common, **kw)), stdout=fo,
+            p = _harness().spawn(_child_cmd(python, role, **dict(common, **kw)), stdout=fo,
                                  stderr=fe, stdin=subprocess.DEVNULL, cwd=tmp,
-                                 env=_child_env())
+                                 env=_child_env(), label=label)
         procs.append(p)
         logs[p.pid] = (label, out, err)
         poller.add(p.pid, label.rstrip("0123456789"))

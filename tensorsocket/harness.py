@@ -415,7 +415,8 @@ class Children:
         its pipes; the pids killed."""
         killed = []
         for p in self.procs:
-            killed += p.kill_tree(signal.SIGKILL)
+            if p.poll() is None:
+                killed += kill_tree(p.pid, signal.SIGKILL)
         for p in self.procs:
             try:
                 p.communicate(timeout=10)
@@ -435,9 +436,15 @@ class Children:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for p in self.procs:  # SIGKILL what is left; reap; join follow()'s readers
-            p.kill_tree(signal.SIGKILL)
-            p.stop(grace=0.0)
+        for p in self.procs:  # SIGKILL what is left (any Popen); reap; join follow()'s readers
+            if p.poll() is None:
+                kill_tree(p.pid, signal.SIGKILL)
+            try:
+                p.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                pass
+            for t in getattr(p, "readers", ()):
+                t.join(timeout=1.0)
 
     def __enter__(self) -> "Children":
         return self

@@ -455,7 +455,7 @@ def test_fuzz_control_socket_while_a_consumer_reads(rig, examples):
     time.sleep(0.2)
     assert rig.server.rejected - base == tally["rejected"], tally
     print("fuzz tally:", tally)
-    assert tally["sent"] >= 1500, tally  # thousands of cases, not a handful
+    assert tally["sent"] >= 1500 * examples // 900, tally  # every list sent, not a handful
     assert tally["oversized"] >= 20, tally
     for s in dealers:
         _drain_replies(s, tally)
