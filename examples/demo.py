@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import math
 import os
 import queue
@@ -76,8 +75,7 @@ class DemoError(Exception):
 
 def _emit(event: str, **fields: Any) -> None:
     """Send one event to the parent: a marked JSON line on stdout."""
-    sys.stdout.write(MARK + json.dumps({"event": event, **fields}, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
+    harness.emit({"event": event, **fields}, marker=MARK)
 
 
 def _run_producer(name: str, consumers: int, epochs: int, images: int) -> None:

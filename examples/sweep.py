@@ -28,7 +28,6 @@ The producer stops once every trial has finished (it runs as many epochs as they
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import sys
@@ -76,9 +75,9 @@ def trial(args: argparse.Namespace) -> None:
         print(f"{me} epoch {epoch}/{args.epochs}: loss {loss:.3f} ({samples} samples)",
               flush=True)
     loader.close()
-    print(RESULT + json.dumps({"trial": args.trial, "lr": args.lr, "batch_size": args.batch_size,
-                               "epochs": args.epochs, "final_loss": loss,
-                               "samples": samples_seen}), flush=True)
+    harness.emit({"trial": args.trial, "lr": args.lr, "batch_size": args.batch_size,
+                  "epochs": args.epochs, "final_loss": loss, "samples": samples_seen},
+                 marker=RESULT)
 
 
 # -- the driver: one producer, trials started at different times -----------------------

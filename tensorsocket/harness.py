@@ -9,7 +9,7 @@ repository that runs producers and consumers as real processes:
   ``child_env()`` its environment (this tree first on ``PYTHONPATH``, so that a child
   imports the same tensorsocket as its parent; optionally one thread per library).
 - The JSON-line protocol: a child reports by printing one JSON object per stdout line
-  (optionally after a marker string). ``read_json()`` / ``wait_ready()`` read the next
+  (optionally after a marker string; ``emit()``). ``read_json()`` / ``wait_ready()`` read the next
   one (the first one is the child's "ready"), ``result()`` waits for the child and
   returns the last one, raising ``ChildFailed`` with the tails of its output if it
   failed; ``follow()`` hands every event to a queue from reader threads, for a parent
@@ -56,6 +56,7 @@ __all__ = [
     "ROOT",
     "child_env",
     "descendants",
+    "emit",
     "json_lines",
     "kill_tree",
     "loadavg",
@@ -112,6 +113,14 @@ def child_env(extra: dict[str, str] | None = None, *, threads: int | None = None
     if extra:
         env.update(extra)
     return env
+
+
+def emit(obj: dict, marker: str = "", file: Any = None) -> None:
+    """The child's side of the JSON-line protocol: print `obj` as one JSON line (after
+    `marker`) on stdout, flushed."""
+    out = sys.stdout if file is None else file
+    out.write(marker + json.dumps(obj, separators=(",", ":")) + "\n")
+    out.flush()
 
 
 def json_lines(text: str, marker: str = "") -> list[dict]:
