@@ -52,6 +52,21 @@ def short_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def hello_message(pid: int, **fields) -> bytes:
+    """A well-formed hello of the control protocol claiming `pid` (a forger's, in the tests
+    of who may attach); every field not given (the secret, which another user does not
+    know) is left empty."""
+    from tensorsocket import _core, protocol
+
+    msg = dict(protocol=protocol.PROTOCOL_VERSION, pid=pid,
+               start_time=_core.process_start_time(pid), batch_size=None, group=None,
+               rank=0, world_size=1)
+    msg.update(fields)
+    for field in protocol.SCHEMAS["hello"]:
+        msg.setdefault(field, None)
+    return protocol.encode("hello", **msg)
+
+
 def shm_segments(name: str | None = None) -> list[str]:
     """tensorsocket segments in /dev/shm (of producer `name` if given)."""
     prefix = f"tensorsocket-{os.getuid()}-" + (f"{name}-" if name else "")

@@ -25,7 +25,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import ROOT, run as run_python
+from conftest import ROOT, hello_message, run as run_python
 from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError, _core, protocol
 from tensorsocket.endpoints import runtime_dir
 
@@ -49,18 +49,6 @@ def _dealer(address: str) -> zmq.Socket:
     s.setsockopt(zmq.SNDTIMEO, int(DEADLINE * 1000))
     s.connect(address)
     return s
-
-
-def _hello(pid: int, **fields) -> bytes:
-    """A well-formed hello claiming `pid`; every field the caller does not give (the
-    secret, which another user does not know) is left empty."""
-    msg = dict(protocol=protocol.PROTOCOL_VERSION, pid=pid,
-               start_time=_core.process_start_time(pid), batch_size=None, group=None,
-               rank=0, world_size=1)
-    msg.update(fields)
-    for field in protocol.SCHEMAS["hello"]:
-        msg.setdefault(field, None)
-    return protocol.encode("hello", **msg)
 
 
 def _ask(s: zmq.Socket, payload: bytes) -> dict:
@@ -181,7 +169,7 @@ def test_hello_claiming_another_pid_over_ipc_is_refused(name, rig):
     reads (everything hung for good)."""
     p, _ = rig.serve(20, name=name, publish_timeout=DEADLINE)
     s = rig.peer(p.endpoint.address)
-    reply = _ask(s, _hello(1))
+    reply = _ask(s, hello_message(1))
     if reply["type"] == "welcome":  # hijacked: the forger is consumer 0, and ready
         assert _ask(s, protocol.encode("ready", consumer=reply["consumer"],
                                        token=reply["token"], align=False))["type"] == "started"
@@ -199,7 +187,7 @@ def test_hello_from_its_own_process_is_accepted_over_ipc(name, rig):
     control-plane tests rely on)."""
     p, _ = rig.serve(2, name=name)
     s = rig.peer(p.endpoint.address)
-    reply = _ask(s, _hello(os.getpid()))
+    reply = _ask(s, hello_message(os.getpid()))
     assert reply["type"] == "welcome", reply
     assert _ask(s, protocol.encode("bye", consumer=reply["consumer"],
                                    token=reply["token"]))["type"] == "bye_ok"
@@ -258,7 +246,7 @@ def test_tcp_producer_refuses_a_hello_without_its_secret(name, rig):
     port = _free_port()
     p, _ = rig.serve(20, port, name=name, publish_timeout=DEADLINE)
     s = rig.peer(f"tcp://127.0.0.1:{port}")
-    reply = _ask(s, _hello(1))
+    reply = _ask(s, hello_message(1))
     if reply["type"] == "welcome":  # hijacked: the forger is consumer 0, and ready
         assert _ask(s, protocol.encode("ready", consumer=reply["consumer"],
                                        token=reply["token"], align=False))["type"] == "started"
@@ -287,7 +275,7 @@ def test_tcp_secret_file_and_wrong_secrets(name, monkeypatch, tmp_path, rig):
         assert secret == p.auth_token and len(secret) >= 32
         for wrong in (None, "", secret[:-1] + ("0" if secret[-1] != "0" else "1"),
                       secret + "0", "x" * 4000):
-            _refusal_reveals_nothing(_ask(s, _hello(os.getpid(), secret=wrong)), p)
+            _refusal_reveals_nothing(_ask(s, hello_message(os.getpid(), secret=wrong)), p)
         assert p._server.rejected == 5
 
         with pytest.raises(TensorSocketError) as refused:
@@ -346,7 +334,7 @@ def test_silent_peer_is_evicted_and_the_others_go_on(name, monkeypatch, rig):
     p, producing = rig.serve(30, name=name, min_consumers=2, publish_timeout=DEADLINE)
     s = rig.peer(p.endpoint.address)
     try:
-        welcome = _ask(s, _hello(os.getpid()))
+        welcome = _ask(s, hello_message(os.getpid()))
         assert welcome["type"] == "welcome", welcome
         started = _ask(s, protocol.encode("ready", consumer=welcome["consumer"],
                                           token=welcome["token"], align=False))
