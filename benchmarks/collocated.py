@@ -176,7 +176,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -232,12 +231,14 @@ def _workload():
     return workload
 
 
-def _handoff():
-    """handoff.py (its child-process helpers), imported from this directory."""
-    sys.path.insert(0, str(HERE))
-    import handoff
+def _harness():
+    """tensorsocket.harness (child processes, machine information): for the orchestrator
+    only. The children must not import tensorsocket unless they use it: importing the
+    package changes what sits at the top of the heap of a DataLoader's forked workers (see
+    benchmarks/README.md, "The allocator")."""
+    from tensorsocket import harness
 
-    return handoff
+    return harness
 
 
 def _set_threads() -> None:
@@ -735,18 +736,6 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _json_lines(text: str) -> list[dict]:
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
 def _tail(path: Path, n: int = 1500) -> str:
     try:
         return path.read_text(errors="replace")[-n:].strip()
@@ -754,35 +743,12 @@ def _tail(path: Path, n: int = 1500) -> str:
         return ""
 
 
-def _descendants(pids: list[int]) -> list[int]:
-    try:
-        import psutil
-    except ImportError:
-        return []
-    out = []
-    for pid in pids:
-        try:
-            out += [k.pid for k in psutil.Process(pid).children(recursive=True)]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return out
-
-
 def _kill_all(procs: list[subprocess.Popen]) -> None:
-    """Terminate, then kill, every child still running, and the workers they started;
-    reap the children."""
-    kids = _descendants([p.pid for p in procs if p.poll() is None])
-    _handoff()._kill_all(procs)
-    if kids:
-        import psutil
-
-        for pid in kids:  # workers orphaned by a killed child, by pid
-            try:
-                proc = psutil.Process(pid)
-                proc.kill()
-                proc.wait(timeout=KILL_GRACE)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.TimeoutExpired):
-                pass
+    """Terminate, then kill, every child still running and the workers it started (its
+    process tree); reap the children."""
+    children = _harness().Children()
+    children.procs = list(procs)
+    children.stop_all(KILL_GRACE)
 
 
 def _remove_leftovers(name: str) -> None:
@@ -857,9 +823,9 @@ def run_once(spec: RunSpec) -> dict:
         out = tmp / f"{label}.out"
         err = tmp / f"{label}.err"
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            p = subprocess.Popen(_child_cmd(python, role, **dict(common, **kw)), stdout=fo,
+            p = _harness().spawn(_child_cmd(python, role, **dict(common, **kw)), stdout=fo,
                                  stderr=fe, stdin=subprocess.DEVNULL, cwd=tmp,
-                                 env=_child_env())
+                                 env=_child_env(), label=label)
         procs.append(p)
         logs[p.pid] = (label, out, err)
         poller.add(p.pid, label.rstrip("0123456789"))
@@ -934,7 +900,7 @@ def run_once(spec: RunSpec) -> dict:
 
     reports = {}
     for pid, (_label, out, _err) in logs.items():
-        lines = [r for r in _json_lines(_tail(out, 10**7)) if r.get("role") and
+        lines = [r for r in _harness().json_lines(_tail(out, 10**7)) if r.get("role") and
                  not r.get("ready")]
         if lines:
             reports[pid] = lines[-1]
@@ -1051,28 +1017,6 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def _mem_total_gb() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 1024 / 1024
-    except OSError:
-        pass
-    return None
-
-
 def _machine(original: dict) -> dict:
     import numpy
     import PIL
@@ -1089,15 +1033,15 @@ def _machine(original: dict) -> dict:
                 "file": tensorsocket.__file__}
     except ImportError as e:
         ours = {"error": str(e)}
+    machine = _harness().machine_info(packages=())
     return {
-        "cpu_model": _cpu_model(),
-        "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-        else os.cpu_count(),
-        "mem_total_gb": _mem_total_gb(),
-        "loadavg_start": list(os.getloadavg()),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
+        "cpu_model": machine["cpu_model"],
+        "cores": machine["cpus"],
+        "usable_cores": machine["cpus_usable"],
+        "mem_total_gb": machine["mem_total_gb"] and machine["mem_total_gb"] * 1e9 / 2**30,  # GiB
+        "loadavg_start": machine["loadavg_start"],
+        "platform": machine["platform"],
+        "python": machine["python"],
         "torch": torch.__version__,
         "numpy": numpy.__version__,
         "pillow": PIL.__version__,

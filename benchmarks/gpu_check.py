@@ -506,55 +506,47 @@ def gpu_skip_reason(device: str) -> str | None:
 
 
 class Children:
-    """Child processes of one run: started, read, and always reaped (with timeouts)."""
+    """Child processes of one run: started, read, and always reaped (with timeouts); the
+    processes themselves come from tensorsocket.harness."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.procs: list[subprocess.Popen] = []
-        self._err: dict[int, object] = {}
-        self._out: dict[int, bytes] = {}
+        _import_tensorsocket()
+        from tensorsocket import harness
 
-    def start(self, role: str, *args: str, stdin: bool = False) -> subprocess.Popen:
+        self.harness = harness
+        self.group = self.harness.Children()
+        self._err: dict[int, object] = {}
+
+    @property
+    def procs(self) -> list:
+        return self.group.procs
+
+    def start(self, role: str, *args: str, stdin: bool = False):
         err = tempfile.TemporaryFile()
-        p = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), role, *args],
-            stdout=subprocess.PIPE, stderr=err,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, cwd=ROOT,
-        )
-        self.procs.append(p)
-        self._err[p.pid], self._out[p.pid] = err, b""
+        p = self.group.spawn(self.harness.python_argv(os.path.abspath(__file__), role, *args),
+                             stdout=subprocess.PIPE, stderr=err, text=False, cwd=ROOT,
+                             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, label=role)
+        self._err[p.pid] = err
         return p
 
-    def stderr(self, p: subprocess.Popen) -> str:
+    def stderr(self, p) -> str:
         err = self._err[p.pid]
         err.seek(0)
         return err.read()[-4000:].decode(errors="replace")
 
-    def wait_line(self, p: subprocess.Popen, key: str, timeout: float = READY_TIMEOUT) -> dict:
+    def wait_line(self, p, key: str, timeout: float = READY_TIMEOUT) -> dict:
         """The next JSON line of p on stdout with `key`."""
         deadline = time.monotonic() + timeout
-        fd = p.stdout.fileno()
         while True:
-            buf = self._out[p.pid]
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                self._out[p.pid] = buf
-                obj = _json_or_none(line)
-                if obj is not None and key in obj:
-                    return obj
-            left = deadline - time.monotonic()
-            with selectors.DefaultSelector() as sel:
-                sel.register(fd, selectors.EVENT_READ)
-                if left <= 0 or not sel.select(left):
-                    raise TimeoutError(f"no {key!r} from a child within {timeout} s:\n"
-                                       f"{self.stderr(p)}")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise RuntimeError(f"a child exited (rc={p.wait(timeout=KILL_GRACE)}) before "
-                                   f"its {key!r} line:\n{self.stderr(p)}")
-            self._out[p.pid] += chunk
+            try:
+                obj = p.read_json(max(0.0, deadline - time.monotonic()), what=f"its {key!r} line")
+            except self.harness.ChildFailed as e:
+                raise RuntimeError(f"{e}\n{self.stderr(p)}") from None
+            if key in obj:
+                return obj
 
-    def release(self, procs: list[subprocess.Popen]) -> None:
+    def release(self, procs: list) -> None:
         """Barrier: wait for every 'ready' line, then tell them all 'go'."""
         for p in procs:
             self.wait_line(p, "ready")
@@ -562,24 +554,22 @@ class Children:
             p.stdin.write(b"go\n")
             p.stdin.flush()
 
-    def result(self, p: subprocess.Popen, deadline: float) -> dict:
+    def result(self, p, deadline: float) -> dict:
         """Wait for p; its last JSON line with a role."""
         try:
             rest, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"a child did not finish in time:\n{self.stderr(p)}") from None
-        lines = [_json_or_none(ln) for ln in (self._out[p.pid] + rest).splitlines()]
-        lines = [ln for ln in lines if ln and "role" in ln and "ready" not in ln]
+        lines = [ln for ln in self.harness.json_lines(rest.decode(errors="replace"))
+                 if "role" in ln and "ready" not in ln]
         if p.returncode != 0 or not lines:
             raise RuntimeError(f"a child failed (rc={p.returncode}):\n{self.stderr(p)}")
         return lines[-1]
 
     def close(self) -> None:
-        """Terminate, then kill, every child still running; reap all; remove leftovers."""
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import handoff
-
-        handoff._kill_all(self.procs)
+        """Terminate, then kill, every child still running (process trees); reap all;
+        remove leftovers."""
+        self.group.stop_all(KILL_GRACE)
         for p in self.procs:
             for f in (p.stdin, p.stdout):
                 if f is not None:
@@ -587,17 +577,6 @@ class Children:
             self._err[p.pid].close()
         if self.name:
             _remove_leftovers(self.name)
-
-
-def _json_or_none(line: bytes) -> dict | None:
-    """A JSON object line of a child, or None for any other output."""
-    if not line.startswith(b"{"):
-        return None
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def _remove_leftovers(name: str) -> None:
@@ -814,6 +793,8 @@ def environment(args: argparse.Namespace) -> dict:
     import torch
 
     status = _import_tensorsocket().gpu_status()
+    from tensorsocket import harness
+
     ordinal = int(args.device.partition(":")[2] or 0)
     dev = (status["devices"] or [{}])[ordinal]
     return {
@@ -826,6 +807,7 @@ def environment(args: argparse.Namespace) -> dict:
         "batch_mb": batch_nbytes(parse_shape(args.batch_shape)) / 1e6,
         "work_ms": args.work_ms, "work_iters": args.work_iters, "workers": args.workers,
         "repeats": args.repeats, "ring_slots": args.ring_slots,
+        "machine": harness.machine_info(),
     }
 
 

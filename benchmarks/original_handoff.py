@@ -81,7 +81,7 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
-import handoff as H  # noqa: E402  (benchmarks/ is not a package)
+import handoff_common as H  # noqa: E402  (benchmarks/ is not a package)
 from original_env import ORIGINAL_VERSION, OriginalUnavailable, ensure_venv  # noqa: E402
 
 LABEL = f"tensorsocket {ORIGINAL_VERSION} (original, PyPI)"
@@ -322,7 +322,8 @@ def _read(path: Path) -> str:
 
 
 def _last_report(text: str, role: str) -> dict | None:
-    lines = [r for r in H._json_lines(text) if r.get("role") == role and "ready" not in r]
+    lines = [r for r in H.harness().json_lines(text)
+             if r.get("role") == role and "ready" not in r]
     return lines[-1] if lines else None
 
 
@@ -333,7 +334,7 @@ def _wait_ready(proc: subprocess.Popen, out: Path, err: Path, timeout: float) ->
             return
         if proc.poll() is not None:
             rep = _last_report(_read(out), "producer")
-            why = rep["error"] if rep and rep.get("error") else H._tail(_read(err))
+            why = rep["error"] if rep and rep.get("error") else H.tail(_read(err))
             raise RuntimeError(f"producer exited before it was ready (rc={proc.returncode}): "
                                f"{why}")
         time.sleep(0.05)
@@ -358,7 +359,7 @@ class Runner:
                     "error": f"original unavailable: {self.unavailable}"}
         pbs = self.pbs[kind]
         need = estimate_peak_bytes(kind, consumers, pbs)
-        avail = (H._meminfo_gb("MemAvailable") or 0) * 1e9
+        avail = (H.harness().meminfo_gb("MemAvailable") or 0) * 1e9
         if avail and need > MEM_GUARD_FRACTION * avail:
             return {"consumers": [], "producer": None,
                     "error": f"not run: estimated peak memory {need / 1e9:.1f} GB (producer_"
@@ -383,7 +384,7 @@ class Runner:
     def _run(self, kind: str, consumers: int, batches: int, pbs: int) -> dict:
         ports = [str(p) for p in free_ports(4)]
         tmp = Path(tempfile.mkdtemp(prefix="ts-original-handoff-"))
-        procs: list[subprocess.Popen] = []
+        procs: list = []
         files: list[tuple[Path, Path]] = []
         problems: list[str] = []
         env = _child_env()
@@ -394,14 +395,14 @@ class Runner:
             out, err = tmp / f"{role}{i}.out", tmp / f"{role}{i}.err"
             fo, fe = open(out, "w"), open(err, "w")
             opened.extend([fo, fe])
-            p = subprocess.Popen([str(self.python), script, role, "--kind", kind,
-                                  "--ports", *ports, *extra],
-                                 stdin=stdin, stdout=fo, stderr=fe, cwd=tmp, env=env)
+            p = H.harness().spawn([str(self.python), script, role, "--kind", kind,
+                               "--ports", *ports, *extra], label=f"{role} {i}",
+                              stdin=stdin, stdout=fo, stderr=fe, cwd=tmp, env=env)
             procs.append(p)
             files.append((out, err))
             return p
 
-        mem_total = (H._meminfo_gb("MemTotal") or 0) * 1e9
+        mem_total = (H.harness().meminfo_gb("MemTotal") or 0) * 1e9
         try:
             pad = pbs if self.padding else 0
             producer = spawn("_oproducer", 0, "--batches", str(batches + pad),
@@ -417,7 +418,7 @@ class Runner:
                     problems.append(f"configuration not finished within "
                                     f"{self.config_timeout:.0f} s")
                     break
-                avail = (H._meminfo_gb("MemAvailable") or 0) * 1e9
+                avail = (H.harness().meminfo_gb("MemAvailable") or 0) * 1e9
                 if mem_total and avail and avail < MEM_FLOOR_FRACTION * mem_total:
                     problems.append(f"stopped by the benchmark: MemAvailable fell to "
                                     f"{avail / 1e9:.1f} GB of {mem_total / 1e9:.1f} GB")
@@ -443,7 +444,7 @@ class Runner:
         except Exception as e:  # recorded as this configuration's result
             problems.append(f"{type(e).__name__}: {e}")
         finally:
-            H._kill_all(procs)
+            H.stop_all(procs)
             for f in opened:
                 f.close()
             reports, preport = self._collect(procs, files, problems)
@@ -472,7 +473,7 @@ class Runner:
             if rep is None:
                 who = "producer" if i == 0 else f"consumer {i}"
                 problems.append(f"{who} exited rc={p.returncode} without a report: "
-                                f"{H._tail(_read(err), 4)}")
+                                f"{H.tail(_read(err), 4)}")
                 if i:
                     reports.append({"role": "consumer", "batches": 0, "error": "no report"})
                 continue

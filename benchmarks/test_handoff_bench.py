@@ -2,7 +2,7 @@
 
 Run explicitly (the default ``pytest`` run only collects ``tests/``):
 
-    python -m pytest benchmarks/ --benchmark-only
+    python -m pytest benchmarks/ --benchmark-only -n 0
 
 The producer is a real subprocess (``benchmarks/handoff.py _producer``) whose
 loader yields the same pre-made batch every time; the consumer is this
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ def _load_handoff():
 
 
 handoff = _load_handoff()
+common = sys.modules["handoff_common"]  # imported by handoff.py
 
 TINY_ROUNDS, TINY_ITERATIONS, TINY_WARMUP = 200, 50, 10
 LARGE_ROUNDS, LARGE_WARMUP = 40, 5
@@ -47,19 +47,16 @@ def producer_process(kind: str, batches: int):
     """A producer subprocess publishing `batches` copies of the `kind` batch
     to one consumer; yields its name. Always killed and cleaned up."""
     name = f"bench-pytest-{os.getpid()}-{kind}-{time.monotonic_ns() % 10**9}"
-    proc = subprocess.Popen(
-        handoff._child_cmd("_producer", "--name", name, "--kind", kind,
-                           "--batches", str(batches), "--consumers", "1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    proc = common.harness().spawn(
+        handoff.child_argv("_producer", "--name", name, "--kind", kind,
+                           "--batches", str(batches), "--consumers", "1"), label="producer")
     try:
-        handoff._read_ready(proc, handoff.ATTACH_TIMEOUT)
+        proc.wait_ready(handoff.ATTACH_TIMEOUT)
         yield name
-        _, err = proc.communicate(timeout=handoff.JOIN_TIMEOUT + 30)
-        assert proc.returncode == 0, f"producer failed (rc={proc.returncode}):\n{err[-4000:]}"
+        proc.result(handoff.JOIN_TIMEOUT + 30)
     finally:
-        handoff._kill_all([proc])
-        handoff._remove_leftovers(name)
+        common.stop_all([proc])
+        common.remove_leftovers(name)
 
 
 @contextlib.contextmanager
@@ -89,7 +86,7 @@ def test_consumer_tiny_batch(benchmark):
 
         benchmark.pedantic(take_one, rounds=TINY_ROUNDS, iterations=TINY_ITERATIONS,
                            warmup_rounds=TINY_WARMUP)
-    benchmark.extra_info["batch_bytes"] = handoff.batch_bytes("tiny")
+    benchmark.extra_info["batch_bytes"] = common.batch_bytes("tiny")
     median = benchmark.stats.stats.median
     benchmark.extra_info["batches_per_s"] = 1.0 / median if median > 0 else None
 
@@ -101,11 +98,11 @@ def test_consumer_32mib_batch(benchmark):
 
         def take_one():
             batch = next(it)
-            return int(batch[0].view(-1)[:: handoff.PAGE].sum())
+            return int(batch[0].view(-1)[:: common.PAGE].sum())
 
         benchmark.pedantic(take_one, rounds=LARGE_ROUNDS, iterations=1,
                            warmup_rounds=LARGE_WARMUP)
-    nbytes = handoff.batch_bytes("32MiB")
+    nbytes = common.batch_bytes("32MiB")
     benchmark.extra_info["batch_bytes"] = nbytes
     median = benchmark.stats.stats.median
     benchmark.extra_info["gb_per_s"] = nbytes / median / 1e9 if median > 0 else None
@@ -113,7 +110,7 @@ def test_consumer_32mib_batch(benchmark):
 
 def test_memcpy_32mib_baseline(benchmark):
     """Baseline: single-threaded np.copyto of 32 MiB into a preallocated buffer."""
-    nbytes = handoff.batch_bytes("32MiB")
+    nbytes = common.batch_bytes("32MiB")
     src = np.full(nbytes, 7, dtype=np.uint8)
     dst = np.ones_like(src)  # written, so its pages are faulted in
     benchmark.pedantic(np.copyto, args=(dst, src), rounds=MEMCPY_ROUNDS, iterations=1,
@@ -125,4 +122,4 @@ def test_memcpy_32mib_baseline(benchmark):
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "--benchmark-only", *sys.argv[1:]]))
+    sys.exit(pytest.main([__file__, "--benchmark-only", "-n", "0", *sys.argv[1:]]))

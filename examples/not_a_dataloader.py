@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import uuid
 
 import numpy as np
 import torch
 
-from tensorsocket import TensorConsumer, TensorProducer
+from tensorsocket import TensorConsumer, TensorProducer, harness
 
 EPOCHS = 2
 
@@ -167,7 +165,10 @@ def main() -> None:
 
     tag = uuid.uuid4().hex[:8]
     names = (f"generator-{tag}", f"iterable-{tag}")
-    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--consume", *names])
+    # The consumer process: its output goes to ours (stdout=None, stderr=None).
+    child = harness.spawn(harness.python_argv(os.path.abspath(__file__), "--consume", *names),
+                          env=harness.child_env(), stdin=None, stdout=None, stderr=None,
+                          label="consumer")
     try:
         produce(lambda: token_batches(), names[0], "1. generator")
         reviews = ReviewsIterable()
@@ -179,7 +180,7 @@ def main() -> None:
             raise SystemExit(f"the consumer failed (exit {child.returncode})")
     finally:
         if child.poll() is None:
-            child.kill()
+            child.kill_tree()
             child.wait()
     used_up_generator()
 

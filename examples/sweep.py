@@ -28,18 +28,16 @@ The producer stops once every trial has finished (it runs as many epochs as they
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
+import queue
 import sys
-import threading
 import time
 import uuid
 
 import torch
 import torch.nn.functional as F
 
-from tensorsocket import TensorConsumer, TensorProducer
+from tensorsocket import TensorConsumer, TensorProducer, harness
 
 RESULT = "RESULT "  # a trial's last stdout line: RESULT {json}
 LOADER_BATCH = 64
@@ -77,34 +75,38 @@ def trial(args: argparse.Namespace) -> None:
         print(f"{me} epoch {epoch}/{args.epochs}: loss {loss:.3f} ({samples} samples)",
               flush=True)
     loader.close()
-    print(RESULT + json.dumps({"trial": args.trial, "lr": args.lr, "batch_size": args.batch_size,
-                               "epochs": args.epochs, "final_loss": loss,
-                               "samples": samples_seen}), flush=True)
+    harness.emit({"trial": args.trial, "lr": args.lr, "batch_size": args.batch_size,
+                  "epochs": args.epochs, "final_loss": loss, "samples": samples_seen},
+                 marker=RESULT)
 
 
 # -- the driver: one producer, trials started at different times -----------------------
 
 
 class Trial:
-    """A trial process; a thread echoes its output and keeps its result."""
+    """A trial process (started through tensorsocket.harness); a thread echoes its output
+    and keeps its result."""
 
     def __init__(self, number: int, lr: float, batch_size: int, epochs: int, name: str) -> None:
         self.number, self.lr, self.batch_size, self.epochs = number, lr, batch_size, epochs
-        self.result: dict | None = None
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--trial", str(number), "--name", name,
-             "--lr", str(lr), "--batch-size", str(batch_size), "--epochs", str(epochs)],
-            stdout=subprocess.PIPE, text=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+        self.proc = harness.spawn(
+            harness.python_argv(os.path.abspath(__file__), "--trial", str(number), "--name",
+                                name, "--lr", str(lr), "--batch-size", str(batch_size),
+                                "--epochs", str(epochs)),
+            env=harness.child_env(), stderr=None, label=f"trial {number}")
+        self.events: queue.Queue = queue.Queue()
+        self.proc.follow(self.events, marker=RESULT, echo=lambda line: print(line, flush=True))
+        self._result: dict | None = None
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith(RESULT):
-                self.result = json.loads(line[len(RESULT):])
-            else:
-                print(line, end="", flush=True)
+    @property
+    def result(self) -> dict | None:
+        """Its RESULT line, once it printed it."""
+        while self._result is None and not self.events.empty():
+            _, event = self.events.get()
+            if event.get("event") != "eof":
+                self._result = event
+        return self._result
 
     def done(self) -> bool:
         return self.proc.poll() is not None
@@ -230,9 +232,8 @@ def driver(args: argparse.Namespace) -> None:
         finally:
             for t in trials:
                 if not t.done():
-                    t.proc.kill()
-                t.proc.wait()
-                t.reader.join(5)
+                    t.proc.kill_tree()
+                t.proc.stop(grace=5.0)  # reaped, its output read to the end
     cpu = time.process_time() - cpu0
     failed = [t.number for t in trials if t.proc.returncode != 0 or t.result is None]
     if failed:

@@ -79,21 +79,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    """Run the demo: one producer, N training consumers, one shared loader."""
-    from . import _core
-    from .demo import run
-
-    if args.consumers > _core.MAX_CONSUMERS:
-        raise UsageError(f"--consumers {args.consumers} is more than a ring supports",
-                         f"use at most {_core.MAX_CONSUMERS}")
-    _check_settings()
-    _runtime_dir()  # the children would each fail on a bad one; say it once, here
-    run(consumers=args.consumers, epochs=args.epochs, images=args.images, timeout=args.timeout,
-        live=False if args.no_live else None)
-    return 0
-
-
 def _non_negative_float(text: str) -> float:
     """argparse type: a number >= 0."""
     try:
@@ -252,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                       help="show tracebacks and the output of child processes on errors")
+                       help="show tracebacks on errors")
 
     parser = _Parser(
         prog=PROG, parents=[debug],
@@ -260,24 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
                                 parser_class=_Parser)
-
-    demo = sub.add_parser(
-        "demo", parents=[debug], help="run one producer and several training consumers",
-        description="Start one producer process that runs a DataLoader with a CPU transform "
-                    "over synthetic images, and N consumer processes that each train a tiny "
-                    "CNN on the shared batches; print their throughput and the CPU time that "
-                    "sharing the loader saved.")
-    demo.add_argument("--consumers", type=_positive_int, default=3, metavar="N",
-                      help="consumer processes (default: 3)")
-    demo.add_argument("--epochs", type=_positive_int, default=2, metavar="N",
-                      help="epochs to run (default: 2)")
-    demo.add_argument("--images", type=_positive_int, default=1024, metavar="N",
-                      help="synthetic images in the dataset (default: 1024)")
-    demo.add_argument("--timeout", type=_positive_float, default=120.0, metavar="SECONDS",
-                      help="stop every process and fail after this long (default: 120)")
-    demo.add_argument("--no-live", action="store_true",
-                      help="no live status panel under the log (default: shown on a terminal)")
-    demo.set_defaults(func=_cmd_demo)
 
     name_help = "only the producer of this name= (default: every producer of this user)"
     status = sub.add_parser(
@@ -361,23 +328,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prefix}: terminated", file=sys.stderr)
         return 143
     except Exception as e:
-        # Errors that carry a hint (DemoError, UsageError, CommandError; "" for none) are
+        # Errors that carry a hint (UsageError, CommandError; "" for none) are
         # expected failures: their message is for the user and says what to do. Anything
         # else is unexpected: shown with its type and the --debug hint.
         hint = getattr(e, "hint", None)
-        details: str = getattr(e, "details", "")
         if debug:
             traceback.print_exc()
-            if details:
-                print(details, file=sys.stderr)
         message = str(e) if hint is not None else f"{type(e).__name__}: {e}"
         print(f"{prefix}: error: {message}", file=sys.stderr)
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
-        if not debug and details:
-            print("hint: run again with --debug to see the output of the child processes",
-                  file=sys.stderr)
-        elif not debug and hint is None:
+        if not debug and hint is None:
             print("hint: run again with --debug to see the full traceback", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
     finally:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
+import shutil
 import subprocess
-import sys
+import tempfile
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tensorsocket import harness
 
 # Most tests start one producer after another and attach their consumers before the first
 # batch on purpose: the 3 s start grace (jobs started together begin at batch 0) would
@@ -34,18 +36,41 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true", help="run long soak tests")
     parser.addoption("--fault-table", metavar="PATH",
-                     help="write the fault table of tests/test_faults.py to PATH (Markdown)")
+                     help="write the fault table of tests/test_faults.py to PATH (Markdown); "
+                          "runs the tests in this process (no -n workers)")
 
 
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--run-slow"):
-        return
-    skip = pytest.mark.skip(reason="long run: pass --run-slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+def pytest_configure(config):
+    # The fault table is one session's rows: with pytest-xdist's workers each would write
+    # its own part. (xdist starts its workers in a later pytest_configure.)
+    if config.getoption("--fault-table") and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+
+
+@pytest.fixture
+def short_tmp():
+    """A private temporary directory with a short path, for runtime directories: under
+    pytest-xdist tmp_path is too long for the ipc:// socket paths in it (108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="ts-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def hello_message(pid: int, **fields) -> bytes:
+    """A well-formed hello of the control protocol claiming `pid` (a forger's, in the tests
+    of who may attach); every field not given (the secret, which another user does not
+    know) is left empty."""
+    from tensorsocket import _core, protocol
+
+    msg = dict(protocol=protocol.PROTOCOL_VERSION, pid=pid,
+               start_time=_core.process_start_time(pid), batch_size=None, group=None,
+               rank=0, world_size=1)
+    msg.update(fields)
+    for field in protocol.SCHEMAS["hello"]:
+        msg.setdefault(field, None)
+    return protocol.encode("hello", **msg)
 
 
 def shm_segments(name: str | None = None) -> list[str]:
@@ -71,67 +96,125 @@ def name():
     assert leaked == [], f"leaked segments: {leaked}"
 
 
+# -- child processes ---------------------------------------------------------------------
+#
+# Every test that starts Python children goes through tensorsocket.harness: procs.start()
+# and procs.script() below, or popen() / run() (subprocess.Popen / subprocess.run for a
+# Python argv). They are forked from one fork server per test process, which imported
+# torch and tensorsocket once (a fresh interpreter spends 1-3 s of CPU on that, and the
+# suite starts hundreds of children); what a fork cannot give exactly (interpreter flags,
+# a changed LD_PRELOAD, ...) starts a fresh interpreter, see harness.ForkServer.
+# TS_TEST_FORK_SERVER=0 starts every child afresh.
+
+_FORK_SERVER: list = []  # [harness.ForkServer] once started (one per pytest process)
+_FORK_SERVER_LOCK = threading.Lock()
+
+
+def fork_server():
+    """This process's ForkServer (started at first use), or None where it is off."""
+    if os.environ.get("TS_TEST_FORK_SERVER", "1") == "0":
+        return None
+    with _FORK_SERVER_LOCK:
+        if not _FORK_SERVER:
+            _FORK_SERVER.append(harness.ForkServer(cwd=ROOT))
+        return _FORK_SERVER[0]
+
+
+def pytest_unconfigure(config):
+    for server in _FORK_SERVER:
+        server.close()
+        if os.environ.get("TS_TEST_FORK_LOG"):  # how many children were forked, and why not
+            import json
+
+            with open(os.environ["TS_TEST_FORK_LOG"], "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "forked": server.forked,
+                                    "declined": dict(server.declined)}) + "\n")
+
+
+def _server(fork: bool | str):
+    """The fork server for a child: fork=True, False, or "identity": only where a forked
+    child's /proc/PID/cmdline and environ show its own (a test that finds its processes by
+    their environment or command line; harness.ForkServer.proc_identity)."""
+    server = fork_server() if fork else None
+    if server is not None and fork == "identity" and not server.proc_identity:
+        return None
+    return server
+
+
+def popen(args, *, fork: bool | str = True, **kw) -> harness.ChildProcess:
+    """subprocess.Popen(args, **kw) of a Python child, forked from the fork server unless
+    fork=False (a test of what a fresh interpreter does: its heap, its imports); see
+    _server() for fork="identity"."""
+    text = kw.pop("text", False) or kw.pop("universal_newlines", False)
+    return harness.spawn(args, stdin=kw.pop("stdin", None), stdout=kw.pop("stdout", None),
+                         stderr=kw.pop("stderr", None), text=text,
+                         new_session=kw.pop("start_new_session", False),
+                         fork_server=_server(fork), **kw)
+
+
+def run(args, *, input=None, capture_output: bool = False, timeout: float | None = None,
+        check: bool = False, fork: bool | str = True, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(args, ...) of a Python child, through popen()."""
+    if capture_output:
+        kw["stdout"] = kw["stderr"] = subprocess.PIPE
+    if input is not None:
+        kw["stdin"] = subprocess.PIPE
+    with popen(args, fork=fork, **kw) as p:
+        try:
+            out, err = p.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill_tree()
+            p.communicate()
+            raise
+    if check and p.returncode:
+        raise subprocess.CalledProcessError(p.returncode, args, out, err)
+    return subprocess.CompletedProcess(args, p.returncode, out, err)
+
+
 class Procs:
-    """Role processes started by one test; those still running at teardown are killed,
-    and the rings of the ones killed so are removed (see kill_all)."""
+    """Role processes started by one test; those still running at teardown are killed
+    with their process trees, and the rings of the ones killed so are removed (see
+    kill_all)."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
+        self.children = harness.Children(fork_server=fork_server(), cwd=ROOT, stdin=None)
 
-    def start(self, role: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    @property
+    def procs(self) -> list[harness.ChildProcess]:
+        return self.children.procs
+
+    def start(self, role: str, *args: str, env: dict | None = None,
+              fork: bool = True) -> harness.ChildProcess:
         """Run tests/roles.py as `role` (producer, consumer) with these options."""
-        return self._run([str(ROLES), role, *args], env)
+        return self._run([str(ROLES), role, *args], env, fork, role)
 
-    def script(self, code: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    def script(self, code: str, *args: str, env: dict | None = None,
+               fork: bool = True) -> harness.ChildProcess:
         """Run `python -c code args`."""
-        return self._run(["-c", code, *args], env)
+        return self._run(["-c", code, *args], env, fork, "script")
 
-    def _run(self, argv: list[str], env: dict | None) -> subprocess.Popen:
-        p = subprocess.Popen(
-            [sys.executable, *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, **env} if env else None,
-        )
-        self.procs.append(p)
-        return p
+    def _run(self, argv: list[str], env: dict | None, fork: bool,
+             label: str) -> harness.ChildProcess:
+        return self.children.spawn(harness.python_argv(*argv), label=label,
+                                   env={**os.environ, **env} if env else None,
+                                   **({} if fork else {"fork_server": None}))
 
-    def wait_ready(self, p: subprocess.Popen, timeout: float = 60) -> dict:
-        """Read the producer's first JSON line ('ready')."""
-        import selectors
+    def wait_ready(self, p: harness.ChildProcess, timeout: float = 60) -> dict:
+        """Read the process's first JSON line ('ready')."""
+        return p.wait_ready(timeout)
 
-        sel = selectors.DefaultSelector()
-        sel.register(p.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise AssertionError("process did not become ready")
-        line = p.stdout.readline()
-        if not line:
-            raise AssertionError(f"process exited: {p.stderr.read()}")
-        return json.loads(line)
-
-    def result(self, p: subprocess.Popen, timeout: float = 120) -> dict:
-        """Wait for the process and parse its last JSON line."""
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, f"exit {p.returncode}\nstdout:{out}\nstderr:{err}"
-        return json.loads(out.strip().splitlines()[-1])
+    def result(self, p: harness.ChildProcess, timeout: float = 120) -> dict:
+        """Wait for the process (exit status 0) and parse its last JSON line."""
+        return p.result(timeout)
 
     def kill_all(self) -> None:
-        """SIGKILL the processes still running, then remove the segments of those that
-        were producers: a SIGKILLed producer cannot, and whether one of its consumers
-        noticed its death and removed the segment (the last one out does) must not depend
-        on the order of the kills. A producer that ended by itself is not touched here,
-        so the `name` fixture still finds a segment it leaked."""
-        killed = []
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                killed.append(p.pid)
-            try:
-                p.communicate(timeout=10)
-            except Exception:
-                pass
+        """SIGKILL the processes still running (and everything they started), then remove
+        the segments of those that were producers: a SIGKILLed producer cannot, and
+        whether one of its consumers noticed its death and removed the segment (the last
+        one out does) must not depend on the order of the kills. A producer that ended by
+        itself is not touched here, so the `name` fixture still finds a segment it
+        leaked."""
+        killed = self.children.kill_all()
         prefix = f"tensorsocket-{os.getuid()}-"
         for seg in os.listdir("/dev/shm"):
             if seg.startswith(prefix) and any(seg.endswith(f"-{pid}") for pid in killed):

@@ -1,7 +1,9 @@
 """Producer and consumer processes for the end-to-end tests.
 
-Run as ``python tests/roles.py producer|consumer [options]``. Each process
-prints one JSON line with what it saw on stdout; the tests assert on it.
+Run as ``python tests/roles.py producer|consumer [options]`` (tests/conftest.py's
+``procs.start()``). Each process prints JSON lines on stdout (tensorsocket.harness's
+protocol: a producer's first says it is ready, the last one what it saw); the tests assert
+on them.
 Batch b of epoch e carries the value e * 1000 + b everywhere, so a consumer
 can check the content of every batch it receives.
 """
@@ -9,7 +11,6 @@ can check the content of every batch it receives.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ from tensorsocket import (  # noqa: E402
     TensorConsumer,
     TensorProducer,
 )
+from tensorsocket.harness import emit  # noqa: E402  (the JSON-line protocol)
 
 
 class CountingLoader:
@@ -122,7 +124,7 @@ class Gate:
         return Gated()
 
     def hold(self) -> None:
-        print(json.dumps({"gate": True}), flush=True)
+        emit({"gate": True})
         deadline = time.monotonic() + 60
         while self.producer.stats()["consumers"] < self.consumers:
             if time.monotonic() > deadline:
@@ -294,7 +296,7 @@ def producer(a: argparse.Namespace) -> dict:
     else:
         p = TensorProducer(loader, name=a.name, start_timeout=a.start_timeout, **kw)
     gate.producer = p
-    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    emit({"ready": True, "pid": os.getpid()})
     caught = warnings.catch_warnings(record=True)
     seen_warnings = caught.__enter__()
     warnings.simplefilter("always")
@@ -394,7 +396,7 @@ def _consume(a: argparse.Namespace) -> dict:
                 if idx is not None and idx != len(epoch_sizes or seen) - 1:
                     errors.append(f"index {idx} at batch {len(seen)}")
                 if a.stall_after is not None and len(seen) == a.stall_after:
-                    print(json.dumps({"stalled": True}), flush=True)
+                    emit({"stalled": True})
                     held = [batch]  # noqa: F841  (keep the batch's slot while we hang)
                     time.sleep(3600)
                 if a.hold:  # train on the batch: hold it while "computing"
@@ -491,7 +493,7 @@ def main() -> None:
                     help="after leaving, attach again in this process for N epochs")
     a = ap.parse_args()
     result = producer(a) if a.role == "producer" else consumer(a)
-    print(json.dumps(result), flush=True)
+    emit(result)
 
 
 if __name__ == "__main__":

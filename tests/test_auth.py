@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import socket
 import stat
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -26,7 +25,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import ROOT
+from conftest import ROOT, hello_message, run as run_python
 from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError, _core, protocol
 from tensorsocket.endpoints import runtime_dir
 
@@ -50,18 +49,6 @@ def _dealer(address: str) -> zmq.Socket:
     s.setsockopt(zmq.SNDTIMEO, int(DEADLINE * 1000))
     s.connect(address)
     return s
-
-
-def _hello(pid: int, **fields) -> bytes:
-    """A well-formed hello claiming `pid`; every field the caller does not give (the
-    secret, which another user does not know) is left empty."""
-    msg = dict(protocol=protocol.PROTOCOL_VERSION, pid=pid,
-               start_time=_core.process_start_time(pid), batch_size=None, group=None,
-               rank=0, world_size=1)
-    msg.update(fields)
-    for field in protocol.SCHEMAS["hello"]:
-        msg.setdefault(field, None)
-    return protocol.encode("hello", **msg)
 
 
 def _ask(s: zmq.Socket, payload: bytes) -> dict:
@@ -121,70 +108,99 @@ def _refusal_reveals_nothing(reply: dict, producer: TensorProducer) -> None:
     assert producer._server.present_count() == 0
 
 
+class Rig:
+    """One test's producers (each iterated in a Producing thread), raw peer sockets and
+    Reading consumers; close() (the `rig` fixture calls it, a test may call it first)
+    closes the sockets, then the producers, then joins the threads."""
+
+    def __init__(self) -> None:
+        self.sockets: list[zmq.Socket] = []
+        self.producers: list[TensorProducer] = []
+        self.threads: list[threading.Thread] = []
+
+    def serve(self, batches: int, *args, **kw) -> tuple[TensorProducer, Producing]:
+        """A producer of `batches` batches (start_timeout=DEADLINE unless given), iterated
+        in a thread: hellos are answered once its ring exists."""
+        kw.setdefault("start_timeout", DEADLINE)
+        p = TensorProducer(_loader(batches), *args, **kw)
+        self.producers.append(p)
+        producing = Producing(p)
+        producing.start()
+        self.threads.append(producing)
+        return p, producing
+
+    def peer(self, address: str) -> zmq.Socket:
+        """A raw DEALER socket connected to `address`."""
+        s = _dealer(address)
+        self.sockets.append(s)
+        return s
+
+    def read(self, **kwargs) -> Reading:
+        """A consumer reading in a thread (TensorConsumer(**kwargs))."""
+        reading = Reading(**kwargs)
+        reading.start()
+        self.threads.append(reading)
+        return reading
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close(0)
+        for p in self.producers:
+            p.close()
+        for t in self.threads:
+            t.join(DEADLINE)
+        self.sockets, self.producers, self.threads = [], [], []
+
+
+@pytest.fixture
+def rig():
+    r = Rig()
+    yield r
+    r.close()
+
+
 # -- forged hellos ----------------------------------------------------------------------
 
 
-def test_hello_claiming_another_pid_over_ipc_is_refused(name):
+def test_hello_claiming_another_pid_over_ipc_is_refused(name, rig):
     """The hijack over the unix socket: a peer says hello as pid 1 (alive for ever, so
     never evicted) and ready. It must be refused, so that the real consumer reads the
     epoch from batch 0 instead of becoming a late joiner behind a reader that never
     reads (everything hung for good)."""
-    p = TensorProducer(_loader(20), name=name, start_timeout=DEADLINE,
-                       publish_timeout=DEADLINE)
-    producing = Producing(p)
-    producing.start()
-    s = _dealer(p.endpoint.address)
-    reading = None
-    try:
-        reply = _ask(s, _hello(1))
-        if reply["type"] == "welcome":  # hijacked: the forger is consumer 0, and ready
-            assert _ask(s, protocol.encode("ready", consumer=reply["consumer"],
-                                           token=reply["token"], align=False))["type"] == \
-                "started"
-        reading = Reading(name=name)
-        reading.start()
-        reading.join(DEADLINE + 5)
-        assert reading.error is None, repr(reading.error)
-        assert reading.seen == [float(i) for i in range(20)]
-        _refusal_reveals_nothing(reply, p)
-        assert "pid 1" in reply["message"] and f"pid {os.getpid()}" in reply["message"]
-        assert p._server.rejected == 1
-    finally:
-        s.close(0)
-        p.close()
-        producing.join(DEADLINE)
-        if reading is not None:
-            reading.join(DEADLINE)
+    p, _ = rig.serve(20, name=name, publish_timeout=DEADLINE)
+    s = rig.peer(p.endpoint.address)
+    reply = _ask(s, hello_message(1))
+    if reply["type"] == "welcome":  # hijacked: the forger is consumer 0, and ready
+        assert _ask(s, protocol.encode("ready", consumer=reply["consumer"],
+                                       token=reply["token"], align=False))["type"] == "started"
+    reading = rig.read(name=name)
+    reading.join(DEADLINE + 5)
+    assert reading.error is None, repr(reading.error)
+    assert reading.seen == [float(i) for i in range(20)]
+    _refusal_reveals_nothing(reply, p)
+    assert "pid 1" in reply["message"] and f"pid {os.getpid()}" in reply["message"]
+    assert p._server.rejected == 1
 
 
-def test_hello_from_its_own_process_is_accepted_over_ipc(name):
+def test_hello_from_its_own_process_is_accepted_over_ipc(name, rig):
     """The peer check lets a raw client speaking for its own process in (what the
     control-plane tests rely on)."""
-    p = TensorProducer(_loader(2), name=name, start_timeout=DEADLINE)
-    producing = Producing(p)  # hellos are answered once the ring exists
-    producing.start()
-    s = _dealer(p.endpoint.address)
-    try:
-        reply = _ask(s, _hello(os.getpid()))
-        assert reply["type"] == "welcome", reply
-        assert _ask(s, protocol.encode("bye", consumer=reply["consumer"],
-                                       token=reply["token"]))["type"] == "bye_ok"
-    finally:
-        s.close(0)
-        p.close()
-        producing.join(DEADLINE)
+    p, _ = rig.serve(2, name=name)
+    s = rig.peer(p.endpoint.address)
+    reply = _ask(s, hello_message(os.getpid()))
+    assert reply["type"] == "welcome", reply
+    assert _ask(s, protocol.encode("bye", consumer=reply["consumer"],
+                                   token=reply["token"]))["type"] == "bye_ok"
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
-def test_ipc_peer_of_another_user_is_refused(name):
+def test_ipc_peer_of_another_user_is_refused(name, rig):
     """A producer on an explicit ipc:// path others can reach (outside the 0700 runtime
     directory) still refuses a process of another user, whatever pid it claims."""
     where = tempfile.mkdtemp(prefix="ts-auth-")
     os.chmod(where, 0o755)
     address = f"ipc://{where}/control.sock"
-    p = TensorProducer(_loader(2), name=name, address=address, start_timeout=DEADLINE)
-    producing = Producing(p)
-    producing.start()
+    p, _ = rig.serve(2, name=name, address=address)
     try:
         os.chmod(f"{where}/control.sock", 0o777)
         client = textwrap.dedent(f"""
@@ -206,66 +222,51 @@ def test_ipc_peer_of_another_user_is_refused(name):
             reply = protocol.decode(s.recv())
             print(reply["type"], reply.get("code"), reply.get("message"))
         """)
-        out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True,
-                             timeout=DEADLINE, cwd="/", env={**os.environ,
-                                                             "PYTHONPATH": str(ROOT)})
+        # cwd="/": the client imports this tree's tensorsocket through PYTHONPATH, which
+        # conftest starts with ROOT.
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+        out = run_python([sys.executable, "-c", client], capture_output=True, text=True,
+                         timeout=DEADLINE, cwd="/")
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith("error auth "), out.stdout
         assert "uid 65534" in out.stdout and "same user" in out.stdout, out.stdout
         assert p._server.present_count() == 0
     finally:
-        p.close()
-        producing.join(DEADLINE)
+        rig.close()
         os.rmdir(where)
 
 
 # -- the TCP secret ---------------------------------------------------------------------
 
 
-def test_tcp_producer_refuses_a_hello_without_its_secret(name):
+def test_tcp_producer_refuses_a_hello_without_its_secret(name, rig):
     """The hijack over loopback TCP, where any local user can connect: a hello as pid 1
     without the producer's secret is refused and learns nothing; the real consumer
     (same user: it reads the secret file) reads every batch from batch 0."""
     port = _free_port()
-    p = TensorProducer(_loader(20), port, name=name, start_timeout=DEADLINE,
-                       publish_timeout=DEADLINE)
-    producing = Producing(p)
-    producing.start()
-    s = _dealer(f"tcp://127.0.0.1:{port}")
-    reading = None
-    try:
-        reply = _ask(s, _hello(1))
-        if reply["type"] == "welcome":  # hijacked: the forger is consumer 0, and ready
-            assert _ask(s, protocol.encode("ready", consumer=reply["consumer"],
-                                           token=reply["token"], align=False))["type"] == \
-                "started"
-        reading = Reading(port=port, name=name)
-        reading.start()
-        reading.join(DEADLINE + 5)
-        assert reading.error is None, repr(reading.error)
-        assert reading.seen == [float(i) for i in range(20)]
-        _refusal_reveals_nothing(reply, p)
-        assert "secret" in reply["message"]
-    finally:
-        s.close(0)
-        p.close()
-        producing.join(DEADLINE)
-        if reading is not None:
-            reading.join(DEADLINE)
+    p, _ = rig.serve(20, port, name=name, publish_timeout=DEADLINE)
+    s = rig.peer(f"tcp://127.0.0.1:{port}")
+    reply = _ask(s, hello_message(1))
+    if reply["type"] == "welcome":  # hijacked: the forger is consumer 0, and ready
+        assert _ask(s, protocol.encode("ready", consumer=reply["consumer"],
+                                       token=reply["token"], align=False))["type"] == "started"
+    reading = rig.read(port=port, name=name)
+    reading.join(DEADLINE + 5)
+    assert reading.error is None, repr(reading.error)
+    assert reading.seen == [float(i) for i in range(20)]
+    _refusal_reveals_nothing(reply, p)
+    assert "secret" in reply["message"]
 
 
-def test_tcp_secret_file_and_wrong_secrets(name, monkeypatch, tmp_path):
+def test_tcp_secret_file_and_wrong_secrets(name, monkeypatch, tmp_path, rig):
     """The secret: a 0600 file of this user in the runtime directory, removed when the
     producer closes; a wrong or missing one is refused with an error naming what to do;
     a consumer that cannot read the file passes it as auth_token= / the variable."""
     monkeypatch.delenv("TENSORSOCKET_AUTH_TOKEN", raising=False)
     port = _free_port()
-    p = TensorProducer(_loader(3), port, name=name, start_timeout=DEADLINE,
-                       publish_timeout=DEADLINE)
+    p, producing = rig.serve(3, port, name=name, publish_timeout=DEADLINE)
     path = runtime_dir() / f"{name}.secret"
-    s = _dealer(f"tcp://127.0.0.1:{port}")
-    producing = Producing(p)
-    producing.start()
+    s = rig.peer(f"tcp://127.0.0.1:{port}")
     try:
         st = os.lstat(path)
         assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
@@ -274,7 +275,7 @@ def test_tcp_secret_file_and_wrong_secrets(name, monkeypatch, tmp_path):
         assert secret == p.auth_token and len(secret) >= 32
         for wrong in (None, "", secret[:-1] + ("0" if secret[-1] != "0" else "1"),
                       secret + "0", "x" * 4000):
-            _refusal_reveals_nothing(_ask(s, _hello(os.getpid(), secret=wrong)), p)
+            _refusal_reveals_nothing(_ask(s, hello_message(os.getpid(), secret=wrong)), p)
         assert p._server.rejected == 5
 
         with pytest.raises(TensorSocketError) as refused:
@@ -293,14 +294,12 @@ def test_tcp_secret_file_and_wrong_secrets(name, monkeypatch, tmp_path):
         with TensorConsumer(port, name=name, timeout=DEADLINE, batch_timeout=DEADLINE) as c:
             assert [float(b[0][0]) for b in c] == [0.0, 1.0, 2.0]
     finally:
-        s.close(0)
-        p.close()
-        producing.join(DEADLINE)
+        rig.close()
     assert producing.error is None, repr(producing.error)
     assert not path.exists(), "the secret file outlived its producer"
 
 
-def test_consumer_started_before_the_tcp_producer_finds_the_new_secret(name, monkeypatch):
+def test_consumer_started_before_the_tcp_producer_finds_the_new_secret(name, monkeypatch, rig):
     """A consumer that says hello before the producer runs, with a stale secret file of
     an earlier producer of the name (killed, say), still attaches: the producer replaces
     the file, and the refused consumer reads it again."""
@@ -315,45 +314,32 @@ def test_consumer_started_before_the_tcp_producer_finds_the_new_secret(name, mon
     fd = os.open(stale, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, b"f" * 64)
     os.close(fd)
-    reading = Reading(port=port, name=name)
-    reading.start()
+    reading = rig.read(port=port, name=name)
     _wait_until(lambda: sent or reading.error, DEADLINE, "the consumer's first hello")
-    p = TensorProducer(_loader(5), port, name=name, start_timeout=DEADLINE,
-                       publish_timeout=DEADLINE)
-    producing = Producing(p)
-    producing.start()
-    try:
-        reading.join(DEADLINE + 5)
-        assert reading.error is None, repr(reading.error)
-        assert reading.seen == [0.0, 1.0, 2.0, 3.0, 4.0]
-        assert sent == ["f" * 64, p.auth_token] and p.auth_token != "f" * 64
-    finally:
-        p.close()
-        producing.join(DEADLINE)
+    p, _ = rig.serve(5, port, name=name, publish_timeout=DEADLINE)
+    reading.join(DEADLINE + 5)
+    assert reading.error is None, repr(reading.error)
+    assert reading.seen == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert sent == ["f" * 64, p.auth_token] and p.auth_token != "f" * 64
 
 
 # -- silent consumers -------------------------------------------------------------------
 
 
-def test_silent_peer_is_evicted_and_the_others_go_on(name, monkeypatch):
+def test_silent_peer_is_evicted_and_the_others_go_on(name, monkeypatch, rig):
     """A peer of a live process that said hello and ready, then nothing: it never reads,
     so the ring fills and the real consumer waits; after heartbeat_timeout it is evicted
     (its place and slots released) and the real consumer gets every batch."""
     monkeypatch.setenv("TENSORSOCKET_HEARTBEAT_TIMEOUT", "3")
-    p = TensorProducer(_loader(30), name=name, min_consumers=2, start_timeout=DEADLINE,
-                       publish_timeout=DEADLINE)
-    producing = Producing(p)
-    producing.start()
-    s = _dealer(p.endpoint.address)
-    reading = None
+    p, producing = rig.serve(30, name=name, min_consumers=2, publish_timeout=DEADLINE)
+    s = rig.peer(p.endpoint.address)
     try:
-        welcome = _ask(s, _hello(os.getpid()))
+        welcome = _ask(s, hello_message(os.getpid()))
         assert welcome["type"] == "welcome", welcome
         started = _ask(s, protocol.encode("ready", consumer=welcome["consumer"],
                                           token=welcome["token"], align=False))
         assert started["type"] == "started", started
-        reading = Reading(name=name)
-        reading.start()
+        reading = rig.read(name=name)
         _wait_until(lambda: len(p._server._peers) == 1, DEADLINE, "the silent peer's eviction")
         reading.join(DEADLINE + 5)
         assert reading.error is None, repr(reading.error)
@@ -364,21 +350,14 @@ def test_silent_peer_is_evicted_and_the_others_go_on(name, monkeypatch):
                                         token=welcome["token"]))
         assert reply["code"] == "unknown", reply  # it is no consumer any more
     finally:
-        s.close(0)
-        p.close()
-        producing.join(DEADLINE)
-        if reading is not None:
-            reading.join(DEADLINE)
+        rig.close()
     assert producing.error is None, repr(producing.error)
 
 
-def test_busy_consumer_is_not_evicted(name):
+def test_busy_consumer_is_not_evicted(name, rig):
     """A training step longer than heartbeat_timeout, holding its batch: the consumer's
     heartbeat thread keeps it attached, and it reads the whole epoch."""
-    p = TensorProducer(_loader(3), name=name, start_timeout=DEADLINE,
-                       publish_timeout=DEADLINE, heartbeat_timeout=3)
-    producing = Producing(p)
-    producing.start()
+    p, producing = rig.serve(3, name=name, publish_timeout=DEADLINE, heartbeat_timeout=3)
     try:
         with TensorConsumer(name=name, timeout=DEADLINE, batch_timeout=DEADLINE) as c:
             seen = []
@@ -393,8 +372,7 @@ def test_busy_consumer_is_not_evicted(name):
                 del batch
         assert seen == [0.0, 1.0, 2.0]
     finally:
-        p.close()
-        producing.join(DEADLINE)
+        rig.close()
     assert producing.error is None, repr(producing.error)
 
 

@@ -132,6 +132,7 @@ def _tsan_runner(work: Path) -> list[str]:
     pytest.skip("TSan binaries do not run here:\n" + "\n".join(errors))
 
 
+@pytest.mark.slow  # a sanitizer variant
 def test_c_ring_cross_thread_tsan(tmp_path_factory: pytest.TempPathFactory) -> None:
     work = tmp_path_factory.mktemp("c_ring_tsan")
     prefix = _tsan_runner(work)

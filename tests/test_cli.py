@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import fcntl
-import io
 import json
 import os
 import pty
 import pwd
-import re
 import select
 import signal
 import struct
@@ -20,15 +18,15 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, shm_segments
+from conftest import ROOT, shm_segments, run as run_python
 from tensorsocket.endpoints import runtime_dir
 
 
 def cli(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m tensorsocket ARGS` as a user would."""
-    return subprocess.run([sys.executable, "-m", "tensorsocket", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **env} if env else None)
+    return run_python([sys.executable, "-m", "tensorsocket", *args], capture_output=True,
+                      text=True, timeout=timeout, cwd=ROOT,
+                      env={**os.environ, **env} if env else None)
 
 
 def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
@@ -279,36 +277,6 @@ def test_status_output_into_a_closed_pipe(name, procs):
     assert "Traceback" not in r.stderr and "Broken pipe" not in r.stderr, r.stderr
 
 
-def _leftovers_of(name_prefix: str) -> list[str]:
-    """Segments and runtime files whose producer name starts with name_prefix."""
-    segs = [s for s in shm_segments() if s.startswith(f"tensorsocket-{os.getuid()}-"
-                                                      f"{name_prefix}")]
-    return segs + [p.name for p in runtime_dir().glob(name_prefix + "*")]
-
-
-def test_demo_runs_and_leaves_nothing():
-    """The demo as a user runs it: consumers train, the summary says what sharing saved,
-    exit 0, nothing left in /dev/shm or the runtime directory."""
-    r = cli("demo", "--consumers", "2", "--epochs", "1", "--images", "256", timeout=180)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "consumer 1  finished" in r.stdout and "consumer 2  finished" in r.stdout
-    assert "CPU time saved by sharing: (2 - 1) x" in r.stdout
-    demo_name = re.search(r"producer name '(demo-\d+)'", r.stdout).group(1)
-    assert _leftovers_of(demo_name) == []
-
-
-def test_demo_failure_is_one_line_and_cleans_up():
-    """A demo that cannot finish in --timeout: one error line and a hint, no traceback,
-    exit 1, every child stopped and nothing left behind."""
-    r = cli("demo", "--consumers", "2", "--timeout", "1", timeout=120)
-    assert r.returncode == 1, r.stdout + r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert lines[0].startswith("tensorsocket demo: error: the demo did not finish within 1 s")
-    assert lines[1].startswith("hint: ") and "Traceback" not in r.stderr
-    demo_name = re.search(r"producer name '(demo-\d+)'", r.stdout).group(1)
-    assert _leftovers_of(demo_name) == []
-
-
 def test_config_lists_the_environment_and_flags_typos():
     """config: each variable with its value here or its default; a bad value or an unknown
     TENSORSOCKET_* name is reported and exits 1; --markdown is docs/configuration.md."""
@@ -390,14 +358,14 @@ def test_planted_files_in_dev_shm_are_not_taken_for_ours(name):
                 os.unlink(path)
 
 
-@pytest.mark.parametrize("command", ["status", "top", "clean", "demo", "config"])
+@pytest.mark.parametrize("command", ["status", "top", "clean", "config"])
 def test_every_command_has_help(command):
     """--help describes each command and exits 0."""
     r = cli(command, "--help")
     assert r.returncode == 0 and f"usage: tensorsocket {command}" in r.stdout
 
 
-@pytest.mark.parametrize("command", ["status", "top", "clean", "demo", "config"])
+@pytest.mark.parametrize("command", ["status", "top", "clean", "config"])
 def test_an_unknown_option_shows_the_commands_usage(command):
     """An option a subcommand does not know: one error line naming that subcommand and a
     hint with its usage (not the top-level one), exit 2."""
@@ -442,7 +410,7 @@ def private_tmp(tmp_path):
 
 
 def test_a_bad_runtime_dir_is_one_line(private_tmp):
-    """clean and demo with a TENSORSOCKET_RUNTIME_DIR that cannot be used: the message,
+    """clean with a TENSORSOCKET_RUNTIME_DIR that cannot be used: the message,
     which says how to fix it, on one line; no exception class, no --debug hint; exit 1.
     status and top do not need the directory and work."""
     a_file = private_tmp / "file"
@@ -455,7 +423,7 @@ def test_a_bad_runtime_dir_is_one_line(private_tmp):
              "relative/dir": "fix or unset it"}
     for value, fix in cases.items():
         env = {"TENSORSOCKET_RUNTIME_DIR": value}
-        for args in (["clean", "--dry-run"], ["demo", "--no-live"]):
+        for args in (["clean", "--dry-run"],):
             r = cli(*args, env=env)
             assert r.returncode == 1, (value, args, r.stdout, r.stderr)
             lines = r.stderr.strip().splitlines()
@@ -465,9 +433,6 @@ def test_a_bad_runtime_dir_is_one_line(private_tmp):
         assert cli("status", "--interval", "0", env=env).returncode == 0
         assert cli("top", "--plain", "--iterations", "1", "--interval", "0.2",
                    env=env).returncode == 0
-    r = cli("demo", "--no-live", env={"TENSORSOCKET_MAX_LAG": "lots"})
-    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "TENSORSOCKET_MAX_LAG='lots' is not valid" in r.stderr
 
 
 def _status(**fields) -> "object":
@@ -589,16 +554,3 @@ def test_status_lists_other_users_producers(name, monkeypatch):
         assert seen.note == "not readable: another user's producer"
     finally:
         os.unlink(path)
-
-
-def test_demo_panel_counts_batches_not_epoch_ends():
-    """The demo's live panel: a consumer that took every entry of 2 epochs of 32 batches
-    (and their 2 end markers) has taken 64 of 64 batches; a finished one is shown full."""
-    from tensorsocket._demo_panel import LivePanel
-
-    out = io.StringIO()
-    panel = LivePanel("demo-x", 32, 2, out)
-    assert panel.total == 64
-    assert [panel.batches_taken(n) for n in (0, 32, 33, 34, 65, 66)] == [0, 32, 32, 33, 64, 64]
-    panel.finished(4242, 64, {4242: "consumer 1"})
-    assert f"[{'#' * 24}]   64/64 batches" in out.getvalue()

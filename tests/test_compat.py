@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, popen
 
 
 def _free_port_pair() -> int:
@@ -102,10 +102,10 @@ print(len(consumer), seen)
 def test_original_api_script_runs_unchanged(consumer, expected, stops):
     port = _free_port_pair()
     fill = dict(port=port, ack=port + 1, stops=stops)
-    prod = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PRODUCER).format(**fill)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    cons = subprocess.Popen([sys.executable, "-c", textwrap.dedent(consumer).format(**fill)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prod = popen([sys.executable, "-c", textwrap.dedent(PRODUCER).format(**fill)],
+                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cons = popen([sys.executable, "-c", textwrap.dedent(consumer).format(**fill)],
+                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         c_out, c_err = cons.communicate(timeout=90)
         p_out, p_err = prod.communicate(timeout=60)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, popen
 from tensorsocket import ProducerNotFound, TensorConsumer, TensorProducer, config
 from tensorsocket.config import SETTINGS, UNSET
 from tensorsocket.endpoints import resolve, runtime_dir
@@ -395,8 +395,8 @@ def test_processes_meet_through_the_environment_only(procs, name, tmp_path):
            "TENSORSOCKET_TIMEOUT": "45"}
 
     def start(script: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        p = popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         procs.procs.append(p)  # killed at teardown if still running
         return p
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import tensorsocket
-from conftest import ROOT
+from conftest import ROOT, popen
 from tensorsocket import TensorConsumer, TensorProducer
 from tensorsocket.endpoints import runtime_dir
 from tensorsocket.errors import TensorSocketError, TensorSocketWarning
@@ -34,9 +34,9 @@ def start_job(name: str, mode: str, *args: str, grace: float = 3.0) -> subproces
     """One job process (see tests/epoch_job.py)."""
     env = {**os.environ, "TENSORSOCKET_START_GRACE": str(grace),
            "TENSORSOCKET_IDLE_TIMEOUT": str(IDLE)}
-    return subprocess.Popen([sys.executable, str(JOB), name, mode, *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return popen([sys.executable, str(JOB), name, mode, *args], cwd=ROOT,
+                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True)
 
 
 def job_result(p: subprocess.Popen) -> dict:

@@ -16,6 +16,8 @@ from tensorsocket import (
     TensorProducer,
 )
 
+from conftest import run as run_python
+
 
 def test_unsupported_leaf_raises_in_producer_with_path(name):
     loader = [(torch.zeros(2), {"meta": object()})]
@@ -254,14 +256,13 @@ def test_in_place_write_to_a_batch_is_private(procs, name, faulthandler):
     """An in-place op on a batch tensor works, like on a DataLoader's batch: the written
     pages become private to the process (copy on write), with or without Python's
     faulthandler installed first. The other consumers lose nothing and see no change."""
-    import subprocess
     import sys
 
     p = procs.start("producer", "--name", name, "--kind", "tuple", "--batches", "6")
     procs.wait_ready(p)
     flags = ["-X", "faulthandler"] if faulthandler else []
-    r = subprocess.run([sys.executable, *flags, "-c", IN_PLACE, name], capture_output=True,
-                       text=True, timeout=60)
+    r = run_python([sys.executable, *flags, "-c", IN_PLACE, name], capture_output=True,
+                   text=True, timeout=60)
     assert r.stdout.split() == ["received", "written", "changed"], r.stderr
     assert r.returncode == 0, r.stderr
     assert "tensorsocket:" not in r.stderr, r.stderr
@@ -295,7 +296,6 @@ def test_write_into_a_released_batch_names_the_cause(procs, name, faulthandler):
     on stderr saying why; Python's faulthandler, when on, still prints its traceback after
     it. The other consumers lose nothing."""
     import signal
-    import subprocess
     import sys
 
     # Slow enough that the producer still runs when the second consumer comes.
@@ -303,8 +303,8 @@ def test_write_into_a_released_batch_names_the_cause(procs, name, faulthandler):
                     "--delay", "0.5")
     procs.wait_ready(p)
     flags = ["-X", "faulthandler"] if faulthandler else []
-    r = subprocess.run([sys.executable, *flags, "-c", RELEASED, name], capture_output=True,
-                       text=True, timeout=60)
+    r = run_python([sys.executable, *flags, "-c", RELEASED, name], capture_output=True,
+                   text=True, timeout=60)
     assert r.stdout.split() == ["received"]
     if os.environ.get("TENSORSOCKET_SANITIZE") != "1":  # ASan reports the fault its own way
         assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stderr)

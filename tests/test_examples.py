@@ -6,12 +6,16 @@ producers' sockets and locks are the test's own. Every process a test starts, an
 process those start (DataLoader workers, the producer share() forks into its own session),
 carries a marker in its environment; at the end the test kills whatever still carries it
 and fails if anything did. It also fails if a shared-memory segment of the examples'
-producers was left in /dev/shm.
+producers was left in /dev/shm: a segment is named after its producer's pid, and the test
+notes the pids of its marked processes while it waits for them, so that segments of
+other test runs on the machine (the examples' producer names are fixed) are not taken for
+its own.
 """
 
 from __future__ import annotations
 
 import difflib
+import io
 import os
 import re
 import signal
@@ -22,20 +26,26 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import popen
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 MARK = "TENSORSOCKET_EXAMPLE_TEST"
 # Producer names the examples use (segments are tensorsocket-<uid>-<name>-<pid>).
-NAMES = ("resnet18", "example", "sweep-", "generator-", "iterable-", "once-")
+NAMES = ("resnet18", "example", "sweep-", "generator-", "iterable-", "once-", "demo-")
 # Small images for the training examples: 10 classes x 8 JPEGs of 96 px, 32 px crops.
 SMALL = ("--images", "8", "--image-size", "96", "--crop", "32")
 
 
-def _segments() -> set[str]:
+def _segments(pids: set[int] | None = None) -> set[str]:
+    """The examples' segments in /dev/shm (of producers with these pids, if given)."""
     prefix = f"tensorsocket-{os.getuid()}-"
-    return {e for e in os.listdir("/dev/shm")
-            if e.startswith(prefix) and e[len(prefix):].startswith(NAMES)}
+    found = {e for e in os.listdir("/dev/shm")
+             if e.startswith(prefix) and e[len(prefix):].startswith(NAMES)}
+    if pids is None:
+        return found
+    return {e for e in found if e.rsplit("-", 1)[-1].split(".")[0].isdigit()
+            and int(e.rsplit("-", 1)[-1].split(".")[0]) in pids}
 
 
 def _marked(token: str) -> list[int]:
@@ -80,30 +90,54 @@ class Runner:
         env.update({MARK: self.token, "XDG_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1"})
         self.env = env
         self.procs: list[subprocess.Popen] = []
+        self.seen: set[int] = set()  # pids of this test's processes (see note())
+
+    def note(self) -> None:
+        """Remember the pids of this test's live processes (producers among them)."""
+        self.seen.update(_marked(self.token))
+        self.seen.update(p.pid for p in self.procs)
 
     def start(self, script: str, *args: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT,
-                             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+        # fork="identity": the check for processes left running reads MARK from
+        # /proc/PID/environ (conftest._server).
+        p = popen([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT, fork="identity",
+                  env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.procs.append(p)
         return p
 
     def finish(self, p: subprocess.Popen, timeout: float = 60) -> str:
         """The output of p, which must exit 0 within timeout seconds."""
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            raise AssertionError(f"{p.args} ran over {timeout} s; output:\n{out}") from None
+        out = self._wait(p, timeout)
         assert p.returncode == 0, f"{p.args} exited {p.returncode}; output:\n{out}"
         return out
+
+    def _wait(self, p: subprocess.Popen, timeout: float) -> str:
+        """p's output once it exited (noting pids meanwhile); AssertionError after timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.note()
+            try:
+                out, _ = p.communicate(timeout=0.2)
+                return out
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline:
+                    p.kill()
+                    out, _ = p.communicate()
+                    raise AssertionError(f"{p.args} ran over {timeout} s; output:\n{out}") \
+                        from None
 
     def run(self, script: str, *args: str, timeout: float = 60) -> str:
         return self.finish(self.start(script, *args), timeout)
 
+    def fail(self, script: str, *args: str, timeout: float = 60) -> tuple[int, str]:
+        """(exit status, output) of a run that must fail."""
+        p = self.start(script, *args)
+        out = self._wait(p, timeout)
+        return p.returncode, out
+
     def cleanup(self) -> list[int]:
         """Kill what the test left running; the pids that were still alive."""
+        self.note()
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -121,16 +155,15 @@ class Runner:
 
 
 @pytest.fixture
-def runner(tmp_path):
-    before = _segments()
-    r = Runner(tmp_path)
+def runner(short_tmp):
+    r = Runner(short_tmp)
     yield r
     left = r.cleanup()
     assert not left, f"processes left running: {left}"
     end = time.monotonic() + 5
-    while _segments() - before and time.monotonic() < end:  # teardown may still be going on
+    while _segments(r.seen) and time.monotonic() < end:  # teardown may still be going on
         time.sleep(0.1)
-    leaked = _segments() - before
+    leaked = _segments(r.seen)
     assert not leaked, f"shared memory left behind: {leaked}"
 
 
@@ -154,6 +187,7 @@ def test_train_files_differ_in_one_line():
     assert after.startswith(f"loader = share({dataloader}, name=")
 
 
+@pytest.mark.slow  # no tensorsocket in it; the one-line swap: test_train_files_differ...
 def test_train_alone(runner, tmp_path):
     out = runner.run("train_alone.py", *SMALL, "--data", str(tmp_path / "jpegs"))
     assert "vision: " in out
@@ -190,6 +224,7 @@ def test_train_shared_three_trainings_one_producer(runner, tmp_path):
     assert sorted(p.name for p in runtime.iterdir()) == ["resnet18.producer.log"]
 
 
+@pytest.mark.slow  # trains a ResNet-18; late joiners also in test_flexible
 def test_sweep(runner, tmp_path):
     out = runner.run("sweep.py", "--quick", "--images", "8", "--data", str(tmp_path / "jpegs"),
                      timeout=90)
@@ -227,3 +262,66 @@ def test_shared_producer_and_consumers(runner):
     out = runner.finish(producer, timeout=30)
     assert _epochs(out, r"producer: epoch (\d) published \((\d+) batches\)") == \
         [("0", "32"), ("1", "32"), ("2", "32")], out
+
+
+def _runtime_leftovers(runner: Runner, name: str) -> list[str]:
+    """Files of producer `name` in the runner's runtime directory."""
+    runtime = Path(runner.env["XDG_RUNTIME_DIR"]) / "tensorsocket"
+    return sorted(p.name for p in runtime.glob(name + ".*")) if runtime.is_dir() else []
+
+
+def test_demo_runs_and_leaves_nothing(runner):
+    """The demo of the README's Quickstart as a user runs it: consumers train, the summary
+    says what sharing saved, exit 0, nothing left in /dev/shm (the fixture) or the runtime
+    directory."""
+    out = runner.run("demo.py", "--consumers", "2", "--epochs", "1", "--images", "256",
+                     "--no-live", timeout=180)
+    assert "consumer 1  finished" in out and "consumer 2  finished" in out, out
+    assert "CPU time saved by sharing: (2 - 1) x" in out, out
+    demo_name = re.search(r"producer name '(demo-\d+)'", out).group(1)
+    assert _runtime_leftovers(runner, demo_name) == []
+
+
+def test_demo_failure_is_one_line_and_cleans_up(runner):
+    """A demo that cannot finish in --timeout: one error line and a hint, no traceback,
+    exit 1, every child stopped (the fixture) and nothing left behind."""
+    code, out = runner.fail("demo.py", "--consumers", "2", "--timeout", "1", timeout=120)
+    assert code == 1, out
+    errors = [line for line in out.splitlines() if line.startswith(("demo.py: error", "hint"))]
+    assert errors[0].startswith("demo.py: error: the demo did not finish within 1 s"), out
+    assert errors[1].startswith("hint: ") and "Traceback" not in out, out
+    demo_name = re.search(r"producer name '(demo-\d+)'", out).group(1)
+    assert _runtime_leftovers(runner, demo_name) == []
+
+
+def test_demo_checks_the_environment_first(runner, tmp_path):
+    """A runtime directory that cannot be used, or a TENSORSOCKET_* value that does not
+    parse: one line saying what to fix, exit 1, before any child starts."""
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for var, value, says in (("TENSORSOCKET_RUNTIME_DIR", str(a_file), "is not a directory"),
+                             ("TENSORSOCKET_MAX_LAG", "lots",
+                              "TENSORSOCKET_MAX_LAG='lots' is not valid")):
+        runner.env[var] = value
+        code, out = runner.fail("demo.py", "--no-live")
+        del runner.env[var]
+        lines = out.strip().splitlines()
+        assert code == 1 and len(lines) == 1, out
+        assert lines[0].startswith("demo.py: error: ") and says in lines[0], out
+
+
+def test_demo_panel_counts_batches_not_epoch_ends():
+    """The demo's live panel: a consumer that took every entry of 2 epochs of 32 batches
+    (and their 2 end markers) has taken 64 of 64 batches; a finished one is shown full."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from _demo_panel import LivePanel
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+    out = io.StringIO()
+    panel = LivePanel("demo-x", 32, 2, out)
+    assert panel.total == 64
+    assert [panel.batches_taken(n) for n in (0, 32, 33, 34, 65, 66)] == [0, 32, 32, 33, 64, 64]
+    panel.finished(4242, 64, {4242: "consumer 1"})
+    assert f"[{'#' * 24}]   64/64 batches" in out.getvalue()

@@ -697,6 +697,7 @@ def _build_driver(work: Path, flags: list[str]) -> Path:
     return exe
 
 
+@pytest.mark.slow  # sanitizer builds of the C core (scripts/test-sanitized.sh runs ASan too)
 @pytest.mark.parametrize("sanitizer", ["address,undefined", "thread"])
 def test_life_cycle_is_sanitizer_clean(tmp_path, sanitizer):
     flags = [f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer"]

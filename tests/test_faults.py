@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import shm_segments
+from conftest import hello_message, shm_segments
 from tensorsocket import SharedMemoryTooSmall, TensorConsumer, TensorProducer, TensorSocketError
 from tensorsocket import _core, protocol
 from tensorsocket.endpoints import resolve, runtime_dir
@@ -66,6 +66,12 @@ def _wait_for_delivery(name: str, producer_pid: int, consumer_pid: int) -> None:
         ring.close()
 
 
+def _tuple_producer(procs, name: str, *args: str, env: dict | None = None):
+    """A roles.py producer of tuple batches under `name`, and its pid once it is ready."""
+    prod = procs.start("producer", "--name", name, "--kind", "tuple", *args, env=env)
+    return prod, procs.wait_ready(prod)["pid"]
+
+
 def _left_behind(name: str) -> str:
     """What of producer `name` is left in /dev/shm and the runtime directory."""
     files = sorted(p.name for p in runtime_dir().glob(name + ".*"))
@@ -74,9 +80,7 @@ def _left_behind(name: str) -> str:
 
 
 def test_consumer_sigkilled_holding_a_batch(procs, name, fault_table):
-    prod = procs.start("producer", "--name", name, "--batches", "60", "--kind", "tuple",
-                       "--min-consumers", "2")
-    pid = procs.wait_ready(prod)["pid"]
+    prod, pid = _tuple_producer(procs, name, "--batches", "60", "--min-consumers", "2")
     victim = procs.start("consumer", "--name", name, "--kind", "tuple", "--stall-after", "3")
     survivor = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
     procs.wait_ready(victim)  # it holds batch 2 and hangs
@@ -98,9 +102,8 @@ def test_consumer_sigkilled_holding_a_batch(procs, name, fault_table):
 
 
 def test_consumer_sigstopped_is_detached_by_the_lag_policy(procs, name, fault_table):
-    prod = procs.start("producer", "--name", name, "--batches", "80", "--kind", "tuple",
-                       "--min-consumers", "2", "--max-lag", "4", "--window", "0")
-    pid = procs.wait_ready(prod)["pid"]
+    prod, pid = _tuple_producer(procs, name, "--batches", "80", "--min-consumers", "2",
+                                "--max-lag", "4", "--window", "0")
     stopped = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
     survivor = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
     ring = _ring_of(name, pid)
@@ -131,9 +134,7 @@ def test_consumer_sigstopped_without_max_lag_is_evicted(procs, name, fault_table
     """Lossless (no max_lag): a stopped consumer's heartbeats stop, and after
     heartbeat_timeout it is evicted, so the others stop waiting for it."""
     env = {"TENSORSOCKET_HEARTBEAT_TIMEOUT": "3"}
-    prod = procs.start("producer", "--name", name, "--batches", "80", "--kind", "tuple",
-                       "--min-consumers", "2", env=env)
-    pid = procs.wait_ready(prod)["pid"]
+    prod, pid = _tuple_producer(procs, name, "--batches", "80", "--min-consumers", "2", env=env)
     stopped = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
     survivor = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
     ring = _ring_of(name, pid)
@@ -165,9 +166,7 @@ def test_producer_sigstopped_longer_than_heartbeat_timeout(procs, name, fault_ta
     """The producer's own pause is no silence of its consumers: their heartbeats wait in
     the socket while it is stopped, and none is evicted when it runs again."""
     env = {"TENSORSOCKET_HEARTBEAT_TIMEOUT": "3"}
-    prod = procs.start("producer", "--name", name, "--batches", "60", "--kind", "tuple",
-                       "--min-consumers", "2", env=env)
-    pid = procs.wait_ready(prod)["pid"]
+    prod, pid = _tuple_producer(procs, name, "--batches", "60", "--min-consumers", "2", env=env)
     cons = [procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
             for _ in range(2)]
     ring = _ring_of(name, pid)
@@ -214,13 +213,8 @@ def test_forged_hello_is_refused(procs, name, fault_table, transport):
     s.setsockopt(zmq.RCVTIMEO, 30000)
     s.connect(address)
     try:
-        hello = dict(protocol=protocol.PROTOCOL_VERSION, pid=1,
-                     start_time=_core.process_start_time(1), batch_size=None, group=None,
-                     rank=0, world_size=1)
-        for field in protocol.SCHEMAS["hello"]:  # the secret: another user has none
-            hello.setdefault(field, None)
         t0 = time.monotonic()
-        s.send(protocol.encode("hello", **hello))
+        s.send(hello_message(1))  # no secret: another user has none
         reply = protocol.decode(s.recv())
         took = time.monotonic() - t0
         if reply["type"] == "welcome":  # hijacked: the forger is consumer 0, and ready
@@ -253,9 +247,7 @@ def _kill_producer_after_first_delivery(procs, name: str, *consumer_args: str, s
     """Send `sig` to a producer (which sleeps after its first batch) `settle` s after a
     consumer took that batch: (the consumer's result, seconds from the kill to its
     exception)."""
-    prod = procs.start("producer", "--name", name, "--batches", "5", "--kind", "tuple",
-                       "--delay", "3600")
-    pid = procs.wait_ready(prod)["pid"]
+    prod, pid = _tuple_producer(procs, name, "--batches", "5", "--delay", "3600")
     c = procs.start("consumer", "--name", name, "--kind", "tuple", *consumer_args)
     _wait_for_delivery(name, pid, c.pid)
     time.sleep(settle)

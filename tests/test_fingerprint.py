@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 import textwrap
 import types
@@ -17,6 +16,7 @@ from tensorsocket import TensorSocketError
 from tensorsocket.endpoints import resolve
 from tensorsocket.fingerprint import MAX_CHARS, describe, differences, records_first_sample
 from tensorsocket.share import _check_same_data
+from conftest import run as run_python
 
 # A pipeline module both this process and a fresh interpreter import by the same name, so
 # its classes have the same qualified names on both sides.
@@ -80,8 +80,8 @@ def test_same_loader_in_a_fresh_process_is_described_the_same(pipeline, tmp_path
     code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import {pipeline.__name__} "
             "as p; from tensorsocket.fingerprint import describe; "
             "print(describe(p.build(), first_sample=True))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout.strip()
+    out = run_python([sys.executable, "-c", code], capture_output=True, text=True,
+                     timeout=60, check=True).stdout.strip()
     assert out == describe(pipeline.build(), first_sample=True)
 
 

@@ -10,12 +10,12 @@ the child itself says clearly that it cannot read there.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from tensorsocket import TensorProducer
+from conftest import run as run_python
 
 FORKER = r"""
 import json, multiprocessing as mp, os, sys
@@ -75,8 +75,8 @@ def test_a_forked_child_reads_its_batch_as_it_was(name, how, fault_table):
     t = threading.Thread(target=lambda: [None for _ in producer], daemon=True)
     t.start()
     try:
-        job = subprocess.run([sys.executable, "-c", FORKER, name, how], capture_output=True,
-                             text=True, timeout=120)
+        job = run_python([sys.executable, "-c", FORKER, name, how], capture_output=True,
+                         text=True, timeout=120)
     finally:
         t.join(60)
         producer.close()

@@ -52,6 +52,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import popen
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = Path(__file__).resolve().parent / "clients"
@@ -137,9 +138,10 @@ class Jobs:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSOCKET_")}
         env.update({MARK: self.token, "TENSORSOCKET_RUNTIME_DIR": str(self.runtime),
                     "TENSORSOCKET_IDLE_TIMEOUT": str(IDLE), "TS_TEST_LOADS": str(self.loads),
-                    "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": os.pathsep.join(
-                        [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))})
+                    "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        if env.get("PYTHONPATH", "").split(os.pathsep)[0] != str(ROOT):  # conftest puts it first
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         self.env = env
         self.jobs: list[Job] = []
         self.killed_any = False  # some process had to be killed: its segments may be left
@@ -179,9 +181,11 @@ class Jobs:
                env: dict[str, str] | None = None) -> Job:
         log = self.tmp / f"{label}.log"
         with open(log, "wb") as f:
-            proc = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=f,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            # fork="identity": _marked() and _cmdline() read /proc/PID/environ and cmdline
+            # (conftest._server).
+            proc = popen(argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=f,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True, fork="identity")
         job = Job(label, argv, proc, log, out)
         self.jobs.append(job)
         return job
@@ -316,8 +320,8 @@ class Jobs:
 
 
 @pytest.fixture
-def jobs(tmp_path, name):
-    j = Jobs(tmp_path, name)
+def jobs(short_tmp, name):
+    j = Jobs(short_tmp, name)
     yield j
     j.cleanup()
 
@@ -525,6 +529,7 @@ def assert_trained_together(jobs_obj: Jobs, started: list, n: int) -> None:
     jobs_obj.stop_producers()
 
 
+@pytest.mark.slow  # a dozen fresh interpreters; DDP splits also in test_epochs
 def test_lightning_three_jobs(jobs, name):
     """Three Trainer.fit jobs on one device each, started together: each trains on every
     sample exactly once per epoch, from one producer, epochs aligned."""
@@ -588,6 +593,7 @@ def check_in_order(job: Job, key: str, samples: int, epochs: int, offset: int,
     return problems
 
 
+@pytest.mark.slow  # a dozen fresh interpreters; DDP splits also in test_epochs
 def test_lightning_ddp_two_devices(jobs, name):
     """strategy="ddp", devices=2 on the CPU (gloo): the two ranks of the job split each
     train and val epoch between them (their union: every sample exactly once), with the
@@ -655,6 +661,7 @@ def test_accelerate_prepare_two_jobs(jobs, name):
 # -- torchrun DDP --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a dozen fresh interpreters; DDP splits also in test_epochs
 def test_torchrun_two_ddp_jobs_and_one_single(jobs, name):
     """Two torchrun jobs of two ranks and one plain process share one name: the ranks of
     each torchrun job split every epoch between them (union exactly once, equal batch
@@ -674,6 +681,7 @@ def test_torchrun_two_ddp_jobs_and_one_single(jobs, name):
     assert_trained_together(jobs, started, n)
 
 
+@pytest.mark.slow  # a dozen fresh interpreters; DDP splits also in test_epochs
 def test_torchrun_two_simulated_nodes(jobs, name):
     """torchrun --nnodes 2 on this machine, 2 ranks per node, each node with a runtime
     directory of its own: each node's producer reads that node's part of the data (a

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 import fakecuda
+from conftest import popen, run as run_python
+from subprocess import PIPE
 
 BATCHES, EPOCHS, SLOTS = 12, 2, 4
 
@@ -195,7 +197,6 @@ def test_consumer_that_cannot_open_the_ring_falls_back(procs, name, gpu_env, fau
 def test_driver_initialised_before_fork(fake_lib):
     """A process forked after the driver was initialised cannot use it: GPU rings and
     gpu_status() in the child say so, and share() refuses to fork a producer."""
-    import subprocess
     import sys
 
     script = r"""
@@ -226,8 +227,8 @@ except RuntimeError as e:
 print(json.dumps({"before": before, "child": child, "refused": refused}))
 """
     env = {**os.environ, "TENSORSOCKET_LIBCUDA": str(fake_lib)}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env=env, timeout=120)
+    out = run_python([sys.executable, "-c", script], capture_output=True, text=True,
+                     env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     import json
 
@@ -302,7 +303,6 @@ def test_in_place_write_on_a_pinned_host_ring_still_stops(procs, name, gpu_env):
     private would break the registration: there, an in-place op on a batch is still stopped
     with SIGSEGV, after a line naming the cause. The other consumers lose nothing."""
     import signal
-    import subprocess
     import sys
 
     from tensorsocket import TensorConsumer
@@ -311,9 +311,8 @@ def test_in_place_write_on_a_pinned_host_ring_still_stops(procs, name, gpu_env):
     p = procs.start("producer", "--name", name, "--kind", "tuple", "--batches", "6",
                     "--delay", "0.5", env=gpu_env)
     procs.wait_ready(p)
-    proc = subprocess.Popen([sys.executable, "-c", PINNED_IN_PLACE, name],
-                            env={**os.environ, **gpu_env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = popen([sys.executable, "-c", PINNED_IN_PLACE, name],
+                 env={**os.environ, **gpu_env}, stdout=PIPE, stderr=PIPE, text=True)
     out, err = proc.communicate(timeout=60)
     fakecuda.cleanup_shm(proc.pid)  # a crashed process cannot free its context
     assert out.split() == ["received", "0"], err  # host views are not writable here

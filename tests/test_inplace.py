@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import popen
+
 TESTS = Path(__file__).resolve().parent
 BATCHES, SLOTS = 24, 4
 
@@ -99,7 +101,7 @@ c.close()
 
 
 def _consumer(name: str, kind: str, role: str, flags: tuple = ()) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *flags, "-c", CONSUMER, name, kind, role,
+    return popen([sys.executable, *flags, "-c", CONSUMER, name, kind, role,
                              str(TESTS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

@@ -7,14 +7,13 @@ import io
 import itertools
 import json
 import logging
-import subprocess
 import sys
 import textwrap
 import threading
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run as run_python
 from roles import CountingLoader
 from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError
 
@@ -225,8 +224,8 @@ def test_library_never_configures_logging(name):
     """Importing tensorsocket and running a producer and a consumer adds no handler to
     the root logger and sets no level; its records reach only the application's handlers
     (none here: nothing is printed, even for a WARNING)."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(NO_ROOT_HANDLERS), name],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_python([sys.executable, "-c", textwrap.dedent(NO_ROOT_HANDLERS), name],
+                      capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"batches": 4, "root_before": 0, "root_after": 0,

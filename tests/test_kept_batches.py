@@ -11,6 +11,7 @@ import warnings
 import pytest
 
 from tensorsocket import TensorConsumer, TensorSocketWarning
+from conftest import popen
 
 
 def test_list_of_batches_works_like_a_dataloaders(procs, name):
@@ -61,6 +62,7 @@ KEEPER = r"""
 import sys, time
 from itertools import islice
 from tensorsocket import TensorConsumer
+print("up", flush=True)
 c = TensorConsumer(name=sys.argv[1], timeout=30)
 kept = list(islice(c, 4))   # every slot of the ring
 print("kept", flush=True)
@@ -86,8 +88,8 @@ def test_producer_logs_the_consumer_that_keeps_its_slots(name, procs, caplog, mo
     # The keeper may take long to start on a loaded machine: the first wait is long, the
     # one after the keeper left (the end of this test) short.
     producer = TensorProducer(loader, name=name, ring_slots=4, rubber_band=0, start_timeout=60)
-    keeper = subprocess.Popen([sys.executable, "-c", KEEPER, name, "4"],
-                              stdout=subprocess.PIPE, text=True)
+    keeper = popen([sys.executable, "-c", KEEPER, name, "4"],
+                   stdout=subprocess.PIPE, text=True)
     procs.procs.append(keeper)
     ended: list[str] = []
 
@@ -100,6 +102,7 @@ def test_producer_logs_the_consumer_that_keeps_its_slots(name, procs, caplog, mo
             ended.append(str(e))
 
     t = threading.Thread(target=run, daemon=True)
+    assert keeper.stdout.readline().strip() == "up"
     t.start()
     with selectors.DefaultSelector() as sel:
         sel.register(keeper.stdout, selectors.EVENT_READ)
@@ -153,7 +156,7 @@ def test_breaking_at_the_epoch_end_while_holding_the_batch_never_deadlocks(name,
     epochs = 3
     loader = [torch.full((2,), float(i)) for i in range(20)]
     producer = TensorProducer(loader, name=name, min_consumers=2, start_timeout=60, **policy)
-    jobs = {mode: subprocess.Popen([sys.executable, "-c", BOUNDARY_JOB, name, mode,
+    jobs = {mode: popen([sys.executable, "-c", BOUNDARY_JOB, name, mode,
                                     str(epochs)], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
             for mode in ("break", "read")}

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from conftest import ROOT, shm_segments
+from conftest import ROOT, shm_segments, popen
 from tensorsocket import TensorConsumer, TensorProducer
 from tensorsocket.endpoints import runtime_dir
 
@@ -45,7 +45,7 @@ def test_consumer_exiting_after_bye_with_a_held_batch_does_not_stall_the_ring(na
 
     thread = threading.Thread(target=produce)
     thread.start()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_EXIT, name], cwd=ROOT)
+    holder = popen([sys.executable, "-c", HOLD_AND_EXIT, name], cwd=ROOT)
     reader = TensorConsumer(name=name, timeout=30, batch_timeout=15)
     try:
         values = [int(x[0]) for x in reader]
@@ -92,8 +92,8 @@ PRODUCER_SCRIPT = textwrap.dedent("""
 
 def _start_producer_script(name: str, setup: str) -> tuple[subprocess.Popen, dict]:
     """The producer script and its first report (its ring exists then)."""
-    proc = subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, name, setup], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = popen([sys.executable, "-c", PRODUCER_SCRIPT, name, setup], cwd=ROOT,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line:
         proc.wait(timeout=30)

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import tensorsocket
-from conftest import shm_segments
+from conftest import shm_segments, popen
 from tensorsocket import ProducerFinished, ProducerNotFound, TensorConsumer, TensorSocketError
 from tensorsocket import _core
 from tensorsocket.endpoints import runtime_dir
@@ -87,13 +87,29 @@ say(pid=os.getpid(), epochs=epochs, sizes=sizes)
 # -- fixtures and helpers ---------------------------------------------------------------
 
 
+def _ours(p: psutil.Process, base: str) -> bool:
+    """Whether p runs with XDG_RUNTIME_DIR=base, or writes its output into base (a producer
+    that share() forked writes to its log in the runtime directory). /proc/PID/environ
+    shows the environment a process was exec'd with: a child forked by the tests' fork
+    server (tensorsocket.harness) and the producers it forks show the server's."""
+    if p.environ().get("XDG_RUNTIME_DIR") == base:
+        return True
+    for fd in (1, 2):
+        try:
+            if os.readlink(f"/proc/{p.pid}/fd/{fd}").startswith(base + os.sep):
+                return True
+        except OSError:
+            pass
+    return False
+
+
 def _killall(base: str) -> None:
-    """Kill every process of ours that runs with XDG_RUNTIME_DIR=base."""
+    """Kill every process of ours that runs with XDG_RUNTIME_DIR=base (see _ours)."""
     for p in psutil.process_iter(["uids"]):
         if p.pid == os.getpid() or p.info["uids"] is None or p.info["uids"].real != os.getuid():
             continue
         try:
-            if p.environ().get("XDG_RUNTIME_DIR") == base:
+            if _ours(p, base):
                 p.kill()
         except (psutil.Error, OSError):
             pass
@@ -138,9 +154,9 @@ class Trainers:
         cfg = {"name": self.name, "samples": SAMPLES, "loader_batch_size": loader_batch_size,
                "epochs": epochs, "idle": IDLE, "go": str(self.go), "loads": str(self.loads),
                **cfg}
-        p = subprocess.Popen([sys.executable, str(self.script), json.dumps(cfg)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=new_session)
+        p = popen([sys.executable, str(self.script), json.dumps(cfg)],
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                  start_new_session=new_session)
         self.procs.procs.append(p)
         return p
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import shm_segments
+from conftest import shm_segments, popen
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -271,7 +271,7 @@ while True:
 
 
 def _start(procs, script: str, *args, stdin: bool = False) -> subprocess.Popen:
-    p = subprocess.Popen(
+    p = popen(
         [sys.executable, "-c", script, *map(str, args)],
         stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

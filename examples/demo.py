@@ -1,51 +1,64 @@
-"""``tensorsocket demo``: one producer feeds several training consumers from one shared loader.
+"""The demo of the README's Quickstart: one producer feeds several training consumers
+from one shared loader, and the summary says how much loader CPU time sharing saved.
 
-The parent (``run()``) starts a producer process and N consumer processes with
-``python -m tensorsocket.demo ROLE ...``. The producer runs a DataLoader with
-a real per-sample CPU transform over a synthetic in-memory image set and
-publishes every batch to the shared-memory ring; each consumer trains a tiny
-CNN on those batches. Children report to the parent with one JSON object per
-stdout line, prefixed with ``MARK``; the parent prints progress and a summary,
-with the live panel of ``tensorsocket._demo_panel`` under it on a terminal.
+    python examples/demo.py                          # 3 consumers, 2 epochs of 1024 images
+    python examples/demo.py --consumers 2 --epochs 1 --images 256 --no-live
+    python examples/demo.py --help
+
+The parent (this script without --role) starts a producer process and N consumer
+processes, all this script again (``--role producer|consumer``) through
+tensorsocket.harness. The producer runs a DataLoader with a real per-sample CPU transform
+over a synthetic in-memory image set (``_demo_model.py``) and publishes every batch to the
+shared-memory ring; each consumer trains a tiny CNN on those batches with its own learning
+rate. Children report to the parent with one JSON object per stdout line, after ``MARK``;
+the parent prints their progress and a summary, with a live panel under it on a terminal
+(``_demo_panel.py``: the ring and each consumer's progress as ``tensorsocket status``
+reads them). Every wait has a deadline (--timeout): on any failure every child is stopped,
+nothing is left in /dev/shm or the runtime directory, and the error is one line (with
+--debug: the children's output too).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import math
 import os
 import queue
 import signal
-import subprocess
 import sys
-import threading
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, TextIO
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # _demo_model, _demo_panel (python examples/demo.py has it)
 
-from ._demo_panel import LivePanel
-from .clean import remove_leftovers
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _demo_model import (  # noqa: E402
+    BATCH_SIZE, SEED, RandomCropFlipNormalize, SyntheticImages, TimedLoader, TinyCNN,
+)
+from _demo_panel import LivePanel  # noqa: E402
 
+from tensorsocket import harness  # noqa: E402
+from tensorsocket.clean import remove_leftovers  # noqa: E402
+
+PROG = "demo.py"
 MARK = "@tensorsocket-demo "
-BATCH_SIZE = 32
-IMAGE_SIZE = 96
-CROP_SIZE = 64
-NUM_CLASSES = 10
-MEAN = (0.5, 0.5, 0.5)
-STD = (0.25, 0.25, 0.25)
-SEED = 0
 CHILD_TIMEOUT = 30.0  # library timeouts inside the children (handshake, batch, publish, join)
 KILL_GRACE = 3.0  # seconds between SIGTERM and SIGKILL when stopping children
 LEARNING_RATES = (0.02, 0.05, 0.1, 0.01)  # consumer k (from 1) uses LEARNING_RATES[(k - 1) % 4]
+
+
+class _Terminated(BaseException):
+    """Raised in the parent by SIGTERM, so that it stops its children as on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
 
 
 class DemoError(Exception):
@@ -57,127 +70,17 @@ class DemoError(Exception):
         self.details = details
 
 
-# -- data: a synthetic image set and a CPU transform in plain torch --------------------
-
-
-class SyntheticImages(torch.utils.data.Dataset):
-    """Deterministic in-memory uint8 images (3 x 96 x 96) with a class tint; label = index % 10."""
-
-    def __init__(self, count: int, transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 seed: int = SEED) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.labels = torch.arange(count) % NUM_CLASSES
-        palette = torch.randint(0, 256, (NUM_CLASSES, 3, 1, 1), generator=gen, dtype=torch.int16)
-        self.images = torch.empty(count, 3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
-        for start in range(0, count, 256):  # in chunks: no large temporaries
-            stop = min(count, start + 256)
-            noise = torch.randint(0, 256, (stop - start, 3, IMAGE_SIZE, IMAGE_SIZE),
-                                  generator=gen, dtype=torch.int16)
-            tint = palette[self.labels[start:stop]]
-            self.images[start:stop] = ((3 * noise + tint) // 4).to(torch.uint8)
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image = self.images[index]
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, int(self.labels[index])
-
-
-class RandomCropFlipNormalize:
-    """Random resized crop to size x size, random flip, to float, per-channel normalization."""
-
-    def __init__(self, size: int = CROP_SIZE, scale: tuple[float, float] = (0.25, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), mean: tuple[float, ...] = MEAN,
-                 std: tuple[float, ...] = STD) -> None:
-        self.size = size
-        self.scale = scale
-        self.log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-        self.mean = torch.tensor(mean).view(-1, 1, 1)
-        self.std = torch.tensor(std).view(-1, 1, 1)
-
-    def crop_box(self, height: int, width: int) -> tuple[int, int, int, int]:
-        """A random (top, left, height, width) box, as torchvision's RandomResizedCrop picks it."""
-        area = height * width
-        for _ in range(10):
-            target = area * float(torch.empty(()).uniform_(*self.scale))
-            aspect = math.exp(float(torch.empty(()).uniform_(*self.log_ratio)))
-            w = round(math.sqrt(target * aspect))
-            h = round(math.sqrt(target / aspect))
-            if 0 < w <= width and 0 < h <= height:
-                top = int(torch.randint(0, height - h + 1, ()))
-                left = int(torch.randint(0, width - w + 1, ()))
-                return top, left, h, w
-        return 0, 0, height, width
-
-    def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        """Transform one uint8 C x H x W image into a normalized float C x size x size tensor."""
-        top, left, h, w = self.crop_box(image.shape[-2], image.shape[-1])
-        x = image[:, top:top + h, left:left + w].float().div_(255.0)
-        x = F.interpolate(x.unsqueeze(0), size=(self.size, self.size), mode="bilinear",
-                          align_corners=False, antialias=True).squeeze(0)
-        if float(torch.rand(())) < 0.5:
-            x = x.flip(-1)
-        return x.sub_(self.mean).div_(self.std)
-
-
-class TimedLoader:
-    """Wrap a loader and add up the CPU time (time.process_time) spent fetching its batches."""
-
-    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
-        self.loader = loader
-        self.batch_size = loader.batch_size
-        self.cpu_seconds = 0.0
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        start = time.process_time()
-        it = iter(self.loader)
-        self.cpu_seconds += time.process_time() - start
-        while True:
-            start = time.process_time()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            finally:
-                self.cpu_seconds += time.process_time() - start
-            yield batch
-
-
-class TinyCNN(nn.Module):
-    """Two strided conv layers, global average pooling and a linear classifier."""
-
-    def __init__(self, classes: int = NUM_CLASSES) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, stride=2, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, stride=2, padding=1)
-        self.fc = nn.Linear(32, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits for a batch of images."""
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        return self.fc(x.mean(dim=(2, 3)))
-
-
 # -- children ----------------------------------------------------------------------------
 
 
 def _emit(event: str, **fields: Any) -> None:
     """Send one event to the parent: a marked JSON line on stdout."""
-    sys.stdout.write(MARK + json.dumps({"event": event, **fields}, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
+    harness.emit({"event": event, **fields}, marker=MARK)
 
 
 def _run_producer(name: str, consumers: int, epochs: int, images: int) -> None:
     """Producer role: run the loader `epochs` times through a TensorProducer."""
-    from .producer import TensorProducer
+    from tensorsocket import TensorProducer
 
     torch.manual_seed(SEED)
     dataset = SyntheticImages(images, transform=RandomCropFlipNormalize())
@@ -206,7 +109,7 @@ def _run_producer(name: str, consumers: int, epochs: int, images: int) -> None:
 
 def _run_consumer(name: str, rank: int, epochs: int) -> None:
     """Consumer role: train a TinyCNN with SGD on the producer's batches for `epochs` epochs."""
-    from .consumer import TensorConsumer
+    from tensorsocket import TensorConsumer
 
     torch.manual_seed(SEED + rank)
     model = TinyCNN()
@@ -259,18 +162,8 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def child_main(argv: list[str] | None = None) -> int:
-    """Entry point of a child process: ``python -m tensorsocket.demo ROLE ...``."""
-    parser = argparse.ArgumentParser(prog="python -m tensorsocket.demo",
-                                     description="a child of `tensorsocket demo` (internal)")
-    parser.add_argument("role", choices=["producer", "consumer"])
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--epochs", type=int, required=True)
-    parser.add_argument("--consumers", type=int, default=1)
-    parser.add_argument("--images", type=int, default=1024)
-    parser.add_argument("--rank", type=int, default=1)
-    parser.add_argument("--parent-pid", type=int, default=None)
-    args = parser.parse_args(argv)
+def child_main(args: argparse.Namespace) -> int:
+    """A child: ``demo.py --role producer|consumer ...`` (started by the parent)."""
     # The parent handles Ctrl-C and stops us with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -297,88 +190,38 @@ class _Child:
     """One child process as the parent tracks it."""
 
     label: str
-    proc: subprocess.Popen
+    proc: harness.ChildProcess
     rank: int = 0  # 0 for the producer
-    stderr_tail: deque = field(default_factory=lambda: deque(maxlen=40))
     result: dict | None = None
     closed: bool = False  # its stdout reached EOF
     exited: bool = False
-    readers: list = field(default_factory=list)
-
-
-def _read_stdout(child: _Child, events: "queue.Queue[tuple[_Child, dict]]") -> None:
-    """Thread: forward the child's marked JSON lines to the queue, keep the other lines."""
-    assert child.proc.stdout is not None
-    for line in child.proc.stdout:
-        if line.startswith(MARK):
-            try:
-                event = json.loads(line[len(MARK):])
-            except ValueError:
-                child.stderr_tail.append(line.rstrip("\n"))
-                continue
-            events.put((child, event))
-        else:
-            child.stderr_tail.append(line.rstrip("\n"))
-    events.put((child, {"event": "eof"}))
-
-
-def _read_stderr(child: _Child) -> None:
-    """Thread: keep the last lines the child wrote to stderr."""
-    assert child.proc.stderr is not None
-    for line in child.proc.stderr:
-        child.stderr_tail.append(line.rstrip("\n"))
-
-
-def _child_env() -> dict[str, str]:
-    """Environment for the children: this package importable, one thread each."""
-    env = dict(os.environ)
-    package_parent = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("MKL_NUM_THREADS", "1")
-    return env
 
 
 def _spawn(label: str, rank: int, args: list[str], env: dict[str, str],
            events: "queue.Queue[tuple[_Child, dict]]") -> _Child:
-    """Start one child and its reader threads."""
-    proc = subprocess.Popen([sys.executable, "-m", "tensorsocket.demo", *args], env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, bufsize=1)
+    """Start one child; its events go to `events`."""
+    proc = harness.spawn(harness.python_argv(__file__, *args), env=env, label=label,
+                         text=True, bufsize=1)
     child = _Child(label, proc, rank)
-    child.readers = [threading.Thread(target=_read_stdout, args=(child, events), daemon=True),
-                     threading.Thread(target=_read_stderr, args=(child,), daemon=True)]
-    for reader in child.readers:
-        reader.start()
+    proc.follow(events, marker=MARK, tag=child)
     return child
 
 
 def _stop_children(children: list[_Child]) -> None:
-    """SIGTERM every running child, SIGKILL those still alive after KILL_GRACE, reap all."""
-    for child in children:
-        if child.proc.poll() is None:
-            try:
-                child.proc.terminate()
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + KILL_GRACE
-    for child in children:
-        try:
-            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
-    for child in children:
-        for reader in child.readers:
-            reader.join(timeout=1.0)
+    """SIGTERM every running child (and what it started), SIGKILL what is still alive after
+    KILL_GRACE, reap all."""
+    group = harness.Children()
+    group.procs = [c.proc for c in children]
+    group.stop_all(KILL_GRACE)
 
 
 def _child_output(children: list[_Child]) -> str:
     """The last lines each child wrote, for --debug."""
     parts = []
     for child in children:
-        if child.stderr_tail:
-            body = "\n".join("    " + line for line in child.stderr_tail)
+        tail = getattr(child.proc, "tail", ())
+        if tail:
+            body = "\n".join("    " + line for line in tail)
             parts.append(f"--- output of {child.label} (pid {child.proc.pid}) ---\n{body}")
     return "\n".join(parts)
 
@@ -435,16 +278,16 @@ class _Demo:
 
     def start(self) -> None:
         """Start the producer and the consumers."""
-        env = _child_env()
+        env = harness.child_env(threads=1)  # this tree's tensorsocket; one thread each
         common = ["--name", self.name, "--epochs", str(self.epochs),
                   "--parent-pid", str(os.getpid())]
         try:
             self.children.append(_spawn("producer", 0, [
-                "producer", *common, "--consumers", str(self.consumers),
+                "--role", "producer", *common, "--consumers", str(self.consumers),
                 "--images", str(self.images)], env, self.events))
             for rank in range(1, self.consumers + 1):
                 self.children.append(_spawn(f"consumer {rank}", rank, [
-                    "consumer", *common, "--rank", str(rank)], env, self.events))
+                    "--role", "consumer", *common, "--rank", str(rank)], env, self.events))
         except OSError as e:
             raise DemoError(f"cannot start a child process: {e}",
                             f"check that {sys.executable} can run") from e
@@ -558,5 +401,100 @@ def run(consumers: int = 3, epochs: int = 2, images: int = 1024, timeout: float 
     return _Demo(consumers, epochs, images, timeout, out or sys.stdout, live).run()
 
 
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def _check_environment() -> None:
+    """DemoError for what would make every child fail: a TENSORSOCKET_* value that does
+    not parse, a runtime directory that cannot be used (said once, here)."""
+    from tensorsocket import config
+    from tensorsocket.endpoints import runtime_dir
+
+    for setting in config.SETTINGS.values():
+        try:
+            setting.from_env()
+        except ValueError as e:
+            raise DemoError(str(e)) from None
+    try:
+        runtime_dir()
+    except (OSError, ValueError) as e:
+        var = config.SETTINGS["runtime_dir"].env
+        if var in str(e):  # the message names the variable and what to do
+            raise DemoError(str(e)) from None
+        raise DemoError(f"cannot use the runtime directory for sockets and locks: {e}",
+                        f"set {var} to a directory of your own") from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog=PROG, description="Start one producer process that runs a DataLoader with a CPU "
+        "transform over synthetic images, and N consumer processes that each train a tiny CNN "
+        "on the shared batches; print their throughput and the CPU time that sharing the "
+        "loader saved.")
+    ap.add_argument("--consumers", type=_positive(int), default=3, metavar="N",
+                    help="consumer processes (default: 3)")
+    ap.add_argument("--epochs", type=_positive(int), default=2, metavar="N",
+                    help="epochs to run (default: 2)")
+    ap.add_argument("--images", type=_positive(int), default=1024, metavar="N",
+                    help="synthetic images in the dataset (default: 1024)")
+    ap.add_argument("--timeout", type=_positive(float), default=120.0, metavar="SECONDS",
+                    help="stop every process and fail after this long (default: 120)")
+    ap.add_argument("--no-live", action="store_true",
+                    help="no live status panel under the log (default: shown on a terminal)")
+    ap.add_argument("--debug", action="store_true",
+                    help="show tracebacks and the output of the child processes on errors")
+    # The children: this script again, started by the parent.
+    ap.add_argument("--role", choices=["producer", "consumer"], help=argparse.SUPPRESS)
+    ap.add_argument("--name", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    from tensorsocket import _core
+
+    if args.role is None and args.consumers > _core.MAX_CONSUMERS:
+        ap.error(f"--consumers {args.consumers} is more than a ring supports "
+                 f"(at most {_core.MAX_CONSUMERS})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role is not None:
+        return child_main(args)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        _check_environment()
+        run(consumers=args.consumers, epochs=args.epochs, images=args.images,
+            timeout=args.timeout, live=False if args.no_live else None)
+        return 0
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print(f"{PROG}: terminated", file=sys.stderr)
+        return 143
+    except DemoError as e:
+        if args.debug:
+            traceback.print_exc()
+            if e.details:
+                print(e.details, file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+        if not args.debug and e.details:
+            print("hint: run again with --debug to see the output of the child processes",
+                  file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(child_main())
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The live panel of ``tensorsocket demo``: a few lines at the bottom of a terminal,
+"""The live panel of examples/demo.py: a few lines at the bottom of a terminal,
 redrawn in place under the demo's event log, showing the ring and each consumer's
 progress as ``tensorsocket status`` reads them from the ring segment."""
 
@@ -16,7 +16,7 @@ class LivePanel:
     REFRESH_S = 0.25
 
     def __init__(self, name: str, batches_per_epoch: int, epochs: int, out: TextIO) -> None:
-        from .status import Survey
+        from tensorsocket.status import Survey
 
         self.name = name
         self.batches_per_epoch = batches_per_epoch
