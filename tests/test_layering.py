@@ -20,7 +20,7 @@ PACKAGE = ROOT / "tensorsocket"
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 BINDING = re.compile(r"^ts_(module\.c|py(_\w+)?\.[ch])$")  # ts_module.c, ts_py.h, ts_py_*.c
-CLI_MODULES = {"status", "top", "clean", "__main__", "demo"}
+CLI_MODULES = {"status", "top", "clean", "__main__"}
 
 
 def _sources() -> dict[str, str]:
@@ -143,10 +143,54 @@ def _imports_reached(module: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("module", ["producer", "consumer", "control", "share"])
+LIBRARY = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in CLI_MODULES)
+
+
+@pytest.mark.parametrize("module", LIBRARY)
 def test_library_modules_do_not_import_the_command_line(module):
-    """The library (producer, consumer, control plane, share) imports none of the command
-    line's modules, directly or through another module of the package."""
+    """No library module (producer, consumer, control plane, share() and what they use)
+    imports a module of the command line, directly or through another module."""
+    assert {"producer", "consumer", "control", "share", "segments"} <= set(LIBRARY)
     reached = _imports_reached(module)
-    assert reached, f"found no imports of tensorsocket.{module}"
     assert not reached & CLI_MODULES, f"tensorsocket.{module} reaches {reached & CLI_MODULES}"
+
+
+def test_producer_and_consumer_import_something():
+    """The import walk sees imports at all (else the test above could not fail)."""
+    assert {"config", "control"} <= _imports_reached("producer")
+    assert {"config", "delivery"} <= _imports_reached("consumer")
+
+
+def test_the_cli_uses_the_library_segment_scan():
+    """status and clean list segments through tensorsocket.segments, as the producer does."""
+    for cli in ("status", "clean"):
+        assert "segments" in _imports(cli)
+    assert "segments" in _imports("producer_files")
+
+
+def test_benchmarks_import_no_cycle():
+    """The benchmark scripts share code through a module that imports neither of them."""
+    bench = ROOT / "benchmarks"
+    graph = {}
+    for path in bench.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                deps.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[0] for a in node.names)
+        graph[path.stem] = deps & {p.stem for p in bench.glob("*.py")}
+    assert "handoff_common" in graph.get("handoff", set())
+    for a, deps in graph.items():
+        for b in deps:
+            assert a not in _closure(graph, b), f"benchmarks/{a}.py and {b}.py import each other"
+
+
+def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
