@@ -15,6 +15,8 @@ import pytest
 
 from tensorsocket import harness
 
+from fork_server import ForkServer
+
 # Most tests start one producer after another and attach their consumers before the first
 # batch on purpose: the 3 s start grace (jobs started together begin at batch 0) would
 # only slow them down. Tests of the grace itself, and of jobs started together (the real
@@ -104,10 +106,10 @@ def name():
 # Python argv). They are forked from one fork server per test process, which imported
 # torch and tensorsocket once (a fresh interpreter spends 1-3 s of CPU on that, and the
 # suite starts hundreds of children); what a fork cannot give exactly (interpreter flags,
-# a changed LD_PRELOAD, ...) starts a fresh interpreter, see harness.ForkServer.
+# a changed LD_PRELOAD, ...) starts a fresh interpreter, see tests/fork_server.py.
 # TS_TEST_FORK_SERVER=0 starts every child afresh.
 
-_FORK_SERVER: list = []  # [harness.ForkServer] once started (one per pytest process)
+_FORK_SERVER: list = []  # [ForkServer] once started (one per pytest process)
 _FORK_SERVER_LOCK = threading.Lock()
 
 
@@ -117,7 +119,7 @@ def fork_server():
         return None
     with _FORK_SERVER_LOCK:
         if not _FORK_SERVER:
-            _FORK_SERVER.append(harness.ForkServer(cwd=ROOT))
+            _FORK_SERVER.append(ForkServer(cwd=ROOT))
         return _FORK_SERVER[0]
 
 
@@ -135,7 +137,7 @@ def pytest_unconfigure(config):
 def _server(fork: bool | str):
     """The fork server for a child: fork=True, False, or "identity": only where a forked
     child's /proc/PID/cmdline and environ show its own (a test that finds its processes by
-    their environment or command line; harness.ForkServer.proc_identity)."""
+    their environment or command line; ForkServer.proc_identity)."""
     server = fork_server() if fork else None
     if server is not None and fork == "identity" and not server.proc_identity:
         return None

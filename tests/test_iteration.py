@@ -92,9 +92,11 @@ def _value(batch) -> int:
     return int(batch[1][0])
 
 
-def test_enumerate_zip_and_islice(name):
+def test_enumerate_zip_and_islice(name, caplog):
     """enumerate and zip over whole epochs; zip and islice that stop early leave their
     epoch, and the next epoch is the producer's next one, whole and in order."""
+    # The producer's and the consumer's parks, unparks and attaches show on a failure.
+    caplog.set_level(logging.INFO, logger="tensorsocket")
     epochs = Epochs(name, batches=12, epochs=8)
     try:
         with TensorConsumer(name=name, timeout=10, batch_timeout=20) as c:
