@@ -105,11 +105,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
 from handoff_common import (  # noqa: E402
     KINDS, RING_SLOTS, CountingLoader, Tally, add_common_options, by_key, check_reports,
-    div, fmt, harness, parse_common, print_table, remove_leftovers, run_suite, short,
+    cpu_seconds, div, fmt, harness, parse_common, print_table, remove_leftovers, run_suite, short,
     stop_all, tail,
 )
 
 TARGET_TINY_BPS = 20000.0  # batches/s to one consumer
+TARGET_TINY_BPS_ONE = 200000.0  # issue 17: batches/s with one consumer
+TARGET_TINY_VS_FLOOR = 1.0  # issue 17: ours / shared_memory + pipes, tiny, every N
+TARGET_TINY_CPU_US = 8.0  # issue 17: CPU (producer + consumers) per delivered tiny batch
 TARGET_LARGE_RATIO = 0.8  # consumer GB/s / memcpy GB/s, per consumer
 TARGET_FLAT = 0.8  # 32 MiB per-consumer GB/s at N consumers / at 1 consumer
 TARGET_VS_ORIGINAL = {"tiny": 10.0, "32MiB": 2.0}  # ours / original batches/s
@@ -142,12 +145,15 @@ def run_producer(args: argparse.Namespace) -> int:
         # Tell the orchestrator the control socket is bound.
         print(json.dumps({"role": "producer", "ready": True}), flush=True)
         t0 = None
+        cpu0 = 0.0
         n = 0
         for _ in producer:
             if t0 is None:
                 t0 = time.perf_counter()  # after the consumers attached
+                cpu0 = cpu_seconds()
             n += 1
         t1 = time.perf_counter()
+        cpu1 = cpu_seconds()
         stats = producer.stats()
         drained = producer.join(timeout=JOIN_TIMEOUT)
     finally:
@@ -156,6 +162,7 @@ def run_producer(args: argparse.Namespace) -> int:
         "role": "producer",
         "batches": n,
         "seconds": t1 - (t0 or t1),
+        "cpu_seconds": cpu1 - cpu0,
         "wait_seconds": stats["wait_seconds"],
         "bytes_copied": stats["bytes_copied"],
         "drained": drained,
@@ -246,10 +253,31 @@ def run_config(kind: str, consumers: int, batches: int, tag: str,
     return {"consumers": reports, "producer": preport, "error": error}
 
 
-def verdicts(ours: dict, original: dict | None = None) -> list[dict]:
+def verdicts(ours: dict, original: dict | None = None, floor: dict | None = None) -> list[dict]:
     """The targets, each {"target", "value", "ok"} (ok None: not measurable)."""
     out = []
     res = ours["results"]
+    for r in res:
+        if r["kind"] != "tiny":
+            continue
+        if r["consumers"] == 1:
+            v = r["batches_per_s"]
+            out.append({"target": f"ours tiny x1: batches/s >= {TARGET_TINY_BPS_ONE:.0f}",
+                        "value": v, "ok": None if v is None else v >= TARGET_TINY_BPS_ONE})
+        v = r.get("cpu_us_per_batch")
+        out.append({"target": f"ours tiny x{r['consumers']}: CPU us per delivered batch <= "
+                              f"{TARGET_TINY_CPU_US:g}",
+                    "value": v, "ok": None if v is None else v <= TARGET_TINY_CPU_US})
+    if floor is not None:
+        low = by_key(floor["results"])
+        for r in res:
+            f = low.get((r["kind"], r["consumers"]))
+            if r["kind"] != "tiny" or f is None:
+                continue
+            v = div(r["batches_per_s"], f["batches_per_s"])
+            out.append({"target": f"ours/floor tiny x{r['consumers']} (batches/s per consumer; "
+                                  f"floor: shared_memory + pipes) >= {TARGET_TINY_VS_FLOOR:g}",
+                        "value": v, "ok": None if v is None else v >= TARGET_TINY_VS_FLOOR})
     for r in res:
         if r["kind"] == "32MiB":
             v = r["ratio_vs_memcpy"]
@@ -324,6 +352,40 @@ def comparison(ours: dict, original: dict) -> list[dict]:
     return rows
 
 
+def floor_comparison(ours: dict, floor: dict) -> list[dict]:
+    """Per configuration: ours and the floor's batches/s and CPU per batch, and the ratio."""
+    low = by_key(floor["results"])
+    rows = []
+    for r in ours["results"]:
+        f = low.get((r["kind"], r["consumers"]), {})
+        rows.append({
+            "kind": r["kind"], "consumers": r["consumers"],
+            "ours_batches_per_s": r["batches_per_s"],
+            "floor_batches_per_s": f.get("batches_per_s"),
+            "ours_over_floor": div(r["batches_per_s"], f.get("batches_per_s")),
+            "ours_cpu_us_per_batch": r.get("cpu_us_per_batch"),
+            "floor_cpu_us_per_batch": f.get("cpu_us_per_batch"),
+            "floor_error": f.get("error"),
+        })
+    return rows
+
+
+def print_floor_comparison(rows: list[dict]) -> None:
+    print()
+    print("ours vs the floor (shared_memory + pipes, shm_pipe_handoff.py), same run")
+    hdr = (f"{'batch':>6} {'cons':>4} | {'ours b/s':>10} {'floor b/s':>10} {'ours/floor':>10} | "
+           f"{'ours CPU us/b':>13} {'floor CPU us/b':>14}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['kind']:>6} {r['consumers']:>4} | {fmt(r['ours_batches_per_s'], '.1f', 10)} "
+              f"{fmt(r['floor_batches_per_s'], '.1f', 10)} {fmt(r['ours_over_floor'], '.2f', 10)}"
+              f" | {fmt(r['ours_cpu_us_per_batch'], '.2f', 13)} "
+              f"{fmt(r['floor_cpu_us_per_batch'], '.2f', 14)}")
+        if r["floor_error"]:
+            print(f"{'':>12}floor ERROR: {short(r['floor_error'], 300)}")
+
+
 def print_comparison(rows: list[dict]) -> None:
     print()
     print("ours vs original TensorSocket 0.0.5 (per consumer; medians over consumers, then "
@@ -357,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-original", action="store_true",
                         help="then run the same through the original TensorSocket 0.0.5 "
                              "(original_handoff.py) and print one comparison table")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip the floor: the same workload through plain shared_memory "
+                             "and pipes (shm_pipe_handoff.py), run after ours by default")
     parser.add_argument("--profile", metavar="PREFIX",
                         help="cProfile every consumer (ours); stats go to PREFIX.<pid>")
     args, kinds, counts, repeats, nbatches = parse_common(parser, argv)
@@ -368,6 +433,19 @@ def main(argv: list[str] | None = None) -> int:
                      counts=counts, repeats=repeats, nbatches=nbatches, quick=args.quick,
                      settings={"ring_slots": RING_SLOTS, "timeouts": _timeouts()})
     print_table(ours)
+    floor = None
+    if not args.no_floor:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import shm_pipe_handoff
+
+        print()
+        floor = shm_pipe_handoff.run_floor(kinds=kinds, counts=counts, repeats=repeats,
+                                           nbatches=nbatches, quick=args.quick)
+        print_table(floor)
+        rows = floor_comparison(ours, floor)
+        print_floor_comparison(rows)
+        ours["floor"] = floor
+        ours["floor_comparison"] = rows
     original = None
     if args.with_original:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -381,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         print_comparison(rows)
         ours["original"] = original
         ours["comparison"] = rows
-    checks = verdicts(ours, original)
+    checks = verdicts(ours, original, floor)
     print_verdicts(checks)
     ours["verdicts"] = checks
 

@@ -142,6 +142,7 @@ class Tally:
         self.duplicates = 0
         self.corrupt = 0
         self.first_anomaly = None
+        self.cpu_first = self.cpu_last = 0.0  # CPU seconds of this process at first / end
 
     def consume(self, iterable, unwrap=None) -> None:
         """Iterate `iterable` to its end, touching and checking every batch."""
@@ -151,6 +152,7 @@ class Tally:
             t = time.perf_counter()
             if self.n == 0:
                 self.t_first = t
+                self.cpu_first = cpu_seconds()
                 self.first = counter
             self.t_last = t
             self.n += 1
@@ -158,6 +160,7 @@ class Tally:
                 self._anomaly(counter, ok)
             self.last = counter
             del item  # release the slot before waiting for the next one
+        self.cpu_last = cpu_seconds()
 
     def _anomaly(self, counter: int, ok: bool) -> None:
         expected = self.last + 1
@@ -189,8 +192,28 @@ class Tally:
             "duplicates": self.duplicates,
             "corrupt": self.corrupt,
             "first_anomaly": self.first_anomaly,
+            "cpu_seconds": self.cpu_last - self.cpu_first,  # from the first batch on
             **extra,
         }
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def cpu_per_batch(consumers: list[dict], producer: dict | None) -> float | None:
+    """CPU microseconds per delivered batch of one run: the producer's and every
+    consumer's CPU time from the first batch on, over the batches all consumers got."""
+    delivered = sum(c["batches"] for c in consumers)
+    if not delivered or producer is None or "cpu_seconds" not in producer or \
+            any("cpu_seconds" not in c for c in consumers):
+        return None
+    return 1e6 * (producer["cpu_seconds"] + sum(c["cpu_seconds"] for c in consumers)) \
+        / delivered
 
 
 def check_reports(reports: list[dict], kind: str, batches: int, consumers: int) -> str | None:
@@ -389,6 +412,8 @@ def run_suite(config_fn, *, label: str, kinds: list[str], counts: list[int], rep
                     "seconds": seconds,
                     "error": res["error"],
                     "median_batches_per_s": bps,
+                    "cpu_us_per_batch": cpu_per_batch(res["consumers"], res["producer"])
+                    if ok else None,
                     "median_gb_per_s": div(bps * batch_bytes(kind), 1e9) if ok else None,
                     "consumers": res["consumers"],
                     "producer": res["producer"],
@@ -449,6 +474,9 @@ def summarize(kind: str, n: int, runs: list[dict], baselines: list[dict], batche
         "batches_per_s": bps,
         "gb_per_s": gbps,
         "us_per_batch": div(1e6, bps),
+        # CPU of producer + consumers per delivered batch (median over repeats)
+        "cpu_us_per_batch": _median([r["cpu_us_per_batch"] for r in good
+                                     if r.get("cpu_us_per_batch") is not None]),
         "batches_per_s_runs": bps_runs,
         "gb_per_s_runs": [b * batch_bytes(kind) / 1e9 for b in bps_runs],
         "us_per_batch_runs": [div(1e6, b) for b in bps_runs],
@@ -479,7 +507,7 @@ def print_table(doc: dict) -> None:
     print(f"{doc['implementation']}: medians (per consumer: median over consumers, "
           "then over repeats)")
     hdr = (f"{'batch':>6} {'cons':>4} {'batches/s':>12} {'GB/s':>9} {'us/batch':>9} "
-           f"{'memcpy GB/s':>12} {'us/copy':>8} {'ratio':>7}")
+           f"{'memcpy GB/s':>12} {'us/copy':>8} {'ratio':>7} {'CPU us/b':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in doc["results"]:
@@ -487,14 +515,16 @@ def print_table(doc: dict) -> None:
               f"{fmt(r['gb_per_s'], '.3f', 9)} {fmt(r['us_per_batch'], '.2f', 9)} "
               f"{fmt(r['memcpy_gb_per_s'], '.3f', 12)} "
               f"{fmt(r['memcpy_us_per_copy'], '.2f', 8)} "
-              f"{fmt(r['ratio_vs_memcpy'], '.3f', 7)}")
+              f"{fmt(r['ratio_vs_memcpy'], '.3f', 7)} "
+              f"{fmt(r.get('cpu_us_per_batch'), '.2f', 9)}")
         if r["error"]:
             bad = sum(1 for e in r["errors"] if e)
             print(f"{'':>12}ERROR in {bad}/{len(r['errors'])} repeats: {short(r['error'], 300)}")
         for note in r["notes"]:
             print(f"{'':>12}note: {short(note, 300)}")
     print("(ratio = consumer GB/s / memcpy GB/s of the same bytes, per consumer; for tiny it is "
-          "memcpy us/copy / us/batch)")
+          "memcpy us/copy / us/batch; CPU us/b = CPU time of the producer and every consumer "
+          "per batch delivered to a consumer)")
     for k, b in doc["baselines"].items():
         line = (f"memcpy baseline {k:>5}: {fmt(b['gb_per_s'], '.3f', 0)} GB/s, "
                 f"{fmt(b['us_per_copy'], '.2f', 0)} us per copy (np.copyto, 1 thread, "

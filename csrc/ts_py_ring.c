@@ -42,12 +42,17 @@ typedef ts_status (*ts_wait_fn)(ts_ring *ring, void *arg, uint64_t deadline, ts_
 
 /* Run fn in slices with the GIL released until it is done or the deadline passes; between
  * slices Ctrl-C is honoured, and a close of the object by another thread noticed (ring, the
- * caller's own reference, kept the mapping valid). 0 with the last slice's status in *st
- * and err, or -1 with a Python exception set (*st: the last slice's status). */
+ * caller's own reference, kept the mapping valid). The first slice is a try with a past
+ * deadline (TS_DEADLINE_NOW: it never sleeps) and the GIL kept: most calls find what they
+ * wait for at once, and giving up the GIL costs more than looking. 0 with the last slice's
+ * status in *st and err, or -1 with a Python exception set (*st: the last slice's status). */
 static int ts_wait(RingObject *self, ts_ring *ring, ts_wait_fn fn, void *arg,
                    uint64_t deadline, ts_status *st, ts_err *err)
 {
+    *st = fn(ring, arg, TS_DEADLINE_NOW, err);
+    if (*st != TS_E_INTR && *st != TS_E_TIMEOUT) return 0;
     for (;;) {
+        if (*st == TS_E_TIMEOUT && ts_now_ns() >= deadline) return 0;
         uint64_t slice = ts_now_ns() + TS_SIGNAL_SLICE_NS;
         if (slice > deadline) slice = deadline;
         Py_BEGIN_ALLOW_THREADS
@@ -578,6 +583,26 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_
     return slot;
 }
 
+/* Ring.try_acquire() -> Slot, or None when no entry is published for us yet. It never
+ * waits, so it keeps the GIL: the per-batch call of a consumer that keeps up. Raises as
+ * acquire() does. */
+static PyObject *Ring_try_acquire(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    ts_state *state = ts_py_state((PyObject *)self);
+    ts_acquired got;
+    ts_err err = {0};
+    if (ts_role_check(self, 0) < 0) return NULL;
+    ts_status st = ts_ring_acquire(self->ring, TS_DEADLINE_NOW, &got, &err);
+    if (st == TS_E_TIMEOUT) Py_RETURN_NONE;
+    if (st != TS_OK) return ts_py_raise(state, &err);
+    ts_lease *lease = ts_lease_new(self->ring, got.slot, got.seq);
+    if (lease == NULL) {
+        ts_ring_release(self->ring, got.slot, self->ring->consumer);
+        return PyErr_NoMemory();
+    }
+    return ts_py_slot_new(state, lease, &got);
+}
+
 /* Ring.set_aside(): copy the held slots privately and hand them back; reads no more. */
 static PyObject *Ring_set_aside(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -788,6 +813,8 @@ static PyMethodDef Ring_methods[] = {
     {"bind", (PyCFunction)Ring_bind, METH_VARARGS, "Bind to a consumer entry."},
     {"acquire", (PyCFunction)(void (*)(void))Ring_acquire, METH_FASTCALL,
      "Take the next entry."},
+    {"try_acquire", (PyCFunction)Ring_try_acquire, METH_NOARGS,
+     "Take the next entry if it is published; None otherwise (never waits)."},
     {"consumers", (PyCFunction)Ring_consumers, METH_NOARGS, "The consumer table."},
     {"consumer", (PyCFunction)Ring_consumer, METH_VARARGS, "One consumer table entry."},
     {"slot_readers", (PyCFunction)Ring_slot_readers, METH_NOARGS, "Reader bitmaps."},

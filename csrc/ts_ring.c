@@ -1322,6 +1322,7 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
         }
         if (atomic_load_explicit(&h->state, memory_order_acquire) == TS_RING_FINISHED)
             return ts_err_set(err, TS_E_FINISHED, 0, "the producer has finished");
+        if (deadline == TS_DEADLINE_NOW) return TS_E_TIMEOUT; /* a try: the caller waits */
 
         uint32_t seen = atomic_load_explicit(&h->pub_word, memory_order_seq_cst);
         atomic_fetch_add_explicit(&h->pub_waiters, 1, memory_order_seq_cst);

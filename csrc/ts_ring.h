@@ -422,7 +422,10 @@ int ts_ring_failure(const ts_ring *ring, char *buf);
 /* Bind this handle to consumer entry index (token from the handshake). */
 ts_status ts_ring_bind_consumer(ts_ring *ring, uint32_t index, uint64_t token, ts_err *err);
 
-/* Take the next entry for our consumer, waiting until deadline. */
+/* Take the next entry for our consumer, waiting until deadline (absolute, ts_now_ns
+ * clock). TS_DEADLINE_NOW: take it only if it is published already, never wait (no
+ * waiter registered, no system call): TS_E_TIMEOUT otherwise. */
+#define TS_DEADLINE_NOW 0
 ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts_err *err);
 
 /* Drop our consumer's reference on slot (safe on any thread, no GIL). A slot this

@@ -30,7 +30,7 @@ from .errors import (
     TensorSocketWarning,
 )
 from .loader_info import LoaderShape
-from .rebatch import EpochEnd, Rebatcher, batch_samples, consumer_len
+from .rebatch import EpochEnd, Rebatcher, consumer_len
 from .surface import LoaderSurface
 
 log = logging.getLogger("tensorsocket")
@@ -388,7 +388,7 @@ class TensorConsumer(LoaderSurface):
             while True:
                 if self._rebatcher is None:
                     batch, n = self._pull()
-                    n = n if n is not None else _samples_or_zero(batch)
+                    n = n or 0
                 else:
                     batch = self._rebatcher.next_batch(self._pull)
                     n = self._rebatcher.last_samples
@@ -540,13 +540,15 @@ class TensorConsumer(LoaderSurface):
                 raise EpochEnd
 
     def _take(self, slot: Any) -> tuple[Any, int | None]:
-        """The batch of a slot of this epoch, and its sample count if the loader tells."""
+        """The batch of a slot of this epoch, and its sample count: the loader's if it
+        tells, else dim 0 of the batch's first tensor with a dimension (None if none)."""
         epoch, index = slot.epoch, slot.index
         self._loader_batches += 1
         self._bytes += slot.nbytes
-        batch = self._delivery.build(slot)
+        batch, leading = self._delivery.build(slot)
         self._cursor.taken(epoch, index)
-        return batch, self._shape.samples_in(index)
+        n = self._shape.samples_in(index)
+        return batch, leading if n is None else n
 
     def _skip_to_align(self, slot: Any) -> None:
         """Drop an entry taken while waiting for the start of an epoch."""
@@ -561,6 +563,12 @@ class TensorConsumer(LoaderSurface):
     def _acquire(self) -> Any:
         """The next ring entry for us, with errors turned into what the caller needs."""
         self._ensure_attached()
+        try:  # published already (a consumer that keeps up): no wait, nothing to check
+            slot = self._ring.try_acquire()
+        except (ProducerFinished, ProducerGone, ConsumerDetached):
+            slot = None  # the waiting acquire below raises it again, and says what it means
+        if slot is not None:
+            return slot
         cursor = self._cursor
         while True:
             start = time.perf_counter()
@@ -866,13 +874,6 @@ def _failed(ring: Any, address: str, cause: str | None) -> ProducerFailed:
     return ProducerFailed(
         f"{what}. No more batches will come from {address}: this consumer is done; create a "
         "new TensorConsumer once a producer runs there again", cause=cause)
-
-
-def _samples_or_zero(batch: Any) -> int:
-    try:
-        return batch_samples(batch)
-    except ValueError:
-        return 0
 
 
 def _check_group(rank: int | None, world_size: int | None) -> tuple[int, int]:

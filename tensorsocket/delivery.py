@@ -111,13 +111,15 @@ class Delivery:
         self.inflight[:] = [(e, h) for e, h in self.inflight if not e.query()]
         return moved
 
-    def build(self, slot: Any) -> Any:
-        """Turn a slot into the loader's batch structure of tensors and values."""
+    def build(self, slot: Any) -> tuple[Any, int | None]:
+        """Turn a slot into the loader's batch structure of tensors and values; with the
+        batch's sample count as far as its tensors tell: dim 0 of the first tensor or array
+        with a dimension, in the batch's order (None if it holds none)."""
         build, kinds = self._decoder.compile(slot.meta)
         if self.gpu_import:
             leaves = self._device_leaves(slot, kinds)
         elif NUMPY not in kinds and NUMPY_SCALAR not in kinds:
-            leaves = [torch.from_dlpack(c) for c in slot.capsules(versioned=True, copy=self.copy)]
+            leaves = [_from_capsule(c) for c in slot.capsules(versioned=True, copy=self.copy)]
         else:
             leaves = []
             for kind, view in zip(kinds, slot.views(), strict=True):
@@ -128,9 +130,14 @@ class Delivery:
                     array = np.from_dlpack(view)
                     leaves.append(array.copy() if self.copy else array)
         slot.release()
+        leading = None
+        for leaf in leaves:  # the leaves come in the batch's order (structure.flatten)
+            if leaf.ndim:
+                leading = int(leaf.shape[0])
+                break
         if self._move_to is not None:
             leaves = self._to_device(leaves, kinds)
-        return build(leaves)
+        return build(leaves), leading
 
     def _device_leaves(self, slot: Any, kinds: list) -> list:
         """Torch leaves from the slot's GPU copy (zero-copy; ordered after the producer's
@@ -152,6 +159,11 @@ class Delivery:
         return leaves
 
 
+# A tensor from a DLPack capsule: torch.utils.dlpack.from_dlpack's own call for a capsule
+# (it is a Python wrapper that first asks whether its argument has __dlpack__).
+_from_capsule = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
+
+
 def _device_tensor(view: Any) -> torch.Tensor:
     """A torch tensor over a device SlotView; torch passes its current stream, which
     is made to wait for the producer's copy of the slot."""
@@ -163,7 +175,7 @@ def _device_tensors(slot: Any, device: torch.device) -> list[torch.Tensor]:
     this thread's current stream on ``device`` (made to wait for the producer's copy),
     without torch.from_dlpack's per-view protocol calls."""
     caps = slot.capsules(versioned=True, device=True, stream=_stream_of(device))
-    return [torch.from_dlpack(c) for c in caps]
+    return [_from_capsule(c) for c in caps]
 
 
 # The raw handle of the current stream without building a torch.cuda.Stream (a private

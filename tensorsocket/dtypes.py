@@ -43,6 +43,13 @@ def torch_leaf(t: torch.Tensor) -> tuple[Any, DLType]:
     sparse or quantized layouts, unknown dtypes).
     """
     entry = _TORCH.get(t.dtype)
+    if entry is not None and entry[1] is None:
+        # The common case, a CPU strided tensor without grad, conjugate or negative bit:
+        # numpy() refuses every other (and the checks below then say why, or fix it).
+        try:
+            return t.numpy(), entry[0]
+        except (RuntimeError, TypeError):
+            pass
     if entry is None:
         raise TypeError(f"tensors of dtype {t.dtype} are not supported")
     if t.device.type != "cpu":

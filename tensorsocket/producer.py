@@ -41,7 +41,7 @@ from .producer_files import (
     sweep_stale_segments,
     take_name_lock,
 )
-from .structure import flatten
+from .structure import Encoder
 from .worker_heap import padded_workers
 
 log = logging.getLogger("tensorsocket")
@@ -272,6 +272,7 @@ class TensorProducer:
         self._failure_box: list[str | None] = [None]
         self._closed = False
         self._batches = 0
+        self._encoder = Encoder()  # batch -> spec and leaves (keeps the last spec's bytes)
         self._used_up: Any = None  # the last iterator that yielded batches
 
         name = given.get("name", name)
@@ -497,7 +498,7 @@ class TensorProducer:
     def _encode(self, batch: Any) -> tuple[bytes, list]:
         if self.pack_fn is not None:
             batch = self.pack_fn(batch)
-        return flatten(batch)
+        return self._encoder.flatten(batch)
 
     # -- iteration -------------------------------------------------------------------
 

@@ -27,29 +27,80 @@ _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 
 def flatten(batch: Any) -> tuple[bytes, list[tuple[Any, DLType]]]:
     """Split batch into (encoded spec, [(buffer, dltype), ...])."""
-    leaves: list[tuple[Any, DLType]] = []
-    spec = _flatten(batch, leaves, "batch")
+    spec, leaves = _split(batch)
     return msgpack.packb(spec, use_bin_type=True), leaves
 
 
-def _flatten(obj: Any, leaves: list, path: str) -> list:
-    """Spec node for obj; appends its tensors to leaves."""
+class Encoder:
+    """flatten() for a stream of batches: the encoded spec of the last batch is reused
+    while the structure stays the same. Only a spec of tensors and str dict keys is kept:
+    == cannot tell plain values apart (True == 1 == 1.0), so specs holding any are encoded
+    every time."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list | None, bytes] = (None, b"")  # (reusable spec, its bytes)
+
+    def flatten(self, batch: Any) -> tuple[bytes, list[tuple[Any, DLType]]]:
+        """As flatten(batch)."""
+        spec, leaves = _split(batch)
+        last_spec, packed = self._last
+        if last_spec is None or spec != last_spec:
+            packed = msgpack.packb(spec, use_bin_type=True)
+            self._last = (spec if _reusable(spec) else None, packed)
+        return packed, leaves
+
+
+def _reusable(node: list) -> bool:
+    """Whether equal specs (==) are the same spec: no plain values, only str dict keys."""
+    tag = node[0]
+    if tag in (TORCH, NUMPY, NUMPY_SCALAR):
+        return True
+    if tag in (TUPLE, LIST):
+        return all(_reusable(c) for c in node[1])
+    if tag == DICT:
+        return all(type(k) is str for k in node[1]) and all(_reusable(c) for c in node[2])
+    if tag == NAMEDTUPLE:
+        return all(_reusable(c) for c in node[3])
+    return False
+
+
+def _split(batch: Any) -> tuple[list, list[tuple[Any, DLType]]]:
+    """(spec, leaves) of a batch."""
+    leaves: list[tuple[Any, DLType]] = []
+    try:
+        spec = _flatten(batch, leaves, None)
+    except TypeError:
+        # Once more, naming where in the batch the culprit sits (the fast pass above
+        # builds no paths: that is most of its cost per batch).
+        _flatten(batch, [], "batch")
+        raise
+    return spec, leaves
+
+
+def _flatten(obj: Any, leaves: list, path: str | None) -> list:
+    """Spec node for obj; appends its tensors to leaves. path: where obj is in the batch,
+    for error messages; None: not tracked (its TypeError then names no place)."""
     if isinstance(obj, torch.Tensor):
-        leaves.append(_leaf(torch_leaf, obj, path))
+        leaves.append(torch_leaf(obj) if path is None else _leaf(torch_leaf, obj, path))
         return [TORCH, len(leaves) - 1]
     if isinstance(obj, np.ndarray):
-        leaves.append(_leaf(numpy_leaf, obj, path))
+        leaves.append(numpy_leaf(obj) if path is None else _leaf(numpy_leaf, obj, path))
         return [NUMPY, len(leaves) - 1]
     if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_, np.object_)):
-        leaves.append(_leaf(numpy_leaf, np.asarray(obj), path))
+        leaves.append(_leaf(numpy_leaf, np.asarray(obj), path or "batch"))
         return [NUMPY_SCALAR, len(leaves) - 1]
     if isinstance(obj, tuple):
-        children = [_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if path is None:
+            children = [_flatten(v, leaves, None) for v in obj]
+        else:
+            children = [_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)]
         fields = getattr(type(obj), "_fields", None)
         if fields is not None and all(isinstance(f, str) for f in fields):
             return [NAMEDTUPLE, type(obj).__name__, list(fields), children]
         return [TUPLE, children]
     if isinstance(obj, list):
+        if path is None:
+            return [LIST, [_flatten(v, leaves, None) for v in obj]]
         return [LIST, [_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)]]
     if isinstance(obj, dict):
         keys = list(obj.keys())
@@ -59,6 +110,8 @@ def _flatten(obj: Any, leaves: list, path: str) -> list:
                     f"{path} has a dict key of type {type(k).__name__}; keys must be "
                     "str, int, float, bool, bytes or None"
                 )
+        if path is None:
+            return [DICT, keys, [_flatten(obj[k], leaves, None) for k in keys]]
         return [DICT, keys, [_flatten(obj[k], leaves, f"{path}[{k!r}]") for k in keys]]
     if isinstance(obj, _PLAIN):
         if isinstance(obj, int) and not (_INT64_MIN <= obj <= _UINT64_MAX):
