@@ -6,10 +6,38 @@
 #include <sys/stat.h>
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+static _Atomic pid_t ts_self_pid;           /* 0: not known (yet, or since a fork) */
+static pthread_once_t ts_self_once = PTHREAD_ONCE_INIT;
+
+/* In a forked child: the cached pid is the parent's. */
+static void ts_proc_forget_pid(void)
+{
+    atomic_store_explicit(&ts_self_pid, 0, memory_order_relaxed);
+}
+
+/* Register ts_proc_forget_pid for every fork from now on. */
+static void ts_proc_watch_forks(void)
+{
+    (void)pthread_atfork(NULL, NULL, ts_proc_forget_pid);
+}
+
+/* This process's pid, cached (see ts_proc.h). */
+pid_t ts_proc_self(void)
+{
+    pid_t pid = atomic_load_explicit(&ts_self_pid, memory_order_relaxed);
+    if (pid != 0) return pid;
+    pthread_once(&ts_self_once, ts_proc_watch_forks); /* before caching: no fork missed */
+    pid = getpid();
+    atomic_store_explicit(&ts_self_pid, pid, memory_order_relaxed);
+    return pid;
+}
 
 /* Read /proc/pid/stat; fill state and start time. Returns 0 on success. */
 static int ts_proc_read_stat(pid_t pid, char *state, uint64_t *start_time)

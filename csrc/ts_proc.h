@@ -17,6 +17,10 @@ int ts_proc_alive(pid_t pid, uint64_t start_time);
  * processes with different values cannot share CUDA IPC handles. */
 uint64_t ts_proc_pid_ns(void);
 
+/* getpid() without a system call: cached, and forgotten in a forked child (pthread_atfork).
+ * For the per-batch checks that a handle is used in the process that opened it. */
+pid_t ts_proc_self(void);
+
 /* Name the calling thread (the process, from its main thread) as ps, top and
  * /proc/pid/comm show it: the first 15 bytes of name. 0, or -1 with errno. */
 int ts_proc_set_name(const char *name);

@@ -1261,7 +1261,7 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
     ts_header *h = ring->hdr;
     if (ring->consumer >= TS_MAX_CONSUMERS)
         return ts_err_set(err, TS_E_INVALID, 0, "this ring handle is not a consumer");
-    if (getpid() != ring->pid)
+    if (ts_proc_self() != ring->pid)
         return ts_err_set(err, TS_E_INVALID, 0,
                           "this ring handle was opened by process %d, not by this one (a "
                           "forked child): it cannot read from the ring", (int)ring->pid);
@@ -1356,7 +1356,7 @@ void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
     if (slot >= ring->hdr->slot_count || consumer >= TS_MAX_CONSUMERS) return;
     /* A forked child inherited the parent's views (as private copies, ts_fault.h): the
      * holds are the parent's to give back. */
-    if (getpid() != ring->pid) return;
+    if (ts_proc_self() != ring->pid) return;
     uint64_t bit = 1ULL << consumer;
     pthread_mutex_lock(&ring->hold_lock);
     if (atomic_load_explicit(&ring->aside, memory_order_acquire)) {
@@ -1388,7 +1388,7 @@ ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
         ring->hdr->device_type != kDLCPU || !ts_fault_writable(&ring->cow))
         return ts_err_set(err, TS_E_INVALID, 0, "the slots of this ring cannot be copied "
                           "privately here (a ring on or page-locked for a GPU)");
-    if (getpid() != ring->pid)
+    if (ts_proc_self() != ring->pid)
         return ts_err_set(err, TS_E_INVALID, 0, "this ring handle belongs to process %d",
                           (int)ring->pid);
     pthread_mutex_lock(&ring->hold_lock);

@@ -50,6 +50,11 @@ _CONSUMERS: "weakref.WeakSet[TensorConsumer]" = weakref.WeakSet()
 os.register_at_fork(before=_core.fork_prepare, after_in_parent=_core.fork_parent,
                     after_in_child=_core.fork_child)
 
+# This process's pid, for the per-batch check that a consumer reads in the process that
+# made it: os.getpid() is a system call. A forked child sets its own.
+_SELF_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _SELF_PID.__setitem__(0, os.getpid()))
+
 
 class TensorConsumer(LoaderSurface):
     """Receive the batches of a TensorProducer; a drop-in for a DataLoader.
@@ -358,7 +363,7 @@ class TensorConsumer(LoaderSurface):
 
     def _check_process(self) -> None:
         """Raise if this is not the process the consumer was made in (a fork of it)."""
-        if os.getpid() != self._pid:
+        if _SELF_PID[0] != self._pid:
             raise TensorSocketError(
                 f"this TensorConsumer was created in process {self._pid} and cannot read in "
                 f"process {os.getpid()}, a fork of it (its place in the producer's ring and its "

@@ -156,6 +156,9 @@ class Decoder:
         return self._last
 
     def _compile(self, node: list, kinds: list[int]) -> Callable[[list], Any]:
+        built = self._compile_flat(node, kinds)
+        if built is not None:
+            return built
         tag = node[0]
         if tag in (TORCH, NUMPY, NUMPY_SCALAR):
             i = node[1]
@@ -183,6 +186,24 @@ class Decoder:
             parts = [self._compile(c, kinds) for c in node[3]]
             return lambda leaves: cls(*[p(leaves) for p in parts])
         raise ValueError(f"unknown batch-structure tag {tag!r}")
+
+    def _compile_flat(self, node: list, kinds: list[int]) -> Callable[[list], Any] | None:
+        """The builder of a batch that is one tuple, list or dict of all its leaves in
+        order (the common batch: (images, labels), {"x": ..., "y": ...}), without a call
+        per leaf; None for any other batch."""
+        tag = node[0]
+        children = node[2] if tag == DICT else node[1] if tag in (TUPLE, LIST) else None
+        if children is None or not all(
+                c[0] in (TORCH, NUMPY) and c[1] == i for i, c in enumerate(children)):
+            return None
+        for c in children:
+            kinds.append(c[0])
+        if tag == TUPLE:
+            return tuple
+        if tag == LIST:
+            return list
+        keys = node[1]
+        return lambda leaves: dict(zip(keys, leaves, strict=True))
 
     def _namedtuple(self, name: str, fields: tuple[str, ...]) -> type:
         """A namedtuple class with this name and fields (made here, never imported)."""
