@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensorsocket.structure import Decoder, flatten
+from tensorsocket.structure import Decoder, Encoder, flatten
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
@@ -104,3 +104,40 @@ def test_decoder_caches_the_last_spec():
     meta, _ = flatten((torch.zeros(1), 1))
     d = Decoder()
     assert d.compile(meta) is d.compile(bytes(meta))
+
+
+def test_encoder_gives_flattens_bytes_and_reuses_only_what_equals_exactly():
+    """The producer's Encoder keeps the last spec's bytes while the structure stays; a spec
+    with plain values is encoded every time (True == 1 == 1.0, yet they are not the same
+    batch), and so is one with dict keys other than str."""
+    enc = Encoder()
+    x, y = torch.zeros(2), torch.ones(3)
+    first, _ = enc.flatten((x, y))
+    again, leaves = enc.flatten((torch.zeros(5), torch.ones(1)))
+    assert first == flatten((x, y))[0] and again is first
+    assert [np.asarray(b).shape for b, _ in leaves] == [(5,), (1,)]
+    for a, b in [({"k": 1}, {"k": True}), ({"k": 1.0}, {"k": 1}), ({1: x}, {True: x}),
+                 ((x, 0), (x, False))]:
+        for batch in (a, b, a):
+            meta, _ = enc.flatten(batch)
+            assert meta == flatten(batch)[0], batch
+    assert roundtrip({True: x})[0].keys() == {True}
+
+
+@pytest.mark.parametrize("batch", [
+    (torch.zeros(2), torch.ones(3)),
+    [torch.zeros(2)],
+    {"a": torch.zeros(1), "b": np.arange(3)},
+    (),
+    {},
+])
+def test_flat_batches_rebuild_with_their_container(batch):
+    """A tuple, list or dict holding only its leaves, in order, is rebuilt by the container
+    itself (no call per leaf): same type, same keys, same values."""
+    rebuilt, _, _ = roundtrip(batch)
+    assert type(rebuilt) is type(batch)
+    items = rebuilt.items() if isinstance(batch, dict) else enumerate(rebuilt)
+    want = dict(batch.items() if isinstance(batch, dict) else enumerate(batch))
+    assert {k for k, _ in items} == set(want)
+    for k, v in (rebuilt.items() if isinstance(batch, dict) else enumerate(rebuilt)):
+        assert type(v) is type(want[k]) and np.array_equal(np.asarray(v), np.asarray(want[k]))

@@ -1945,6 +1945,36 @@ out:
     fx_destroy(&fx);
 }
 
+/* An acquire with TS_DEADLINE_NOW takes what is published and never waits: no waiter is
+ * registered, and a finished ring still says so. */
+static void test_try_acquire(void)
+{
+    fixture fx = {0};
+    consumer c = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    REQUIRE(fx_create(&fx, 4, 4, 4096) == 0);
+    REQUIRE(consumer_add(&fx, &c, 1) == 0);
+    uint64_t t0 = ts_now_ns();
+    CHECK_ST(ts_ring_acquire(c.ring, TS_DEADLINE_NOW, &a, &err), TS_E_TIMEOUT);
+    CHECK(ts_now_ns() - t0 < 50000000ULL); /* no sleep (50 ms: a loaded machine) */
+    CHECK_EQ(fx.prod->hdr->pub_waiters, 0);
+    CHECK_EQ(cursor_of(fx.prod, c.index), 0);
+    PUBLISH(0);
+    PUBLISH(1);
+    REQUIRE_OK(ts_ring_acquire(c.ring, TS_DEADLINE_NOW, &a, &err));
+    CHECK_EQ(a.seq, 0);
+    CHECK(entry_ok(c.ring, &a, 0));
+    ts_ring_release(c.ring, a.slot, c.index);
+    TAKE(c, 1, 1);
+    CHECK_ST(ts_ring_acquire(c.ring, TS_DEADLINE_NOW, &a, &err), TS_E_TIMEOUT);
+    ts_ring_finish(fx.prod);
+    CHECK_ST(ts_ring_acquire(c.ring, TS_DEADLINE_NOW, &a, &err), TS_E_FINISHED);
+out:
+    consumer_drop(&c);
+    fx_destroy(&fx);
+}
+
 /* ---- registry and main ------------------------------------------------------------ */
 
 static const ts_test g_tests[] = {
@@ -1963,6 +1993,7 @@ static const ts_test g_tests[] = {
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
     {"copy_on_write", test_copy_on_write}, {"set_aside", test_set_aside},
     {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
+    {"try_acquire", test_try_acquire},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
