@@ -233,6 +233,7 @@ class TensorConsumer(LoaderSurface):
         self._batches = 0
         self._samples = 0
         self._loader_batches = 0
+        self._leading: int | None = None  # dim 0 of the last batch's first tensor with one
         self._bytes = 0
         self._wait_s = 0.0
         self._rejoins = 0
@@ -393,7 +394,8 @@ class TensorConsumer(LoaderSurface):
             while True:
                 if self._rebatcher is None:
                     batch, n = self._pull()
-                    n = n or 0
+                    if n is None:  # the loader does not tell: its first tensor does
+                        n = self._leading or 0
                 else:
                     batch = self._rebatcher.next_batch(self._pull)
                     n = self._rebatcher.last_samples
@@ -545,15 +547,14 @@ class TensorConsumer(LoaderSurface):
                 raise EpochEnd
 
     def _take(self, slot: Any) -> tuple[Any, int | None]:
-        """The batch of a slot of this epoch, and its sample count: the loader's if it
-        tells, else dim 0 of the batch's first tensor with a dimension (None if none)."""
+        """The batch of a slot of this epoch, and its sample count if the loader tells
+        (else self._leading has dim 0 of its first tensor with a dimension, or None)."""
         epoch, index = slot.epoch, slot.index
         self._loader_batches += 1
         self._bytes += slot.nbytes
-        batch, leading = self._delivery.build(slot)
+        batch, self._leading = self._delivery.build(slot)
         self._cursor.taken(epoch, index)
-        n = self._shape.samples_in(index)
-        return batch, leading if n is None else n
+        return batch, self._shape.samples_in(index)
 
     def _skip_to_align(self, slot: Any) -> None:
         """Drop an entry taken while waiting for the start of an epoch."""

@@ -151,14 +151,11 @@ class Decoder:
             return self._last
         spec = msgpack.unpackb(blob, raw=False, use_list=True, strict_map_key=False)
         kinds: list[int] = []
-        build = self._compile(spec, kinds)
+        build = self._compile_flat(spec, kinds) or self._compile(spec, kinds)
         self._last_blob, self._last = blob, (build, kinds)
         return self._last
 
     def _compile(self, node: list, kinds: list[int]) -> Callable[[list], Any]:
-        built = self._compile_flat(node, kinds)
-        if built is not None:
-            return built
         tag = node[0]
         if tag in (TORCH, NUMPY, NUMPY_SCALAR):
             i = node[1]
@@ -188,8 +185,8 @@ class Decoder:
         raise ValueError(f"unknown batch-structure tag {tag!r}")
 
     def _compile_flat(self, node: list, kinds: list[int]) -> Callable[[list], Any] | None:
-        """The builder of a batch that is one tuple, list or dict of all its leaves in
-        order (the common batch: (images, labels), {"x": ..., "y": ...}), without a call
+        """The builder of a batch (the root of its spec) that is one tuple, list or dict of
+        all its leaves in order (the common batch: (images, labels), {"x": ..., "y": ...}), without a call
         per leaf; None for any other batch."""
         tag = node[0]
         children = node[2] if tag == DICT else node[1] if tag in (TUPLE, LIST) else None

@@ -141,3 +141,16 @@ def test_flat_batches_rebuild_with_their_container(batch):
     assert {k for k, _ in items} == set(want)
     for k, v in (rebuilt.items() if isinstance(batch, dict) else enumerate(rebuilt)):
         assert type(v) is type(want[k]) and np.array_equal(np.asarray(v), np.asarray(want[k]))
+
+
+@pytest.mark.parametrize("batch", [
+    ({"a": torch.zeros(1)}, torch.ones(2)),
+    ((torch.zeros(1),), torch.ones(2)),
+    [[torch.zeros(1)], torch.ones(2)],
+])
+def test_a_flat_container_inside_a_batch_keeps_only_its_own_leaves(batch):
+    """Only the whole batch may be rebuilt by its container: a flat tuple, list or dict
+    nested in it takes its own leaves, not the batch's."""
+    rebuilt, _, _ = roundtrip(batch)
+    assert type(rebuilt) is type(batch) and type(rebuilt[0]) is type(batch[0])
+    assert len(rebuilt[0]) == 1 and torch.equal(rebuilt[1], batch[1])
