@@ -42,17 +42,22 @@ typedef ts_status (*ts_wait_fn)(ts_ring *ring, void *arg, uint64_t deadline, ts_
 
 /* Run fn in slices with the GIL released until it is done or the deadline passes; between
  * slices Ctrl-C is honoured, and a close of the object by another thread noticed (ring, the
- * caller's own reference, kept the mapping valid). The first slice is a try with a past
- * deadline (TS_DEADLINE_NOW: it never sleeps) and the GIL kept: most calls find what they
- * wait for at once, and giving up the GIL costs more than looking. 0 with the last slice's
- * status in *st and err, or -1 with a Python exception set (*st: the last slice's status). */
-static int ts_wait(RingObject *self, ts_ring *ring, ts_wait_fn fn, void *arg,
+ * caller's own reference, kept the mapping valid). With try_first, the first slice is a try
+ * with a past deadline (TS_DEADLINE_NOW: it never sleeps) and the GIL kept: for a call that
+ * only looks (acquire, the waits), most calls find what they wait for at once, and giving up
+ * the GIL costs more than looking; never for one that works once it may (publish copies the
+ * batch). 0 with the last slice's status in *st and err, or -1 with a Python exception set
+ * (*st: the last slice's status). */
+static int ts_wait(RingObject *self, ts_ring *ring, ts_wait_fn fn, void *arg, int try_first,
                    uint64_t deadline, ts_status *st, ts_err *err)
 {
-    *st = fn(ring, arg, TS_DEADLINE_NOW, err);
-    if (*st != TS_E_INTR && *st != TS_E_TIMEOUT) return 0;
+    *st = TS_E_TIMEOUT;
+    if (try_first) {
+        *st = fn(ring, arg, TS_DEADLINE_NOW, err);
+        if (*st != TS_E_INTR && *st != TS_E_TIMEOUT) return 0;
+    }
     for (;;) {
-        if (*st == TS_E_TIMEOUT && ts_now_ns() >= deadline) return 0;
+        if (try_first && *st == TS_E_TIMEOUT && ts_now_ns() >= deadline) return 0;
         uint64_t slice = ts_now_ns() + TS_SIGNAL_SLICE_NS;
         if (slice > deadline) slice = deadline;
         Py_BEGIN_ALLOW_THREADS
@@ -78,7 +83,7 @@ static PyObject *ts_wait_bool(RingObject *self, ts_wait_fn fn, void *arg, PyObje
     if (ts_role_check(self, 1) < 0 || ts_py_timeout(timeout, &deadline) < 0) return NULL;
     ts_ring *ring = self->ring;
     ts_ring_ref(ring);
-    int rc = ts_wait(self, ring, fn, arg, deadline, &st, &err);
+    int rc = ts_wait(self, ring, fn, arg, 1, deadline, &st, &err);
     ts_ring_unref(ring);
     if (rc < 0) return NULL;
     if (st == TS_OK || st == TS_E_TIMEOUT) return PyBool_FromLong(st == TS_OK);
@@ -513,7 +518,7 @@ static PyObject *Ring_publish(RingObject *self, PyObject *const *args, Py_ssize_
     ring = self->ring; /* our own reference: another thread may close the object */
     ts_ring_ref(ring);
     uint64_t seq = ts_ring_published(ring); /* only this producer publishes */
-    if (ts_wait(self, ring, ts_publish_fn, &p, deadline, &st, &err) < 0) goto done;
+    if (ts_wait(self, ring, ts_publish_fn, &p, 0, deadline, &st, &err) < 0) goto done;
     if (st != TS_OK) ts_py_raise(ts_py_state((PyObject *)self), &err);
     else result = PyLong_FromUnsignedLongLong(seq);
 
@@ -566,7 +571,7 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     ts_ring *ring = self->ring; /* our own reference: another thread may close the object */
     ts_ring_ref(ring);
-    if (ts_wait(self, ring, ts_acquire_fn, &got, deadline, &st, &err) < 0) {
+    if (ts_wait(self, ring, ts_acquire_fn, &got, 1, deadline, &st, &err) < 0) {
         if (st == TS_OK) ts_ring_release(ring, got.slot, ring->consumer); /* closed meanwhile */
     } else if (st != TS_OK) {
         ts_py_raise(state, &err);
