@@ -684,15 +684,19 @@ ts_status ts_ring_await_next_epoch(ts_ring *ring, uint32_t index, ts_err *err)
      * what follows in the ring): then the place is right after it. */
     uint64_t published = atomic_load_explicit(&h->published, memory_order_relaxed);
     uint64_t next = published;
+    int marker_seen = 0;
     for (uint64_t seq = cursor; seq < published; seq++) {
         const ts_slot *s = ts_ring_slot(ring, (uint32_t)(seq % h->slot_count));
         if (atomic_load_explicit(&s->seq, memory_order_acquire) == seq &&
             s->kind == TS_ENTRY_END_EPOCH) {
             next = seq + 1;
+            marker_seen = 1;
             break;
         }
     }
-    if (next == published) {
+    /* Not "next == published": a marker that is the last entry published also gives that,
+     * and waiting for the following one then skipped a whole epoch. */
+    if (!marker_seen) {
         /* Awaiting first, then the cursor moves past every published entry: an acquire
          * that loses its claim to this sees the flag when it looks again, and waits. */
         atomic_store_explicit(&c->awaiting, 1, memory_order_seq_cst);

@@ -1975,6 +1975,72 @@ out:
     fx_destroy(&fx);
 }
 
+/* Publisher of await_race: epochs of 12 empty batches and an end marker each, as fast as
+ * the ring lets it (j->n epochs). */
+static void *epochs_run(void *p)
+{
+    job *j = p;
+    for (uint64_t e = 0; e < j->n && j->st == TS_OK; e++) {
+        for (uint64_t i = 0; i < 12 && j->st == TS_OK; i++)
+            j->st = ts_ring_publish(j->fx->prod, TS_ENTRY_BATCH, e, i, NULL, 0, NULL, 0,
+                                    deadline_ms(5000), &j->err);
+        if (j->st == TS_OK) j->st = publish_end(j->fx->prod, e, 12, &j->err);
+    }
+    return NULL;
+}
+
+/* await_next_epoch racing publish (the control thread and the producer's loop share the
+ * producer handle): a consumer that leaves an epoch after k of its batches, at random
+ * moments against a publisher that runs ahead, always goes on at the next epoch's first
+ * batch; one that reads a whole epoch gets its end marker, then the next epoch. */
+static void test_await_race(void)
+{
+    fixture fx = {0};
+    consumer c = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    enum { EPOCHS = 20000 };
+    job pj = {.fx = &fx, .n = EPOCHS};
+    pthread_t t;
+    int started = 0;
+    unsigned seed = 12345;
+    REQUIRE(fx_create(&fx, 14, 2, 4096) == 0);
+    REQUIRE(consumer_add(&fx, &c, 1) == 0);
+    REQUIRE(pthread_create(&t, NULL, epochs_run, &pj) == 0);
+    started = 1;
+    for (uint64_t e = 0; e + 1 < EPOCHS;) {
+        uint64_t k = 1 + (uint64_t)(rand_r(&seed) % 12); /* 12: the whole epoch */
+        for (uint64_t i = 0; i < k; i++) {
+            REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+            if (!CHECK_EQ(a.epoch, e) || !CHECK_EQ(a.index, i) ||
+                !CHECK_EQ(a.kind, TS_ENTRY_BATCH)) {
+                printf("    epoch %llu, batch %llu of %llu\n", (unsigned long long)e,
+                       (unsigned long long)i, (unsigned long long)k);
+                goto out;
+            }
+            ts_ring_release(c.ring, a.slot, c.index);
+        }
+        if (k == 12) { /* read on: the end marker comes next */
+            REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+            CHECK_EQ(a.kind, TS_ENTRY_END_EPOCH);
+            ts_ring_release(c.ring, a.slot, c.index);
+        } else {
+            if (rand_r(&seed) % 2) sched_yield(); /* let the publisher run ahead, or not */
+            REQUIRE_OK(ts_ring_await_next_epoch(fx.prod, c.index, &err));
+        }
+        e++;
+    }
+out:
+    if (started) {
+        ts_ring_finish(fx.prod); /* ends a publisher still waiting for a slot */
+        consumer_drop(&c);
+        pthread_join(t, NULL);
+    } else {
+        consumer_drop(&c);
+    }
+    fx_destroy(&fx);
+}
+
 /* ---- registry and main ------------------------------------------------------------ */
 
 static const ts_test g_tests[] = {
@@ -1993,7 +2059,7 @@ static const ts_test g_tests[] = {
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
     {"copy_on_write", test_copy_on_write}, {"set_aside", test_set_aside},
     {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
-    {"try_acquire", test_try_acquire},
+    {"try_acquire", test_try_acquire},   {"await_race", test_await_race},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
