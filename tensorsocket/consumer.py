@@ -47,13 +47,18 @@ _CONSUMERS: "weakref.WeakSet[TensorConsumer]" = weakref.WeakSet()
 # private copies of them: a DataLoader's batches are private memory that a fork copies, and
 # the parent dropping its views (the producer then refills their slots) must not change
 # what the child reads.
-os.register_at_fork(before=_core.fork_prepare, after_in_parent=_core.fork_parent,
-                    after_in_child=_core.fork_child)
-
-# This process's pid, for the per-batch check that a consumer reads in the process that
-# made it: os.getpid() is a system call. A forked child sets its own.
+# _SELF_PID: this process's pid, for the per-batch check that a consumer reads in the
+# process that made it (os.getpid() is a system call); a forked child sets its own.
 _SELF_PID = [os.getpid()]
-os.register_at_fork(after_in_child=lambda: _SELF_PID.__setitem__(0, os.getpid()))
+
+
+def _after_fork_in_child() -> None:
+    _core.fork_child()
+    _SELF_PID[0] = os.getpid()
+
+
+os.register_at_fork(before=_core.fork_prepare, after_in_parent=_core.fork_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 class TensorConsumer(LoaderSurface):
@@ -233,7 +238,6 @@ class TensorConsumer(LoaderSurface):
         self._batches = 0
         self._samples = 0
         self._loader_batches = 0
-        self._leading: int | None = None  # dim 0 of the last batch's first tensor with one
         self._bytes = 0
         self._wait_s = 0.0
         self._rejoins = 0
@@ -394,8 +398,8 @@ class TensorConsumer(LoaderSurface):
             while True:
                 if self._rebatcher is None:
                     batch, n = self._pull()
-                    if n is None:  # the loader does not tell: its first tensor does
-                        n = self._leading or 0
+                    if n is None:  # neither the loader nor a tensor with a dimension tells
+                        n = 0
                 else:
                     batch = self._rebatcher.next_batch(self._pull)
                     n = self._rebatcher.last_samples
@@ -547,14 +551,16 @@ class TensorConsumer(LoaderSurface):
                 raise EpochEnd
 
     def _take(self, slot: Any) -> tuple[Any, int | None]:
-        """The batch of a slot of this epoch, and its sample count if the loader tells
-        (else self._leading has dim 0 of its first tensor with a dimension, or None)."""
+        """The batch of a slot of this epoch, and its sample count if known: the loader's,
+        or else (without a re-batcher, whose own rules count the rest) dim 0 of the batch's
+        first tensor with a dimension; None otherwise."""
         epoch, index = slot.epoch, slot.index
         self._loader_batches += 1
         self._bytes += slot.nbytes
-        batch, self._leading = self._delivery.build(slot)
+        n = self._shape.samples_in(index)
+        batch, leading = self._delivery.build(slot, n is None and self._rebatcher is None)
         self._cursor.taken(epoch, index)
-        return batch, self._shape.samples_in(index)
+        return batch, leading if n is None else n
 
     def _skip_to_align(self, slot: Any) -> None:
         """Drop an entry taken while waiting for the start of an epoch."""

@@ -111,10 +111,11 @@ class Delivery:
         self.inflight[:] = [(e, h) for e, h in self.inflight if not e.query()]
         return moved
 
-    def build(self, slot: Any) -> tuple[Any, int | None]:
-        """Turn a slot into the loader's batch structure of tensors and values; with the
-        batch's sample count as far as its tensors tell: dim 0 of the first tensor or array
-        with a dimension, in the batch's order (None if it holds none)."""
+    def build(self, slot: Any, count: bool = False) -> tuple[Any, int | None]:
+        """Turn a slot into the loader's batch structure of tensors and values. With count,
+        also the batch's sample count as far as its tensors tell: dim 0 of the first tensor
+        or array with a dimension, in the batch's order (None if it holds none, or without
+        count)."""
         build, kinds = self._decoder.compile(slot.meta)
         if self.gpu_import:
             leaves = self._device_leaves(slot, kinds)
@@ -131,7 +132,7 @@ class Delivery:
                     leaves.append(array.copy() if self.copy else array)
         slot.release()
         leading = None
-        for leaf in leaves:  # the leaves come in the batch's order (structure.flatten)
+        for leaf in leaves if count else ():  # in the batch's order (structure.flatten)
             if leaf.ndim:
                 leading = int(leaf.shape[0])
                 break

@@ -81,3 +81,23 @@ def test_stats_of_producer_and_consumers(name):
         halves.close()
         producer.close()
         thread.join(10)
+
+
+def test_samples_counted_from_the_first_tensor_with_a_dimension(name):
+    """A loader that does not tell its batch size: each batch counts dim 0 of its first
+    tensor or array with a dimension, in the batch's order (0-d leaves and plain values
+    before it count for nothing; a batch with no such leaf counts 0)."""
+    import numpy as np
+
+    loader = [("tag", {"scale": torch.tensor(2.0), "x": np.zeros((3, 2), np.float32)},
+               torch.zeros(7)) for _ in range(4)] + [(torch.tensor(1.0), 5)]
+    producer = TensorProducer(loader, name=name, start_timeout=30)
+    thread = threading.Thread(target=lambda: [None for _ in producer])
+    thread.start()
+    try:
+        with TensorConsumer(name=name, timeout=10) as c:
+            assert sum(1 for _ in c) == 5
+            assert c.stats()["samples"] == 4 * 3
+    finally:
+        thread.join(30)
+        producer.close()
