@@ -51,13 +51,12 @@ typedef ts_status (*ts_wait_fn)(ts_ring *ring, void *arg, uint64_t deadline, ts_
 static int ts_wait(RingObject *self, ts_ring *ring, ts_wait_fn fn, void *arg, int try_first,
                    uint64_t deadline, ts_status *st, ts_err *err)
 {
-    *st = TS_E_TIMEOUT;
     if (try_first) {
         *st = fn(ring, arg, TS_DEADLINE_NOW, err);
         if (*st != TS_E_INTR && *st != TS_E_TIMEOUT) return 0;
+        if (*st == TS_E_TIMEOUT && ts_now_ns() >= deadline) return 0; /* timeout 0: a try */
     }
     for (;;) {
-        if (try_first && *st == TS_E_TIMEOUT && ts_now_ns() >= deadline) return 0;
         uint64_t slice = ts_now_ns() + TS_SIGNAL_SLICE_NS;
         if (slice > deadline) slice = deadline;
         Py_BEGIN_ALLOW_THREADS

@@ -2031,13 +2031,9 @@ static void test_await_race(void)
         e++;
     }
 out:
-    if (started) {
-        ts_ring_finish(fx.prod); /* ends a publisher still waiting for a slot */
-        consumer_drop(&c);
-        pthread_join(t, NULL);
-    } else {
-        consumer_drop(&c);
-    }
+    if (started) ts_ring_finish(fx.prod); /* ends a publisher still waiting for a slot */
+    consumer_drop(&c);
+    if (started) pthread_join(t, NULL);
     fx_destroy(&fx);
 }
 
