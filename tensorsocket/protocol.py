@@ -33,6 +33,17 @@ _STR = (str,)
 _OPT_STR = (str, type(None))
 _BOOL = (bool,)
 
+# What a welcome and a loader_info tell of the producer's loader.
+_LOADER_FIELDS: dict[str, tuple] = {
+    "length": _OPT_INT,
+    "loader_batch_size": _OPT_INT,
+    "samples": _OPT_INT,
+    "samples_exact": _BOOL,
+    "dataset": _OPT_STR,
+    "dataset_len": _OPT_INT,
+    "fingerprint": _OPT_STR,
+}
+
 # type -> {field: accepted python types}
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # consumer -> producer
@@ -52,31 +63,16 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "consumer": _INT,
         "token": _INT,
         "segment": _STR,
-        "length": _OPT_INT,
-        "loader_batch_size": _OPT_INT,
-        "samples": _OPT_INT,
-        "samples_exact": _BOOL,
-        "dataset": _OPT_STR,
-        "dataset_len": _OPT_INT,
+        **_LOADER_FIELDS,
         "epoch": _INT,
         "producer_pid": _INT,
         "window": _INT,
         "max_lag": _INT,
         "lag_policy": _STR,
-        "fingerprint": _OPT_STR,
         "auto_set_epoch": _BOOL,
     },
-    "loader_info": {  # the answer to info: the loader fields of a welcome
-        "protocol": _INT,
-        "producer_pid": _INT,
-        "length": _OPT_INT,
-        "loader_batch_size": _OPT_INT,
-        "samples": _OPT_INT,
-        "samples_exact": _BOOL,
-        "dataset": _OPT_STR,
-        "dataset_len": _OPT_INT,
-        "fingerprint": _OPT_STR,
-    },
+    # the answer to info: the loader fields of a welcome
+    "loader_info": {"protocol": _INT, "producer_pid": _INT, **_LOADER_FIELDS},
     "started": {"start_seq": _INT},
     "unparked": {"held": _BOOL},
     "bye_ok": {},
