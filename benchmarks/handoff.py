@@ -95,12 +95,14 @@ The script re-invokes itself with the hidden roles ``_producer`` and
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
 from handoff_common import (  # noqa: E402
@@ -433,32 +435,14 @@ def main(argv: list[str] | None = None) -> int:
                      counts=counts, repeats=repeats, nbatches=nbatches, quick=args.quick,
                      settings={"ring_slots": RING_SLOTS, "timeouts": _timeouts()})
     print_table(ours)
-    floor = None
-    if not args.no_floor:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import shm_pipe_handoff
-
-        print()
-        floor = shm_pipe_handoff.run_floor(kinds=kinds, counts=counts, repeats=repeats,
-                                           nbatches=nbatches, quick=args.quick)
-        print_table(floor)
-        rows = floor_comparison(ours, floor)
-        print_floor_comparison(rows)
-        ours["floor"] = floor
-        ours["floor_comparison"] = rows
-    original = None
-    if args.with_original:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import original_handoff
-
-        print()
-        original = original_handoff.run_original(kinds=kinds, counts=counts, repeats=repeats,
-                                                 nbatches=nbatches, quick=args.quick)
-        print_table(original)
-        rows = comparison(ours, original)
-        print_comparison(rows)
-        ours["original"] = original
-        ours["comparison"] = rows
+    suite = {"kinds": kinds, "counts": counts, "repeats": repeats, "nbatches": nbatches,
+             "quick": args.quick}
+    floor = None if args.no_floor else _run_beside(
+        ours, "floor", "floor_comparison", "shm_pipe_handoff", "run_floor", floor_comparison,
+        print_floor_comparison, suite)
+    original = _run_beside(
+        ours, "original", "comparison", "original_handoff", "run_original", comparison,
+        print_comparison, suite) if args.with_original else None
     checks = verdicts(ours, original, floor)
     print_verdicts(checks)
     ours["verdicts"] = checks
@@ -467,6 +451,22 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(ours, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 1 if any(r["error"] for r in ours["results"]) else 0
+
+
+def _run_beside(ours: dict, key: str, rows_key: str, module: str, runner: str,
+                compare: Callable[[dict, dict], list[dict]],
+                show: Callable[[list[dict]], None], suite: dict) -> dict:
+    """Run another implementation's suite (module.runner, a script beside this one) on the
+    same workloads after ours; print its table and the comparison, and keep both in ours
+    (ours[key], ours[rows_key]). Returns its document."""
+    print()
+    other = getattr(importlib.import_module(module), runner)(**suite)
+    print_table(other)
+    rows = compare(ours, other)
+    show(rows)
+    ours[key] = other
+    ours[rows_key] = rows
+    return other
 
 
 def _timeouts() -> dict:

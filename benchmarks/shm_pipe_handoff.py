@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from handoff_common import (  # noqa: E402
     KINDS, RING_SLOTS, CountingLoader, Tally, add_common_options, check_reports,
-    cpu_seconds, harness, parse_common, print_table, run_suite, stop_all, tail,
+    cpu_seconds, harness, make_batch, parse_common, print_table, run_suite, stop_all, tail,
 )
 
 LABEL = "shared_memory + pipes (floor)"
@@ -48,16 +48,12 @@ SEQ = 8  # bytes of a sequence number or acknowledgement on a pipe
 
 def _layout(kind: str) -> tuple[list[tuple[tuple[int, ...], str, int]], int]:
     """[(shape, numpy dtype, offset)] of the batch's leaves in a slot, and the slot size."""
-    import numpy as np
-
-    from handoff_common import make_batch
-
     leaves, off = [], 0
     for t in make_batch(kind):
         a = t.numpy()
         leaves.append((tuple(a.shape), a.dtype.str, off))
         off += (a.nbytes + 63) // 64 * 64
-    return leaves, max(off, np.dtype("u1").itemsize)
+    return leaves, max(off, 1)  # SharedMemory refuses size 0
 
 
 # -- children ----------------------------------------------------------------------------
