@@ -9,11 +9,15 @@
  * Leases
  * ========================================================================== */
 
-/* A new lease (one reference) on slot for the ring's consumer. */
+/* A new lease (one reference, using every leaf) on slot for the ring's consumer. */
 ts_lease *ts_lease_new(ts_ring *ring, uint32_t slot, uint64_t seq)
 {
     ts_lease *lease = calloc(1, sizeof *lease); /* no streams yet */
     if (lease == NULL) return NULL;
+    if (ts_ring_use_begin(ring, slot) != 0) {
+        free(lease);
+        return NULL;
+    }
     atomic_init(&lease->refs, 1);
     ts_ring_ref(ring);
     lease->ring = ring;
@@ -23,9 +27,10 @@ ts_lease *ts_lease_new(ts_ring *ring, uint32_t slot, uint64_t seq)
     return lease;
 }
 
-/* Take a reference. */
-void ts_lease_ref(ts_lease *lease)
+/* Take a reference that uses leaf (TS_USE_WHOLE: every leaf). */
+void ts_lease_ref(ts_lease *lease, uint32_t leaf)
 {
+    ts_ring_use_leaf(lease->ring, lease->slot, leaf);
     atomic_fetch_add_explicit(&lease->refs, 1, memory_order_relaxed);
 }
 
@@ -36,12 +41,14 @@ static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer)
     ts_ring_unref(ring);
 }
 
-/* Drop a reference; at zero the slot is released and the lease freed. A slot
- * exported to the device is released once the work queued on its streams is done. */
-void ts_lease_unref(ts_lease *lease)
+/* Drop a reference that used leaf; at zero the slot is released and the lease freed. A
+ * slot exported to the device is released once the work queued on its streams is done. */
+void ts_lease_unref(ts_lease *lease, uint32_t leaf)
 {
-    if (atomic_fetch_sub_explicit(&lease->refs, 1, memory_order_acq_rel) != 1) return;
     ts_ring *ring = lease->ring;
+    ts_ring_unuse_leaf(ring, lease->slot, leaf);
+    if (atomic_fetch_sub_explicit(&lease->refs, 1, memory_order_acq_rel) != 1) return;
+    ts_ring_use_end(ring, lease->slot);
     if ((lease->n_streams > 0 || lease->all_streams) && ring->dev != NULL) {
         ts_ring_ref(ring); /* until done: the device may call it later, on its thread */
         ring->dev->device->release_after(ring->dev, lease->slot, lease->consumer,
@@ -94,7 +101,8 @@ typedef struct ts_export_ctx {
         DLManagedTensor legacy;
         DLManagedTensorVersioned versioned;
     } managed;
-    ts_lease *lease; /* owns one lease reference; NULL for a copy */
+    ts_lease *lease; /* owns one lease reference, using leaf; NULL for a copy */
+    uint32_t leaf;
     void *copy;      /* owns: private host copy of the data, or NULL */
     ts_ring *device_copy_ring; /* owns one ring reference while device_copy lives */
     uint64_t device_copy;      /* owns: private device copy, or 0 */
@@ -105,7 +113,7 @@ typedef struct ts_export_ctx {
 /* Free the context and drop what it owns. */
 static void ts_export_ctx_free(ts_export_ctx *ctx)
 {
-    if (ctx->lease != NULL) ts_lease_unref(ctx->lease);
+    if (ctx->lease != NULL) ts_lease_unref(ctx->lease, ctx->leaf);
     free(ctx->copy);
     if (ctx->device_copy_ring != NULL) {
         ts_device_state *dev = ctx->device_copy_ring->dev;
@@ -201,8 +209,9 @@ void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *o, ts_er
         memcpy(ctx->copy, data, leaf->nbytes);
         data = ctx->copy;
     } else {
-        ts_lease_ref(lease);
+        ts_lease_ref(lease, i);
         ctx->lease = lease;
+        ctx->leaf = i;
     }
     /* C-contiguous strides in elements, always filled in. */
     int64_t stride = 1;

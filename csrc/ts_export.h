@@ -41,14 +41,17 @@ typedef struct ts_export_opts {
     int64_t stream; /* device: DLPack stream (1 legacy, 2 per-thread, >2 handle, -1 none) */
 } ts_export_opts;
 
-/* A new lease (one reference) on slot for the ring's consumer. */
+/* A new lease (one reference, using every leaf) on slot for the ring's consumer; NULL
+ * when out of memory. */
 ts_lease *ts_lease_new(ts_ring *ring, uint32_t slot, uint64_t seq);
 
-/* Take a reference. */
-void ts_lease_ref(ts_lease *lease);
+/* Take a reference that uses the data of leaf (TS_USE_WHOLE: of every leaf; what a
+ * set-aside keeps, ts_ring_set_aside). */
+void ts_lease_ref(ts_lease *lease, uint32_t leaf);
 
-/* Drop a reference; at zero the slot is released and the lease freed. */
-void ts_lease_unref(ts_lease *lease);
+/* Drop a reference taken for leaf (the lease's own: TS_USE_WHOLE); at zero the slot is
+ * released and the lease freed. */
+void ts_lease_unref(ts_lease *lease, uint32_t leaf);
 
 /* The leaf descriptor i of the leased slot (NULL when out of range). */
 const ts_leaf *ts_lease_leaf(const ts_lease *lease, uint32_t i);

@@ -224,6 +224,7 @@ void ts_fault_watch(ts_fault_map *m)
         atomic_store_explicit(&ts_fault_entries[i].map, m, memory_order_relaxed);
         atomic_store_explicit(&ts_fault_entries[i].end, s + m->len, memory_order_relaxed);
         atomic_store_explicit(&ts_fault_entries[i].start, s, memory_order_release);
+        m->entry = i + 1;
         pthread_mutex_unlock(&ts_fault_table_lock);
         return;
     }
@@ -233,21 +234,20 @@ void ts_fault_watch(ts_fault_map *m)
     m->state = NULL;
 }
 
+/* Free m's place in the table, if it has one (see ts_fault.h). */
+void ts_fault_retire(ts_fault_map *m)
+{
+    pthread_mutex_lock(&ts_fault_table_lock);
+    if (m->entry > 0)
+        atomic_store_explicit(&ts_fault_entries[m->entry - 1].start, 0, memory_order_release);
+    m->entry = 0;
+    pthread_mutex_unlock(&ts_fault_table_lock);
+}
+
 /* Stop watching m and free its state (see ts_fault.h). */
 void ts_fault_unwatch(ts_fault_map *m)
 {
-    uintptr_t s = (uintptr_t)m->start;
-    pthread_mutex_lock(&ts_fault_table_lock);
-    if (s > TS_FAULT_CLAIMED) {
-        for (int i = 0; i < TS_FAULT_WATCHED; i++) {
-            uintptr_t expected = s;
-            if (atomic_compare_exchange_strong_explicit(&ts_fault_entries[i].start, &expected, 0,
-                                                        memory_order_release,
-                                                        memory_order_relaxed))
-                break;
-        }
-    }
-    pthread_mutex_unlock(&ts_fault_table_lock);
+    ts_fault_retire(m);
     free(m->state);
     m->state = NULL;
 }
@@ -371,24 +371,28 @@ uint32_t ts_fault_private_slots(const ts_fault_map *m)
 
 /* Copy every page of [p, p + n) of a private file mapping, so that none of them shows the
  * file any more: MADV_POPULATE_WRITE breaks copy-on-write without writing; where the
- * kernel lacks it, an atomic OR of 0 into each page does (a write that changes nothing,
- * even under a concurrent writer). */
-static void ts_fault_copy_pages(uint8_t *p, size_t n)
+ * kernel lacks it (EINVAL), an atomic OR of 0 into each page does (a write that changes
+ * nothing, even under a concurrent writer). 0, or the errno of the failed madvise. */
+static int ts_fault_copy_pages(uint8_t *p, size_t n)
 {
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
-    if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return;
+    if (n == 0 || madvise(p, n, MADV_POPULATE_WRITE) == 0) return 0;
+    if (errno != EINVAL) return errno; /* ENOMEM: no memory for the copies */
     long page = sysconf(_SC_PAGESIZE);
     for (size_t off = 0; off < n; off += (size_t)page)
         atomic_fetch_or_explicit((_Atomic uint8_t *)(void *)(p + off), 0, memory_order_relaxed);
+    return 0;
 }
 
-/* Make held slot k a whole private copy (see ts_fault.h): the write-fault path makes it
- * private (the same lock and checks), then every page is copied. */
-int ts_fault_copy_slot(ts_fault_map *m, uint32_t k)
+/* Make held slot k private and copy the pages spanning [offset, offset + bytes) of it (see
+ * ts_fault.h): the write-fault path makes it private (the same lock and checks). */
+int ts_fault_copy_slot(ts_fault_map *m, uint32_t k, uint64_t offset, uint64_t bytes)
 {
-    if (m->state == NULL || k >= m->slot_count) return EINVAL;
+    if (m->state == NULL || k >= m->slot_count || offset > m->slot_bytes ||
+        bytes > m->slot_bytes - offset)
+        return EINVAL;
     uint8_t *slot = m->start + (uint64_t)k * m->slot_bytes;
     errno = 0;
     switch (ts_fault_privatize(m, (uintptr_t)slot)) {
@@ -397,8 +401,18 @@ int ts_fault_copy_slot(ts_fault_map *m, uint32_t k)
     case TS_FAULT_NOT_HELD: return EINVAL; /* not held: nothing to keep */
     default: return errno != 0 ? errno : EIO;
     }
-    ts_fault_copy_pages(slot, (size_t)m->slot_bytes);
-    return 0;
+    if (bytes == 0) return 0;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t first = offset / page * page;
+    uint64_t end = (offset + bytes + page - 1) / page * page;
+    return ts_fault_copy_pages(slot + first, (size_t)(end - first));
+}
+
+/* This process's holds of slot k of m. */
+uint32_t ts_fault_holds(const ts_fault_map *m, uint32_t k)
+{
+    if (m->state == NULL || k >= m->slot_count) return 0;
+    return atomic_load_explicit(&m->state[k], memory_order_acquire) / TS_FAULT_HOLD;
 }
 
 /* The watched map in entry i, or NULL (table lock held). */

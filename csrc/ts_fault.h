@@ -51,6 +51,7 @@ typedef struct ts_fault_map {
     _Atomic int broken;    /* errno of a failed restore: this mapping must not be read again */
     void **fork_copies;    /* owns, between ts_fault_fork_prepare and _parent/_child: per
                             * slot, an anonymous copy of a held slot, or NULL */
+    int entry;             /* 1 + its index in the table of watched mappings, 0 if none */
 } ts_fault_map;
 
 /* Watch m (start, len, fd, file_offset, slot_bytes and slot_count filled in by the caller,
@@ -63,6 +64,12 @@ void ts_fault_watch(ts_fault_map *m);
 /* Stop watching m and free what watch allocated (call before unmapping it, once no slot
  * of it is held). */
 void ts_fault_unwatch(ts_fault_map *m);
+
+/* Stop watching m, keeping its state until ts_fault_unwatch: for a mapping whose held
+ * slots are private copies now (ts_fault_copy_slot) and whose other slots are unmapped,
+ * so that no access to it faults any more. Its place in the table is free for another
+ * mapping; a handler that found m just before still reads valid state. */
+void ts_fault_retire(ts_fault_map *m);
 
 /* This process took one more hold of slot (before it can hand out a pointer into it); the
  * first hold in the process installs the handler. */
@@ -90,10 +97,15 @@ int ts_fault_writable(const ts_fault_map *m);
 /* Slots of m that are private to this process now. */
 uint32_t ts_fault_private_slots(const ts_fault_map *m);
 
-/* Make held slot of m a private copy of what it shows now, every page copied, so that the
- * file under it may change (ts_ring_set_aside, before the slot is handed back). The caller
- * keeps holds of the slot from being given back meanwhile. 0, or an errno. */
-int ts_fault_copy_slot(ts_fault_map *m, uint32_t slot);
+/* Make held slot of m private, and bytes [offset, offset + bytes) of it a copy of what
+ * they show now, every page spanning them copied, so that the file under them may change
+ * (ts_ring_set_aside, before the slot is handed back; pages of the slot not copied must
+ * not be read again). The caller keeps holds of the slot from being given back meanwhile.
+ * 0, or an errno (ENOMEM: no memory for the copy). */
+int ts_fault_copy_slot(ts_fault_map *m, uint32_t slot, uint64_t offset, uint64_t bytes);
+
+/* This process's holds of slot of m (ts_fault_take less the holds given back). */
+uint32_t ts_fault_holds(const ts_fault_map *m, uint32_t slot);
 
 /* Around a fork (os.register_at_fork, from the binding): prepare copies every slot this
  * process holds, in every watched mapping, and keeps the table of mappings locked; in the

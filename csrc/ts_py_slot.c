@@ -11,7 +11,7 @@
 
 typedef struct {
     PyObject_HEAD
-    ts_lease *lease; /* owns one lease reference */
+    ts_lease *lease; /* owns one lease reference, using leaf */
     uint32_t leaf;
     int device; /* exports the slot's device copy */
 } SlotViewObject;
@@ -176,7 +176,7 @@ static PyObject *SlotView_get_data_ptr(SlotViewObject *self, void *Py_UNUSED(clo
 static void SlotView_dealloc(SlotViewObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    if (self->lease != NULL) ts_lease_unref(self->lease);
+    if (self->lease != NULL) ts_lease_unref(self->lease, self->leaf);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -219,7 +219,7 @@ PyType_Spec ts_py_view_spec = {
 
 typedef struct {
     PyObject_HEAD
-    ts_lease *lease; /* owns one lease reference until release() */
+    ts_lease *lease; /* owns one lease reference (using every leaf) until release() */
     uint32_t kind;
     uint32_t n_leaves;
     uint64_t seq;
@@ -234,7 +234,7 @@ PyObject *ts_py_slot_new(ts_state *state, ts_lease *lease, const ts_acquired *go
 {
     SlotObject *slot = PyObject_New(SlotObject, state->Slot_type);
     if (slot == NULL) {
-        ts_lease_unref(lease);
+        ts_lease_unref(lease, TS_USE_WHOLE);
         return NULL;
     }
     slot->lease = lease;
@@ -280,7 +280,7 @@ static PyObject *Slot_views(SlotObject *self, PyObject *const *args, Py_ssize_t 
             Py_DECREF(out);
             return NULL;
         }
-        ts_lease_ref(self->lease);
+        ts_lease_ref(self->lease, i);
         v->lease = self->lease;
         v->leaf = i;
         v->device = device;
@@ -322,7 +322,7 @@ static PyObject *Slot_release(SlotObject *self, PyObject *Py_UNUSED(ignored))
 {
     ts_lease *lease = self->lease;
     self->lease = NULL;
-    if (lease != NULL) ts_lease_unref(lease);
+    if (lease != NULL) ts_lease_unref(lease, TS_USE_WHOLE);
     Py_RETURN_NONE;
 }
 
@@ -343,7 +343,7 @@ static PyObject *Slot_exit(SlotObject *self, PyObject *const *Py_UNUSED(args),
 static void Slot_dealloc(SlotObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    if (self->lease != NULL) ts_lease_unref(self->lease);
+    if (self->lease != NULL) ts_lease_unref(self->lease, TS_USE_WHOLE);
     Py_XDECREF(self->meta);
     tp->tp_free(self);
     Py_DECREF(tp);

@@ -171,6 +171,7 @@ static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
 }
 
 static void ts_ring_drop_importer(ts_header *h, int entry);
+static void ts_ring_unmap_kept(ts_ring *ring, uint32_t k);
 
 /* Release everything the handle owns. */
 static void ts_ring_free(ts_ring *ring)
@@ -183,9 +184,14 @@ static void ts_ring_free(ts_ring *ring)
     ring->importer = -1;
     if (ring->data != NULL) {
         if (!ring->is_producer) ts_fault_unwatch(&ring->cow);
-        munmap(ring->data, ring->data_bytes);
+        if (!atomic_load_explicit(&ring->aside, memory_order_acquire))
+            munmap(ring->data, ring->data_bytes);
+        for (uint32_t k = 0; ring->aside && k < ring->hdr->slot_count; k++)
+            if (ring->use[k] != NULL) ts_ring_unmap_kept(ring, k); /* holds never released */
         ring->data = NULL;
     }
+    for (uint32_t k = 0; ring->use != NULL && k < ring->hdr->slot_count; k++) free(ring->use[k]);
+    free(ring->use);
     if (ring->hdr != NULL) munmap(ring->hdr, ring->ctrl_bytes);
     if (ring->fd >= 0) close(ring->fd);
     pthread_mutex_destroy(&ring->lock);
@@ -389,7 +395,8 @@ ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err)
     ring->hdr = p;
     ring->ctrl_bytes = ctrl;
     ring->held = calloc(g.slot_count, sizeof *ring->held);
-    if (ring->held == NULL) {
+    ring->use = calloc(g.slot_count, sizeof *ring->use);
+    if (ring->held == NULL || ring->use == NULL) {
         st = ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
         goto error;
     }
@@ -1354,6 +1361,62 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
     }
 }
 
+/* Unmap slot pages [first, end) of a handle set aside (hold_lock held). A failure (no
+ * memory to split the mapping) leaves them mapped: they are freed with the rest. */
+static void ts_ring_unmap_pages(ts_ring *ring, uint32_t slot, uint64_t first, uint64_t end)
+{
+    if (first < end) munmap(ts_ring_slot_data(ring, slot) + first, (size_t)(end - first));
+}
+
+/* Unmap what is left of set-aside slot k, its kept leaves' pages, each page once (hold_lock
+ * held; leaves are in slot order). */
+static void ts_ring_unmap_kept(ts_ring *ring, uint32_t k)
+{
+    ts_slot_use *u = ring->use[k];
+    uint64_t first = 0, end = 0; /* the run of kept pages being gathered, if end > first */
+    for (uint32_t i = 0; i < u->n_leaves; i++) {
+        ts_use_leaf *l = &u->leaf[i];
+        if (!l->kept) continue;
+        l->kept = 0;
+        if (l->first > end) { /* a gap ends the run */
+            ts_ring_unmap_pages(ring, k, first, end);
+            first = l->first;
+        }
+        if (l->end > end) end = l->end;
+    }
+    ts_ring_unmap_pages(ring, k, first, end);
+}
+
+/* 1 if a kept leaf of u other than leaf i has data on the page at offset p. */
+static int ts_use_page_kept(const ts_slot_use *u, uint32_t i, uint64_t p, uint64_t page)
+{
+    for (uint32_t j = i; j-- > 0 && u->leaf[j].end > p;)
+        if (u->leaf[j].kept && u->leaf[j].first <= p) return 1;
+    for (uint32_t j = i + 1; j < u->n_leaves && u->leaf[j].first < p + page; j++)
+        if (u->leaf[j].kept && u->leaf[j].end > p) return 1;
+    return 0;
+}
+
+/* Set aside: unmap the pages of slot k's leaves no longer used, but those they share with
+ * a leaf still used (hold_lock held; see ts_slot_use). */
+static void ts_ring_drop_unused(ts_ring *ring, uint32_t k)
+{
+    ts_slot_use *u = ring->use[k];
+    long page = sysconf(_SC_PAGESIZE);
+    if (u == NULL || u->holds == 0 || atomic_load_explicit(&u->whole, memory_order_acquire) != 0)
+        return;
+    for (uint32_t i = 0; i < u->n_leaves; i++) {
+        ts_use_leaf *l = &u->leaf[i];
+        if (!l->kept || atomic_load_explicit(&l->refs, memory_order_acquire) != 0) continue;
+        l->kept = 0;
+        uint64_t first = l->first, end = l->end;
+        if (ts_use_page_kept(u, i, first, (uint64_t)page)) first += (uint64_t)page;
+        if (end > first && ts_use_page_kept(u, i, end - (uint64_t)page, (uint64_t)page))
+            end -= (uint64_t)page;
+        ts_ring_unmap_pages(ring, k, first, end);
+    }
+}
+
 /* Drop our consumer's reference on slot (safe on any thread, no GIL). */
 void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
 {
@@ -1364,8 +1427,9 @@ void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
     uint64_t bit = 1ULL << consumer;
     pthread_mutex_lock(&ring->hold_lock);
     if (atomic_load_explicit(&ring->aside, memory_order_acquire)) {
-        /* Handed back when the handle was set aside: only the private copy goes. */
-        ts_fault_give_end(&ring->cow, slot, ts_fault_give_begin(&ring->cow, slot));
+        /* Handed back when the handle was set aside: the last hold unmaps the copy. */
+        ts_slot_use *u = ring->use[slot];
+        if (u != NULL && u->holds > 0 && --u->holds == 0) ts_ring_unmap_kept(ring, slot);
         pthread_mutex_unlock(&ring->hold_lock);
         return;
     }
@@ -1384,7 +1448,161 @@ void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
     pthread_mutex_unlock(&ring->hold_lock);
 }
 
-/* Copy the held slots and hand them back; the handle reads no more (see ts_ring.h). */
+/* A use record for n leaves (n >= 1), counts zero. */
+static ts_slot_use *ts_slot_use_new(uint32_t n)
+{
+    if (n == 0) n = 1;
+    ts_slot_use *u = calloc(1, sizeof *u + (size_t)n * sizeof(ts_use_leaf));
+    if (u != NULL) u->capacity = n;
+    return u;
+}
+
+/* A lease of slot begins: it uses every leaf (see ts_ring.h). */
+int ts_ring_use_begin(ts_ring *ring, uint32_t slot)
+{
+    if (ring->use == NULL || slot >= ring->hdr->slot_count) return 0;
+    uint32_t n = ts_ring_slot(ring, slot)->n_leaves; /* held by the caller: stable */
+    int e = 0;
+    pthread_mutex_lock(&ring->hold_lock);
+    ts_slot_use *u = ring->use[slot];
+    if (u == NULL || (u->leases == 0 && u->capacity < n)) {
+        ts_slot_use *bigger = ts_slot_use_new(n); /* no lease of the slot: no one counts */
+        if (bigger == NULL) {
+            e = ENOMEM;
+            goto done;
+        }
+        free(u);
+        ring->use[slot] = u = bigger;
+    }
+    if (u->leases == 0) u->n_leaves = n < u->capacity ? n : u->capacity;
+    u->leases++;
+    atomic_fetch_add_explicit(&u->whole, 1, memory_order_relaxed);
+done:
+    pthread_mutex_unlock(&ring->hold_lock);
+    return e;
+}
+
+/* The counter of references to leaf of slot, or NULL (a lease of the slot is alive). */
+static _Atomic uint32_t *ts_ring_use_count(ts_ring *ring, uint32_t slot, uint32_t leaf)
+{
+    ts_slot_use *u = ring->use != NULL && slot < ring->hdr->slot_count ? ring->use[slot] : NULL;
+    if (u == NULL) return NULL;
+    if (leaf == TS_USE_WHOLE) return &u->whole;
+    return leaf < u->n_leaves ? &u->leaf[leaf].refs : NULL;
+}
+
+/* One more reference that uses leaf of slot (see ts_ring.h). */
+void ts_ring_use_leaf(ts_ring *ring, uint32_t slot, uint32_t leaf)
+{
+    _Atomic uint32_t *count = ts_ring_use_count(ring, slot, leaf);
+    if (count != NULL) atomic_fetch_add_explicit(count, 1, memory_order_relaxed);
+}
+
+/* One reference to leaf of slot fewer; set aside, unused pages go (see ts_ring.h). The
+ * last reference of a leaf takes the lock even on a handle not set aside: a set-aside that
+ * counted the leaf in use is then over, and the pages it kept are unmapped here. */
+void ts_ring_unuse_leaf(ts_ring *ring, uint32_t slot, uint32_t leaf)
+{
+    _Atomic uint32_t *count = ts_ring_use_count(ring, slot, leaf);
+    if (count == NULL || atomic_fetch_sub_explicit(count, 1, memory_order_acq_rel) != 1) return;
+    if (ts_proc_self() != ring->pid) return; /* a fork's child: its copies stay */
+    pthread_mutex_lock(&ring->hold_lock);
+    if (atomic_load_explicit(&ring->aside, memory_order_acquire)) ts_ring_drop_unused(ring, slot);
+    pthread_mutex_unlock(&ring->hold_lock);
+}
+
+/* A lease of slot ends (see ts_ring.h). */
+void ts_ring_use_end(ts_ring *ring, uint32_t slot)
+{
+    if (ring->use == NULL || slot >= ring->hdr->slot_count) return;
+    pthread_mutex_lock(&ring->hold_lock);
+    if (ring->use[slot] != NULL && ring->use[slot]->leases > 0) ring->use[slot]->leases--;
+    pthread_mutex_unlock(&ring->hold_lock);
+}
+
+/* Plan which pages of held slot k a set-aside keeps (hold_lock held): the pages of the
+ * leaves its leases use, each leaf's [first, end); the whole slot, as one leaf, where no
+ * lease says (a hold without one) or the leaves are not laid out as the producer lays
+ * them (in slot order, inside the slot). 0, or ENOMEM. */
+static int ts_ring_plan_keep(ts_ring *ring, uint32_t k)
+{
+    const ts_slot *s = ts_ring_slot(ring, k);
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), slot_bytes = ring->hdr->slot_bytes;
+    ts_slot_use *u = ring->use[k];
+    int by_leaf = u != NULL && u->leases > 0 && u->n_leaves == s->n_leaves;
+    int whole = by_leaf && atomic_load_explicit(&u->whole, memory_order_seq_cst) != 0;
+    uint64_t prev_end = 0;
+    for (uint32_t i = 0; by_leaf && i < u->n_leaves; i++) {
+        const ts_leaf *leaf = &s->leaves[i];
+        if (leaf->offset < prev_end || leaf->offset > slot_bytes ||
+            leaf->nbytes > slot_bytes - leaf->offset) {
+            by_leaf = 0;
+            break;
+        }
+        prev_end = leaf->offset + leaf->nbytes;
+        ts_use_leaf *l = &u->leaf[i];
+        l->first = leaf->offset / page * page;
+        l->end = (prev_end + page - 1) / page * page;
+        l->kept = leaf->nbytes > 0 &&
+                  (whole || atomic_load_explicit(&l->refs, memory_order_seq_cst) > 0);
+    }
+    if (by_leaf) return 0;
+    if (u == NULL || u->leases == 0) { /* no lease: nobody counts; a whole-slot record */
+        ts_slot_use *record = u != NULL ? u : ts_slot_use_new(1);
+        if (record == NULL) return ENOMEM;
+        ring->use[k] = u = record;
+    }
+    u->n_leaves = 1;
+    u->leaf[0].first = 0;
+    u->leaf[0].end = slot_bytes;
+    u->leaf[0].kept = 1;
+    atomic_fetch_add_explicit(&u->whole, 1, memory_order_relaxed); /* never dropped early */
+    return 0;
+}
+
+/* Copy the pages of held slot k its plan keeps (hold_lock held). 0, or an errno. */
+static int ts_ring_copy_kept(ts_ring *ring, uint32_t k)
+{
+    ts_slot_use *u = ring->use[k];
+    int e = 0;
+    for (uint32_t i = 0; e == 0 && i < u->n_leaves; i++)
+        if (u->leaf[i].kept)
+            e = ts_fault_copy_slot(&ring->cow, k, u->leaf[i].first,
+                                   u->leaf[i].end - u->leaf[i].first);
+    return e;
+}
+
+/* Once set aside: unmap all of the data mapping but the kept pages of held slots, and stop
+ * watching it (hold_lock held). */
+static void ts_ring_trim_aside(ts_ring *ring, const uint8_t *was_held)
+{
+    uint32_t n = ring->hdr->slot_count;
+    uint64_t slot_bytes = ring->hdr->slot_bytes;
+    for (uint32_t k = 0; k < n; k++) {
+        ts_slot_use *u = ring->use[k];
+        if (!was_held[k]) {
+            ts_ring_unmap_pages(ring, k, 0, slot_bytes);
+            continue;
+        }
+        uint64_t gap = 0; /* start of the pages not kept since the last kept leaf */
+        for (uint32_t i = 0; i < u->n_leaves; i++) {
+            if (!u->leaf[i].kept) continue;
+            ts_ring_unmap_pages(ring, k, gap, u->leaf[i].first > gap ? u->leaf[i].first : gap);
+            if (u->leaf[i].end > gap) gap = u->leaf[i].end;
+        }
+        ts_ring_unmap_pages(ring, k, gap, slot_bytes);
+    }
+    uint64_t slots_end = (uint64_t)n * slot_bytes;
+    if (ring->data_bytes > slots_end)
+        munmap(ring->data + slots_end, ring->data_bytes - (size_t)slots_end);
+    /* The kept pages are private, read-write: no access to them faults, and nothing else
+     * of the mapping is left to fault on. */
+    ts_fault_retire(&ring->cow);
+    if (ring->fd >= 0) close(ring->fd);
+    ring->fd = ring->cow.fd = -1;
+}
+
+/* Copy what the held slots' leases use and hand the slots back (see ts_ring.h). */
 ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
 {
     ts_status st = TS_OK;
@@ -1395,13 +1613,19 @@ ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
     if (ts_proc_self() != ring->pid)
         return ts_err_set(err, TS_E_INVALID, 0, "this ring handle belongs to process %d",
                           (int)ring->pid);
-    pthread_mutex_lock(&ring->hold_lock);
+    if (atomic_load_explicit(&ring->aside, memory_order_acquire))
+        return ts_err_set(err, TS_E_INVALID, 0, "this ring handle was set aside already");
     uint32_t n = ring->hdr->slot_count;
+    uint8_t *was_held = calloc(n, 1);
+    if (was_held == NULL) return ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
+    pthread_mutex_lock(&ring->hold_lock);
     /* Copy all first: if one copy fails, nothing was handed back and all stays as it was
      * (copies already made are dropped by their slots' last releases, as after a write). */
     for (uint32_t k = 0; k < n; k++) {
         if (atomic_load_explicit(&ring->held[k], memory_order_relaxed) == 0) continue;
-        int e = ts_fault_copy_slot(&ring->cow, k);
+        was_held[k] = 1;
+        int e = ts_ring_plan_keep(ring, k);
+        if (e == 0) e = ts_ring_copy_kept(ring, k);
         if (e != 0) {
             st = ts_err_set(err, TS_E_SYS, e, "copying a held slot privately failed: %s",
                             strerror(e));
@@ -1410,12 +1634,15 @@ ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
     }
     atomic_store_explicit(&ring->aside, 1, memory_order_release);
     for (uint32_t k = 0; k < n; k++) {
+        if (was_held[k]) ring->use[k]->holds = ts_fault_holds(&ring->cow, k);
         uint64_t bits = atomic_exchange_explicit(&ring->held[k], 0, memory_order_relaxed);
         for (uint32_t i = 0; bits != 0; i++, bits >>= 1)
             if (bits & 1) ts_slot_drop(ring->hdr, ts_ring_slot(ring, k), 1ULL << i);
     }
+    ts_ring_trim_aside(ring, was_held);
 done:
     pthread_mutex_unlock(&ring->hold_lock);
+    free(was_held);
     return st;
 }
 

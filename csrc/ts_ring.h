@@ -185,6 +185,29 @@ typedef struct ts_geometry {
     uint32_t on_device; /* 1: CUDA ring (adds the IPC handle table) */
 } ts_geometry;
 
+/* One leaf of a slot as a consumer handle uses it (ts_slot_use). */
+typedef struct ts_use_leaf {
+    _Atomic uint32_t refs; /* views and exported tensors of the leaf alive */
+    uint32_t kept;         /* set aside: 1 while its pages of the private copy are mapped */
+    uint64_t first, end;   /* set aside: those pages, as offsets into the slot */
+} ts_use_leaf;
+
+/* What of one slot a consumer handle's leases still use: the leaves whose tensors are
+ * alive. Set aside, only their pages stay mapped (a private copy), each unmapped once its
+ * last tensor goes, the rest at the slot's last release. Counts change on any thread;
+ * the rest under the handle's hold_lock. */
+typedef struct ts_slot_use {
+    uint32_t leases;        /* leases of the slot alive */
+    uint32_t capacity;      /* entries of leaf[] */
+    uint32_t n_leaves;      /* leaves of the entry leased (1 for a whole slot set aside) */
+    _Atomic uint32_t whole; /* references that use every leaf (the lease's own) */
+    uint32_t holds;         /* set aside: holds of the slot not yet released */
+    ts_use_leaf leaf[];
+} ts_slot_use;
+
+/* Leaf number of a lease reference that uses every leaf (ts_ring_use_leaf). */
+#define TS_USE_WHOLE UINT32_MAX
+
 /* A process's handle on a ring segment. Reference counted: the owner (the
  * Python object) holds one reference and every consumer lease one more, so
  * the mapping outlives the object for as long as any view of it lives. */
@@ -210,7 +233,9 @@ typedef struct ts_ring {
     _Atomic uint64_t *held;  /* owns (consumer side): per slot, the consumer bits under which
                               * this handle holds the slot (set by acquire, cleared by release) */
     _Atomic int aside;       /* 1 once set aside (ts_ring_set_aside): it reads no more */
-    pthread_mutex_t hold_lock; /* releases vs ts_ring_set_aside */
+    ts_slot_use **use;       /* owns (consumer side): per slot, what its leases use, or NULL
+                              * before the first lease of the slot */
+    pthread_mutex_t hold_lock; /* releases, uses and ts_ring_set_aside */
     uint64_t bytes_copied;   /* producer: bytes copied into slots */
     char name[256];          /* shm name, with the leading '/' */
 } ts_ring;
@@ -439,10 +464,29 @@ int ts_ring_host_writable(const ts_ring *ring);
 /* Set this consumer handle aside, once its consumer entry no longer reads (it left, was
  * parked or detached) while batches of it are still alive: every slot it holds becomes a
  * private copy in this process and is handed back to the producer at once, so that the
- * process, reading on through a new handle, never waits for a slot it holds itself. The
- * handle reads no more; its views stay valid; their releases only free the copies. Host
- * rings whose slots can be made private (not page-locked for CUDA) only. */
+ * process, reading on through a new handle, never waits for a slot it holds itself. Only
+ * the pages of leaves still in use are copied (ts_ring_use_leaf; a slot held without a
+ * lease is copied whole); the rest of the mapping is unmapped, each leaf's pages go when
+ * its last tensor does, and the handle no longer takes a place among the mappings that
+ * fault handling watches (ts_fault.h) nor an fd: a process may keep any number of them.
+ * The handle reads no more; its views stay valid. Host rings whose slots can be made
+ * private (not page-locked for CUDA) only. TS_E_SYS with ENOMEM: no memory for the
+ * copies (nothing was handed back). */
 ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err);
+
+/* A lease of slot begins (before its first ts_ring_use_leaf): it uses every leaf until
+ * its own reference goes. 0, or ENOMEM. */
+int ts_ring_use_begin(ts_ring *ring, uint32_t slot);
+
+/* One more reference that uses leaf of slot (TS_USE_WHOLE: every leaf). */
+void ts_ring_use_leaf(ts_ring *ring, uint32_t slot, uint32_t leaf);
+
+/* One reference to leaf of slot fewer (TS_USE_WHOLE: every leaf); on a handle set aside,
+ * the pages of leaves no longer used are unmapped. Any thread. */
+void ts_ring_unuse_leaf(ts_ring *ring, uint32_t slot, uint32_t leaf);
+
+/* A lease of slot ends (before its release). */
+void ts_ring_use_end(ts_ring *ring, uint32_t slot);
 
 /* Slots this consumer handle holds now. */
 uint32_t ts_ring_held_slots(const ts_ring *ring);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -744,6 +745,9 @@ class TensorConsumer(LoaderSurface):
         try:
             ring.set_aside()
         except (ValueError, OSError) as e:
+            if getattr(e, "errno", None) == errno.ENOMEM:  # nothing was handed back
+                raise MemoryError(diagnosis.kept_batches_no_memory(
+                    held, self._set_aside_batches)) from e
             log.info("consumer %d keeps %d ring slots held by batches still alive: %s",
                      self._index, held, e)
             return False

@@ -63,6 +63,17 @@ def kept_batches_warning(waited: float, held: int, slot_count: int) -> str:
         "copies: TensorConsumer(copy=True) or tensor.clone()")
 
 
+def kept_batches_no_memory(held: int, copied: int) -> str:
+    """Why the consumer stops when its kept batches cannot be copied privately."""
+    return (
+        f"this consumer keeps {copied + held} batches (or pieces of them) alive: {copied} were "
+        f"copied privately already, and copying the {held} whose ring slots the producer "
+        "must refill now failed: out of memory (or of memory mappings: vm.max_map_count; "
+        "each kept batch takes one). Keep copies of the pieces instead, which free the ring "
+        "memory (x = batch['x'][:2].clone()), keep fewer batches, or use "
+        "TensorConsumer(copy=True)")
+
+
 def lagged(ring: Any, index: int, token: int) -> bool:
     """Whether consumer `index` (still this token's) was detached for lagging."""
     entry = ring.consumer(index)

@@ -205,3 +205,107 @@ def test_breaking_at_the_epoch_end_while_holding_the_batch_never_deadlocks(name,
                         "privately once it would block the producer)",
                     "the other job reads every batch once; the breaker's next epochs are "
                     "whole", "nothing")
+
+
+# More set-asides than fault handling once had places for mappings (64): with 2 slots, a
+# consumer that keeps a piece of every batch sets its handle aside every 2 batches.
+MANY_BATCHES = 200
+
+KEEP_PIECES = r"""
+import json, sys
+from tensorsocket import TensorConsumer
+c = TensorConsumer(name=sys.argv[1], timeout=60, batch_timeout=15)
+labels = []
+try:
+    for x, y in c:
+        labels.append(y[:2])  # a validation loop keeping the labels of every batch
+    outcome = "done"
+except Exception as e:
+    outcome = f"{type(e).__name__}: {e}"
+print(json.dumps({"ids": [int(t[0]) for t in labels], "outcome": outcome,
+                  "copied": c.stats()["copied_kept_batches"]}), flush=True)
+c.close()
+"""
+
+
+def test_keeping_a_piece_of_every_batch_never_hangs(procs, name):
+    """A consumer that keeps a 2-element slice of every batch reads all of them, well past
+    64 x ring_slots batches (where it once waited for itself for ever), and the other
+    consumer of the producer reads every batch too, without stalling."""
+    p = procs.start("producer", "--name", name, "--kind", "tuple",
+                    "--batches", str(MANY_BATCHES), "--slots", "2", "--min-consumers", "2")
+    procs.wait_ready(p)
+    keeper = procs.script(KEEP_PIECES, name)
+    other = procs.start("consumer", "--name", name, "--kind", "tuple")
+    kept = keeper.result(timeout=150)
+    assert kept["outcome"] == "done", kept["outcome"]
+    assert kept["ids"] == list(range(MANY_BATCHES))
+    assert kept["copied"] >= MANY_BATCHES - 2
+    seen = procs.result(other, timeout=60)
+    assert seen["outcome"] == "done" and seen["epochs"] == [list(range(MANY_BATCHES))]
+    procs.result(p)
+
+
+def test_list_of_a_long_epoch_gets_every_batch(procs, name):
+    """list(consumer) over an epoch of more than 64 x ring_slots batches: every batch is
+    there with its contents (it once stopped after 64 x slots + slots)."""
+    p = procs.start("producer", "--name", name, "--kind", "tuple",
+                    "--batches", str(MANY_BATCHES), "--slots", "2")
+    procs.wait_ready(p)
+    with TensorConsumer(name=name, timeout=30, batch_timeout=15) as c:
+        batches = list(c)
+        assert [int(x[0, 0]) for x, _ in batches] == list(range(MANY_BATCHES))
+        assert all(bool((y == i).all()) for i, (_, y) in enumerate(batches))
+    del batches
+    procs.result(p)
+
+
+KEEP_SLICES_MEMORY = r"""
+import json, sys
+from tensorsocket import TensorConsumer
+
+def private_kib():
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f
+                   if line.startswith(("Private_Clean", "Private_Dirty")))
+
+c = TensorConsumer(name=sys.argv[1], timeout=60, batch_timeout=30)
+kept, first = [], None
+for i, batch in enumerate(c):
+    kept.append(batch["idx"][:2])
+    if i == 9:
+        first = private_kib()
+del batch
+print(json.dumps({"kib_per_slice": (private_kib() - first) / (len(kept) - 10),
+                  "ids": [int(t[0]) for t in kept],
+                  "copied": c.stats()["copied_kept_batches"]}), flush=True)
+c.close()
+"""
+
+
+def test_a_kept_slice_keeps_only_its_own_pages(procs, name):
+    """A 2-element slice kept of each batch of {"x": 1 MiB, "idx": 256 int64} keeps about
+    a page of private memory per batch once its batch was copied privately, not the 1 MiB
+    of the whole batch: only the pages of tensors still alive are copied, and the pages
+    of a tensor go when it does."""
+    import threading
+
+    import torch
+
+    from tensorsocket import TensorProducer
+
+    batches = 70
+    loader = [{"x": torch.full((262144,), float(i)), "idx": torch.arange(i * 256, i * 256 + 256)}
+              for i in range(batches)]
+    producer = TensorProducer(loader, name=name, ring_slots=2, rubber_band=0, start_timeout=60)
+    keeper = procs.script(KEEP_SLICES_MEMORY, name)
+    t = threading.Thread(target=lambda: [None for _ in producer], daemon=True)
+    t.start()
+    try:
+        out = keeper.result(timeout=120)
+    finally:
+        t.join(30)
+        producer.close()
+    assert out["ids"] == [i * 256 for i in range(batches)]
+    assert out["copied"] >= batches - 12
+    assert out["kib_per_slice"] < 64, out  # a whole batch is 1028 KiB

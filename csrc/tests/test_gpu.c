@@ -499,7 +499,7 @@ static int launch_and_drop(cons *c, launch_read_fn launch, const ts_acquired *a,
         return -1;
     if (t_launch != NULL) *t_launch = ts_now_ns();
     ts_export_delete(t, 1);
-    ts_lease_unref(l);
+    ts_lease_unref(l, TS_USE_WHOLE);
     return 0;
 }
 
@@ -674,7 +674,7 @@ static void views_consumer(int in, int out)
             CHECK(device_leaf_ok(&c, tensor_of(t1, 0), a.slot, 1, n, 0));
             ts_export_delete(t1, 0);
         }
-        ts_lease_unref(l);
+        ts_lease_unref(l, TS_USE_WHOLE);
     }
     /* Every deferred release happens. */
     uint64_t dl = deadline_ms(5000);
@@ -804,7 +804,7 @@ static void unfollowed_consumer(int in, int out)
                                 KERNEL_US)));
         uint64_t t_launch = ts_now_ns();
         ts_export_delete(t, 1);
-        ts_lease_unref(l);
+        ts_lease_unref(l, TS_USE_WHOLE);
         CHECK(readers_of(c.ring, a.slot) & bit);
         CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
         uint64_t waited = ts_now_ns() - t_launch;
@@ -901,7 +901,7 @@ static void variants_consumer(int in, int out)
     /* Dropping the views and the lease releases the slot (after the whole context). */
     ts_export_delete(tv, 1);
     ts_export_delete(tn, 1);
-    ts_lease_unref(l);
+    ts_lease_unref(l, TS_USE_WHOLE);
     CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
     /* The copy outlives the slot; its deleter frees it. */
     CHECK(device_leaf_ok(&c, tensor_of(tcopy, 1), a.slot, 0, 3, 1));
@@ -1165,7 +1165,7 @@ static void reader_consumer(int in, int out)
         CHECK(device_leaf_ok(&c, tensor_of(t, 1), a.slot, i, 9, 0));
         ts_export_delete(t, 1);
     }
-    ts_lease_unref(l);
+    ts_lease_unref(l, TS_USE_WHOLE);
     CHECK(wait_bit_clear(c.ring, a.slot, 1ULL << c.index, 5000));
     SEND(out, M_DONE, 0, 0);
     RECV(in, M_BYE, m);

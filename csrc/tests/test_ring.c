@@ -6,6 +6,7 @@
  * Run:  ./test_ring [NAME]   runs the tests whose name contains NAME (all without it).
  * The last line is "N passed, M failed"; the exit status is non-zero if any failed. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
@@ -14,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -394,7 +396,7 @@ static void test_leases_dlpack(void)
     REQUIRE(vc != NULL && lc != NULL);
     CHECK_EQ(vc->flags, TS_DLPACK_FLAG_IS_COPIED);
     CHECK(vc->dl_tensor.data != ts_ring_slot_data(c.ring, a.slot));
-    ts_lease_unref(lease); /* copies hold nothing: the slot is free at once */
+    ts_lease_unref(lease, TS_USE_WHOLE); /* copies hold nothing: the slot is free at once */
     CHECK_EQ(readers_of(fx.prod, a.slot), 0);
     CHECK_EQ(c.ring->refs, 1);
     CHECK_EQ(((int32_t *)vc->dl_tensor.data)[3], 3);
@@ -420,7 +422,7 @@ static void test_leases_dlpack(void)
     CHECK_EQ(vv->flags, 0); /* writable: a write makes the slot private (copy_on_write) */
     CHECK_EQ(vv->dl_tensor.shape[0], 3);
     CHECK_EQ(((uint8_t *)vv->dl_tensor.data)[2], 3);
-    ts_lease_unref(lease); /* the view object goes; the exports still hold the slot */
+    ts_lease_unref(lease, TS_USE_WHOLE); /* the view object goes; the exports still hold the slot */
     CHECK_EQ(readers_of(fx.prod, a.slot), bit);
     lv->deleter(lv);
     CHECK_EQ(readers_of(fx.prod, a.slot), bit);
@@ -438,7 +440,7 @@ static void test_leases_dlpack(void)
         CHECK_EQ(vv->flags, 0);
         ts_export_delete(vv, 1);
     }
-    ts_lease_unref(lease);
+    ts_lease_unref(lease, TS_USE_WHOLE);
     CHECK_EQ(fx.prod->refs, 1);
 out:
     consumer_drop(&c);
@@ -1779,10 +1781,18 @@ out:
     fx_destroy(&fx);
 }
 
+/* 1 if the page holding p is mapped in this process (msync fails with ENOMEM if not). */
+static int page_mapped(const volatile void *p)
+{
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    return msync((void *)((uintptr_t)p / page * page), page, MS_ASYNC) == 0;
+}
+
 /* Setting a handle aside: the slots it holds become private copies and go back to the
  * producer at once, so the producer refills them while the views still read what they
  * read (and stay writable); their releases then drop no bit (by then the slot is another
- * entry's, read by this consumer too); the handle reads no more. And a fork: the child gets
+ * entry's, read by this consumer too) and unmap the copies; the handle reads no more, and
+ * the rest of its mapping is unmapped at once. And a fork: the child gets
  * private copies of the slots the parent held (ts_fault_fork_*), so the parent's release
  * and the producer's refill do not change what the child reads. */
 static void test_set_aside(void)
@@ -1813,10 +1823,10 @@ static void test_set_aside(void)
     CHECK_ST(ts_ring_acquire(c.ring, deadline_ms(100), &b, &err), TS_E_INVALID);
     CHECK(strstr(err.msg, "set aside") != NULL);
     CHECK_EQ(readers_of(fx.prod, k), bit); /* entry 2 waits for c */
+    CHECK(!page_mapped(leaf0_of(c.ring, 1 - k))); /* the rest of the mapping is gone */
     ts_ring_release(c.ring, k, c.index);
     CHECK_EQ(readers_of(fx.prod, k), bit); /* not dropped a second time */
-    CHECK_EQ(ts_fault_private_slots(&c.ring->cow), 0);
-    CHECK_EQ(x[3], 203); /* the shared view is back: the copy is gone */
+    CHECK(!page_mapped(x)); /* the copy is gone */
 
     /* A second handle of the same consumer reads on. */
     ts_ring *again = NULL;
@@ -1860,6 +1870,95 @@ static void test_set_aside(void)
     close(done[1]);
     ts_ring_unref(again);
 out:
+    consumer_drop(&c);
+    fx_destroy(&fx);
+}
+
+/* Files this process has open. */
+static int open_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL) return -1;
+    while (readdir(d) != NULL) n++;
+    closedir(d);
+    return n;
+}
+
+/* Publish entry r for test_set_aside_many: int32[2048] = r (two pages), then int64[2] =
+ * {r, -r} on the third page. */
+static ts_status publish_two_sizes(ts_ring *prod, uint64_t r, ts_err *err)
+{
+    static int32_t big[2048];
+    int64_t small[2] = {(int64_t)r, -(int64_t)r};
+    static const int64_t big_shape[1] = {2048}, small_shape[1] = {2};
+    static const int64_t big_stride[1] = {4}, small_stride[1] = {8};
+    for (int j = 0; j < 2048; j++) big[j] = (int32_t)r;
+    ts_src_leaf leaves[2] = {{big, 1, big_shape, big_stride, 4, {kDLInt, 32, 1}},
+                             {small, 1, small_shape, small_stride, 8, {kDLInt, 64, 1}}};
+    return ts_ring_publish(prod, TS_ENTRY_BATCH, 0, r, leaves, 2, NULL, 0, deadline_ms(1000),
+                           err);
+}
+
+/* A consumer that keeps a small piece of every entry sets a handle aside each time, far
+ * more often than fault handling has places for mappings (TS_FAULT_WATCHED): each handle
+ * keeps only the pages of the leaves still used (the small leaf's page; the big leaf's go
+ * once its tensor does, the slot's unused tail at once) and no fd, every kept piece reads
+ * its entry for ever, writes into it stay private, and the producer never waits. */
+static void test_set_aside_many(void)
+{
+    enum { ROUNDS = 3 * TS_FAULT_WATCHED };
+    fixture fx = {0};
+    consumer c = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    DLManagedTensor *kept[ROUNDS] = {0};
+    int n_kept = 0;
+    REQUIRE(fx_create(&fx, 2, 2, 4 * 4096) == 0);
+    REQUIRE(consumer_add(&fx, &c, 1) == 0);
+    int fds = open_fds();
+    for (uint64_t r = 0; r < ROUNDS; r++) {
+        REQUIRE_OK(publish_two_sizes(fx.prod, r, &err));
+        REQUIRE(CHECK_ST(ts_ring_acquire(c.ring, deadline_ms(1000), &a, &err), TS_OK));
+        ts_lease *lease = ts_lease_new(c.ring, a.slot, a.seq);
+        REQUIRE(lease != NULL);
+        DLManagedTensor *big = export_leaf(lease, 0, 0, 0, 0, &err);
+        DLManagedTensor *small = export_leaf(lease, 1, 0, 0, 0, &err);
+        ts_lease_unref(lease, TS_USE_WHOLE);
+        REQUIRE(big != NULL && small != NULL);
+        volatile int32_t *b = big->dl_tensor.data;
+        volatile int64_t *s = small->dl_tensor.data;
+        kept[n_kept++] = small;
+        uint32_t k = a.slot;
+        if (!CHECK_ST(ts_ring_set_aside(c.ring, &err), TS_OK)) break;
+        CHECK_EQ(readers_of(fx.prod, k), 0); /* handed back at once */
+        CHECK(page_mapped(b) && b[2047] == (int32_t)r); /* still alive: kept */
+        CHECK(!page_mapped(s + 512)); /* the slot's unused last page is gone */
+        big->deleter(big);
+        CHECK(!page_mapped(b) && !page_mapped(b + 1024)); /* its two pages went with it */
+        CHECK(page_mapped(s) && s[0] == (int64_t)r && s[1] == -(int64_t)r);
+        s[1] = 7; /* private to this process */
+        ts_ring *next = NULL;
+        REQUIRE(CHECK_ST(ts_ring_open(fx.name, &next, &err), TS_OK));
+        REQUIRE(CHECK_ST(ts_ring_bind_consumer(next, c.index, c.token, &err), TS_OK));
+        ts_ring_unref(c.ring); /* the kept piece keeps the old handle */
+        c.ring = next;
+    }
+    CHECK_EQ(n_kept, ROUNDS);
+    CHECK(open_fds() <= fds + 1);
+    for (int r = 0; r < n_kept; r++) {
+        volatile int64_t *s = kept[r]->dl_tensor.data;
+        if (!CHECK(s[0] == r && s[1] == 7)) break;
+    }
+    for (int r = 0; r < n_kept; r++) {
+        volatile int64_t *s = kept[r]->dl_tensor.data;
+        kept[r]->deleter(kept[r]);
+        CHECK(!page_mapped(s)); /* the last release unmaps what was kept */
+        kept[r] = NULL;
+    }
+out:
+    for (int r = 0; r < n_kept; r++)
+        if (kept[r] != NULL) kept[r]->deleter(kept[r]);
     consumer_drop(&c);
     fx_destroy(&fx);
 }
@@ -2054,6 +2153,7 @@ static const ts_test g_tests[] = {
     {"detach_api", test_detach_api},     {"evict_silent", test_evict_silent},
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
     {"copy_on_write", test_copy_on_write}, {"set_aside", test_set_aside},
+    {"set_aside_many", test_set_aside_many},
     {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
     {"try_acquire", test_try_acquire},   {"await_race", test_await_race},
 };
