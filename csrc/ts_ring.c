@@ -1474,7 +1474,12 @@ int ts_ring_use_begin(ts_ring *ring, uint32_t slot)
         free(u);
         ring->use[slot] = u = bigger;
     }
-    if (u->leases == 0) u->n_leaves = n < u->capacity ? n : u->capacity;
+    if (u->leases == 0) { /* a new entry: no reference of the last one is left */
+        u->n_leaves = n < u->capacity ? n : u->capacity;
+        atomic_store_explicit(&u->whole, 0, memory_order_relaxed);
+        for (uint32_t i = 0; i < u->n_leaves; i++)
+            atomic_store_explicit(&u->leaf[i].refs, 0, memory_order_relaxed);
+    }
     u->leases++;
     atomic_fetch_add_explicit(&u->whole, 1, memory_order_relaxed);
 done:
@@ -1515,6 +1520,7 @@ void ts_ring_unuse_leaf(ts_ring *ring, uint32_t slot, uint32_t leaf)
 void ts_ring_use_end(ts_ring *ring, uint32_t slot)
 {
     if (ring->use == NULL || slot >= ring->hdr->slot_count) return;
+    if (ts_proc_self() != ring->pid) return; /* a fork's child: the parent's to count */
     pthread_mutex_lock(&ring->hold_lock);
     if (ring->use[slot] != NULL && ring->use[slot]->leases > 0) ring->use[slot]->leases--;
     pthread_mutex_unlock(&ring->hold_lock);
