@@ -1361,11 +1361,12 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
     }
 }
 
-/* Unmap slot pages [first, end) of a handle set aside (hold_lock held). A failure (no
- * memory to split the mapping) leaves them mapped: they are freed with the rest. */
-static void ts_ring_unmap_pages(ts_ring *ring, uint32_t slot, uint64_t first, uint64_t end)
+/* Unmap slot pages [first, end) of a handle set aside (hold_lock held). 0, or -1 where
+ * munmap failed (splitting a mapping past vm.max_map_count) and left them mapped. */
+static int ts_ring_unmap_pages(ts_ring *ring, uint32_t slot, uint64_t first, uint64_t end)
 {
-    if (first < end) munmap(ts_ring_slot_data(ring, slot) + first, (size_t)(end - first));
+    if (first >= end) return 0;
+    return munmap(ts_ring_slot_data(ring, slot) + first, (size_t)(end - first));
 }
 
 /* Unmap what is left of set-aside slot k, its kept leaves' pages, each page once (hold_lock
@@ -1413,7 +1414,7 @@ static void ts_ring_drop_unused(ts_ring *ring, uint32_t k)
         if (ts_use_page_kept(u, i, first, (uint64_t)page)) first += (uint64_t)page;
         if (end > first && ts_use_page_kept(u, i, end - (uint64_t)page, (uint64_t)page))
             end -= (uint64_t)page;
-        ts_ring_unmap_pages(ring, k, first, end);
+        if (ts_ring_unmap_pages(ring, k, first, end) != 0) l->kept = 1; /* then at the end */
     }
 }
 
@@ -1579,7 +1580,9 @@ static int ts_ring_copy_kept(ts_ring *ring, uint32_t k)
 }
 
 /* Once set aside: unmap all of the data mapping but the kept pages of held slots, and stop
- * watching it (hold_lock held). */
+ * watching it (hold_lock held). Pages munmap cannot unmap here (no memory to split the
+ * mapping) stay mapped until the process exits: address space, and memory only where the
+ * process wrote into them. */
 static void ts_ring_trim_aside(ts_ring *ring, const uint8_t *was_held)
 {
     uint32_t n = ring->hdr->slot_count;

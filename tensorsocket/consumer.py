@@ -39,7 +39,7 @@ log = logging.getLogger("tensorsocket")
 DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
 STALL_WARN_AFTER = 5.0  # seconds waiting for a batch the consumer's own held batches block
 SIBLING_PARK_AFTER = 0.5  # seconds of waiting before this process's idle consumers park
-SET_ASIDE_AFTER = 0.05  # seconds of waiting before kept batches that block are copied
+SET_ASIDE_AFTER = 0.05  # seconds a wait lasts between checks for kept batches that block
 
 # Every open consumer of this process, for parking the idle ones (see _park_idle_siblings).
 _CONSUMERS: "weakref.WeakSet[TensorConsumer]" = weakref.WeakSet()
@@ -655,8 +655,13 @@ class TensorConsumer(LoaderSurface):
 
         # Batches this consumer keeps may come to hold the slot the producer must refill
         # next (as soon as it gets there): then they are copied privately rather than
-        # waited for (see _set_aside_held). Only while it keeps some: in short waits.
+        # waited for (see _set_aside_held), at once (a list(consumer) waits for nothing).
+        # Only while it keeps some: in short waits.
         while diagnosis.may_set_aside(self._ring, self._delivery.gpu_import):
+            if self._held_slots_blocking():
+                if not self._set_aside_held(rebind=True):
+                    break  # they cannot be copied here: wait for them (and say so below)
+                continue
             wait = left()
             step = SET_ASIDE_AFTER if wait is None else min(SET_ASIDE_AFTER, wait)
             try:
@@ -664,8 +669,6 @@ class TensorConsumer(LoaderSurface):
             except TimeoutError:
                 if wait is not None and step >= wait:
                     raise
-                if self._held_slots_blocking() and not self._set_aside_held(rebind=True):
-                    break  # they cannot be copied here: wait for them (and say so below)
         wait = left()
         if wait is not None and wait <= STALL_WARN_AFTER:
             return self._ring.acquire(wait)
