@@ -745,16 +745,19 @@ class TensorConsumer(LoaderSurface):
         held = ring.held_slots()
         if held == 0 or self._delivery.gpu_import:
             return False
+        fresh = None
         try:
+            fresh = _core.Ring.open(self._segment)  # first: a failure leaves all as it was
             ring.set_aside()
         except (ValueError, OSError) as e:
+            if fresh is not None:
+                fresh.close()
             if getattr(e, "errno", None) == errno.ENOMEM:  # nothing was handed back
                 raise MemoryError(diagnosis.kept_batches_no_memory(
                     held, self._set_aside_batches)) from e
             log.info("consumer %d keeps %d ring slots held by batches still alive: %s",
                      self._index, held, e)
             return False
-        fresh = _core.Ring.open(self._segment)
         if rebind:
             fresh.bind(self._index, self._client.token)
         self._ring = self._ring_box[0] = fresh

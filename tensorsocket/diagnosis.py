@@ -66,12 +66,12 @@ def kept_batches_warning(waited: float, held: int, slot_count: int) -> str:
 def kept_batches_no_memory(held: int, copied: int) -> str:
     """Why the consumer stops when its kept batches cannot be copied privately."""
     return (
-        f"this consumer keeps {copied + held} batches (or pieces of them) alive: {copied} were "
-        f"copied privately already, and copying the {held} whose ring slots the producer "
-        "must refill now failed: out of memory (or of memory mappings: vm.max_map_count; "
-        "each kept batch takes one). Keep copies of the pieces instead, which free the ring "
-        "memory (x = batch['x'][:2].clone()), keep fewer batches, or use "
-        "TensorConsumer(copy=True)")
+        f"this consumer keeps {copied + held} batches (or pieces of them) alive: {copied} "
+        f"were copied privately already, and the {held} whose ring slots the producer must "
+        "refill now cannot be: no memory is left for their copies and a new mapping of the "
+        "ring (or no memory mapping: vm.max_map_count; each kept batch takes one or two). "
+        "Keep clones of the pieces you keep (batch['idx'][:2].clone()), which hold no ring "
+        "memory, keep fewer batches, or use TensorConsumer(copy=True)")
 
 
 def lagged(ring: Any, index: int, token: int) -> bool:

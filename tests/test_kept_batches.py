@@ -283,13 +283,27 @@ c.close()
 """
 
 
+def _produce_in_thread(producer):
+    """Run the producer's loop on a thread (it ends when the test closes the producer)."""
+    import threading
+
+    def run() -> None:
+        try:
+            for _ in producer:
+                pass
+        except Exception:  # closed by the test, or its consumer left
+            pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
 def test_a_kept_slice_keeps_only_its_own_pages(procs, name):
     """A 2-element slice kept of each batch of {"x": 1 MiB, "idx": 256 int64} keeps about
     a page of private memory per batch once its batch was copied privately, not the 1 MiB
     of the whole batch: only the pages of tensors still alive are copied, and the pages
     of a tensor go when it does."""
-    import threading
-
     import torch
 
     from tensorsocket import TensorProducer
@@ -299,8 +313,7 @@ def test_a_kept_slice_keeps_only_its_own_pages(procs, name):
               for i in range(batches)]
     producer = TensorProducer(loader, name=name, ring_slots=2, rubber_band=0, start_timeout=60)
     keeper = procs.script(KEEP_SLICES_MEMORY, name)
-    t = threading.Thread(target=lambda: [None for _ in producer], daemon=True)
-    t.start()
+    t = _produce_in_thread(producer)
     try:
         out = keeper.result(timeout=120)
     finally:
@@ -309,3 +322,47 @@ def test_a_kept_slice_keeps_only_its_own_pages(procs, name):
     assert out["ids"] == [i * 256 for i in range(batches)]
     assert out["copied"] >= batches - 12
     assert out["kib_per_slice"] < 64, out  # a whole batch is 1028 KiB
+
+
+KEEP_UNTIL_NO_MEMORY = r"""
+import json, resource, sys
+from tensorsocket import TensorConsumer
+
+def vm_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmSize"))
+
+c = TensorConsumer(name=sys.argv[1], timeout=60, batch_timeout=30)
+kept, error = [], None
+try:
+    for i, batch in enumerate(c):
+        kept.append(batch["idx"][:2])
+        if i == 0:  # room for a few pieces, none for another mapping of the 16 MiB ring
+            limit = (vm_kib() + 4096) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+except MemoryError as e:
+    error = str(e)
+print(json.dumps({"kept": len(kept), "error": error}), flush=True)
+"""
+
+
+def test_kept_batches_out_of_memory_is_a_clear_error(procs, name):
+    """Kept batches are bounded by memory only, and running out of it is a MemoryError
+    naming the cause and what to do, not a hang (address space limited with RLIMIT_AS)."""
+    import torch
+
+    from tensorsocket import TensorProducer
+
+    big = torch.zeros(2 * 1024 * 1024)  # 8 MiB per batch: a 16 MiB ring of 2 slots
+    loader = [{"x": big, "idx": torch.arange(i * 4, i * 4 + 4)} for i in range(20)]
+    producer = TensorProducer(loader, name=name, ring_slots=2, rubber_band=0, start_timeout=60)
+    keeper = procs.script(KEEP_UNTIL_NO_MEMORY, name)
+    t = _produce_in_thread(producer)
+    try:
+        out = keeper.result(timeout=120)
+    finally:
+        producer.close()
+        t.join(30)
+    assert out["error"] is not None, out
+    assert "no memory is left" in out["error"] and "TensorConsumer(copy=True)" in out["error"]
+    assert ".clone()" in out["error"]
