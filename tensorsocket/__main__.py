@@ -215,7 +215,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
             problems.append(str(e))
             value = config.UNSET
         text = os.environ.get(s.env, "").strip()
-        here = f"{text}  (set)" if value is not config.UNSET else \
+        here = f"{s.shown(text) if s.secret else text}  (set)" if value is not config.UNSET else \
             f"default: {s.default_text.replace('`', '')}"
         rows.append([s.env, f"{s.argument}=" if s.argument else "-", s.sides, here])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -355,7 +355,8 @@ class Setting:
     "share()" (the producer that share() starts).
     default: the value used when neither is given; default_text shows it in
     the table. accepts: what the environment variable accepts. meaning: one
-    line. kind: the values it takes (a Kind).
+    line. kind: the values it takes (a Kind). secret: its value is never shown (logs,
+    errors, `tensorsocket config`), only that it is set and how long it is.
     """
 
     key: str
@@ -367,12 +368,19 @@ class Setting:
     accepts: str
     meaning: str
     kind: Kind
+    secret: bool = False
 
     @property
     def none_is_value(self) -> bool:
         """An explicit ``None`` argument is a choice of its own (forever, lossless), not
         "not given"."""
         return self.kind.none is not None
+
+    def shown(self, value: Any) -> str:
+        """value as logs, errors and `tensorsocket config` may show it."""
+        if self.secret:
+            return f"<hidden, {len(str(value))} characters>"
+        return repr(value) if isinstance(value, str) else str(value)
 
     def parse(self, text: str) -> Any:
         """The value of the variable's text; ValueError with a short reason."""
@@ -387,7 +395,7 @@ class Setting:
             return self.kind.parse(text.strip())
         except ValueError as e:
             raise ValueError(
-                f"environment variable {self.env}={text!r} is not valid: it takes "
+                f"environment variable {self.env}={self.shown(text)} is not valid: it takes "
                 f"{self.accepts} ({e}); fix or unset it (see docs/configuration.md)"
             ) from None
 
@@ -400,8 +408,8 @@ class Setting:
             raise ArgumentTypeError(f"{self.argument}= {e}") from None
         except ValueError as e:
             raise ValueError(
-                f"{self.argument}={value!r} is not valid: it takes {self.kind.takes} ({e}), "
-                f"as its variable {self.env} does") from None
+                f"{self.argument}={self.shown(value)} is not valid: it takes "
+                f"{self.kind.takes} ({e}), as its variable {self.env} does") from None
 
     def given(self, value: Any) -> bool:
         """True if an argument value counts as given (it wins over the environment)."""
@@ -418,9 +426,9 @@ def _parse_name(text: str) -> str:
 
 
 def _parse_address(text: str) -> str:
-    if re.match(r"^ipc://.+", text) or re.match(r"^tcp://.+:\d+$", text):
-        return text
-    raise ValueError("not an ipc:// or tcp://HOST:PORT address")
+    from .endpoints import check_address
+
+    return check_address(text)
 
 
 def _parse_dir(text: str) -> str:
@@ -467,7 +475,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "writes it to `<runtime dir>/<name>.secret` (mode 0600) for consumers of its "
             "user; give both sides the same value where a consumer cannot read that file "
             "(another runtime directory, another container)",
-            Text(_parse_token)),
+            Text(_parse_token), secret=True),
     # -- consumer ----------------------------------------------------------------------
     Setting("timeout", "timeout", "TENSORSOCKET_TIMEOUT", "consumer", 60.0, "60",
             _TIMEOUT_ACCEPTS,
@@ -642,7 +650,8 @@ def describe_origins(origins: Mapping[str, str],
     """``VAR=value, ...`` of the environment variables in `origins` (setting key ->
     variable), for logs."""
     env = os.environ if environ is None else environ
-    return ", ".join(f"{var}={env.get(var, '')}" for var in origins.values())
+    return ", ".join(f"{SETTINGS[key].env}={SETTINGS[key].shown(env.get(SETTINGS[key].env, ''))}"
+                     for key in origins)
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:

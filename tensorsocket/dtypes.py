@@ -35,6 +35,10 @@ if hasattr(torch, "complex32"):
 
 _NUMPY_KINDS = {"b": _BOOL, "i": _INT, "u": _UINT, "f": _FLOAT, "c": _COMPLEX}
 
+# The DLPack dtypes a consumer's torch can import: a leaf of any other (numpy's longdouble
+# and clongdouble: 128 and 256 bits) is refused at the producer, not at every consumer.
+_CARRIED: frozenset[DLType] = frozenset(dl for dl, _ in _TORCH.values())
+
 
 def torch_leaf(t: torch.Tensor) -> tuple[Any, DLType]:
     """A buffer exporter for a CPU tensor and its DLPack dtype.
@@ -73,6 +77,9 @@ def torch_leaf(t: torch.Tensor) -> tuple[Any, DLType]:
 def numpy_leaf(a: np.ndarray) -> tuple[Any, DLType]:
     """The array itself (it exports a buffer) and its DLPack dtype."""
     code = _NUMPY_KINDS.get(a.dtype.kind)
-    if code is None or a.dtype.byteorder == ">":
-        raise TypeError(f"numpy arrays of dtype {a.dtype} are not supported")
-    return a, (code, a.dtype.itemsize * 8, 1)
+    dl = (code, a.dtype.itemsize * 8, 1) if code is not None else None
+    if dl not in _CARRIED or a.dtype.byteorder == ">":
+        raise TypeError(
+            f"numpy arrays of dtype {a.dtype} are not supported (torch, on the consumers' "
+            "side, has no such dtype: convert it, e.g. a.astype(np.float64))")
+    return a, dl

@@ -137,6 +137,30 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_port(port: int | str) -> int:
+    """port as an int, if it is a TCP port number (1..65535); else ValueError."""
+    try:
+        port_no = int(port)
+    except (TypeError, ValueError):
+        raise ValueError(f"port must be an integer, got {port!r}") from None
+    if not 0 < port_no < 65536:
+        raise ValueError(f"port {port_no} is outside 1..65535")
+    return port_no
+
+
+def check_address(address: str) -> str:
+    """address, if it is ipc://PATH or tcp://HOST:PORT with a port in 1..65535; else
+    ValueError saying what is wrong (a port out of range would not be refused by ZeroMQ:
+    tcp://HOST:99999 listened on a port of its own choosing)."""
+    if re.fullmatch(r"ipc://.+", address):
+        return address
+    tcp = re.fullmatch(r"tcp://(.+):(\d+)", address)
+    if tcp is None:
+        raise ValueError("not an ipc://PATH or tcp://HOST:PORT address")
+    check_port(tcp.group(2))
+    return address
+
+
 def resolve(
     name: str | None = None,
     port: int | str | None = None,
@@ -155,12 +179,7 @@ def resolve(
     """
     name = config.get("name", name)
     if port is not None:
-        try:
-            port_no = int(port)
-        except (TypeError, ValueError):
-            raise ValueError(f"port must be an integer, got {port!r}") from None
-        if not 0 < port_no < 65536:
-            raise ValueError(f"port {port_no} is outside 1..65535")
+        port_no = check_port(port)
         if address is not None:
             raise ValueError("give either port= or address=, not both")
         address = f"tcp://127.0.0.1:{port_no}"
@@ -168,6 +187,11 @@ def resolve(
             name = f"port{port_no}"
     else:
         address = config.get("address", address)
+        if address is not None:
+            try:
+                check_address(address)
+            except ValueError as e:
+                raise ValueError(f"address={address!r} is not valid: {e}") from None
     check_name(name)
     rdir = runtime_dir()
     if address is None:
@@ -179,8 +203,6 @@ def resolve(
         exposed = exposed_address_warning(address)
         if for_producer and exposed is not None:
             warnings.warn(f"tensorsocket {exposed}", stacklevel=3)
-    elif not address.startswith("ipc://"):
-        raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")
     return Endpoint(name=name, address=address, runtime_dir=rdir)
 
 

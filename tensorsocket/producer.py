@@ -24,6 +24,7 @@ from .errors import (
     GPUUnavailable,
     SharedMemoryTooSmall,
     TensorSocketError,
+    TensorSocketWarning,
 )
 from .gpu import parse_device
 from .loader_info import (
@@ -274,6 +275,7 @@ class TensorProducer:
         self._batches = 0
         self._encoder = Encoder()  # batch -> spec and leaves (keeps the last spec's bytes)
         self._used_up: Any = None  # the last iterator that yielded batches
+        self._warned_cut = False  # said once that len() cut an epoch of a longer loader
 
         name = given.get("name", name)
         if port is None:
@@ -552,6 +554,7 @@ class TensorProducer:
                 if limit is not None and index >= limit:
                     # len() says the epoch is over, yet the loader goes on (a loader that
                     # never stops, as the original TensorSocket's examples have): end it.
+                    self._warn_cut(source, limit)
                     break
                 meta, leaves = self._encode(batch)
                 if self._ring is None:
@@ -572,6 +575,21 @@ class TensorProducer:
             log.warning("epoch %d of the data loader yielded no batch; nothing was published",
                         self.epoch)
         self._end_epoch(index)
+
+    def _warn_cut(self, source: Any, limit: int) -> None:
+        """Say once that epochs of `source` end at its len() while it yields more."""
+        if self._warned_cut:
+            return
+        self._warned_cut = True
+        message = (
+            f"the data loader (a {type(source).__qualname__!r} object) has len() {limit} but "
+            f"yields more batches (a batch {limit + 1} came in epoch {self.epoch}): each "
+            f"epoch is cut at len() = {limit} batches, and the rest of what it yields is "
+            "never published. "
+            "Make __len__ return the number of batches one pass yields, or drop __len__ "
+            "for a loader that ends by itself (this is said once)")
+        log.warning("%s", message)
+        warnings.warn(message, TensorSocketWarning, stacklevel=4)
 
     def _used_up_message(self, source: Any) -> str:
         """Why an iterator cannot give a second epoch, and what to pass instead."""
@@ -796,9 +814,8 @@ def _failure_text(exc: BaseException) -> str | None:
                                           exc.code in (None, 0)):
         return None
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        where = frames[-1]
+    where = _raised_at(exc)
+    if where is not None:
         text += f" (raised at {os.path.basename(where.filename)}:{where.lineno} in " \
                 f"{where.name})"
     text = text.replace("\0", "?")
@@ -806,6 +823,22 @@ def _failure_text(exc: BaseException) -> str | None:
         head = FAILURE_CHARS // 4
         text = text[:head] + " [...] " + text[-(FAILURE_CHARS - head - 7):]
     return text
+
+
+def _raised_at(exc: BaseException) -> traceback.FrameSummary | None:
+    """The frame that raised exc, for the user: its traceback's last frame, unless that
+    one is this package's and exc was raised from a cause that reaches further (Python
+    turns a StopIteration leaking out of the loader's generator into a RuntimeError
+    raised at our loop over the loader, "from" the user's StopIteration)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    cause = exc.__cause__
+    if cause is not None and cause.__traceback__ is not None and \
+            (not frames or os.path.dirname(frames[-1].filename) == _PACKAGE_DIR):
+        return _raised_at(cause)
+    return frames[-1] if frames else None
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _wait_gpu_released(ring: Any, timeout: float | None) -> None:

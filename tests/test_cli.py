@@ -310,6 +310,25 @@ def test_config_flags_idle_timeout_0_and_an_address_other_machines_reach():
     assert local.returncode == 0 and "warning" not in local.stderr
 
 
+def test_config_never_shows_the_auth_token():
+    """`tensorsocket config` printed TENSORSOCKET_AUTH_TOKEN in clear (a shared terminal, a
+    pasted bug report); it shows only that it is set and its length, a bad one too, and
+    so do the logs that list the settings taken from the environment."""
+    from tensorsocket import config
+
+    token = "s3cret-" + "x" * 20
+    shown = cli("config", env={"TENSORSOCKET_AUTH_TOKEN": token})
+    assert shown.returncode == 0, shown.stderr
+    assert "s3cret" not in shown.stdout + shown.stderr
+    assert f"<hidden, {len(token)} characters>  (set)" in shown.stdout
+    bad = cli("config", env={"TENSORSOCKET_AUTH_TOKEN": "s3cret x"})
+    assert bad.returncode == 1 and "s3cret" not in bad.stdout + bad.stderr
+    assert "TENSORSOCKET_AUTH_TOKEN=<hidden, 8 characters> is not valid" in bad.stderr
+    logged = config.describe_origins({"auth_token": "TENSORSOCKET_AUTH_TOKEN"},
+                                     {"TENSORSOCKET_AUTH_TOKEN": token})
+    assert "s3cret" not in logged and "TENSORSOCKET_AUTH_TOKEN=<hidden" in logged
+
+
 def test_planted_files_in_dev_shm_are_not_taken_for_ours(name):
     """Anyone may create files in /dev/shm, under any name. Names no producer makes (a pid
     out of range or no number: status, top, clean and a producer of the name died of

@@ -179,6 +179,28 @@ def test_environment_warnings_flag_an_address_other_machines_reach():
     assert config.environment_warnings({}) == []
 
 
+def test_a_tcp_port_out_of_range_is_refused_from_the_environment_and_the_argument():
+    """TENSORSOCKET_ADDRESS=tcp://localhost:99999 was accepted and the producer listened on
+    a port of ZeroMQ's choosing (the port= argument refused 99999); the variable and the
+    address= argument now say what is wrong, as port= does."""
+    from tensorsocket import endpoints
+
+    for port in ("99999", "0", "65536"):
+        address = f"tcp://localhost:{port}"
+        (problem,) = config.check_environment({"TENSORSOCKET_ADDRESS": address})
+        assert f"TENSORSOCKET_ADDRESS={address!r} is not valid" in problem
+        assert f"port {int(port)} is outside 1..65535" in problem
+        with pytest.raises(ValueError, match=rf"address='{address}' is not valid: port "):
+            endpoints.resolve("x", address=address)
+        with pytest.raises(ValueError, match=f"port {int(port)} is outside 1..65535"):
+            endpoints.resolve("x", port=port)
+    with pytest.raises(ValueError, match="not an ipc://PATH or tcp://HOST:PORT"):
+        endpoints.resolve("x", address="udp://localhost:5555")
+    for address in ("tcp://localhost:1", "tcp://[::1]:65535", "ipc:///tmp/x.sock"):
+        assert config.check_environment({"TENSORSOCKET_ADDRESS": address}) == []
+        assert endpoints.resolve("x", address=address).address == address
+
+
 # -- the producer and consumer use it ------------------------------------------------------
 
 PRODUCER_ENV = {"TENSORSOCKET_RING_SLOTS": "6", "TENSORSOCKET_SLOT_BYTES": "1M",

@@ -27,6 +27,22 @@ def test_unsupported_leaf_raises_in_producer_with_path(name):
                 pass
 
 
+@pytest.mark.parametrize("dtype", ["longdouble", "clongdouble"])
+def test_a_leaf_dtype_torch_cannot_import_is_refused_by_the_producer(name, dtype):
+    """numpy's longdouble (float128 here) was published, and every consumer then failed in
+    torch ("Unsupported dtype in DLTensor"): the producer refuses it, naming the leaf."""
+    import numpy as np
+    leaf = np.zeros(3, dtype=getattr(np, dtype))
+    if leaf.dtype in (np.float64, np.complex128):
+        pytest.skip(f"{dtype} is {leaf.dtype} on this platform: torch carries it")
+    loader = [{"x": torch.zeros(2), "stat": leaf}]
+    with TensorProducer(loader, name=name, min_consumers=0) as p:
+        with pytest.raises(TypeError, match=rf"batch\['stat'\].*{leaf.dtype}.*astype"):
+            for _ in p:
+                pass
+        assert p.stats()["batches"] == 0
+
+
 def test_batch_bigger_than_slot_is_refused_and_loses_nothing(name):
     loader = [torch.zeros(1000), torch.zeros(10), torch.zeros(100_000)]
     got = []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from roles import SampleDataset, collate_with_tag, make_batch
-from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError
+from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError, TensorSocketWarning
 
 
 def _tuples(epoch: int, batches: int):
@@ -222,6 +222,31 @@ def test_reiterable_with_len_but_no_batch_size(name):
             assert next(its[0], None) is None and next(its[1], None) is None
     finally:
         run.finish()
+
+
+def test_a_loader_yielding_more_than_its_len_is_cut_with_a_warning(name):
+    """len() 4 of a loader that yields 8: each epoch is cut at len() (a loader that never
+    ends, as the original TensorSocket's examples have, must end its epochs), and the
+    producer says so once, naming the loader and both counts (it cut half the data
+    silently before)."""
+
+    class Short(StreamingDataset):
+        def __len__(self) -> int:
+            return self.batches // 2
+
+    producer = TensorProducer(Short(8), name=name, min_consumers=0)
+    try:
+        with pytest.warns(TensorSocketWarning) as caught:
+            published = [sum(1 for _ in producer) for _epoch in range(2)]
+    finally:
+        producer.close()
+    assert published == [4, 4]
+    (warning,) = [w for w in caught if "len()" in str(w.message)]
+    text = str(warning.message)
+    assert "'test_a_loader_yielding_more_than_its_len_is_cut_with_a_warning.<locals>.Short'" \
+        in text
+    assert "has len() 4 but yields more batches (a batch 5 came in epoch 0)" in text
+    assert "each epoch is cut at len() = 4 batches" in text
 
 
 def test_one_shot_iterator_cut_short_continues_then_fails_clearly(name):

@@ -29,6 +29,7 @@ from tensorsocket import (
 #   fail-mid    the loader raises after 5 batches
 #   stall       the loader never yields after 2 batches (the test kills the process)
 #   loop-fail   the code that runs the producer raises after 5 batches, in a with block
+#   stop-mid    the loader's generator lets a StopIteration out after 5 batches
 # The process ends by its error, uncaught, as a script does.
 PRODUCER = r"""
 import sys, time, torch
@@ -55,6 +56,8 @@ def batches():
     if mode == "block":
         until(lambda: False, "the test never killed the producer")
     for b in range(10):
+        if mode == "stop-mid" and b == 5:
+            next(iter([]))  # the user's line the error names
         if mode == "fail-mid" and b == 5:
             print(f"raising at {time.monotonic()}", flush=True)  # CLOCK_MONOTONIC
             raise RuntimeError("corrupt record in shard 5")
@@ -144,6 +147,7 @@ def test_producer_killed_before_its_first_batch(procs, name):
 @pytest.mark.parametrize("mode, cause", [
     ("fail-mid", "RuntimeError: corrupt record in shard 5"),
     ("loop-fail", "KeyError: 'label 7 has no class'"),
+    ("stop-mid", "RuntimeError: generator raised StopIteration"),
 ])
 def test_failure_mid_run_is_no_normal_end(procs, name, mode, cause):
     """The loader, or the loop that runs the producer, raises after 5 batches: the
@@ -159,10 +163,13 @@ def test_failure_mid_run_is_no_normal_end(procs, name, mode, cause):
                 epochs.append([])
                 for batch in c:
                     epochs[-1].append(int(batch[0]))
-    assert epochs == ([[0, 1, 2, 3, 4]] if mode == "fail-mid" else [[0, 1, 2, 3, 4], []])
+    assert epochs == ([[0, 1, 2, 3, 4]] if mode != "loop-fail" else [[0, 1, 2, 3, 4], []])
     assert not isinstance(e.value, ProducerFinished) and isinstance(e.value, ProducerGone)
     assert e.value.cause.startswith(cause + " (raised at ")
     assert f"failed: {cause}" in str(e.value) and "create a new TensorConsumer" in str(e.value)
+    # Where the user's code raised it (the script's batches(), not our loop over it).
+    assert e.value.cause.endswith(" in batches)" if mode != "loop-fail" else " in <module>)")
+    assert "producer.py" not in e.value.cause
     prod.communicate(timeout=60)
     assert prod.returncode == 1
 
