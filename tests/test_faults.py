@@ -243,6 +243,44 @@ def test_silent_consumer_keeps_its_batch_intact(procs, name, fault_table, short_
                     "its own data, its next next() raises ConsumerDetached saying why", left)
 
 
+def test_silent_consumer_killed_gives_its_batch_back(procs, name, fault_table, short_tmp):
+    """A consumer taken off for silence keeps the slot of its batch only while its process
+    lives: SIGKILLed then, its hold is released within a liveness check, and the slot
+    takes entries again."""
+    env = {"TENSORSOCKET_HEARTBEAT_TIMEOUT": "3"}
+    prod, pid = _tuple_producer(procs, name, "--batches", "1000", "--min-consumers", "2",
+                                "--slots", "4", env=env)
+    fifo = os.path.join(short_tmp, "resume")
+    os.mkfifo(fifo)
+    silent = procs.script(_SILENT_CONSUMER, name, "stop", fifo)
+    survivor = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.003")
+    procs.wait_ready(silent)
+    ring = _ring_of(name, pid)
+    try:
+        _wait_until(lambda: ring.info()["holes"] > 0 and all(
+            c["state"] != _core.CONSUMER_ACTIVE for c in ring.consumers()
+            if c["pid"] == silent.pid), 60)
+        assert any(c["pid"] == silent.pid for c in ring.consumers())  # it holds its slot
+        silent.kill()
+        took = _wait_until(lambda: all(c["pid"] != silent.pid for c in ring.consumers()), 5)
+        holes = ring.info()["holes"]
+        published = ring.info()["published"]
+        # A round of the ring later, no slot is skipped any more.
+        _wait_until(lambda: ring.info()["published"] >= published + 8, 60)
+        assert ring.info()["holes"] == holes
+    finally:
+        ring.close()
+    silent.wait()
+    r = procs.result(survivor)
+    assert r["errors"] == [] and r["epochs"] == [_batches(0, 0, 1000)]
+    procs.result(prod)
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("consumer SIGKILLed after it was taken off for silence, keeping a batch",
+                    f"{took:.2f} s (entry evicted, the slot of its batch released)",
+                    "every batch once, in order; the kept slot takes entries again", left)
+
+
 def test_producer_sigstopped_longer_than_heartbeat_timeout(procs, name, fault_table):
     """The producer's own pause is no silence of its consumers: their heartbeats wait in
     the socket while it is stopped, and none is evicted when it runs again."""
