@@ -114,13 +114,16 @@ static int ts_sleep(_Atomic uint32_t *word, uint32_t seen, uint64_t deadline)
     return ts_futex_wait(word, seen, until);
 }
 
-/* Clear bit in a slot's readers; wake the producer if the slot became free, or if it
- * waits at all: a slot whose other bits are holds of non-receivers may be skipped now. */
+/* Clear bit in a slot's readers; wake the producer if the slot became free, or if the bits
+ * left may all be holds of consumers that receive no more (none of them is in active_mask):
+ * then it may put a hole there (see ts_ring_publish). */
 static void ts_slot_drop(ts_header *h, ts_slot *s, uint64_t bit)
 {
     uint64_t old = atomic_fetch_and_explicit(&s->readers, ~bit, memory_order_acq_rel);
+    uint64_t rest = old & ~bit;
     if ((old & bit) != 0 &&
-        ((old & ~bit) == 0 || atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0))
+        (rest == 0 || (atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0 &&
+                       (rest & atomic_load_explicit(&h->active_mask, memory_order_seq_cst)) == 0)))
         ts_signal(&h->free_word, &h->free_waiters);
 }
 
