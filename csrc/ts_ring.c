@@ -1361,11 +1361,11 @@ static ts_status ts_detached_error(const ts_ring *ring, const ts_consumer *c, ts
             snprintf(said, sizeof said, "for %.3g s, longer than the producer's "
                      "heartbeat_timeout=%g s", (double)silent / 1e3, (double)limit / 1e3);
         return ts_err_set(err, TS_E_DETACHED, 0,
-                          "this consumer sent no heartbeat %s (its process was stopped, or "
-                          "a step held the GIL so that its heartbeat thread could not run), "
-                          "so the producer detached it and the others went on without it; "
-                          "the batches it holds were kept intact, but it receives no more. "
-                          "A consumer busy for that long needs a longer "
+                          "the producer detached this consumer when it had sent no heartbeat "
+                          "%s (its process was stopped, or a step held the GIL so that its "
+                          "heartbeat thread could not run), and the others went on without "
+                          "it; the batches it holds were kept intact, but it receives no "
+                          "more. A consumer busy for that long needs a longer "
                           "TensorProducer(heartbeat_timeout=) or "
                           "TENSORSOCKET_HEARTBEAT_TIMEOUT", said);
     }
