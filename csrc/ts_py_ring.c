@@ -358,6 +358,22 @@ static PyObject *Ring_retire(RingObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Ring.retire_silent(index, silent, limit): a consumer that sent no heartbeat for `silent`
+ * seconds, longer than `limit`, while its process lives; its held slots stay held. */
+static PyObject *Ring_retire_silent(RingObject *self, PyObject *args)
+{
+    unsigned int index;
+    double silent, limit;
+    if (!PyArg_ParseTuple(args, "Idd:retire_silent", &index, &silent, &limit)) return NULL;
+    if (!(silent >= 0 && limit >= 0 && silent < 1e12 && limit < 1e12)) {
+        PyErr_SetString(PyExc_ValueError, "retire_silent: silent and limit are seconds >= 0");
+        return NULL;
+    }
+    if (ts_role_check(self, 1) < 0) return NULL;
+    ts_ring_retire_silent(self->ring, index, (uint64_t)(silent * 1e3), (uint64_t)(limit * 1e3));
+    Py_RETURN_NONE;
+}
+
 /* Ring.evict(index, reason=REASON_DIED): a dead (or silent) consumer. */
 static PyObject *Ring_evict(RingObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -710,6 +726,7 @@ static const ts_py_field ts_ring_fields[] = {
     TS_RF(data_bytes, 'K'),      TS_RF(consumer, 'u'),           TS_RF(is_producer, 'i'),
     TS_RF(occupied, 'u'),        TS_RF(window, 'K'),             TS_RF(max_lag, 'K'),
     TS_RF(epoch_first_seq, 'K'), TS_RF(lag_detached, 'K'),       TS_RF(publish_wait_ns, 'K'),
+    TS_RF(holes, 'K'),
     TS_RF(host_writable, 'i'),   TS_RF(private_slots, 'u'),      TS_RF(newest_valid, 'b'),
     TS_RF(newest_epoch, 'K'),    TS_RF(newest_index, 'K'),       TS_RF(newest_bytes, 'K'),
     TS_RF(device_type, 'i'),     TS_RF(device_ordinal, 'i'),     TS_RF(device_uuid, 's'),
@@ -799,6 +816,8 @@ static PyMethodDef Ring_methods[] = {
     {"activate_group", (PyCFunction)Ring_activate_group, METH_VARARGS,
      "Start delivering to several consumers, all from the same entry."},
     {"retire", (PyCFunction)Ring_retire, METH_VARARGS, "A live consumer left."},
+    {"retire_silent", (PyCFunction)Ring_retire_silent, METH_VARARGS,
+     "A live consumer fell silent: retire it, keeping the slots it holds."},
     {"evict", (PyCFunction)(void (*)(void))Ring_evict, METH_VARARGS | METH_KEYWORDS,
      "A dead (or silent) consumer: drop its holds."},
     {"detach", (PyCFunction)Ring_detach, METH_VARARGS, "Take a live consumer off."},

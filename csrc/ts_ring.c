@@ -3,6 +3,7 @@
 #include "ts_ring.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -113,11 +114,17 @@ static int ts_sleep(_Atomic uint32_t *word, uint32_t seen, uint64_t deadline)
     return ts_futex_wait(word, seen, until);
 }
 
-/* Clear bit in a slot's readers; wake the producer if the slot became free. */
+/* Clear bit in a slot's readers; wake the producer if the slot became free, or if the bits
+ * left may all be holds of consumers that receive no more (none of them is in active_mask):
+ * then it may put a hole there (see ts_ring_publish). */
 static void ts_slot_drop(ts_header *h, ts_slot *s, uint64_t bit)
 {
     uint64_t old = atomic_fetch_and_explicit(&s->readers, ~bit, memory_order_acq_rel);
-    if ((old & bit) != 0 && (old & ~bit) == 0) ts_signal(&h->free_word, &h->free_waiters);
+    uint64_t rest = old & ~bit;
+    if ((old & bit) != 0 &&
+        (rest == 0 || (atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0 &&
+                       (rest & atomic_load_explicit(&h->active_mask, memory_order_seq_cst)) == 0)))
+        ts_signal(&h->free_word, &h->free_waiters);
 }
 
 /* A condition a waiter sleeps on. */
@@ -467,6 +474,8 @@ ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_
         atomic_store_explicit(&c->wait_ns, 0, memory_order_relaxed);
         atomic_store_explicit(&c->progress_ns, now, memory_order_relaxed);
         atomic_store_explicit(&c->awaiting, 0, memory_order_relaxed);
+        atomic_store_explicit(&c->silent_ms, 0, memory_order_relaxed);
+        atomic_store_explicit(&c->silent_limit_ms, 0, memory_order_relaxed);
         atomic_store_explicit(&c->state, TS_CONSUMER_PENDING, memory_order_release);
         *index = i;
         *token = c->token;
@@ -628,26 +637,58 @@ static void ts_stop_locked(ts_ring *ring, uint32_t index, uint32_t reason)
     }
 }
 
-/* A live consumer left: stop sending, drop its unread entries. */
-void ts_ring_retire(ts_ring *ring, uint32_t index)
+/* Stop consumer index (reason: if it was receiving) and let its entry go once no slot
+ * carries its bit (lock held). A detached one stopped already: the bits it still has are
+ * holds of entries it took, which a hole published since may carry at a later seq, so
+ * stopping it again would drop them. */
+static void ts_retire_locked(ts_ring *ring, uint32_t index, uint32_t reason)
 {
-    ts_header *h = ring->hdr;
-    if (index >= TS_MAX_CONSUMERS) return;
-    ts_consumer *c = &h->consumers[index];
-    pthread_mutex_lock(&ring->lock);
+    ts_consumer *c = &ring->hdr->consumers[index];
     uint32_t state = atomic_load_explicit(&c->state, memory_order_acquire);
-    if (state == TS_CONSUMER_ACTIVE || state == TS_CONSUMER_DETACHED) {
-        ts_stop_locked(ring, index,
-                       state == TS_CONSUMER_ACTIVE ? TS_REASON_LEFT : TS_REASON_NONE);
+    if (state == TS_CONSUMER_ACTIVE) ts_stop_locked(ring, index, reason);
+    if (state == TS_CONSUMER_ACTIVE || state == TS_CONSUMER_DETACHED)
         atomic_store_explicit(&c->state,
                               ts_ring_bit_in_use(ring, 1ULL << index) ? TS_CONSUMER_LEAVING
                                                                      : TS_CONSUMER_FREE,
                               memory_order_release);
-    } else if (state == TS_CONSUMER_PENDING) {
+    else if (state == TS_CONSUMER_PENDING)
         atomic_store_explicit(&c->state, TS_CONSUMER_FREE, memory_order_release);
-    }
-    pthread_mutex_unlock(&ring->lock);
+}
+
+/* Wake whoever should notice that a consumer stopped receiving: waiters for the roster,
+ * and the producer, which may skip the slots it holds now. */
+static void ts_signal_stopped(ts_header *h)
+{
     ts_signal(&h->roster_word, &h->roster_waiters);
+    ts_signal(&h->free_word, &h->free_waiters);
+}
+
+/* A live consumer left: stop sending, drop its unread entries. */
+void ts_ring_retire(ts_ring *ring, uint32_t index)
+{
+    if (index >= TS_MAX_CONSUMERS) return;
+    pthread_mutex_lock(&ring->lock);
+    ts_retire_locked(ring, index, TS_REASON_LEFT);
+    pthread_mutex_unlock(&ring->lock);
+    ts_signal_stopped(ring->hdr);
+}
+
+/* A consumer silent for too long: retired, its held slots kept (see ts_ring.h). */
+void ts_ring_retire_silent(ts_ring *ring, uint32_t index, uint64_t silent_ms,
+                           uint64_t limit_ms)
+{
+    if (index >= TS_MAX_CONSUMERS) return;
+    ts_consumer *c = &ring->hdr->consumers[index];
+    pthread_mutex_lock(&ring->lock);
+    if (atomic_load_explicit(&c->state, memory_order_acquire) == TS_CONSUMER_ACTIVE) {
+        /* Before the reason: an acquire that sees the reason sees them. */
+        atomic_store_explicit(&c->silent_ms, silent_ms, memory_order_relaxed);
+        atomic_store_explicit(&c->silent_limit_ms, limit_ms, memory_order_relaxed);
+    }
+    ts_retire_locked(ring, index, TS_REASON_SILENT);
+    pthread_mutex_unlock(&ring->lock);
+    ts_signal_stopped(ring->hdr);
+    ts_signal(&ring->hdr->pub_word, &ring->hdr->pub_waiters); /* wake it if it waits */
 }
 
 /* Take a live consumer off; the entry stays DETACHED until it retires. */
@@ -667,7 +708,7 @@ void ts_ring_detach(ts_ring *ring, uint32_t index, uint32_t reason)
     pthread_mutex_lock(&ring->lock);
     ts_detach_locked(ring, index, reason);
     pthread_mutex_unlock(&ring->lock);
-    ts_signal(&h->roster_word, &h->roster_waiters);
+    ts_signal_stopped(h);
     ts_signal(&h->pub_word, &h->pub_waiters); /* wake it if it waits for an entry */
 }
 
@@ -695,6 +736,7 @@ ts_status ts_ring_await_next_epoch(ts_ring *ring, uint32_t index, ts_err *err)
     for (uint64_t seq = cursor; seq < published; seq++) {
         const ts_slot *s = ts_ring_slot(ring, (uint32_t)(seq % h->slot_count));
         if (atomic_load_explicit(&s->seq, memory_order_acquire) == seq &&
+            !atomic_load_explicit(&s->hole, memory_order_relaxed) &&
             s->kind == TS_ENTRY_END_EPOCH) {
             next = seq + 1;
             marker_seen = 1;
@@ -855,19 +897,77 @@ static int ts_slot_is_free(const ts_ring *ring, const void *slot)
     return atomic_load_explicit(&((const ts_slot *)slot)->readers, memory_order_seq_cst) == 0;
 }
 
-/* Wait until the slot for the next entry has no readers. */
+/* Bits of the consumers that receive entries (state ACTIVE, those awaiting the next
+ * epoch included): the only ones whose bits the producer waits for. States change
+ * under the lock only: with it held the answer stays true until it is released. */
+static uint64_t ts_receiving(const ts_header *h)
+{
+    uint64_t bits = 0;
+    for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++)
+        if (atomic_load_explicit(&h->consumers[i].state, memory_order_acquire) ==
+            TS_CONSUMER_ACTIVE)
+            bits |= 1ULL << i;
+    return bits;
+}
+
+/* The slot may get a hole (see ts_ring.h): only consumers that receive no more hold it,
+ * and another slot is held by none of them, so that the producer, going on, gets to a
+ * slot it can fill (all kept: it waits). Exact with the lock held (consumers only clear
+ * bits, and no activation reaches the slot to fill next), a hint without. */
+static int ts_slot_skippable(const ts_ring *ring, const void *slot)
+{
+    const ts_header *h = ring->hdr;
+    uint64_t readers = atomic_load_explicit(&((const ts_slot *)slot)->readers,
+                                            memory_order_seq_cst);
+    if (readers == 0) return 0;
+    uint64_t receiving = ts_receiving(h);
+    if ((readers & receiving) != 0) return 0;
+    for (uint32_t i = 0; i < h->slot_count; i++)
+        if ((atomic_load_explicit(&ts_ring_slot(ring, i)->readers, memory_order_seq_cst) &
+             ~receiving) == 0)
+            return 1;
+    return 0;
+}
+
+/* The slot is free, or may get a hole. */
+static int ts_slot_usable(const ts_ring *ring, const void *slot)
+{
+    return ts_slot_is_free(ring, slot) || ts_slot_skippable(ring, slot);
+}
+
+/* Publish a hole at seq in slot s if it may still get one (the lock decides): the
+ * content kept there stays as it is; consumers that receive pass the hole. */
+static void ts_publish_hole(ts_ring *ring, ts_slot *s, uint64_t seq)
+{
+    ts_header *h = ring->hdr;
+    pthread_mutex_lock(&ring->lock);
+    int skip = ts_slot_skippable(ring, s);
+    if (skip) {
+        atomic_store_explicit(&s->hole, 1, memory_order_relaxed);
+        atomic_fetch_or_explicit(&s->readers,
+                                 atomic_load_explicit(&h->active_mask, memory_order_seq_cst),
+                                 memory_order_relaxed);
+        atomic_store_explicit(&s->seq, seq, memory_order_release);
+        atomic_store_explicit(&h->published, seq + 1, memory_order_seq_cst);
+        atomic_fetch_add_explicit(&h->holes, 1, memory_order_relaxed);
+    }
+    pthread_mutex_unlock(&ring->lock);
+    if (skip) ts_signal(&h->pub_word, &h->pub_waiters);
+}
+
+/* Wait until the slot for the next entry has no readers, or may get a hole. */
 static ts_status ts_wait_slot_free(ts_ring *ring, ts_slot *s, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
     ts_status st = TS_OK;
-    if (ts_slot_is_free(ring, s)) return TS_OK;
+    if (ts_slot_usable(ring, s)) return TS_OK;
     uint64_t t0 = ts_now_ns();
     for (;;) {
         /* A consumer behind by more than max_lag must not hold the others back:
          * look again after every slice, as the fastest one moves on meanwhile. */
         ts_detach_laggards(ring);
         uint64_t until = ts_now_ns() + TS_SLICE_NS;
-        st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_slot_is_free, s,
+        st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_slot_usable, s,
                          until < deadline ? until : deadline);
         if (st != TS_E_TIMEOUT || ts_now_ns() >= deadline) break;
     }
@@ -899,16 +999,24 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
                           "the batch needs %llu bytes but a slot holds %llu (slot_bytes)",
                           (unsigned long long)need, (unsigned long long)h->slot_bytes);
 
-    uint64_t seq = atomic_load_explicit(&h->published, memory_order_relaxed);
-    uint32_t k = (uint32_t)(seq % h->slot_count);
-    ts_slot *s = ts_ring_slot(ring, k);
-    st = ts_wait_slot_free(ring, s, deadline, err);
-    if (st != TS_OK) return st;
+    uint64_t seq;
+    uint32_t k;
+    ts_slot *s;
+    for (;;) { /* slots kept by consumers that receive no more get holes */
+        seq = atomic_load_explicit(&h->published, memory_order_relaxed);
+        k = (uint32_t)(seq % h->slot_count);
+        s = ts_ring_slot(ring, k);
+        st = ts_wait_slot_free(ring, s, deadline, err);
+        if (st != TS_OK) return st;
+        if (ts_slot_is_free(ring, s)) break;
+        ts_publish_hole(ring, s, seq);
+    }
     /* A device ring: earlier copies out of the slot's host data have finished. */
     if (ring->dev != NULL && (st = ring->dev->device->prepare(ring->dev, k, err)) != TS_OK)
         return st;
 
     atomic_store_explicit(&s->seq, TS_SEQ_NONE, memory_order_relaxed);
+    atomic_store_explicit(&s->hole, 0, memory_order_relaxed);
     uint64_t base = (uint64_t)k * h->slot_bytes, off = 0;
     for (uint32_t i = 0; i < n_leaves; i++) {
         const ts_src_leaf *l = &leaves[i];
@@ -1252,14 +1360,22 @@ static ts_status ts_detached_error(const ts_ring *ring, const ts_consumer *c, ts
                                                                    memory_order_relaxed));
     case TS_REASON_LEFT:
         return ts_err_set(err, TS_E_DETACHED, 0, "this consumer has left the ring");
-    case TS_REASON_SILENT:
+    case TS_REASON_SILENT: {
+        uint64_t silent = atomic_load_explicit(&c->silent_ms, memory_order_relaxed);
+        uint64_t limit = atomic_load_explicit(&c->silent_limit_ms, memory_order_relaxed);
+        char said[96] = "for longer than the producer's heartbeat_timeout";
+        if (limit > 0)
+            snprintf(said, sizeof said, "for %.3g s, longer than the producer's "
+                     "heartbeat_timeout=%g s", (double)silent / 1e3, (double)limit / 1e3);
         return ts_err_set(err, TS_E_DETACHED, 0,
-                          "this consumer sent no heartbeat for longer than the producer's "
-                          "heartbeat_timeout (its process was stopped, or its heartbeat "
-                          "thread could not run), so the producer evicted it and gave its "
-                          "batches to the others; a consumer busy for that long needs a "
-                          "longer TensorProducer(heartbeat_timeout=) or "
-                          "TENSORSOCKET_HEARTBEAT_TIMEOUT");
+                          "the producer detached this consumer when it had sent no heartbeat "
+                          "%s (its process was stopped, or a step held the GIL so that its "
+                          "heartbeat thread could not run), and the others went on without "
+                          "it; the batches it holds were kept intact, but it receives no "
+                          "more. A consumer busy for that long needs a longer "
+                          "TensorProducer(heartbeat_timeout=) or "
+                          "TENSORSOCKET_HEARTBEAT_TIMEOUT", said);
+    }
     default:
         return ts_err_set(err, TS_E_DETACHED, 0,
                           "this consumer was detached from the ring by the producer");
@@ -1303,6 +1419,14 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
                 return ts_err_set(err, TS_E_DETACHED, 0,
                                   "entry %llu was withdrawn from this consumer",
                                   (unsigned long long)cursor);
+            }
+            if (atomic_load_explicit(&s->hole, memory_order_relaxed)) {
+                /* No entry here (ts_ring_publish): pass it, unless detached meanwhile. */
+                if (atomic_compare_exchange_strong_explicit(&c->cursor, &cursor, cursor + 1,
+                                                            memory_order_seq_cst,
+                                                            memory_order_seq_cst))
+                    ts_slot_drop(h, s, bit);
+                continue;
             }
             /* Claim the entry; fails only if the producer detached us meanwhile.
              * Once claimed, our bit keeps the slot's content stable. */
@@ -1684,7 +1808,9 @@ static void ts_ring_newest(const ts_ring *ring, uint64_t published, ts_ring_info
     if (published == 0) return;
     uint64_t seq = published - 1;
     const ts_slot *s = ts_ring_slot(ring, (uint32_t)(seq % ring->hdr->slot_count));
-    if (atomic_load_explicit(&s->seq, memory_order_acquire) != seq) return;
+    if (atomic_load_explicit(&s->seq, memory_order_acquire) != seq ||
+        atomic_load_explicit(&s->hole, memory_order_relaxed))
+        return;
     /* Acquire loads (the fields are plain: GCC's builtins), so that the second read of seq
      * cannot move before them (an acquire fence would do, but ThreadSanitizer lacks it). */
     uint64_t epoch = __atomic_load_n(&s->epoch, __ATOMIC_ACQUIRE);
@@ -1727,6 +1853,7 @@ void ts_ring_snapshot(const ts_ring *ring, ts_ring_info *out)
     out->epoch_first_seq = atomic_load_explicit(&h->epoch_first_seq, memory_order_relaxed);
     out->lag_detached = atomic_load_explicit(&h->lag_detached, memory_order_relaxed);
     out->publish_wait_ns = atomic_load_explicit(&h->publish_wait_ns, memory_order_relaxed);
+    out->holes = atomic_load_explicit(&h->holes, memory_order_relaxed);
     out->host_writable = ts_ring_host_writable(ring);
     out->private_slots = ts_fault_private_slots(&ring->cow);
     ts_ring_newest(ring, atomic_load_explicit(&h->published, memory_order_acquire), out);

@@ -29,6 +29,12 @@
  *    the fastest consumer is detached when the producer publishes or waits for
  *    a slot (its unread entries are dropped; slots it holds views of stay held
  *    until the views die).
+ *  - Holes: a slot whose bits all belong to consumers that receive no more
+ *    (detached, left, or taken off as silent: their live views still read it)
+ *    is never written; the producer publishes a hole there instead (the seq,
+ *    no entry: the descriptor's other fields stay those of the content kept),
+ *    which receiving consumers pass without taking, and goes on with the next
+ *    slot. Only if every slot is kept so does the producer wait.
  */
 #ifndef TS_RING_H
 #define TS_RING_H
@@ -45,7 +51,7 @@
 #include "ts_fault.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
-#define TS_LAYOUT_VERSION 4
+#define TS_LAYOUT_VERSION 5
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_SLOTS 4096 /* most slots a ring holds */
 #define TS_MAX_NDIM 16
@@ -101,6 +107,7 @@ typedef struct ts_slot {
     uint64_t used_bytes; /* bytes of data used, leaves and meta */
     uint64_t meta_offset; /* structure blob (opaque to C) */
     uint64_t meta_bytes;
+    _Atomic uint32_t hole; /* 1: seq is a hole (no entry; the content is someone's kept one) */
     ts_leaf leaves[];
 } ts_slot;
 
@@ -121,6 +128,8 @@ typedef struct ts_consumer {
     _Atomic uint64_t progress_ns;  /* CLOCK_MONOTONIC of the last acquire */
     _Atomic uint32_t awaiting;     /* 1: skips the rest of the producer's epoch; receives
                                     * again from the next one's first entry */
+    _Atomic uint64_t silent_ms;    /* TS_REASON_SILENT: how long it had sent no heartbeat */
+    _Atomic uint64_t silent_limit_ms; /* ... longer than this limit of the producer's */
 } ts_consumer;
 
 /* A process that maps a device ring's pool (ts_ring_import_device). The producer
@@ -168,6 +177,7 @@ typedef struct ts_header {
     _Atomic uint64_t max_lag;      /* detach consumers further behind (0: never) */
     _Atomic uint64_t lag_detached; /* consumers detached for lagging */
     _Atomic uint64_t publish_wait_ns; /* producer time asleep waiting for free slots */
+    _Atomic uint64_t holes;        /* holes published: slots skipped, kept by non-receivers */
 
     ts_consumer consumers[TS_MAX_CONSUMERS];
     ts_importer importers[TS_MAX_CONSUMERS]; /* CUDA rings: who maps the device pool */
@@ -287,6 +297,7 @@ typedef struct ts_ring_info {
     uint64_t epoch_first_seq;
     uint64_t lag_detached;
     uint64_t publish_wait_ns;
+    uint64_t holes;             /* holes published (slots skipped, see Holes) */
     int host_writable;          /* ts_ring_host_writable */
     uint32_t private_slots;     /* slots this handle made private by writing (ts_fault.h) */
     int newest_valid;           /* the newest entry was read whole (not overwritten meanwhile) */
@@ -393,6 +404,14 @@ ts_status ts_ring_activate_group(ts_ring *ring, const uint32_t *indices, uint32_
 /* A live consumer left: stop sending, drop its unread entries. Slots it still
  * holds views of stay held until those views are freed. */
 void ts_ring_retire(ts_ring *ring, uint32_t index);
+
+/* A consumer whose process lives but that sent no heartbeat for silent_ms, longer than
+ * limit_ms (stopped, or its heartbeat thread could not run): retired as for leaving, so
+ * that nobody waits for it, with reason TS_REASON_SILENT (its next acquire says so). The
+ * slots it holds views of stay held (the producer skips them, see Holes) until it frees
+ * those views or is evicted as dead. One detached before just retires (its reason stays). */
+void ts_ring_retire_silent(ts_ring *ring, uint32_t index, uint64_t silent_ms,
+                           uint64_t limit_ms);
 
 /* Take a live consumer off (reason TS_REASON_*): like retire, but the entry
  * stays DETACHED (not reusable) until the consumer retires or is evicted. */

@@ -514,9 +514,10 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("heartbeat_timeout", "heartbeat_timeout", "TENSORSOCKET_HEARTBEAT_TIMEOUT",
             "producer", 30.0, "30",
             f"seconds >= {MIN_HEARTBEAT_TIMEOUT:g}, or `none` (never evict)",
-            "seconds without a heartbeat after which the producer evicts a consumer whose "
-            "process lives on (stopped, hung) and gives its batches to the others; consumers "
-            "send one every second from a thread, through long training steps too",
+            "seconds without a heartbeat after which the producer takes off a consumer whose "
+            "process lives on (stopped, or a step holding the GIL), so that the others go on "
+            "(the batches it holds stay intact); consumers send one every second from a "
+            "Python thread, through long training steps too unless one holds the GIL",
             Seconds(MIN_HEARTBEAT_TIMEOUT, none="never evict",
                     why_minimum="consumers heartbeat every second")),
     Setting("publish_timeout", "publish_timeout", "TENSORSOCKET_PUBLISH_TIMEOUT", "producer",

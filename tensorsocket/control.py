@@ -494,22 +494,26 @@ class ControlServer:
             now - peer.last_seen > self.heartbeat_timeout
 
     def _evict_silent(self, ring: Any, ident: bytes, peer: _Peer, now: float) -> None:
-        """Evict a consumer whose process lives on but sends nothing (stopped, hung, or
-        a client that said hello and went quiet): it reads nothing either, so the others
-        would wait for it for ever. Its slots are released, even those it holds, which
-        the producer may then overwrite: if it ever runs again, its next batch request
-        raises ConsumerDetached, saying why."""
+        """Take off a consumer whose process lives on but sends nothing (stopped, a step
+        holding the GIL, or a client that said hello and went quiet): it reads nothing
+        either, so the others would wait for it for ever. It stops receiving (nobody waits
+        for it), but the slots it holds stay held while its process lives: it may run
+        again and read the batches it kept, which must not be overwritten (the producer
+        skips those slots). Its next batch request raises ConsumerDetached, saying why;
+        once it exits, its entry and holds go as a left consumer's do (_check_peers)."""
         with self._lock:
             self._peers.pop(ident, None)
+        silent = now - peer.last_seen
         entry = ring.consumer(peer.index)
-        if entry["token"] == peer.token and entry["state"] != _core.CONSUMER_FREE:
-            ring.evict(peer.index, _core.REASON_SILENT)
+        if entry["token"] == peer.token:
+            ring.retire_silent(peer.index, silent, self.heartbeat_timeout)
         log.warning(
             "consumer %d (pid %d) sent no heartbeat for %.0f s, though its process lives (it "
-            "is stopped or hung); it was evicted and its slots released, so the others go on. "
-            "A consumer that is busy for that long needs a longer "
+            "is stopped, or a step holds the GIL); it was taken off so that the others go on "
+            "(the batches it holds stay intact: their slots are skipped until it frees them "
+            "or exits). A consumer that is busy for that long needs a longer "
             "TensorProducer(heartbeat_timeout=) or TENSORSOCKET_HEARTBEAT_TIMEOUT",
-            peer.index, peer.pid, now - peer.last_seen)
+            peer.index, peer.pid, silent)
 
     def _check_held(self, ring: Any, now: float) -> None:
         """Warn once when the producer has not published for HELD_WARN_AFTER seconds and

@@ -86,14 +86,18 @@ def lagged(ring: Any, index: int, token: int) -> bool:
 def next_slot_holders(ring: Any, info: dict) -> list[dict]:
     """The consumers (table entries) that read the entry in the slot the producer must
     reuse next and still hold it (keep its batch alive); empty if the slot is free or only
-    unread (a slow consumer: lag, not a kept batch)."""
+    unread (a slow consumer: lag, not a kept batch). A consumer that receives no more
+    (detached, left, taken off as silent) only holds: its slot may keep an older batch
+    than the ring's last round (the producer put holes there), and it waits only when
+    every slot is kept so."""
     published, slots = info["published"], info["slot_count"]
     readers = ring.slot_readers()[published % slots] if published >= slots else 0
     if readers == 0:
         return []
     entry_seq = published - slots  # the entry in the slot to reuse
     return [e for e in ring.consumers() if readers >> e["index"] & 1
-            and e["cursor"] is not None and entry_seq < e["cursor"]]
+            and e["cursor"] is not None
+            and (entry_seq < e["cursor"] or e["state"] != _core.CONSUMER_ACTIVE)]
 
 
 def kept_slot_warning(waited: float, holders: list[dict]) -> str:

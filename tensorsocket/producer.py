@@ -134,9 +134,10 @@ class TensorProducer:
         batches wait for it, so that jobs alternating loaders read the same
         epochs; after that its place is given up and it starts at a later epoch.
       heartbeat_timeout: seconds without a heartbeat after which a consumer whose
-        process lives on (stopped, hung) is evicted and its batches go to the
-        others (default 30; None: never) (env). Consumers heartbeat every second
-        from a thread of their own, through long training steps too.
+        process lives on (stopped, or a step holding the GIL) is taken off, so that
+        the others go on; the batches it holds stay intact (default 30; None: never)
+        (env). Consumers heartbeat every second from a Python thread of their own,
+        through long training steps too unless a step holds the GIL that long.
       auth_token: the secret a consumer must present on a TCP address (``port=``
         or ``address="tcp://..."``) (env). Default: a random one. Either way it
         is written to ``<runtime dir>/<name>.secret`` (mode 0600, removed at
@@ -714,7 +715,10 @@ class TensorProducer:
         (one copy per batch, whatever the number of consumers); wait_seconds:
         time spent waiting for a free slot (the slowest consumer's pace);
         consumer_wait_seconds: time spent waiting for min_consumers; occupied:
-        slots some consumer still has to read or still holds; consumer_table:
+        slots some consumer still has to read or still holds; skipped_slots: times
+        the producer went past a slot kept by a consumer that receives no more (taken
+        off as silent, detached or gone while its batches live: never overwritten, see
+        docs/failures.md), publishing a hole there; consumer_table:
         per consumer, its lag in ring entries (batches plus one end marker per
         epoch) behind the producer, entries and bytes delivered, and the time
         it spent waiting for batches; rejected_messages: malformed control
@@ -752,6 +756,7 @@ class TensorProducer:
             "window": self.window,
             "max_lag": self.max_lag,
             "lag_detached": info.get("lag_detached", 0),
+            "skipped_slots": info.get("holes", 0),
             "rejected_messages": self._server.rejected,
             "consumer_table": table,
         }

@@ -132,7 +132,8 @@ def test_consumer_sigstopped_is_detached_by_the_lag_policy(procs, name, fault_ta
 
 def test_consumer_sigstopped_without_max_lag_is_evicted(procs, name, fault_table):
     """Lossless (no max_lag): a stopped consumer's heartbeats stop, and after
-    heartbeat_timeout it is evicted, so the others stop waiting for it."""
+    heartbeat_timeout it is taken off, so the others stop waiting for it (a batch it holds
+    stays held: test_silent_consumer_keeps_its_batch_intact)."""
     env = {"TENSORSOCKET_HEARTBEAT_TIMEOUT": "3"}
     prod, pid = _tuple_producer(procs, name, "--batches", "80", "--min-consumers", "2", env=env)
     stopped = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.01")
@@ -142,7 +143,8 @@ def test_consumer_sigstopped_without_max_lag_is_evicted(procs, name, fault_table
         _wait_until(lambda: any(c["pid"] == stopped.pid and c["delivered"] >= 3
                                 for c in ring.consumers()), 30)
         os.kill(stopped.pid, signal.SIGSTOP)
-        took = _wait_until(lambda: all(c["pid"] != stopped.pid for c in ring.consumers()),
+        took = _wait_until(lambda: all(c["state"] != _core.CONSUMER_ACTIVE
+                                       for c in ring.consumers() if c["pid"] == stopped.pid),
                            30)
     finally:
         ring.close()
@@ -156,10 +158,127 @@ def test_consumer_sigstopped_without_max_lag_is_evicted(procs, name, fault_table
     left = _left_behind(name)
     assert left == "nothing"
     fault_table.add("consumer SIGSTOPped (no max_lag, heartbeat_timeout=3)",
-                    f"{took:.2f} s (evicted: no heartbeat for heartbeat_timeout; its slots "
-                    "released)",
+                    f"{took:.2f} s (taken off: no heartbeat for heartbeat_timeout; its unread "
+                    "entries dropped, a batch it holds stays held)",
                     "every batch once, in order, after a pause; the stopped one gets "
                     "ConsumerDetached naming heartbeat_timeout on SIGCONT", left)
+
+
+# A consumer that keeps batch 10 and then falls silent: SIGSTOPped by itself ("stop"), or
+# holding the GIL in a C call ("gil": a read() through ctypes.PyDLL, which keeps the GIL,
+# until the test writes to the FIFO), so that its heartbeat thread cannot run. Prints the
+# batch's content before and after the silence, and what its next next() said.
+_SILENT_CONSUMER = """
+import ctypes, os, signal, sys
+from tensorsocket import TensorConsumer
+from tensorsocket.harness import emit
+name, how, fifo = sys.argv[1:4]
+fd = os.open(fifo, os.O_RDWR)  # never blocks; the test's write ends the read below
+c = TensorConsumer(name=name, timeout=60, batch_timeout=60)
+it = iter(c)
+for _ in range(10):
+    next(it)
+held = next(it)  # batch 10, kept while silent
+before = held[1].tolist()
+emit({"ready": True, "before": before})
+if how == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)
+else:
+    ctypes.PyDLL(None).read(fd, ctypes.create_string_buffer(1), 1)
+after = held[1].tolist()
+try:
+    next(it)
+    outcome = "next() returned a batch"
+except Exception as e:
+    outcome = f"{type(e).__name__}: {e}"
+emit({"before": before, "after": after, "outcome": outcome})
+"""
+
+
+@pytest.mark.parametrize("how", ["stop", "gil"])
+def test_silent_consumer_keeps_its_batch_intact(procs, name, fault_table, short_tmp, how):
+    """A consumer silent for longer than heartbeat_timeout (SIGSTOPped, or a step holding
+    the GIL) while it keeps batch 10: the producer detaches it, so that the other consumer
+    goes on through many batches, but the slot of its batch is never reused while its
+    process lives: after the silence the batch still reads 10, and its next next() says
+    why it was detached."""
+    env = {"TENSORSOCKET_HEARTBEAT_TIMEOUT": "3"}
+    prod, pid = _tuple_producer(procs, name, "--batches", "200", "--min-consumers", "2",
+                                "--slots", "4", env=env)
+    fifo = os.path.join(short_tmp, "resume")
+    os.mkfifo(fifo)
+    silent = procs.script(_SILENT_CONSUMER, name, how, fifo)
+    survivor = procs.start("consumer", "--name", name, "--kind", "tuple")
+    assert procs.wait_ready(silent)["before"] == [10] * 4
+    ring = _ring_of(name, pid)
+    try:
+        # Detached (not receiving), and the producer went round its 4 slots many times.
+        took = _wait_until(lambda: ring.info()["published"] >= 60 and all(
+            c["state"] != _core.CONSUMER_ACTIVE for c in ring.consumers()
+            if c["pid"] == silent.pid), 60)
+    finally:
+        ring.close()
+        if how == "stop":
+            os.kill(silent.pid, signal.SIGCONT)
+        try:  # ends the GIL-holding read (the consumer has the FIFO open if it got there)
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b"x")
+            os.close(fd)
+        except OSError:
+            pass
+    out = procs.result(silent)
+    assert out["after"] == out["before"], f"the kept batch 10 now reads {out['after']}"
+    assert out["outcome"].startswith("ConsumerDetached") and \
+        "heartbeat_timeout=3" in out["outcome"] and "intact" in out["outcome"], out["outcome"]
+    r = procs.result(survivor)
+    assert r["errors"] == [] and r["epochs"] == [_batches(0, 0, 200)]
+    procs.result(prod)
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault = "SIGSTOPped" if how == "stop" else "holding the GIL (a long C call)"
+    fault_table.add(f"consumer {fault} while keeping a batch (heartbeat_timeout=3)",
+                    f"{took:.2f} s (detached: no heartbeat for heartbeat_timeout; the slot "
+                    "of its kept batch stays held while its process lives)",
+                    "every batch once, in order; the silent one's kept batch still reads "
+                    "its own data, its next next() raises ConsumerDetached saying why", left)
+
+
+def test_silent_consumer_killed_gives_its_batch_back(procs, name, fault_table, short_tmp):
+    """A consumer taken off for silence keeps the slot of its batch only while its process
+    lives: SIGKILLed then, its hold is released within a liveness check, and the slot
+    takes entries again."""
+    env = {"TENSORSOCKET_HEARTBEAT_TIMEOUT": "3"}
+    prod, pid = _tuple_producer(procs, name, "--batches", "1000", "--min-consumers", "2",
+                                "--slots", "4", env=env)
+    fifo = os.path.join(short_tmp, "resume")
+    os.mkfifo(fifo)
+    silent = procs.script(_SILENT_CONSUMER, name, "stop", fifo)
+    survivor = procs.start("consumer", "--name", name, "--kind", "tuple", "--delay", "0.003")
+    procs.wait_ready(silent)
+    ring = _ring_of(name, pid)
+    try:
+        _wait_until(lambda: ring.info()["holes"] > 0 and all(
+            c["state"] != _core.CONSUMER_ACTIVE for c in ring.consumers()
+            if c["pid"] == silent.pid), 60)
+        assert any(c["pid"] == silent.pid for c in ring.consumers())  # it holds its slot
+        silent.kill()
+        took = _wait_until(lambda: all(c["pid"] != silent.pid for c in ring.consumers()), 5)
+        holes = ring.info()["holes"]
+        published = ring.info()["published"]
+        # A round of the ring later, no slot is skipped any more.
+        _wait_until(lambda: ring.info()["published"] >= published + 8, 60)
+        assert ring.info()["holes"] == holes
+    finally:
+        ring.close()
+    silent.wait()
+    r = procs.result(survivor)
+    assert r["errors"] == [] and r["epochs"] == [_batches(0, 0, 1000)]
+    procs.result(prod)
+    left = _left_behind(name)
+    assert left == "nothing"
+    fault_table.add("consumer SIGKILLed after it was taken off for silence, keeping a batch",
+                    f"{took:.2f} s (entry evicted, the slot of its batch released)",
+                    "every batch once, in order; the kept slot takes entries again", left)
 
 
 def test_producer_sigstopped_longer_than_heartbeat_timeout(procs, name, fault_table):
