@@ -20,6 +20,7 @@ REASON_LEFT: int
 REASON_LAGGED: int
 REASON_DIED: int
 REASON_SILENT: int
+REASON_UNREAD: int
 RING_OPEN: int
 RING_FINISHED: int
 
@@ -119,7 +120,7 @@ class Ring:
     def activate_group(self, indices: Sequence[int], align: bool = False,
                        start: int | None = None) -> int: ...
     def retire(self, index: int) -> None: ...
-    def detach(self, index: int) -> None: ...
+    def detach(self, index: int, reason: int = ...) -> None: ...
     def evict(self, index: int, reason: int = ...) -> None: ...
     def publish(
         self,
