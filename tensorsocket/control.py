@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
 from . import _core, config, diagnosis, protocol
-from .auth import ClientSecret, Gate
+from .auth import ClientSecret, Gate, is_nonce, new_nonce
 from .errors import (
     AuthenticationError,
     ProducerFailed,
@@ -42,6 +44,23 @@ LAG_WARN_AFTER = 10.0  # seconds a consumer may hold the others back before a wa
 HELD_WARN_AFTER = 30.0  # seconds the producer may wait for a slot a consumer read and keeps
 FAREWELL_LINGER_MS = 1000  # how long a closing server tries to deliver its farewells
 REFUSAL_WARNINGS = 3  # refused hellos logged as warnings; later ones at debug level
+# A peer's flood must not starve the server's own checks: it handles at most
+# MESSAGES_PER_TURN messages per turn of its loop, and pauses FLOOD_PAUSE seconds after
+# a turn that had more (libzmq then holds the rest, and TCP slows the sender), so it
+# reads at most MESSAGES_PER_TURN / FLOOD_PAUSE messages a second; it takes them from
+# every connection in turn, so a consumer's heartbeat waits for one turn at most.
+MESSAGES_PER_TURN = 100
+FLOOD_PAUSE = 0.02
+# Error replies to a connection that is no consumer: REFUSAL_BURST at once, then
+# REFUSAL_RATE a second; the others are dropped unanswered (counted in .dropped).
+REFUSAL_RATE = 5.0
+REFUSAL_BURST = 10.0
+REFUSAL_PEERS = 4096  # connections whose refusals are counted (the oldest go first)
+HANDSHAKE_IVL_MS = 5000  # libzmq closes a connection that has not greeted by then
+# A consumer that has read no batch at all since it started, while the others wait for
+# it (it is the whole ring behind), is detached after this (None: never). A consumer
+# that read and then stops is waited for (lossless) until max_lag or heartbeat_timeout.
+UNREAD_TIMEOUT: float | None = 300.0
 
 
 @dataclass
@@ -64,6 +83,8 @@ class _Peer:
     rank: int = 0
     ready_align: bool | None = None  # a rank's "ready", held until its group is complete
     held_until: float | None = None  # parked with its place in the ring kept until then
+    start_seq: int | None = None  # its first entry, once started
+    unread_since: float | None = None  # holding the others back having read nothing
 
 
 class ControlServer:
@@ -95,6 +116,9 @@ class ControlServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        if not address.startswith("ipc://"):
+            _raise_fd_limit()
         try:
             self._sock.bind(address)
         except zmq.ZMQError as e:
@@ -111,6 +135,8 @@ class ControlServer:
         self._farewell: tuple[str, str] | None = None  # see close()
         self.rejected = 0  # malformed messages seen
         self.refused = 0  # hellos not admitted (tensorsocket.auth)
+        self.dropped = 0  # error replies not sent: the peer was refused too often
+        self._refusals: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # (allowance, at)
         self._held: tuple[int, float, bool] = (-1, 0.0, False)  # (published, since, warned)
         self._handlers = {"ready": self._ready,
                           "heartbeat": self._heartbeat, "bye": self._bye,
@@ -127,8 +153,8 @@ class ControlServer:
         last = time.monotonic()
         try:
             while not self._stop.is_set():
-                if poller.poll(100):
-                    self._drain()
+                if poller.poll(100) and self._drain(MESSAGES_PER_TURN):
+                    self._stop.wait(FLOOD_PAUSE)  # more are waiting: a flood (see above)
                 now = time.monotonic()
                 if now - last > HEARTBEAT_INTERVAL:
                     self._excuse(now - last, now)
@@ -139,6 +165,7 @@ class ControlServer:
                         self._answer(ident, msg)
                 if now >= next_check:
                     next_check = now + LIVENESS_INTERVAL
+                    self._gate.forget(now)
                     self._check_peers(now)
         except Exception:  # the thread must never die silently
             log.exception("tensorsocket control thread failed")
@@ -170,13 +197,16 @@ class ControlServer:
             for peer in self._peers.values():
                 peer.last_seen = min(now, peer.last_seen + gap)
 
-    def _drain(self) -> None:
-        """Handle every message waiting on the socket."""
-        while True:
+    def _drain(self, budget: int | None = None) -> bool:
+        """Handle the messages waiting on the socket, `budget` of them at most (None:
+        all); whether some were left waiting."""
+        while budget is None or budget > 0:
+            if budget is not None:
+                budget -= 1
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return False
             if len(frames) != 2:
                 self.rejected += 1
                 continue
@@ -191,6 +221,9 @@ class ControlServer:
                     self._send(ident, "error", code="version", message=_version_message(version))
                 else:
                     self._send(ident, "error", code="protocol", message=str(e))
+                continue
+            if msg.kind == "challenge":
+                self._challenge(ident, msg)
                 continue
             if msg.kind in protocol.ADMISSIONS:
                 self._admit(ident, msg, frames[1])
@@ -209,14 +242,30 @@ class ControlServer:
                             type(e).__name__, e)
                 self._send(ident, "error", code="protocol",
                            message=f"{msg.kind} failed: {type(e).__name__}")
+        return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _send(self, ident: bytes, kind: str, **fields: Any) -> None:
         if kind == "error":
+            if ident not in self._peers and not self._may_refuse(ident):
+                self.dropped += 1
+                return
             fields["message"] = fields["message"][:MAX_ERROR_CHARS]
         try:
             self._sock.send_multipart([ident, protocol.encode(kind, **fields)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the peer is gone or its queue is full: it will time out
+
+    def _may_refuse(self, ident: bytes) -> bool:
+        """Whether an error reply to `ident`, no consumer, is within its allowance
+        (REFUSAL_BURST, refilled at REFUSAL_RATE a second): a flood of refused messages
+        gets a few answers, then none, each costing no more than its reading."""
+        now = time.monotonic()
+        allowance, at = self._refusals.pop(ident, (REFUSAL_BURST, now))
+        allowance = min(REFUSAL_BURST, allowance + (now - at) * REFUSAL_RATE)
+        self._refusals[ident] = (allowance - 1, now)
+        while len(self._refusals) > REFUSAL_PEERS:
+            self._refusals.popitem(last=False)
+        return allowance >= 1
 
     def _peer(self, ident: bytes, msg: protocol.Message) -> _Peer | None:
         """The peer this message claims to be, if it really is that peer."""
@@ -229,6 +278,20 @@ class ControlServer:
         return peer
 
     # -- messages ----------------------------------------------------------------
+
+    def _challenge(self, ident: bytes, msg: protocol.Message) -> None:
+        """A consumer's challenge, before its hello: answered with this producer's own
+        nonce and its proof that it knows the secret (tensorsocket.auth)."""
+        if msg.protocol != protocol.PROTOCOL_VERSION:
+            self.rejected += 1
+            self._send(ident, "error", code="version", message=_version_message(msg.protocol))
+            return
+        if not is_nonce(msg.nonce):
+            self.rejected += 1
+            self._send(ident, "error", code="protocol", message="challenge with a bad nonce")
+            return
+        nonce, proof = self._gate.challenge(ident, msg.nonce)
+        self._send(ident, "proof", nonce=nonce, mac=proof)
 
     def _admit(self, ident: bytes, msg: protocol.Message, frame: zmq.Frame) -> None:
         """A hello (or an info): answered if it is well formed, of this protocol version
@@ -245,7 +308,7 @@ class ControlServer:
                         msg.pid, msg.protocol, protocol.PROTOCOL_VERSION)
             self._send(ident, "error", code="version", message=_version_message(msg.protocol))
             return
-        refusal = self._gate.refusal(frame, msg)
+        refusal = self._gate.refusal(ident, frame, msg)
         if refusal is not None:
             self.rejected += 1
             self.refused += 1
@@ -320,6 +383,7 @@ class ControlServer:
         """The consumer receives entries from `start` on: tell it."""
         ring = self._ring()
         peer.active = True
+        peer.start_seq = start
         peer.last_seen = time.monotonic()  # its heartbeats start now (a rank waited for its group)
         self._restart_holds(time.monotonic())
         log.info("consumer %d (pid %d%s) joined at entry %d (%d published%s)", peer.index,
@@ -458,7 +522,7 @@ class ControlServer:
         for ident, peer in list(self._peers.items()):
             if peer.active and not peer.detached and \
                     ring.consumer(peer.index)["state"] == _core.CONSUMER_DETACHED:
-                peer.detached = True
+                peer.detached = True  # _check_unread's detaches are logged there
                 log.warning("consumer %d (pid %d) fell more than max_lag batches behind and "
                             "was detached", peer.index, peer.pid)
             if not _core.process_alive(peer.pid, peer.start_time):
@@ -540,6 +604,7 @@ class ControlServer:
             if peer.index not in lag or not peer.active or peer.detached:
                 continue
             behind, holds_back = lag[peer.index]
+            self._check_unread(ring, peer, holds_back, now)
             if not holds_back:
                 peer.lagging_since = None
                 peer.lag_warned = False
@@ -550,6 +615,25 @@ class ControlServer:
                 peer.lag_warned = True
                 log.warning("%s", diagnosis.laggard_warning(peer.index, peer.pid, behind,
                                                             now - peer.lagging_since))
+
+    def _check_unread(self, ring: Any, peer: _Peer, holds_back: bool, now: float) -> None:
+        """Detach a consumer that has read nothing since it started while the others
+        waited for it for UNREAD_TIMEOUT (see there): a consumer made long before its
+        loop, or a peer that attached and never reads. Nothing of its epoch is lost to
+        it: it read none."""
+        unread = holds_back and peer.start_seq is not None and \
+            ring.consumer(peer.index)["cursor"] == peer.start_seq
+        if not unread or UNREAD_TIMEOUT is None:
+            peer.unread_since = None
+            return
+        if peer.unread_since is None:
+            peer.unread_since = now
+        elif now - peer.unread_since >= UNREAD_TIMEOUT:
+            ring.detach(peer.index, _core.REASON_UNREAD)
+            peer.detached = True
+            log.warning("consumer %d (pid %d) read no batch at all while the others waited "
+                        "for it for %.0f s; it was detached so that they go on",
+                        peer.index, peer.pid, now - peer.unread_since)
 
     # -- owner -------------------------------------------------------------------
 
@@ -583,6 +667,21 @@ class ControlServer:
             self._thread.join(timeout=5)
 
 
+def _raise_fd_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit: on TCP any local
+    user can open connections to the producer, each costing it an fd, and a producer out
+    of fds cannot accept its consumers (nor does libzmq stop trying: it spins). Go's
+    runtime does the same at start."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        most = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # 1 << 20: nr_open
+        if soft != resource.RLIM_INFINITY and soft < most:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (most, hard))
+            log.info("raised the open-file limit from %d to %d (TCP control plane)", soft, most)
+    except (ValueError, OSError) as e:
+        log.debug("could not raise the open-file limit: %s", e)
+
+
 def _version_message(theirs: int) -> str:
     """The error for a consumer that speaks protocol version `theirs`."""
     return (f"producer speaks protocol {protocol.PROTOCOL_VERSION}, consumer {theirs}: "
@@ -595,7 +694,7 @@ class ControlClient:
     def __init__(self, context: zmq.Context, address: str, timeout: float | None,
                  secret: ClientSecret | None = None) -> None:
         self.address = address
-        self._secret = secret  # what a hello carries as the producer's secret
+        self._secret = secret  # the producer's secret, which this consumer proves it knows
         self._sock = context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
@@ -614,9 +713,10 @@ class ControlClient:
 
     def hello(self, batch_size: int | None, group: str | None = None, rank: int = 0,
               world_size: int = 1, watch: Any = None) -> protocol.Message:
-        """Send hello; return the welcome, waiting up to the timeout for a producer. A
-        hello refused for its secret is sent again if the secret changed meanwhile (a
-        producer that started after this hello was sent wrote a new one). watch: a
+        """Send hello; return the welcome, waiting up to the timeout for a producer. On
+        TCP the producer must first prove that it knows the secret (see _proof); a
+        proof that does not fit makes the consumer read the secret file again (a
+        producer that started after the consumer wrote a new one). watch: a
         ProducerWatch, which raises while we wait if the producer died."""
         msg = self._admission("hello", "welcome", watch, batch_size=batch_size, group=group,
                               rank=rank, world_size=world_size)
@@ -630,32 +730,54 @@ class ControlClient:
         return self._admission("info", "loader_info", watch)
 
     def _admission(self, kind: str, want: str, watch: Any, **fields: Any) -> protocol.Message:
-        """Send a hello or an info (with this process's identity and the producer's
-        secret); the reply `want`, waiting up to the timeout for a producer (see hello)."""
+        """Send a hello or an info (with this process's identity and its proof of the
+        producer's secret, once the producer proved it knows it: see _proof); the reply
+        `want`, waiting up to the timeout for a producer (see hello)."""
         pid = os.getpid()
         fields.update(protocol=protocol.PROTOCOL_VERSION, pid=pid,
                       start_time=_core.process_start_time(pid))
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        sent = self._secret.current() if self._secret is not None else None
-        self._sock.send(protocol.encode(kind, secret=sent, **fields))
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                msg = self._receive(left, want, watch)
-                break
-            except AuthenticationError:
-                now = self._secret.current() if self._secret is not None else None
-                if now is None or now == sent:
-                    raise
-                sent = now
-                self._sock.send(protocol.encode(kind, secret=sent, **fields))
+        proof = self._proof(deadline, watch)
+        self._sock.send(protocol.encode(kind, proof=proof, **fields))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        msg = self._receive(left, want, watch)
         if msg is None:
-            raise ProducerNotFound(
-                f"no tensorsocket producer answered at {self.address} within {self._timeout} s; "
-                "start the producer (same name=/port=) or raise the consumer's timeout="
-                + (watch.note() if watch is not None else "")
-            )
+            raise self._not_found(watch)
         return msg
+
+    def _proof(self, deadline: float | None, watch: Any) -> str | None:
+        """Challenge the producer, check its proof that it knows the secret, and return
+        this consumer's answer for the hello (tensorsocket.auth); nothing of the secret
+        is sent before the producer proved itself. None: nothing to prove (an ipc
+        endpoint without a secret, where the peer's credentials decide)."""
+        known = self._secret.current() if self._secret is not None else None
+        if known is None and (self._secret is None or not self._secret.tcp):
+            return None
+        nonce = new_nonce()
+        self._sock.send(protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
+                                        nonce=nonce))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            reply = self._receive(left, "proof", watch)
+        except VersionMismatch:
+            raise
+        except TensorSocketError as e:
+            if "challenge" not in str(e):
+                raise
+            raise VersionMismatch(
+                f"the producer at {self.address} does not know this consumer's challenge: it "
+                "speaks an older protocol; install the same tensorsocket version on both "
+                "sides") from None
+        if reply is None:
+            raise self._not_found(watch)
+        return self._secret.answer(self.address, nonce, reply, known)
+
+    def _not_found(self, watch: Any) -> ProducerNotFound:
+        """The error for a producer that did not answer within the timeout."""
+        return ProducerNotFound(
+            f"no tensorsocket producer answered at {self.address} within {self._timeout} s; "
+            "start the producer (same name=/port=) or raise the consumer's timeout="
+            + (watch.note() if watch is not None else ""))
 
     def ready(self, align: bool = False, group: bool = False) -> int:
         """Tell the producer we mapped the ring; return our first sequence number (align:
