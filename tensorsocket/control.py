@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import socket
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -53,10 +55,18 @@ MESSAGES_PER_TURN = 100
 FLOOD_PAUSE = 0.02
 # Error replies to a connection that is no consumer: REFUSAL_BURST at once, then
 # REFUSAL_RATE a second; the others are dropped unanswered (counted in .dropped).
-REFUSAL_RATE = 5.0
-REFUSAL_BURST = 10.0
+REFUSAL_RATE = 20.0
+REFUSAL_BURST = 100.0
 REFUSAL_PEERS = 4096  # connections whose refusals are counted (the oldest go first)
 HANDSHAKE_IVL_MS = 5000  # libzmq closes a connection that has not greeted by then
+# TCP connections that have not proved the secret yet (any local user can open them, and
+# each costs the producer an fd; libzmq has no cap, and spins when accept() fails for
+# want of fds): at most UNPROVEN_MAX of them, or a quarter of the fd limit, are kept (a
+# new one beyond that is closed at once), each for UNPROVEN_TIMEOUT seconds at most. A
+# consumer proves itself milliseconds after it connects.
+UNPROVEN_MAX = 256
+UNPROVEN_TIMEOUT = 10.0
+_EVENT = struct.Struct("=HI")  # a libzmq monitor event's first frame: event, value (the fd)
 # A consumer that has read no batch at all since it started, while the others wait for
 # it (it is the whole ring behind), is detached after this (None: never). A consumer
 # that read and then stops is waited for (lossless) until max_lag or heartbeat_timeout.
@@ -128,6 +138,18 @@ class ControlServer:
                 "choose another name= or port="
             ) from None
         self.address = address
+        # TCP: the connections not proven yet (fd -> when accepted), from libzmq's monitor
+        self._monitor: zmq.Socket | None = None
+        self._unproven: OrderedDict[int, float] = OrderedDict()
+        self._unproven_max = 0
+        self.cut = 0  # connections closed for not proving the secret in time (or at all)
+        if not address.startswith("ipc://"):
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self._unproven_max = UNPROVEN_MAX if soft == resource.RLIM_INFINITY else \
+                max(8, min(UNPROVEN_MAX, soft // 4))
+            self._port = int(address.rsplit(":", 1)[1])
         self._peers: dict[bytes, _Peer] = {}
         self._waiting: list[tuple[bytes, protocol.Message]] = []  # hellos, infos before the ring
         self._lock = threading.Lock()
@@ -149,11 +171,16 @@ class ControlServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         next_check = 0.0
         last = time.monotonic()
         try:
             while not self._stop.is_set():
-                if poller.poll(100) and self._drain(MESSAGES_PER_TURN):
+                ready = dict(poller.poll(100))
+                if self._monitor in ready:
+                    self._watch_connections()
+                if self._sock in ready and self._drain(MESSAGES_PER_TURN):
                     self._stop.wait(FLOOD_PAUSE)  # more are waiting: a flood (see above)
                 now = time.monotonic()
                 if now - last > HEARTBEAT_INTERVAL:
@@ -166,11 +193,15 @@ class ControlServer:
                 if now >= next_check:
                     next_check = now + LIVENESS_INTERVAL
                     self._gate.forget(now)
+                    self._cut_unproven(now)
                     self._check_peers(now)
         except Exception:  # the thread must never die silently
             log.exception("tensorsocket control thread failed")
         finally:
             said = self._say_farewell()
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(0)
             self._sock.close(FAREWELL_LINGER_MS if said else 0)
 
     def _say_farewell(self) -> bool:
@@ -188,6 +219,55 @@ class ControlServer:
         for ident, _ in waiting:
             self._send(ident, "error", code=code, message=message)
         return bool(waiting)
+
+    def _watch_connections(self) -> None:
+        """Note the TCP connections libzmq accepted and closed (its monitor's events); a
+        new one beyond the cap is closed at once (see UNPROVEN_MAX). A consumer's
+        connection closed so before its handshake loses nothing: its zmq socket keeps
+        the challenge queued and connects again (every 100 ms), until there is room."""
+        for _ in range(10 * MESSAGES_PER_TURN):
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2 or len(frames[0]) != _EVENT.size:
+                continue
+            event, fd = _EVENT.unpack(frames[0])
+            if event == zmq.EVENT_ACCEPTED:
+                self._unproven.pop(fd, None)
+                if len(self._unproven) >= self._unproven_max:
+                    self._cut(fd)  # not an older one: that may be a consumer proving itself
+                else:
+                    self._unproven[fd] = time.monotonic()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._unproven.pop(fd, None)
+
+    def _cut_unproven(self, now: float) -> None:
+        """Close the connections that have not proved the secret within UNPROVEN_TIMEOUT."""
+        while self._unproven:
+            fd, since = next(iter(self._unproven.items()))
+            if now - since <= UNPROVEN_TIMEOUT:
+                return
+            del self._unproven[fd]
+            self._cut(fd)
+
+    def _cut(self, fd: int) -> None:
+        """Make libzmq close the accepted connection on `fd` (it reads its end): ROUTER
+        has no call that closes one peer. Only a TCP socket on our port is touched; the
+        monitor's events are read first, so the fd is the connection they named."""
+        try:
+            sock = socket.socket(fileno=fd)  # no new fd: a view of libzmq's
+        except OSError:
+            return  # closed meanwhile, and no socket now
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and \
+                    sock.getsockname()[1] == self._port:
+                sock.shutdown(socket.SHUT_RDWR)
+                self.cut += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()
 
     def _excuse(self, gap: float, now: float) -> None:
         """This thread did not run for `gap` seconds (the producer was stopped, or
@@ -318,6 +398,11 @@ class ControlServer:
                     if self.refused == REFUSAL_WARNINGS else "", refusal)
             self._send(ident, "error", code="auth", message=refusal)
             return
+        if self._unproven:
+            try:
+                self._unproven.pop(frame.get(zmq.SRCFD), None)  # proven: kept
+            except zmq.ZMQError:
+                pass
         try:
             self._answer(ident, msg)
         except Exception as e:  # a message must never take the control thread down
