@@ -149,7 +149,8 @@ class ControlServer:
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             self._unproven_max = UNPROVEN_MAX if soft == resource.RLIM_INFINITY else \
                 max(8, min(UNPROVEN_MAX, soft // 4))
-            self._port = int(address.rsplit(":", 1)[1])
+            bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._port = int(bound.rsplit(":", 1)[1])  # the real one, were it a wildcard
         self._peers: dict[bytes, _Peer] = {}
         self._waiting: list[tuple[bytes, protocol.Message]] = []  # hellos, infos before the ring
         self._lock = threading.Lock()
