@@ -412,6 +412,7 @@ static int ts_module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "REASON_LAGGED", TS_REASON_LAGGED) < 0 ||
         PyModule_AddIntConstant(module, "REASON_DIED", TS_REASON_DIED) < 0 ||
         PyModule_AddIntConstant(module, "REASON_SILENT", TS_REASON_SILENT) < 0 ||
+        PyModule_AddIntConstant(module, "REASON_UNREAD", TS_REASON_UNREAD) < 0 ||
         PyModule_AddIntConstant(module, "RING_OPEN", TS_RING_OPEN) < 0 ||
         PyModule_AddIntConstant(module, "RING_FINISHED", TS_RING_FINISHED) < 0)
         goto done;

@@ -5,8 +5,10 @@
 #include <sys/prctl.h>
 #include <sys/stat.h>
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,26 +41,45 @@ pid_t ts_proc_self(void)
     return pid;
 }
 
-/* Read /proc/pid/stat; fill state and start time. Returns 0 on success. */
+/* Read /proc/pid/stat; fill state and start time. Returns 0 on success, else -1 with
+ * errno (ESRCH for a process that is gone, EIO for a file it could not parse). */
 static int ts_proc_read_stat(pid_t pid, char *state, uint64_t *start_time)
 {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd;
+    do {
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+    } while (fd < 0 && errno == EINTR);
     if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
+    ssize_t n;
+    do {
+        n = read(fd, buf, sizeof buf - 1);
+    } while (n < 0 && errno == EINTR);
+    int saved = errno;
     close(fd);
-    if (n <= 0) return -1;
+    errno = saved;
+    if (n < 0) return -1;
+    if (n == 0) {
+        errno = ESRCH; /* the process was reaped between open and read */
+        return -1;
+    }
     buf[n] = '\0';
     /* comm (field 2) may contain spaces and parentheses: skip to the last ')'. */
     char *p = strrchr(buf, ')');
-    if (p == NULL || p[1] == '\0') return -1;
+    if (p == NULL || p[1] == '\0') {
+        errno = EIO;
+        return -1;
+    }
     p += 2;
     *state = *p;
     /* p now points at field 3; the start time is field 22. */
     for (int field = 3; field < 22; field++) {
         p = strchr(p, ' ');
-        if (p == NULL) return -1;
+        if (p == NULL) {
+            errno = EIO;
+            return -1;
+        }
         p++;
     }
     *start_time = strtoull(p, NULL, 10);
@@ -74,14 +95,26 @@ uint64_t ts_proc_start_time(pid_t pid)
     return start;
 }
 
-/* 1 if pid exists, is not a zombie, and started at start_time. */
-int ts_proc_alive(pid_t pid, uint64_t start_time)
+/* Whether pid (started at start_time) lives (see ts_proc.h). */
+ts_proc_state ts_proc_check(pid_t pid, uint64_t start_time)
 {
     char state;
     uint64_t start = 0;
-    if (pid <= 0 || ts_proc_read_stat(pid, &state, &start) != 0) return 0;
-    if (state == 'Z' || state == 'X' || state == 'x') return 0;
-    return start == start_time;
+    if (pid <= 0) return TS_PROC_DEAD;
+    if (ts_proc_read_stat(pid, &state, &start) == 0) {
+        if (state == 'Z' || state == 'X' || state == 'x') return TS_PROC_DEAD;
+        return start == start_time ? TS_PROC_ALIVE : TS_PROC_DEAD;
+    }
+    /* No stat to read. EMFILE, ENFILE, ENOMEM or EACCES say nothing of the target, and
+     * ENOENT may be a /proc that is not mounted: ask the kernel, which needs no fd. */
+    if (kill(pid, 0) != 0 && errno == ESRCH) return TS_PROC_DEAD;
+    return TS_PROC_UNKNOWN; /* it exists (or may: EPERM), its start time unread */
+}
+
+/* 0 only if pid is known to be gone or another process (see ts_proc.h). */
+int ts_proc_alive(pid_t pid, uint64_t start_time)
+{
+    return ts_proc_check(pid, start_time) != TS_PROC_DEAD;
 }
 
 /* Inode of this process's PID namespace, or 0. */

@@ -9,8 +9,19 @@
  * or 0 if the process does not exist. */
 uint64_t ts_proc_start_time(pid_t pid);
 
-/* 1 if the process pid exists and started at start_time, else 0. A zombie
- * counts as gone: it can no longer touch the ring. */
+/* What is known of a process: an error reading /proc (EMFILE when this process is out
+ * of fds, ENFILE, ENOMEM) says nothing of the target, so it is never taken for death. */
+typedef enum {
+    TS_PROC_DEAD = 0,    /* gone (ESRCH), a zombie, or its pid now names another process */
+    TS_PROC_ALIVE = 1,   /* exists, not a zombie, started at start_time */
+    TS_PROC_UNKNOWN = 2, /* kill(pid, 0) finds it, but its start time could not be read */
+} ts_proc_state;
+
+/* Whether the process pid that started at start_time lives. */
+ts_proc_state ts_proc_check(pid_t pid, uint64_t start_time);
+
+/* 0 if the process pid is known to be gone (or a zombie, which can no longer touch the
+ * ring, or another process under a reused pid), else 1: unknown counts as alive. */
 int ts_proc_alive(pid_t pid, uint64_t start_time);
 
 /* Inode of this process's PID namespace (/proc/self/ns/pid), or 0. Two

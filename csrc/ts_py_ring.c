@@ -338,13 +338,21 @@ static PyObject *Ring_set_policy(RingObject *self, PyObject *args)
     return ts_done(self, ts_ring_set_policy(self->ring, window, max_lag, &err), &err);
 }
 
-/* Ring.detach(index): take a live consumer off, as for lagging. */
-static PyObject *Ring_detach(RingObject *self, PyObject *args)
+/* Ring.detach(index, reason=REASON_LAGGED): take a live consumer off, keeping the
+ * slots it holds held (a laggard, or one that never read). */
+static PyObject *Ring_detach(RingObject *self, PyObject *args, PyObject *kwargs)
 {
-    unsigned int index;
-    if (!PyArg_ParseTuple(args, "I:detach", &index)) return NULL;
+    static char *kwlist[] = {"index", "reason", NULL};
+    unsigned int index, reason = TS_REASON_LAGGED;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "I|I:detach", kwlist, &index, &reason))
+        return NULL;
+    if (reason != TS_REASON_LAGGED && reason != TS_REASON_UNREAD) {
+        PyErr_Format(PyExc_ValueError,
+                     "detach reason must be REASON_LAGGED or REASON_UNREAD, got %u", reason);
+        return NULL;
+    }
     if (ts_role_check(self, 1) < 0) return NULL;
-    ts_ring_detach(self->ring, index, TS_REASON_LAGGED);
+    ts_ring_detach(self->ring, index, reason);
     Py_RETURN_NONE;
 }
 
@@ -820,7 +828,8 @@ static PyMethodDef Ring_methods[] = {
      "A live consumer fell silent: retire it, keeping the slots it holds."},
     {"evict", (PyCFunction)(void (*)(void))Ring_evict, METH_VARARGS | METH_KEYWORDS,
      "A dead (or silent) consumer: drop its holds."},
-    {"detach", (PyCFunction)Ring_detach, METH_VARARGS, "Take a live consumer off."},
+    {"detach", (PyCFunction)(void (*)(void))Ring_detach, METH_VARARGS | METH_KEYWORDS,
+     "Take a live consumer off."},
     {"set_policy", (PyCFunction)Ring_set_policy, METH_VARARGS,
      "Set the late-joiner window and the lag limit."},
     {"publish", (PyCFunction)(void (*)(void))Ring_publish, METH_FASTCALL | METH_KEYWORDS,

@@ -1350,7 +1350,9 @@ static ts_status ts_detached_error(const ts_ring *ring, const ts_consumer *c, ts
 {
     if (c->token != ring->token)
         return ts_err_set(err, TS_E_DETACHED, 0,
-                          "this consumer's place in the ring was taken back by the producer");
+                          "this consumer's place in the ring was taken back and given to "
+                          "another consumer: the producer had evicted it (its reason is "
+                          "lost with the place; the producer's log names it)");
     switch (atomic_load_explicit(&c->reason, memory_order_relaxed)) {
     case TS_REASON_LAGGED:
         return ts_err_set(err, TS_E_DETACHED, 0,
@@ -1376,9 +1378,22 @@ static ts_status ts_detached_error(const ts_ring *ring, const ts_consumer *c, ts
                           "TensorProducer(heartbeat_timeout=) or "
                           "TENSORSOCKET_HEARTBEAT_TIMEOUT", said);
     }
+    case TS_REASON_UNREAD:
+        return ts_err_set(err, TS_E_DETACHED, 0,
+                          "this consumer read no batch at all while the other consumers "
+                          "waited for it for longer than the producer allows (it was "
+                          "created long before its loop started, or never iterated), so "
+                          "the producer detached it; create the TensorConsumer where its "
+                          "loop starts");
+    case TS_REASON_DIED:
+        return ts_err_set(err, TS_E_DETACHED, 0,
+                          "the producer found this consumer's process (pid %d) gone and "
+                          "released its slots", (int)c->pid);
     default:
         return ts_err_set(err, TS_E_DETACHED, 0,
-                          "this consumer was detached from the ring by the producer");
+                          "this consumer was detached from the ring by the producer "
+                          "(reason %u)", (unsigned)atomic_load_explicit(&c->reason,
+                                                                        memory_order_relaxed));
     }
 }
 
@@ -1417,7 +1432,8 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
                 /* Only a detach (which sets the cursor flag) takes entries back. */
                 if (atomic_load_explicit(&c->cursor, memory_order_seq_cst) != cursor) continue;
                 return ts_err_set(err, TS_E_DETACHED, 0,
-                                  "entry %llu was withdrawn from this consumer",
+                                  "entry %llu was withdrawn from this consumer: "
+                                  "the producer took it off the ring meanwhile",
                                   (unsigned long long)cursor);
             }
             if (atomic_load_explicit(&s->hole, memory_order_relaxed)) {

@@ -81,6 +81,7 @@ enum {
     TS_REASON_LAGGED = 2, /* it fell more than max_lag entries behind */
     TS_REASON_DIED = 3,   /* its process is gone */
     TS_REASON_SILENT = 4, /* its process lives, but it sent no heartbeat for too long */
+    TS_REASON_UNREAD = 5, /* it read nothing at all while the others waited for it too long */
 };
 
 /* Kinds of published entries. */

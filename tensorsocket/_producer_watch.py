@@ -111,9 +111,19 @@ class ProducerWatch:
 
 
 def _alive(pid: int) -> bool:
-    """Whether process pid runs (a zombie does not)."""
+    """Whether process pid runs (a zombie does not). Where its start time cannot be read
+    (this process out of fds: EMFILE), the kernel's kill(pid, 0) says: an error is no
+    death."""
     start = _core.process_start_time(pid)
-    return start != 0 and _core.process_alive(pid, start)
+    if start != 0:
+        return _core.process_alive(pid, start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _process_age() -> float:

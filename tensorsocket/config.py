@@ -471,9 +471,10 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("auth_token", "auth_token", "TENSORSOCKET_AUTH_TOKEN", "both", None,
             "producer: a random one; consumer: read from `<runtime dir>/<name>.secret`",
             "16-1024 printable ASCII characters, no spaces",
-            "the secret a consumer must present to a producer on a TCP address: the producer "
-            "writes it to `<runtime dir>/<name>.secret` (mode 0600) for consumers of its "
-            "user; give both sides the same value where a consumer cannot read that file "
+            "the secret a consumer must prove it knows to a producer on a TCP address (and the "
+            "producer to it, first; the secret never crosses the socket): the producer writes "
+            "it to `<runtime dir>/<name>.secret` (mode 0600) for consumers of its user; give "
+            "both sides the same value where a consumer cannot read that file "
             "(another runtime directory, another container)",
             Text(_parse_token), secret=True),
     # -- consumer ----------------------------------------------------------------------

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
+import socket
+import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
 from . import _core, config, diagnosis, protocol
-from .auth import ClientSecret, Gate
+from .auth import ClientSecret, Gate, is_nonce, new_nonce
 from .errors import (
     AuthenticationError,
     ProducerFailed,
@@ -42,6 +46,31 @@ LAG_WARN_AFTER = 10.0  # seconds a consumer may hold the others back before a wa
 HELD_WARN_AFTER = 30.0  # seconds the producer may wait for a slot a consumer read and keeps
 FAREWELL_LINGER_MS = 1000  # how long a closing server tries to deliver its farewells
 REFUSAL_WARNINGS = 3  # refused hellos logged as warnings; later ones at debug level
+# A peer's flood must not starve the server's own checks: it handles at most
+# MESSAGES_PER_TURN messages per turn of its loop, and pauses FLOOD_PAUSE seconds after
+# a turn that had more (libzmq then holds the rest, and TCP slows the sender), so it
+# reads at most MESSAGES_PER_TURN / FLOOD_PAUSE messages a second; it takes them from
+# every connection in turn, so a consumer's heartbeat waits for one turn at most.
+MESSAGES_PER_TURN = 100
+FLOOD_PAUSE = 0.02
+# Error replies to a connection that is no consumer: REFUSAL_BURST at once, then
+# REFUSAL_RATE a second; the others are dropped unanswered (counted in .dropped).
+REFUSAL_RATE = 20.0
+REFUSAL_BURST = 100.0
+REFUSAL_PEERS = 4096  # connections whose refusals are counted (the oldest go first)
+HANDSHAKE_IVL_MS = 5000  # libzmq closes a connection that has not greeted by then
+# TCP connections that have not proved the secret yet (any local user can open them, and
+# each costs the producer an fd; libzmq has no cap, and spins when accept() fails for
+# want of fds): at most UNPROVEN_MAX of them, or a quarter of the fd limit, are kept (a
+# new one beyond that is closed at once), each for UNPROVEN_TIMEOUT seconds at most. A
+# consumer proves itself milliseconds after it connects.
+UNPROVEN_MAX = 256
+UNPROVEN_TIMEOUT = 10.0
+_EVENT = struct.Struct("=HI")  # a libzmq monitor event's first frame: event, value (the fd)
+# A consumer that has read no batch at all since it started, while the others wait for
+# it (it is the whole ring behind), is detached after this (None: never). A consumer
+# that read and then stops is waited for (lossless) until max_lag or heartbeat_timeout.
+UNREAD_TIMEOUT: float | None = 300.0
 
 
 @dataclass
@@ -64,6 +93,8 @@ class _Peer:
     rank: int = 0
     ready_align: bool | None = None  # a rank's "ready", held until its group is complete
     held_until: float | None = None  # parked with its place in the ring kept until then
+    start_seq: int | None = None  # its first entry, once started
+    unread_since: float | None = None  # holding the others back having read nothing
 
 
 class ControlServer:
@@ -95,6 +126,9 @@ class ControlServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        if not address.startswith("ipc://"):
+            _raise_fd_limit()
         try:
             self._sock.bind(address)
         except zmq.ZMQError as e:
@@ -104,6 +138,19 @@ class ControlServer:
                 "choose another name= or port="
             ) from None
         self.address = address
+        # TCP: the connections not proven yet (fd -> when accepted), from libzmq's monitor
+        self._monitor: zmq.Socket | None = None
+        self._unproven: OrderedDict[int, float] = OrderedDict()
+        self._unproven_max = 0
+        self.cut = 0  # connections closed for not proving the secret in time (or at all)
+        if not address.startswith("ipc://"):
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self._unproven_max = UNPROVEN_MAX if soft == resource.RLIM_INFINITY else \
+                max(8, min(UNPROVEN_MAX, soft // 4))
+            bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._port = int(bound.rsplit(":", 1)[1])  # the real one, were it a wildcard
         self._peers: dict[bytes, _Peer] = {}
         self._waiting: list[tuple[bytes, protocol.Message]] = []  # hellos, infos before the ring
         self._lock = threading.Lock()
@@ -111,6 +158,8 @@ class ControlServer:
         self._farewell: tuple[str, str] | None = None  # see close()
         self.rejected = 0  # malformed messages seen
         self.refused = 0  # hellos not admitted (tensorsocket.auth)
+        self.dropped = 0  # error replies not sent: the peer was refused too often
+        self._refusals: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # (allowance, at)
         self._held: tuple[int, float, bool] = (-1, 0.0, False)  # (published, since, warned)
         self._handlers = {"ready": self._ready,
                           "heartbeat": self._heartbeat, "bye": self._bye,
@@ -123,12 +172,17 @@ class ControlServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         next_check = 0.0
         last = time.monotonic()
         try:
             while not self._stop.is_set():
-                if poller.poll(100):
-                    self._drain()
+                ready = dict(poller.poll(100))
+                if self._monitor in ready:
+                    self._watch_connections()
+                if self._sock in ready and self._drain(MESSAGES_PER_TURN):
+                    self._stop.wait(FLOOD_PAUSE)  # more are waiting: a flood (see above)
                 now = time.monotonic()
                 if now - last > HEARTBEAT_INTERVAL:
                     self._excuse(now - last, now)
@@ -139,11 +193,16 @@ class ControlServer:
                         self._answer(ident, msg)
                 if now >= next_check:
                     next_check = now + LIVENESS_INTERVAL
+                    self._gate.forget(now)
+                    self._cut_unproven(now)
                     self._check_peers(now)
         except Exception:  # the thread must never die silently
             log.exception("tensorsocket control thread failed")
         finally:
             said = self._say_farewell()
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(0)
             self._sock.close(FAREWELL_LINGER_MS if said else 0)
 
     def _say_farewell(self) -> bool:
@@ -162,6 +221,55 @@ class ControlServer:
             self._send(ident, "error", code=code, message=message)
         return bool(waiting)
 
+    def _watch_connections(self) -> None:
+        """Note the TCP connections libzmq accepted and closed (its monitor's events); a
+        new one beyond the cap is closed at once (see UNPROVEN_MAX). A consumer's
+        connection closed so before its handshake loses nothing: its zmq socket keeps
+        the challenge queued and connects again (every 100 ms), until there is room."""
+        for _ in range(10 * MESSAGES_PER_TURN):
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2 or len(frames[0]) != _EVENT.size:
+                continue
+            event, fd = _EVENT.unpack(frames[0])
+            if event == zmq.EVENT_ACCEPTED:
+                self._unproven.pop(fd, None)
+                if len(self._unproven) >= self._unproven_max:
+                    self._cut(fd)  # not an older one: that may be a consumer proving itself
+                else:
+                    self._unproven[fd] = time.monotonic()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._unproven.pop(fd, None)
+
+    def _cut_unproven(self, now: float) -> None:
+        """Close the connections that have not proved the secret within UNPROVEN_TIMEOUT."""
+        while self._unproven:
+            fd, since = next(iter(self._unproven.items()))
+            if now - since <= UNPROVEN_TIMEOUT:
+                return
+            del self._unproven[fd]
+            self._cut(fd)
+
+    def _cut(self, fd: int) -> None:
+        """Make libzmq close the accepted connection on `fd` (it reads its end): ROUTER
+        has no call that closes one peer. Only a TCP socket on our port is touched; the
+        monitor's events are read first, so the fd is the connection they named."""
+        try:
+            sock = socket.socket(fileno=fd)  # no new fd: a view of libzmq's
+        except OSError:
+            return  # closed meanwhile, and no socket now
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and \
+                    sock.getsockname()[1] == self._port:
+                sock.shutdown(socket.SHUT_RDWR)
+                self.cut += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+
     def _excuse(self, gap: float, now: float) -> None:
         """This thread did not run for `gap` seconds (the producer was stopped, or
         starved): the consumers' heartbeats of that time may still wait unread in the
@@ -170,13 +278,16 @@ class ControlServer:
             for peer in self._peers.values():
                 peer.last_seen = min(now, peer.last_seen + gap)
 
-    def _drain(self) -> None:
-        """Handle every message waiting on the socket."""
-        while True:
+    def _drain(self, budget: int | None = None) -> bool:
+        """Handle the messages waiting on the socket, `budget` of them at most (None:
+        all); whether some were left waiting."""
+        while budget is None or budget > 0:
+            if budget is not None:
+                budget -= 1
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return False
             if len(frames) != 2:
                 self.rejected += 1
                 continue
@@ -191,6 +302,9 @@ class ControlServer:
                     self._send(ident, "error", code="version", message=_version_message(version))
                 else:
                     self._send(ident, "error", code="protocol", message=str(e))
+                continue
+            if msg.kind == "challenge":
+                self._challenge(ident, msg)
                 continue
             if msg.kind in protocol.ADMISSIONS:
                 self._admit(ident, msg, frames[1])
@@ -209,14 +323,30 @@ class ControlServer:
                             type(e).__name__, e)
                 self._send(ident, "error", code="protocol",
                            message=f"{msg.kind} failed: {type(e).__name__}")
+        return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _send(self, ident: bytes, kind: str, **fields: Any) -> None:
         if kind == "error":
+            if ident not in self._peers and not self._may_refuse(ident):
+                self.dropped += 1
+                return
             fields["message"] = fields["message"][:MAX_ERROR_CHARS]
         try:
             self._sock.send_multipart([ident, protocol.encode(kind, **fields)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the peer is gone or its queue is full: it will time out
+
+    def _may_refuse(self, ident: bytes) -> bool:
+        """Whether an error reply to `ident`, no consumer, is within its allowance
+        (REFUSAL_BURST, refilled at REFUSAL_RATE a second): a flood of refused messages
+        gets a few answers, then none, each costing no more than its reading."""
+        now = time.monotonic()
+        allowance, at = self._refusals.pop(ident, (REFUSAL_BURST, now))
+        allowance = min(REFUSAL_BURST, allowance + (now - at) * REFUSAL_RATE)
+        self._refusals[ident] = (allowance - 1, now)
+        while len(self._refusals) > REFUSAL_PEERS:
+            self._refusals.popitem(last=False)
+        return allowance >= 1
 
     def _peer(self, ident: bytes, msg: protocol.Message) -> _Peer | None:
         """The peer this message claims to be, if it really is that peer."""
@@ -229,6 +359,20 @@ class ControlServer:
         return peer
 
     # -- messages ----------------------------------------------------------------
+
+    def _challenge(self, ident: bytes, msg: protocol.Message) -> None:
+        """A consumer's challenge, before its hello: answered with this producer's own
+        nonce and its proof that it knows the secret (tensorsocket.auth)."""
+        if msg.protocol != protocol.PROTOCOL_VERSION:
+            self.rejected += 1
+            self._send(ident, "error", code="version", message=_version_message(msg.protocol))
+            return
+        if not is_nonce(msg.nonce):
+            self.rejected += 1
+            self._send(ident, "error", code="protocol", message="challenge with a bad nonce")
+            return
+        nonce, proof = self._gate.challenge(ident, msg.nonce)
+        self._send(ident, "proof", nonce=nonce, mac=proof)
 
     def _admit(self, ident: bytes, msg: protocol.Message, frame: zmq.Frame) -> None:
         """A hello (or an info): answered if it is well formed, of this protocol version
@@ -245,7 +389,7 @@ class ControlServer:
                         msg.pid, msg.protocol, protocol.PROTOCOL_VERSION)
             self._send(ident, "error", code="version", message=_version_message(msg.protocol))
             return
-        refusal = self._gate.refusal(frame, msg)
+        refusal = self._gate.refusal(ident, frame, msg)
         if refusal is not None:
             self.rejected += 1
             self.refused += 1
@@ -255,6 +399,11 @@ class ControlServer:
                     if self.refused == REFUSAL_WARNINGS else "", refusal)
             self._send(ident, "error", code="auth", message=refusal)
             return
+        if self._unproven:
+            try:
+                self._unproven.pop(frame.get(zmq.SRCFD), None)  # proven: kept
+            except zmq.ZMQError:
+                pass
         try:
             self._answer(ident, msg)
         except Exception as e:  # a message must never take the control thread down
@@ -320,6 +469,7 @@ class ControlServer:
         """The consumer receives entries from `start` on: tell it."""
         ring = self._ring()
         peer.active = True
+        peer.start_seq = start
         peer.last_seen = time.monotonic()  # its heartbeats start now (a rank waited for its group)
         self._restart_holds(time.monotonic())
         log.info("consumer %d (pid %d%s) joined at entry %d (%d published%s)", peer.index,
@@ -458,7 +608,7 @@ class ControlServer:
         for ident, peer in list(self._peers.items()):
             if peer.active and not peer.detached and \
                     ring.consumer(peer.index)["state"] == _core.CONSUMER_DETACHED:
-                peer.detached = True
+                peer.detached = True  # _check_unread's detaches are logged there
                 log.warning("consumer %d (pid %d) fell more than max_lag batches behind and "
                             "was detached", peer.index, peer.pid)
             if not _core.process_alive(peer.pid, peer.start_time):
@@ -544,6 +694,7 @@ class ControlServer:
             if peer.index not in lag or not peer.active or peer.detached:
                 continue
             behind, holds_back = lag[peer.index]
+            self._check_unread(ring, peer, holds_back, now)
             if not holds_back:
                 peer.lagging_since = None
                 peer.lag_warned = False
@@ -554,6 +705,25 @@ class ControlServer:
                 peer.lag_warned = True
                 log.warning("%s", diagnosis.laggard_warning(peer.index, peer.pid, behind,
                                                             now - peer.lagging_since))
+
+    def _check_unread(self, ring: Any, peer: _Peer, holds_back: bool, now: float) -> None:
+        """Detach a consumer that has read nothing since it started while the others
+        waited for it for UNREAD_TIMEOUT (see there): a consumer made long before its
+        loop, or a peer that attached and never reads. Nothing of its epoch is lost to
+        it: it read none."""
+        unread = holds_back and peer.start_seq is not None and \
+            ring.consumer(peer.index)["cursor"] == peer.start_seq
+        if not unread or UNREAD_TIMEOUT is None:
+            peer.unread_since = None
+            return
+        if peer.unread_since is None:
+            peer.unread_since = now
+        elif now - peer.unread_since >= UNREAD_TIMEOUT:
+            ring.detach(peer.index, _core.REASON_UNREAD)
+            peer.detached = True
+            log.warning("consumer %d (pid %d) read no batch at all while the others waited "
+                        "for it for %.0f s; it was detached so that they go on",
+                        peer.index, peer.pid, now - peer.unread_since)
 
     # -- owner -------------------------------------------------------------------
 
@@ -587,6 +757,21 @@ class ControlServer:
             self._thread.join(timeout=5)
 
 
+def _raise_fd_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit: on TCP any local
+    user can open connections to the producer, each costing it an fd, and a producer out
+    of fds cannot accept its consumers (nor does libzmq stop trying: it spins). Go's
+    runtime does the same at start."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        most = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # 1 << 20: nr_open
+        if soft != resource.RLIM_INFINITY and soft < most:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (most, hard))
+            log.info("raised the open-file limit from %d to %d (TCP control plane)", soft, most)
+    except (ValueError, OSError) as e:
+        log.debug("could not raise the open-file limit: %s", e)
+
+
 def _version_message(theirs: int) -> str:
     """The error for a consumer that speaks protocol version `theirs`."""
     return (f"producer speaks protocol {protocol.PROTOCOL_VERSION}, consumer {theirs}: "
@@ -599,7 +784,7 @@ class ControlClient:
     def __init__(self, context: zmq.Context, address: str, timeout: float | None,
                  secret: ClientSecret | None = None) -> None:
         self.address = address
-        self._secret = secret  # what a hello carries as the producer's secret
+        self._secret = secret  # the producer's secret, which this consumer proves it knows
         self._sock = context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
@@ -618,9 +803,10 @@ class ControlClient:
 
     def hello(self, batch_size: int | None, group: str | None = None, rank: int = 0,
               world_size: int = 1, watch: Any = None) -> protocol.Message:
-        """Send hello; return the welcome, waiting up to the timeout for a producer. A
-        hello refused for its secret is sent again if the secret changed meanwhile (a
-        producer that started after this hello was sent wrote a new one). watch: a
+        """Send hello; return the welcome, waiting up to the timeout for a producer. On
+        TCP the producer must first prove that it knows the secret (see _proof); a
+        proof that does not fit makes the consumer read the secret file again (a
+        producer that started after the consumer wrote a new one). watch: a
         ProducerWatch, which raises while we wait if the producer died."""
         msg = self._admission("hello", "welcome", watch, batch_size=batch_size, group=group,
                               rank=rank, world_size=world_size)
@@ -634,32 +820,54 @@ class ControlClient:
         return self._admission("info", "loader_info", watch)
 
     def _admission(self, kind: str, want: str, watch: Any, **fields: Any) -> protocol.Message:
-        """Send a hello or an info (with this process's identity and the producer's
-        secret); the reply `want`, waiting up to the timeout for a producer (see hello)."""
+        """Send a hello or an info (with this process's identity and its proof of the
+        producer's secret, once the producer proved it knows it: see _proof); the reply
+        `want`, waiting up to the timeout for a producer (see hello)."""
         pid = os.getpid()
         fields.update(protocol=protocol.PROTOCOL_VERSION, pid=pid,
                       start_time=_core.process_start_time(pid))
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        sent = self._secret.current() if self._secret is not None else None
-        self._sock.send(protocol.encode(kind, secret=sent, **fields))
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                msg = self._receive(left, want, watch)
-                break
-            except AuthenticationError:
-                now = self._secret.current() if self._secret is not None else None
-                if now is None or now == sent:
-                    raise
-                sent = now
-                self._sock.send(protocol.encode(kind, secret=sent, **fields))
+        proof = self._proof(deadline, watch)
+        self._sock.send(protocol.encode(kind, proof=proof, **fields))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        msg = self._receive(left, want, watch)
         if msg is None:
-            raise ProducerNotFound(
-                f"no tensorsocket producer answered at {self.address} within {self._timeout} s; "
-                "start the producer (same name=/port=) or raise the consumer's timeout="
-                + (watch.note() if watch is not None else "")
-            )
+            raise self._not_found(watch)
         return msg
+
+    def _proof(self, deadline: float | None, watch: Any) -> str | None:
+        """Challenge the producer, check its proof that it knows the secret, and return
+        this consumer's answer for the hello (tensorsocket.auth); nothing of the secret
+        is sent before the producer proved itself. None: nothing to prove (an ipc
+        endpoint without a secret, where the peer's credentials decide)."""
+        known = self._secret.current() if self._secret is not None else None
+        if known is None and (self._secret is None or not self._secret.tcp):
+            return None
+        nonce = new_nonce()
+        self._sock.send(protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
+                                        nonce=nonce))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            reply = self._receive(left, "proof", watch)
+        except VersionMismatch:
+            raise
+        except TensorSocketError as e:
+            if "challenge" not in str(e):
+                raise
+            raise VersionMismatch(
+                f"the producer at {self.address} does not know this consumer's challenge: it "
+                "speaks an older protocol; install the same tensorsocket version on both "
+                "sides") from None
+        if reply is None:
+            raise self._not_found(watch)
+        return self._secret.answer(self.address, nonce, reply, known)
+
+    def _not_found(self, watch: Any) -> ProducerNotFound:
+        """The error for a producer that did not answer within the timeout."""
+        return ProducerNotFound(
+            f"no tensorsocket producer answered at {self.address} within {self._timeout} s; "
+            "start the producer (same name=/port=) or raise the consumer's timeout="
+            + (watch.note() if watch is not None else ""))
 
     def ready(self, align: bool = False, group: bool = False) -> int:
         """Tell the producer we mapped the ring; return our first sequence number (align:

@@ -21,7 +21,8 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 6  # 6: info / loader_info (share() learns of the producer's loader
+PROTOCOL_VERSION = 7  # 7: challenge / proof before a hello or info, which carry a proof
+#                       (an HMAC) instead of the secret (tensorsocket.auth); 6: info / loader_info (share() learns of the producer's loader
 #                       without attaching); 5: hello carries the producer's secret (TCP),
 #                       park{skip_epoch} (a loop left with break keeps its place at the next
 #                       epoch); 4: aligned joins, parking, consumer groups, loader fingerprint
@@ -47,17 +48,22 @@ _LOADER_FIELDS: dict[str, tuple] = {
 # type -> {field: accepted python types}
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # consumer -> producer
-    # secret: the producer's secret, which a TCP producer requires (tensorsocket.auth)
+    # a consumer's random nonce, before its hello or info (tensorsocket.auth)
+    "challenge": {"protocol": _INT, "nonce": _STR},
+    # proof: the consumer's answer to the challenges, which a TCP producer requires
     "hello": {"protocol": _INT, "pid": _INT, "start_time": _INT, "batch_size": _OPT_INT,
-              "group": _OPT_STR, "rank": _INT, "world_size": _INT, "secret": _OPT_STR},
+              "group": _OPT_STR, "rank": _INT, "world_size": _INT, "proof": _OPT_STR},
     "ready": {"consumer": _INT, "token": _INT, "align": _BOOL},
     "park": {"consumer": _INT, "token": _INT, "hold": _BOOL, "skip_epoch": _BOOL},
     "unpark": {"consumer": _INT, "token": _INT},
     "heartbeat": {"consumer": _INT, "token": _INT},
     "bye": {"consumer": _INT, "token": _INT},
     # what the producer's loader is, asked without attaching (share()); admitted as a hello
-    "info": {"protocol": _INT, "pid": _INT, "start_time": _INT, "secret": _OPT_STR},
+    "info": {"protocol": _INT, "pid": _INT, "start_time": _INT, "proof": _OPT_STR},
     # producer -> consumer
+    # the answer to a challenge: the producer's nonce, and its proof that it knows the
+    # secret (None: an ipc producer that has none)
+    "proof": {"nonce": _STR, "mac": _OPT_STR},
     "welcome": {
         "protocol": _INT,
         "consumer": _INT,
@@ -82,6 +88,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 
 # Message types a consumer sends before it has a place (checked by tensorsocket.auth).
 ADMISSIONS = ("hello", "info")
+# ... and every one that carries its protocol version (a foreign one is answered so).
+OPENINGS = ("challenge",) + ADMISSIONS
 
 
 class Message:
@@ -154,7 +162,7 @@ def foreign_hello(data: bytes) -> int | None:
         msg = _unpack(data)
     except ProtocolError:  # garbage: not a hello of any version
         return None
-    if not isinstance(msg, dict) or msg.get("type") not in ADMISSIONS:
+    if not isinstance(msg, dict) or msg.get("type") not in OPENINGS:
         return None
     version = msg.get("protocol")
     if type(version) is not int or version == PROTOCOL_VERSION:

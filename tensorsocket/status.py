@@ -31,7 +31,8 @@ _CONSUMER_STATES = {
     _core.CONSUMER_DETACHED: "detached",
 }
 _REASONS = {_core.REASON_LEFT: "left", _core.REASON_LAGGED: "lagged",
-            _core.REASON_DIED: "died", _core.REASON_SILENT: "silent"}
+            _core.REASON_DIED: "died", _core.REASON_SILENT: "silent",
+            _core.REASON_UNREAD: "unread"}
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from conftest import ROOT, hello_message, run as run_python
-from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError, _core, protocol
+from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError, _core, auth, protocol
 from tensorsocket.endpoints import runtime_dir
 
 DEADLINE = 30.0  # seconds any single wait may take before the test fails
@@ -273,10 +273,17 @@ def test_tcp_secret_file_and_wrong_secrets(name, monkeypatch, tmp_path, rig):
         assert st.st_uid == os.getuid()
         secret = path.read_text().strip()
         assert secret == p.auth_token and len(secret) >= 32
-        for wrong in (None, "", secret[:-1] + ("0" if secret[-1] != "0" else "1"),
-                      secret + "0", "x" * 4000):
-            _refusal_reveals_nothing(_ask(s, hello_message(os.getpid(), secret=wrong)), p)
-        assert p._server.rejected == 5
+        near = secret[:-1] + ("0" if secret[-1] != "0" else "1")
+        for wrong in (None, "", auth.derive_key(near), auth.derive_key(secret + "0"),
+                      "x" * 4000, "é" * 64):
+            nonce = auth.new_nonce()
+            proof = _ask(s, protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
+                                            nonce=nonce))
+            assert proof["type"] == "proof", proof
+            if isinstance(wrong, bytes):  # a key: the proof of another secret
+                wrong = auth.mac(wrong, "consumer", nonce, proof["nonce"])
+            _refusal_reveals_nothing(_ask(s, hello_message(os.getpid(), proof=wrong)), p)
+        assert p._server.rejected == 6
 
         with pytest.raises(TensorSocketError) as refused:
             TensorConsumer(port, name=name, timeout=DEADLINE, auth_token="0" * 64)

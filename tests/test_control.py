@@ -60,7 +60,7 @@ def test_garbage_and_version_mismatch_do_not_disturb_the_producer(name):
             assert reply["type"] == "error"
         s.send(protocol.encode("hello", protocol=999, pid=os.getpid(), start_time=0,
                                batch_size=None, group=None, rank=0, world_size=1,
-                               secret=None))
+                               proof=None))
         reply = protocol.decode(s.recv())
         assert reply["type"] == "error" and reply["code"] == "version"
         assert "999" in reply["message"]
@@ -97,7 +97,7 @@ def test_hello_of_another_layout_gets_a_version_error(name):
                     group=None, rank=0, world_size=1)
         for theirs, fields in ((protocol.PROTOCOL_VERSION - 1, {}),
                                (protocol.PROTOCOL_VERSION + 1,
-                                {"secret": None, "something_new": 1})):
+                                {"proof": None, "something_new": 1})):
             s.send(msgpack.packb({**base, "protocol": theirs, **fields}))
             reply = protocol.decode(s.recv())
             assert reply["type"] == "error" and reply["code"] == "version", reply
@@ -207,7 +207,7 @@ def test_ranks_of_a_group_start_together_once_all_are_ready(name):
             s.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=os.getpid(),
                                    start_time=_core.process_start_time(os.getpid()),
                                    batch_size=None, group="job", rank=rank, world_size=2,
-                                   secret=None))
+                                   proof=None))
             reply = protocol.decode(s.recv())
             assert reply["type"] == "welcome", reply
             welcomes.append(reply)
@@ -249,7 +249,7 @@ def test_info_tells_the_loader_without_attaching(name):
     producing = threading.Thread(target=lambda: [None for _ in p], daemon=True)
     me = os.getpid()
     info = dict(protocol=protocol.PROTOCOL_VERSION, pid=me,
-                start_time=_core.process_start_time(me), secret=None)
+                start_time=_core.process_start_time(me), proof=None)
     try:
         s = _raw_dealer(p.endpoint.address)
         s.send(protocol.encode("info", **info))

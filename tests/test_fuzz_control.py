@@ -501,7 +501,7 @@ def test_forged_and_out_of_order_messages_do_not_detach_the_consumer(rig):
     me = os.getpid()  # alive, so the liveness check leaves these places alone
     hello = protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=me,
                             start_time=_core.process_start_time(me), batch_size=3,
-                            group=None, rank=0, world_size=1, secret=None)
+                            group=None, rank=0, world_size=1, proof=None)
     c.send(hello)
     welcome = protocol.decode(c.recv())
     assert welcome["type"] == "welcome" and welcome["consumer"] != idx
@@ -526,15 +526,15 @@ def test_forged_and_out_of_order_messages_do_not_detach_the_consumer(rig):
     assert protocol.decode(c.recv())["code"] == "unknown"
     c.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=0, start_time=0,
                            batch_size=None, group=None, rank=0,
-                           world_size=1, secret=None))  # no process has pid 0: refused
+                           world_size=1, proof=None))  # no process has pid 0: refused
     assert protocol.decode(c.recv())["code"] == "protocol"
     c.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=2**31 - 1,
                            start_time=1, batch_size=None, group=None, rank=0,
-                           world_size=1, secret=None))  # another process: refused
+                           world_size=1, proof=None))  # another process: refused
     assert protocol.decode(c.recv())["code"] == "auth"
     c.send(protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION, pid=me,
                            start_time=1, batch_size=None, group=None, rank=0,
-                           world_size=1, secret=None))  # then silence: evicted, not alive
+                           world_size=1, proof=None))  # then silence: evicted, not alive
     assert protocol.decode(c.recv())["type"] == "welcome"
     _wait_until(lambda: len(rig.server._peers) == 1, DEADLINE, "the dead client's eviction")
     for sock in (s, c):
@@ -666,7 +666,7 @@ def _attach_after(rig: Rig, payload: bytes) -> None:
 def test_hello_with_out_of_range_pid_does_not_kill_the_control_server(rig):
     _attach_after(rig, protocol.encode("hello", protocol=protocol.PROTOCOL_VERSION,
                                        pid=2**31, start_time=0, batch_size=None, group=None, rank=0,
-                           world_size=1, secret=None))
+                           world_size=1, proof=None))
 
 
 def test_deeply_nested_type_does_not_kill_the_control_server(rig):

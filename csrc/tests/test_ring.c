@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -741,6 +742,33 @@ static void test_proc_alive(void)
     CHECK_EQ(ts_proc_alive(child, cstart), 0);
     CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
     CHECK_EQ(ts_proc_alive(child, cstart), 0);
+out:;
+}
+
+/* Out of fds (EMFILE), /proc cannot be read: a live process is "unknown", never dead,
+ * and a gone one is still found gone (kill(pid, 0) needs no fd). */
+static void test_proc_alive_without_fds(void)
+{
+    pid_t me = getpid();
+    uint64_t start = ts_proc_start_time(me);
+    struct rlimit old, low;
+    int held[64], n = 0;
+    REQUIRE(getrlimit(RLIMIT_NOFILE, &old) == 0);
+    low = old;
+    low.rlim_cur = 64;
+    REQUIRE(setrlimit(RLIMIT_NOFILE, &low) == 0);
+    while (n < 64) {
+        int fd = dup(0);
+        if (fd < 0) break;
+        held[n++] = fd;
+    }
+    CHECK_EQ(errno, EMFILE);
+    CHECK_EQ(ts_proc_check(me, start), TS_PROC_UNKNOWN);
+    CHECK_EQ(ts_proc_alive(me, start), 1);
+    CHECK_EQ(ts_proc_check(2000000000, 1), TS_PROC_DEAD); /* above any pid_max */
+    for (int i = 0; i < n; i++) close(held[i]);
+    REQUIRE(setrlimit(RLIMIT_NOFILE, &old) == 0);
+    CHECK_EQ(ts_proc_check(me, start), TS_PROC_ALIVE);
 out:;
 }
 
@@ -2292,6 +2320,7 @@ static const ts_test g_tests[] = {
     {"too_big", test_too_big},           {"finish", test_finish},
     {"fail", test_fail},
     {"cross_thread", test_cross_thread}, {"proc_alive", test_proc_alive},
+    {"proc_alive_without_fds", test_proc_alive_without_fds},
     {"handshake_errors", test_handshake_errors},
     {"policy", test_policy},             {"late_joiner", test_late_joiner},
     {"window_holds_slot", test_window_holds_slot}, {"join_epoch", test_join_epoch},
