@@ -233,6 +233,7 @@ class TensorConsumer(LoaderSurface):
         # What next() took and has not returned yet, and the counts of what it returned.
         self._flow = InFlight()
         self._skipped_to_align = 0  # entries skipped waiting for an epoch start
+        self._iterators = 0  # iter() calls: the last one's iterator is the current one
         self._local_loader: Any = None  # share(): the caller's own loader (attributes)
         self._set_epoch_warned = False
         # Counters for stats() (and those of self._flow).
@@ -382,7 +383,8 @@ class TensorConsumer(LoaderSurface):
                 self._abandon_epoch(self.epoch)
             if not self._cursor.in_epoch:  # (else its first next() was interrupted: go on)
                 self._cursor.begin()
-        return EpochIterator(self)
+            self._iterators += 1
+            return EpochIterator(self, self._iterators)
 
     def _next_batch(self) -> Any:
         """What next() returns next (the batch of the current epoch, unpacked, with its
@@ -506,7 +508,6 @@ class TensorConsumer(LoaderSurface):
             if self._client.unpark():
                 self._attached = True
                 return
-            self._drop_entry()  # an entry of the place given up
         self._attach_again()
 
     def _drop_entry(self) -> None:
@@ -739,6 +740,9 @@ class TensorConsumer(LoaderSurface):
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
+        # An entry kept from the place given up (also when an interrupt cut unpark short:
+        # a new place may start at that very entry, which would then come twice).
+        self._drop_entry()
         self._set_aside_held()
         self._client.stop_heartbeats()
         welcome = self._client.hello(self._own_batch_size, self.group, self.rank,
@@ -852,11 +856,12 @@ class EpochIterator:
     """One epoch of a TensorConsumer. Keeps no reference to the batches it returned,
     so a batch's ring slot is released as soon as the caller drops it."""
 
-    __slots__ = ("_consumer", "_epoch")
+    __slots__ = ("_consumer", "_epoch", "_serial")
 
-    def __init__(self, consumer: TensorConsumer) -> None:
+    def __init__(self, consumer: TensorConsumer, serial: int) -> None:
         self._consumer = consumer
         self._epoch = consumer.epoch
+        self._serial = serial  # which iter() of the consumer made it
 
     def __iter__(self) -> "EpochIterator":
         """The iterator itself."""
@@ -879,14 +884,20 @@ class EpochIterator:
 
     def close(self) -> None:
         """Leave this epoch now (as when the iterator is dropped mid-epoch)."""
-        self._consumer._abandon_epoch(self._epoch)
+        self._abandon()
 
     def __del__(self) -> None:
         """Dropped mid-epoch: leave the ring (see TensorConsumer)."""
         try:
-            self._consumer._abandon_epoch(self._epoch)
+            self._abandon()
         except Exception:  # never raise from a finalizer
             pass
+
+    def _abandon(self) -> None:
+        """Leave this iterator's epoch, unless a later iterator took it over (one made
+        after this one was interrupted before it returned a batch goes on with it)."""
+        if self._serial == self._consumer._iterators:
+            self._consumer._abandon_epoch(self._epoch)
 
     def __len__(self) -> int:
         """Batches in the whole epoch (as ``len(consumer)``)."""

@@ -227,3 +227,42 @@ def test_attaching_again_after_an_epoch_cut_short_starts_a_whole_one():
     assert cursor.rejoined() and cursor.source_done  # it had batches: it ends here
     cursor.attached_again()
     assert cursor.producer_epoch is None and cursor.want_epoch == 6
+
+
+def test_an_entry_placed_or_taken_again_changes_nothing():
+    """A KeyboardInterrupt after place() or taken() and before the consumer did what they
+    said: the consumer does the entry's steps again, and the cursor answers as before
+    without counting it twice (the last batch of the epoch too)."""
+    entries = stream(2, 3)
+    cursor = EpochCursor(aligned=True, length=3)
+    cursor.begin()
+    for entry in entries[:3]:
+        assert cursor.place(entry) is Step.TAKE
+        before = dict(vars(cursor))
+        assert cursor.place(entry) is Step.TAKE and vars(cursor) == before
+        cursor.taken(entry)
+        after = dict(vars(cursor))
+        cursor.taken(entry)
+        assert cursor.place(entry) is Step.TAKE and vars(cursor) == after
+    assert cursor.pulled == 3 and cursor.source_done
+    # Once the epoch had its last batch, any other entry belongs to the next one.
+    assert cursor.place(entries[4]) is Step.END_BEFORE and cursor.pulled == 3
+    cursor.end()
+    cursor.begin()
+    assert cursor.place(entries[3]) is Step.DROP  # epoch 0's marker
+    assert cursor.place(entries[4]) is Step.TAKE and cursor.producer_epoch == 1
+
+
+def test_an_iterator_replaced_before_its_first_batch_keeps_the_entries_taken():
+    """The first next() of an epoch took a batch and was interrupted before returning it;
+    the loop makes a new iterator: the epoch goes on with that batch (it is not left, as
+    one that delivered batches is, which would skip the rest of the producer's epoch)."""
+    entries = stream(2, 3)
+    cursor = EpochCursor(aligned=True, length=3)
+    cursor.begin()
+    assert cursor.place(entries[0]) is Step.TAKE
+    assert cursor.abandon(0, holding=False) is Abandon.KEPT
+    assert cursor.in_epoch and cursor.producer_epoch == 0 and cursor.pulled == 1
+    assert cursor.place(entries[0]) is Step.TAKE  # the same entry, made again
+    cursor.deliver()
+    assert cursor.abandon(0, holding=False) is Abandon.LEFT  # it delivered one: left
