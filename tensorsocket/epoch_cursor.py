@@ -23,7 +23,7 @@ what the answer says (deliver the batch, drop the entry, end the epoch).
 A KeyboardInterrupt (a Ctrl-C the loop catches, going on) may land anywhere in the
 consumer's next(), and the next next() must go on as if it had not. So every change of
 the cursor is one step that an interrupt cannot split (the new values are worked out
-first, then set in one ``__dict__.update``, which runs no Python code), and each is done
+first, then set in one statement of plain attribute stores, see ``_apply``), and each is done
 at most once per entry (``place()`` of an entry it placed already answers as before;
 ``taken()`` of one it took already does nothing): the consumer repeats the steps of an
 entry it still holds (see ``InFlight``) after an interrupt.
@@ -164,7 +164,7 @@ class EpochCursor:
         self.end()
         if complete:
             return Abandon.COMPLETE
-        self.__dict__.update(self._next_epoch_whole())
+        self._apply(self._next_epoch_whole())
         return Abandon.LEFT
 
     # -- entries -----------------------------------------------------------------------
@@ -173,18 +173,26 @@ class EpochCursor:
         """Where `entry`, the next ring entry this consumer took, stands in its epoch. The
         same answer, with no change, for the entry placed last (placed again after an
         interrupt); END_BEFORE for any other once the epoch had its last batch."""
-        placed = self.placed
-        if placed is not None and placed[0] == entry.seq:
+        placed, seq = self.placed, entry.seq
+        if placed is not None and placed[0] == seq:
             return placed[1]
         if self.source_done and self.in_epoch:
             return Step.END_BEFORE
+        if self.world_size == 1 and self.aligned and entry.epoch == self.producer_epoch \
+                and not entry.is_end_of_epoch:
+            # The common case, a batch of the producer epoch being read: in one step of
+            # plain stores (no call), as _place_aligned's changes would be.
+            self.end_marker_unread = self.after_end_marker = False
+            self.pulled += 1
+            self.placed = (seq, Step.TAKE)
+            return Step.TAKE
         if self.aligned:
             step, changes = self._place_aligned(entry)
         else:
             step, changes = self._place_windowed(entry)
         changes["after_end_marker"] = entry.is_end_of_epoch
         changes["placed"] = (entry.seq, step)
-        self.__dict__.update(changes)  # one step
+        self._apply(changes)
         return step
 
     def _place_aligned(self, entry: Entry) -> tuple[Step, dict]:
@@ -229,19 +237,22 @@ class EpochCursor:
     def taken(self, entry: Entry) -> None:
         """The batch of `entry`, which place() said to TAKE, is made: if it was the last of
         this epoch, the source of the epoch is done. Nothing for an entry taken already."""
-        if entry.seq == self.taken_seq:
+        seq = entry.seq
+        if seq == self.taken_seq:
             return
-        changes: dict = {"taken_seq": entry.seq}
+        changes: dict = {"taken_seq": seq}
         if self.aligned:
-            if self.last_of_epoch(entry.index):
-                changes.update(self._source_finished())
+            if not self.last_of_epoch(entry.index):
+                self.taken_seq = seq  # (the only change: one step)
+                return
+            changes.update(self._source_finished())
         else:
             assert self.epoch_end is not None
             if (entry.epoch, entry.index + 1) >= self.epoch_end:
                 # The next epoch ends a producer epoch later.
                 changes.update(source_done=True,
                                epoch_end=(self.epoch_end[0] + 1, self.epoch_end[1]))
-        self.__dict__.update(changes)  # one step
+        self._apply(changes)
 
     def group_batches(self) -> int:
         """Loader batches each rank of the group takes per epoch (the same for every
@@ -258,6 +269,22 @@ class EpochCursor:
         if self.world_size > 1:
             return self.group_taken >= self.group_batches()
         return index >= self.length - 1
+
+    def _apply(self, changes: dict) -> None:
+        """Make `changes` (attribute: new value) in one statement of plain stores, which
+        no KeyboardInterrupt can split (an interrupt comes at a call, or at a jump back;
+        ``self.__dict__.update`` would do too, but it slows every later attribute read of
+        the cursor)."""
+        get = changes.get
+        new = (get("end_marker_unread", self.end_marker_unread),
+               get("after_end_marker", self.after_end_marker),
+               get("want_epoch", self.want_epoch), get("producer_epoch", self.producer_epoch),
+               get("source_done", self.source_done), get("group_taken", self.group_taken),
+               get("pulled", self.pulled), get("epoch_end", self.epoch_end),
+               get("placed", self.placed), get("taken_seq", self.taken_seq))
+        (self.end_marker_unread, self.after_end_marker, self.want_epoch, self.producer_epoch,
+         self.source_done, self.group_taken, self.pulled, self.epoch_end, self.placed,
+         self.taken_seq) = new
 
     def _source_finished(self, **more: object) -> dict:
         """The changes for: this epoch had its last loader batch; the next starts with the
@@ -300,7 +327,7 @@ class EpochCursor:
     def attached_again(self) -> None:
         """The consumer took a new place in the ring: epochs are anchored again at the
         next batch; an epoch cut short is followed by a whole one."""
-        self.__dict__.update(epoch_end=None, **self._next_epoch_whole())
+        self._apply({"epoch_end": None, **self._next_epoch_whole()})
 
     def rejoined(self) -> bool:
         """The consumer was detached for lagging and took a new place as a late joiner:
