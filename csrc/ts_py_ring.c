@@ -577,8 +577,36 @@ static ts_status ts_acquire_fn(ts_ring *ring, void *arg, uint64_t deadline, ts_e
     return ts_ring_acquire(ring, deadline, arg, err);
 }
 
-/* Ring.acquire(timeout=None) -> Slot; raises TimeoutError, ProducerFinished,
- * ProducerGone or ConsumerDetached. */
+/* The box argument of acquire and try_acquire (NULL: none given): None, or a list of length
+ * 1 whose item is None. 0, or -1 with a TypeError. */
+static int ts_box_check(PyObject *box)
+{
+    if (box == NULL || box == Py_None) return 0;
+    if (PyList_CheckExact(box) && PyList_GET_SIZE(box) == 1 && PyList_GET_ITEM(box, 0) == Py_None)
+        return 0;
+    PyErr_SetString(PyExc_TypeError, "box must be a list [None] (the slot taken is put in it)");
+    return -1;
+}
+
+/* The Slot for what acquire took, also put in box (a list [None]; NULL or None: none):
+ * there, a KeyboardInterrupt raised as the call returns cannot lose it. NULL with an
+ * exception (the lease is released). */
+static PyObject *ts_slot_out(ts_state *state, ts_ring *ring, const ts_acquired *got,
+                             PyObject *box)
+{
+    ts_lease *lease = ts_lease_new(ring, got->slot, got->seq);
+    if (lease == NULL) {
+        ts_ring_release(ring, got->slot, ring->consumer);
+        return PyErr_NoMemory();
+    }
+    PyObject *slot = ts_py_slot_new(state, lease, got);
+    if (slot != NULL && box != NULL && box != Py_None)
+        PyList_SetItem(box, 0, Py_NewRef(slot)); /* drops None: it cannot fail (checked) */
+    return slot;
+}
+
+/* Ring.acquire(timeout=None, box=None) -> Slot; raises TimeoutError, ProducerFinished,
+ * ProducerGone or ConsumerDetached. box: see ts_slot_out. */
 static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     ts_state *state = ts_py_state((PyObject *)self);
@@ -587,10 +615,12 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_
     ts_status st;
     uint64_t deadline;
     PyObject *slot = NULL;
-    if (nargs > 1)
-        return PyErr_Format(PyExc_TypeError, "acquire() takes at most 1 argument (%zd given)",
+    if (nargs > 2)
+        return PyErr_Format(PyExc_TypeError, "acquire() takes at most 2 arguments (%zd given)",
                             nargs);
-    if (ts_role_check(self, 0) < 0 || ts_py_timeout(nargs ? args[0] : NULL, &deadline) < 0)
+    PyObject *box = nargs > 1 ? args[1] : NULL;
+    if (ts_role_check(self, 0) < 0 || ts_box_check(box) < 0 ||
+        ts_py_timeout(nargs ? args[0] : NULL, &deadline) < 0)
         return NULL;
     ts_ring *ring = self->ring; /* our own reference: another thread may close the object */
     ts_ring_ref(ring);
@@ -599,36 +629,29 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_
     } else if (st != TS_OK) {
         ts_py_raise(state, &err);
     } else {
-        ts_lease *lease = ts_lease_new(ring, got.slot, got.seq);
-        if (lease == NULL) {
-            ts_ring_release(ring, got.slot, ring->consumer);
-            PyErr_NoMemory();
-        } else {
-            slot = ts_py_slot_new(state, lease, &got);
-        }
+        slot = ts_slot_out(state, ring, &got, box);
     }
     ts_ring_unref(ring);
     return slot;
 }
 
-/* Ring.try_acquire() -> Slot, or None when no entry is published for us yet. It never
- * waits, so it keeps the GIL: the per-batch call of a consumer that keeps up. Raises as
- * acquire() does. */
-static PyObject *Ring_try_acquire(RingObject *self, PyObject *Py_UNUSED(ignored))
+/* Ring.try_acquire(box=None) -> Slot, or None when no entry is published for us yet. It
+ * never waits, so it keeps the GIL: the per-batch call of a consumer that keeps up. Raises
+ * as acquire() does; box: see ts_slot_out. */
+static PyObject *Ring_try_acquire(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     ts_state *state = ts_py_state((PyObject *)self);
     ts_acquired got;
     ts_err err = {0};
-    if (ts_role_check(self, 0) < 0) return NULL;
+    if (nargs > 1)
+        return PyErr_Format(PyExc_TypeError,
+                            "try_acquire() takes at most 1 argument (%zd given)", nargs);
+    PyObject *box = nargs ? args[0] : NULL;
+    if (ts_role_check(self, 0) < 0 || ts_box_check(box) < 0) return NULL;
     ts_status st = ts_ring_acquire(self->ring, TS_DEADLINE_NOW, &got, &err);
     if (st == TS_E_TIMEOUT) Py_RETURN_NONE;
     if (st != TS_OK) return ts_py_raise(state, &err);
-    ts_lease *lease = ts_lease_new(self->ring, got.slot, got.seq);
-    if (lease == NULL) {
-        ts_ring_release(self->ring, got.slot, self->ring->consumer);
-        return PyErr_NoMemory();
-    }
-    return ts_py_slot_new(state, lease, &got);
+    return ts_slot_out(state, self->ring, &got, box);
 }
 
 /* Ring.set_aside(): copy the held slots privately and hand them back; reads no more. */
@@ -844,9 +867,10 @@ static PyMethodDef Ring_methods[] = {
      "Why the producer failed, once the ring is finished; None after a normal end."},
     {"bind", (PyCFunction)Ring_bind, METH_VARARGS, "Bind to a consumer entry."},
     {"acquire", (PyCFunction)(void (*)(void))Ring_acquire, METH_FASTCALL,
-     "Take the next entry."},
-    {"try_acquire", (PyCFunction)Ring_try_acquire, METH_NOARGS,
-     "Take the next entry if it is published; None otherwise (never waits)."},
+     "Take the next entry (also put in box, a list [None], if given)."},
+    {"try_acquire", (PyCFunction)(void (*)(void))Ring_try_acquire, METH_FASTCALL,
+     "Take the next entry if it is published (also put in box, a list [None], if given); "
+     "None otherwise (never waits)."},
     {"consumers", (PyCFunction)Ring_consumers, METH_NOARGS, "The consumer table."},
     {"consumer", (PyCFunction)Ring_consumer, METH_VARARGS, "One consumer table entry."},
     {"slot_readers", (PyCFunction)Ring_slot_readers, METH_NOARGS, "Reader bitmaps."},

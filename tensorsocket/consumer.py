@@ -20,7 +20,7 @@ from .config import UNSET, Unset
 from .control import ControlClient
 from .delivery import Delivery
 from .endpoints import resolve
-from .epoch_cursor import Abandon, EpochCursor, Step
+from .epoch_cursor import Abandon, EpochCursor, InFlight, Step
 from .errors import (
     ConsumerDetached,
     LagWarning,
@@ -231,15 +231,13 @@ class TensorConsumer(LoaderSurface):
         self._state_lock = threading.Lock()  # __iter__ against parking from another thread
         self._attached = True  # False after leaving mid-epoch, until the next batch
         self._held_place = False  # parked between epochs, asking to keep the place
-        self._pending: Any = None  # an entry taken that belongs to the next epoch
+        # What next() took and has not returned yet, and the counts of what it returned.
+        self._flow = InFlight()
         self._skipped_to_align = 0  # entries skipped waiting for an epoch start
+        self._iterators = 0  # iter() calls: the last one's iterator is the current one
         self._local_loader: Any = None  # share(): the caller's own loader (attributes)
         self._set_epoch_warned = False
-        # Counters for stats().
-        self._batches = 0
-        self._samples = 0
-        self._loader_batches = 0
-        self._bytes = 0
+        # Counters for stats() (and those of self._flow).
         self._wait_s = 0.0
         self._rejoins = 0
         self._skipped = 0
@@ -384,61 +382,70 @@ class TensorConsumer(LoaderSurface):
         with self._state_lock:
             if self._cursor.in_epoch:  # an earlier iterator is still mid-epoch: it ends here
                 self._abandon_epoch(self.epoch)
-            self._cursor.begin()
-        return EpochIterator(self)
+            if not self._cursor.in_epoch:  # (else its first next() was interrupted: go on)
+                self._cursor.begin()
+            self._iterators += 1
+            return EpochIterator(self, self._iterators)
 
     def _next_batch(self) -> Any:
-        """The next batch of the current epoch; StopIteration at its end."""
+        """What next() returns next (the batch of the current epoch, unpacked, with its
+        index if asked); StopIteration at the epoch's end. The batch stays in
+        ``self._flow.ready`` until EpochIterator.__next__ counts it as delivered.
+
+        A KeyboardInterrupt (Ctrl-C caught by the loop, which goes on) may land anywhere
+        here; the next call goes on from the state it left: a ring entry taken stays in
+        flow.entry (Ring.acquire puts it there), the cursor places an entry placed already
+        as before and takes it once (see epoch_cursor), the batch made of it waits in
+        flow.loaded, then flow.ready, each moved on in a step with no call in it, and the
+        end of an epoch is counted last, once its other steps (which may be repeated) are
+        done."""
         self._check_process()
-        cursor = self._cursor
-        if not cursor.in_epoch:
-            raise StopIteration
-        if cursor.fresh():
-            _park_idle_siblings(self)  # nobody waits for this process's idle consumers
-        try:
-            while True:
-                if self._rebatcher is None:
-                    batch, n = self._pull()
-                    if n is None:  # neither the loader nor a tensor with a dimension tells
-                        n = 0
-                else:
-                    batch = self._rebatcher.next_batch(self._pull)
-                    n = self._rebatcher.last_samples
-                if not cursor.skip_delivered():  # else taken before the state resumed from
-                    break
-                del batch
-            self._samples += n
-        except EpochEnd:
-            self._end_epoch()
-            self._take_end_marker()
-            raise StopIteration from None
+        cursor, flow = self._cursor, self._flow
+        if flow.ready is None:
+            if not cursor.in_epoch:
+                raise StopIteration
+            if cursor.fresh():
+                _park_idle_siblings(self)  # nobody waits for this process's idle consumers
+            try:
+                while flow.ready is None:
+                    if self._rebatcher is None:
+                        batch, n = self._pull()
+                        # (n None: neither the loader nor a tensor with a dimension tells)
+                        flow.ready, flow.loaded = (batch, n or 0), None
+                    else:
+                        self._rebatcher.next_batch(self._pull, flow)
+                    if cursor.skip:  # taken before the state resumed from: as delivered
+                        cursor.skip -= 1
+                        cursor.delivered += 1
+                        flow.ready = None
+            except EpochEnd:
+                if self._rebatcher is not None:
+                    self._rebatcher.reset()
+                self._take_end_marker()
+                cursor.end()
+                raise StopIteration from None
+        batch = flow.ready[0]
         if self.unpack_fn is not None:
             batch = self.unpack_fn(batch)
-        index = cursor.deliver()
-        self._batches += 1
-        return (index, batch) if self.with_index else batch
-
-    def _end_epoch(self) -> None:
-        self._cursor.end()
-        if self._rebatcher is not None:
-            self._rebatcher.reset()
+        return (cursor.delivered, batch) if self.with_index else batch
 
     def _take_end_marker(self) -> None:
         """After an epoch that ended with its last batch (len() known), take the
         producer's end-of-epoch marker now if it is already published, so that nothing
         of the finished epoch stays unread (an entry of the next epoch is kept for it)."""
-        if not self._cursor.wants_end_marker() or self._pending is not None or \
-                not self._attached:
+        if not self._cursor.wants_end_marker() or not self._attached:
             return
-        try:
-            slot = self._ring.acquire(0)
-        except Exception:  # nothing published yet (or the producer is gone): later
-            self._cursor.marker_unpublished()
-            return
+        entry = self._flow.entry
+        slot = entry[0]  # an entry of the next epoch, or the marker (taken, then interrupted)
+        if slot is None:
+            try:
+                slot = self._ring.acquire(0, entry)
+            except Exception:  # nothing published yet (or the producer is gone): later
+                self._cursor.marker_unpublished()
+                return
         if self._cursor.ends_finished_epoch(slot):
+            entry[0] = None
             slot.release()
-        else:
-            self._pending = slot
 
     def _holding(self) -> bool:
         """Samples of the current epoch are held back, to be delivered (a partial batch
@@ -462,8 +469,10 @@ class TensorConsumer(LoaderSurface):
         if self._closed or os.getpid() != self._pid:
             return
         outcome = self._cursor.abandon(epoch, self._holding())
-        if outcome in (Abandon.COMPLETE, Abandon.LEFT) and self._rebatcher is not None:
-            self._rebatcher.reset()
+        if outcome in (Abandon.COMPLETE, Abandon.LEFT):
+            self._flow.drop()
+            if self._rebatcher is not None:
+                self._rebatcher.reset()
         if outcome is not Abandon.LEFT:
             return
         if self.world_size > 1 and self._aligned:
@@ -479,9 +488,8 @@ class TensorConsumer(LoaderSurface):
         while; the producer keeps its place (and the entry it took ahead) for
         park_hold seconds once others read, so that it reads the same next epoch as
         the jobs it started with."""
-        if self._pending is not None and not hold:
-            self._pending.release()
-            self._pending = None
+        if not hold:
+            self._drop_entry()
         self._cursor.parked()
         if self._attached and not self._closed:
             self._attached = False
@@ -501,67 +509,87 @@ class TensorConsumer(LoaderSurface):
             if self._client.unpark():
                 self._attached = True
                 return
-            if self._pending is not None:  # an entry of the place given up
-                self._pending.release()
-                self._pending = None
         self._attach_again()
+
+    def _drop_entry(self) -> None:
+        """Release the ring entry taken and not used (kept for the next epoch)."""
+        entry = self._flow.entry
+        slot, entry[0] = entry[0], None
+        if slot is not None:
+            slot.release()
 
     # -- the loader batches of this consumer's epoch ----------------------------------
 
     def _pull(self) -> tuple[Any, int | None]:
         """The next loader batch of this consumer's epoch and its sample count if the
-        loader tells; EpochEnd after its last."""
-        self._ensure_attached()
-        if self._aligned:
-            return self._pull_aligned()
-        return self._pull_window()
+        loader tells, made into flow.loaded unless one is there; EpochEnd after its last.
+        It leaves flow.loaded in the caller's step that hands it on."""
+        flow = self._flow
+        if flow.loaded is None:
+            self._ensure_attached()
+            if self._aligned:
+                self._pull_aligned()
+            else:
+                self._pull_window()
+        return flow.loaded  # type: ignore[return-value]
 
-    def _pull_aligned(self) -> tuple[Any, int | None]:
+    def _pull_aligned(self) -> None:
         """_pull for aligned epochs: each epoch of this consumer is one whole epoch of the
         producer, from its first batch; a consumer that attached mid-epoch skips to the
         next epoch's start. In a group, this rank's share of it (see EpochCursor)."""
+        cursor, entry = self._cursor, self._flow.entry
         while True:
-            if self._cursor.source_done:
-                raise EpochEnd
-            slot, self._pending = (self._pending or self._acquire()), None
-            step = self._cursor.place(slot)
+            slot = entry[0]
+            if slot is None:
+                if cursor.source_done:
+                    raise EpochEnd
+                slot = self._acquire()
+            step = cursor.place(slot)
             if step is Step.TAKE:
-                return self._take(slot)
+                self._take(slot)
+                return
             if step is Step.END_BEFORE:
-                self._pending = slot  # the next epoch's first entry
-                raise EpochEnd
+                raise EpochEnd  # the entry stays: the next epoch's first
+            entry[0] = None
+            slot.release()
             if step is Step.SKIP:
                 self._skip_to_align(slot)
-                continue
-            slot.release()
-            if step is Step.END:
+            elif step is Step.END:
                 raise EpochEnd
 
-    def _pull_window(self) -> tuple[Any, int | None]:
+    def _pull_window(self) -> None:
         """_pull with align_epochs=False: a late joiner's epoch is the next len() batches
         from where it started (see docs/usage.md)."""
+        cursor, entry = self._cursor, self._flow.entry
         while True:
-            if self._cursor.source_done:
-                raise EpochEnd
-            slot = self._acquire()
-            step = self._cursor.place(slot)
+            slot = entry[0]
+            if slot is None:
+                if cursor.source_done:
+                    raise EpochEnd
+                slot = self._acquire()
+            step = cursor.place(slot)
             if step is Step.TAKE:
-                return self._take(slot)
+                self._take(slot)
+                return
+            entry[0] = None
             slot.release()
             if step is Step.END:
                 raise EpochEnd
 
-    def _take(self, slot: Any) -> tuple[Any, int | None]:
-        """The batch of a slot of this epoch, and its sample count if known: the loader's,
-        or else (without a re-batcher, whose own rules count the rest) dim 0 of the batch's
-        first tensor with a dimension; None otherwise."""
-        epoch, index = slot.epoch, slot.index
-        self._loader_batches += 1
-        self._bytes += slot.nbytes
-        n = self._shape.samples_in(index)
+    def _take(self, slot: Any) -> None:
+        """Make the batch of a slot of this epoch into flow.loaded, with its sample count
+        if known: the loader's, or else (without a re-batcher, whose own rules count the
+        rest) dim 0 of the batch's first tensor with a dimension; None otherwise. Made
+        again if an interrupt comes before it is there (the slot stays in flow.entry)."""
+        n = self._shape.samples_in(slot.index)
         batch, leading = self._delivery.build(slot, n is None and self._rebatcher is None)
-        self._cursor.taken(epoch, index)
-        return batch, leading if n is None else n
+        self._cursor.taken(slot)
+        flow = self._flow
+        # One step (no call): the entry is used up, its batch is made and counted.
+        flow.loaded, flow.entry[0] = (batch, leading if n is None else n), None
+        flow.loader_batches += 1
+        flow.bytes += slot.nbytes
+        slot.release()
 
     def _skip_to_align(self, slot: Any) -> None:
         """Drop an entry taken while waiting for the start of an epoch."""
@@ -577,7 +605,7 @@ class TensorConsumer(LoaderSurface):
         """The next ring entry for us, with errors turned into what the caller needs."""
         self._ensure_attached()
         try:  # published already (a consumer that keeps up): no wait, nothing to check
-            slot = self._ring.try_acquire()
+            slot = self._ring.try_acquire(self._flow.entry)
         except (ProducerFinished, ProducerGone, ConsumerDetached):
             slot = None  # the waiting acquire below raises it again, and says what it means
         if slot is not None:
@@ -636,7 +664,8 @@ class TensorConsumer(LoaderSurface):
 
     def _acquire_slot(self) -> Any:
         """Ring.acquire within batch_timeout; warns once if the wait is this consumer's
-        own doing (see diagnosis.blocking_held_slots)."""
+        own doing (see diagnosis.blocking_held_slots). The slot is put in flow.entry."""
+        box = self._flow.entry
         if _has_idle_siblings(self) and (self.batch_timeout is None
                                          or self.batch_timeout > SIBLING_PARK_AFTER):
             # This process may be about to wait here while another of its consumers sits
@@ -644,7 +673,7 @@ class TensorConsumer(LoaderSurface):
             # training): if the wait lasts, that one parks, so no two jobs wait on each
             # other through two rings.
             try:
-                return self._ring.acquire(SIBLING_PARK_AFTER)
+                return self._ring.acquire(SIBLING_PARK_AFTER, box)
             except TimeoutError:
                 _park_idle_siblings(self)
         deadline = None if self.batch_timeout is None else \
@@ -665,15 +694,15 @@ class TensorConsumer(LoaderSurface):
             wait = left()
             step = SET_ASIDE_AFTER if wait is None else min(SET_ASIDE_AFTER, wait)
             try:
-                return self._ring.acquire(step)
+                return self._ring.acquire(step, box)
             except TimeoutError:
                 if wait is not None and step >= wait:
                     raise
         wait = left()
         if wait is not None and wait <= STALL_WARN_AFTER:
-            return self._ring.acquire(wait)
+            return self._ring.acquire(wait, box)
         try:
-            return self._ring.acquire(STALL_WARN_AFTER)
+            return self._ring.acquire(STALL_WARN_AFTER, box)
         except TimeoutError:
             held = self._held_slots_blocking()
             if held:
@@ -681,7 +710,7 @@ class TensorConsumer(LoaderSurface):
                     STALL_WARN_AFTER, held, self._ring.info()["slot_count"])
                 log.warning("%s", message)
                 warnings.warn(message, TensorSocketWarning, stacklevel=6)
-        return self._ring.acquire(left())
+        return self._ring.acquire(left(), box)
 
     def _held_slots_blocking(self) -> int:
         """Slots this consumer holds, if one is the slot the producer must reuse next."""
@@ -715,6 +744,9 @@ class TensorConsumer(LoaderSurface):
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
+        # An entry kept from the place given up (also when an interrupt cut unpark short:
+        # a new place may start at that very entry, which would then come twice).
+        self._drop_entry()
         self._set_aside_held()
         self._client.stop_heartbeats()
         welcome = self._client.hello(self._own_batch_size, self.group, self.rank,
@@ -817,10 +849,10 @@ class TensorConsumer(LoaderSurface):
             "device": self.device,
             "zero_copy_gpu": self._delivery.gpu_import,
             "device_fallback_reason": self.device_fallback_reason,
-            "batches": self._batches,
-            "samples": self._samples,
-            "loader_batches": self._loader_batches,
-            "bytes": self._bytes,
+            "batches": self._flow.batches,
+            "samples": self._flow.samples,
+            "loader_batches": self._flow.loader_batches,
+            "bytes": self._flow.bytes,
             "wait_seconds": self._wait_s,
             "lag": lag,
             "rejoins": self._rejoins,
@@ -834,11 +866,12 @@ class EpochIterator:
     """One epoch of a TensorConsumer. Keeps no reference to the batches it returned,
     so a batch's ring slot is released as soon as the caller drops it."""
 
-    __slots__ = ("_consumer", "_epoch")
+    __slots__ = ("_consumer", "_epoch", "_serial")
 
-    def __init__(self, consumer: TensorConsumer) -> None:
+    def __init__(self, consumer: TensorConsumer, serial: int) -> None:
         self._consumer = consumer
         self._epoch = consumer.epoch
+        self._serial = serial  # which iter() of the consumer made it
 
     def __iter__(self) -> "EpochIterator":
         """The iterator itself."""
@@ -846,20 +879,35 @@ class EpochIterator:
 
     def __next__(self) -> Any:
         """The next batch of this epoch; StopIteration at its end."""
-        if self._consumer.epoch != self._epoch:
+        consumer = self._consumer
+        if consumer.epoch != self._epoch:
             raise StopIteration
-        return self._consumer._next_batch()
+        out = consumer._next_batch()
+        # Delivered: counted in one step with the return (no call in between, where a
+        # KeyboardInterrupt could land: until here the batch stays for the next next()).
+        flow = consumer._flow
+        flow.samples += flow.ready[1]  # type: ignore[index]
+        flow.ready = None
+        flow.batches += 1
+        consumer._cursor.delivered += 1
+        return out
 
     def close(self) -> None:
         """Leave this epoch now (as when the iterator is dropped mid-epoch)."""
-        self._consumer._abandon_epoch(self._epoch)
+        self._abandon()
 
     def __del__(self) -> None:
         """Dropped mid-epoch: leave the ring (see TensorConsumer)."""
         try:
-            self._consumer._abandon_epoch(self._epoch)
+            self._abandon()
         except Exception:  # never raise from a finalizer
             pass
+
+    def _abandon(self) -> None:
+        """Leave this iterator's epoch, unless a later iterator took it over (one made
+        after this one was interrupted before it returned a batch goes on with it)."""
+        if self._serial == self._consumer._iterators:
+            self._consumer._abandon_epoch(self._epoch)
 
     def __len__(self) -> int:
         """Batches in the whole epoch (as ``len(consumer)``)."""

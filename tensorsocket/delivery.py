@@ -115,7 +115,8 @@ class Delivery:
         """Turn a slot into the loader's batch structure of tensors and values. With count,
         also the batch's sample count as far as its tensors tell: dim 0 of the first tensor
         or array with a dimension, in the batch's order (None if it holds none, or without
-        count)."""
+        count). The slot's own hold stays (the caller releases it; until then it may build
+        again, after an interrupt); the tensors hold it as long as they live."""
         build, kinds = self._decoder.compile(slot.meta)
         if self.gpu_import:
             leaves = self._device_leaves(slot, kinds)
@@ -130,7 +131,6 @@ class Delivery:
                 else:
                     array = np.from_dlpack(view)
                     leaves.append(array.copy() if self.copy else array)
-        slot.release()
         leading = None
         for leaf in leaves if count else ():  # in the batch's order (structure.flatten)
             if leaf.ndim:

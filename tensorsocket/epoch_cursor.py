@@ -19,6 +19,14 @@ A consumer's epoch is cut out of that stream:
 ``EpochCursor`` holds that state and makes those decisions; it never touches
 the ring. The consumer shows it each entry it takes (``place()``) and does
 what the answer says (deliver the batch, drop the entry, end the epoch).
+
+A KeyboardInterrupt (a Ctrl-C the loop catches, going on) may land anywhere in the
+consumer's next(), and the next next() must go on as if it had not. So every change of
+the cursor is one step that an interrupt cannot split (the new values are worked out
+first, then set in one statement of plain attribute stores, see ``_apply``), and each is done
+at most once per entry (``place()`` of an entry it placed already answers as before;
+``taken()`` of one it took already does nothing): the consumer repeats the steps of an
+entry it still holds (see ``InFlight``) after an interrupt.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ class Entry(Protocol):
     """What the cursor reads of a ring entry (a Slot has these)."""
 
     is_end_of_epoch: bool
+    seq: int  # its place in the ring's stream (one entry, one seq)
     epoch: int  # the producer epoch it belongs to
     index: int  # its batch index in that epoch (the batch count, for an end marker)
 
@@ -38,7 +47,7 @@ class Entry(Protocol):
 class Step(enum.Enum):
     """What to do with an entry the consumer took (see EpochCursor.place)."""
 
-    TAKE = "take"  # a batch of this epoch: build and deliver it, then call taken()
+    TAKE = "take"  # a batch of this epoch: make it, call taken(), and deliver it
     DROP = "drop"  # not this consumer's (another rank's batch, an end marker): next one
     SKIP = "skip"  # a batch before the epoch start this consumer waits for: next one
     END = "end"  # the epoch ended here; the entry (its end marker) is used up
@@ -50,6 +59,7 @@ class Abandon(enum.Enum):
 
     NOTHING = "nothing"  # not the current epoch (an old iterator): nothing to do
     UNSTARTED = "unstarted"  # iter() without next(): as if never started
+    KEPT = "kept"  # nothing delivered, but batches taken: the next iterator goes on with it
     COMPLETE = "complete"  # every batch was delivered: the epoch is done
     LEFT = "left"  # left mid-way (break): done; the next starts at a producer epoch start
 
@@ -93,6 +103,10 @@ class EpochCursor:
         self.want_epoch = 0
         # Windowed: the first producer position (epoch, index) past this epoch.
         self.epoch_end: tuple[int, int] | None = None
+        # (seq, step) of the last entry placed in this epoch, and the seq of the last one
+        # taken: place() and taken() of the same entry again change nothing.
+        self.placed: tuple[int, Step] | None = None
+        self.taken_seq = -1
 
     # -- epochs ------------------------------------------------------------------------
 
@@ -104,6 +118,7 @@ class EpochCursor:
         self.delivered = 0
         self.group_taken = 0
         self.skip, self.resume_skip = self.resume_skip, 0
+        self.placed = None  # an entry kept for this epoch (END_BEFORE) is placed anew
 
     def fresh(self) -> bool:
         """Nothing of the current epoch was taken or delivered yet."""
@@ -124,99 +139,120 @@ class EpochCursor:
         stops at len() leaves the epoch open)."""
         return not self.in_epoch or self.complete(holding)
 
-    def skip_delivered(self) -> bool:
-        """A batch was made: whether it is one to skip (taken before the state this epoch
-        resumes from, load_state_dict); if so it counts as delivered."""
-        if self.skip == 0:
-            return False
-        self.skip -= 1
-        self.delivered += 1
-        return True
-
     def deliver(self) -> int:
-        """A batch is returned: its index in this epoch."""
+        """A batch is returned: its index in this epoch. (The consumer counts its batches
+        itself, in the step that returns one; see EpochIterator.__next__.)"""
         index = self.delivered
         self.delivered += 1
         return index
 
     def abandon(self, epoch: int, holding: bool) -> Abandon:
         """The iterator of `epoch` was dropped or replaced before StopIteration. An epoch
-        that delivered nothing is as if never started; one that delivered all its batches
-        (a loop that takes exactly len() of them) counts as done; otherwise it was left
-        mid-way and the next epoch starts at the producer's next one."""
+        that delivered nothing is as if never started, or, if it took batches already
+        (its first next() was interrupted), goes on with them in the next iterator; one
+        that delivered all its batches (a loop that takes exactly len() of them) counts as
+        done; otherwise it was left mid-way and the next epoch starts at the producer's
+        next one."""
         if not self.in_epoch or self.epoch != epoch:
             return Abandon.NOTHING
         if self.fresh():
             self.in_epoch = False
             return Abandon.UNSTARTED
+        if self.delivered == 0:
+            return Abandon.KEPT
         complete = self.complete(holding)
         self.end()
         if complete:
             return Abandon.COMPLETE
-        self._next_epoch_whole()
+        self._apply(self._next_epoch_whole())
         return Abandon.LEFT
 
     # -- entries -----------------------------------------------------------------------
 
     def place(self, entry: Entry) -> Step:
-        """Where `entry`, the next ring entry this consumer took, stands in its epoch."""
-        self.after_end_marker = entry.is_end_of_epoch
+        """Where `entry`, the next ring entry this consumer took, stands in its epoch. The
+        same answer, with no change, for the entry placed last (placed again after an
+        interrupt); END_BEFORE for any other once the epoch had its last batch."""
+        placed, seq = self.placed, entry.seq
+        if placed is not None and placed[0] == seq:
+            return placed[1]
+        if self.source_done and self.in_epoch:
+            return Step.END_BEFORE
+        if self.world_size == 1 and self.aligned and entry.epoch == self.producer_epoch \
+                and not entry.is_end_of_epoch:
+            # The common case, a batch of the producer epoch being read: in one step of
+            # plain stores (no call), as _place_aligned's changes would be.
+            self.end_marker_unread = self.after_end_marker = False
+            self.pulled += 1
+            self.placed = (seq, Step.TAKE)
+            return Step.TAKE
         if self.aligned:
-            return self._place_aligned(entry)
-        return self._place_windowed(entry)
+            step, changes = self._place_aligned(entry)
+        else:
+            step, changes = self._place_windowed(entry)
+        changes["after_end_marker"] = entry.is_end_of_epoch
+        changes["placed"] = (entry.seq, step)
+        self._apply(changes)
+        return step
 
-    def _place_aligned(self, entry: Entry) -> Step:
-        self.end_marker_unread = False
+    def _place_aligned(self, entry: Entry) -> tuple[Step, dict]:
+        """place(), aligned: the step and the changes of the cursor, not yet made."""
+        want = self.want_epoch
         if entry.is_end_of_epoch:
             if self.producer_epoch is not None and entry.epoch == self.producer_epoch:
-                self._finish_source()
-                return Step.END
-            self.want_epoch = max(self.want_epoch, entry.epoch + 1)
-            return Step.DROP
+                return Step.END, self._source_finished(end_marker_unread=False)
+            return Step.DROP, {"want_epoch": max(want, entry.epoch + 1),
+                               "end_marker_unread": False}
+        changes: dict = {"end_marker_unread": False}
         if self.producer_epoch is None:
-            if entry.index != 0 or entry.epoch < self.want_epoch:
+            if entry.index != 0 or entry.epoch < want:
                 if entry.index != 0:
-                    self.want_epoch = max(self.want_epoch, entry.epoch + 1)
-                return Step.SKIP
-            self.producer_epoch = entry.epoch
+                    changes["want_epoch"] = max(want, entry.epoch + 1)
+                return Step.SKIP, changes
+            changes["producer_epoch"] = entry.epoch
         elif entry.epoch != self.producer_epoch:
             # The next epoch began with no end marker for ours: ours ends here.
-            self._finish_source()
-            return Step.END_BEFORE
+            return Step.END_BEFORE, self._source_finished(end_marker_unread=False)
         if self.world_size > 1:
             if entry.index % self.world_size != self.rank or \
                     entry.index >= self.group_batches() * self.world_size:
-                return Step.DROP  # another rank's batch, or one no rank takes
-            self.group_taken += 1
-        self.pulled += 1
-        return Step.TAKE
+                return Step.DROP, changes  # another rank's batch, or one no rank takes
+            changes["group_taken"] = self.group_taken + 1
+        changes["pulled"] = self.pulled + 1
+        return Step.TAKE, changes
 
-    def _place_windowed(self, entry: Entry) -> Step:
+    def _place_windowed(self, entry: Entry) -> tuple[Step, dict]:
+        """place(), windowed: the step and the changes of the cursor, not yet made."""
         if entry.is_end_of_epoch:
             if self.epoch_end is not None and (entry.epoch + 1, 0) >= self.epoch_end:
                 # The producer's epoch ended here (perhaps cut short): the next of ours
                 # starts with its next epoch, aligned with it from now on.
-                self.source_done = True
-                self.epoch_end = (entry.epoch + 2, 0)
-                return Step.END
-            return Step.DROP
+                return Step.END, {"source_done": True, "epoch_end": (entry.epoch + 2, 0)}
+            return Step.DROP, {}
+        changes: dict = {"pulled": self.pulled + 1}
         if self.epoch_end is None:  # the first batch since we attached: anchor epochs
-            self.epoch_end = (entry.epoch + 1, entry.index)
-        self.pulled += 1
-        return Step.TAKE
+            changes["epoch_end"] = (entry.epoch + 1, entry.index)
+        return Step.TAKE, changes
 
-    def taken(self, epoch: int, index: int) -> None:
-        """The batch at producer position (epoch, index) that place() said to TAKE was
-        delivered: if it was the last of this epoch, the source of the epoch is done."""
-        if self.aligned:
-            if self.last_of_epoch(index):
-                self._finish_source()
+    def taken(self, entry: Entry) -> None:
+        """The batch of `entry`, which place() said to TAKE, is made: if it was the last of
+        this epoch, the source of the epoch is done. Nothing for an entry taken already."""
+        seq = entry.seq
+        if seq == self.taken_seq:
             return
-        assert self.epoch_end is not None
-        if (epoch, index + 1) >= self.epoch_end:
-            # The next epoch ends a producer epoch later.
-            self.source_done = True
-            self.epoch_end = (self.epoch_end[0] + 1, self.epoch_end[1])
+        changes: dict = {"taken_seq": seq}
+        if self.aligned:
+            if not self.last_of_epoch(entry.index):
+                self.taken_seq = seq  # (the only change: one step)
+                return
+            changes.update(self._source_finished())
+        else:
+            assert self.epoch_end is not None
+            if (entry.epoch, entry.index + 1) >= self.epoch_end:
+                # The next epoch ends a producer epoch later.
+                changes.update(source_done=True,
+                               epoch_end=(self.epoch_end[0] + 1, self.epoch_end[1]))
+        self._apply(changes)
 
     def group_batches(self) -> int:
         """Loader batches each rank of the group takes per epoch (the same for every
@@ -234,16 +270,33 @@ class EpochCursor:
             return self.group_taken >= self.group_batches()
         return index >= self.length - 1
 
-    def _finish_source(self) -> None:
-        """This epoch had its last loader batch; the next starts with the producer's next."""
-        self.source_done = True
-        self._next_epoch_whole()
+    def _apply(self, changes: dict) -> None:
+        """Make `changes` (attribute: new value) in one statement of plain stores, which
+        no KeyboardInterrupt can split (an interrupt comes at a call, or at a jump back;
+        ``self.__dict__.update`` would do too, but it slows every later attribute read of
+        the cursor)."""
+        get = changes.get
+        new = (get("end_marker_unread", self.end_marker_unread),
+               get("after_end_marker", self.after_end_marker),
+               get("want_epoch", self.want_epoch), get("producer_epoch", self.producer_epoch),
+               get("source_done", self.source_done), get("group_taken", self.group_taken),
+               get("pulled", self.pulled), get("epoch_end", self.epoch_end),
+               get("placed", self.placed), get("taken_seq", self.taken_seq))
+        (self.end_marker_unread, self.after_end_marker, self.want_epoch, self.producer_epoch,
+         self.source_done, self.group_taken, self.pulled, self.epoch_end, self.placed,
+         self.taken_seq) = new
 
-    def _next_epoch_whole(self) -> None:
-        """The next epoch is the producer's next one, from its start."""
-        if self.producer_epoch is not None:
-            self.want_epoch = max(self.want_epoch, self.producer_epoch + 1)
-        self.producer_epoch = None
+    def _source_finished(self, **more: object) -> dict:
+        """The changes for: this epoch had its last loader batch; the next starts with the
+        producer's next (with `more` changes)."""
+        return {"source_done": True, **self._next_epoch_whole(), **more}
+
+    def _next_epoch_whole(self) -> dict:
+        """The changes for: the next epoch is the producer's next one, from its start."""
+        if self.producer_epoch is None:
+            return {}
+        return {"want_epoch": max(self.want_epoch, self.producer_epoch + 1),
+                "producer_epoch": None}
 
     # -- the producer's end marker -----------------------------------------------------
 
@@ -274,8 +327,7 @@ class EpochCursor:
     def attached_again(self) -> None:
         """The consumer took a new place in the ring: epochs are anchored again at the
         next batch; an epoch cut short is followed by a whole one."""
-        self.epoch_end = None
-        self._next_epoch_whole()
+        self._apply({"epoch_end": None, **self._next_epoch_whole()})
 
     def rejoined(self) -> bool:
         """The consumer was detached for lagging and took a new place as a late joiner:
@@ -307,3 +359,33 @@ class EpochCursor:
                                "iterating the consumer")
         self.epoch = epoch
         self.resume_skip = skip
+
+
+class InFlight:
+    """What a consumer's next() took and has not yet returned, and its counts of what it
+    did return: the state that a KeyboardInterrupt landing anywhere in next() must leave
+    whole. Each field is set in a step with no Python call in it (a plain object's
+    attributes: a share() consumer's own go through its __setattr__), so an interrupt
+    finds a batch either returned and counted, or still here for the next next().
+
+    entry: [Slot or None], the ring entry taken and not yet used up (Ring.acquire puts it
+    there itself, so that an interrupt as the call returns cannot lose it; an entry kept
+    for the next epoch, too). loaded: (batch, samples or None), the loader batch made of
+    it, not yet handed on. ready: (batch, samples), the batch next() returns next.
+    """
+
+    __slots__ = ("entry", "loaded", "ready", "batches", "samples", "loader_batches", "bytes")
+
+    def __init__(self) -> None:
+        """Nothing taken yet."""
+        self.entry: list = [None]
+        self.loaded: tuple | None = None
+        self.ready: tuple | None = None
+        self.batches = 0  # delivered
+        self.samples = 0  # in the batches delivered
+        self.loader_batches = 0  # ring entries made into batches
+        self.bytes = 0  # ... and their bytes
+
+    def drop(self) -> None:
+        """Forget the batches made of the current epoch (it was left)."""
+        self.loaded = self.ready = None

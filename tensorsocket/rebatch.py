@@ -28,6 +28,8 @@ from typing import Any, Callable, cast
 import numpy as np
 import torch
 
+from .epoch_cursor import InFlight
+
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
@@ -146,9 +148,9 @@ def _combine(pieces: list[Piece], path: str) -> Any:
 class Rebatcher:
     """Cuts a stream of loader batches into batches of batch_size samples.
 
-    next_batch(pull) returns the next consumer batch; pull() gives the next
-    loader batch of the consumer's epoch with its sample count if known
-    (else None), or raises EpochEnd. At the end of an
+    next_batch(pull, flow) makes the next consumer batch (into flow.ready);
+    pull() gives the next loader batch of the consumer's epoch with its sample
+    count if known (else None), or raises EpochEnd. At the end of an
     epoch the last, partial batch is returned unless drop_last; then EpochEnd
     propagates. Samples never cross an epoch boundary.
     """
@@ -164,7 +166,6 @@ class Rebatcher:
         # waits) and the caller goes on, the next batch starts with them.
         self._pieces: list[Piece] = []
         self.dropped_samples = 0
-        self.last_samples = 0  # samples in the batch next_batch returned last
 
     def reset(self) -> None:
         """Forget a partly used loader batch and a partly made batch (the epoch was cut
@@ -176,41 +177,43 @@ class Rebatcher:
         """Whether samples taken from the loader's batches are not yet returned."""
         return self._current is not None or bool(self._pieces)
 
-    def next_batch(self, pull: Callable[[], Any]) -> Any:
-        """The next consumer batch, made of the loader batches pull() gives (see the
-        class docstring); sets last_samples to its sample count. If pull() raises
-        anything but EpochEnd, the samples taken so far stay here for the next call."""
+    def next_batch(self, pull: Callable[[], Any], flow: InFlight) -> None:
+        """Make the next consumer batch of the loader batches pull() gives (see the class
+        docstring), into ``flow.ready`` as (batch, samples). pull() makes the next loader
+        batch into ``flow.loaded`` ((batch, samples or None)), unless one is there, and
+        returns it; it leaves there in the step that puts it here. If pull() raises
+        anything but EpochEnd (batch_timeout's TimeoutError, a KeyboardInterrupt), or an
+        interrupt lands anywhere here, the samples taken so far stay for the next call:
+        every change is one step with no call in it."""
         while (need := self.batch_size - _samples_of(self._pieces)) > 0:
             if self._current is None:
                 try:
                     batch, n = pull()
                 except EpochEnd:
                     if self._pieces and not self.drop_last:
-                        return self._hand_over(self.batch_size - need)
-                    self.dropped_samples += _samples_of(self._pieces)
-                    self._pieces = []
+                        self._hand_over(flow, self.batch_size - need)
+                        return
+                    dropped = self.dropped_samples + _samples_of(self._pieces)
+                    self.dropped_samples, self._pieces = dropped, []
                     raise
                 if n is None:
                     n = batch_samples(batch)
-                if n == 0:
-                    continue
-                self._current = [batch, n, 0]
+                self._current, flow.loaded = ([batch, n, 0] if n else None), None
+                continue
             batch, n, offset = self._current
             take = min(need, n - offset)
             piece = (batch, offset, offset + take, n)
             rest = None if offset + take == n else [batch, n, offset + take]
-            # Both in one step, with no call in between: an exception (a signal's) never
-            # finds these samples both in the batch being made and still in _current.
+            # Both in one step: the samples are never both in the batch being made and
+            # still in _current, nor in neither.
             self._pieces, self._current = self._pieces + [piece], rest
-        return self._hand_over(self.batch_size)
+        self._hand_over(flow, self.batch_size)
 
-    def _hand_over(self, samples: int) -> Any:
-        """The batch of the pieces taken; they leave only once it is made (an exception
-        while it is made leaves them here)."""
+    def _hand_over(self, flow: InFlight, samples: int) -> None:
+        """The batch of the pieces taken, into flow.ready: they leave in the same step
+        (an exception while it is made leaves them here)."""
         batch = combine(self._pieces)
-        self._pieces = []
-        self.last_samples = samples
-        return batch
+        flow.ready, self._pieces = (batch, samples), []
 
 
 def _samples_of(pieces: list[Piece]) -> int:

@@ -1,6 +1,6 @@
 """EpochCursor alone: a consumer's epoch state and its decisions on the producer's stream
 of ring entries, without a ring or a process. Each test drives the cursor as
-TensorConsumer does: place() every entry it takes, taken() after each batch it delivers,
+TensorConsumer does: place() every entry it takes, taken() after each batch it makes,
 end() at StopIteration."""
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ class Entry:
     epoch: int
     index: int
     is_end_of_epoch: bool = False
+
+    @property
+    def seq(self) -> int:
+        """Its place in the stream (the producer's stream has one entry per position)."""
+        return self.epoch * 100000 + self.index * 2 + self.is_end_of_epoch
 
 
 def stream(epochs: int, length: int, first_epoch: int = 0) -> list[Entry]:
@@ -40,7 +45,7 @@ def read_epoch(cursor: EpochCursor, entries: list[Entry]) -> tuple[list[tuple[in
         if step is Step.TAKE:
             got.append((entry.epoch, entry.index))
             cursor.deliver()
-            cursor.taken(entry.epoch, entry.index)
+            cursor.taken(entry)
         elif step is Step.END_BEFORE:
             kept = entry
             break
@@ -101,7 +106,7 @@ def test_a_late_joiner_skips_to_the_next_epoch_start():
         entry = entries.pop(0)
         assert cursor.place(entry) is Step.TAKE
         got.append(entry.index)
-        cursor.taken(entry.epoch, entry.index)
+        cursor.taken(entry)
     assert got == list(range(5)) and cursor.want_epoch == 2
 
 
@@ -131,7 +136,7 @@ def test_break_mid_epoch_leaves_it_and_the_next_epoch_is_whole():
         entry = entries.pop(0)
         assert cursor.place(entry) is Step.TAKE
         cursor.deliver()
-        cursor.taken(entry.epoch, entry.index)
+        cursor.taken(entry)
     assert cursor.abandon(cursor.epoch, holding=False) is Abandon.LEFT
     assert cursor.epoch == 1 and not cursor.in_epoch and cursor.want_epoch == 1
     assert cursor.abandon(0, holding=False) is Abandon.NOTHING  # an old iterator
@@ -151,7 +156,7 @@ def test_abandon_without_a_batch_or_after_the_last_one():
     for entry in stream(1, 2)[:2]:
         cursor.place(entry)
         cursor.deliver()
-        cursor.taken(entry.epoch, entry.index)
+        cursor.taken(entry)
     assert cursor.complete(holding=False) and not cursor.complete(holding=True)
     assert cursor.idle(holding=False) and not cursor.idle(holding=True)
     assert cursor.abandon(0, holding=False) is Abandon.COMPLETE  # a loop that took len()
@@ -197,7 +202,7 @@ def test_producer_finishing_mid_window_ends_the_epoch_with_what_came():
     cursor.begin()
     for entry in (Entry(0, 2), Entry(0, 3), Entry(0, 4, True)):
         if cursor.place(entry) is Step.TAKE:
-            cursor.taken(entry.epoch, entry.index)
+            cursor.taken(entry)
     assert cursor.finished_between_windows() and cursor.source_done
     fresh = EpochCursor(aligned=False, length=4)
     fresh.begin()
@@ -209,7 +214,8 @@ def test_resume_skips_the_batches_taken_before():
     cursor.resume(3, 2)
     assert cursor.epoch == 3 and cursor.state() == (3, 0)
     cursor.begin()
-    assert [cursor.skip_delivered() for _ in range(3)] == [True, True, False]
+    assert cursor.skip == 2  # the consumer drops that many batches, counted as delivered
+    cursor.skip, cursor.delivered = 0, 2
     assert cursor.deliver() == 2 and cursor.state() == (3, 3)
 
 
@@ -217,7 +223,46 @@ def test_attaching_again_after_an_epoch_cut_short_starts_a_whole_one():
     cursor = EpochCursor(aligned=True, length=4)
     cursor.begin()
     cursor.place(Entry(5, 0))
-    cursor.taken(5, 0)
+    cursor.taken(Entry(5, 0))
     assert cursor.rejoined() and cursor.source_done  # it had batches: it ends here
     cursor.attached_again()
     assert cursor.producer_epoch is None and cursor.want_epoch == 6
+
+
+def test_an_entry_placed_or_taken_again_changes_nothing():
+    """A KeyboardInterrupt after place() or taken() and before the consumer did what they
+    said: the consumer does the entry's steps again, and the cursor answers as before
+    without counting it twice (the last batch of the epoch too)."""
+    entries = stream(2, 3)
+    cursor = EpochCursor(aligned=True, length=3)
+    cursor.begin()
+    for entry in entries[:3]:
+        assert cursor.place(entry) is Step.TAKE
+        before = dict(vars(cursor))
+        assert cursor.place(entry) is Step.TAKE and vars(cursor) == before
+        cursor.taken(entry)
+        after = dict(vars(cursor))
+        cursor.taken(entry)
+        assert cursor.place(entry) is Step.TAKE and vars(cursor) == after
+    assert cursor.pulled == 3 and cursor.source_done
+    # Once the epoch had its last batch, any other entry belongs to the next one.
+    assert cursor.place(entries[4]) is Step.END_BEFORE and cursor.pulled == 3
+    cursor.end()
+    cursor.begin()
+    assert cursor.place(entries[3]) is Step.DROP  # epoch 0's marker
+    assert cursor.place(entries[4]) is Step.TAKE and cursor.producer_epoch == 1
+
+
+def test_an_iterator_replaced_before_its_first_batch_keeps_the_entries_taken():
+    """The first next() of an epoch took a batch and was interrupted before returning it;
+    the loop makes a new iterator: the epoch goes on with that batch (it is not left, as
+    one that delivered batches is, which would skip the rest of the producer's epoch)."""
+    entries = stream(2, 3)
+    cursor = EpochCursor(aligned=True, length=3)
+    cursor.begin()
+    assert cursor.place(entries[0]) is Step.TAKE
+    assert cursor.abandon(0, holding=False) is Abandon.KEPT
+    assert cursor.in_epoch and cursor.producer_epoch == 0 and cursor.pulled == 1
+    assert cursor.place(entries[0]) is Step.TAKE  # the same entry, made again
+    cursor.deliver()
+    assert cursor.abandon(0, holding=False) is Abandon.LEFT  # it delivered one: left

@@ -1,14 +1,18 @@
-"""A consumer that cuts its own batches (batch_size=) loses no sample when a pull is
-interrupted (batch_timeout's TimeoutError, a KeyboardInterrupt during the wait) and its
-loop catches the exception and goes on: the samples it had already taken come first in
-its next batch. Real producer and consumer processes."""
+"""A consumer loses no sample when a pull is interrupted (batch_timeout's TimeoutError, a
+KeyboardInterrupt during the wait or anywhere else in next()) and its loop catches the
+exception and goes on: with batch_size=, the samples it had already taken come first in
+its next batch; a storm of SIGINTs loses and repeats nothing. Real producer and consumer
+processes."""
 
 from __future__ import annotations
 
 import json
+import random
 import signal
 import subprocess
 import time
+
+import pytest
 
 
 LOADER_BATCHES = 40
@@ -138,3 +142,133 @@ def test_keyboard_interrupt_during_the_wait_loses_no_sample(procs, name, tmp_pat
     _finish(prod)
     assert result["interrupts"] == 1
     _check_every_sample_once(result)
+
+
+# A storm of SIGINTs that land anywhere in a consumer's next() (a notebook's Ctrl-C, caught
+# and the loop going on): every batch is delivered or still there for the next next().
+# Epoch e of the producer has STORM_BATCHES loader batches; batch b carries the sample ids
+# (e * STORM_BATCHES + b) * 16 + 0..15.
+STORM_BATCHES = 60
+
+STORM_PRODUCER = r"""
+import sys, torch
+from tensorsocket import TensorProducer
+
+name, epochs, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+class Loader:
+    batch_size = 16
+
+    def __init__(self):
+        self.epoch = 0
+
+    def __len__(self):
+        return batches
+
+    def __iter__(self):
+        e, self.epoch = self.epoch, self.epoch + 1
+        for b in range(batches):
+            yield {"id": torch.arange(16, dtype=torch.int64) + (e * batches + b) * 16}
+
+p = TensorProducer(Loader(), name=name, min_consumers=1, start_timeout=60)
+print('{"ready": true}', flush=True)
+for _ in range(epochs):
+    for _ in p:
+        pass
+p.join(timeout=120)
+"""
+
+# Counts every sample id it gets (`seen[ids] += 1` is indexing and in-place adds in C, with
+# no point where a signal's exception can land in between), catches every
+# KeyboardInterrupt and goes on with the same iterator (kept in `state`, so that an
+# interrupt landing in its own handler, caught by an outer one, comes back to it too); a
+# new epoch's iterator after each StopIteration.
+STORM_CONSUMER = r"""
+import json, signal, sys, torch
+from tensorsocket import ProducerFinished, TensorConsumer
+
+name, epochs, batches, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+seen = torch.zeros(epochs * batches * 16, dtype=torch.int32)
+state = {"done": 0, "interrupts": 0, "error": None, "ready": False, "it": None}
+c = TensorConsumer(name=name, timeout=60, batch_size=None if batch_size == "-" else int(batch_size))
+
+def run():
+    # The epoch's iterator is kept in `state`: an interrupt that escapes this function
+    # (landing on the loop's jump back) comes back to the same one.
+    while state["done"] < epochs:
+        try:
+            if not state["ready"]:  # (said again if a signal lands in between: harmless)
+                print(json.dumps({"ready": True}), flush=True)
+                state["ready"] = True
+            if state["it"] is None:
+                state["it"] = iter(c)
+            for batch in state["it"]:
+                seen[batch["id"]] += 1
+            state["it"] = None
+            state["done"] += 1
+        except KeyboardInterrupt:
+            state["interrupts"] += 1
+
+while True:
+    try:
+        try:
+            run()
+        except ProducerFinished as e:  # it came too soon: epochs were skipped
+            state["error"] = str(e)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: the storm may go on
+        break
+    except KeyboardInterrupt:
+        state["interrupts"] += 1
+stats = c.stats()
+c.close()
+print(json.dumps({"epochs": state["done"], "interrupts": state["interrupts"],
+                  "error": state["error"],
+                  "missing": sorted(set((seen == 0).nonzero().flatten().div(
+                      16, rounding_mode="floor").tolist()))[:50],
+                  "n_missing": int((seen == 0).sum()),
+                  "n_twice": int((seen > 1).sum()),
+                  "loader_batches": stats["loader_batches"], "samples": stats["samples"]}),
+      flush=True)
+"""
+
+
+def _storm(procs, name, epochs: int, signals: int, gap: tuple[float, float],
+           batch_size: str = "-") -> dict:
+    """Run a producer of `epochs` epochs and a consumer that reads them all while the test
+    sends it `signals` SIGINTs `gap` seconds apart (uniformly random), or until it is done;
+    the consumer's report, with "sent": the signals sent."""
+    prod = procs.script(STORM_PRODUCER, name, str(epochs), str(STORM_BATCHES))
+    prod.wait_ready()
+    cons = procs.script(STORM_CONSUMER, name, str(epochs), str(STORM_BATCHES), batch_size)
+    cons.wait_ready()
+    sent = 0
+    rng = random.Random()
+    while sent < signals and cons.poll() is None:
+        cons.send_signal(signal.SIGINT)
+        sent += 1
+        time.sleep(rng.uniform(*gap))
+    result = procs.result(cons, timeout=180)
+    assert prod.wait(60) == 0
+    result["sent"] = sent
+    return result
+
+
+def _check_storm(result: dict, epochs: int, batch_size: str) -> None:
+    lost = result["n_missing"] // 16
+    assert (result["epochs"], result["n_missing"], result["n_twice"]) == (epochs, 0, 0), \
+        f"{lost} loader batches lost (samples never seen: {result['missing']}...) under " \
+        f"{result['sent']} SIGINTs ({result['interrupts']} caught): {result}"
+    assert result["loader_batches"] == epochs * STORM_BATCHES
+    assert result["samples"] == epochs * STORM_BATCHES * 16
+
+
+@pytest.mark.parametrize("batch_size", ["-", "12"])
+def test_sigint_storm_anywhere_in_next_loses_no_batch(procs, name, batch_size):
+    """SIGINTs every 0.2-2 ms land anywhere in the consumer's next() (taking a ring entry,
+    placing it in the epoch, making the batch, the re-batcher's cut, the epoch's end); the
+    loop catches each KeyboardInterrupt and iterates on: every sample of every epoch comes
+    exactly once, and the consumer's stats count every loader batch."""
+    epochs = 40
+    result = _storm(procs, name, epochs, 400, (0.0002, 0.002), batch_size)
+    assert result["interrupts"] > 0
+    _check_storm(result, epochs, batch_size)
