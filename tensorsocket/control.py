@@ -226,9 +226,11 @@ class ControlServer:
         new one beyond the cap is closed at once (see UNPROVEN_MAX). A consumer's
         connection closed so before its handshake loses nothing: its zmq socket keeps
         the challenge queued and connects again (every 100 ms), until there is room."""
+        monitor = self._monitor
+        assert monitor is not None  # polled only when there is one
         for _ in range(10 * MESSAGES_PER_TURN):
             try:
-                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) != 2 or len(frames[0]) != _EVENT.size:
@@ -840,8 +842,11 @@ class ControlClient:
         this consumer's answer for the hello (tensorsocket.auth); nothing of the secret
         is sent before the producer proved itself. None: nothing to prove (an ipc
         endpoint without a secret, where the peer's credentials decide)."""
-        known = self._secret.current() if self._secret is not None else None
-        if known is None and (self._secret is None or not self._secret.tcp):
+        secret = self._secret
+        if secret is None:
+            return None
+        known = secret.current()
+        if known is None and not secret.tcp:
             return None
         nonce = new_nonce()
         self._sock.send(protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
@@ -860,7 +865,7 @@ class ControlClient:
                 "sides") from None
         if reply is None:
             raise self._not_found(watch)
-        return self._secret.answer(self.address, nonce, reply, known)
+        return secret.answer(self.address, nonce, reply, known)
 
     def _not_found(self, watch: Any) -> ProducerNotFound:
         """The error for a producer that did not answer within the timeout."""
