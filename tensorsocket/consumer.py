@@ -647,8 +647,11 @@ class TensorConsumer(LoaderSurface):
                     raise TensorSocketError(
                         "the consumer was closed by another thread while this call waited"
                     ) from None
-                if not diagnosis.lagged(self._ring, self._index, self._client.token) or \
-                        self.lag_policy != "rejoin":
+                reason = diagnosis.detach_reason(self._ring, self._index, self._client.token)
+                if reason == _core.REASON_UNREAD and cursor.pulled == 0:
+                    self._start_late()
+                    continue
+                if reason != _core.REASON_LAGGED or self.lag_policy != "rejoin":
                     raise ConsumerDetached(
                         f"{e}; create a new TensorConsumer to attach again") from None
                 self._rejoin()
@@ -730,6 +733,17 @@ class TensorConsumer(LoaderSurface):
             f"ring entries.{ended}")
         log.warning("%s", message)
         warnings.warn(message, LagWarning, stacklevel=6)
+
+    def _start_late(self) -> None:
+        """Attach again after the producer detached us for reading nothing while the
+        others waited (a consumer made long before its loop starts: share() at the top of
+        a script, then minutes of model set-up). It had read nothing, so nothing is lost:
+        as a DataLoader made early starts when it is iterated, it starts now, a late
+        joiner with whole epochs from the next epoch start."""
+        start = self._attach_again()
+        log.info("consumer %d read nothing for longer than the others would wait, so the "
+                 "producer went on without it; it starts now, at entry %d", self._index,
+                 start)
 
     def _attach_again(self) -> int:
         """Take a new place in the same producer's ring (a late joiner); its first seq."""

@@ -68,8 +68,10 @@ UNPROVEN_MAX = 256
 UNPROVEN_TIMEOUT = 10.0
 _EVENT = struct.Struct("=HI")  # a libzmq monitor event's first frame: event, value (the fd)
 # A consumer that has read no batch at all since it started, while the others wait for
-# it (it is the whole ring behind), is detached after this (None: never). A consumer
-# that read and then stops is waited for (lossless) until max_lag or heartbeat_timeout.
+# it (it is the whole ring behind), is detached after this (None: never); a
+# TensorConsumer so detached attaches again as a late joiner when its loop starts. A
+# consumer that read and then stops is waited for (lossless) until max_lag or
+# heartbeat_timeout.
 UNREAD_TIMEOUT: float | None = 300.0
 
 

@@ -74,10 +74,11 @@ def kept_batches_no_memory(held: int, copied: int) -> str:
         "memory, keep fewer batches, or use TensorConsumer(copy=True)")
 
 
-def lagged(ring: Any, index: int, token: int) -> bool:
-    """Whether consumer `index` (still this token's) was detached for lagging."""
+def detach_reason(ring: Any, index: int, token: int) -> int | None:
+    """Why consumer `index` (still this token's) was detached (a _core.REASON_*), or None
+    where the entry is another consumer's now."""
     entry = ring.consumer(index)
-    return entry["token"] == token and entry["reason"] == _core.REASON_LAGGED
+    return entry["reason"] if entry["token"] == token else None
 
 
 # -- the producer's side ---------------------------------------------------------------

@@ -371,3 +371,54 @@ def test_consumer_that_never_reads_is_detached(name, monkeypatch):
         producer.close()
         done.wait(DEADLINE)
     assert errors == [], errors
+
+
+def test_a_consumer_made_long_before_its_loop_starts_late_with_whole_epochs(name,
+                                                                            monkeypatch):
+    """share() at the top of a script, then minutes of model set-up: its consumer reads
+    nothing while the others wait for it. After UNREAD_TIMEOUT the producer goes on
+    without it; when its loop starts, it is not told to make a new consumer (a DataLoader
+    made early just starts when iterated): it starts as a late joiner, with whole
+    epochs."""
+    monkeypatch.setattr(control, "UNREAD_TIMEOUT", 1.0)
+    per_epoch = 8
+    producer = TensorProducer(lambda epoch: [torch.full((2,), float(epoch * 100 + i))
+                                             for i in range(per_epoch)],
+                              name=name, min_consumers=2, ring_slots=4,
+                              start_timeout=DEADLINE, publish_timeout=DEADLINE)
+    stop = threading.Event()
+    errors: list = []
+
+    def produce() -> None:
+        try:
+            while not stop.is_set():
+                for _ in producer:
+                    pass
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            if not stop.is_set():  # close() below ends a wait with an error: not one
+                errors.append(e)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        with TensorConsumer(name=name, timeout=DEADLINE, batch_timeout=DEADLINE) as early, \
+                TensorConsumer(name=name, timeout=DEADLINE, batch_timeout=DEADLINE) as busy:
+            reader = iter(busy)
+            first = [next(reader) for _ in range(per_epoch)]  # the early one holds it back
+            deadline = time.monotonic() + DEADLINE
+            while producer.ring.consumer(early._index)["state"] != _core.CONSUMER_DETACHED:
+                assert time.monotonic() < deadline, "the unread consumer was never detached"
+                time.sleep(0.02)
+            assert [int(b[0]) for b in first] == list(range(per_epoch))
+            del first, reader
+            busy.close()  # the reader stops; the producer goes on alone
+            epochs = [[int(b[0]) for b in early] for _ in range(2)]
+        for got in epochs:
+            base = got[0] - got[0] % 100
+            assert got == [base + i for i in range(per_epoch)], epochs
+        assert epochs[1][0] == epochs[0][0] + 100
+    finally:
+        stop.set()
+        producer.close()
+        thread.join(DEADLINE)
+    assert errors == [], errors
