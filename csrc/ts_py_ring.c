@@ -654,15 +654,32 @@ static PyObject *Ring_try_acquire(RingObject *self, PyObject *const *args, Py_ss
     return ts_slot_out(state, self->ring, &got, box);
 }
 
-/* Ring.set_aside(): copy the held slots privately and hand them back; reads no more. */
-static PyObject *Ring_set_aside(RingObject *self, PyObject *Py_UNUSED(ignored))
+/* Ring.set_aside(box=None, successor=None): copy the held slots privately and hand them
+ * back; reads no more. Once done, successor goes into box[0] (a list [handle]) in the same
+ * call: a KeyboardInterrupt raised as the call returns cannot leave the caller reading
+ * through a handle set aside. */
+static PyObject *Ring_set_aside(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    PyObject *box = nargs > 0 ? args[0] : Py_None;
+    PyObject *successor = nargs > 1 ? args[1] : Py_None;
+    if (nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "set_aside() takes at most 2 arguments");
+        return NULL;
+    }
     if (ts_role_check(self, 0) < 0) return NULL;
+    if (box != Py_None && !(PyList_CheckExact(box) && PyList_GET_SIZE(box) == 1 &&
+                            successor != Py_None)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "box must be a list of one item, with a successor to put in it");
+        return NULL;
+    }
     ts_err err = {0};
     ts_status st;
     Py_BEGIN_ALLOW_THREADS /* copies whole slots */
     st = ts_ring_set_aside(self->ring, &err);
     Py_END_ALLOW_THREADS
+    if (st == TS_OK && box != Py_None)
+        PyList_SetItem(box, 0, Py_NewRef(successor)); /* cannot fail: checked above */
     return ts_done(self, st, &err);
 }
 
@@ -836,8 +853,9 @@ static PyMethodDef Ring_methods[] = {
     {"unlink_name", (PyCFunction)Ring_unlink_name, METH_VARARGS | METH_CLASS,
      "Remove a segment name."},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "Drop this handle."},
-    {"set_aside", (PyCFunction)Ring_set_aside, METH_NOARGS,
-     "Copy the slots this handle holds privately and hand them back; it reads no more."},
+    {"set_aside", (PyCFunction)(void (*)(void))Ring_set_aside, METH_FASTCALL,
+     "set_aside(box=None, successor=None): copy the slots this handle holds privately and "
+     "hand them back; it reads no more. Once done, successor is put in box[0]."},
     {"held_slots", (PyCFunction)Ring_held_slots, METH_NOARGS,
      "Slots this consumer handle holds (views of them are alive)."},
     {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "Reserve a consumer entry."},

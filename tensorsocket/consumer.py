@@ -271,7 +271,10 @@ class TensorConsumer(LoaderSurface):
             self._client.close(say_bye=ring is not None, wait=0.2)
             self._context.term()
             raise
-        self._ring = ring
+        # The current ring handle, in a box: a set-aside puts its successor there itself
+        # (see _set_aside_held), and the finalizer closes whatever handle is there then
+        # (set-aside ones go with their views).
+        self._ring_box = [ring]
         self._segment: str = welcome.segment
         self._index: int = welcome.consumer
         self._shape = LoaderShape.of_reply(welcome)  # what the producer's loader yields
@@ -296,8 +299,6 @@ class TensorConsumer(LoaderSurface):
             raise
         if not self._defer_ready:
             self._client.start_heartbeats()
-        # The finalizer closes the current ring handle (set-aside ones go with their views).
-        self._ring_box = [ring]
         self._finalizer = weakref.finalize(self, _teardown, self._client, self._context,
                                            self._ring_box, self._delivery, self._pid)
         _CONSUMERS.add(self)
@@ -305,6 +306,11 @@ class TensorConsumer(LoaderSurface):
                  self.start_seq)
         if given.origins:
             log.info("consumer settings from the environment: %s", given.describe())
+
+    @property
+    def _ring(self) -> Any:
+        """The ring handle this consumer reads through now."""
+        return self._ring_box[0]
 
     @property
     def device(self) -> str:
@@ -794,7 +800,11 @@ class TensorConsumer(LoaderSurface):
         fresh = None
         try:
             fresh = _core.Ring.open(self._segment)  # first: a failure leaves all as it was
-            ring.set_aside()
+            if rebind:
+                fresh.bind(self._index, self._client.token)
+            # Done, it puts fresh in the box itself: an interrupt as it returns cannot
+            # leave this consumer reading through the handle set aside.
+            ring.set_aside(self._ring_box, fresh)
         except (ValueError, OSError) as e:
             if fresh is not None:
                 fresh.close()
@@ -804,9 +814,6 @@ class TensorConsumer(LoaderSurface):
             log.info("consumer %d keeps %d ring slots held by batches still alive: %s",
                      self._index, held, e)
             return False
-        if rebind:
-            fresh.bind(self._index, self._client.token)
-        self._ring = self._ring_box[0] = fresh
         ring.close()  # the views of its batches keep that mapping until they go
         self._set_aside_batches += held
         log.info("consumer %d: %d batches still alive were copied privately, so that it "
