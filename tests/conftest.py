@@ -237,7 +237,8 @@ def procs(name):
 
 
 # The test files that add rows to the fault table (docs/faults.md).
-FAULT_TABLE_FILES = ("tests/test_faults.py", "tests/test_fork.py", "tests/test_kept_batches.py")
+FAULT_TABLE_FILES = ("tests/test_faults.py", "tests/test_fork.py", "tests/test_kept_batches.py",
+                     "tests/test_interrupted_pulls.py", "tests/test_hostile_tcp.py")
 
 
 class FaultTable:

@@ -146,7 +146,7 @@ time.sleep(3600)
 
 
 @pytest.mark.parametrize("cap", ["capped", "uncapped"])
-def test_idle_connections_do_not_evict_live_consumers(procs, tmp_path, cap):
+def test_idle_connections_do_not_evict_live_consumers(procs, tmp_path, cap, fault_table):
     """Another user holds more TCP connections to the producer than it has fds: its
     liveness checks could not open /proc/<pid>/stat (EMFILE), which read as "dead", so
     both live consumers were evicted ("consumer 0 died") and raised ConsumerDetached,
@@ -174,6 +174,14 @@ def test_idle_connections_do_not_evict_live_consumers(procs, tmp_path, cap):
     assert p["drained"] is True, p
     if cap == "uncapped":
         assert p["starved_checks"] >= 8, p
+    how = ("the producer out of fds: its cap on unproven connections taken away"
+           if cap == "uncapped" else "128 fds for the producer")
+    fault_table.add(f"another local user holds 200 idle TCP connections to the producer "
+                    f"({how})",
+                    f"- ({p['starved_checks']} liveness checks found no free fd, none took it "
+                    f"for a death; {p['cut']} connections cut; producer CPU {p['cpu']:.0%})",
+                    "both consumers read every batch once (both were evicted as 'dead' "
+                    "before issue 22)", "nothing")
 
 
 # -- a hello flood ---------------------------------------------------------------------
@@ -239,7 +247,7 @@ def _eviction_delay(procs, flooders: int) -> float:
     return took
 
 
-def test_hello_flood_does_not_delay_eviction(procs):
+def test_hello_flood_does_not_delay_eviction(procs, fault_table):
     """Two processes of another user flood the producer with refused hellos: its server
     read them all before checking its consumers, so a SIGKILLed consumer was evicted 41 s
     late and the survivor stalled meanwhile. The server now handles a bounded number of
@@ -248,6 +256,10 @@ def test_hello_flood_does_not_delay_eviction(procs):
     flooded = _eviction_delay(procs, 2)
     print(f"eviction delay under a flood of refused hellos: {flooded:.2f} s")
     assert flooded < 3.0, f"evicted {flooded:.2f} s after the SIGKILL"
+    fault_table.add("a consumer SIGKILLed while two processes of another user flood the "
+                    "producer's TCP port with refused hellos",
+                    f"{flooded:.2f} s (entry evicted; over 90 s before issue 22)",
+                    "every batch once, in order", "nothing")
 
 
 @pytest.mark.slow
@@ -284,7 +296,7 @@ emit({"received": [p.hex() for p in got[:-1]]})
 """
 
 
-def test_port_squatter_learns_nothing_of_the_token(procs, monkeypatch):
+def test_port_squatter_learns_nothing_of_the_token(procs, monkeypatch, fault_table):
     """Another user binds the port before the producer: a consumer given the shared
     auth_token (the cross-container setup) sent it in clear in its hello, so the
     squatter could attach to the real producer with it. Now the consumer makes whatever
@@ -316,6 +328,13 @@ def test_port_squatter_learns_nothing_of_the_token(procs, monkeypatch):
     message = str(refused)
     assert "did not prove" in message and "another user's process may hold the port" in \
         message, message
+    fault_table.add("another local user binds the TCP port first; a consumer with the "
+                    "shared auth_token connects",
+                    "0.00 s (AuthenticationError: the listener proved no knowledge of the "
+                    "secret)",
+                    f"the squatter received {len(received)} challenge(s): a random nonce, "
+                    "nothing of the token (it received the token in clear before issue 22)",
+                    "nothing")
 
 
 # -- a consumer that attaches and never reads ------------------------------------------
