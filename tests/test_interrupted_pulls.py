@@ -272,7 +272,7 @@ def test_sigint_storm_anywhere_in_next_loses_no_batch(procs, name, batch_size, f
     result = _storm(procs, name, epochs, 400, (0.0002, 0.002), batch_size)
     assert result["interrupts"] > 0
     _check_storm(result, epochs, batch_size)
-    own = "" if batch_size == "-" else f", batch_size={batch_size}"
+    own = "" if batch_size == "-" else f" (batch_size={batch_size})"
     fault_table.add(f"{result['sent']} SIGINTs 0.2-2 ms apart at a consumer{own} whose loop "
                     "catches KeyboardInterrupt and goes on",
                     f"- ({result['interrupts']} caught, anywhere in next())",
