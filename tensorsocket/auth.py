@@ -256,8 +256,10 @@ class Gate:
     def challenge(self, ident: bytes, consumer_nonce: str) -> tuple[str, str | None]:
         """(this producer's nonce, its proof) for a consumer's challenge on connection
         `ident`; the proof is None if this producer has no secret (ipc)."""
-        nonce = new_nonce()
-        self._challenges.pop(ident, None)
+        # A challenge sent again on the same connection (the consumer heard nothing yet)
+        # gets the same answer, so that a hello made from either answer is let in.
+        prior = self._challenges.pop(ident, None)
+        nonce = prior[1] if prior is not None and prior[0] == consumer_nonce else new_nonce()
         self._challenges[ident] = (consumer_nonce, nonce, time.monotonic())
         while len(self._challenges) > MAX_CHALLENGES:
             self._challenges.popitem(last=False)

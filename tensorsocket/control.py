@@ -61,11 +61,15 @@ REFUSAL_PEERS = 4096  # connections whose refusals are counted (the oldest go fi
 HANDSHAKE_IVL_MS = 5000  # libzmq closes a connection that has not greeted by then
 # TCP connections that have not proved the secret yet (any local user can open them, and
 # each costs the producer an fd; libzmq has no cap, and spins when accept() fails for
-# want of fds): at most UNPROVEN_MAX of them, or a quarter of the fd limit, are kept (a
-# new one beyond that is closed at once), each for UNPROVEN_TIMEOUT seconds at most. A
-# consumer proves itself milliseconds after it connects.
+# want of fds): at most UNPROVEN_MAX of them, or a quarter of the fd limit, are kept,
+# each for UNPROVEN_TIMEOUT seconds at most. When the table is full, a new connection
+# makes room by closing the oldest one if that has had UNPROVEN_GRACE seconds to prove
+# itself (else the new one is closed): a consumer proves itself milliseconds after it
+# connects, so a table kept full by another user never keeps a consumer out.
 UNPROVEN_MAX = 256
 UNPROVEN_TIMEOUT = 10.0
+UNPROVEN_GRACE = 1.0
+CHALLENGE_AGAIN = 1.0  # seconds a consumer waits for the proof before it challenges again
 _EVENT = struct.Struct("=HI")  # a libzmq monitor event's first frame: event, value (the fd)
 # A consumer that has read no batch at all since it started, while the others wait for
 # it (it is the whole ring behind), is detached after this (None: never); a
@@ -140,9 +144,10 @@ class ControlServer:
                 "choose another name= or port="
             ) from None
         self.address = address
-        # TCP: the connections not proven yet (fd -> when accepted), from libzmq's monitor
+        # TCP: the connections not proven yet (fd -> (when accepted, the socket's inode: an
+        # fd number is reused at once), from libzmq's monitor
         self._monitor: zmq.Socket | None = None
-        self._unproven: OrderedDict[int, float] = OrderedDict()
+        self._unproven: OrderedDict[int, tuple[float, int]] = OrderedDict()
         self._unproven_max = 0
         self.cut = 0  # connections closed for not proving the secret in time (or at all)
         if not address.startswith("ipc://"):
@@ -196,7 +201,9 @@ class ControlServer:
                 if now >= next_check:
                     next_check = now + LIVENESS_INTERVAL
                     self._gate.forget(now)
-                    self._cut_unproven(now)
+                    if self._monitor is not None:
+                        self._watch_connections()  # closes first: an fd may be reused
+                        self._cut_unproven(now)
                     self._check_peers(now)
         except Exception:  # the thread must never die silently
             log.exception("tensorsocket control thread failed")
@@ -239,28 +246,42 @@ class ControlServer:
                 continue
             event, fd = _EVENT.unpack(frames[0])
             if event == zmq.EVENT_ACCEPTED:
-                self._unproven.pop(fd, None)
-                if len(self._unproven) >= self._unproven_max:
-                    self._cut(fd)  # not an older one: that may be a consumer proving itself
-                else:
-                    self._unproven[fd] = time.monotonic()
+                self._accepted(fd, time.monotonic())
             elif event == zmq.EVENT_DISCONNECTED:
                 self._unproven.pop(fd, None)
+
+    def _accepted(self, fd: int, now: float) -> None:
+        """Note a new connection on `fd`, making room for it (see UNPROVEN_GRACE)."""
+        self._unproven.pop(fd, None)
+        try:
+            inode = os.fstat(fd).st_ino
+        except OSError:
+            return  # closed already
+        if len(self._unproven) >= self._unproven_max:
+            oldest, (since, oldest_inode) = next(iter(self._unproven.items()))
+            if now - since < UNPROVEN_GRACE:
+                self._cut(fd, inode)  # the others may be consumers proving themselves
+                return
+            del self._unproven[oldest]
+            self._cut(oldest, oldest_inode)
+        self._unproven[fd] = (now, inode)
 
     def _cut_unproven(self, now: float) -> None:
         """Close the connections that have not proved the secret within UNPROVEN_TIMEOUT."""
         while self._unproven:
-            fd, since = next(iter(self._unproven.items()))
+            fd, (since, inode) = next(iter(self._unproven.items()))
             if now - since <= UNPROVEN_TIMEOUT:
                 return
             del self._unproven[fd]
-            self._cut(fd)
+            self._cut(fd, inode)
 
-    def _cut(self, fd: int) -> None:
+    def _cut(self, fd: int, inode: int) -> None:
         """Make libzmq close the accepted connection on `fd` (it reads its end): ROUTER
-        has no call that closes one peer. Only a TCP socket on our port is touched; the
-        monitor's events are read first, so the fd is the connection they named."""
+        has no call that closes one peer. Only the socket accepted then (its inode: the fd
+        number may have been reused since), a TCP socket on our port, is touched."""
         try:
+            if os.fstat(fd).st_ino != inode:
+                return  # closed, and the number reused since
             sock = socket.socket(fileno=fd)  # no new fd: a view of libzmq's
         except OSError:
             return  # closed meanwhile, and no socket now
@@ -281,6 +302,8 @@ class ControlServer:
         with self._lock:
             for peer in self._peers.values():
                 peer.last_seen = min(now, peer.last_seen + gap)
+        for fd, (since, inode) in self._unproven.items():  # their proofs may be unread too
+            self._unproven[fd] = (min(now, since + gap), inode)
 
     def _drain(self, budget: int | None = None) -> bool:
         """Handle the messages waiting on the socket, `budget` of them at most (None:
@@ -851,11 +874,18 @@ class ControlClient:
         if known is None and not secret.tcp:
             return None
         nonce = new_nonce()
-        self._sock.send(protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
-                                        nonce=nonce))
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        challenge = protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
+                                    nonce=nonce)
         try:
-            reply = self._receive(left, "proof", watch)
+            while True:
+                # Sent again while no answer comes: a connection the producer closed (its
+                # table of unproven connections was full) may have taken it along.
+                self._sock.send(challenge)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                step = CHALLENGE_AGAIN if left is None else min(CHALLENGE_AGAIN, left)
+                reply = self._receive(step, "proof", watch)
+                if reply is not None or (left is not None and step >= left):
+                    break
         except VersionMismatch:
             raise
         except TensorSocketError as e:

@@ -89,6 +89,7 @@ def _ring_of(name: str, producer_pid: int):
 # until the server's liveness check has run 8 times more, and measures its CPU meanwhile.
 _FD_PRODUCER = """
 import os, resource, sys, time
+import zmq
 sys.path.insert(0, sys.argv[4])
 from roles import CountingLoader
 from tensorsocket import TensorProducer, control
@@ -107,7 +108,12 @@ def counting(self, now):
     check(self, now)
 control.ControlServer._check_peers = counting
 if sys.argv[6] == "uncapped":  # the producer runs out of fds: its liveness checks fail
-    control.ControlServer._watch_connections = lambda self: self._monitor.recv_multipart()
+    def read_one_event(self):  # and none of the connections is ever cut
+        try:
+            self._monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+    control.ControlServer._watch_connections = read_one_event
 cpu = {}
 class Gated(CountingLoader):
     def __iter__(self):
@@ -182,6 +188,46 @@ def test_idle_connections_do_not_evict_live_consumers(procs, tmp_path, cap, faul
                     f"for a death; {p['cut']} connections cut; producer CPU {p['cpu']:.0%})",
                     "both consumers read every batch once (both were evicted as 'dead' "
                     "before issue 22)", "nothing")
+
+
+def test_a_full_table_of_unproven_connections_keeps_no_new_consumer_out(procs, monkeypatch):
+    """Another user keeps the producer's table of unproven connections full (its
+    connections, cut, come back every 100 ms): a consumer that connects then must still
+    get in. A full table used to close the newest connection, which was always the
+    consumer's, for as long as the other user kept it up; now the newest makes room by
+    closing the oldest, once that one had UNPROVEN_GRACE seconds to prove itself."""
+    monkeypatch.setattr(control, "UNPROVEN_MAX", 8)
+    monkeypatch.setattr(control, "UNPROVEN_GRACE", 0.2)
+    port = _free_port()
+    producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(20)], str(port),
+                              min_consumers=1, start_timeout=DEADLINE,
+                              publish_timeout=DEADLINE)
+    errors: list = []
+
+    def produce() -> None:
+        try:
+            for _ in producer:
+                pass
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        hog = procs.script(_HOG, str(port), "40")
+        procs.wait_ready(hog)
+        deadline = time.monotonic() + DEADLINE
+        while len(producer._server._unproven) < 8:  # the hog fills the table
+            assert time.monotonic() < deadline, "the hog never filled the table"
+            time.sleep(0.01)
+        with TensorConsumer(port=port, timeout=DEADLINE, batch_timeout=DEADLINE) as c:
+            seen = [float(b[0][0]) for b in c]
+        assert seen == [float(i) for i in range(20)]
+        assert producer._server.cut > 0
+    finally:
+        producer.close()
+        thread.join(DEADLINE)
+    assert errors == [], errors
 
 
 # -- a hello flood ---------------------------------------------------------------------
