@@ -1727,10 +1727,18 @@ static void ts_ring_trim_aside(ts_ring *ring, const uint8_t *was_held)
 {
     uint32_t n = ring->hdr->slot_count;
     uint64_t slot_bytes = ring->hdr->slot_bytes;
+    /* Retired before anything is unmapped: a range unmapped here and mapped again by
+     * another watcher must never be matched to this mapping's entry. The kept pages are
+     * private, read-write: no access to them faults, and nothing else of the mapping is
+     * left to fault on. */
+    ts_fault_retire(&ring->cow);
     for (uint32_t k = 0; k < n; k++) {
         ts_slot_use *u = ring->use[k];
         if (!was_held[k]) {
             ts_ring_unmap_pages(ring, k, 0, slot_bytes);
+            /* A plan of an earlier set-aside that failed keeps nothing of it: the last
+             * release (ts_ring_free) must not unmap that range again. */
+            for (uint32_t i = 0; u != NULL && i < u->n_leaves; i++) u->leaf[i].kept = 0;
             continue;
         }
         uint64_t gap = 0; /* start of the pages not kept since the last kept leaf */
@@ -1744,9 +1752,6 @@ static void ts_ring_trim_aside(ts_ring *ring, const uint8_t *was_held)
     uint64_t slots_end = (uint64_t)n * slot_bytes;
     if (ring->data_bytes > slots_end)
         munmap(ring->data + slots_end, ring->data_bytes - (size_t)slots_end);
-    /* The kept pages are private, read-write: no access to them faults, and nothing else
-     * of the mapping is left to fault on. */
-    ts_fault_retire(&ring->cow);
     if (ring->fd >= 0) close(ring->fd);
     ring->fd = ring->cow.fd = -1;
 }
