@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import threading
 import uuid
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,22 @@ def procs(name):
     ps = Procs()
     yield ps
     ps.kill_all()
+
+
+class Producing(threading.Thread):
+    """Iterate a producer (one epoch) in a thread; errors are kept for the test."""
+
+    def __init__(self, producer: Any) -> None:
+        super().__init__(daemon=True, name="producer")
+        self.producer = producer
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for _ in self.producer:
+                pass
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
 
 
 # The test files that add rows to the fault table (docs/faults.md).

@@ -25,7 +25,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import ROOT, hello_message, run as run_python
+from conftest import ROOT, Producing, hello_message, run as run_python
 from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError, _core, auth, protocol
 from tensorsocket.endpoints import runtime_dir
 
@@ -63,22 +63,6 @@ def _wait_until(pred, timeout: float, what: str) -> float:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.01)
     return time.monotonic() - t0
-
-
-class Producing(threading.Thread):
-    """Iterate a producer (one epoch) in a thread; errors are kept for the test."""
-
-    def __init__(self, producer: TensorProducer) -> None:
-        super().__init__(daemon=True, name="producer")
-        self.producer = producer
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for _ in self.producer:
-                pass
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
 
 
 class Reading(threading.Thread):

@@ -22,7 +22,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import ROOT, hello_message
+from conftest import ROOT, Producing, hello_message
 from tensorsocket import (
     AuthenticationError,
     TensorConsumer,
@@ -202,17 +202,8 @@ def test_a_full_table_of_unproven_connections_keeps_no_new_consumer_out(procs, m
     producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(20)], str(port),
                               min_consumers=1, start_timeout=DEADLINE,
                               publish_timeout=DEADLINE)
-    errors: list = []
-
-    def produce() -> None:
-        try:
-            for _ in producer:
-                pass
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            errors.append(e)
-
-    thread = threading.Thread(target=produce, daemon=True)
-    thread.start()
+    producing = Producing(producer)
+    producing.start()
     try:
         hog = procs.script(_HOG, str(port), "40")
         procs.wait_ready(hog)
@@ -226,8 +217,8 @@ def test_a_full_table_of_unproven_connections_keeps_no_new_consumer_out(procs, m
         assert producer._server.cut > 0
     finally:
         producer.close()
-        thread.join(DEADLINE)
-    assert errors == [], errors
+        producing.join(DEADLINE)
+    assert producing.error is None, producing.error
 
 
 # -- a hello flood ---------------------------------------------------------------------
