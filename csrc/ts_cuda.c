@@ -55,6 +55,15 @@ static const ts_cuda_sym ts_cuda_syms[] = {
     TS_SYM(IpcCloseMemHandle, "cuIpcCloseMemHandle"),
     TS_SYM(IpcGetEventHandle, "cuIpcGetEventHandle"),
     TS_SYM(IpcOpenEventHandle, "cuIpcOpenEventHandle"),
+    TS_SYM(DeviceCanAccessPeer, "cuDeviceCanAccessPeer"),
+};
+
+/* Symbols a driver may lack; their pointers stay NULL then. cuDeviceGetUuid_v2 came with
+ * CUDA 11.4: "If the device is in MIG mode, returns its MIG UUID which uniquely identifies
+ * the subscribed MIG compute instance" (CUDA driver API, Device Management), where
+ * cuDeviceGetUuid (v1) gives a MIG instance its parent GPU's UUID. */
+static const ts_cuda_sym ts_cuda_optional_syms[] = {
+    TS_SYM(DeviceGetUuid_v2, "cuDeviceGetUuid_v2"),
 };
 
 /* Load the driver (dlopen, symbols, cuInit). */
@@ -91,6 +100,10 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
         }
         /* POSIX guarantees object and function pointers convert through dlsym. */
         memcpy((char *)api + ts_cuda_syms[i].offset, &fn, sizeof fn);
+    }
+    for (size_t i = 0; i < sizeof ts_cuda_optional_syms / sizeof ts_cuda_optional_syms[0]; i++) {
+        void *fn = dlsym(api->lib, ts_cuda_optional_syms[i].name);
+        if (fn != NULL) memcpy((char *)api + ts_cuda_optional_syms[i].offset, &fn, sizeof fn);
     }
     CUresult rc = api->Init(0);
     if (rc != CUDA_SUCCESS) {
@@ -145,6 +158,19 @@ ts_status ts_cuda_fail(const ts_cuda_api *api, ts_err *err, CUresult rc, const c
                       text ? text : "no description");
 }
 
+/* The UUID that identifies device: _v2's where the driver has it, else v1's. */
+CUresult ts_cuda_device_uuid(const ts_cuda_api *api, CUuuid *uuid, CUdevice device)
+{
+    if (api->DeviceGetUuid_v2 != NULL) return api->DeviceGetUuid_v2(uuid, device);
+    return api->DeviceGetUuid(uuid, device);
+}
+
+/* The name of the call ts_cuda_device_uuid makes. */
+const char *ts_cuda_uuid_call(const ts_cuda_api *api)
+{
+    return api->DeviceGetUuid_v2 != NULL ? "cuDeviceGetUuid_v2" : "cuDeviceGetUuid";
+}
+
 /* The ordinal of the visible device with this UUID, or -1. */
 int ts_cuda_find_device(const ts_cuda_api *api, const CUuuid *uuid)
 {
@@ -154,7 +180,7 @@ int ts_cuda_find_device(const ts_cuda_api *api, const CUuuid *uuid)
         CUdevice dev;
         CUuuid u;
         if (api->DeviceGet(&dev, i) != CUDA_SUCCESS) continue;
-        if (api->DeviceGetUuid(&u, dev) != CUDA_SUCCESS) continue;
+        if (ts_cuda_device_uuid(api, &u, dev) != CUDA_SUCCESS) continue;
         if (memcmp(u.bytes, uuid->bytes, sizeof u.bytes) == 0) return i;
     }
     return -1;

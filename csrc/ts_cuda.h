@@ -45,6 +45,7 @@ typedef struct CUipcEventHandle_st {
 #define CUDA_ERROR_INVALID_DEVICE 101
 #define CUDA_ERROR_INVALID_CONTEXT 201
 #define CUDA_ERROR_MAP_FAILED 205
+#define CUDA_ERROR_PEER_ACCESS_UNSUPPORTED 217
 #define CUDA_ERROR_INVALID_HANDLE 400
 #define CUDA_ERROR_NOT_READY 600
 #define CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED 712
@@ -111,6 +112,10 @@ typedef struct ts_cuda_api {
     CUresult (*IpcCloseMemHandle)(CUdeviceptr dptr);
     CUresult (*IpcGetEventHandle)(CUipcEventHandle *handle, CUevent event);
     CUresult (*IpcOpenEventHandle)(CUevent *event, CUipcEventHandle handle);
+    CUresult (*DeviceCanAccessPeer)(int *can_access, CUdevice dev, CUdevice peer_dev);
+
+    /* Optional (NULL where the driver lacks it): cuDeviceGetUuid_v2, CUDA 11.4+. */
+    CUresult (*DeviceGetUuid_v2)(CUuuid *uuid, CUdevice device);
 } ts_cuda_api;
 
 /* Load the driver (dlopen, symbols, cuInit). On failure err says why, in
@@ -132,7 +137,14 @@ void ts_cuda_unload(ts_device_driver *driver);
 /* Record a failed driver call in err: "<what>: CUDA_ERROR_X (text)". */
 ts_status ts_cuda_fail(const ts_cuda_api *api, ts_err *err, CUresult rc, const char *what);
 
-/* The ordinal of the visible device with this UUID, or -1. */
+/* The UUID that identifies device: cuDeviceGetUuid_v2's (a MIG instance's own UUID), or
+ * cuDeviceGetUuid's where the driver is too old for _v2. */
+CUresult ts_cuda_device_uuid(const ts_cuda_api *api, CUuuid *uuid, CUdevice device);
+
+/* The name of the call ts_cuda_device_uuid makes, for error messages. */
+const char *ts_cuda_uuid_call(const ts_cuda_api *api);
+
+/* The ordinal of the visible device with this UUID (ts_cuda_device_uuid's), or -1. */
 int ts_cuda_find_device(const ts_cuda_api *api, const CUuuid *uuid);
 
 #endif /* TS_CUDA_H */

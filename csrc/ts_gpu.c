@@ -312,9 +312,9 @@ static ts_status ts_gpu_create_pool(ts_device_driver *driver, int ordinal,
         goto error;
     }
     CUuuid uuid;
-    rc = api->DeviceGetUuid(&uuid, g->dev);
+    rc = ts_cuda_device_uuid(api, &uuid, g->dev);
     if (rc != CUDA_SUCCESS) {
-        st = ts_cuda_fail(api, err, rc, "cuDeviceGetUuid");
+        st = ts_cuda_fail(api, err, rc, ts_cuda_uuid_call(api));
         goto error;
     }
     memcpy(r->uuid, uuid.bytes, sizeof uuid.bytes);
@@ -438,6 +438,45 @@ static ts_status ts_gpu_open(ts_device_driver *driver, int ordinal, uint32_t slo
 
 static void *ts_gpu_reaper_main(void *arg);
 
+/* "GPU <ordinal> (<name>)" of a visible device, into buf. */
+static const char *ts_gpu_label(const ts_cuda_api *api, CUdevice dev, int ordinal, char *buf,
+                                size_t n)
+{
+    char name[128] = "";
+    if (api->DeviceGetName(name, (int)sizeof name - 1, dev) != CUDA_SUCCESS) name[0] = '\0';
+    snprintf(buf, n, "GPU %d (%s)", ordinal, name[0] ? name : "unnamed");
+    return buf;
+}
+
+/* Whether this consumer's GPU can map the memory of the pool's GPU, another one: TS_OK if
+ * it can, or the pool's GPU is not visible here (cuIpcOpenMemHandle can open handles of
+ * devices the caller cannot see, the driver decides); GPUUnavailable naming both GPUs if
+ * cuDeviceCanAccessPeer says it cannot. The driver documents: "cuDeviceCanAccessPeer can
+ * determine if a mapping is possible" (cuIpcOpenMemHandle), and gives "1 if contexts on dev
+ * are capable of directly accessing memory from contexts on peerDev and 0 otherwise". */
+static ts_status ts_gpu_check_peer(const ts_gpu *g, const uint8_t *pool_uuid, ts_err *err)
+{
+    const ts_cuda_api *api = g->api;
+    CUuuid u;
+    memcpy(u.bytes, pool_uuid, sizeof u.bytes);
+    int pool_ordinal = ts_cuda_find_device(api, &u);
+    CUdevice pool_dev;
+    if (pool_ordinal < 0 || api->DeviceGet(&pool_dev, pool_ordinal) != CUDA_SUCCESS)
+        return TS_OK;
+    int can = 0;
+    CUresult rc = api->DeviceCanAccessPeer(&can, g->dev, pool_dev);
+    if (rc != CUDA_SUCCESS)
+        return ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, "cuDeviceCanAccessPeer"));
+    if (can) return TS_OK;
+    char mine[160], pool[160];
+    return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                      "%s cannot read the memory of %s, which holds the producer's ring: "
+                      "cuDeviceCanAccessPeer says peer access between them is impossible "
+                      "(MIG instances and GPUs without a peer link have none)",
+                      ts_gpu_label(api, g->dev, g->base.ordinal, mine, sizeof mine),
+                      ts_gpu_label(api, pool_dev, pool_ordinal, pool, sizeof pool));
+}
+
 /* Open every slot's memory and event handle (see ts_device.h). */
 static ts_status ts_gpu_import(ts_device_state *state, const ts_device_ring *r, ts_err *err)
 {
@@ -447,14 +486,17 @@ static ts_status ts_gpu_import(ts_device_state *state, const ts_device_ring *r, 
     CUresult rc;
     if (g->base.imported) return TS_OK;
 
+    /* Devices are told apart by ts_cuda_device_uuid (the _v2 UUID): two MIG instances of
+     * one GPU share its v1 UUID. */
     CUuuid mine;
-    rc = api->DeviceGetUuid(&mine, g->dev);
+    rc = ts_cuda_device_uuid(api, &mine, g->dev);
     if (rc != CUDA_SUCCESS)
-        return ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, "cuDeviceGetUuid"));
-    /* Another GPU than the pool's reads it through peer access. The flag is passed for
-     * the pool's own GPU too: the driver documents it as required, and a real one (H100,
-     * driver 580) refuses 0 with CUDA_ERROR_INVALID_VALUE. */
+        return ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, ts_cuda_uuid_call(api)));
+    /* Another GPU than the pool's reads it through peer access, if there is any. The flag is
+     * passed for the pool's own GPU too: the driver documents it as required, and a real
+     * one (H100, driver 580) refuses 0 with CUDA_ERROR_INVALID_VALUE. */
     int peer = memcmp(mine.bytes, r->uuid, sizeof mine.bytes) != 0;
+    if (peer && (st = ts_gpu_check_peer(g, r->uuid, err)) != TS_OK) return st;
     const unsigned int flags = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS;
     st = ts_gpu_enter(g, err);
     if (st != TS_OK) return ts_gpu_unusable(err, st);
@@ -470,7 +512,8 @@ static ts_status ts_gpu_import(ts_device_state *state, const ts_device_ring *r, 
             g->ptr[k] = 0;
             st = ts_cuda_fail(api, err, rc, "cuIpcOpenMemHandle of a ring slot");
             if (rc == CUDA_ERROR_INVALID_CONTEXT || rc == CUDA_ERROR_MAP_FAILED ||
-                rc == CUDA_ERROR_INVALID_VALUE || rc == CUDA_ERROR_INVALID_DEVICE) {
+                rc == CUDA_ERROR_INVALID_VALUE || rc == CUDA_ERROR_INVALID_DEVICE ||
+                rc == CUDA_ERROR_PEER_ACCESS_UNSUPPORTED) {
                 char detail[sizeof err->msg] = "";
                 if (err != NULL) snprintf(detail, sizeof detail, "%s", err->msg);
                 st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
@@ -745,7 +788,7 @@ static int ts_gpu_describe(ts_device_driver *driver, int ordinal, ts_device_desc
     if (api->DeviceGet(&dev, ordinal) != CUDA_SUCCESS) return -1;
     api->DeviceGetName(out->name, (int)sizeof out->name - 1, dev);
     api->DeviceGetAttribute(&out->ipc_events, CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED, dev);
-    if (api->DeviceGetUuid(&uuid, dev) == CUDA_SUCCESS)
+    if (ts_cuda_device_uuid(api, &uuid, dev) == CUDA_SUCCESS)
         for (int b = 0; b < 16; b++)
             snprintf(out->uuid + 2 * b, 3, "%02x", (unsigned char)uuid.bytes[b]);
     out->ipc_events = out->ipc_events != 0;
