@@ -56,6 +56,7 @@ CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_INVALID_DEVICE = 101
 CUDA_ERROR_INVALID_CONTEXT = 201
 CUDA_ERROR_MAP_FAILED = 205
+CUDA_ERROR_PEER_ACCESS_UNSUPPORTED = 217
 CUDA_ERROR_INVALID_HANDLE = 400
 CUDA_ERROR_ILLEGAL_STATE = 401
 CUDA_ERROR_NOT_READY = 600
@@ -92,8 +93,13 @@ DRIVER_FUNCTIONS = (
     "cuMemHostUnregister", "cuStreamCreate", "cuStreamDestroy_v2", "cuStreamSynchronize",
     "cuStreamWaitEvent", "cuEventCreate", "cuEventDestroy_v2", "cuEventRecord", "cuEventQuery",
     "cuEventSynchronize", "cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle",
-    "cuIpcGetEventHandle", "cuIpcOpenEventHandle",
+    "cuIpcGetEventHandle", "cuIpcOpenEventHandle", "cuDeviceCanAccessPeer",
+    "cuDeviceGetUuid_v2",
 )
+# Driver functions a driver may lack; OLD_DRIVER_FLAGS builds the double without them (a
+# driver older than CUDA 11.4).
+OPTIONAL_FUNCTIONS = ("cuDeviceGetUuid_v2",)
+OLD_DRIVER_FLAGS = ("-DFAKECUDA_NO_UUID_V2",)
 TEST_FUNCTIONS = ("fakecuda_launch_read", "fakecuda_counter")
 
 
@@ -162,7 +168,7 @@ class LogLine:
         return int(self.fields[key], 0)
 
 
-_LINE = re.compile(r"^(\d+) ([a-z_]+)((?: [A-Za-z_]+=\S*)*)$")
+_LINE = re.compile(r"^(\d+) ([a-z][a-z0-9_]*)((?: [A-Za-z_]+=\S*)*)$")
 
 
 def parse_line(line: str) -> LogLine:
@@ -285,6 +291,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuIpcOpenEventHandle": [_P(_VP), CUipcEventHandle],
     "fakecuda_launch_read": [_VP, _U64, _c.c_size_t, _P(_U64), _c.c_uint],
     "fakecuda_counter": [_c.c_char_p],
+    "cuDeviceCanAccessPeer": [_P(_c.c_int), _c.c_int, _c.c_int],
+    "cuDeviceGetUuid_v2": [_P(CUuuid), _c.c_int],
 }
 
 HostSrc = int | bytes | bytearray | memoryview
@@ -298,6 +306,8 @@ class FakeCuda:
         self.path = str(lib_path)
         self.lib = ctypes.CDLL(self.path)
         for name, argtypes in _SIGNATURES.items():
+            if name in OPTIONAL_FUNCTIONS and not hasattr(self.lib, name):
+                continue  # an old driver's build (OLD_DRIVER_FLAGS)
             fn = getattr(self.lib, name)
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
@@ -354,6 +364,16 @@ class FakeCuda:
         u = CUuuid()
         self._ok("cuDeviceGetUuid", ctypes.byref(u), device)
         return bytes(u.bytes)
+
+    def device_uuid_v2(self, device: int = 0) -> bytes:
+        u = CUuuid()
+        self._ok("cuDeviceGetUuid_v2", ctypes.byref(u), device)
+        return bytes(u.bytes)
+
+    def can_access_peer(self, device: int, peer: int) -> int:
+        v = ctypes.c_int()
+        self._ok("cuDeviceCanAccessPeer", ctypes.byref(v), device, peer)
+        return v.value
 
     def device_name(self, device: int = 0) -> str:
         buf = ctypes.create_string_buffer(256)

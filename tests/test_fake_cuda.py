@@ -31,6 +31,7 @@ from fakecuda import (
     CUDA_ERROR_NOT_INITIALIZED,
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OUT_OF_MEMORY,
+    CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
     CudaError,
     fnv1a,
     parse_log,
@@ -473,6 +474,92 @@ def test_failed_calls_are_logged(agent, log):
 def test_cudaerror_carries_the_code():
     e = CudaError(201, "cuMemAlloc_v2")
     assert e.rc == 201 and "CUDA_ERROR_INVALID_CONTEXT" in str(e)
+
+
+# ---- two GPUs and MIG ------------------------------------------------------------------------
+
+
+def test_peer_access_and_no_peer(agent, log):
+    """cuDeviceCanAccessPeer: every pair of whole GPUs by default; FAKECUDA_NO_PEER takes
+    pairs of physical devices (both ways) or "all"; a bad value fails cuInit naming it."""
+    a = agent(FAKECUDA_DEVICES="3", FAKECUDA_NO_PEER="0-2")
+    assert a("[fc.can_access_peer(d, p) for d, p in ((0, 1), (1, 0), (0, 2), (2, 0), (1, 2))]") \
+        == [1, 1, 0, 0, 1]
+    assert a.rc("fc.can_access_peer(1, 1)") == CUDA_ERROR_INVALID_DEVICE
+    assert a.rc("fc.can_access_peer(0, 3)") == CUDA_ERROR_INVALID_DEVICE
+    # Physical ids, whatever the visible order.
+    b = agent(FAKECUDA_DEVICES="3", FAKECUDA_NO_PEER="0-2", FAKECUDA_VISIBLE="2,1,0")
+    assert b("[fc.can_access_peer(0, 2), fc.can_access_peer(0, 1)]") == [0, 1]
+    c = agent(FAKECUDA_DEVICES="3", FAKECUDA_NO_PEER="all")
+    assert c("[fc.can_access_peer(0, 1), fc.can_access_peer(2, 1)]") == [0, 0]
+    (line, *_) = select(parse_log(log), "can_access_peer", c.pid)
+    assert line["phys"] == "0" and line["peer_phys"] == "1" and line["value"] == "0"
+    for bad in ("0", "0-", "x", "0-1;2-3", "0-99"):
+        d = agent(setup=False, FAKECUDA_DEVICES="2", FAKECUDA_NO_PEER=bad)
+        assert d.rc("fc.init()") == CUDA_ERROR_INVALID_VALUE, bad
+        (fail,) = select(parse_log(log), "fail", d.pid)
+        assert "FAKECUDA_NO_PEER" in fail["why"]
+
+
+def test_ipc_open_refuses_a_peer_without_access(agent, log):
+    """cuIpcOpenMemHandle on a device with no peer access to the exporter's fails with
+    CUDA_ERROR_PEER_ACCESS_UNSUPPORTED; the exporter's own device still opens it."""
+    exp = agent(FAKECUDA_DEVICES="2", FAKECUDA_NO_PEER="0-1")
+    h = exp("p = fc.mem_alloc(4096); fc.ipc_get_mem_handle(p)")
+    other = agent(FAKECUDA_DEVICES="2", FAKECUDA_NO_PEER="0-1", device=1)
+    assert other.rc(f"fc.ipc_open_mem_handle({h!r})") == CUDA_ERROR_PEER_ACCESS_UNSUPPORTED
+    same = agent(FAKECUDA_DEVICES="2", FAKECUDA_NO_PEER="0-1")
+    same(f"q = fc.ipc_open_mem_handle({h!r}); fc.ipc_close_mem_handle(q)")
+    (fail,) = select(parse_log(log), "fail", other.pid)
+    assert fail["op"] == "ipc_open_mem" and fail["why"] == "no_peer_access"
+    assert other("fc.error_name(217)") == "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"
+
+
+def test_mig_instances_have_their_own_v2_uuid(agent, log):
+    """FAKECUDA_MIG_GPUS: instances of one GPU share its v1 UUID, each has its own v2 UUID,
+    and no instance has peer access to another device; whole GPUs keep one UUID."""
+    a = agent(FAKECUDA_DEVICES="3", FAKECUDA_MIG_GPUS="0,0,-")
+    assert a("[fc.device_uuid(d) for d in range(3)]") == \
+        [b"fakecuda-gpu-00\0", b"fakecuda-gpu-00\0", b"fakecuda-phys-02"]
+    assert a("[fc.device_uuid_v2(d) for d in range(3)]") == \
+        [b"fakecuda-mig-00\0", b"fakecuda-mig-01\0", b"fakecuda-phys-02"]
+    assert a("[fc.can_access_peer(0, 1), fc.can_access_peer(1, 2), fc.can_access_peer(2, 0)]") \
+        == [0, 0, 0]
+    h = a("p = fc.mem_alloc(4096); fc.ipc_get_mem_handle(p)")
+    inst_b = agent(FAKECUDA_DEVICES="3", FAKECUDA_MIG_GPUS="0,0,-", device=1)
+    assert inst_b.rc(f"fc.ipc_open_mem_handle({h!r})") == CUDA_ERROR_PEER_ACCESS_UNSUPPORTED
+    inst_a = agent(FAKECUDA_DEVICES="3", FAKECUDA_MIG_GPUS="0,0,-")
+    inst_a(f"q = fc.ipc_open_mem_handle({h!r}); fc.ipc_close_mem_handle(q)")
+    lines = select(parse_log(log), "device_uuid_v2", a.pid)
+    assert [ln["mig"] for ln in lines] == ["1", "1", "0"]
+    for bad in ("x", "0,,1", "0;0"):
+        d = agent(setup=False, FAKECUDA_MIG_GPUS=bad)
+        assert d.rc("fc.init()") == CUDA_ERROR_INVALID_VALUE, bad
+        (fail,) = select(parse_log(log), "fail", d.pid)
+        assert "FAKECUDA_MIG_GPUS" in fail["why"]
+    plain = agent(FAKECUDA_DEVICES="2")
+    assert plain("fc.device_uuid_v2(1) == fc.device_uuid(1) == b'fakecuda-phys-01'") is True
+
+
+def test_old_driver_build_lacks_uuid_v2(tmp_path, log):
+    """Built with OLD_DRIVER_FLAGS the double lacks cuDeviceGetUuid_v2 (a driver older than
+    CUDA 11.4), and exports every other function."""
+    try:
+        old = fakecuda.build(tmp_path, extra=fakecuda.OLD_DRIVER_FLAGS, name="libold.so")
+    except fakecuda.NoCompiler as e:
+        pytest.skip(str(e))
+    a = fakecuda.Agent(old, env={"FAKECUDA_LOG": str(log)})
+    try:
+        assert a("hasattr(fc.lib, 'cuDeviceGetUuid_v2')") is False
+        assert a("fc.init(); fc.device_uuid(0)") == b"fakecuda-phys-00"
+    finally:
+        a.close()
+    if shutil.which("nm") is not None:
+        out = subprocess.run(["nm", "-D", "--defined-only", str(old)], capture_output=True,
+                             text=True, check=True).stdout
+        functions = {m.group(1) for m in re.finditer(r" T (\w+)$", out, re.MULTILINE)}
+        assert functions == set(fakecuda.DRIVER_FUNCTIONS + fakecuda.TEST_FUNCTIONS) - \
+            set(fakecuda.OPTIONAL_FUNCTIONS)
 
 
 # ---- sanitizers ----------------------------------------------------------------------------

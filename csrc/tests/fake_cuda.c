@@ -22,6 +22,7 @@
  * Environment: FAKECUDA_DEVICES, FAKECUDA_VISIBLE, FAKECUDA_FAIL_INIT,
  * FAKECUDA_NO_IPC_EVENTS, FAKECUDA_MIG, FAKECUDA_MEM_LIMIT,
  * FAKECUDA_OP_DELAY_US, FAKECUDA_COMPUTE_MODE (the value of that attribute),
+ * FAKECUDA_NO_PEER and FAKECUDA_MIG_GPUS (see "Two GPUs and MIG" below),
  * FAKECUDA_FAIL_OP (an op name, as in the log: every call of it fails after
  * cuInit) with FAKECUDA_FAIL_CODE (default 801, CUDA_ERROR_NOT_SUPPORTED)
  * (read by cuInit) and FAKECUDA_LOG (a file every call appends one line to:
@@ -107,6 +108,15 @@ FC_API CUresult cuIpcOpenEventHandle(CUevent *event, CUipcEventHandle handle);
 FC_API CUresult fakecuda_launch_read(CUstream s, CUdeviceptr p, size_t n, unsigned long long *out,
                                      unsigned delay_us);
 FC_API int fakecuda_counter(const char *op);
+FC_API CUresult cuDeviceCanAccessPeer(int *can_access, CUdevice dev, CUdevice peer_dev);
+#ifndef FAKECUDA_NO_UUID_V2
+FC_API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice device);
+#endif
+
+/* Two GPUs and MIG (their section, at the end). */
+static const char *fc_peer_configure(void);
+static void fc_peer_uuid(int phys, int v2, char out[16]);
+static int fc_peer_possible(int phys, int peer_phys);
 
 /* ==========================================================================
  * State
@@ -242,7 +252,7 @@ typedef enum {
     FC_OP_EVENT_QUERY, FC_OP_EVENT_SYNC, FC_OP_IPC_GET_MEM, FC_OP_IPC_OPEN_MEM,
     FC_OP_IPC_CLOSE_MEM, FC_OP_IPC_GET_EVENT, FC_OP_IPC_OPEN_EVENT, FC_OP_LAUNCH_READ,
     FC_OP_EXEC_HTOD, FC_OP_EXEC_DTOD, FC_OP_EXEC_RECORD, FC_OP_EXEC_WAIT, FC_OP_EXEC_READ,
-    FC_OP_FAIL, FC_OP_COUNT
+    FC_OP_FAIL, FC_OP_DEVICE_UUID_V2, FC_OP_CAN_ACCESS_PEER, FC_OP_COUNT
 } fc_opcode;
 
 static const char *const fc_op_names[FC_OP_COUNT] = {
@@ -255,7 +265,7 @@ static const char *const fc_op_names[FC_OP_COUNT] = {
     "event_query", "event_sync", "ipc_get_mem", "ipc_open_mem",
     "ipc_close_mem", "ipc_get_event", "ipc_open_event", "launch_read",
     "exec_htod", "exec_dtod", "exec_record", "exec_wait", "exec_read",
-    "fail",
+    "fail", "device_uuid_v2", "can_access_peer",
 };
 
 static _Atomic int g_counts[FC_OP_COUNT];
@@ -314,6 +324,8 @@ static const fc_errdesc fc_errors[] = {
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
     {CUDA_ERROR_MAP_FAILED, "CUDA_ERROR_MAP_FAILED", "mapping of buffer object failed"},
+    {CUDA_ERROR_PEER_ACCESS_UNSUPPORTED, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+     "peer access is not supported between these two devices"},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE",
      "the operation cannot be performed in the present state"},
@@ -847,6 +859,7 @@ static int fc_configure(void)
     for (int op = 0; fail != NULL && op < FC_OP_COUNT; op++)
         if (strcmp(fail, fc_op_names[op]) == 0) g_cfg.fail_op = op;
     g_cfg.fail_code = (CUresult)fc_env_ull("FAKECUDA_FAIL_CODE", CUDA_ERROR_NOT_SUPPORTED);
+    if (fc_peer_configure() != NULL) return -2;
     return g_cfg.nvis > 0 ? 0 : -1;
 }
 
@@ -866,6 +879,7 @@ FC_API CUresult cuInit(unsigned int flags)
         }
     }
     pthread_mutex_unlock(&g_lock);
+    if (bad == -2) return fc_fail(FC_OP_INIT, CUDA_ERROR_INVALID_VALUE, fc_peer_configure());
     if (bad) return fc_fail(FC_OP_INIT, CUDA_ERROR_NO_DEVICE, "no_visible_device");
     fc_log(FC_OP_INIT, "devices=%d visible=%d", g_cfg.ndev, g_cfg.nvis);
     return CUDA_SUCCESS;
@@ -945,7 +959,8 @@ FC_API CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device)
     return CUDA_SUCCESS;
 }
 
-/* A UUID per physical device ("fakecuda-phys-NN"), the same in every process. */
+/* A UUID per physical device ("fakecuda-phys-NN"), the same in every process; a MIG
+ * instance gets its parent GPU's ("fakecuda-gpu-NN", see FAKECUDA_MIG_GPUS). */
 FC_API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice device)
 {
     CUresult rc = fc_need_init(FC_OP_DEVICE_UUID);
@@ -953,9 +968,7 @@ FC_API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice device)
     if (uuid == NULL) return fc_fail(FC_OP_DEVICE_UUID, CUDA_ERROR_INVALID_VALUE, "null");
     fc_ctx *c = fc_device(device);
     if (c == NULL) return fc_fail(FC_OP_DEVICE_UUID, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
-    char buf[32];
-    snprintf(buf, sizeof buf, "fakecuda-phys-%02d", c->phys);
-    memcpy(uuid->bytes, buf, sizeof uuid->bytes);
+    fc_peer_uuid(c->phys, 0, uuid->bytes);
     fc_log(FC_OP_DEVICE_UUID, "dev=%d phys=%d", device, c->phys);
     return CUDA_SUCCESS;
 }
@@ -1640,6 +1653,8 @@ FC_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle, 
     if (h.pid == (int32_t)getpid())
         return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_CONTEXT, "handle_of_this_process");
     int peer = h.phys != ctx->phys;
+    if (peer && !fc_peer_possible(ctx->phys, h.phys))
+        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_PEER_ACCESS_UNSUPPORTED, "no_peer_access");
     /* Already open here: the same mapping, one more open. */
     uint8_t *base = NULL;
     pthread_mutex_lock(&g_lock);
@@ -1839,6 +1854,132 @@ FC_API int fakecuda_counter(const char *op)
         if (strcmp(op, fc_op_names[i]) == 0) return atomic_load(&g_counts[i]);
     return -1;
 }
+
+/* ==========================================================================
+ * Two GPUs and MIG
+ *
+ * FAKECUDA_NO_PEER: "all", or pairs of physical devices "a-b,c-d" that cannot access each
+ * other's memory (cuDeviceCanAccessPeer gives 0 both ways); other pairs of whole GPUs can.
+ *
+ * FAKECUDA_MIG_GPUS: per physical device, in order, the GPU it is a MIG instance of, or "-"
+ * for a whole GPU ("0,0": devices 0 and 1 are two instances of GPU 0). An instance has its
+ * own cuDeviceGetUuid_v2 UUID ("fakecuda-mig-NN", NN its physical id) and its parent's
+ * cuDeviceGetUuid one ("fakecuda-gpu-NN"), like a real MIG instance: _v2 "returns its MIG
+ * UUID which uniquely identifies the subscribed MIG compute instance" (driver API, Device
+ * Management). An instance has no peer access to any other device (the MIG user guide
+ * lists GPU-to-GPU P2P as unsupported in MIG mode).
+ *
+ * cuIpcOpenMemHandle refuses a handle of a device this one has no peer access to, with
+ * CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: the flag CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS enables
+ * peer access "as if the user called cuCtxEnablePeerAccess", which fails so where
+ * cuDeviceCanAccessPeer says no. Built with -DFAKECUDA_NO_UUID_V2, the library lacks
+ * cuDeviceGetUuid_v2, like a driver older than CUDA 11.4.
+ * ========================================================================== */
+
+static struct {
+    int parent[FC_MAX_DEV];                  /* MIG: the instance's GPU, or -1 (whole GPU) */
+    unsigned char no_peer[FC_MAX_DEV][FC_MAX_DEV]; /* 1: [a][b] cannot access each other */
+    const char *bad;                          /* why a knob was refused, or NULL */
+} g_peer;
+
+/* Parse a device number in [0, FC_MAX_DEV) at *p; -1 if there is none. */
+static int fc_peer_number(const char **p)
+{
+    char *end;
+    if (**p < '0' || **p > '9') return -1;
+    long v = strtol(*p, &end, 10);
+    if (v >= FC_MAX_DEV) return -1;
+    *p = end;
+    return (int)v;
+}
+
+/* Read FAKECUDA_NO_PEER and FAKECUDA_MIG_GPUS (cuInit, under g_lock); NULL, or why one of
+ * them was refused. */
+static const char *fc_peer_configure(void)
+{
+    if (g_peer.bad != NULL) return g_peer.bad;
+    memset(g_peer.no_peer, 0, sizeof g_peer.no_peer);
+    for (int i = 0; i < FC_MAX_DEV; i++) g_peer.parent[i] = -1;
+    const char *s = getenv("FAKECUDA_NO_PEER");
+    if (s != NULL && strcmp(s, "all") == 0) {
+        memset(g_peer.no_peer, 1, sizeof g_peer.no_peer);
+    } else if (s != NULL && s[0] != '\0') {
+        for (const char *p = s;;) {
+            int a = fc_peer_number(&p);
+            int b = *p == '-' ? (p++, fc_peer_number(&p)) : -1;
+            if (a < 0 || b < 0 || (*p != ',' && *p != '\0'))
+                return g_peer.bad = "FAKECUDA_NO_PEER_wants_all_or_pairs_like_0-1,2-3";
+            g_peer.no_peer[a][b] = g_peer.no_peer[b][a] = 1;
+            if (*p++ == '\0') break;
+        }
+    }
+    s = getenv("FAKECUDA_MIG_GPUS");
+    if (s != NULL && s[0] != '\0') {
+        int i = 0;
+        for (const char *p = s;; i++) {
+            int parent = -1;
+            if (*p == '-') p++;
+            else if ((parent = fc_peer_number(&p)) < 0) i = FC_MAX_DEV;
+            if (i >= FC_MAX_DEV || (*p != ',' && *p != '\0'))
+                return g_peer.bad = "FAKECUDA_MIG_GPUS_wants_a_GPU_number_or_-_per_device";
+            g_peer.parent[i] = parent;
+            if (*p++ == '\0') break;
+        }
+    }
+    return NULL;
+}
+
+/* The 16-byte UUID of physical device phys: v2 (cuDeviceGetUuid_v2) or v1's. */
+static void fc_peer_uuid(int phys, int v2, char out[16])
+{
+    char buf[32];
+    int parent = g_peer.parent[phys];
+    if (parent < 0) snprintf(buf, sizeof buf, "fakecuda-phys-%02d", phys);
+    else if (v2) snprintf(buf, sizeof buf, "fakecuda-mig-%02d", phys);
+    else snprintf(buf, sizeof buf, "fakecuda-gpu-%02d", parent);
+    memcpy(out, buf, 16);
+}
+
+/* Whether physical device phys can access the memory of another one, peer_phys. */
+static int fc_peer_possible(int phys, int peer_phys)
+{
+    if (g_peer.parent[phys] >= 0 || g_peer.parent[peer_phys] >= 0) return 0;
+    return !g_peer.no_peer[phys][peer_phys];
+}
+
+/* 1 if dev can access peer_dev's memory, else 0 (FAKECUDA_NO_PEER, MIG instances). The
+ * same device twice is CUDA_ERROR_INVALID_DEVICE: stricter than needed, as the core never
+ * asks it. */
+FC_API CUresult cuDeviceCanAccessPeer(int *can_access, CUdevice dev, CUdevice peer_dev)
+{
+    CUresult rc = fc_need_init(FC_OP_CAN_ACCESS_PEER);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (can_access == NULL) return fc_fail(FC_OP_CAN_ACCESS_PEER, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_ctx *c = fc_device(dev), *p = fc_device(peer_dev);
+    if (c == NULL || p == NULL)
+        return fc_fail(FC_OP_CAN_ACCESS_PEER, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
+    if (c == p) return fc_fail(FC_OP_CAN_ACCESS_PEER, CUDA_ERROR_INVALID_DEVICE, "same_device");
+    *can_access = fc_peer_possible(c->phys, p->phys);
+    fc_log(FC_OP_CAN_ACCESS_PEER, "dev=%d phys=%d peer=%d peer_phys=%d value=%d", dev, c->phys,
+           peer_dev, p->phys, *can_access);
+    return CUDA_SUCCESS;
+}
+
+#ifndef FAKECUDA_NO_UUID_V2
+/* The device's own UUID: a MIG instance's ("fakecuda-mig-NN"), else as cuDeviceGetUuid. */
+FC_API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice device)
+{
+    CUresult rc = fc_need_init(FC_OP_DEVICE_UUID_V2);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (uuid == NULL) return fc_fail(FC_OP_DEVICE_UUID_V2, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_ctx *c = fc_device(device);
+    if (c == NULL) return fc_fail(FC_OP_DEVICE_UUID_V2, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
+    fc_peer_uuid(c->phys, 1, uuid->bytes);
+    fc_log(FC_OP_DEVICE_UUID_V2, "dev=%d phys=%d mig=%d", device, c->phys,
+           g_peer.parent[c->phys] >= 0);
+    return CUDA_SUCCESS;
+}
+#endif
 
 /* ==========================================================================
  * Process exit
