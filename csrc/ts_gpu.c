@@ -449,8 +449,9 @@ static const char *ts_gpu_label(const ts_cuda_api *api, CUdevice dev, int ordina
 }
 
 /* Whether this consumer's GPU can map the memory of the pool's GPU, another one: TS_OK if
- * it can, or the pool's GPU is not visible here (cuIpcOpenMemHandle can open handles of
- * devices the caller cannot see, the driver decides); GPUUnavailable naming both GPUs if
+ * it can, or the pool's GPU is not visible here (then the driver decides: "can open handles
+ * to devices that may not be visible in the process calling the API", cudaIpcOpenMemHandle's
+ * documentation); GPUUnavailable naming both GPUs if
  * cuDeviceCanAccessPeer says it cannot. The driver documents: "cuDeviceCanAccessPeer can
  * determine if a mapping is possible" (cuIpcOpenMemHandle), and gives "1 if contexts on dev
  * are capable of directly accessing memory from contexts on peerDev and 0 otherwise". */

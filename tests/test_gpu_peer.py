@@ -221,3 +221,19 @@ def test_old_driver_without_uuid_v2(procs, name, gpu_env):
     log = fakecuda.parse_log(env["FAKECUDA_LOG"])
     assert [line for line in log if line.op == "device_uuid_v2"] == []
     assert [line for line in log if line.op == "device_uuid"]
+
+
+def test_devices_are_described_by_v2_uuid(gpu_env):
+    """gpu_status() (and the consumer's own same-GPU test for peer_access=False) names each
+    MIG instance by its own UUID, not the parent GPU's that both share."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json; from tensorsocket import _core; "
+            "print(json.dumps([d['uuid'] for d in _core.cuda_status()['devices']]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **gpu_env, **MIG, "FAKECUDA_LOG": ""},
+                         timeout=60, check=True)
+    assert json.loads(out.stdout) == [_uuid_hex(b"fakecuda-mig-00\0"),
+                                      _uuid_hex(b"fakecuda-mig-01\0")]

@@ -1867,7 +1867,9 @@ FC_API int fakecuda_counter(const char *op)
  * cuDeviceGetUuid one ("fakecuda-gpu-NN"), like a real MIG instance: _v2 "returns its MIG
  * UUID which uniquely identifies the subscribed MIG compute instance" (driver API, Device
  * Management). An instance has no peer access to any other device (the MIG user guide
- * lists GPU-to-GPU P2P as unsupported in MIG mode).
+ * lists GPU-to-GPU P2P, PCIe or NVLink, as unsupported in MIG mode; not yet checked on a
+ * real MIG instance). IPC within one instance works here; FAKECUDA_MIG=1 is the other
+ * model, no CUDA IPC at all.
  *
  * cuIpcOpenMemHandle refuses a handle of a device this one has no peer access to, with
  * CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: the flag CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS enables
