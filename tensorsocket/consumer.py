@@ -142,6 +142,8 @@ class TensorConsumer(LoaderSurface):
         DataLoader(pin_memory=True), without its extra copy).
       peer_access: read a GPU ring on another GPU through peer access
         (default True); False copies each batch into ``device`` instead.
+        Where the two GPUs have no peer access (cuDeviceCanAccessPeer; MIG
+        instances), a GPUFallbackWarning names both and batches are copied.
       align_epochs: every epoch is one whole epoch of the producer, from its
         first batch (default True): a consumer that attaches mid-epoch starts
         at the next epoch's first batch, unless the current one's is still in
