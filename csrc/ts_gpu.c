@@ -449,12 +449,13 @@ static const char *ts_gpu_label(const ts_cuda_api *api, CUdevice dev, int ordina
 }
 
 /* Whether this consumer's GPU can map the memory of the pool's GPU, another one: TS_OK if
- * it can, or the pool's GPU is not visible here (then the driver decides: "can open handles
- * to devices that may not be visible in the process calling the API", cudaIpcOpenMemHandle's
- * documentation); GPUUnavailable naming both GPUs if
- * cuDeviceCanAccessPeer says it cannot. The driver documents: "cuDeviceCanAccessPeer can
- * determine if a mapping is possible" (cuIpcOpenMemHandle), and gives "1 if contexts on dev
- * are capable of directly accessing memory from contexts on peerDev and 0 otherwise". */
+ * it can, or if the pool's GPU is not visible here (the driver decides then: it "can open
+ * handles to devices that may not be visible in the process calling the API",
+ * cudaIpcOpenMemHandle's documentation); GPUUnavailable naming both GPUs if
+ * cuDeviceCanAccessPeer says it cannot. The driver documents that "cuDeviceCanAccessPeer
+ * can determine if a mapping is possible" (cuIpcOpenMemHandle), and that it gives "1 if
+ * contexts on dev are capable of directly accessing memory from contexts on peerDev and 0
+ * otherwise". */
 static ts_status ts_gpu_check_peer(const ts_gpu *g, const uint8_t *pool_uuid, ts_err *err)
 {
     const ts_cuda_api *api = g->api;
