@@ -679,6 +679,22 @@ def check_mig(opts: Options) -> CheckResult:
     return _run_check("mig", run)
 
 
+def smoke_host_ring() -> CheckResult:
+    """The checks' own machinery (role processes, handshakes, reports) on a host ring
+    with a DataLoader of 2 non-persistent workers over 2 epochs: needs no GPU (run by
+    ``gpu_check.py --smoke`` to try the harness before spending device time)."""
+    def run(procs: Procs) -> CheckResult:
+        pr, cr = _pair(procs, {"device": "host", "batches": 4, "epochs": 2,
+                               "loader": "dataloader", "workers": 2},
+                       {"mode": "check", "epochs": 2, "values": "index", "expect": "cpu"})
+        errors = _errors(pr, cr)
+        if cr.get("values") != [[0, 1, 2, 3]] * 2:
+            errors.append(f"values {cr.get('values')}")
+        return _verdict("smoke_host_ring", errors, f"values {cr.get('values')}",
+                        {"producer": pr, "consumer": cr})
+    return _run_check("smoke_host_ring", run)
+
+
 def run_checks(names: list[str] | None = None, opts: Options | None = None,
                progress: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
     """Run the named checks (all by default) in order; their results."""
