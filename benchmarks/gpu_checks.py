@@ -30,6 +30,7 @@ Nothing here needs a GPU to import; ``skip_reason()`` says why the checks cannot
 from __future__ import annotations
 
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -322,7 +323,9 @@ def _run_check(name: str, fn: Callable[[Procs], CheckResult]) -> CheckResult:
     try:
         res = fn(procs)
     except Exception as e:  # a check that cannot finish is a failure, with the cause
-        res = CheckResult(name, False, figure=f"{type(e).__name__}", detail=str(e)[-3000:])
+        first = (str(e).splitlines() or [""])[0]
+        res = CheckResult(name, False, figure=f"{type(e).__name__}: {first}"[:120],
+                          detail=str(e)[-3000:])
     finally:
         procs.close()
     res.seconds = time.monotonic() - t0
@@ -1171,6 +1174,9 @@ def _mode_idle(consumer: Any, a: dict) -> dict:
 def role_main(argv: list[str]) -> int:
     """Entry point of a role process: ``_role producer|consumer '<json args>'``."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # The library's warnings (a pool freed under an importer, a fallback) go to stderr,
+    # which the checks read: this is the application, so it may configure logging.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     role, args = argv[0], json.loads(argv[1])
     try:
         res = {"producer": role_producer, "consumer": role_consumer}[role](args)
