@@ -517,6 +517,44 @@ def check_idle_past_release_timeout(opts: Options) -> CheckResult:
 
 
 @check
+def check_producer_killed(opts: Options) -> CheckResult:
+    """Item 4, where the producer must go: it is SIGKILLed mid-epoch while the consumer
+    holds a batch (and maps the pool). The consumer's next accesses give only right
+    batches, then end with a clear tensorsocket error (or the epoch's end) within its
+    batch_timeout, never a hang or a driver error; what the held batch reads afterwards
+    is reported (the driver's rule for an exited exporter's memory); device memory is
+    back to its baseline once the consumer is gone."""
+    def run(procs: Procs) -> CheckResult:
+        baseline, how = device_memory_used(opts.device)
+        p = procs.start("producer", {"name": procs.name, "device": f"cuda:{opts.device}",
+                                     "batches": 12, "slots": 3, "join": False})
+        procs.line(p, "ready")
+        c = procs.start("consumer", {"name": procs.name, "mode": "idle", "hold_at": 5,
+                                     "batch_timeout": 20.0,
+                                     "expect": f"cuda:{opts.device}"})
+        procs.line(c, "holding")
+        p.kill()
+        p.wait(timeout=30)
+        procs.go(c)
+        cr = procs.result(c)
+        above, how = settle_memory(baseline, opts.device)
+        errors = _errors(cr)
+        after = cr.get("after", "")
+        if not (after == "StopIteration" or cr.get("after_clear")):
+            errors.append(f"after the producer's death: {after} (expected a clear "
+                          "tensorsocket error, within batch_timeout)")
+        if above is not None and above > MEMORY_TOLERANCE:
+            errors.append(f"device memory {above >> 20} MiB above the baseline after both "
+                          f"exited ({how})")
+        fig = (f"{cr.get('after_batches')} batches after the kill, then {after[:60]}; "
+               f"held batch: {'right' if cr.get('held_ok') else cr.get('held', '')[:60]}; "
+               "memory " + ("n/a (" + how + ")" if above is None
+                            else f"{above / 2**20:+.0f} MiB"))
+        return _verdict("producer_killed", errors, fig, {"consumer": cr})
+    return _run_check("producer_killed", run)
+
+
+@check
 def check_dataloader_workers_epochs(opts: Options) -> CheckResult:
     """A GPU ring whose producer runs a DataLoader with non-persistent workers
     (num_workers=2) over 3 epochs: the workers are forked each epoch after the producer
@@ -896,7 +934,8 @@ def role_consumer(a: dict) -> dict:
         for cycle in range(cycles):
             name = a["name"] if cycles == 1 else f"{a['name']}-{cycle}"
             consumer = TensorConsumer(name=name, timeout=ATTACH_TIMEOUT,
-                                      batch_timeout=BATCH_TIMEOUT, **kw)
+                                      batch_timeout=a.get("batch_timeout", BATCH_TIMEOUT),
+                                      **kw)
             res: dict = {}
             try:
                 res = modes[a["mode"]](consumer, a)
@@ -1120,55 +1159,68 @@ def _mode_graph(consumer: Any, a: dict) -> dict:
 
 
 def _mode_idle(consumer: Any, a: dict) -> dict:
-    """Read the epoch, holding its last batch; say so and wait for the orchestrator (the
-    producer closes meanwhile); then read the held batch again and ask for the next."""
+    """Read batches 0..hold_at (checked), keeping batch hold_at; say "holding" and wait
+    for the orchestrator (the producer closes, or is killed, meanwhile); then ask for
+    batches until the end of the epoch or an error (each one delivered is checked), and
+    read the held batch again."""
     import torch
 
     from tensorsocket.errors import CudaError, TensorSocketError
 
-    errors, held = [], None
+    hold_at = a.get("hold_at", 5)
+    errors: list[str] = []
+    held = None
     it = iter(consumer)
-    b = 0
-    while True:
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        if b == 5:  # the producer's last batch (6 of them): kept
+    for b in range(hold_at + 1):
+        batch = next(it)
+        if b == hold_at:
             held = batch
         if not _sums_ok(batch["x"].sum(dtype=torch.float64), batch["y"].sum(), b,
                         batch["x"].numel(), batch["y"].numel()):
             errors.append(f"batch {b}: content is not {b}")
         del batch
-        b += 1
-        if b == 6:
-            break
     torch.cuda.synchronize(a["expect"])
     _emit({"holding": True})
     _wait_stdin(timeout=LINE_TIMEOUT)
+    # What the next accesses give: batches (each must be right), then the end or an error.
+    after_clear, after_batches, after = False, 0, "no end within 64 batches"
+    for b in range(hold_at + 1, hold_at + 65):
+        try:
+            batch = next(it)
+        except StopIteration:
+            after = "StopIteration"
+            break
+        except CudaError as e:  # the driver's error: not a clear one
+            after = f"CudaError: {e}"
+            break
+        except TensorSocketError as e:
+            after, after_clear = f"{type(e).__name__}: {e}", True
+            break
+        except Exception as e:  # TimeoutError (batch_timeout): a hang
+            after = f"{type(e).__name__}: {e}"
+            break
+        after_batches += 1
+        try:
+            ok = _sums_ok(batch["x"].sum(dtype=torch.float64), batch["y"].sum(), b,
+                          batch["x"].numel(), batch["y"].numel())
+        except Exception as e:  # a batch delivered that cannot be read
+            ok = False
+            errors.append(f"batch {b}, delivered after the wait, cannot be read: "
+                          f"{type(e).__name__}: {e}")
+        if not ok:
+            errors.append(f"batch {b}, delivered after the wait: content is not {b}")
+        del batch
     held_ok, held_text = False, "no batch held"
     if held is not None:
         try:
             xs, ys = held["x"].sum(dtype=torch.float64), held["y"].sum()
-            held_ok = _sums_ok(xs, ys, 5, held["x"].numel(), held["y"].numel())
+            held_ok = _sums_ok(xs, ys, hold_at, held["x"].numel(), held["y"].numel())
             held_text = f"sums {xs.item()}, {ys.item()}"
-        except Exception as e:
-            held_text = f"{type(e).__name__}: {e}"
-    after_clear = False
-    try:
-        next(it)
-        after = "another batch"
-    except StopIteration:
-        after = "StopIteration"
-    except CudaError as e:
-        after = f"CudaError: {e}"
-    except TensorSocketError as e:
-        after, after_clear = f"{type(e).__name__}: {e}", True
-    except Exception as e:
-        after = f"{type(e).__name__}: {e}"
+        except Exception as e:  # the driver's rule for memory of an exited exporter
+            held_text = f"{type(e).__name__}: {e}"[:500]
     del held
     return {"held_ok": held_ok, "held": held_text, "after": after[:500],
-            "after_clear": after_clear, "errors": errors}
+            "after_clear": after_clear, "after_batches": after_batches, "errors": errors}
 
 
 def role_main(argv: list[str]) -> int:
