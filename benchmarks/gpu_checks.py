@@ -265,10 +265,7 @@ class Procs:
 
     def result(self, p: subprocess.Popen, timeout: float = RESULT_TIMEOUT) -> dict:
         """Wait for p; its last JSON line (with "exit": its exit status)."""
-        try:
-            obj = self.line(p, "result", timeout)
-        except RuntimeError:
-            raise
+        obj = self.line(p, "result", timeout)
         try:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -304,9 +301,10 @@ class Procs:
                     f.close()
             self._err[p.pid].close()
         try:
-            from tensorsocket.clean import remove_leftovers
+            from tensorsocket.clean import leftovers, remove_leftovers
 
-            for n in {self.name, *(f"{self.name}-{i}" for i in range(16))}:
+            for n in {item.name for item in leftovers()
+                      if item.name == self.name or item.name.startswith(self.name + "-")}:
                 remove_leftovers(n)
         except Exception:  # leftovers are a convenience here, never a verdict
             pass
