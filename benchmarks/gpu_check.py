@@ -13,8 +13,9 @@ a CUDA graph capture, a consumer idle past ``release_timeout``), a DataLoader wi
 non-persistent workers over 3 epochs, device memory back to its baseline after several
 producer and consumer cycles, and where the hardware allows, peer import,
 ``peer_access=False``, ``CUDA_VISIBLE_DEVICES`` reordering and MIG (skipped with the
-reason otherwise). It prints a table of check / result / seconds / figure and exits 1 if
-any check failed. ``--smoke`` runs the checks' own machinery on a host ring (no GPU
+reason otherwise); then the consumer's own cost per batch (step 3 below, 60 batches;
+``--no-overhead`` leaves it out). It prints a table of check / result / seconds / figure
+and exits 1 if any check failed. ``--smoke`` runs the checks' own machinery on a host ring (no GPU
 needed).
 
 Without ``--quick``:
@@ -829,6 +830,27 @@ def environment(args: argparse.Namespace) -> dict:
     }
 
 
+def quick_overhead(args: argparse.Namespace) -> gpu_checks.CheckResult:
+    """The consumer's own cost per batch (step 3, 60 batches): a figure, not a verdict
+    (its target is reported, as in the full run); a failure to measure is a failure."""
+    import copy
+
+    t0 = time.monotonic()
+    small = copy.copy(args)
+    small.batches, small.warmup = 60, 10
+    try:
+        o = step_overhead(small)
+    except Exception as e:  # could not measure: a failed row, with the cause
+        return gpu_checks.CheckResult("next_overhead", False, figure=type(e).__name__,
+                                      detail=str(e)[-3000:], seconds=time.monotonic() - t0)
+    n, d = o["next_us"], o["drop_us"]
+    fig = (f"next() median {n['median']:.1f} us, p90 {n['p90']:.1f} (target < "
+           f"{TARGET_NEXT_US:.0f}: {'met' if o['meets_target'] else 'not met'}); drop median "
+           f"{d['median']:.1f} us; zero-copy {o['zero_copy_gpu']}")
+    return gpu_checks.CheckResult("next_overhead", o["zero_copy_gpu"] is True, figure=fig,
+                                  seconds=time.monotonic() - t0, data=o)
+
+
 def run_quick(args: argparse.Namespace) -> int:
     """--quick: the checks of gpu_checks.py, a table, exit 1 on a failure."""
     env = environment(args)
@@ -842,6 +864,9 @@ def run_quick(args: argparse.Namespace) -> int:
         print(f"  {r.name}: {verdict} ({r.seconds:.1f} s)", flush=True)
 
     results = gpu_checks.run_checks(args.checks, opts, progress)
+    if not args.no_overhead:
+        results.append(quick_overhead(args))
+        progress(results[-1])
     print()
     print(gpu_checks.format_table(results))
     failed = [r for r in results if r.ok is False]
@@ -885,6 +910,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"{','.join(gpu_checks.CHECKS)}")
     ap.add_argument("--cycles", type=int, default=3,
                     help="with --quick: producer + consumer cycles of memory_cycles")
+    ap.add_argument("--no-overhead", action="store_true",
+                    help="with --quick: skip the per-batch cost of next() (60 batches)")
     ap.add_argument("--smoke", action="store_true",
                     help="run the checks' machinery on a host ring (no GPU needed) and exit")
     args = ap.parse_args(argv)
