@@ -837,11 +837,13 @@ def quick_overhead(args: argparse.Namespace) -> gpu_checks.CheckResult:
 
     t0 = time.monotonic()
     small = copy.copy(args)
-    small.batches, small.warmup = 60, 10
+    small.batches, small.warmup, small.work_iters = 60, 10, 0
     try:
         o = step_overhead(small)
     except Exception as e:  # could not measure: a failed row, with the cause
-        return gpu_checks.CheckResult("next_overhead", False, figure=type(e).__name__,
+        first = (str(e).splitlines() or [""])[0]
+        return gpu_checks.CheckResult("next_overhead", False,
+                                      figure=f"{type(e).__name__}: {first}"[:120],
                                       detail=str(e)[-3000:], seconds=time.monotonic() - t0)
     n, d = o["next_us"], o["drop_us"]
     fig = (f"next() median {n['median']:.1f} us, p90 {n['p90']:.1f} (target < "
@@ -853,6 +855,7 @@ def quick_overhead(args: argparse.Namespace) -> gpu_checks.CheckResult:
 
 def run_quick(args: argparse.Namespace) -> int:
     """--quick: the checks of gpu_checks.py, a table, exit 1 on a failure."""
+    args.work_iters = 0  # no throughput step here
     env = environment(args)
     print(f"GPU checks on {env['gpu']} ({args.device}), driver {env['driver_version']}, "
           f"torch {env['torch']} (CUDA {env['torch_cuda']}), {env['cpus']} CPUs", flush=True)
