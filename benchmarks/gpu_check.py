@@ -859,7 +859,8 @@ def run_quick(args: argparse.Namespace) -> int:
     env = environment(args)
     print(f"GPU checks on {env['gpu']} ({args.device}), driver {env['driver_version']}, "
           f"torch {env['torch']} (CUDA {env['torch_cuda']}), {env['cpus']} CPUs", flush=True)
-    opts = gpu_checks.Options(device=int(args.device.partition(":")[2]), cycles=args.cycles)
+    opts = gpu_checks.default_options(int(args.device.partition(":")[2]))
+    opts.cycles = args.cycles
     t0 = time.monotonic()
 
     def progress(r: gpu_checks.CheckResult) -> None:
@@ -867,7 +868,7 @@ def run_quick(args: argparse.Namespace) -> int:
         print(f"  {r.name}: {verdict} ({r.seconds:.1f} s)", flush=True)
 
     results = gpu_checks.run_checks(args.checks, opts, progress)
-    if not args.no_overhead:
+    if not args.no_overhead and opts.gpu_ring:
         results.append(quick_overhead(args))
         progress(results[-1])
     print()
@@ -949,7 +950,10 @@ def main(argv: list[str] | None = None) -> int:
         if not res.ok:
             print(res.detail)
         return 0 if res.ok else 1
-    reason = gpu_skip_reason(args.device)
+    if args.quick:  # runs on a MIG instance too (the GPU-ring checks say they skip)
+        reason = gpu_checks.skip_reason(int(args.device.partition(":")[2]))
+    else:
+        reason = gpu_skip_reason(args.device)
     if reason is not None:
         print(f"SKIPPED: {reason}", flush=True)
         return 2 if args.require_gpu else 0

@@ -86,6 +86,23 @@ class Options:
     sleep_cycles: int = SLEEP_CYCLES
     cycles: int = 3  # producer + consumer cycles of the memory check
     release_timeout: float = 1.0  # the idle-consumer check's producer
+    gpu_ring: bool = True  # the GPU has CUDA IPC events (not a MIG instance): GPU rings work
+
+
+def default_options(device: int = 0) -> Options:
+    """Options for GPU `device`, with gpu_ring from what tensorsocket sees of it."""
+    devices = _import_tensorsocket().gpu_status()["devices"] or []
+    ipc = device < len(devices) and bool(devices[device].get("ipc_events"))
+    return Options(device=device, gpu_ring=ipc)
+
+
+def _no_gpu_ring(name: str, opts: Options) -> CheckResult | None:
+    """A skipped result where GPU rings cannot work on the device (no CUDA IPC events:
+    a MIG instance); the mig check covers that case."""
+    if opts.gpu_ring:
+        return None
+    return CheckResult(name, None, skipped=f"GPU {opts.device} has no CUDA IPC events (a MIG "
+                       "instance?): GPU rings fall back to the host ring there (check mig)")
 
 
 CHECKS: dict[str, Callable[[Options], CheckResult]] = {}
@@ -398,6 +415,10 @@ def _stream_check(name: str, opts: Options, consumer: dict, producer: dict | Non
     """A GPU ring; the consumer reads each batch (sums) on the streams `consumer` says,
     right after next() and behind a slow kernel, drops it at once; sums checked at the end
     (the producer came round to every slot: 2 slots)."""
+    skipped = _no_gpu_ring(name, opts)
+    if skipped:
+        return skipped
+
     def run(procs: Procs) -> CheckResult:
         prod = {"device": f"cuda:{opts.device}", "batches": opts.batches, "slots": 2,
                 "shape": [64, 3, 224, 224], **(producer or {})}
@@ -451,6 +472,10 @@ def check_graph_capture(opts: Options) -> CheckResult:
     """Item 3: batches released while a CUDA graph is captured (torch.cuda.graph, global
     capture mode; from the capturing thread and from another thread): the capture is not
     invalidated, the graph replays correctly on the following batches."""
+    skipped = _no_gpu_ring("graph_capture", opts)
+    if skipped:
+        return skipped
+
     def run(procs: Procs) -> CheckResult:
         pr, cr = _pair(procs, {"device": f"cuda:{opts.device}", "batches": opts.batches,
                                "slots": 4},
@@ -474,6 +499,10 @@ def check_idle_past_release_timeout(opts: Options) -> CheckResult:
     next access ends the epoch or raises a clear tensorsocket error (never a driver
     error), nothing on stderr says device memory was freed under it, and device memory
     is back to its baseline once both are gone."""
+    skipped = _no_gpu_ring("idle_past_release_timeout", opts)
+    if skipped:
+        return skipped
+
     def run(procs: Procs) -> CheckResult:
         baseline, how = device_memory_used(opts.device)
         rt = opts.release_timeout
@@ -525,6 +554,10 @@ def check_producer_killed(opts: Options) -> CheckResult:
     batch_timeout, never a hang or a driver error; what the held batch reads afterwards
     is reported (the driver's rule for an exited exporter's memory); device memory is
     back to its baseline once the consumer is gone."""
+    skipped = _no_gpu_ring("producer_killed", opts)
+    if skipped:
+        return skipped
+
     def run(procs: Procs) -> CheckResult:
         baseline, how = device_memory_used(opts.device)
         p = procs.start("producer", {"name": procs.name, "device": f"cuda:{opts.device}",
@@ -560,6 +593,10 @@ def check_dataloader_workers_epochs(opts: Options) -> CheckResult:
     """A GPU ring whose producer runs a DataLoader with non-persistent workers
     (num_workers=2) over 3 epochs: the workers are forked each epoch after the producer
     initialised CUDA; every batch arrives right."""
+    skipped = _no_gpu_ring("dataloader_workers_epochs", opts)
+    if skipped:
+        return skipped
+
     def run(procs: Procs) -> CheckResult:
         epochs, batches = 3, 8
         pr, cr = _pair(procs, {"device": f"cuda:{opts.device}", "batches": batches,
@@ -584,6 +621,10 @@ def check_memory_cycles(opts: Options) -> CheckResult:
     closed each time, in two processes that live on): after each, device-wide free memory
     comes back to the level before the first; after both exit, memory in use is back to
     the machine's baseline."""
+    skipped = _no_gpu_ring("memory_cycles", opts)
+    if skipped:
+        return skipped
+
     def run(procs: Procs) -> CheckResult:
         baseline, how = device_memory_used(opts.device)
         dev = f"cuda:{opts.device}"
@@ -617,9 +658,14 @@ def check_memory_cycles(opts: Options) -> CheckResult:
     return _run_check("memory_cycles", run)
 
 
-def _two_gpus() -> str | None:
+def _two_gpus(opts: Options) -> str | None:
     n = gpu_count()
-    return None if n >= 2 else f"needs 2 GPUs ({n} visible)"
+    if n < 2:
+        return f"needs 2 GPUs ({n} visible)"
+    devices = _import_tensorsocket().gpu_status()["devices"] or []
+    if not all(d.get("ipc_events") for d in devices[:2]):
+        return "GPU 0 or 1 has no CUDA IPC events (MIG?): no GPU ring to share"
+    return None
 
 
 @check
@@ -627,7 +673,7 @@ def check_peer_import(opts: Options) -> CheckResult:
     """A consumer on GPU 1 of a ring on GPU 0, with peer access (the default): zero-copy
     on cuda:1 where cuDeviceCanAccessPeer allows it, else host delivery with
     GPUFallbackWarning; the content right either way."""
-    reason = _two_gpus()
+    reason = _two_gpus(opts)
     if reason:
         return CheckResult("peer_import", None, skipped=reason)
 
@@ -652,7 +698,7 @@ def check_peer_import(opts: Options) -> CheckResult:
 def check_peer_access_false(opts: Options) -> CheckResult:
     """peer_access=False: a consumer on GPU 1 of a ring on GPU 0 gets its own copies on
     cuda:1 (not zero-copy), right, with no warning."""
-    reason = _two_gpus()
+    reason = _two_gpus(opts)
     if reason:
         return CheckResult("peer_access_false", None, skipped=reason)
 
@@ -676,7 +722,7 @@ def check_visible_devices_reordered(opts: Options) -> CheckResult:
     """The producer sees GPUs as 0,1 and puts its ring on cuda:1; the consumer sees them
     as 1,0 (CUDA_VISIBLE_DEVICES): it must find the ring's GPU as its cuda:0 (matched by
     UUID) and read it in place there."""
-    reason = _two_gpus()
+    reason = _two_gpus(opts)
     if reason:
         return CheckResult("visible_devices_reordered", None, skipped=reason)
 

@@ -495,7 +495,7 @@ def test_host_ring_to_cuda_with_pinned_memory(roles, name):
 def test_issue23_check(check_name):
     """One check of benchmarks/gpu_checks.py (its docstring says what it proves); a check
     whose hardware is missing (a second GPU, MIG) is skipped with its reason."""
-    res = gpu_checks.CHECKS[check_name](gpu_checks.Options())
+    res = gpu_checks.CHECKS[check_name](gpu_checks.default_options())
     if res.ok is None:
         pytest.skip(res.skipped or "skipped")
     assert res.ok, f"{res.name}: {res.figure}\n{res.detail}"
