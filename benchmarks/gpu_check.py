@@ -2,6 +2,23 @@
 
     python benchmarks/gpu_check.py [--consumers 3] [--batches 200]
         [--batch-shape 256,3,224,224] [--json out.json] [--require-gpu]
+    python benchmarks/gpu_check.py --quick [--checks a,b] [--json out.json]
+    python benchmarks/gpu_check.py --smoke
+
+``--quick`` runs only the correctness checks of benchmarks/gpu_checks.py (the same
+functions tests/test_gpu_real.py runs; under 4 minutes on one H100): the orderings of
+issue 23 (pinned views under ``non_blocking`` copies, reads on other streams, a
+non-default current stream, ``__dlpack__(stream=-1)`` on several streams, releases during
+a CUDA graph capture, a consumer idle past ``release_timeout``), a DataLoader with
+non-persistent workers over 3 epochs, device memory back to its baseline after several
+producer and consumer cycles, and where the hardware allows, peer import,
+``peer_access=False``, ``CUDA_VISIBLE_DEVICES`` reordering and MIG (skipped with the
+reason otherwise); then the consumer's own cost per batch (step 3 below, 60 batches;
+``--no-overhead`` leaves it out). It prints a table of check / result / seconds / figure
+and exits 1 if any check failed. ``--smoke`` runs the checks' own machinery on a host ring (no GPU
+needed).
+
+Without ``--quick``:
 
 Without a usable GPU it prints one line, ``SKIPPED: <reason>``, and exits 0
 (2 with ``--require-gpu``). On a GPU it runs, in real processes (this script
@@ -30,7 +47,7 @@ re-invoked with the hidden roles ``_producer``, ``_consumer`` and ``_baseline``)
 
 Only measured numbers are printed. Exit status: 0 if every check passed (the
 overhead target is reported, not enforced), 1 if a check failed, 2 for SKIPPED
-with --require-gpu.
+with --require-gpu (with --quick too).
 """
 
 from __future__ import annotations
@@ -53,6 +70,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = ("verify", "overhead", "throughput")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_checks  # noqa: E402  (the checks of --quick, shared with tests/test_gpu_real.py)
 TARGET_NEXT_US = 50.0
 WORK_ELEMS = 4096  # float64 elements the simulated decode works on (fits in L1/L2)
 VALUE_MOD = 251  # x of batch i holds i % 251 (uint8)
@@ -811,6 +830,62 @@ def environment(args: argparse.Namespace) -> dict:
     }
 
 
+def quick_overhead(args: argparse.Namespace) -> gpu_checks.CheckResult:
+    """The consumer's own cost per batch (step 3, 60 batches): a figure, not a verdict
+    (its target is reported, as in the full run); a failure to measure is a failure."""
+    import copy
+
+    t0 = time.monotonic()
+    small = copy.copy(args)
+    small.batches, small.warmup, small.work_iters = 60, 10, 0
+    try:
+        o = step_overhead(small)
+    except Exception as e:  # could not measure: a failed row, with the cause
+        first = (str(e).splitlines() or [""])[0]
+        return gpu_checks.CheckResult("next_overhead", False,
+                                      figure=f"{type(e).__name__}: {first}"[:120],
+                                      detail=str(e)[-3000:], seconds=time.monotonic() - t0)
+    n, d = o["next_us"], o["drop_us"]
+    fig = (f"next() median {n['median']:.1f} us, p90 {n['p90']:.1f} (target < "
+           f"{TARGET_NEXT_US:.0f}: {'met' if o['meets_target'] else 'not met'}); drop median "
+           f"{d['median']:.1f} us; zero-copy {o['zero_copy_gpu']}")
+    return gpu_checks.CheckResult("next_overhead", o["zero_copy_gpu"] is True, figure=fig,
+                                  seconds=time.monotonic() - t0, data=o)
+
+
+def run_quick(args: argparse.Namespace) -> int:
+    """--quick: the checks of gpu_checks.py, a table, exit 1 on a failure."""
+    args.work_iters = 0  # no throughput step here
+    env = environment(args)
+    print(f"GPU checks on {env['gpu']} ({args.device}), driver {env['driver_version']}, "
+          f"torch {env['torch']} (CUDA {env['torch_cuda']}), {env['cpus']} CPUs", flush=True)
+    opts = gpu_checks.default_options(int(args.device.partition(":")[2]))
+    opts.cycles = args.cycles
+    t0 = time.monotonic()
+
+    def progress(r: gpu_checks.CheckResult) -> None:
+        verdict = "SKIP" if r.ok is None else ("OK" if r.ok else "FAIL")
+        print(f"  {r.name}: {verdict} ({r.seconds:.1f} s)", flush=True)
+
+    results = gpu_checks.run_checks(args.checks, opts, progress)
+    if not args.no_overhead and opts.gpu_ring:
+        results.append(quick_overhead(args))
+        progress(results[-1])
+    print()
+    print(gpu_checks.format_table(results))
+    failed = [r for r in results if r.ok is False]
+    for r in failed:
+        print(f"\n{r.name} FAILED:\n{r.detail}")
+    verdict = "FAILED: " + ", ".join(r.name for r in failed) if failed else "PASSED"
+    print(f"{verdict} ({time.monotonic() - t0:.0f} s)")
+    if args.json:
+        doc = {"environment": env, "checks": gpu_checks.results_json(results),
+               "verdict": verdict}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 1 if failed else 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--consumers", type=int, default=3)
@@ -831,7 +906,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="batches recorded by torch.profiler in the verify step")
     ap.add_argument("--steps", default=",".join(STEPS),
                     help=f"comma-separated subset of {','.join(STEPS)}")
+    ap.add_argument("--quick", action="store_true",
+                    help="run only the correctness checks of gpu_checks.py (under 4 "
+                         "minutes on an H100) and print their table")
+    ap.add_argument("--checks", default=",".join(gpu_checks.CHECKS),
+                    help="with --quick: comma-separated subset of "
+                         f"{','.join(gpu_checks.CHECKS)}")
+    ap.add_argument("--cycles", type=int, default=3,
+                    help="with --quick: producer + consumer cycles of memory_cycles")
+    ap.add_argument("--no-overhead", action="store_true",
+                    help="with --quick: skip the per-batch cost of next() (60 batches)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="run the checks' machinery on a host ring (no GPU needed) and exit")
     args = ap.parse_args(argv)
+    args.checks = [c for c in args.checks.split(",") if c]
+    for c in args.checks:
+        if c not in gpu_checks.CHECKS:
+            ap.error(f"--checks: unknown check {c!r} (known: {', '.join(gpu_checks.CHECKS)})")
+    if args.cycles < 2:
+        ap.error("--cycles >= 2 (a leak shows as the difference between cycles)")
     args.steps = [s for s in args.steps.split(",") if s]
     for s in args.steps:
         if s not in STEPS:
@@ -851,10 +944,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    reason = gpu_skip_reason(args.device)
+    if args.smoke:
+        res = gpu_checks.smoke_host_ring()
+        print(gpu_checks.format_table([res]))
+        if not res.ok:
+            print(res.detail)
+        return 0 if res.ok else 1
+    if args.quick:  # runs on a MIG instance too (the GPU-ring checks say they skip)
+        reason = gpu_checks.skip_reason(int(args.device.partition(":")[2]))
+    else:
+        reason = gpu_skip_reason(args.device)
     if reason is not None:
         print(f"SKIPPED: {reason}", flush=True)
         return 2 if args.require_gpu else 0
+    if args.quick:
+        return run_quick(args)
     args.work_iters = calibrate_work(args.work_ms) if "throughput" in args.steps else 0
     env = environment(args)
     print(f"GPU check on {env['gpu']} ({args.device}), driver {env['driver_version']}, "

@@ -9,6 +9,12 @@ The producer and consumer roles are the functions ``producer_role`` and
 (``python -c "import test_gpu_real; ..."``); every process prints JSON lines on
 stdout, the last one being its result. Batch b of epoch e carries the value
 v = e * 1000 + b: ``x`` float32 (64, 3, 32, 32) and ``y`` int64 (64,) are filled with it.
+
+The checks of issue 23 (orderings across streams, pinned views under non_blocking
+copies, releases during a CUDA graph capture, a consumer idle past release_timeout,
+DataLoader workers, device memory, two GPUs, MIG) live in benchmarks/gpu_checks.py, one
+function each, shared with ``benchmarks/gpu_check.py --quick``; test_issue23_check runs
+each of them here.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_checks  # noqa: E402  (imports no torch, needs no GPU)
 ROLE_ENV = "TENSORSOCKET_GPU_REAL_ROLE"  # set in role processes: never skip there
 
 BATCH = 64
@@ -478,3 +486,16 @@ def test_host_ring_to_cuda_with_pinned_memory(roles, name):
     assert r["stats"]["device"] == "cuda:0" and r["stats"]["zero_copy_gpu"] is False
     assert r["alloc_growth_max"] >= X_BYTES  # the consumer's own copy
     assert r["warnings"] == []
+
+
+# -- issue 23: the checks shared with benchmarks/gpu_check.py --quick --------------------
+
+
+@pytest.mark.parametrize("check_name", list(gpu_checks.CHECKS))
+def test_issue23_check(check_name):
+    """One check of benchmarks/gpu_checks.py (its docstring says what it proves); a check
+    whose hardware is missing (a second GPU, MIG) is skipped with its reason."""
+    res = gpu_checks.CHECKS[check_name](gpu_checks.default_options())
+    if res.ok is None:
+        pytest.skip(res.skipped or "skipped")
+    assert res.ok, f"{res.name}: {res.figure}\n{res.detail}"
