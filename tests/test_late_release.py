@@ -34,7 +34,7 @@ import numpy as np
 from tensorsocket import _core
 
 segment, role = sys.argv[1], sys.argv[2]
-N = 4096  # int64 elements of a batch: every one is the batch's tag
+N = 4096  # int64 elements of a batch: every one is its tag + 1 (never 0)
 
 
 def answer(**kw):
@@ -56,7 +56,7 @@ for line in sys.stdin:
         answer(start=ring.activate(int(args[0])))
     elif cmd == "publish":  # tag, timeout: whether the entry was published
         tag = int(args[0])
-        data = np.full(N, tag, dtype=np.int64)
+        data = np.full(N, tag + 1, dtype=np.int64)
         try:
             ring.publish([(data, (0, 64, 1))], b"%d" % tag, index=tag, timeout=float(args[1]))
             answer(published=True)
@@ -188,7 +188,7 @@ def _late_release(env: dict, old_kind: str) -> None:
         got = b("hold", "host")
         assert (got["seq"], got["slot"], got["tag"]) == (0, 0, 0)
         want = got["sum"]
-        assert want == 0
+        assert want == 4096  # tag 0: 4096 ones
         assert prod("info")["readers"][0] == 1 << rb["index"]
 
         os.kill(a.pid, signal.SIGCONT)
