@@ -2403,6 +2403,82 @@ out:
     fx_destroy(&fx);
 }
 
+/* A late release racing the eviction of its consumer and the next incarnation's start. */
+typedef struct race_job {
+    consumer *c;
+    uint32_t slot;
+    int when;              /* release once phase >= when (0: before the eviction) */
+    uint32_t spins;        /* then after this many yields */
+    _Atomic int *phase;    /* 1: being evicted, 2: the new consumer holds the slot */
+    _Atomic int released;
+} race_job;
+
+/* Release the old consumer's hold at the moment the job names. */
+static void *race_release_run(void *p)
+{
+    race_job *j = p;
+    while (atomic_load_explicit(j->phase, memory_order_acquire) < j->when) sched_yield();
+    for (uint32_t i = 0; i < j->spins; i++) sched_yield();
+    ts_ring_release(j->c->ring, j->slot, j->c->index, j->c->ring->incarnation);
+    atomic_store_explicit(&j->released, 1, memory_order_release);
+    return NULL;
+}
+
+/* Late releases racing the producer: on another thread, consumer A's release of the entry it
+ * holds comes before, during or after A's eviction and the start of consumer B, which may
+ * get A's index and whose window gives it the same entry. Whatever the order, B's bit is in
+ * the slot once all is done: a release under way when the index is handed out keeps it from
+ * being handed out (B gets another), a later one clears nothing. */
+static void test_late_release_race(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    _Atomic int phase = 0;
+    unsigned seed = 4242;
+    uint32_t same = 0, late = 0;
+    REQUIRE(fx_create(&fx, 4, 2, 4096) == 0);
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, 0, &err));
+    for (uint64_t t = 0; t < 400; t++) {
+        REQUIRE(consumer_add(&fx, &A, 1) == 0);
+        PUBLISH(t);
+        for (uint64_t q = A.start_seq; q < t; q++) TAKE(A, q, 1); /* the window's older ones */
+        TAKE(A, t, 0);
+        atomic_store(&phase, 0);
+        uint64_t late_before = fx.prod->hdr->late_releases;
+        race_job j = {&A, a.slot, (int)(rand_r(&seed) % 3), (uint32_t)(rand_r(&seed) % 8), &phase,
+                      0};
+        pthread_t th;
+        REQUIRE(pthread_create(&th, NULL, race_release_run, &j) == 0);
+        while (j.when == 0 && !atomic_load_explicit(&j.released, memory_order_acquire))
+            sched_yield();
+        atomic_store_explicit(&phase, 1, memory_order_release);
+        ts_ring_evict(fx.prod, A.index);
+        int added = consumer_add(&fx, &B, 1) == 0;
+        atomic_store_explicit(&phase, 2, memory_order_release);
+        pthread_join(th, NULL);
+        REQUIRE(added);
+        same += B.index == A.index;
+        if (!CHECK(readers_of(fx.prod, j.slot) & (1ULL << B.index))) {
+            printf("    round %llu: released at phase %d, B on index %u (A's: %u)\n",
+                   (unsigned long long)t, j.when, B.index, A.index);
+            goto out;
+        }
+        late += fx.prod->hdr->late_releases != late_before;
+        if (j.when == 0) CHECK_EQ(fx.prod->hdr->late_releases, late_before); /* not late */
+        for (uint64_t q = B.start_seq; q <= t; q++) TAKE(B, q, 1); /* t is in its window */
+        for (uint32_t k = 0; k < 4; k++) CHECK_EQ(readers_of(fx.prod, k), 0);
+        ts_ring_retire(fx.prod, B.index);
+        consumer_drop(&A), consumer_drop(&B);
+    }
+    printf("    %u of 400 rounds gave B A's index, %u releases came late\n", same, late);
+    CHECK(same > 0 && late > 0);
+out:
+    consumer_drop(&A), consumer_drop(&B);
+    fx_destroy(&fx);
+}
+
 /* ---- registry and main ------------------------------------------------------------ */
 
 static const ts_test g_tests[] = {
@@ -2425,7 +2501,7 @@ static const ts_test g_tests[] = {
     {"set_aside_many", test_set_aside_many},
     {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
     {"try_acquire", test_try_acquire},   {"await_race", test_await_race},
-    {"late_release", test_late_release},
+    {"late_release", test_late_release}, {"late_release_race", test_late_release_race},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
