@@ -160,10 +160,10 @@ def fake_lib(tmp_path_factory) -> Path:
         pytest.skip(f"no C compiler for the CUDA test double: {e}")
 
 
-def _late_release(env: dict, old_kind: str) -> None:
+def _late_release(env: dict, old_kind: str) -> int:
     """The scenario: consumer A (old_kind: host or device views) holds entry 0 and is stopped,
     then evicted; consumer B gets A's index and holds entry 0 (the window); A runs again and
-    drops its batch; the producer comes round to slot 0."""
+    drops its batch; the producer comes round to slot 0. Returns A's pid."""
     env = {**os.environ, **env}
     segment = f"/tensorsocket-{os.getuid()}-late{uuid.uuid4().hex[:8]}-{os.getpid()}"
     prod = Role(segment, "producer", env)
@@ -206,6 +206,7 @@ def _late_release(env: dict, old_kind: str) -> None:
         info = prod("info")
         assert info["readers"][0] == 1 << rb["index"]
         assert info["late_releases"] == 1
+        return a.pid
     finally:
         for role in (a, b, prod):
             if role is not None:
@@ -224,6 +225,12 @@ def test_late_gpu_release_leaves_the_new_consumers_hold(fake_lib, tmp_path):
     log = tmp_path / "cuda.log"
     env = {"TENSORSOCKET_LIBCUDA": str(fake_lib), "FAKECUDA_LOG": str(log),
            "FAKECUDA_OP_DELAY_US": "200", "FAKECUDA_TESTS": str(Path(__file__).parent)}
-    _late_release(env, "device")
-    lines = fakecuda.parse_log(log)
-    assert any(line.op == "launch_read" for line in lines)  # the slow kernel ran
+    old = _late_release(env, "device")
+    # A's release went the deferred way: after the slow kernel, an event recorded on its
+    # stream and waited for by the release thread.
+    ops = [line.op for line in fakecuda.select(fakecuda.parse_log(log), pid=old)]
+    after = ops[len(ops) - ops[::-1].index("launch_read"):]
+    assert "event_record" in after and "event_sync" in after, after
+    pids = {line.pid for line in fakecuda.parse_log(log)}
+    left = [o for o in fakecuda.shm_objects() if int(o.rsplit("-", 2)[1]) in pids]
+    assert left == [], f"device memory or events left behind: {left}"
