@@ -625,7 +625,8 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_
     ts_ring *ring = self->ring; /* our own reference: another thread may close the object */
     ts_ring_ref(ring);
     if (ts_wait(self, ring, ts_acquire_fn, &got, 1, deadline, &st, &err) < 0) {
-        if (st == TS_OK) ts_ring_release(ring, got.slot, ring->consumer, ring->incarnation); /* closed */
+        if (st == TS_OK) /* closed meanwhile */
+            ts_ring_release(ring, got.slot, ring->consumer, ring->incarnation);
     } else if (st != TS_OK) {
         ts_py_raise(state, &err);
     } else {
