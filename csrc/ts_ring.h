@@ -400,7 +400,9 @@ void ts_ring_consumer_snapshot(const ts_ring *ring, uint32_t index, ts_consumer_
 /* ---- producer -------------------------------------------------------------- */
 
 /* Reserve a consumer table entry for process pid, which asked for batches
- * of batch_size samples (0: the loader's; recorded for status displays). */
+ * of batch_size samples (0: the loader's; recorded for status displays). The entry gets a
+ * new incarnation; one with a release of its last incarnation under way is passed over
+ * while the releasing process lives (see Incarnations). */
 ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_t batch_size,
                           uint32_t *index, uint64_t *token, ts_err *err);
 
