@@ -23,6 +23,7 @@ ts_lease *ts_lease_new(ts_ring *ring, uint32_t slot, uint64_t seq)
     lease->ring = ring;
     lease->slot = slot;
     lease->consumer = ring->consumer;
+    lease->token = ring->incarnation;
     lease->seq = seq;
     return lease;
 }
@@ -34,10 +35,11 @@ void ts_lease_ref(ts_lease *lease, uint32_t leaf)
     atomic_fetch_add_explicit(&lease->refs, 1, memory_order_relaxed);
 }
 
-/* A device release is done: the hold ends, and the ring reference taken for it goes. */
+/* A device release is done: the hold ends, and the ring reference taken for it goes. The
+ * hold's incarnation is the handle's (a handle is bound once: ts_ring_bind_consumer). */
 static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer)
 {
-    ts_ring_release(ring, slot, consumer);
+    ts_ring_release(ring, slot, consumer, ((ts_ring *)ring)->incarnation);
     ts_ring_unref(ring);
 }
 
@@ -55,7 +57,7 @@ void ts_lease_unref(ts_lease *lease, uint32_t leaf)
                                          lease->streams, lease->n_streams,
                                          lease->all_streams, ts_lease_released, ring);
     } else {
-        ts_ring_release(ring, lease->slot, lease->consumer);
+        ts_ring_release(ring, lease->slot, lease->consumer, lease->token);
     }
     ts_ring_unref(ring);
     free(lease);

@@ -21,6 +21,7 @@ typedef struct ts_lease {
     ts_ring *ring;     /* owns one ring reference: the mapping outlives views */
     uint32_t slot;
     uint32_t consumer;
+    uint64_t token;    /* the consumer's incarnation that took the hold (ts_ring_release) */
     uint64_t seq;
     /* Device streams the slot's device copy was exported to: the slot is
      * released only after the work queued on them has finished. Written

@@ -596,7 +596,7 @@ static PyObject *ts_slot_out(ts_state *state, ts_ring *ring, const ts_acquired *
 {
     ts_lease *lease = ts_lease_new(ring, got->slot, got->seq);
     if (lease == NULL) {
-        ts_ring_release(ring, got->slot, ring->consumer);
+        ts_ring_release(ring, got->slot, ring->consumer, ring->incarnation);
         return PyErr_NoMemory();
     }
     PyObject *slot = ts_py_slot_new(state, lease, got);
@@ -625,7 +625,8 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_
     ts_ring *ring = self->ring; /* our own reference: another thread may close the object */
     ts_ring_ref(ring);
     if (ts_wait(self, ring, ts_acquire_fn, &got, 1, deadline, &st, &err) < 0) {
-        if (st == TS_OK) ts_ring_release(ring, got.slot, ring->consumer); /* closed meanwhile */
+        if (st == TS_OK) /* closed meanwhile */
+            ts_ring_release(ring, got.slot, ring->consumer, ring->incarnation);
     } else if (st != TS_OK) {
         ts_py_raise(state, &err);
     } else {
@@ -762,7 +763,8 @@ static const ts_py_field ts_consumer_fields[] = {
     TS_CF(pid, 'i'),       TS_CF(cursor, 'q'),          TS_CF(first_seq, 'K'),
     TS_CF(lag, 'L'),       TS_CF(delivered, 'K'),       TS_CF(delivered_bytes, 'K'),
     TS_CF(wait_ns, 'K'),   TS_CF(progress_ns, 'K'),     TS_CF(start_time, 'K'),
-    TS_CF(batch_size, 'u'), TS_CF(token, 'K'),
+    TS_CF(batch_size, 'u'), TS_CF(token, 'K'),      TS_CF(incarnation, 'K'),
+    TS_CF(releasing, 'u'),
 };
 
 #define TS_RF(field, kind) TS_PY_FIELD(ts_ring_info, field, kind)
@@ -774,7 +776,7 @@ static const ts_py_field ts_ring_fields[] = {
     TS_RF(data_bytes, 'K'),      TS_RF(consumer, 'u'),           TS_RF(is_producer, 'i'),
     TS_RF(occupied, 'u'),        TS_RF(window, 'K'),             TS_RF(max_lag, 'K'),
     TS_RF(epoch_first_seq, 'K'), TS_RF(lag_detached, 'K'),       TS_RF(publish_wait_ns, 'K'),
-    TS_RF(holes, 'K'),
+    TS_RF(holes, 'K'),           TS_RF(late_releases, 'K'),      TS_RF(incarnation, 'K'),
     TS_RF(host_writable, 'i'),   TS_RF(private_slots, 'u'),      TS_RF(newest_valid, 'b'),
     TS_RF(newest_epoch, 'K'),    TS_RF(newest_index, 'K'),       TS_RF(newest_bytes, 'K'),
     TS_RF(device_type, 'i'),     TS_RF(device_ordinal, 'i'),     TS_RF(device_uuid, 's'),

@@ -127,6 +127,56 @@ static void ts_slot_drop(ts_header *h, ts_slot *s, uint64_t bit)
         ts_signal(&h->free_word, &h->free_waiters);
 }
 
+/* ==========================================================================
+ * Incarnations: a release names the consumer incarnation that took its hold
+ * ========================================================================== */
+
+/* Enter a release of consumer entry c's hold as incarnation inc: 1 if inc is still the
+ * entry's incarnation (then it cannot change until ts_release_leave), 0 if not (the entry
+ * was evicted or handed out again: the bit is no longer this hold's). One CAS on the gate
+ * word decides it against the producer's own CAS or add there (ts_gate_bump,
+ * ts_ring_reserve): read-modify-writes of one word are totally ordered, so either this
+ * release counts itself in under inc first, or it sees the new incarnation. acq_rel: the
+ * bit is cleared after the enter (acquire), never before it. */
+static int ts_release_enter(ts_consumer *c, uint64_t inc)
+{
+    uint64_t g = atomic_load_explicit(&c->gate, memory_order_acquire);
+    do {
+        if ((g >> TS_GATE_SHIFT) != inc) return 0;
+    } while (!atomic_compare_exchange_weak_explicit(&c->gate, &g, g + 1, memory_order_acq_rel,
+                                                    memory_order_acquire));
+    return 1;
+}
+
+/* Leave a release entered with ts_release_enter. Release order: the bit cleared before it
+ * happens before the producer's reading of a zero count (its acquire CAS in
+ * ts_ring_reserve), so a bit the entry's next incarnation gets is never cleared here. */
+static void ts_release_leave(ts_consumer *c)
+{
+    atomic_fetch_sub_explicit(&c->gate, 1, memory_order_release);
+}
+
+/* Clear bit of consumer entry index in slot s for a hold of incarnation inc; a release of
+ * an older incarnation is counted and clears nothing. */
+static void ts_slot_drop_as(ts_header *h, ts_slot *s, uint32_t index, uint64_t inc)
+{
+    ts_consumer *c = &h->consumers[index];
+    if (!ts_release_enter(c, inc)) {
+        atomic_fetch_add_explicit(&h->late_releases, 1, memory_order_relaxed);
+        return;
+    }
+    ts_slot_drop(h, s, 1ULL << index);
+    ts_release_leave(c);
+}
+
+/* A new incarnation of consumer entry c (evicted: lock held). Releases under way finish
+ * as the old incarnation (they clear bits the caller clears too); any later release of it
+ * is ignored. acq_rel: ordered with the releases' enter and leave on the same word. */
+static void ts_gate_bump(ts_consumer *c)
+{
+    atomic_fetch_add_explicit(&c->gate, 1ULL << TS_GATE_SHIFT, memory_order_acq_rel);
+}
+
 /* A condition a waiter sleeps on. */
 typedef int (*ts_cond_fn)(const ts_ring *ring, const void *arg);
 
@@ -461,6 +511,18 @@ ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_
         if (state == TS_CONSUMER_LEAVING && !ts_ring_bit_in_use(ring, 1ULL << i))
             state = TS_CONSUMER_FREE;
         if (state != TS_CONSUMER_FREE) continue;
+        /* Handed out only with no release of the last incarnation under way, which could
+         * clear a bit of the new one; a count left by a process that died in a release is
+         * void (its eviction cleared its bits). The CAS makes a new incarnation: a release
+         * of the old one either entered before it (the CAS fails, the entry is skipped) or
+         * finds the new one and clears nothing. Acquire: bits cleared by the releases that
+         * left happen before the new incarnation gets any. */
+        uint64_t g = atomic_load_explicit(&c->gate, memory_order_acquire);
+        if ((g & TS_GATE_COUNT) != 0 && ts_proc_alive(c->pid, c->start_time)) continue;
+        if (!atomic_compare_exchange_strong_explicit(
+                &c->gate, &g, ((g >> TS_GATE_SHIFT) + 1) << TS_GATE_SHIFT,
+                memory_order_acq_rel, memory_order_acquire))
+            continue;
         uint64_t now = ts_now_ns();
         c->pid = (int32_t)pid;
         c->start_time = start_time;
@@ -780,6 +842,7 @@ void ts_ring_evict_for(ts_ring *ring, uint32_t index, uint32_t reason)
     atomic_store_explicit(&c->awaiting, 0, memory_order_seq_cst);
     atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
     atomic_fetch_or_explicit(&c->cursor, TS_CURSOR_DETACHED, memory_order_seq_cst);
+    ts_gate_bump(c); /* first: from here on, its late releases clear nothing */
     for (uint32_t i = 0; i < h->slot_count; i++) ts_slot_drop(h, ts_ring_slot(ring, i), bit);
     atomic_store_explicit(&c->state, TS_CONSUMER_FREE, memory_order_release);
     pthread_mutex_unlock(&ring->lock);
@@ -1338,10 +1401,15 @@ ts_status ts_ring_bind_consumer(ts_ring *ring, uint32_t index, uint64_t token, t
     if (index >= TS_MAX_CONSUMERS)
         return ts_err_set(err, TS_E_INVALID, 0, "consumer index %u out of range", index);
     ts_consumer *c = &ring->hdr->consumers[index];
-    if (c->token != token || c->pid != (int32_t)getpid())
+    /* The incarnation read around the token check: the same both times, it is the one
+     * the entry was handed to us with (reserve makes the new one before the token). */
+    uint64_t inc = atomic_load_explicit(&c->gate, memory_order_acquire) >> TS_GATE_SHIFT;
+    if (c->token != token || c->pid != (int32_t)getpid() ||
+        atomic_load_explicit(&c->gate, memory_order_acquire) >> TS_GATE_SHIFT != inc)
         return ts_err_set(err, TS_E_INVALID, 0, "consumer entry %u is not ours", index);
     ring->consumer = index;
     ring->token = token;
+    ring->incarnation = inc;
     return TS_OK;
 }
 
@@ -1441,7 +1509,7 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
                 if (atomic_compare_exchange_strong_explicit(&c->cursor, &cursor, cursor + 1,
                                                             memory_order_seq_cst,
                                                             memory_order_seq_cst))
-                    ts_slot_drop(h, s, bit);
+                    ts_slot_drop_as(h, s, ring->consumer, ring->incarnation);
                 continue;
             }
             /* Claim the entry; fails only if the producer detached us meanwhile.
@@ -1559,7 +1627,7 @@ static void ts_ring_drop_unused(ts_ring *ring, uint32_t k)
 }
 
 /* Drop our consumer's reference on slot (safe on any thread, no GIL). */
-void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
+void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer, uint64_t incarnation)
 {
     if (slot >= ring->hdr->slot_count || consumer >= TS_MAX_CONSUMERS) return;
     /* A forked child inherited the parent's views (as private copies, ts_fault.h): the
@@ -1584,7 +1652,7 @@ void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer)
      * last tensor of its batch is stopped, not made private after the restore). A handle
      * can hold one slot twice (ts_fault_give_begin says when): only the last hold restores. */
     int locked = ts_fault_give_begin(&ring->cow, slot);
-    ts_slot_drop(ring->hdr, ts_ring_slot(ring, slot), bit);
+    ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, slot), consumer, incarnation);
     ts_fault_give_end(&ring->cow, slot, locked);
     pthread_mutex_unlock(&ring->hold_lock);
 }
@@ -1791,7 +1859,7 @@ ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
         if (was_held[k]) ring->use[k]->holds = ts_fault_holds(&ring->cow, k);
         uint64_t bits = atomic_exchange_explicit(&ring->held[k], 0, memory_order_relaxed);
         for (uint32_t i = 0; bits != 0; i++, bits >>= 1)
-            if (bits & 1) ts_slot_drop(ring->hdr, ts_ring_slot(ring, k), 1ULL << i);
+            if (bits & 1) ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, k), i, ring->incarnation);
     }
     ts_ring_trim_aside(ring, was_held);
 done:
@@ -1875,6 +1943,8 @@ void ts_ring_snapshot(const ts_ring *ring, ts_ring_info *out)
     out->lag_detached = atomic_load_explicit(&h->lag_detached, memory_order_relaxed);
     out->publish_wait_ns = atomic_load_explicit(&h->publish_wait_ns, memory_order_relaxed);
     out->holes = atomic_load_explicit(&h->holes, memory_order_relaxed);
+    out->late_releases = atomic_load_explicit(&h->late_releases, memory_order_relaxed);
+    out->incarnation = ring->incarnation;
     out->host_writable = ts_ring_host_writable(ring);
     out->private_slots = ts_fault_private_slots(&ring->cow);
     ts_ring_newest(ring, atomic_load_explicit(&h->published, memory_order_acquire), out);
@@ -1914,4 +1984,7 @@ void ts_ring_consumer_snapshot(const ts_ring *ring, uint32_t index, ts_consumer_
     out->start_time = c->start_time;
     out->batch_size = c->batch_size;
     out->token = c->token;
+    uint64_t gate = atomic_load_explicit(&c->gate, memory_order_acquire);
+    out->incarnation = gate >> TS_GATE_SHIFT;
+    out->releasing = (uint32_t)(gate & TS_GATE_COUNT);
 }

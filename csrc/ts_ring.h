@@ -35,6 +35,16 @@
  *    no entry: the descriptor's other fields stay those of the content kept),
  *    which receiving consumers pass without taking, and goes on with the next
  *    slot. Only if every slot is kept so does the producer wait.
+ *  - Incarnations: a consumer's holds may end long after it was evicted (a GPU release
+ *    deferred until queued work is done, a stopped process that runs again and drops its
+ *    views), when its table entry, and so its bit, may belong to a new consumer. Every
+ *    release therefore names the incarnation that took the hold: the entry's gate word
+ *    carries the incarnation (bumped when the entry is handed out and when it is evicted)
+ *    and a count of releases under way. A release enters by compare-and-swap, only while
+ *    the incarnation is its own, clears its bit and leaves; a release of an older
+ *    incarnation clears nothing and is counted (header.late_releases). The entry is handed
+ *    out again only with no release under way (or its process dead), so a bit cleared by
+ *    a release is always its own incarnation's.
  */
 #ifndef TS_RING_H
 #define TS_RING_H
@@ -51,12 +61,16 @@
 #include "ts_fault.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
-#define TS_LAYOUT_VERSION 5
+#define TS_LAYOUT_VERSION 6
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_SLOTS 4096 /* most slots a ring holds */
 #define TS_MAX_NDIM 16
 #define TS_SEQ_NONE UINT64_MAX
 #define TS_DATA_ALIGN 64
+/* A consumer entry's gate (ts_consumer.gate): its incarnation in the high bits, the
+ * releases of that incarnation under way in the low TS_GATE_SHIFT bits (see Incarnations). */
+#define TS_GATE_SHIFT 24
+#define TS_GATE_COUNT ((1ULL << TS_GATE_SHIFT) - 1)
 /* Set in a consumer's cursor by the producer when it takes the consumer off. */
 #define TS_CURSOR_DETACHED (1ULL << 63)
 /* Room for the text of a producer's failure (header.failure), NUL included. */
@@ -131,6 +145,8 @@ typedef struct ts_consumer {
                                     * again from the next one's first entry */
     _Atomic uint64_t silent_ms;    /* TS_REASON_SILENT: how long it had sent no heartbeat */
     _Atomic uint64_t silent_limit_ms; /* ... longer than this limit of the producer's */
+    _Atomic uint64_t gate;         /* incarnation << TS_GATE_SHIFT | releases under way
+                                    * (see Incarnations); 0 in a new segment */
 } ts_consumer;
 
 /* A process that maps a device ring's pool (ts_ring_import_device). The producer
@@ -179,6 +195,7 @@ typedef struct ts_header {
     _Atomic uint64_t lag_detached; /* consumers detached for lagging */
     _Atomic uint64_t publish_wait_ns; /* producer time asleep waiting for free slots */
     _Atomic uint64_t holes;        /* holes published: slots skipped, kept by non-receivers */
+    _Atomic uint64_t late_releases; /* releases ignored: an older incarnation's (Incarnations) */
 
     ts_consumer consumers[TS_MAX_CONSUMERS];
     ts_importer importers[TS_MAX_CONSUMERS]; /* CUDA rings: who maps the device pool */
@@ -240,6 +257,8 @@ typedef struct ts_ring {
     pthread_mutex_t lock;    /* producer: publish vs roster changes */
     uint32_t consumer;       /* consumer side: our table index */
     uint64_t token;          /* consumer side: token of our entry */
+    uint64_t incarnation;    /* consumer side: our entry's incarnation at bind (its releases
+                              * name it, ts_ring_release) */
     pid_t pid;               /* the process that opened the handle (a fork's child is not it) */
     _Atomic uint64_t *held;  /* owns (consumer side): per slot, the consumer bits under which
                               * this handle holds the slot (set by acquire, cleared by release) */
@@ -299,6 +318,8 @@ typedef struct ts_ring_info {
     uint64_t lag_detached;
     uint64_t publish_wait_ns;
     uint64_t holes;             /* holes published (slots skipped, see Holes) */
+    uint64_t late_releases;     /* releases ignored as an older incarnation's (Incarnations) */
+    uint64_t incarnation;       /* consumer handle: the incarnation its releases name */
     int host_writable;          /* ts_ring_host_writable */
     uint32_t private_slots;     /* slots this handle made private by writing (ts_fault.h) */
     int newest_valid;           /* the newest entry was read whole (not overwritten meanwhile) */
@@ -331,6 +352,8 @@ typedef struct ts_consumer_info {
     uint64_t start_time;
     uint32_t batch_size;
     uint64_t token;
+    uint64_t incarnation;       /* the entry's incarnation now (see Incarnations) */
+    uint32_t releasing;         /* releases of it under way */
 } ts_consumer_info;
 
 /* ---- life cycle ---------------------------------------------------------- */
@@ -377,7 +400,9 @@ void ts_ring_consumer_snapshot(const ts_ring *ring, uint32_t index, ts_consumer_
 /* ---- producer -------------------------------------------------------------- */
 
 /* Reserve a consumer table entry for process pid, which asked for batches
- * of batch_size samples (0: the loader's; recorded for status displays). */
+ * of batch_size samples (0: the loader's; recorded for status displays). The entry gets a
+ * new incarnation; one with a release of its last incarnation under way is passed over
+ * while the releasing process lives (see Incarnations). */
 ts_status ts_ring_reserve(ts_ring *ring, pid_t pid, uint64_t start_time, uint32_t batch_size,
                           uint32_t *index, uint64_t *token, ts_err *err);
 
@@ -473,9 +498,12 @@ ts_status ts_ring_bind_consumer(ts_ring *ring, uint32_t index, uint64_t token, t
 #define TS_DEADLINE_NOW 0
 ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts_err *err);
 
-/* Drop our consumer's reference on slot (safe on any thread, no GIL). A slot this
- * process wrote into is mapped shared and read-only again before it is handed back. */
-void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer);
+/* Drop consumer's reference on slot, taken by its incarnation (ring->incarnation when the
+ * hold was taken; safe on any thread, no GIL). A slot this process wrote into is mapped
+ * shared and read-only again before it is handed back. If the entry was evicted or handed
+ * out again since, the slot's bit is left alone (it is no longer this hold's) and the
+ * release is counted in header.late_releases (see Incarnations). */
+void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer, uint64_t incarnation);
 
 /* 1 if host views of this handle may be written into (the producer's, or a consumer's
  * whose slots are made private on a write, ts_fault.h). */

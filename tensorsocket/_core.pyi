@@ -41,6 +41,8 @@ class _ConsumerEntry(TypedDict):
     start_time: int  # of pid, in clock ticks since boot
     batch_size: int  # samples per batch it asked for (0: the loader's)
     token: int
+    incarnation: int  # of the entry now; a release of an older one clears nothing
+    releasing: int  # releases of this incarnation under way
 
 class TensorSocketError(RuntimeError): ...
 class ProducerGone(TensorSocketError): ...

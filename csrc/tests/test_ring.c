@@ -183,7 +183,7 @@ static int take_(consumer *c, uint64_t want, uint64_t tag, int release, ts_acqui
     int ok = CHECK_ST(ts_ring_acquire(c->ring, deadline_ms(1000), &a, &err), TS_OK) &&
              CHECK_EQ(a.seq, want) && CHECK(entry_ok(c->ring, &a, tag));
     if (!ok) printf("    (in TAKE at line %d)\n", line);
-    if (ok && release) ts_ring_release(c->ring, a.slot, c->index);
+    if (ok && release) ts_ring_release(c->ring, a.slot, c->index, c->ring->incarnation);
     *out = a;
     return ok;
 }
@@ -227,7 +227,7 @@ static void *drain_run(void *p)
     ts_acquired a;
     while ((j->st = ts_ring_acquire(j->c->ring, deadline_ms(5000), &a, &j->err)) == TS_OK) {
         j->done++;
-        ts_ring_release(j->c->ring, a.slot, j->c->index);
+        ts_ring_release(j->c->ring, a.slot, j->c->index, (j->c->ring)->incarnation);
     }
     j->t_end = ts_now_ns();
     return NULL;
@@ -255,7 +255,7 @@ static void test_wrap_around(void)
             CHECK_EQ(a.epoch, seq / 5);
             CHECK_EQ(a.index, seq % 5);
             CHECK_EQ(readers_of(fx.prod, a.slot), 1ULL << c.index);
-            ts_ring_release(c.ring, a.slot, c.index);
+            ts_ring_release(c.ring, a.slot, c.index, c.ring->incarnation);
             CHECK_EQ(readers_of(fx.prod, a.slot), 0);
         }
     }
@@ -296,7 +296,7 @@ static void test_slot_reuse(void)
     REQUIRE(pthread_create(&th, NULL, pub_run, &pj) == 0);
     sleep_ms(30);
     CHECK_EQ(published(&fx), 4);
-    ts_ring_release(B.ring, 0, B.index);
+    ts_ring_release(B.ring, 0, B.index, B.ring->incarnation);
     pthread_join(th, NULL);
     CHECK_EQ(pj.st, TS_OK);
     CHECK_EQ(published(&fx), 5);
@@ -354,7 +354,7 @@ static void test_bitmaps(void)
     REQUIRE(consumer_add(&fx, &D, 0) == 0); /* index 1 still carries bits: not handed out */
     CHECK_EQ(D.index, 3);
     CHECK_EQ(state_of(fx.prod, D.index), TS_CONSUMER_PENDING);
-    ts_ring_release(B.ring, 0, B.index);
+    ts_ring_release(B.ring, 0, B.index, B.ring->incarnation);
     CHECK_EQ(readers_of(fx.prod, 0), 0);
     /* The entry is free now (lazily: its state may read LEAVING until reserve reuses it). */
     CHECK(state_of(fx.prod, 1) == TS_CONSUMER_LEAVING || state_of(fx.prod, 1) == TS_CONSUMER_FREE);
@@ -541,7 +541,7 @@ static void test_strided_source(void)
     for (int i = 0; i < 5; i++) CHECK_EQ(got[i], 204 - i);
     l = &s->leaves[3];
     CHECK(l->ndim == 2 && l->shape[0] == 0 && l->shape[1] == 5 && l->nbytes == 0);
-    ts_ring_release(c.ring, a.slot, c.index);
+    ts_ring_release(c.ring, a.slot, c.index, c.ring->incarnation);
 out:
     consumer_drop(&c);
     fx_destroy(&fx);
@@ -677,7 +677,7 @@ static void *xt_consumer(void *p)
                                (unsigned long long)j->done, (unsigned long long)a.seq);
             return NULL;
         }
-        ts_ring_release(j->c->ring, a.slot, j->c->index);
+        ts_ring_release(j->c->ring, a.slot, j->c->index, (j->c->ring)->incarnation);
     }
     j->st = ts_ring_acquire(j->c->ring, deadline_ms(5000), &a, &j->err);
     return NULL;
@@ -891,7 +891,7 @@ static void test_late_joiner(void)
         TAKE(B, seq, 0);
         CHECK(readers_of(fx.prod, a.slot) & bitB);
         bytes += ts_ring_slot(fx.prod, a.slot)->used_bytes;
-        ts_ring_release(B.ring, a.slot, B.index);
+        ts_ring_release(B.ring, a.slot, B.index, B.ring->incarnation);
     }
     CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(20), &a, &err), TS_E_TIMEOUT);
     for (uint32_t k = 0; k < 6; k++) CHECK_EQ(readers_of(fx.prod, k), 0);
@@ -949,7 +949,7 @@ static void test_window_holds_slot(void)
     REQUIRE(pthread_create(&th, NULL, pub_run, &pj) == 0);
     sleep_ms(30);
     CHECK_EQ(published(&fx), 9);
-    ts_ring_release(B.ring, 3, B.index);
+    ts_ring_release(B.ring, 3, B.index, B.ring->incarnation);
     pthread_join(th, NULL);
     CHECK_EQ(pj.st, TS_OK);
     CHECK_EQ(published(&fx), 10);
@@ -1060,7 +1060,7 @@ static void test_join_epoch(void)
     CHECK_EQ(a.epoch, 0);
     CHECK_EQ(a.index, 2);
     CHECK_EQ(ts_ring_slot(A.ring, a.slot)->n_leaves, 0);
-    ts_ring_release(A.ring, a.slot, A.index);
+    ts_ring_release(A.ring, a.slot, A.index, A.ring->incarnation);
     for (uint64_t seq = 3; seq < 6; seq++) {
         TAKE(A, seq, 1);
         TAKE(B, seq, 1);
@@ -1157,7 +1157,7 @@ static void test_laggard(void)
     CHECK_EQ(reason_of(fx.prod, B.index), TS_REASON_LAGGED);
     CHECK_EQ(readers_of(fx.prod, 4), bitB);
     CHECK_ST(ts_ring_acquire(B.ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
-    ts_ring_release(B.ring, 4, B.index);
+    ts_ring_release(B.ring, 4, B.index, B.ring->incarnation);
     CHECK_EQ(readers_of(fx.prod, 4), 0);
 
     /* Two consumers equally behind hold nobody back: 6 entries unread by both, the producer
@@ -1296,7 +1296,7 @@ static void test_laggard_blocked(void)
     CHECK_EQ(state_of(fx.prod, C.index), TS_CONSUMER_LEAVING);
     CHECK_EQ(readers_of(fx.prod, 5), bitC);
     CHECK(content_ok(C.ring, 5, 5));
-    ts_ring_release(C.ring, 5, C.index);
+    ts_ring_release(C.ring, 5, C.index, C.ring->incarnation);
     CHECK_EQ(readers_of(fx.prod, 5), 0);
     CHECK_EQ(h->consumers[A.index].delivered, 12);
 out:
@@ -1357,7 +1357,7 @@ static void test_detach_api(void)
     ts_ring_retire(fx.prod, idx);
     ts_ring_retire(fx.prod, B.index);
     CHECK_EQ(state_of(fx.prod, B.index), TS_CONSUMER_LEAVING);
-    ts_ring_release(B.ring, 0, B.index);
+    ts_ring_release(B.ring, 0, B.index, B.ring->incarnation);
     CHECK(!bit_in_use(fx.prod, bitB));
     REQUIRE_OK(ts_ring_reserve(fx.prod, getpid(), 1, 0, &idx, &tok, &err));
     CHECK_EQ(idx, B.index);
@@ -1462,7 +1462,7 @@ static void test_silent_keeps_held(void)
     ts_ring_retire(fx.prod, D.index);
     TAKE_TAG(A, 9, 7, 1);
     /* B gives the batch back: slot 0 takes entries again. */
-    ts_ring_release(B.ring, 0, B.index);
+    ts_ring_release(B.ring, 0, B.index, B.ring->incarnation);
     CHECK_EQ(readers_of(fx.prod, 0), 0);
     for (uint64_t t = 8; t < 11; t++) PUBLISH(t); /* seqs 10, 11, 12 (slot 0) */
     CHECK_EQ(h->holes, 2);
@@ -1514,7 +1514,7 @@ static void test_holes_all_kept(void)
     CHECK_EQ(published(&fx), 2);
     CHECK_EQ(h->holes, 0);
     CHECK(content_ok(B.ring, 0, 0) && content_ok(B.ring, 1, 1));
-    ts_ring_release(B.ring, 0, B.index);
+    ts_ring_release(B.ring, 0, B.index, B.ring->incarnation);
     PUBLISH(2); /* seq 2 in slot 0 */
     /* Slot 1 (seq 3) is kept, slot 0 will be free: a hole, then a wait for A in slot 0. */
     CHECK_ST(publish_tagged(fx.prod, 3, deadline_ms(20), &err), TS_E_TIMEOUT);
@@ -1524,7 +1524,7 @@ static void test_holes_all_kept(void)
     PUBLISH(3);
     TAKE_TAG(A, 4, 3, 1);
     CHECK(content_ok(B.ring, 1, 1));
-    ts_ring_release(B.ring, 1, B.index);
+    ts_ring_release(B.ring, 1, B.index, B.ring->incarnation);
     CHECK_EQ(readers_of(fx.prod, 1), 0);
 out:
     consumer_drop(&A), consumer_drop(&B);
@@ -1610,7 +1610,7 @@ static void *dr_consumer(void *p)
         if (dice == 0) sleep_us(500); /* slow while holding: detach must leave this entry */
         if (!CHECK(readers_of(c->ring, a.slot) & bit) || !CHECK(content_ok(c->ring, a.slot, tag)))
             break;
-        ts_ring_release(c->ring, a.slot, c->index);
+        ts_ring_release(c->ring, a.slot, c->index, c->ring->incarnation);
         if (dice == 1) sleep_us(500); /* slow between entries: falls behind */
         /* A little slow: falls behind while acquiring, so lag detaches race acquire too. */
         if (r->spin_us > 0)
@@ -1799,7 +1799,7 @@ static void test_stream_copy(void)
     for (int64_t r = 0; r < rows; r++)
         CHECK(memcmp(d + s->leaves[1].offset + r * run, big + n0 + 1 + r * pitch,
                      (size_t)run) == 0);
-    ts_ring_release(c.ring, a.slot, c.index);
+    ts_ring_release(c.ring, a.slot, c.index, c.ring->incarnation);
 out:
     consumer_drop(&c);
     fx_destroy(&fx);
@@ -1900,12 +1900,12 @@ static void test_copy_on_write(void)
     CHECK_EQ(leaf0_of(fx.prod, 1 - k)[0], 100);
 
     /* Released: the shared view is back, before the producer may refill the slot. */
-    ts_ring_release(c.ring, k, c.index);
+    ts_ring_release(c.ring, k, c.index, c.ring->incarnation);
     CHECK_EQ(ts_fault_private_slots(&c.ring->cow), 0);
     CHECK_EQ(x[3], 3);
     CHECK_EQ(x[4], 4);
     CHECK(child_write_faults(x, 1, msg, sizeof msg)); /* no longer held */
-    ts_ring_release(d.ring, b.slot, d.index);
+    ts_ring_release(d.ring, b.slot, d.index, d.ring->incarnation);
     PUBLISH(2); /* into slot 0 */
     TAKE(c, 1, 1);
     TAKE(c, 2, 0); /* entry_ok: c reads entry 2 as published, in the slot it wrote into */
@@ -1925,7 +1925,7 @@ static void test_copy_on_write(void)
     /* No page-locking while a slot is private; once forbidden, writes fault as before. */
     CHECK_EQ(ts_fault_forbid(&c.ring->cow), EBUSY);
     CHECK(ts_ring_host_writable(c.ring));
-    ts_ring_release(c.ring, k, c.index);
+    ts_ring_release(c.ring, k, c.index, c.ring->incarnation);
     CHECK_EQ(x[0], 200);
     CHECK_EQ(ts_fault_forbid(&c.ring->cow), 0);
     CHECK(!ts_ring_host_writable(c.ring));
@@ -1942,7 +1942,7 @@ static void test_copy_on_write(void)
     CHECK_EQ(leaf0_of(c.ring, a.slot)[0], 7);
     int fd = c.ring->cow.fd;
     c.ring->cow.fd = -1;
-    ts_ring_release(c.ring, a.slot, c.index);
+    ts_ring_release(c.ring, a.slot, c.index, c.ring->incarnation);
     c.ring->cow.fd = fd;
     CHECK_EQ(readers_of(fx.prod, a.slot) & (1ULL << c.index), 0);
     CHECK_EQ(c.ring->cow.broken, EBADF);
@@ -1999,7 +1999,7 @@ static void test_set_aside(void)
     CHECK(strstr(err.msg, "set aside") != NULL);
     CHECK_EQ(readers_of(fx.prod, k), bit); /* entry 2 waits for c */
     CHECK(!page_mapped(leaf0_of(c.ring, 1 - k))); /* the rest of the mapping is gone */
-    ts_ring_release(c.ring, k, c.index);
+    ts_ring_release(c.ring, k, c.index, c.ring->incarnation);
     CHECK_EQ(readers_of(fx.prod, k), bit); /* not dropped a second time */
     CHECK(!page_mapped(x)); /* the copy is gone */
 
@@ -2028,9 +2028,9 @@ static void test_set_aside(void)
     }
     ts_fault_fork_parent();
     REQUIRE(child > 0);
-    ts_ring_release(again, b.slot, c.index);
+    ts_ring_release(again, b.slot, c.index, (again)->incarnation);
     REQUIRE(CHECK_ST(ts_ring_acquire(again, deadline_ms(1000), &a, &err), TS_OK)); /* 2 */
-    ts_ring_release(again, a.slot, c.index);
+    ts_ring_release(again, a.slot, c.index, (again)->incarnation);
     PUBLISH(3); /* into entry 1's slot */
     CHECK_EQ(leaf0_of(fx.prod, b.slot)[0], 300);
     char verdict = 0;
@@ -2239,7 +2239,7 @@ static void test_try_acquire(void)
     REQUIRE_OK(ts_ring_acquire(c.ring, TS_DEADLINE_NOW, &a, &err));
     CHECK_EQ(a.seq, 0);
     CHECK(entry_ok(c.ring, &a, 0));
-    ts_ring_release(c.ring, a.slot, c.index);
+    ts_ring_release(c.ring, a.slot, c.index, c.ring->incarnation);
     TAKE(c, 1, 1);
     CHECK_ST(ts_ring_acquire(c.ring, TS_DEADLINE_NOW, &a, &err), TS_E_TIMEOUT);
     ts_ring_finish(fx.prod);
@@ -2292,12 +2292,12 @@ static void test_await_race(void)
                        (unsigned long long)i, (unsigned long long)k);
                 goto out;
             }
-            ts_ring_release(c.ring, a.slot, c.index);
+            ts_ring_release(c.ring, a.slot, c.index, c.ring->incarnation);
         }
         if (k == 12) { /* read on: the end marker comes next */
             REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
             CHECK_EQ(a.kind, TS_ENTRY_END_EPOCH);
-            ts_ring_release(c.ring, a.slot, c.index);
+            ts_ring_release(c.ring, a.slot, c.index, c.ring->incarnation);
         } else {
             if (rand_r(&seed) % 2) sched_yield(); /* let the publisher run ahead, or not */
             REQUIRE_OK(ts_ring_await_next_epoch(fx.prod, c.index, &err));
@@ -2308,6 +2308,174 @@ out:
     if (started) ts_ring_finish(fx.prod); /* ends a publisher still waiting for a slot */
     consumer_drop(&c);
     if (started) pthread_join(t, NULL);
+    fx_destroy(&fx);
+}
+
+/* A late release after eviction (issue 23, item 5): consumer A holds entry 0 through a lease,
+ * is evicted, and consumer B gets A's table index and holds the same slot (a late joiner's
+ * window). A's lease dies only now, as a deferred GPU release or a stopped process that runs
+ * again would let it: that release names A's incarnation, which is no longer the index's, so
+ * B's hold survives (the producer cannot refill the slot) and the release is counted. A
+ * release under way when the entry is free again keeps it from being handed out, unless the
+ * process releasing died. */
+static void test_late_release(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0}, C = {0}, D = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    ts_lease *lease = NULL;
+    ts_ring_info info;
+    REQUIRE(fx_create(&fx, 4, 2, 4096) == 0);
+    ts_header *h = fx.prod->hdr;
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, 0, &err));
+    REQUIRE(consumer_add(&fx, &A, 1) == 0);
+    uint64_t bit = 1ULL << A.index;
+    PUBLISH(0);
+    TAKE(A, 0, 0);
+    REQUIRE(a.slot == 0);
+    lease = ts_lease_new(A.ring, a.slot, a.seq); /* A's view of entry 0 */
+    REQUIRE(lease != NULL);
+    CHECK_EQ(lease->token, A.ring->incarnation);
+    ts_ring_evict(fx.prod, A.index); /* taken for dead; its lease lives on */
+    CHECK_EQ(readers_of(fx.prod, 0), 0);
+    CHECK(h->consumers[A.index].gate >> TS_GATE_SHIFT != A.ring->incarnation);
+
+    /* B joins on A's index; the window gives it entry 0, in the slot A's lease still names. */
+    REQUIRE(consumer_add(&fx, &B, 1) == 0);
+    REQUIRE(CHECK_EQ(B.index, A.index));
+    CHECK(B.ring->incarnation != A.ring->incarnation);
+    CHECK_EQ(B.start_seq, 0);
+    TAKE(B, 0, 0);
+    CHECK_EQ(a.slot, 0);
+    CHECK_EQ(readers_of(fx.prod, 0), bit);
+
+    /* A's late release: B's bit stays, the release is counted. */
+    ts_lease_unref(lease, TS_USE_WHOLE);
+    lease = NULL;
+    CHECK_EQ(readers_of(fx.prod, 0), bit);
+    ts_ring_snapshot(fx.prod, &info);
+    CHECK_EQ(info.late_releases, 1);
+    /* The same through the plain call (an acquire given back) and on A's handle. */
+    ts_ring_release(A.ring, 0, A.index, A.ring->incarnation);
+    CHECK_EQ(readers_of(fx.prod, 0), bit);
+    CHECK_EQ(h->late_releases, 2);
+    CHECK_EQ(h->consumers[B.index].gate & TS_GATE_COUNT, 0);
+
+    /* The producer comes round: slot 0 stays B's, its content entry 0's. */
+    for (uint64_t t = 1; t < 4; t++) PUBLISH(t);
+    for (uint64_t t = 1; t < 4; t++) TAKE(B, t, 1);
+    CHECK_ST(publish_tagged(fx.prod, 4, deadline_ms(20), &err), TS_E_TIMEOUT);
+    CHECK_EQ(seq_of(fx.prod, 0), 0);
+    CHECK(content_ok(B.ring, 0, 0));
+    ts_ring_release(B.ring, 0, B.index, B.ring->incarnation); /* B's own release works */
+    CHECK_EQ(readers_of(fx.prod, 0), 0);
+    CHECK_EQ(h->late_releases, 2);
+    PUBLISH(4);
+    TAKE(B, 4, 1);
+
+    /* A release of B's under way (entered, its bit not yet cleared: a stopped process) when
+     * B is evicted: the entry is not handed out while its process lives... */
+    ts_consumer *cb = &h->consumers[B.index];
+    atomic_fetch_add_explicit(&cb->gate, 1, memory_order_acq_rel);
+    ts_ring_evict(fx.prod, B.index);
+    REQUIRE(consumer_add(&fx, &C, 0) == 0);
+    CHECK(C.index != B.index);
+    atomic_fetch_sub_explicit(&cb->gate, 1, memory_order_acq_rel); /* ...done: it is */
+    REQUIRE(consumer_add(&fx, &D, 0) == 0);
+    CHECK_EQ(D.index, B.index);
+    ts_ring_retire(fx.prod, D.index);
+    /* ...or its process died in the release. */
+    pid_t dead = fork();
+    REQUIRE(dead >= 0);
+    if (dead == 0) _exit(0);
+    REQUIRE(waitpid(dead, NULL, 0) == dead);
+    ts_consumer *cd = &h->consumers[D.index];
+    atomic_fetch_add_explicit(&cd->gate, 1, memory_order_acq_rel);
+    cd->pid = (int32_t)dead;
+    consumer_drop(&D);
+    REQUIRE(consumer_add(&fx, &D, 0) == 0);
+    CHECK_EQ(D.index, B.index);
+    CHECK_EQ(cd->gate & TS_GATE_COUNT, 0);
+out:
+    if (lease != NULL) ts_lease_unref(lease, TS_USE_WHOLE);
+    consumer_drop(&A), consumer_drop(&B), consumer_drop(&C), consumer_drop(&D);
+    fx_destroy(&fx);
+}
+
+/* A late release racing the eviction of its consumer and the next incarnation's start. */
+typedef struct race_job {
+    consumer *c;
+    uint32_t slot;
+    int when;              /* release once phase >= when (0: before the eviction) */
+    uint32_t spins;        /* then after this many yields */
+    _Atomic int *phase;    /* 1: being evicted, 2: the new consumer holds the slot */
+    _Atomic int released;
+} race_job;
+
+/* Release the old consumer's hold at the moment the job names. */
+static void *race_release_run(void *p)
+{
+    race_job *j = p;
+    while (atomic_load_explicit(j->phase, memory_order_acquire) < j->when) sched_yield();
+    for (uint32_t i = 0; i < j->spins; i++) sched_yield();
+    ts_ring_release(j->c->ring, j->slot, j->c->index, j->c->ring->incarnation);
+    atomic_store_explicit(&j->released, 1, memory_order_release);
+    return NULL;
+}
+
+/* Late releases racing the producer: on another thread, consumer A's release of the entry it
+ * holds comes before, during or after A's eviction and the start of consumer B, which may
+ * get A's index and whose window gives it the same entry. Whatever the order, B's bit is in
+ * the slot once all is done: a release under way when the index is handed out keeps it from
+ * being handed out (B gets another), a later one clears nothing. */
+static void test_late_release_race(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    _Atomic int phase = 0;
+    unsigned seed = 4242;
+    uint32_t same = 0, late = 0;
+    REQUIRE(fx_create(&fx, 4, 2, 4096) == 0);
+    REQUIRE_OK(ts_ring_set_policy(fx.prod, 2, 0, &err));
+    for (uint64_t t = 0; t < 400; t++) {
+        REQUIRE(consumer_add(&fx, &A, 1) == 0);
+        PUBLISH(t);
+        for (uint64_t q = A.start_seq; q < t; q++) TAKE(A, q, 1); /* the window's older ones */
+        TAKE(A, t, 0);
+        atomic_store(&phase, 0);
+        uint64_t late_before = fx.prod->hdr->late_releases;
+        race_job j = {&A, a.slot, (int)(rand_r(&seed) % 3), (uint32_t)(rand_r(&seed) % 8), &phase,
+                      0};
+        pthread_t th;
+        REQUIRE(pthread_create(&th, NULL, race_release_run, &j) == 0);
+        while (j.when == 0 && !atomic_load_explicit(&j.released, memory_order_acquire))
+            sched_yield();
+        atomic_store_explicit(&phase, 1, memory_order_release);
+        ts_ring_evict(fx.prod, A.index);
+        int added = consumer_add(&fx, &B, 1) == 0;
+        atomic_store_explicit(&phase, 2, memory_order_release);
+        pthread_join(th, NULL);
+        REQUIRE(added);
+        same += B.index == A.index;
+        if (!CHECK(readers_of(fx.prod, j.slot) & (1ULL << B.index))) {
+            printf("    round %llu: released at phase %d, B on index %u (A's: %u)\n",
+                   (unsigned long long)t, j.when, B.index, A.index);
+            goto out;
+        }
+        late += fx.prod->hdr->late_releases != late_before;
+        if (j.when == 0) CHECK_EQ(fx.prod->hdr->late_releases, late_before); /* not late */
+        for (uint64_t q = B.start_seq; q <= t; q++) TAKE(B, q, 1); /* t is in its window */
+        for (uint32_t k = 0; k < 4; k++) CHECK_EQ(readers_of(fx.prod, k), 0);
+        ts_ring_retire(fx.prod, B.index);
+        consumer_drop(&A), consumer_drop(&B);
+    }
+    printf("    %u of 400 rounds gave B A's index, %u releases came late\n", same, late);
+    CHECK(same > 0 && late > 0);
+out:
+    consumer_drop(&A), consumer_drop(&B);
     fx_destroy(&fx);
 }
 
@@ -2333,6 +2501,7 @@ static const ts_test g_tests[] = {
     {"set_aside_many", test_set_aside_many},
     {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
     {"try_acquire", test_try_acquire},   {"await_race", test_await_race},
+    {"late_release", test_late_release}, {"late_release_race", test_late_release_race},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
