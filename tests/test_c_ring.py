@@ -3,7 +3,7 @@
 The test program is compiled together with every csrc/ts_*.c except the Python
 binding (ts_module.c, ts_py_*.c), with the compiler named by $CC (default ``cc``).
 TENSORSOCKET_SANITIZE=1 adds AddressSanitizer and UndefinedBehaviorSanitizer.
-A second test builds with ThreadSanitizer and runs only the cross-thread test;
+A second test builds with ThreadSanitizer and runs only the tests that use two threads;
 it is skipped where the toolchain or the kernel cannot run TSan binaries.
 """
 
@@ -133,12 +133,13 @@ def _tsan_runner(work: Path) -> list[str]:
 
 
 @pytest.mark.slow  # a sanitizer variant
-def test_c_ring_cross_thread_tsan(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("name", ["cross_thread", "late_release_race"])
+def test_c_ring_cross_thread_tsan(tmp_path_factory: pytest.TempPathFactory, name: str) -> None:
     work = tmp_path_factory.mktemp("c_ring_tsan")
     prefix = _tsan_runner(work)
     binary = _build(work, TSAN_FLAGS)
     rc, out = _run(
-        [*prefix, str(binary), "cross_thread"],
+        [*prefix, str(binary), name],
         {"TSAN_OPTIONS": os.environ.get("TSAN_OPTIONS", "halt_on_error=1:second_deadlock_stack=1")},
     )
     assert "WARNING: ThreadSanitizer" not in out, out
