@@ -942,7 +942,10 @@ class _PoolKeeper:
                 if unmapped:
                     with self._lock:
                         self._rings.remove(ring)
-                    ring.close()
+                    try:
+                        ring.close()
+                    except Exception:
+                        log.exception("tensorsocket GPU keeper failed to close a ring")
                     log.info("the last consumer unmapped a closed producer's GPU ring: freed")
             with self._lock:
                 first = self._rings[0] if self._rings else None

@@ -36,6 +36,20 @@ from tensorsocket import producer as producer_module
 from tensorsocket.harness import emit
 name, after, fifo = sys.argv[1:4]
 fd = os.open(fifo, os.O_RDWR)
+
+def shm_use():  # this process's fds and mappings of /dev/shm objects
+    fds = set()
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{n}").startswith("/dev/shm/"):
+                fds.add(n)
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        maps = {line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line}
+    return fds, maps
+
+before = shm_use()
 p = TensorProducer(CountingLoader(%d, "tuple"), name=name, ring_slots=%d, min_consumers=1,
                    device="cuda:0", device_fallback=False, release_timeout=0.2)
 emit({"ready": True, "pid": os.getpid()})
@@ -49,8 +63,10 @@ if after == "stay":
     thread = keeper._thread if keeper is not None else None
     if thread is not None:
         thread.join(120)
+    fds, maps = shm_use()
     emit({"kept_after": keeper.kept() if keeper is not None else 0,
-          "keeper_alive": thread is not None and thread.is_alive()})
+          "keeper_alive": thread is not None and thread.is_alive(),
+          "new_fds": sorted(fds - before[0]), "new_maps": sorted(maps - before[1])})
 """ % (BATCHES, SLOTS)
 
 # A consumer on the double (tests/roles.py FakeGpu: each batch is read back, and a slow
@@ -140,7 +156,7 @@ def test_idle_consumer_keeps_the_pool_past_release_timeout(procs, name, gpu_env,
     assert c["outcome"] == "end" and c["values"] == list(range(BATCHES)), c
     assert c["kernel_mismatches"] == 0, c
     p = procs.result(prod)
-    assert p == {"kept_after": 0, "keeper_alive": False}, p
+    assert p == {"kept_after": 0, "keeper_alive": False, "new_fds": [], "new_maps": []}, p
     log = _log(gpu_env)
     assert [str(line) for line in log
             if line.op in ("freed_while_imported", "use_after_free")] == []
@@ -170,7 +186,7 @@ def test_killed_consumer_lets_the_keeper_free_the_pool(procs, name, gpu_env, sho
     cons.kill()
     cons.communicate(timeout=30)
     p = procs.result(prod)
-    assert p == {"kept_after": 0, "keeper_alive": False}, p
+    assert p == {"kept_after": 0, "keeper_alive": False, "new_fds": [], "new_maps": []}, p
     log = _log(gpu_env)
     assert [str(line) for line in log if line.op == "freed_while_imported"] == []
     assert len(_frees(log, ppid)) == SLOTS
