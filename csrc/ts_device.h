@@ -135,8 +135,11 @@ typedef struct ts_device {
     void (*free_copy)(ts_device_state *state, uint64_t p);
 
     /* ---- both */
-    /* Free the state: close what it opened, free what it allocated. A producer's state
-     * goes only once no importer maps the pool any more. */
+    /* Free the state: close what it opened (a consumer's cuIpcCloseMemHandle of each
+     * slot), free what it allocated. A producer's state goes only once no importer maps
+     * the pool any more: the ring leaves it open while one does (ts_ring_free), and the
+     * producer keeps the ring until then (tensorsocket/producer.py, _PoolKeeper), or its
+     * process's exit takes the memory. */
     void (*close)(ts_device_state *state);
 } ts_device;
 

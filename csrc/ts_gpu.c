@@ -200,7 +200,12 @@ error:
     return NULL;
 }
 
-/* Release every CUDA resource the state holds, and the driver. */
+/* Release every CUDA resource the state holds, and the driver. A producer's state comes
+ * here only once no other process maps its pool (ts_device.h, close): the driver says
+ * "Calling cuMemFree on an exported memory region before calling cuIpcCloseMemHandle in
+ * the importing context will result in undefined behavior" (cuIpcOpenMemHandle), and
+ * "Memory returned from cuIpcOpenMemHandle must be freed with cuIpcCloseMemHandle", which
+ * the consumer's teardown does for each slot it opened. */
 static void ts_gpu_teardown(ts_gpu *g)
 {
     if (g->api == NULL) return;

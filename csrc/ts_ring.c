@@ -233,8 +233,11 @@ static void ts_ring_unmap_kept(ts_ring *ring, uint32_t k);
 /* Release everything the handle owns. */
 static void ts_ring_free(ts_ring *ring)
 {
-    /* Device state first: it page-locked and mirrors the host slot data. */
-    if (ring->dev != NULL) ring->dev->device->close(ring->dev);
+    /* Device state first: it page-locked and mirrors the host slot data. A producer's pool
+     * goes only once no process maps it (ts_device.h, close): a handle freed before (the
+     * interpreter exits while a consumer still maps it) leaves it to the process's exit. */
+    if (ring->dev != NULL && !(ring->is_producer && ts_ring_importers(ring) > 0))
+        ring->dev->device->close(ring->dev);
     ring->dev = NULL;
     /* Our mappings of the pool are closed: the producer may free it. */
     if (ring->importer >= 0) ts_ring_drop_importer(ring->hdr, ring->importer);
@@ -1241,6 +1244,18 @@ uint32_t ts_ring_importers(const ts_ring *ring)
     return n;
 }
 
+/* This handle maps the producer's device pool and the producer's process is gone. The
+ * driver frees a process's device memory when it exits, and documents no import that
+ * outlives its exporter ("Calling cuMemFree on an exported memory region before calling
+ * cuIpcCloseMemHandle in the importing context will result in undefined behavior",
+ * cuIpcOpenMemHandle): a batch in that memory must not be handed out. */
+static int ts_ring_pool_gone(const ts_ring *ring)
+{
+    const ts_header *h = ring->hdr;
+    return ring->dev != NULL && ring->dev->imported &&
+           !ts_proc_alive(h->producer_pid, h->producer_start_time);
+}
+
 /* ==========================================================================
  * Devices (ts_device.h)
  * ========================================================================== */
@@ -1282,6 +1297,10 @@ ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ord
                           "the producer's GPU is not visible to this process (check "
                           "CUDA_VISIBLE_DEVICES), pass device='cuda:N' to read the ring from "
                           "another GPU");
+    if (!ts_proc_alive(h->producer_pid, h->producer_start_time))
+        return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
+                          "the producer process (pid %d) is gone, and its GPU memory with it",
+                          h->producer_pid);
     ts_status st = ts_ring_device_state(ring, driver, ordinal, err);
     if (st != TS_OK || ring->dev->imported) return st;
     /* Announce the mapping before it exists: the producer never frees under it. */
@@ -1512,6 +1531,17 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
                     ts_slot_drop_as(h, s, ring->consumer, ring->incarnation);
                 continue;
             }
+            /* A batch of a GPU ring lives in the producer's device memory (see
+             * ts_ring_pool_gone): hand none out once that memory is gone. */
+            if (s->kind == TS_ENTRY_BATCH && ts_ring_pool_gone(ring))
+                return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
+                                  "the producer process (pid %d) exited while this consumer "
+                                  "mapped its GPU memory: the batches it published and this "
+                                  "consumer had not read were in that memory and are lost, "
+                                  "and the GPU tensors of its batches still held here are "
+                                  "no longer valid (see docs/gpu.md, \"When the producer's "
+                                  "GPU memory is freed\")",
+                                  h->producer_pid);
             /* Claim the entry; fails only if the producer detached us meanwhile.
              * Once claimed, our bit keeps the slot's content stable. */
             if (!atomic_compare_exchange_strong_explicit(&c->cursor, &cursor, cursor + 1,

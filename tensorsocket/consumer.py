@@ -647,9 +647,9 @@ class TensorConsumer(LoaderSurface):
                     f"the producer finished after {self.epoch} epoch(s) seen by this "
                     "consumer; no more batches will come"
                 ) from None
-            except ProducerGone:
+            except ProducerGone as e:
                 cursor.in_epoch = False
-                raise _failed(self._ring, self.endpoint.address, None) from None
+                raise _failed(self._ring, self.endpoint.address, None, str(e)) from None
             except ConsumerDetached as e:
                 if self._closed:  # close() from another thread detached us first
                     raise TensorSocketError(
@@ -955,12 +955,18 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, deliv
         _core.Ring.unlink_name(info["name"])
 
 
-def _failed(ring: Any, address: str, cause: str | None) -> ProducerFailed:
+def _failed(ring: Any, address: str, cause: str | None,
+            gone: str | None = None) -> ProducerFailed:
     """The error for a producer that failed (cause: its error, from the ring) or whose
-    process is gone without finishing the ring (cause None)."""
-    pid = ring.info()["producer_pid"]
+    process is gone without finishing the ring (cause None), or, with the ring's own words
+    (gone), whose process exited after finishing it while batches of its GPU memory were
+    still unread here."""
+    info = ring.info()
+    pid = info["producer_pid"]
     if cause is not None:
         what = f"the producer (pid {pid}) failed: {cause}"
+    elif gone is not None and info["state"] == _core.RING_FINISHED:
+        what = gone
     else:
         what = (f"the producer process (pid {pid}) is gone without finishing: it was killed "
                 "(out of memory?) or crashed; its own output says why")

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 import traceback
 import warnings
@@ -167,9 +168,11 @@ class TensorProducer:
         CUDA IPC events), warn and use the host ring (default True); False
         raises GPUUnavailable instead (env).
       release_timeout: a GPU ring's device memory is freed only once no
-        consumer holds a batch of it; at join()/close() wait this many seconds
-        for them (default 30; None: forever), then free it anyway with a
-        warning (env).
+        consumer process maps it any more; join()/close() wait this many
+        seconds for that (default 30; None: forever), then return and leave
+        the memory to a keeper thread that frees it when the last consumer
+        closed or died, however long that takes (env). See docs/gpu.md, "When
+        the producer's GPU memory is freed".
       worker_heap_pad: for a torch DataLoader with workers, each worker keeps
         this many bytes at the top of its malloc heap and takes blocks under
         32 MiB from the heap (glibc only; default 16 MiB; 0 turns it off)
@@ -802,8 +805,9 @@ def _teardown(server: ControlServer, context: zmq.Context, files: "OwnedFiles",
             server.close(farewell=("finished", "closed before publishing its first batch"))
         context.term()
     finally:
-        # Whatever happened above (a second Ctrl-C, say), the files must go.
-        if ring is not None:
+        # Whatever happened above (a second Ctrl-C, say), the files must go. The device
+        # memory goes only once no consumer maps it (see _POOL_KEEPER).
+        if ring is not None and not (_gpu_mapped(ring) and _POOL_KEEPER.keep(ring)):
             ring.close()
         files.remove()
         forget_on_sigterm(files)
@@ -847,21 +851,112 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _wait_gpu_released(ring: Any, timeout: float | None) -> None:
-    """A GPU ring's device memory may be freed only once no consumer holds a batch of it
-    and no consumer process maps it any more (freeing exported memory still mapped
-    elsewhere is undefined behaviour). The control thread still runs meanwhile, so
-    consumers that die are evicted and stop counting."""
+    """Wait up to timeout for no consumer to hold a batch of a GPU ring or map its device
+    memory. The control thread still runs meanwhile, so consumers that die are evicted
+    and stop counting."""
     info = ring.info()
     if info["device_type"] != _core.DL_CUDA or ring.wait_released(0):
         return
     log.info("waiting up to %s s for consumers to free the GPU batches they hold", timeout)
-    if not ring.wait_released(timeout):
-        now = ring.info()
-        log.warning(
-            "after release_timeout=%s s, %d ring slots are still held and %d consumer "
-            "processes still map the GPU ring; freeing it anyway: their tensors are no longer "
-            "valid (consumers should close() when done)",
-            timeout, now["occupied"], now["gpu_importers"])
+    if ring.wait_released(timeout):
+        return
+    importers = ring.info()["gpu_importers"]
+    if importers == 0:
+        return
+    log.warning(
+        "after release_timeout=%s s, %d consumer processes still map the GPU ring: its device "
+        "memory is kept until they close or die (a keeper thread frees it then); if this "
+        "process exits first, they get ProducerGone (consumers should close() when done)",
+        timeout, importers)
+
+
+def _gpu_mapped(ring: Any) -> bool:
+    """Whether consumer processes still map the ring's device memory."""
+    try:
+        info = ring.info()
+    except Exception:  # a ring that cannot say keeps nothing
+        return False
+    return info["device_type"] == _core.DL_CUDA and info["gpu_importers"] > 0
+
+
+KEEP_CHECK = 1.0  # seconds: how often the keeper looks again for importers that died
+
+
+class _PoolKeeper:
+    """Keeps the device memory of the GPU rings of closed producers that consumer processes
+    still map, and frees each once none does any more (they closed or died).
+
+    The CUDA driver says "Calling cuMemFree on an exported memory region before calling
+    cuIpcCloseMemHandle in the importing context will result in undefined behavior"
+    (cuIpcOpenMemHandle), so a closed producer's pool cannot go while a consumer maps it,
+    however long after release_timeout. One daemon thread keeps them all: it sleeps on
+    the first ring's release futex (a consumer's close wakes it) for at most KEEP_CHECK
+    seconds between looks (a dead consumer wakes nobody), and ends when no ring is left.
+    Everything else of the producer (segment name, sockets, lock file) is gone already;
+    the ring handle it closes holds the rest (its mapping, fd and device memory). If the
+    process exits first, its exit takes the memory, and the consumers' next batch raises
+    ProducerGone (see docs/gpu.md)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rings: list = []  # under _lock: rings kept, each closed once unmapped
+        self._thread: threading.Thread | None = None  # under _lock: while rings are kept
+
+    def keep(self, ring: Any) -> bool:
+        """Keep ring until no consumer maps its device memory, then close it. False where
+        no thread can start (the interpreter exits): the caller closes the ring, and the
+        C core then leaves the memory to the process's exit."""
+        with self._lock:
+            self._rings.append(ring)
+            if self._thread is not None:
+                return True
+            thread = threading.Thread(target=self._run, name="tensorsocket-gpu-keeper",
+                                      daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown"
+                self._rings.remove(ring)
+                return False
+            self._thread = thread
+            return True
+
+    def kept(self) -> int:
+        """Rings kept now."""
+        with self._lock:
+            return len(self._rings)
+
+    def _run(self) -> None:
+        """Close each kept ring once nobody maps it; end when none is left."""
+        while True:
+            with self._lock:
+                rings = list(self._rings)
+                if not rings:
+                    self._thread = None
+                    return
+            for ring in rings:
+                try:
+                    unmapped = ring.info()["gpu_importers"] == 0
+                except Exception:  # the thread must never die with rings kept
+                    log.exception("tensorsocket GPU keeper failed to look at a ring")
+                    unmapped = False
+                if unmapped:
+                    with self._lock:
+                        self._rings.remove(ring)
+                    try:
+                        ring.close()
+                    except Exception:
+                        log.exception("tensorsocket GPU keeper failed to close a ring")
+                    log.info("the last consumer unmapped a closed producer's GPU ring: freed")
+            with self._lock:
+                first = self._rings[0] if self._rings else None
+            if first is not None:
+                try:
+                    first.wait_released(KEEP_CHECK)
+                except Exception:  # interrupted: look again
+                    time.sleep(KEEP_CHECK)
+
+
+_POOL_KEEPER = _PoolKeeper()
 
 
 def _batch_bytes(leaves: list) -> int:

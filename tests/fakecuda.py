@@ -205,7 +205,7 @@ def select(lines: Iterable[LogLine], kind: str | None = None, /, pid: int | None
 
 def shm_objects(pid: int | None = None) -> list[str]:
     """The double's shm objects in /dev/shm (of process pid if given), as names without '/'."""
-    pat = re.compile(r"^fakecuda-(?:ev-)?(\d+)-\d+$")
+    pat = re.compile(r"^fakecuda-(?:ev-|imp-)?(\d+)-\d+$")
     found = []
     for entry in os.listdir("/dev/shm"):
         m = pat.match(entry)

@@ -252,7 +252,8 @@ typedef enum {
     FC_OP_EVENT_QUERY, FC_OP_EVENT_SYNC, FC_OP_IPC_GET_MEM, FC_OP_IPC_OPEN_MEM,
     FC_OP_IPC_CLOSE_MEM, FC_OP_IPC_GET_EVENT, FC_OP_IPC_OPEN_EVENT, FC_OP_LAUNCH_READ,
     FC_OP_EXEC_HTOD, FC_OP_EXEC_DTOD, FC_OP_EXEC_RECORD, FC_OP_EXEC_WAIT, FC_OP_EXEC_READ,
-    FC_OP_FAIL, FC_OP_DEVICE_UUID_V2, FC_OP_CAN_ACCESS_PEER, FC_OP_COUNT
+    FC_OP_FAIL, FC_OP_DEVICE_UUID_V2, FC_OP_CAN_ACCESS_PEER, FC_OP_FREED_WHILE_IMPORTED,
+    FC_OP_USE_AFTER_FREE, FC_OP_COUNT
 } fc_opcode;
 
 static const char *const fc_op_names[FC_OP_COUNT] = {
@@ -265,7 +266,7 @@ static const char *const fc_op_names[FC_OP_COUNT] = {
     "event_query", "event_sync", "ipc_get_mem", "ipc_open_mem",
     "ipc_close_mem", "ipc_get_event", "ipc_open_event", "launch_read",
     "exec_htod", "exec_dtod", "exec_record", "exec_wait", "exec_read",
-    "fail", "device_uuid_v2", "can_access_peer",
+    "fail", "device_uuid_v2", "can_access_peer", "freed_while_imported", "use_after_free",
 };
 
 static _Atomic int g_counts[FC_OP_COUNT];
@@ -566,6 +567,136 @@ static int fc_range_perms(uintptr_t lo, uintptr_t hi, int *writable)
     }
     fclose(f);
     return cur >= hi;
+}
+
+/* ==========================================================================
+ * Importers of an allocation (freed_while_imported, use_after_free)
+ * ========================================================================== */
+
+/* The driver: "Calling cuMemFree on an exported memory region before calling
+ * cuIpcCloseMemHandle in the importing context will result in undefined behavior"
+ * (cuIpcOpenMemHandle). The double keeps, beside each allocation /fakecuda-<pid>-<n>, a
+ * table /fakecuda-imp-<pid>-<n> of the processes that have it open, so that such a free
+ * is logged ("freed_while_imported importer=<pid>") instead of passing silently, and an
+ * importer's later stream operation on memory whose exporter freed it or exited is logged
+ * as "use_after_free". */
+
+#define FC_IMPORTERS 64
+#define FC_IMP_MAGIC 0x49494346u /* "FCII" */
+
+/* The shared table of one allocation's importers. */
+typedef struct fc_imports {
+    uint32_t magic;
+    _Atomic uint32_t gone;              /* the exporter freed the allocation, or exited */
+    _Atomic int32_t pid[FC_IMPORTERS];  /* processes that have it open (0: free entry) */
+} fc_imports;
+
+/* The table's name for allocation name ("/fakecuda-<pid>-<n>"). */
+static void fc_imports_name(char out[FC_NAME], const char *alloc)
+{
+    snprintf(out, FC_NAME, "/fakecuda-imp-%s", alloc + strlen("/fakecuda-"));
+}
+
+/* Map allocation name's table (create: make it); NULL if there is none. */
+static fc_imports *fc_imports_map(const char *alloc, int create)
+{
+    char name[FC_NAME];
+    fc_imports_name(name, alloc);
+    int fd = shm_open(name, O_RDWR | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0), 0600);
+    if (fd < 0) return NULL;
+    if (create && ftruncate(fd, sizeof(fc_imports)) != 0) {
+        close(fd);
+        shm_unlink(name);
+        return NULL;
+    }
+    void *p = mmap(NULL, sizeof(fc_imports), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return NULL;
+    fc_imports *t = p;
+    if (create) t->magic = FC_IMP_MAGIC;
+    return t;
+}
+
+/* Undo fc_imports_map. */
+static void fc_imports_unmap(fc_imports *t)
+{
+    if (t != NULL) munmap(t, sizeof *t);
+}
+
+/* Whether process pid runs (a zombie does not). */
+static int fc_pid_alive(pid_t pid)
+{
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return kill(pid, 0) == 0 || errno != ESRCH;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 1;
+    buf[n] = '\0';
+    const char *paren = strrchr(buf, ')');
+    return paren == NULL || paren[1] == '\0' || (paren[2] != 'Z' && paren[2] != 'X');
+}
+
+/* A new allocation: its (empty) importer table. */
+static void fc_imports_create(const char *alloc)
+{
+    fc_imports_unmap(fc_imports_map(alloc, 1));
+}
+
+/* This process opened allocation alloc (its first open here). */
+static void fc_imports_add(const char *alloc)
+{
+    fc_imports *t = fc_imports_map(alloc, 0);
+    if (t == NULL) return;
+    for (int i = 0; i < FC_IMPORTERS; i++) {
+        int32_t want = 0;
+        if (atomic_compare_exchange_strong(&t->pid[i], &want, (int32_t)getpid())) break;
+    }
+    fc_imports_unmap(t);
+}
+
+/* This process closed its last open of allocation alloc. */
+static void fc_imports_drop(const char *alloc)
+{
+    fc_imports *t = fc_imports_map(alloc, 0);
+    if (t == NULL) return;
+    for (int i = 0; i < FC_IMPORTERS; i++) {
+        int32_t want = (int32_t)getpid();
+        if (atomic_compare_exchange_strong(&t->pid[i], &want, 0)) break;
+    }
+    fc_imports_unmap(t);
+}
+
+/* The exporter frees allocation alloc (or exits, how: "free" or "exit"): log each live
+ * importer, mark the table gone and unlink it (importers keep their mapping of it). */
+static void fc_imports_release(const char *alloc, const void *base, const char *how)
+{
+    fc_imports *t = fc_imports_map(alloc, 0);
+    if (t == NULL) return;
+    atomic_store(&t->gone, 1);
+    for (int i = 0; i < FC_IMPORTERS; i++) {
+        int32_t pid = atomic_load(&t->pid[i]);
+        if (pid != 0 && fc_pid_alive(pid))
+            fc_log(FC_OP_FREED_WHILE_IMPORTED, "name=%s ptr=%p importer=%d how=%s", alloc,
+                   base, (int)pid, how);
+    }
+    fc_imports_unmap(t);
+    char name[FC_NAME];
+    fc_imports_name(name, alloc);
+    shm_unlink(name);
+}
+
+/* An importer queues work on its mapping r of another process's allocation: log it if
+ * that memory is gone (freed, its exporter exited or was killed). */
+static void fc_imports_check_use(const fc_region *r, const char *op)
+{
+    if (!r->ipc) return;
+    fc_imports *t = fc_imports_map(r->name, 0);
+    int gone = t == NULL || atomic_load(&t->gone) || !fc_pid_alive(r->owner);
+    fc_imports_unmap(t);
+    if (gone)
+        fc_log(FC_OP_USE_AFTER_FREE, "name=%s exporter=%d op=%s", r->name, (int)r->owner, op);
 }
 
 /* ==========================================================================
@@ -1125,6 +1256,7 @@ FC_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
     r->next = g_regions;
     g_regions = r;
     pthread_mutex_unlock(&g_lock);
+    fc_imports_create(r->name);
     *dptr = (CUdeviceptr)(uintptr_t)p;
     fc_log(FC_OP_ALLOC, "ptr=%p bytes=%zu dev=%d phys=%d name=%s", p, bytes, ctx->ordinal,
            ctx->phys, r->name);
@@ -1147,6 +1279,7 @@ FC_API CUresult cuMemFree_v2(CUdeviceptr dptr)
     }
     pthread_mutex_unlock(&g_lock);
     if (found == NULL) return fc_fail(FC_OP_FREE, CUDA_ERROR_INVALID_VALUE, "not_an_allocation");
+    fc_imports_release(found->name, found->base, "free");
     shm_unlink(found->name);
     fc_log(FC_OP_FREE, "ptr=%p bytes=%zu name=%s", (void *)found->base, found->size,
            found->name);
@@ -1221,6 +1354,8 @@ FC_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t by
             return fc_fail(FC_OP_DTOD, CUDA_ERROR_INVALID_VALUE, "src_not_device_memory");
         return fc_fail(FC_OP_DTOD, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
     }
+    fc_imports_check_use(dr, "dtod");
+    fc_imports_check_use(sr, "dtod");
     op->kind = FC_EX_DTOD;
     op->dst_r = dr;
     op->src_r = sr;
@@ -1711,6 +1846,8 @@ FC_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle, 
     if (dup != NULL) {
         munmap(p, h.size);
         free(r);
+    } else {
+        fc_imports_add(h.name);
     }
     *dptr = (CUdeviceptr)(uintptr_t)base;
     fc_log(FC_OP_IPC_OPEN_MEM, "name=%s ptr=%p cached=%d peer=%d bytes=%llu", h.name,
@@ -1739,7 +1876,10 @@ FC_API CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
     if (found == NULL)
         return fc_fail(FC_OP_IPC_CLOSE_MEM, CUDA_ERROR_INVALID_VALUE, "not_an_ipc_mapping");
     fc_log(FC_OP_IPC_CLOSE_MEM, "ptr=%p name=%s opens=%d", (void *)(uintptr_t)dptr, name, opens);
-    if (opens == 0) fc_region_unpin(found);
+    if (opens == 0) {
+        fc_imports_drop(name);
+        fc_region_unpin(found);
+    }
     return CUDA_SUCCESS;
 }
 
@@ -1831,6 +1971,7 @@ FC_API CUresult fakecuda_launch_read(CUstream s, CUdeviceptr p, size_t n, unsign
                        r == NULL ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_OUT_OF_MEMORY,
                        r == NULL ? "not_device_memory" : "calloc");
     }
+    fc_imports_check_use(r, "launch_read");
     op->kind = FC_EX_READ;
     op->src_r = r;
     op->src = (const uint8_t *)(uintptr_t)p;
@@ -1994,7 +2135,10 @@ __attribute__((destructor)) static void fc_at_exit(void)
     pid_t me = getpid();
     pthread_mutex_lock(&g_lock);
     for (fc_region *r = g_regions; r != NULL; r = r->next)
-        if (!r->ipc && r->owner == me) shm_unlink(r->name);
+        if (!r->ipc && r->owner == me) {
+            fc_imports_release(r->name, r->base, "exit");
+            shm_unlink(r->name);
+        }
     for (fc_event *e = g_events; e != NULL; e = e->next)
         if (e->ipc && !e->opened && e->creator == me) shm_unlink(e->id);
     pthread_mutex_unlock(&g_lock);
