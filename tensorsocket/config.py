@@ -559,8 +559,8 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             Boolean()),
     Setting("release_timeout", "release_timeout", "TENSORSOCKET_RELEASE_TIMEOUT", "producer",
             30.0, "30", _TIMEOUT_ACCEPTS,
-            "seconds teardown waits for consumers to unmap a GPU ring, then frees it with a "
-            "warning",
+            "seconds `close()` waits for consumers to unmap a GPU ring; then it returns and a "
+            "keeper thread frees the device memory once the last consumer closed or died",
             _TIMEOUT),
     Setting("worker_heap_pad", "worker_heap_pad", "TENSORSOCKET_WORKER_HEAP_PAD", "producer",
             16 << 20, "16M", _SIZE_ACCEPTS.replace("bytes > 0", "bytes >= 0") +

@@ -721,7 +721,10 @@ class TensorProducer:
         slots some consumer still has to read or still holds; skipped_slots: times
         the producer went past a slot kept by a consumer that receives no more (taken
         off as silent, detached or gone while its batches live: never overwritten, see
-        docs/failures.md), publishing a hole there; consumer_table:
+        docs/failures.md), publishing a hole there; late_releases:
+        releases that came from a consumer after it was evicted (a stopped process
+        resumed, a deferred GPU release); they leave the slot to whoever holds it now
+        (docs/architecture.md, "Incarnations"); consumer_table:
         per consumer, its lag in ring entries (batches plus one end marker per
         epoch) behind the producer, entries and bytes delivered, and the time
         it spent waiting for batches; rejected_messages: malformed control
@@ -760,6 +763,7 @@ class TensorProducer:
             "max_lag": self.max_lag,
             "lag_detached": info.get("lag_detached", 0),
             "skipped_slots": info.get("holes", 0),
+            "late_releases": info.get("late_releases", 0),
             "rejected_messages": self._server.rejected,
             "consumer_table": table,
         }
