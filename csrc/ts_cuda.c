@@ -57,6 +57,12 @@ static const ts_cuda_sym ts_cuda_syms[] = {
     TS_SYM(IpcOpenEventHandle, "cuIpcOpenEventHandle"),
 };
 
+/* Optional symbols: looked up, left NULL where missing. */
+static const ts_cuda_sym ts_cuda_optional_syms[] = {
+    TS_SYM(CtxRecordEvent, "cuCtxRecordEvent"),
+    TS_SYM(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode"),
+};
+
 /* Load the driver (dlopen, symbols, cuInit). */
 ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
 {
@@ -100,6 +106,13 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
         goto error;
     }
     api->DriverGetVersion(&api->base.version);
+    for (size_t i = 0; i < sizeof ts_cuda_optional_syms / sizeof ts_cuda_optional_syms[0]; i++) {
+        void *fn = dlsym(api->lib, ts_cuda_optional_syms[i].name);
+        if (fn != NULL) memcpy((char *)api + ts_cuda_optional_syms[i].offset, &fn, sizeof fn);
+    }
+    /* The driver API reference documents cuCtxRecordEvent from CUDA 12.5 on: an older
+     * driver's answer (the version it reports) is trusted over a stray symbol. */
+    if (api->base.version < TS_CUDA_CTX_RECORD_EVENT_VERSION) api->CtxRecordEvent = NULL;
     *out = api;
     return TS_OK;
 

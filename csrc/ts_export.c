@@ -34,26 +34,30 @@ void ts_lease_ref(ts_lease *lease, uint32_t leaf)
     atomic_fetch_add_explicit(&lease->refs, 1, memory_order_relaxed);
 }
 
-/* A device release is done: the hold ends, and the ring reference taken for it goes. */
-static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer)
+/* A deferred release is over: the hold ends if the wait for the GPU work succeeded (else
+ * the slot stays held: a slot must never go back under queued work), and the ring
+ * reference taken for it goes. */
+static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer, int ok)
 {
-    ts_ring_release(ring, slot, consumer);
+    if (ok) ts_ring_release(ring, slot, consumer);
     ts_ring_unref(ring);
 }
 
 /* Drop a reference that used leaf; at zero the slot is released and the lease freed. A
- * slot exported to the device is released once the work queued on its streams is done. */
+ * slot that GPU work may read (exported to the device, or a page-locked host mapping read
+ * by asynchronous copies) is released through the device: queued until the consumer's
+ * next flush, then after all work of its context queued before that (ts_device.h). */
 void ts_lease_unref(ts_lease *lease, uint32_t leaf)
 {
     ts_ring *ring = lease->ring;
     ts_ring_unuse_leaf(ring, lease->slot, leaf);
     if (atomic_fetch_sub_explicit(&lease->refs, 1, memory_order_acq_rel) != 1) return;
     ts_ring_use_end(ring, lease->slot);
-    if ((lease->n_streams > 0 || lease->all_streams) && ring->dev != NULL) {
-        ts_ring_ref(ring); /* until done: the device may call it later, on its thread */
-        ring->dev->device->release_after(ring->dev, lease->slot, lease->consumer,
-                                         lease->streams, lease->n_streams,
-                                         lease->all_streams, ts_lease_released, ring);
+    ts_device_state *dev = ring->dev;
+    if (dev != NULL && !ring->is_producer &&
+        (lease->n_streams > 0 || lease->all_streams || dev->host_pinned)) {
+        ts_ring_ref(ring); /* until done: the device calls it later, on its thread */
+        dev->device->release_after(dev, lease->slot, lease->consumer, ts_lease_released, ring);
     } else {
         ts_ring_release(ring, lease->slot, lease->consumer);
     }
@@ -110,15 +114,25 @@ typedef struct ts_export_ctx {
     int64_t strides[TS_MAX_NDIM];
 } ts_export_ctx;
 
+/* A private device copy was freed (or not, its wait having failed): drop its ring
+ * reference. */
+static void ts_copy_freed(void *ring, uint32_t slot, uint32_t consumer, int ok)
+{
+    (void)slot;
+    (void)consumer;
+    (void)ok;
+    ts_ring_unref(ring);
+}
+
 /* Free the context and drop what it owns. */
 static void ts_export_ctx_free(ts_export_ctx *ctx)
 {
     if (ctx->lease != NULL) ts_lease_unref(ctx->lease, ctx->leaf);
     free(ctx->copy);
     if (ctx->device_copy_ring != NULL) {
+        /* Freed after the consumer's next flush; the ring reference goes with it. */
         ts_device_state *dev = ctx->device_copy_ring->dev;
-        dev->device->free_copy(dev, ctx->device_copy);
-        ts_ring_unref(ctx->device_copy_ring);
+        dev->device->free_copy(dev, ctx->device_copy, ts_copy_freed, ctx->device_copy_ring);
     }
     free(ctx);
 }
