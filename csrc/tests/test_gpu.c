@@ -312,6 +312,14 @@ static int wait_bit_clear(const ts_ring *r, uint32_t k, uint64_t bit, uint64_t m
     return 1;
 }
 
+/* Flush the consumer's queued GPU releases (the consumer's next call does it in Python),
+ * waiting up to wait_ms for the release thread to finish them. */
+static ts_status flush_releases(ts_ring *r, uint32_t wait_ms, int *synced, ts_err *err)
+{
+    int ignored = 0;
+    return r->dev->device->flush(r->dev, wait_ms, synced != NULL ? synced : &ignored, err);
+}
+
 /* 1 if some byte of the n bytes at p is not zero. */
 static int nonzero(const void *p, size_t n)
 {
@@ -500,6 +508,7 @@ static int launch_and_drop(cons *c, launch_read_fn launch, const ts_acquired *a,
     if (t_launch != NULL) *t_launch = ts_now_ns();
     ts_export_delete(t, 1);
     ts_lease_unref(l, TS_USE_WHOLE);
+    if (!CHECK_ST(flush_releases(c->ring, 0, NULL, &err), TS_OK)) return -1;
     return 0;
 }
 
@@ -675,6 +684,7 @@ static void views_consumer(int in, int out)
             ts_export_delete(t1, 0);
         }
         ts_lease_unref(l, TS_USE_WHOLE);
+        CHECK_ST(flush_releases(c.ring, 0, NULL, &err), TS_OK);
     }
     /* Every deferred release happens. */
     uint64_t dl = deadline_ms(5000);
@@ -806,6 +816,7 @@ static void unfollowed_consumer(int in, int out)
         ts_export_delete(t, 1);
         ts_lease_unref(l, TS_USE_WHOLE);
         CHECK(readers_of(c.ring, a.slot) & bit);
+        CHECK_ST(flush_releases(c.ring, 0, NULL, &err), TS_OK);
         CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
         uint64_t waited = ts_now_ns() - t_launch;
         if (!CHECK(waited >= KERNEL_US * 1000ULL))
@@ -902,12 +913,16 @@ static void variants_consumer(int in, int out)
     ts_export_delete(tv, 1);
     ts_export_delete(tn, 1);
     ts_lease_unref(l, TS_USE_WHOLE);
+    CHECK_ST(flush_releases(c.ring, 0, NULL, &err), TS_OK);
     CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
-    /* The copy outlives the slot; its deleter frees it. */
+    /* The copy outlives the slot; its deleter queues its free, the next flush frees it
+     * after the context's work. */
     CHECK(device_leaf_ok(&c, tensor_of(tcopy, 1), a.slot, 0, 3, 1));
     CHECK_EQ(fc_counter(c.api, "free"), frees);
     ts_export_delete(tcopy, 1);
     tcopy = NULL;
+    CHECK_EQ(fc_counter(c.api, "free"), frees);
+    CHECK_ST(flush_releases(c.ring, 5000, NULL, &err), TS_OK);
     CHECK_EQ(fc_counter(c.api, "free"), frees + 1);
     SEND(out, M_DONE, 0, 0);
     RECV(in, M_BYE, m);
@@ -1166,6 +1181,7 @@ static void reader_consumer(int in, int out)
         ts_export_delete(t, 1);
     }
     ts_lease_unref(l, TS_USE_WHOLE);
+    CHECK_ST(flush_releases(c.ring, 0, NULL, &err), TS_OK);
     CHECK(wait_bit_clear(c.ring, a.slot, 1ULL << c.index, 5000));
     SEND(out, M_DONE, 0, 0);
     RECV(in, M_BYE, m);
