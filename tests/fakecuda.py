@@ -102,7 +102,7 @@ DRIVER_FUNCTIONS = (
     "cuCtxRecordEvent", "cuThreadExchangeStreamCaptureMode",
 )
 TEST_FUNCTIONS = ("fakecuda_launch_read", "fakecuda_counter", "fakecuda_launch_sleep",
-                  "fakecuda_begin_capture", "fakecuda_end_capture")
+                  "fakecuda_begin_capture", "fakecuda_end_capture", "fakecuda_launch_gate")
 
 
 # ---- building --------------------------------------------------------------------------
@@ -298,6 +298,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "fakecuda_launch_sleep": [_VP, _c.c_uint],
     "fakecuda_begin_capture": [_VP, _c.c_int],
     "fakecuda_end_capture": [_VP],
+    "fakecuda_launch_gate": [_VP, _P(_c.c_int)],
 }
 
 HostSrc = int | bytes | bytearray | memoryview
@@ -529,6 +530,14 @@ class FakeCuda:
     def launch_sleep(self, stream: int, delay_us: int) -> None:
         """Queue a slow kernel touching nothing: later work on the stream waits for it."""
         self._ok("fakecuda_launch_sleep", stream, delay_us)
+
+    def launch_gate(self, stream: int) -> ctypes.c_int:
+        """Queue a kernel that runs until the returned cell's ``.value`` is set to 1:
+        later work on the stream waits for the host to open the gate."""
+        gate = ctypes.c_int(0)
+        self._keep.append(gate)
+        self._ok("fakecuda_launch_gate", stream, ctypes.byref(gate))
+        return gate
 
     def begin_capture(self, stream: int, mode: int = CU_STREAM_CAPTURE_MODE_GLOBAL) -> None:
         """Mark the stream as capturing (simulated: its work still runs)."""

@@ -122,6 +122,7 @@ FC_API CUresult cuThreadExchangeStreamCaptureMode(int *mode);
 FC_API CUresult fakecuda_launch_sleep(CUstream s, unsigned delay_us);
 FC_API CUresult fakecuda_begin_capture(CUstream s, int mode);
 FC_API CUresult fakecuda_end_capture(CUstream s);
+FC_API CUresult fakecuda_launch_gate(CUstream s, const int *open);
 
 /* ==========================================================================
  * State
@@ -182,6 +183,7 @@ typedef enum {
     FC_EX_HTOD, FC_EX_DTOD, FC_EX_RECORD, FC_EX_WAIT, FC_EX_READ,
     FC_EX_JOIN,  /* one stream's part of a cuCtxRecordEvent */
     FC_EX_SLEEP, /* fakecuda_launch_sleep: a slow kernel that touches nothing */
+    FC_EX_GATE,  /* fakecuda_launch_gate: a kernel that runs until the host opens it */
 } fc_kind;
 
 struct fc_join;
@@ -200,6 +202,7 @@ typedef struct fc_op {
     unsigned long long *out;  /* READ: where the checksum goes */
     unsigned delay_us;        /* READ, SLEEP: extra "kernel" time */
     struct fc_join *join;     /* JOIN: the context-wide record it is part of */
+    const int *gate;          /* GATE: runs until *gate != 0 (caller's memory) */
 } fc_op;
 
 /* A stream: a worker thread running a FIFO of operations. */
@@ -267,7 +270,7 @@ typedef enum {
     FC_OP_EXEC_HTOD, FC_OP_EXEC_DTOD, FC_OP_EXEC_RECORD, FC_OP_EXEC_WAIT, FC_OP_EXEC_READ,
     FC_OP_FAIL, FC_OP_CTX_RECORD_EVENT, FC_OP_EXCHANGE_CAPTURE_MODE, FC_OP_LAUNCH_SLEEP,
     FC_OP_EXEC_JOIN, FC_OP_EXEC_SLEEP, FC_OP_BEGIN_CAPTURE, FC_OP_END_CAPTURE,
-    FC_OP_CAPTURE_INVALIDATED, FC_OP_COUNT
+    FC_OP_CAPTURE_INVALIDATED, FC_OP_LAUNCH_GATE, FC_OP_EXEC_GATE, FC_OP_COUNT
 } fc_opcode;
 
 static const char *const fc_op_names[FC_OP_COUNT] = {
@@ -282,7 +285,7 @@ static const char *const fc_op_names[FC_OP_COUNT] = {
     "exec_htod", "exec_dtod", "exec_record", "exec_wait", "exec_read",
     "fail", "ctx_record_event", "exchange_capture_mode", "launch_sleep",
     "exec_join", "exec_sleep", "begin_capture", "end_capture",
-    "capture_invalidated",
+    "capture_invalidated", "launch_gate", "exec_gate",
 };
 
 static _Atomic int g_counts[FC_OP_COUNT];
@@ -709,6 +712,15 @@ static void fc_execute(fc_stream *s, fc_op *op)
         fc_sleep_us(op->delay_us);
         fc_log(FC_OP_EXEC_SLEEP, "us=%u stream=%s", op->delay_us, s->id);
         break;
+    case FC_EX_GATE: {
+        unsigned long long nap = 20;
+        while (__atomic_load_n(op->gate, __ATOMIC_ACQUIRE) == 0) {
+            fc_sleep_us(nap);
+            if (nap < 1000) nap *= 2;
+        }
+        fc_log(FC_OP_EXEC_GATE, "stream=%s", s->id);
+        break;
+    }
     }
 }
 
@@ -2081,6 +2093,30 @@ FC_API CUresult fakecuda_launch_sleep(CUstream s, unsigned delay_us)
     op->delay_us = delay_us;
     rc = fc_submit(FC_OP_LAUNCH_SLEEP, st, op);
     if (rc == CUDA_SUCCESS) fc_log(FC_OP_LAUNCH_SLEEP, "stream=%s us=%u", st->id, delay_us);
+    fc_stream_put(st);
+    return rc;
+}
+
+/* Queue a kernel on s that runs until the int at open (the caller's, kept alive until
+ * then) is not 0: later work on s waits for the host to open the gate. */
+FC_API CUresult fakecuda_launch_gate(CUstream s, const int *open)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_LAUNCH_GATE, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (open == NULL) return fc_fail(FC_OP_LAUNCH_GATE, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_LAUNCH_GATE, s, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_op *op = calloc(1, sizeof *op);
+    if (op == NULL) {
+        fc_stream_put(st);
+        return fc_fail(FC_OP_LAUNCH_GATE, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    }
+    op->kind = FC_EX_GATE;
+    op->gate = open;
+    rc = fc_submit(FC_OP_LAUNCH_GATE, st, op);
+    if (rc == CUDA_SUCCESS) fc_log(FC_OP_LAUNCH_GATE, "stream=%s", st->id);
     fc_stream_put(st);
     return rc;
 }
