@@ -354,6 +354,16 @@ static int fc_counter(const ts_cuda_api *api, const char *op)
     return f(op);
 }
 
+typedef CUresult (*gate_fn)(CUstream, const int *);
+typedef CUresult (*capture_fn)(CUstream, int);
+typedef CUresult (*end_capture_fn)(CUstream);
+
+/* An export of the double by name (NULL if it has none). */
+static void *fc_sym(const ts_cuda_api *api, const char *name)
+{
+    return dlsym(api->lib, name);
+}
+
 /* ---- producer and consumer sides ------------------------------------------------------ */
 
 typedef struct prod {
@@ -1234,6 +1244,84 @@ out:
 
 /* ---- main ------------------------------------------------------------------------- */
 
+/* ==========================================================================
+ * 7. Releases wait for the whole context, never during a capture (issue 23)
+ * ========================================================================== */
+
+/* Consumer: a copy=True device copy and the slot's release, flushed behind a gate kernel
+ * on a stream never exported; a capture begins on our stream before the gate opens, so the
+ * release thread frees the copy during the capture. */
+static void relaxed_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    CUstream other = NULL;
+    int open = 0, capturing = 0;
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
+    gate_fn gate = NULL;
+    capture_fn begin = NULL;
+    end_capture_fn end = NULL;
+    void *p1 = fc_sym(c.api, "fakecuda_launch_gate"), *p2 = fc_sym(c.api, "fakecuda_begin_capture"),
+         *p3 = fc_sym(c.api, "fakecuda_end_capture");
+    REQUIRE(p1 != NULL && p2 != NULL && p3 != NULL);
+    memcpy(&gate, &p1, sizeof gate);
+    memcpy(&begin, &p2, sizeof begin);
+    memcpy(&end, &p3, sizeof end);
+    REQUIRE(CHECK_CU(c.api->StreamCreate(&other, CU_STREAM_NON_BLOCKING)));
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    uint64_t bit = 1ULL << c.index;
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 1, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    int frees = fc_counter(c.api, "free"), calls = fc_counter(c.api, "event_record");
+    ts_export_delete(t, 1);
+    ts_lease_unref(l, TS_USE_WHOLE);
+    /* The deleters made no driver call: both are queued. */
+    CHECK_EQ(fc_counter(c.api, "event_record"), calls);
+    CHECK_EQ(fc_counter(c.api, "free"), frees);
+    REQUIRE(CHECK_CU(gate(other, &open)));
+    int synced = 1;
+    REQUIRE_OK(flush_releases(c.ring, 0, &synced, &err));
+    CHECK_EQ(synced, 0); /* cuCtxRecordEvent: the release thread waits, not this one */
+    CHECK(readers_of(c.ring, a.slot) & bit);
+    REQUIRE(CHECK_CU(begin(c.stream, CU_STREAM_CAPTURE_MODE_GLOBAL)));
+    capturing = 1;
+    __atomic_store_n(&open, 1, __ATOMIC_RELEASE);
+    /* Released after the gate, with the copy freed by the release thread meanwhile. */
+    CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
+    CHECK_EQ(fc_counter(c.api, "free"), frees + 1);
+    capturing = 0;
+    CHECK_CU(end(c.stream)); /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED if it broke it */
+    CHECK_EQ(fc_counter(c.api, "capture_invalidated"), 0);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    __atomic_store_n(&open, 1, __ATOMIC_RELEASE);
+    if (capturing) end(c.stream);
+    if (other != NULL) CHECK_CU(c.api->StreamDestroy(other));
+    cons_close(&c);
+}
+
+/* The release thread's own calls (cuMemFree of a copy) do not invalidate a capture. */
+static void test_relaxed_release_thread(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(prod_start(&p, &c, relaxed_consumer, &index) == 0);
+    REQUIRE_OK(publish_batch(p.ring, 3, &err));
+    RECV(c.from, M_DONE, m);
+    CHECK(prod_finish(&p, &c) == 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
 static const ts_test g_tests[] = {
     {"import", test_import},
     {"device_views", test_device_views},
@@ -1245,6 +1333,7 @@ static const ts_test g_tests[] = {
     {"mig", test_mig},
     {"no_ipc_events", test_no_ipc_events},
     {"import_in_exporter", test_import_in_exporter},
+    {"relaxed_release_thread", test_relaxed_release_thread},
 };
 
 /* Run one group in a fresh process (it is the producer; the driver is loaded there
