@@ -120,8 +120,8 @@ typedef struct ts_device {
     ts_status (*pin_host)(ts_device_state *state, const ts_device_ring *r, ts_err *err);
     /* Device address of the slot's data in this process (0 if not imported). */
     uint64_t (*slot_ptr)(const ts_device_state *state, uint32_t slot);
-    /* The stream a DLPack stream number names (-1: "do not synchronize"), and whether a
-     * release can follow it (else it waits for the whole device). TS_E_INVALID if none. */
+    /* The stream a DLPack stream number names (-1: "do not synchronize"), and whether
+     * it names one stream (not -1 or 2). TS_E_INVALID if none. */
     ts_status (*dlpack_stream)(int64_t number, ts_device_stream *out, int *followable,
                                ts_err *err);
     /* Make stream wait for the slot's content. */

@@ -179,8 +179,8 @@ static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
         return st;
     int k = ts_lease_add_stream(lease, *stream);
     if (wait && k >= 0) lease->waited |= 1u << k;
-    /* A stream the release cannot follow: the slot is released only after all work of
-     * this process on the device has finished. */
+    /* Every device export's release waits for all work of the consumer's context
+     * (ts_lease_unref); all_streams only records that -1 or 2 named no one stream. */
     if (!followable) lease->all_streams = 1;
     *data = (void *)(uintptr_t)(base + leaf->offset);
     return TS_OK;

@@ -11,9 +11,9 @@
  * mapping) is released only after all work of the consumer's context queued before its
  * release was flushed has finished: the last view's deleter queues the release, the
  * consumer's next call flushes the queue with one context-wide event, and a reaper thread
- * calls the ring back when the event completes (see "Consumer: releases" below). Optionally the consumer's mapping of the host slot data is page-locked
- * (cuMemHostRegister, read-only) so its own copies to a GPU are asynchronous without
- * pin_memory.
+ * calls the ring back when the event completes (see "Consumer: releases" below).
+ * Optionally the consumer's mapping of the host slot data is page-locked (cuMemHostRegister,
+ * read-only) so its own copies to a GPU are asynchronous without pin_memory.
  *
  * Every function pushes the device's primary context (the one torch uses) on the calling
  * thread and pops it again, so any thread may call them, including DLPack deleters without

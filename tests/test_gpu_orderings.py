@@ -144,7 +144,7 @@ elif scenario == "fail_sync":
     me = c.ring.info()["consumer"]
     b0 = next(it)
     del b0
-    flush(c, 5000)  # the release thread has tried by the time this returns
+    flush(c, 30000)  # the release thread has tried by the time this returns
     out["errors"] = []
     for _ in range(3):
         try:
@@ -176,7 +176,7 @@ elif scenario == "capture":
     capturing[0] = False
     del b1
     next(it)  # flushes now
-    deadline = time.monotonic() + 10  # the producer refills the slot once it is back
+    deadline = time.monotonic() + 60  # the producer refills the slot once it is back
     while c.ring.info()["published"] <= SLOTS and time.monotonic() < deadline:
         time.sleep(0.005)
     out["released_after"] = c.ring.info()["published"] > SLOTS

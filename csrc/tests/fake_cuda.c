@@ -2019,7 +2019,8 @@ FC_API CUresult cuCtxRecordEvent(CUcontext hctx, CUevent event)
     int known = 0;
     for (int i = 0; i < g_cfg.nvis; i++) known |= c == &g_ctx[i];
     if (!known || atomic_load(&c->refs) <= 0)
-        return fc_fail(FC_OP_CTX_RECORD_EVENT, CUDA_ERROR_INVALID_CONTEXT, "not_a_retained_context");
+        return fc_fail(FC_OP_CTX_RECORD_EVENT, CUDA_ERROR_INVALID_CONTEXT,
+                       "not_a_retained_context");
     if ((rc = fc_capture_forbids_ctx(FC_OP_CTX_RECORD_EVENT)) != CUDA_SUCCESS) return rc;
     fc_event *e = fc_event_get(event);
     if (e == NULL)
