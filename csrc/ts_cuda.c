@@ -61,9 +61,12 @@ static const ts_cuda_sym ts_cuda_syms[] = {
 /* Symbols a driver may lack; their pointers stay NULL then. cuDeviceGetUuid_v2 came with
  * CUDA 11.4: "If the device is in MIG mode, returns its MIG UUID which uniquely identifies
  * the subscribed MIG compute instance" (CUDA driver API, Device Management), where
- * cuDeviceGetUuid (v1) gives a MIG instance its parent GPU's UUID. */
+ * cuDeviceGetUuid (v1) gives a MIG instance its parent GPU's UUID;
+ * cuCtxRecordEvent came with CUDA 12.5, cuThreadExchangeStreamCaptureMode with 10.1. */
 static const ts_cuda_sym ts_cuda_optional_syms[] = {
     TS_SYM(DeviceGetUuid_v2, "cuDeviceGetUuid_v2"),
+    TS_SYM(CtxRecordEvent, "cuCtxRecordEvent"),
+    TS_SYM(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode"),
 };
 
 /* Load the driver (dlopen, symbols, cuInit). */
@@ -113,6 +116,9 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
         goto error;
     }
     api->DriverGetVersion(&api->base.version);
+    /* The driver API reference documents cuCtxRecordEvent from CUDA 12.5 on: an older
+     * driver's answer (the version it reports) is trusted over a stray symbol. */
+    if (api->base.version < TS_CUDA_CTX_RECORD_EVENT_VERSION) api->CtxRecordEvent = NULL;
     *out = api;
     return TS_OK;
 

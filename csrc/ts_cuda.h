@@ -51,6 +51,8 @@ typedef struct CUipcEventHandle_st {
 #define CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED 712
 #define CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED 713
 #define CUDA_ERROR_NOT_SUPPORTED 801
+#define CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
+#define CUDA_ERROR_STREAM_CAPTURE_INVALIDATED 901
 
 #define CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING 41
 #define CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED 125
@@ -67,6 +69,12 @@ typedef struct CUipcEventHandle_st {
 #define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
 #define CU_MEMHOSTREGISTER_PORTABLE 0x1
 #define CU_MEMHOSTREGISTER_READ_ONLY 0x8
+/* CUstreamCaptureMode (cuda.h): RELAXED lets a thread make calls that are unsafe during
+ * another thread's stream capture without invalidating it. */
+#define CU_STREAM_CAPTURE_MODE_GLOBAL 0
+#define CU_STREAM_CAPTURE_MODE_RELAXED 2
+/* The first driver with cuCtxRecordEvent (CUDA 12.5). */
+#define TS_CUDA_CTX_RECORD_EVENT_VERSION 12050
 
 /* The DLPack stream numbers 1 and 2 are these handles (cuda.h). */
 #define TS_CU_STREAM_LEGACY ((CUstream)0x1)
@@ -116,6 +124,13 @@ typedef struct ts_cuda_api {
 
     /* Optional (NULL where the driver lacks it): cuDeviceGetUuid_v2, CUDA 11.4+. */
     CUresult (*DeviceGetUuid_v2)(CUuuid *uuid, CUdevice device);
+
+    /* Optional: NULL where the driver lacks them (looked up after the required ones). */
+    /* cuCtxRecordEvent (CUDA 12.5): records in the event all work of the context queued
+     * at the call; NULL below TS_CUDA_CTX_RECORD_EVENT_VERSION. */
+    CUresult (*CtxRecordEvent)(CUcontext ctx, CUevent event);
+    /* cuThreadExchangeStreamCaptureMode (CUDA 10.1): swaps the calling thread's mode. */
+    CUresult (*ThreadExchangeStreamCaptureMode)(int *mode);
 } ts_cuda_api;
 
 /* Load the driver (dlopen, symbols, cuInit). On failure err says why, in

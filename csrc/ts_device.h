@@ -10,7 +10,10 @@
  * state at all.
  *
  * Threads: every function may run on any thread; release_after, free_copy and close also
- * without the GIL, from DLPack deleters (a backend makes its own context current). */
+ * without the GIL, from DLPack deleters (a backend makes its own context current).
+ * release_after and free_copy make no driver call: they queue, and flush, on the
+ * consumer's own thread, orders what they queued after the work of the consumer's context
+ * (docs/gpu.md, "Orderings on the GPU path"). */
 #ifndef TS_DEVICE_H
 #define TS_DEVICE_H
 
@@ -72,8 +75,10 @@ typedef struct ts_device_desc {
     int ipc_events; /* 1 if it supports interprocess events (the device ring needs them) */
 } ts_device_desc;
 
-/* A release finished: the consumer's hold on slot ends (see release_after). */
-typedef void (*ts_device_done_fn)(void *arg, uint32_t slot, uint32_t consumer);
+/* A queued release (or free) is over. ok: the work queued before it finished, the
+ * consumer's hold on slot ends. !ok: waiting for that work failed; the slot must stay held
+ * (only what the release itself owns, such as a ring reference, may go). */
+typedef void (*ts_device_done_fn)(void *arg, uint32_t slot, uint32_t consumer, int ok);
 
 /* A backend. Functions taking a state get the one its create_pool, open or import made. */
 typedef struct ts_device {
@@ -115,24 +120,31 @@ typedef struct ts_device {
     ts_status (*pin_host)(ts_device_state *state, const ts_device_ring *r, ts_err *err);
     /* Device address of the slot's data in this process (0 if not imported). */
     uint64_t (*slot_ptr)(const ts_device_state *state, uint32_t slot);
-    /* The stream a DLPack stream number names (-1: "do not synchronize"), and whether a
-     * release can follow it (else it waits for the whole device). TS_E_INVALID if none. */
+    /* The stream a DLPack stream number names (-1: "do not synchronize"), and whether
+     * it names one stream (not -1 or 2). TS_E_INVALID if none. */
     ts_status (*dlpack_stream)(int64_t number, ts_device_stream *out, int *followable,
                                ts_err *err);
     /* Make stream wait for the slot's content. */
     ts_status (*stream_wait)(ts_device_state *state, uint32_t slot, ts_device_stream stream,
                              ts_err *err);
-    /* Call done(arg, slot, consumer) once the work queued so far on the n streams (all: on
-     * the whole device) has finished: later, on a thread of the backend, or before it
-     * returns. */
+    /* Queue the release of slot (no driver call): done(arg, slot, consumer, ok) is called
+     * on a thread of the backend once a later flush recorded the work queued on the
+     * consumer's context and that work finished (ok), or waiting for it failed (!ok). */
     void (*release_after)(ts_device_state *state, uint32_t slot, uint32_t consumer,
-                          const ts_device_stream *streams, uint32_t n, int all,
                           ts_device_done_fn done, void *arg);
     /* A private device copy of n bytes at src, made on stream. */
     ts_status (*copy)(ts_device_state *state, uint64_t src, uint64_t n,
                       ts_device_stream stream, uint64_t *out, ts_err *err);
-    /* Free a copy made by copy. */
-    void (*free_copy)(ts_device_state *state, uint64_t p);
+    /* Queue the free of a copy made by copy, like a release: done(arg, 0, 0, ok) after. */
+    void (*free_copy)(ts_device_state *state, uint64_t p, ts_device_done_fn done, void *arg);
+    /* Hand what release_after and free_copy queued to the backend's thread, ordered after
+     * all work of the consumer's context queued before this call. Never while a stream of
+     * that context is being captured (CUDA graphs): the caller checks. *synced: 1 if the
+     * driver has no context-wide event and this call synchronized the context instead.
+     * A release whose wait failed earlier is reported here (TS_E_CUDA), on every call.
+     * wait_ms > 0: then wait up to that long until the backend's thread has finished
+     * every release flushed so far (TS_E_TIMEOUT if it has not; close and exit). */
+    ts_status (*flush)(ts_device_state *state, uint32_t wait_ms, int *synced, ts_err *err);
 
     /* ---- both */
     /* Free the state: close what it opened (a consumer's cuIpcCloseMemHandle of each

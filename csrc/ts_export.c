@@ -35,27 +35,31 @@ void ts_lease_ref(ts_lease *lease, uint32_t leaf)
     atomic_fetch_add_explicit(&lease->refs, 1, memory_order_relaxed);
 }
 
-/* A device release is done: the hold ends, and the ring reference taken for it goes. The
- * hold's incarnation is the handle's (a handle is bound once: ts_ring_bind_consumer). */
-static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer)
+/* A deferred release is over: the hold ends if the wait for the GPU work succeeded (else
+ * the slot stays held: a slot must never go back under queued work), and the ring
+ * reference taken for it goes. The hold's incarnation is the handle's (a handle is bound
+ * once: ts_ring_bind_consumer). */
+static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer, int ok)
 {
-    ts_ring_release(ring, slot, consumer, ((ts_ring *)ring)->incarnation);
+    if (ok) ts_ring_release(ring, slot, consumer, ((ts_ring *)ring)->incarnation);
     ts_ring_unref(ring);
 }
 
 /* Drop a reference that used leaf; at zero the slot is released and the lease freed. A
- * slot exported to the device is released once the work queued on its streams is done. */
+ * slot that GPU work may read (exported to the device, or a page-locked host mapping read
+ * by asynchronous copies) is released through the device: queued until the consumer's
+ * next flush, then after all work of its context queued before that (ts_device.h). */
 void ts_lease_unref(ts_lease *lease, uint32_t leaf)
 {
     ts_ring *ring = lease->ring;
     ts_ring_unuse_leaf(ring, lease->slot, leaf);
     if (atomic_fetch_sub_explicit(&lease->refs, 1, memory_order_acq_rel) != 1) return;
     ts_ring_use_end(ring, lease->slot);
-    if ((lease->n_streams > 0 || lease->all_streams) && ring->dev != NULL) {
-        ts_ring_ref(ring); /* until done: the device may call it later, on its thread */
-        ring->dev->device->release_after(ring->dev, lease->slot, lease->consumer,
-                                         lease->streams, lease->n_streams,
-                                         lease->all_streams, ts_lease_released, ring);
+    ts_device_state *dev = ring->dev;
+    if (dev != NULL && !ring->is_producer &&
+        (lease->n_streams > 0 || lease->all_streams || dev->host_pinned)) {
+        ts_ring_ref(ring); /* until done: the device calls it later, on its thread */
+        dev->device->release_after(dev, lease->slot, lease->consumer, ts_lease_released, ring);
     } else {
         ts_ring_release(ring, lease->slot, lease->consumer, lease->token);
     }
@@ -112,15 +116,25 @@ typedef struct ts_export_ctx {
     int64_t strides[TS_MAX_NDIM];
 } ts_export_ctx;
 
+/* A private device copy was freed (or not, its wait having failed): drop its ring
+ * reference. */
+static void ts_copy_freed(void *ring, uint32_t slot, uint32_t consumer, int ok)
+{
+    (void)slot;
+    (void)consumer;
+    (void)ok;
+    ts_ring_unref(ring);
+}
+
 /* Free the context and drop what it owns. */
 static void ts_export_ctx_free(ts_export_ctx *ctx)
 {
     if (ctx->lease != NULL) ts_lease_unref(ctx->lease, ctx->leaf);
     free(ctx->copy);
     if (ctx->device_copy_ring != NULL) {
+        /* Freed after the consumer's next flush; the ring reference goes with it. */
         ts_device_state *dev = ctx->device_copy_ring->dev;
-        dev->device->free_copy(dev, ctx->device_copy);
-        ts_ring_unref(ctx->device_copy_ring);
+        dev->device->free_copy(dev, ctx->device_copy, ts_copy_freed, ctx->device_copy_ring);
     }
     free(ctx);
 }
@@ -167,8 +181,8 @@ static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
         return st;
     int k = ts_lease_add_stream(lease, *stream);
     if (wait && k >= 0) lease->waited |= 1u << k;
-    /* A stream the release cannot follow: the slot is released only after all work of
-     * this process on the device has finished. */
+    /* Every device export's release waits for all work of the consumer's context
+     * (ts_lease_unref); all_streams only records that -1 or 2 named no one stream. */
     if (!followable) lease->all_streams = 1;
     *data = (void *)(uintptr_t)(base + leaf->offset);
     return TS_OK;

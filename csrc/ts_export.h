@@ -23,8 +23,9 @@ typedef struct ts_lease {
     uint32_t consumer;
     uint64_t token;    /* the consumer's incarnation that took the hold (ts_ring_release) */
     uint64_t seq;
-    /* Device streams the slot's device copy was exported to: the slot is
-     * released only after the work queued on them has finished. Written
+    /* Device streams the slot's device copy was exported to (each made to wait for
+     * the producer's copy once). Any of them makes the final unref defer the release
+     * until after all work of the consumer's context (ts_device.h flush). Written
      * under the GIL by exports, read by the final unref. */
     uint32_t n_streams;
     int all_streams; /* wait for the whole device: more streams than fit, or one the

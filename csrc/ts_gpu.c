@@ -7,12 +7,13 @@
  *
  * Consumer: every slot's memory and event handle opened once (never in the exporting
  * process) on the device the consumer asked for, with lazy peer access when that is another
- * GPU than the pool's. A slot exported to the device is released only after the work
- * queued on the consumer's streams up to the moment its last view died has finished: the
- * release records an event on each stream and a reaper thread calls the ring back when the
- * events complete. Optionally the consumer's mapping of the host slot data is page-locked
- * (cuMemHostRegister, read-only) so its own copies to a GPU are asynchronous without
- * pin_memory.
+ * GPU than the pool's. A slot exported to the device (or read through the page-locked host
+ * mapping) is released only after all work of the consumer's context queued before its
+ * release was flushed has finished: the last view's deleter queues the release, the
+ * consumer's next call flushes the queue with one context-wide event, and a reaper thread
+ * calls the ring back when the event completes (see "Consumer: releases" below).
+ * Optionally the consumer's mapping of the host slot data is page-locked (cuMemHostRegister,
+ * read-only) so its own copies to a GPU are asynchronous without pin_memory.
  *
  * Every function pushes the device's primary context (the one torch uses) on the calling
  * thread and pops it again, so any thread may call them, including DLPack deleters without
@@ -23,21 +24,29 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ts_cuda.h"
 #include "ts_device.h"
 
-/* A release waiting for the consumer's GPU work on the slot to finish. */
+/* A queued release of a slot, or free of a private device copy. */
 typedef struct ts_pending {
     struct ts_pending *next;
-    ts_device_done_fn done; /* called once the events completed */
+    ts_device_done_fn done; /* called once the work queued before the flush finished */
     void *arg;              /* for done (the ring's, holding what it needs) */
     uint32_t slot;
     uint32_t consumer;
-    uint32_t n;                        /* events to wait for */
-    int all;                           /* wait for the whole device instead */
-    CUevent events[TS_DEVICE_STREAMS]; /* owns: taken from the pool */
+    CUdeviceptr free_ptr; /* owns: a copy=True allocation to free then, or 0 */
 } ts_pending;
+
+/* One flush: the releases it took, and what the reaper waits for before them. */
+typedef struct ts_flush {
+    struct ts_flush *next;
+    CUevent event;      /* owns (from the pool): all work of the context at the flush;
+                         * NULL: the flush synchronized the context itself */
+    int failed;         /* the flush's context synchronize failed: the slots stay held */
+    ts_pending *items;  /* owns: the releases, oldest first */
+} ts_flush;
 
 typedef struct ts_gpu {
     ts_device_state base; /* first member: device, ordinal, imported, host_pinned */
@@ -53,16 +62,21 @@ typedef struct ts_gpu {
     CUstream stream;   /* owns (producer): the copy stream */
     void *pinned;      /* borrowed: the page-locked host range (the ring's data mapping) */
 
-    /* Consumer: deferred releases, handled by the reaper thread. */
+    /* Consumer: deferred releases. Deleters queue them (unflushed), a flush on the
+     * consumer's thread hands them to the reaper thread as one ts_flush. */
     pthread_mutex_t lock;
-    pthread_cond_t cond;
+    pthread_cond_t cond;  /* a flush was queued, stop, or the queue drained */
     pthread_t reaper;
     int reaper_started;
     int stop;        /* under lock: the reaper exits once the queue is empty */
     int self_free;   /* under lock: the reaper frees this struct when it exits */
-    ts_pending *head; /* owns: the queue, oldest first */
-    ts_pending *tail;
-    CUevent *pool;    /* owns: idle events for releases */
+    int busy;        /* under lock: the reaper is working on a flush it took */
+    ts_pending *unflushed; /* owns, under lock: queued by deleters, newest first */
+    ts_flush *head;  /* owns, under lock: flushes for the reaper, oldest first */
+    ts_flush *tail;
+    int failed;      /* under lock: a release's wait failed (sticky) */
+    char failure[sizeof(((ts_err *)0)->msg)]; /* under lock: what failed, for flush */
+    CUevent *pool;    /* owns: idle events for flushes */
     uint32_t pool_n;
     uint32_t pool_cap;
 } ts_gpu;
@@ -423,6 +437,15 @@ static ts_status ts_gpu_publish(ts_device_state *state, uint32_t slot, const voi
         if (rc != CUDA_SUCCESS) st = ts_cuda_fail(g->api, err, rc, "cuEventRecord");
         else g->recorded[slot] = 1;
     }
+    /* The ring publishes the slot once this returns: wait for the copy (the blocking-sync
+     * event sleeps), so that the batch is on the device before any consumer sees it, and
+     * a read on any stream of theirs, ordered by nothing of ours, finds it whole. The
+     * caller released the GIL. */
+    if (st == TS_OK) {
+        rc = g->api->EventSynchronize(g->copied[slot]);
+        if (rc != CUDA_SUCCESS)
+            st = ts_cuda_fail(g->api, err, rc, "cuEventSynchronize of a batch's copy");
+    }
     ts_gpu_leave(g);
     return st;
 }
@@ -484,6 +507,16 @@ static ts_status ts_gpu_check_peer(const ts_gpu *g, const uint8_t *pool_uuid, ts
                       ts_gpu_label(api, pool_dev, pool_ordinal, pool, sizeof pool));
 }
 
+/* Start the release thread once (import or pin_host: releases are deferred from then). */
+static ts_status ts_gpu_start_reaper(ts_gpu *g, ts_err *err)
+{
+    if (g->reaper_started) return TS_OK;
+    if (pthread_create(&g->reaper, NULL, ts_gpu_reaper_main, g) != 0)
+        return ts_err_set(err, TS_E_SYS, EAGAIN, "cannot start the GPU release thread");
+    g->reaper_started = 1;
+    return TS_OK;
+}
+
 /* Open every slot's memory and event handle (see ts_device.h). */
 static ts_status ts_gpu_import(ts_device_state *state, const ts_device_ring *r, ts_err *err)
 {
@@ -538,8 +571,7 @@ static ts_status ts_gpu_import(ts_device_state *state, const ts_device_ring *r, 
             break;
         }
     }
-    if (st == TS_OK && pthread_create(&g->reaper, NULL, ts_gpu_reaper_main, g) != 0)
-        st = ts_err_set(err, TS_E_SYS, EAGAIN, "cannot start the GPU release thread");
+    if (st == TS_OK) st = ts_gpu_start_reaper(g, err);
     if (st != TS_OK) {
         /* Close what was opened; the state stays for pin_host or another try. */
         for (uint32_t i = 0; i <= k && i < r->slot_count; i++) {
@@ -552,7 +584,6 @@ static ts_status ts_gpu_import(ts_device_state *state, const ts_device_ring *r, 
         return ts_gpu_unusable(err, st);
     }
     ts_gpu_leave(g);
-    g->reaper_started = 1;
     g->base.imported = 1;
     return TS_OK;
 }
@@ -580,6 +611,16 @@ static ts_status ts_gpu_pin_host(ts_device_state *state, const ts_device_ring *r
                               "and a consumer maps the ring read-only",
                               g->base.ordinal);
         return ts_gpu_unusable(err, ts_cuda_fail(api, err, rc, "cuMemHostRegister of the ring"));
+    }
+    /* Views of page-locked memory may be read by asynchronous copies: their releases
+     * are deferred like device views' (ts_export.c), through the release thread. */
+    ts_status started = ts_gpu_start_reaper(g, err);
+    if (started != TS_OK) {
+        if (ts_gpu_enter(g, NULL) == TS_OK) {
+            api->MemHostUnregister(r->host);
+            ts_gpu_leave(g);
+        }
+        return started;
     }
     g->pinned = r->host;
     g->base.host_pinned = 1;
@@ -645,20 +686,62 @@ static ts_status ts_gpu_copy(ts_device_state *state, uint64_t src, uint64_t n,
     return st;
 }
 
-/* Free a copy made by ts_gpu_copy (cuMemFree waits for work using it). */
-static void ts_gpu_free_copy(ts_device_state *state, uint64_t p)
-{
-    ts_gpu *g = ts_gpu_of(state);
-    if (g == NULL || ts_gpu_enter(g, NULL) != TS_OK) return;
-    g->api->MemFree(p);
-    ts_gpu_leave(g);
-}
-
 /* ==========================================================================
  * Consumer: releases after the GPU is done with a slot
+ *
+ * A DLPack deleter may run anywhere: inside a CUDA-graph capture, on a thread of
+ * torch's allocator, at interpreter exit. So it makes no driver call: it queues the
+ * release (release_after, free_copy). The consumer's own thread flushes the queue at
+ * its next call (ts_gpu_flush), outside any capture: one event recorded on the whole
+ * context (cuCtxRecordEvent) covers every stream the views were used on, known or not,
+ * and the reaper thread releases the slots once that event has completed. A failed wait
+ * never hands a slot back: the slot stays held, and the next flush reports the failure.
  * ========================================================================== */
 
-/* An idle release event (caller holds the lock and is inside the context). */
+/* Queue a pending release or free (no driver call; any thread). */
+static void ts_gpu_queue(ts_gpu *g, uint32_t slot, uint32_t consumer, CUdeviceptr free_ptr,
+                         ts_device_done_fn done, void *arg)
+{
+    ts_pending *p = calloc(1, sizeof *p);
+    if (p == NULL) {
+        /* Nothing orders this release after the GPU work: keep the slot held (!ok) and
+         * say so at the next flush; the allocation (if any) leaks. */
+        pthread_mutex_lock(&g->lock);
+        if (!g->failed)
+            snprintf(g->failure, sizeof g->failure,
+                     "out of memory queueing a GPU release: the slot stays held");
+        g->failed = 1;
+        pthread_mutex_unlock(&g->lock);
+        done(arg, slot, consumer, 0);
+        return;
+    }
+    p->done = done;
+    p->arg = arg;
+    p->slot = slot;
+    p->consumer = consumer;
+    p->free_ptr = free_ptr;
+    pthread_mutex_lock(&g->lock);
+    p->next = g->unflushed;
+    g->unflushed = p;
+    pthread_mutex_unlock(&g->lock);
+}
+
+/* Queue the release of slot until the next flush (see ts_device.h). */
+static void ts_gpu_release_after(ts_device_state *state, uint32_t slot, uint32_t consumer,
+                                 ts_device_done_fn done, void *arg)
+{
+    ts_gpu_queue(ts_gpu_of(state), slot, consumer, 0, done, arg);
+}
+
+/* Queue the free of a copy made by ts_gpu_copy until the next flush: the copy was made,
+ * and may be read, on any stream of the context. */
+static void ts_gpu_free_copy(ts_device_state *state, uint64_t p, ts_device_done_fn done,
+                             void *arg)
+{
+    ts_gpu_queue(ts_gpu_of(state), 0, 0, (CUdeviceptr)p, done, arg);
+}
+
+/* An idle flush event (caller holds the lock and is inside the context). */
 static CUevent ts_gpu_take_event(ts_gpu *g)
 {
     if (g->pool_n > 0) return g->pool[--g->pool_n];
@@ -670,7 +753,7 @@ static CUevent ts_gpu_take_event(ts_gpu *g)
     return ev;
 }
 
-/* Return an event to the pool (caller holds the lock). */
+/* Return an event to the pool (caller holds the lock and is inside the context). */
 static void ts_gpu_give_event(ts_gpu *g, CUevent ev)
 {
     if (g->pool_n == g->pool_cap) {
@@ -686,77 +769,199 @@ static void ts_gpu_give_event(ts_gpu *g, CUevent ev)
     g->pool[g->pool_n++] = ev;
 }
 
-/* Call done once the work queued so far on the streams has finished (see ts_device.h). */
-static void ts_gpu_release_after(ts_device_state *state, uint32_t slot, uint32_t consumer,
-                                 const ts_device_stream *streams, uint32_t n, int all,
-                                 ts_device_done_fn done, void *arg)
+/* Record that a release's wait failed (sticky: every later flush reports it). */
+static void ts_gpu_record_failure(ts_gpu *g, CUresult rc, const char *what)
 {
-    ts_gpu *g = ts_gpu_of(state);
-    ts_pending *p = NULL;
-    if (g != NULL && g->reaper_started) p = calloc(1, sizeof *p);
-    if (p == NULL || ts_gpu_enter(g, NULL) != TS_OK) {
-        /* No reaper or no memory: wait here, then release. */
-        free(p);
-        if (g != NULL && ts_gpu_enter(g, NULL) == TS_OK) {
-            if (all) g->api->CtxSynchronize();
-            for (uint32_t i = 0; i < n; i++) g->api->StreamSynchronize((CUstream)streams[i]);
-            ts_gpu_leave(g);
-        }
-        done(arg, slot, consumer);
-        return;
-    }
-    p->done = done;
-    p->arg = arg;
-    p->slot = slot;
-    p->consumer = consumer;
-    p->all = all;
+    ts_err e = {0};
+    ts_cuda_fail(g->api, &e, rc, what);
     pthread_mutex_lock(&g->lock);
-    for (uint32_t i = 0; i < n && !p->all; i++) {
-        CUevent ev = ts_gpu_take_event(g);
-        if (ev != NULL && g->api->EventRecord(ev, (CUstream)streams[i]) == CUDA_SUCCESS) {
-            p->events[p->n++] = ev;
-        } else {
-            if (ev != NULL) ts_gpu_give_event(g, ev);
-            p->all = 1; /* cannot follow this stream: wait for the whole device */
-        }
-    }
-    if (g->tail != NULL) g->tail->next = p;
-    else g->head = p;
-    g->tail = p;
-    pthread_cond_signal(&g->cond);
+    if (!g->failed)
+        snprintf(g->failure, sizeof g->failure,
+                 "a GPU release of this consumer failed (%.300s): its slot stays held until the "
+                 "producer evicts this consumer",
+                 e.msg);
+    g->failed = 1;
     pthread_mutex_unlock(&g->lock);
-    ts_gpu_leave(g);
 }
 
-/* The reaper: waits for each pending release's events, then releases. */
+/* Wait until the reaper has finished every flush queued so far; 0, or -1 at the deadline
+ * (CLOCK_REALTIME, as pthread_cond_timedwait measures). */
+static int ts_gpu_drain(ts_gpu *g, const struct timespec *deadline)
+{
+    int rc = 0;
+    pthread_mutex_lock(&g->lock);
+    while ((g->head != NULL || g->busy) && rc == 0) {
+        int w = pthread_cond_timedwait(&g->cond, &g->lock, deadline);
+        if (w == ETIMEDOUT) rc = -1;
+    }
+    pthread_mutex_unlock(&g->lock);
+    return rc;
+}
+
+static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err);
+
+/* Flush, then wait up to wait_ms for the reaper to finish (see ts_device.h). */
+static ts_status ts_gpu_flush(ts_device_state *state, uint32_t wait_ms, int *synced,
+                              ts_err *err)
+{
+    ts_gpu *g = ts_gpu_of(state);
+    ts_status st = ts_gpu_flush_now(g, synced, err);
+    if (st != TS_OK || wait_ms == 0 || !g->reaper_started) return st;
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += (time_t)(wait_ms / 1000);
+    dl.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    if (ts_gpu_drain(g, &dl) != 0)
+        return ts_err_set(err, TS_E_TIMEOUT, 0,
+                          "the GPU releases of this consumer did not finish within %u ms "
+                          "(its GPU work is still running)",
+                          wait_ms);
+    return TS_OK;
+}
+
+/* Hand the queued releases to the reaper after the context's work. */
+static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err)
+{
+    *synced = 0;
+    pthread_mutex_lock(&g->lock);
+    if (g->failed) {
+        ts_status st = ts_err_set(err, TS_E_CUDA, 0, "%s", g->failure);
+        pthread_mutex_unlock(&g->lock);
+        return st;
+    }
+    ts_pending *items = g->unflushed;
+    g->unflushed = NULL;
+    pthread_mutex_unlock(&g->lock);
+    if (items == NULL) return TS_OK;
+    ts_pending *oldest = NULL; /* the queue was newest first */
+    while (items != NULL) {
+        ts_pending *next = items->next;
+        items->next = oldest;
+        oldest = items;
+        items = next;
+    }
+    ts_flush *f = calloc(1, sizeof *f);
+    ts_status st = f != NULL ? ts_gpu_enter(g, err)
+                             : ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
+    if (st != TS_OK) goto requeue;
+    CUresult rc;
+    if (g->api->CtxRecordEvent != NULL) {
+        /* cuCtxRecordEvent: "Captures in hEvent all the activities of the context hCtx at
+         * the time of this call" (CUDA driver API, 12.5+). It fails with
+         * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, invalidating the capture, if a stream of
+         * the context is being captured: the caller never flushes then. */
+        pthread_mutex_lock(&g->lock);
+        f->event = ts_gpu_take_event(g);
+        pthread_mutex_unlock(&g->lock);
+        rc = f->event != NULL ? g->api->CtxRecordEvent(g->ctx, f->event) : CUDA_ERROR_OUT_OF_MEMORY;
+        if (rc != CUDA_SUCCESS) {
+            /* Nothing was handed over: the releases stay queued for the next flush. */
+            st = ts_cuda_fail(g->api, err, rc, "cuCtxRecordEvent for the GPU releases");
+            if (f->event != NULL) {
+                pthread_mutex_lock(&g->lock);
+                ts_gpu_give_event(g, f->event);
+                pthread_mutex_unlock(&g->lock);
+            }
+            ts_gpu_leave(g);
+            goto requeue;
+        }
+    } else {
+        /* No context-wide event in this driver: wait for the whole context here. */
+        *synced = 1;
+        rc = g->api->CtxSynchronize();
+        if (rc != CUDA_SUCCESS) {
+            ts_gpu_record_failure(g, rc, "cuCtxSynchronize before GPU releases");
+            f->failed = 1; /* the reaper drops the releases' references, not the slots */
+        }
+    }
+    ts_gpu_leave(g);
+    f->items = oldest;
+    pthread_mutex_lock(&g->lock);
+    if (g->tail != NULL) g->tail->next = f;
+    else g->head = f;
+    g->tail = f;
+    pthread_cond_broadcast(&g->cond);
+    if (f->failed) st = ts_err_set(err, TS_E_CUDA, 0, "%s", g->failure);
+    pthread_mutex_unlock(&g->lock);
+    return st;
+
+requeue:
+    free(f);
+    pthread_mutex_lock(&g->lock);
+    /* Back at the old end of the queue (newest first): reverse again. */
+    while (oldest != NULL) {
+        ts_pending *next = oldest->next;
+        ts_pending **tail = &g->unflushed;
+        while (*tail != NULL) tail = &(*tail)->next;
+        oldest->next = NULL;
+        *tail = oldest;
+        oldest = next;
+    }
+    pthread_mutex_unlock(&g->lock);
+    return st;
+}
+
+/* The reaper: waits for each flush's event, then releases its slots. */
 static void *ts_gpu_reaper_main(void *arg)
 {
     ts_gpu *g = arg;
+    /* RELAXED: nothing this thread does (cuMemFree of copies, event waits) may invalidate
+     * a CUDA-graph capture the training code runs on another thread. The mode is the
+     * calling thread's own (cuThreadExchangeStreamCaptureMode, CUDA driver API). */
+    if (g->api->ThreadExchangeStreamCaptureMode != NULL) {
+        int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        g->api->ThreadExchangeStreamCaptureMode(&mode);
+    }
     pthread_mutex_lock(&g->lock);
     for (;;) {
         while (g->head == NULL && !g->stop) pthread_cond_wait(&g->cond, &g->lock);
-        ts_pending *p = g->head;
-        if (p == NULL) break; /* stopped and nothing left */
-        g->head = p->next;
+        ts_flush *f = g->head;
+        if (f == NULL) break; /* stopped and nothing left */
+        g->head = f->next;
         if (g->head == NULL) g->tail = NULL;
+        g->busy = 1;
         pthread_mutex_unlock(&g->lock);
 
+        int ok = !f->failed;
         int entered = ts_gpu_enter(g, NULL) == TS_OK;
-        if (entered) {
-            for (uint32_t i = 0; i < p->n; i++) g->api->EventSynchronize(p->events[i]);
-            if (p->all) g->api->CtxSynchronize();
+        if (!entered && ok) {
+            ts_gpu_record_failure(g, CUDA_ERROR_INVALID_CONTEXT, "cuCtxPushCurrent");
+            ok = 0;
         }
-        /* Inside the context: an event that does not fit back in the pool is destroyed. */
-        pthread_mutex_lock(&g->lock);
-        for (uint32_t i = 0; i < p->n; i++) ts_gpu_give_event(g, p->events[i]);
-        pthread_mutex_unlock(&g->lock);
+        if (entered && f->event != NULL) {
+            CUresult rc = g->api->EventSynchronize(f->event);
+            if (rc != CUDA_SUCCESS && ok) {
+                ts_gpu_record_failure(g, rc, "cuEventSynchronize of the context's work");
+                ok = 0;
+            }
+        }
+        for (ts_pending *p = f->items; p != NULL; p = p->next)
+            if (ok && entered && p->free_ptr != 0) g->api->MemFree(p->free_ptr);
+        if (f->event != NULL && entered) {
+            pthread_mutex_lock(&g->lock);
+            ts_gpu_give_event(g, f->event);
+            pthread_mutex_unlock(&g->lock);
+        }
         if (entered) ts_gpu_leave(g);
 
-        ts_pending fin = *p;
-        free(p);
-        /* May drop the ring's last reference: ts_gpu_close then runs on this thread. */
-        fin.done(fin.arg, fin.slot, fin.consumer);
+        /* A done may drop the ring's last reference: ts_gpu_close then runs on this
+         * thread (only with the last item: every item holds a reference). */
+        ts_pending *p = f->items;
+        free(f);
+        while (p != NULL) {
+            ts_pending *next = p->next;
+            ts_pending fin = *p;
+            free(p);
+            fin.done(fin.arg, fin.slot, fin.consumer, ok);
+            p = next;
+        }
         pthread_mutex_lock(&g->lock);
+        g->busy = 0;
+        if (g->head == NULL) pthread_cond_broadcast(&g->cond); /* ts_gpu_drain */
     }
     int self_free = g->self_free;
     pthread_mutex_unlock(&g->lock);
@@ -830,5 +1035,6 @@ const ts_device ts_device_cuda = {
     .release_after = ts_gpu_release_after,
     .copy = ts_gpu_copy,
     .free_copy = ts_gpu_free_copy,
+    .flush = ts_gpu_flush,
     .close = ts_gpu_close,
 };

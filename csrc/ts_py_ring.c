@@ -218,6 +218,28 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* Ring.flush_releases(wait_ms=0) -> bool: hand the GPU releases queued by dropped views to
+ * the release thread, after all work queued so far on this process's GPU context (never
+ * call it during a CUDA-graph capture); with wait_ms, also wait for them to finish. True if
+ * the driver has no cuCtxRecordEvent and the context was synchronized instead. A failed
+ * release of an earlier flush raises here. */
+static PyObject *Ring_flush_releases(RingObject *self, PyObject *args)
+{
+    unsigned int wait_ms = 0;
+    if (!PyArg_ParseTuple(args, "|I:flush_releases", &wait_ms)) return NULL;
+    if (ts_ring_check(self) < 0) return NULL;
+    ts_device_state *dev = self->ring->dev;
+    if (dev == NULL || self->ring->is_producer) Py_RETURN_FALSE;
+    int synced = 0;
+    ts_err err = {0};
+    ts_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = dev->device->flush(dev, wait_ms, &synced, &err);
+    Py_END_ALLOW_THREADS
+    if (st != TS_OK) return ts_py_raise(ts_py_state((PyObject *)self), &err);
+    return PyBool_FromLong(synced);
+}
+
 /* Ring.closed */
 static PyObject *Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
 {
@@ -899,6 +921,8 @@ static PyMethodDef Ring_methods[] = {
      "Open the ring's GPU memory (consumer); returns the device ordinal."},
     {"pin_host", (PyCFunction)Ring_pin_host, METH_VARARGS,
      "Page-lock this process's mapping of the host slot data."},
+    {"flush_releases", (PyCFunction)Ring_flush_releases, METH_VARARGS,
+     "Order the releases of dropped GPU views after this process's queued GPU work."},
     {"wait_released", (PyCFunction)Ring_wait_released, METH_VARARGS,
      "Wait until no consumer holds any slot."},
     {NULL, NULL, 0, NULL},

@@ -40,6 +40,7 @@ DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
 STALL_WARN_AFTER = 5.0  # seconds waiting for a batch the consumer's own held batches block
 SIBLING_PARK_AFTER = 0.5  # seconds of waiting before this process's idle consumers park
 SET_ASIDE_AFTER = 0.05  # seconds a wait lasts between checks for kept batches that block
+RELEASE_DRAIN_MS = 10000  # at close: longest wait for the GPU work before dropped batches
 
 # Every open consumer of this process, for parking the idle ones (see _park_idle_siblings).
 _CONSUMERS: "weakref.WeakSet[TensorConsumer]" = weakref.WeakSet()
@@ -409,6 +410,7 @@ class TensorConsumer(LoaderSurface):
         done."""
         self._check_process()
         cursor, flow = self._cursor, self._flow
+        self._flush_releases()
         if flow.ready is None:
             if not cursor.in_epoch:
                 raise StopIteration
@@ -431,11 +433,19 @@ class TensorConsumer(LoaderSurface):
                     self._rebatcher.reset()
                 self._take_end_marker()
                 cursor.end()
+                self._flush_releases()
                 raise StopIteration from None
         batch = flow.ready[0]
         if self.unpack_fn is not None:
             batch = self.unpack_fn(batch)
         return (cursor.delivered, batch) if self.with_index else batch
+
+    def _flush_releases(self) -> None:
+        """Release the slots of the batches dropped since the last call, after the GPU work
+        queued on them (Delivery.flush_releases); a failed release raises here."""
+        ring = self._ring_box[0]
+        if ring is not None and not ring.closed:
+            self._delivery.flush_releases(ring)
 
     def _take_end_marker(self) -> None:
         """After an epoch that ended with its last batch (len() known), take the
@@ -620,6 +630,7 @@ class TensorConsumer(LoaderSurface):
             return slot
         cursor = self._cursor
         while True:
+            self._flush_releases()  # the wait may be for a slot our dropped views hold
             start = time.perf_counter()
             try:
                 return self._acquire_slot()
@@ -946,6 +957,10 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, deliv
         return
     ring = ring_box[0]
     delivery.finish()  # asynchronous copies out of ring slots finish first
+    try:  # releases of dropped views go before the ring handle, and before exit
+        delivery.flush_releases(ring, RELEASE_DRAIN_MS)
+    except Exception as e:  # a failed release: its slot stays held until we leave
+        log.warning("GPU releases at close: %s", e)
     info = ring.info()
     producer_alive = _core.process_alive(info["producer_pid"], info["producer_start_time"])
     client.close(say_bye=producer_alive and info["state"] == _core.RING_OPEN)

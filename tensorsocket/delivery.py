@@ -47,6 +47,25 @@ class Delivery:
         self.inflight: list = []  # (cuda event, host tensors) of copies not yet done
         self._decoder = Decoder()
 
+    def flush_releases(self, ring: Any, wait_ms: int = 0) -> None:
+        """Order the releases of the views dropped since the last call after all GPU work
+        this process has queued so far (Ring.flush_releases), unless a CUDA graph is being
+        captured on the consumer's device (a context-wide event or synchronize would break
+        the capture: the releases wait for the next call). Only where GPU work may read the
+        slots: a GPU ring read in place, or page-locked host slots."""
+        if not (self.gpu_import or self.pin_memory) or self._capturing():
+            return
+        if ring.flush_releases(wait_ms):
+            _log_context_sync_once()
+
+    def _capturing(self) -> bool:
+        """True while this thread's current stream on the consumer's GPU is capturing."""
+        device = self._cuda or self._move_to
+        if device is None or not torch.cuda.is_initialized():
+            return False  # torch never used CUDA here: nothing of it can be capturing
+        with torch.cuda.device(device):
+            return bool(torch.cuda.is_current_stream_capturing())
+
     def finish(self) -> None:
         """Wait for the asynchronous copies out of ring slots (before the ring goes)."""
         for event, _ in self.inflight:
@@ -192,6 +211,21 @@ def _stream_of(device: torch.device) -> int:
     else:
         handle = torch.cuda.current_stream(device).cuda_stream
     return handle if handle != 0 else 1
+
+
+_context_sync_logged = False
+
+
+def _log_context_sync_once() -> None:
+    """Say once per process that this driver makes each release flush a synchronize."""
+    global _context_sync_logged
+    if _context_sync_logged:
+        return
+    _context_sync_logged = True
+    version = _core.cuda_status()["driver_version"]
+    log.warning("the CUDA driver %d.%d has no cuCtxRecordEvent (CUDA 12.5 or newer): the "
+                "releases of GPU batches wait for all of this process's GPU work with a "
+                "context synchronize at each next()", version // 1000, version % 1000 // 10)
 
 
 def _same_gpu(info: dict, index: int | None) -> bool:

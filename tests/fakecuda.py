@@ -64,6 +64,8 @@ CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
 CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_ERROR_UNKNOWN = 999
+CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
+CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
 
 ERROR_NAMES = {
     value: name for name, value in globals().items()
@@ -79,6 +81,9 @@ CU_STREAM_NON_BLOCKING = 0x1
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 CU_MEMHOSTREGISTER_PORTABLE = 0x1
 CU_MEMHOSTREGISTER_READ_ONLY = 0x8
+CU_STREAM_CAPTURE_MODE_GLOBAL = 0
+CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+CU_STREAM_CAPTURE_MODE_RELAXED = 2
 STREAM_LEGACY = 0x1
 STREAM_PER_THREAD = 0x2
 IPC_EVENT_FLAGS = CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING
@@ -95,12 +100,15 @@ DRIVER_FUNCTIONS = (
     "cuEventSynchronize", "cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle",
     "cuIpcGetEventHandle", "cuIpcOpenEventHandle", "cuDeviceCanAccessPeer",
     "cuDeviceGetUuid_v2",
+    # optional in the core (ts_cuda.c): CUDA 12.5 and 10.1
+    "cuCtxRecordEvent", "cuThreadExchangeStreamCaptureMode",
 )
 # Driver functions a driver may lack; OLD_DRIVER_FLAGS builds the double without them (a
 # driver older than CUDA 11.4).
 OPTIONAL_FUNCTIONS = ("cuDeviceGetUuid_v2",)
 OLD_DRIVER_FLAGS = ("-DFAKECUDA_NO_UUID_V2",)
-TEST_FUNCTIONS = ("fakecuda_launch_read", "fakecuda_counter")
+TEST_FUNCTIONS = ("fakecuda_launch_read", "fakecuda_counter", "fakecuda_launch_sleep",
+                  "fakecuda_begin_capture", "fakecuda_end_capture", "fakecuda_launch_gate")
 
 
 # ---- building --------------------------------------------------------------------------
@@ -293,6 +301,12 @@ _SIGNATURES: dict[str, list[Any]] = {
     "fakecuda_counter": [_c.c_char_p],
     "cuDeviceCanAccessPeer": [_P(_c.c_int), _c.c_int, _c.c_int],
     "cuDeviceGetUuid_v2": [_P(CUuuid), _c.c_int],
+    "cuCtxRecordEvent": [_VP, _VP],
+    "cuThreadExchangeStreamCaptureMode": [_P(_c.c_int)],
+    "fakecuda_launch_sleep": [_VP, _c.c_uint],
+    "fakecuda_begin_capture": [_VP, _c.c_int],
+    "fakecuda_end_capture": [_VP],
+    "fakecuda_launch_gate": [_VP, _P(_c.c_int)],
 }
 
 HostSrc = int | bytes | bytearray | memoryview
@@ -532,6 +546,35 @@ class FakeCuda:
     def counter(self, op: str) -> int:
         """How often this process performed op (-1 for a name the double does not know)."""
         return self.lib.fakecuda_counter(op.encode())
+
+    def launch_sleep(self, stream: int, delay_us: int) -> None:
+        """Queue a slow kernel touching nothing: later work on the stream waits for it."""
+        self._ok("fakecuda_launch_sleep", stream, delay_us)
+
+    def launch_gate(self, stream: int) -> ctypes.c_int:
+        """Queue a kernel that runs until the returned cell's ``.value`` is set to 1:
+        later work on the stream waits for the host to open the gate."""
+        gate = ctypes.c_int(0)
+        self._keep.append(gate)
+        self._ok("fakecuda_launch_gate", stream, ctypes.byref(gate))
+        return gate
+
+    def begin_capture(self, stream: int, mode: int = CU_STREAM_CAPTURE_MODE_GLOBAL) -> None:
+        """Mark the stream as capturing (simulated: its work still runs)."""
+        self._ok("fakecuda_begin_capture", stream, mode)
+
+    def end_capture(self, stream: int) -> bool:
+        """End the capture; True if it was still valid (nothing invalidated it)."""
+        rc = self.call("fakecuda_end_capture", stream)
+        if rc not in (CUDA_SUCCESS, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED):
+            raise CudaError(rc, "fakecuda_end_capture")
+        return rc == CUDA_SUCCESS
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        """Set this thread's capture mode; return the previous one."""
+        m = ctypes.c_int(mode)
+        self._ok("cuThreadExchangeStreamCaptureMode", ctypes.byref(m))
+        return m.value
 
 
 def fnv1a(data: bytes) -> int:

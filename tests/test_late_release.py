@@ -108,6 +108,7 @@ for line in sys.stdin:
             view = held[2]
             cuda.launch_read(stream, view.data_ptr, view.nbytes, 50000)
         held = view = None
+        ring.flush_releases()  # deleters only queue GPU releases: hand them on
         deadline = time.monotonic() + 60
         while ring.held_slots() != 0:
             assert time.monotonic() < deadline, "the release never ran"
@@ -226,11 +227,11 @@ def test_late_gpu_release_leaves_the_new_consumers_hold(fake_lib, tmp_path):
     env = {"TENSORSOCKET_LIBCUDA": str(fake_lib), "FAKECUDA_LOG": str(log),
            "FAKECUDA_OP_DELAY_US": "200", "FAKECUDA_TESTS": str(Path(__file__).parent)}
     old = _late_release(env, "device")
-    # A's release went the deferred way: after the slow kernel, an event recorded on its
-    # stream and waited for by the release thread.
+    # A's release went the deferred way: after the slow kernel, an event recorded for the
+    # whole context at the flush and waited for by the release thread.
     ops = [line.op for line in fakecuda.select(fakecuda.parse_log(log), pid=old)]
     after = ops[len(ops) - ops[::-1].index("launch_read"):]
-    assert "event_record" in after and "event_sync" in after, after
+    assert "ctx_record_event" in after and "event_sync" in after, after
     pids = {line.pid for line in fakecuda.parse_log(log)}
     left = [o for o in fakecuda.shm_objects() if int(o.rsplit("-", 2)[1]) in pids]
     assert left == [], f"device memory or events left behind: {left}"

@@ -26,7 +26,16 @@
  * FAKECUDA_FAIL_OP (an op name, as in the log: every call of it fails after
  * cuInit) with FAKECUDA_FAIL_CODE (default 801, CUDA_ERROR_NOT_SUPPORTED)
  * (read by cuInit) and FAKECUDA_LOG (a file every call appends one line to:
- * "<pid> <op> key=value ...").
+ * "<pid> <op> key=value ..."). FAKECUDA_DRIVER_VERSION (default 12080) is what
+ * cuDriverGetVersion reports: below 12050 the core does not use cuCtxRecordEvent.
+ *
+ * Stream capture (CUDA graphs) is simulated, not recorded: fakecuda_begin_capture marks
+ * a stream as capturing (its operations still run); while it is, the calls the driver
+ * documents as invalidating a capture fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
+ * invalidate it (counter "capture_invalidated"): cuCtxSynchronize and cuCtxRecordEvent
+ * from any thread, cuStreamSynchronize of the capturing stream, a sync or query of an
+ * event recorded on it, and cuMemFree from a thread whose capture mode
+ * (cuThreadExchangeStreamCaptureMode) the capture's mode does not allow.
  *
  * Build (from the repository root):
  *   cc -std=c11 -Wall -Wextra -Werror -O1 -g -shared -fPIC -pthread -fvisibility=default \
@@ -54,6 +63,7 @@
 /* Error codes ts_cuda.h does not need but the double returns or names. */
 #define CUDA_ERROR_ILLEGAL_STATE 401
 #define CUDA_ERROR_UNKNOWN 999
+#define FC_CAPTURE_MODE_THREAD_LOCAL 1
 
 /* Host registration flags the real driver accepts (PORTABLE|DEVICEMAP|IOMEMORY|READ_ONLY). */
 #define FC_HOSTREGISTER_ALL 0xfu
@@ -117,6 +127,12 @@ FC_API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice device);
 static const char *fc_peer_configure(void);
 static void fc_peer_uuid(int phys, int v2, char out[16]);
 static int fc_peer_possible(int phys, int peer_phys);
+FC_API CUresult cuCtxRecordEvent(CUcontext hctx, CUevent event);
+FC_API CUresult cuThreadExchangeStreamCaptureMode(int *mode);
+FC_API CUresult fakecuda_launch_sleep(CUstream s, unsigned delay_us);
+FC_API CUresult fakecuda_begin_capture(CUstream s, int mode);
+FC_API CUresult fakecuda_end_capture(CUstream s);
+FC_API CUresult fakecuda_launch_gate(CUstream s, const int *open);
 
 /* ==========================================================================
  * State
@@ -169,10 +185,18 @@ typedef struct fc_event {
     pid_t creator;       /* the process that created the shm state */
     int refs;            /* the table's reference (while listed) + queued operations */
     char id[FC_NAME];    /* the shm name (interprocess) or local-<pid>-<n> */
+    int captured;        /* under g_lock: last recorded on a capturing stream */
 } fc_event;
 
 /* What a queued stream operation does. */
-typedef enum { FC_EX_HTOD, FC_EX_DTOD, FC_EX_RECORD, FC_EX_WAIT, FC_EX_READ } fc_kind;
+typedef enum {
+    FC_EX_HTOD, FC_EX_DTOD, FC_EX_RECORD, FC_EX_WAIT, FC_EX_READ,
+    FC_EX_JOIN,  /* one stream's part of a cuCtxRecordEvent */
+    FC_EX_SLEEP, /* fakecuda_launch_sleep: a slow kernel that touches nothing */
+    FC_EX_GATE,  /* fakecuda_launch_gate: a kernel that runs until the host opens it */
+} fc_kind;
+
+struct fc_join;
 
 /* One queued stream operation. */
 typedef struct fc_op {
@@ -186,7 +210,9 @@ typedef struct fc_op {
     fc_event *ev;             /* RECORD/WAIT: a reference */
     uint64_t gen;             /* RECORD: generation to complete; WAIT: to wait for */
     unsigned long long *out;  /* READ: where the checksum goes */
-    unsigned delay_us;        /* READ: extra "kernel" time */
+    unsigned delay_us;        /* READ, SLEEP: extra "kernel" time */
+    struct fc_join *join;     /* JOIN: the context-wide record it is part of */
+    const int *gate;          /* GATE: runs until *gate != 0 (caller's memory) */
 } fc_op;
 
 /* A stream: a worker thread running a FIFO of operations. */
@@ -253,7 +279,10 @@ typedef enum {
     FC_OP_IPC_CLOSE_MEM, FC_OP_IPC_GET_EVENT, FC_OP_IPC_OPEN_EVENT, FC_OP_LAUNCH_READ,
     FC_OP_EXEC_HTOD, FC_OP_EXEC_DTOD, FC_OP_EXEC_RECORD, FC_OP_EXEC_WAIT, FC_OP_EXEC_READ,
     FC_OP_FAIL, FC_OP_DEVICE_UUID_V2, FC_OP_CAN_ACCESS_PEER, FC_OP_FREED_WHILE_IMPORTED,
-    FC_OP_USE_AFTER_FREE, FC_OP_COUNT
+    FC_OP_USE_AFTER_FREE, FC_OP_CTX_RECORD_EVENT, FC_OP_EXCHANGE_CAPTURE_MODE,
+    FC_OP_LAUNCH_SLEEP, FC_OP_EXEC_JOIN, FC_OP_EXEC_SLEEP, FC_OP_BEGIN_CAPTURE,
+    FC_OP_END_CAPTURE, FC_OP_CAPTURE_INVALIDATED, FC_OP_LAUNCH_GATE, FC_OP_EXEC_GATE,
+    FC_OP_COUNT
 } fc_opcode;
 
 static const char *const fc_op_names[FC_OP_COUNT] = {
@@ -267,6 +296,9 @@ static const char *const fc_op_names[FC_OP_COUNT] = {
     "ipc_close_mem", "ipc_get_event", "ipc_open_event", "launch_read",
     "exec_htod", "exec_dtod", "exec_record", "exec_wait", "exec_read",
     "fail", "device_uuid_v2", "can_access_peer", "freed_while_imported", "use_after_free",
+    "ctx_record_event", "exchange_capture_mode", "launch_sleep",
+    "exec_join", "exec_sleep", "begin_capture", "end_capture",
+    "capture_invalidated", "launch_gate", "exec_gate",
 };
 
 static _Atomic int g_counts[FC_OP_COUNT];
@@ -337,6 +369,10 @@ static const fc_errdesc fc_errors[] = {
      "pointer does not correspond to a registered memory region"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+     "operation not permitted when stream is capturing"},
+    {CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+     "operation failed due to a previous error during capture"},
 };
 
 /* The description of code, or NULL if the double does not know it. */
@@ -758,6 +794,14 @@ static CUresult fc_event_map(const char *name, int create, fc_evstate **out)
     return CUDA_SUCCESS;
 }
 
+/* Capture simulation hooks (defined in the "Stream capture" section below). */
+static void fc_join_part_done(struct fc_join *j);
+static CUresult fc_capture_forbids_ctx(fc_opcode op);
+static CUresult fc_capture_forbids_stream(fc_opcode op, const fc_stream *s);
+static CUresult fc_capture_forbids_event(fc_opcode op, fc_event *e);
+static CUresult fc_capture_forbids_unsafe(fc_opcode op);
+static void fc_capture_note_record(fc_event *e, const fc_stream *s);
+
 /* ==========================================================================
  * Streams
  * ========================================================================== */
@@ -803,6 +847,23 @@ static void fc_execute(fc_stream *s, fc_op *op)
         *op->out = sum;
         fc_log(FC_OP_EXEC_READ, "ptr=%p bytes=%zu name=%s sum=%016llx stream=%s",
                (const void *)op->src, op->bytes, op->src_r->name, sum, s->id);
+        break;
+    }
+    case FC_EX_JOIN:
+        fc_log(FC_OP_EXEC_JOIN, "stream=%s", s->id);
+        fc_join_part_done(op->join);
+        break;
+    case FC_EX_SLEEP:
+        fc_sleep_us(op->delay_us);
+        fc_log(FC_OP_EXEC_SLEEP, "us=%u stream=%s", op->delay_us, s->id);
+        break;
+    case FC_EX_GATE: {
+        unsigned long long nap = 20;
+        while (__atomic_load_n(op->gate, __ATOMIC_ACQUIRE) == 0) {
+            fc_sleep_us(nap);
+            if (nap < 1000) nap *= 2;
+        }
+        fc_log(FC_OP_EXEC_GATE, "stream=%s", s->id);
         break;
     }
     }
@@ -1020,8 +1081,8 @@ FC_API CUresult cuInit(unsigned int flags)
 FC_API CUresult cuDriverGetVersion(int *version)
 {
     if (version == NULL) return fc_fail(FC_OP_DRIVER_VERSION, CUDA_ERROR_INVALID_VALUE, "null");
-    *version = 12040;
-    fc_log(FC_OP_DRIVER_VERSION, "version=12040");
+    *version = (int)fc_env_ull("FAKECUDA_DRIVER_VERSION", 12080);
+    fc_log(FC_OP_DRIVER_VERSION, "version=%d", *version);
     return CUDA_SUCCESS;
 }
 
@@ -1188,6 +1249,7 @@ FC_API CUresult cuCtxSynchronize(void)
     fc_ctx *ctx;
     CUresult rc = fc_current(FC_OP_CTX_SYNC, &ctx);
     if (rc != CUDA_SUCCESS) return rc;
+    if ((rc = fc_capture_forbids_ctx(FC_OP_CTX_SYNC)) != CUDA_SUCCESS) return rc;
     size_t n = 0, cap = 0;
     fc_stream **all = NULL;
     pthread_mutex_lock(&g_lock);
@@ -1269,6 +1331,7 @@ FC_API CUresult cuMemFree_v2(CUdeviceptr dptr)
     fc_ctx *ctx;
     CUresult rc = fc_current(FC_OP_FREE, &ctx);
     if (rc != CUDA_SUCCESS) return rc;
+    if ((rc = fc_capture_forbids_unsafe(FC_OP_FREE)) != CUDA_SUCCESS) return rc;
     fc_region *found = NULL;
     pthread_mutex_lock(&g_lock);
     for (fc_region *r = g_regions; r != NULL; r = r->next)
@@ -1507,6 +1570,10 @@ FC_API CUresult cuStreamSynchronize(CUstream stream)
     fc_stream *st;
     rc = fc_stream_for(FC_OP_STREAM_SYNC, stream, ctx, &st);
     if (rc != CUDA_SUCCESS) return rc;
+    if ((rc = fc_capture_forbids_stream(FC_OP_STREAM_SYNC, st)) != CUDA_SUCCESS) {
+        fc_stream_put(st);
+        return rc;
+    }
     fc_stream_drain(st);
     fc_log(FC_OP_STREAM_SYNC, "stream=%s", st->id);
     fc_stream_put(st);
@@ -1653,6 +1720,7 @@ FC_API CUresult cuEventRecord(CUevent event, CUstream stream)
     }
     char id[FC_NAME];
     memcpy(id, e->id, sizeof id);
+    fc_capture_note_record(e, st);
     pthread_mutex_lock(&st->mu); /* generations enter this stream's queue in order */
     uint64_t gen = 0;
     if (!st->stop) {
@@ -1688,6 +1756,10 @@ FC_API CUresult cuEventQuery(CUevent event)
     if (rc != CUDA_SUCCESS) return rc;
     fc_event *e = fc_event_get(event);
     if (e == NULL) return fc_fail(FC_OP_EVENT_QUERY, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    if ((rc = fc_capture_forbids_event(FC_OP_EVENT_QUERY, e)) != CUDA_SUCCESS) {
+        fc_event_put(e);
+        return rc;
+    }
     uint64_t gen = atomic_load_explicit(&e->st->gen, memory_order_acquire);
     uint64_t done = atomic_load_explicit(&e->st->done, memory_order_acquire);
     int ready = done >= gen;
@@ -1705,6 +1777,10 @@ FC_API CUresult cuEventSynchronize(CUevent event)
     if (rc != CUDA_SUCCESS) return rc;
     fc_event *e = fc_event_get(event);
     if (e == NULL) return fc_fail(FC_OP_EVENT_SYNC, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    if ((rc = fc_capture_forbids_event(FC_OP_EVENT_SYNC, e)) != CUDA_SUCCESS) {
+        fc_event_put(e);
+        return rc;
+    }
     uint64_t gen = atomic_load_explicit(&e->st->gen, memory_order_acquire);
     fc_wait_done(&e->st->done, gen);
     fc_log(FC_OP_EVENT_SYNC, "ev=%s gen=%llu", e->id, (unsigned long long)gen);
@@ -2123,6 +2199,260 @@ FC_API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice device)
     return CUDA_SUCCESS;
 }
 #endif
+
+/* ==========================================================================
+ * Context-wide events, stream capture, slow kernels (issue 23)
+ * ========================================================================== */
+
+/* A cuCtxRecordEvent in flight: the event completes when every stream got there. */
+typedef struct fc_join {
+    _Atomic int parts; /* streams still to get there, + 1 while queueing */
+    fc_event *ev;      /* a reference */
+    uint64_t gen;
+} fc_join;
+
+/* The simulated capture (under g_lock). */
+static fc_stream *g_capture;         /* the capturing stream, or NULL */
+static int g_capture_mode;           /* its CUstreamCaptureMode */
+static pthread_t g_capture_thread;   /* the thread that began it */
+static int g_capture_invalid;        /* it was invalidated */
+static _Thread_local int t_capture_mode; /* this thread's mode (0: GLOBAL, the default) */
+
+/* One stream's part of a context-wide record is done; the last completes the event. */
+static void fc_join_part_done(fc_join *j)
+{
+    if (atomic_fetch_sub(&j->parts, 1) != 1) return;
+    fc_complete(&j->ev->st->done, j->gen);
+    fc_event_put(j->ev);
+    free(j);
+}
+
+/* Invalidate the capture (caller holds g_lock) and return op's logged failure. */
+static CUresult fc_capture_invalidate_locked(fc_opcode op, const char *why)
+{
+    g_capture_invalid = 1;
+    pthread_mutex_unlock(&g_lock);
+    fc_log(FC_OP_CAPTURE_INVALIDATED, "op=%s why=%s", fc_op_names[op], why);
+    CUresult rc = fc_fail(op, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, why);
+    pthread_mutex_lock(&g_lock);
+    return rc;
+}
+
+/* cuCtxSynchronize, cuCtxRecordEvent: not while any stream captures (they would wait for
+ * or include the capturing stream); the capture is invalidated. */
+static CUresult fc_capture_forbids_ctx(fc_opcode op)
+{
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    if (g_capture != NULL) rc = fc_capture_invalidate_locked(op, "context_call_during_capture");
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* A synchronize of the capturing stream itself. */
+static CUresult fc_capture_forbids_stream(fc_opcode op, const fc_stream *s)
+{
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    if (g_capture != NULL && (g_capture == s || s->is_default))
+        rc = fc_capture_invalidate_locked(op, "sync_of_capturing_stream");
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* A sync or query of an event recorded on the capturing stream during the capture. */
+static CUresult fc_capture_forbids_event(fc_opcode op, fc_event *e)
+{
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    if (g_capture != NULL && e->captured)
+        rc = fc_capture_invalidate_locked(op, "sync_of_captured_event");
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* A call unsafe during capture (cuMemFree): refused unless the modes allow it. GLOBAL
+ * capture: any thread not RELAXED; THREAD_LOCAL: the capturing thread, unless RELAXED;
+ * RELAXED capture: none. */
+static CUresult fc_capture_forbids_unsafe(fc_opcode op)
+{
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    if (g_capture != NULL && t_capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED &&
+        (g_capture_mode == CU_STREAM_CAPTURE_MODE_GLOBAL ||
+         (g_capture_mode == FC_CAPTURE_MODE_THREAD_LOCAL &&
+          pthread_equal(g_capture_thread, pthread_self()))))
+        rc = fc_capture_invalidate_locked(op, "unsafe_call_during_capture");
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* An event recorded on the capturing stream becomes a captured event; elsewhere, not. */
+static void fc_capture_note_record(fc_event *e, const fc_stream *s)
+{
+    pthread_mutex_lock(&g_lock);
+    e->captured = g_capture != NULL && (g_capture == s || s->is_default);
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* Record in event the completion of all work queued so far on every stream of this
+ * process (the double has one context per device, and its streams are the process's). */
+FC_API CUresult cuCtxRecordEvent(CUcontext hctx, CUevent event)
+{
+    CUresult rc = fc_need_init(FC_OP_CTX_RECORD_EVENT);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_ctx *c = (fc_ctx *)hctx;
+    int known = 0;
+    for (int i = 0; i < g_cfg.nvis; i++) known |= c == &g_ctx[i];
+    if (!known || atomic_load(&c->refs) <= 0)
+        return fc_fail(FC_OP_CTX_RECORD_EVENT, CUDA_ERROR_INVALID_CONTEXT,
+                       "not_a_retained_context");
+    if ((rc = fc_capture_forbids_ctx(FC_OP_CTX_RECORD_EVENT)) != CUDA_SUCCESS) return rc;
+    fc_event *e = fc_event_get(event);
+    if (e == NULL)
+        return fc_fail(FC_OP_CTX_RECORD_EVENT, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    fc_join *j = calloc(1, sizeof *j);
+    size_t n = 0, cap = 0;
+    fc_stream **all = NULL;
+    pthread_mutex_lock(&g_lock);
+    for (fc_stream *s = g_streams; s != NULL; s = s->next) cap++;
+    all = cap > 0 ? calloc(cap, sizeof *all) : NULL;
+    for (fc_stream *s = g_streams; s != NULL && all != NULL; s = s->next) {
+        s->refs++;
+        all[n++] = s;
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (j == NULL || (cap > 0 && all == NULL)) {
+        free(j);
+        free(all);
+        fc_event_put(e);
+        return fc_fail(FC_OP_CTX_RECORD_EVENT, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    }
+    j->ev = e;
+    j->gen = atomic_fetch_add_explicit(&e->st->gen, 1, memory_order_acq_rel) + 1;
+    atomic_init(&j->parts, (int)n + 1);
+    for (size_t i = 0; i < n; i++) {
+        fc_op *op = calloc(1, sizeof *op);
+        if (op != NULL) {
+            op->kind = FC_EX_JOIN;
+            op->join = j;
+        }
+        if (op == NULL || fc_enqueue(all[i], op) != 0) {
+            free(op);
+            fc_join_part_done(j); /* nothing runs there any more */
+        }
+        fc_stream_put(all[i]);
+    }
+    free(all);
+    fc_log(FC_OP_CTX_RECORD_EVENT, "ev=%s gen=%llu streams=%zu", e->id,
+           (unsigned long long)j->gen, n);
+    fc_join_part_done(j);
+    return CUDA_SUCCESS;
+}
+
+/* Swap the calling thread's capture mode. */
+FC_API CUresult cuThreadExchangeStreamCaptureMode(int *mode)
+{
+    if (mode == NULL)
+        return fc_fail(FC_OP_EXCHANGE_CAPTURE_MODE, CUDA_ERROR_INVALID_VALUE, "null");
+    int old = t_capture_mode;
+    t_capture_mode = *mode;
+    *mode = old;
+    fc_log(FC_OP_EXCHANGE_CAPTURE_MODE, "mode=%d old=%d", t_capture_mode, old);
+    return CUDA_SUCCESS;
+}
+
+/* Queue a slow kernel on s that touches no memory: later work on s waits delay_us more. */
+FC_API CUresult fakecuda_launch_sleep(CUstream s, unsigned delay_us)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_LAUNCH_SLEEP, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_LAUNCH_SLEEP, s, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_op *op = calloc(1, sizeof *op);
+    if (op == NULL) {
+        fc_stream_put(st);
+        return fc_fail(FC_OP_LAUNCH_SLEEP, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    }
+    op->kind = FC_EX_SLEEP;
+    op->delay_us = delay_us;
+    rc = fc_submit(FC_OP_LAUNCH_SLEEP, st, op);
+    if (rc == CUDA_SUCCESS) fc_log(FC_OP_LAUNCH_SLEEP, "stream=%s us=%u", st->id, delay_us);
+    fc_stream_put(st);
+    return rc;
+}
+
+/* Queue a kernel on s that runs until the int at open (the caller's, kept alive until
+ * then) is not 0: later work on s waits for the host to open the gate. */
+FC_API CUresult fakecuda_launch_gate(CUstream s, const int *open)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_LAUNCH_GATE, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (open == NULL) return fc_fail(FC_OP_LAUNCH_GATE, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_LAUNCH_GATE, s, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_op *op = calloc(1, sizeof *op);
+    if (op == NULL) {
+        fc_stream_put(st);
+        return fc_fail(FC_OP_LAUNCH_GATE, CUDA_ERROR_OUT_OF_MEMORY, "calloc");
+    }
+    op->kind = FC_EX_GATE;
+    op->gate = open;
+    rc = fc_submit(FC_OP_LAUNCH_GATE, st, op);
+    if (rc == CUDA_SUCCESS) fc_log(FC_OP_LAUNCH_GATE, "stream=%s", st->id);
+    fc_stream_put(st);
+    return rc;
+}
+
+/* Begin a simulated capture of s in mode (0 GLOBAL, 1 THREAD_LOCAL, 2 RELAXED); one at
+ * a time. */
+FC_API CUresult fakecuda_begin_capture(CUstream s, int mode)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_BEGIN_CAPTURE, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    fc_stream *st;
+    rc = fc_stream_for(FC_OP_BEGIN_CAPTURE, s, ctx, &st);
+    if (rc != CUDA_SUCCESS) return rc;
+    pthread_mutex_lock(&g_lock);
+    int busy = g_capture != NULL;
+    if (!busy) {
+        g_capture = st;
+        g_capture_mode = mode;
+        g_capture_thread = pthread_self();
+        g_capture_invalid = 0;
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (busy) {
+        fc_stream_put(st);
+        return fc_fail(FC_OP_BEGIN_CAPTURE, CUDA_ERROR_ILLEGAL_STATE, "already_capturing");
+    }
+    fc_log(FC_OP_BEGIN_CAPTURE, "stream=%s mode=%d", st->id, mode);
+    return CUDA_SUCCESS; /* the capture keeps the stream reference */
+}
+
+/* End the capture of s: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED if something invalidated it. */
+FC_API CUresult fakecuda_end_capture(CUstream s)
+{
+    fc_stream *st = NULL;
+    int invalid = 0;
+    pthread_mutex_lock(&g_lock);
+    if (g_capture != NULL && (CUstream)g_capture == s) {
+        st = g_capture;
+        invalid = g_capture_invalid;
+        g_capture = NULL;
+        for (fc_event *e = g_events; e != NULL; e = e->next) e->captured = 0;
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (st == NULL) return fc_fail(FC_OP_END_CAPTURE, CUDA_ERROR_ILLEGAL_STATE, "not_capturing");
+    fc_log(FC_OP_END_CAPTURE, "stream=%s invalidated=%d", st->id, invalid);
+    fc_stream_put(st);
+    return invalid ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
+}
 
 /* ==========================================================================
  * Process exit

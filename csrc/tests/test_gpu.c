@@ -312,6 +312,14 @@ static int wait_bit_clear(const ts_ring *r, uint32_t k, uint64_t bit, uint64_t m
     return 1;
 }
 
+/* Flush the consumer's queued GPU releases (the consumer's next call does it in Python),
+ * waiting up to wait_ms for the release thread to finish them. */
+static ts_status flush_releases(ts_ring *r, uint32_t wait_ms, int *synced, ts_err *err)
+{
+    int ignored = 0;
+    return r->dev->device->flush(r->dev, wait_ms, synced != NULL ? synced : &ignored, err);
+}
+
 /* 1 if some byte of the n bytes at p is not zero. */
 static int nonzero(const void *p, size_t n)
 {
@@ -344,6 +352,16 @@ static int fc_counter(const ts_cuda_api *api, const char *op)
     if (p == NULL) return -1;
     memcpy(&f, &p, sizeof f);
     return f(op);
+}
+
+typedef CUresult (*gate_fn)(CUstream, const int *);
+typedef CUresult (*capture_fn)(CUstream, int);
+typedef CUresult (*end_capture_fn)(CUstream);
+
+/* An export of the double by name (NULL if it has none). */
+static void *fc_sym(const ts_cuda_api *api, const char *name)
+{
+    return dlsym(api->lib, name);
 }
 
 /* ---- producer and consumer sides ------------------------------------------------------ */
@@ -500,6 +518,7 @@ static int launch_and_drop(cons *c, launch_read_fn launch, const ts_acquired *a,
     if (t_launch != NULL) *t_launch = ts_now_ns();
     ts_export_delete(t, 1);
     ts_lease_unref(l, TS_USE_WHOLE);
+    if (!CHECK_ST(flush_releases(c->ring, 0, NULL, &err), TS_OK)) return -1;
     return 0;
 }
 
@@ -675,6 +694,7 @@ static void views_consumer(int in, int out)
             ts_export_delete(t1, 0);
         }
         ts_lease_unref(l, TS_USE_WHOLE);
+        CHECK_ST(flush_releases(c.ring, 0, NULL, &err), TS_OK);
     }
     /* Every deferred release happens. */
     uint64_t dl = deadline_ms(5000);
@@ -806,6 +826,7 @@ static void unfollowed_consumer(int in, int out)
         ts_export_delete(t, 1);
         ts_lease_unref(l, TS_USE_WHOLE);
         CHECK(readers_of(c.ring, a.slot) & bit);
+        CHECK_ST(flush_releases(c.ring, 0, NULL, &err), TS_OK);
         CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
         uint64_t waited = ts_now_ns() - t_launch;
         if (!CHECK(waited >= KERNEL_US * 1000ULL))
@@ -902,12 +923,16 @@ static void variants_consumer(int in, int out)
     ts_export_delete(tv, 1);
     ts_export_delete(tn, 1);
     ts_lease_unref(l, TS_USE_WHOLE);
+    CHECK_ST(flush_releases(c.ring, 0, NULL, &err), TS_OK);
     CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
-    /* The copy outlives the slot; its deleter frees it. */
+    /* The copy outlives the slot; its deleter queues its free, the next flush frees it
+     * after the context's work. */
     CHECK(device_leaf_ok(&c, tensor_of(tcopy, 1), a.slot, 0, 3, 1));
     CHECK_EQ(fc_counter(c.api, "free"), frees);
     ts_export_delete(tcopy, 1);
     tcopy = NULL;
+    CHECK_EQ(fc_counter(c.api, "free"), frees);
+    CHECK_ST(flush_releases(c.ring, 5000, NULL, &err), TS_OK);
     CHECK_EQ(fc_counter(c.api, "free"), frees + 1);
     SEND(out, M_DONE, 0, 0);
     RECV(in, M_BYE, m);
@@ -1166,6 +1191,7 @@ static void reader_consumer(int in, int out)
         ts_export_delete(t, 1);
     }
     ts_lease_unref(l, TS_USE_WHOLE);
+    CHECK_ST(flush_releases(c.ring, 0, NULL, &err), TS_OK);
     CHECK(wait_bit_clear(c.ring, a.slot, 1ULL << c.index, 5000));
     SEND(out, M_DONE, 0, 0);
     RECV(in, M_BYE, m);
@@ -1218,6 +1244,84 @@ out:
 
 /* ---- main ------------------------------------------------------------------------- */
 
+/* ==========================================================================
+ * 7. Releases wait for the whole context, never during a capture (issue 23)
+ * ========================================================================== */
+
+/* Consumer: a copy=True device copy and the slot's release, flushed behind a gate kernel
+ * on a stream never exported; a capture begins on our stream before the gate opens, so the
+ * release thread frees the copy during the capture. */
+static void relaxed_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    CUstream other = NULL;
+    int open = 0, capturing = 0;
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
+    gate_fn gate = NULL;
+    capture_fn begin = NULL;
+    end_capture_fn end = NULL;
+    void *p1 = fc_sym(c.api, "fakecuda_launch_gate"), *p2 = fc_sym(c.api, "fakecuda_begin_capture"),
+         *p3 = fc_sym(c.api, "fakecuda_end_capture");
+    REQUIRE(p1 != NULL && p2 != NULL && p3 != NULL);
+    memcpy(&gate, &p1, sizeof gate);
+    memcpy(&begin, &p2, sizeof begin);
+    memcpy(&end, &p3, sizeof end);
+    REQUIRE(CHECK_CU(c.api->StreamCreate(&other, CU_STREAM_NON_BLOCKING)));
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    uint64_t bit = 1ULL << c.index;
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 1, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    int frees = fc_counter(c.api, "free"), calls = fc_counter(c.api, "event_record");
+    ts_export_delete(t, 1);
+    ts_lease_unref(l, TS_USE_WHOLE);
+    /* The deleters made no driver call: both are queued. */
+    CHECK_EQ(fc_counter(c.api, "event_record"), calls);
+    CHECK_EQ(fc_counter(c.api, "free"), frees);
+    REQUIRE(CHECK_CU(gate(other, &open)));
+    int synced = 1;
+    REQUIRE_OK(flush_releases(c.ring, 0, &synced, &err));
+    CHECK_EQ(synced, 0); /* cuCtxRecordEvent: the release thread waits, not this one */
+    CHECK(readers_of(c.ring, a.slot) & bit);
+    REQUIRE(CHECK_CU(begin(c.stream, CU_STREAM_CAPTURE_MODE_GLOBAL)));
+    capturing = 1;
+    __atomic_store_n(&open, 1, __ATOMIC_RELEASE);
+    /* Released after the gate, with the copy freed by the release thread meanwhile. */
+    CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
+    CHECK_EQ(fc_counter(c.api, "free"), frees + 1);
+    capturing = 0;
+    CHECK_CU(end(c.stream)); /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED if it broke it */
+    CHECK_EQ(fc_counter(c.api, "capture_invalidated"), 0);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    __atomic_store_n(&open, 1, __ATOMIC_RELEASE);
+    if (capturing) end(c.stream);
+    if (other != NULL) CHECK_CU(c.api->StreamDestroy(other));
+    cons_close(&c);
+}
+
+/* The release thread's own calls (cuMemFree of a copy) do not invalidate a capture. */
+static void test_relaxed_release_thread(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(prod_start(&p, &c, relaxed_consumer, &index) == 0);
+    REQUIRE_OK(publish_batch(p.ring, 3, &err));
+    RECV(c.from, M_DONE, m);
+    CHECK(prod_finish(&p, &c) == 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
 static const ts_test g_tests[] = {
     {"import", test_import},
     {"device_views", test_device_views},
@@ -1229,6 +1333,7 @@ static const ts_test g_tests[] = {
     {"mig", test_mig},
     {"no_ipc_events", test_no_ipc_events},
     {"import_in_exporter", test_import_in_exporter},
+    {"relaxed_release_thread", test_relaxed_release_thread},
 };
 
 /* Run one group in a fresh process (it is the producer; the driver is loaded there
