@@ -130,7 +130,7 @@ def test_slot_dropped_while_another_thread_waits(procs, name, gpu_env, scenario)
     procs.wait_ready(p)
     c = procs.script(PREFETCH, TESTS, name, scenario, "20", env=gpu_env)
     r = procs.result(c)
-    procs.result(p)
     assert r["first"] == [0, 1] and r["waited"]
     assert r.get("error") is None, r["error"]
     assert r["third"] == 2
+    procs.result(p)
