@@ -141,7 +141,13 @@ class TensorConsumer(LoaderSurface):
         ``TENSORSOCKET_CONSUMER_DEVICE``).
       pin_memory: page-lock this process's mapping of the ring's host slots,
         so copies from them to a GPU are asynchronous (like
-        DataLoader(pin_memory=True), without its extra copy).
+        DataLoader(pin_memory=True), without its extra copy). They are
+        page-locked for one GPU: ``device``'s, else torch's current device
+        when the consumer is created (torch.cuda.current_device(), as the
+        DataLoader does; call torch.cuda.set_device first). A dropped view's
+        slot goes back only after the work queued on that GPU before the
+        release (docs/gpu.md, "Orderings on the GPU path"): copies out of
+        the views to another GPU are not waited for.
       peer_access: read a GPU ring on another GPU through peer access
         (default True); False copies each batch into ``device`` instead.
         Where the two GPUs have no peer access (cuDeviceCanAccessPeer; MIG
