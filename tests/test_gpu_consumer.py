@@ -134,3 +134,54 @@ def test_slot_dropped_while_another_thread_waits(procs, name, gpu_env, scenario)
     assert r.get("error") is None, r["error"]
     assert r["third"] == 2
     procs.result(p)
+
+
+class _HostRing:
+    """What Delivery asks of a host ring: its kind, page-locking, flushing."""
+
+    def __init__(self) -> None:
+        self.pinned_on: list = []
+        self.flushes = 0
+
+    def info(self) -> dict:
+        from tensorsocket import _core
+
+        return {"device_type": _core.DL_CPU}
+
+    def pin_host(self, device: int) -> None:
+        self.pinned_on.append(device)
+
+    def flush_releases(self, wait_ms: int = 0) -> bool:
+        self.flushes += 1
+        return False
+
+
+def test_capture_checked_on_the_pinned_gpu(monkeypatch):
+    """The capture check before a flush looks at the GPU the host ring was page-locked
+    for (torch's current device here, device="cpu"): while a graph is captured there,
+    releases are not flushed (a context-wide event would break the capture)."""
+    import contextlib
+
+    import torch
+
+    from tensorsocket.delivery import Delivery
+
+    checked_on = []
+
+    @contextlib.contextmanager
+    def on(device):
+        checked_on.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", on)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    ring = _HostRing()
+    delivery = Delivery("cpu", copy=False, pin_memory=True, peer_access=True)
+    delivery.attach(ring)
+    assert ring.pinned_on == [1] and delivery.device == "cpu"
+    delivery.flush_releases(ring)
+    assert checked_on == [torch.device("cuda", 1)]
+    assert ring.flushes == 0, "flushed during a capture on the pinned GPU"
