@@ -757,9 +757,11 @@ class TensorConsumer(LoaderSurface):
             try:
                 return self._ring.acquire(step, box)
             except TimeoutError:
+                # Also after the last step: a caller waiting in steps of its own (the
+                # may_set_aside loop of _acquire_slot) flushes between them too.
+                self._flush_releases()
                 if left is not None and step >= left:
                     raise
-            self._flush_releases()
 
     def _held_slots_blocking(self) -> int:
         """Slots this consumer holds, if one is the slot the producer must reuse next."""
