@@ -40,6 +40,7 @@ DEFAULT_TIMEOUT = config.SETTINGS["timeout"].default
 STALL_WARN_AFTER = 5.0  # seconds waiting for a batch the consumer's own held batches block
 SIBLING_PARK_AFTER = 0.5  # seconds of waiting before this process's idle consumers park
 SET_ASIDE_AFTER = 0.05  # seconds a wait lasts between checks for kept batches that block
+FLUSH_EVERY = 0.05  # seconds a GPU consumer's wait lasts between flushes of its releases
 RELEASE_DRAIN_MS = 10000  # at close: longest wait for the GPU work before dropped batches
 
 # Every open consumer of this process, for parking the idle ones (see _park_idle_siblings).
@@ -140,7 +141,13 @@ class TensorConsumer(LoaderSurface):
         ``TENSORSOCKET_CONSUMER_DEVICE``).
       pin_memory: page-lock this process's mapping of the ring's host slots,
         so copies from them to a GPU are asynchronous (like
-        DataLoader(pin_memory=True), without its extra copy).
+        DataLoader(pin_memory=True), without its extra copy). They are
+        page-locked for one GPU: ``device``'s, else torch's current device
+        when the consumer is created (torch.cuda.current_device(), as the
+        DataLoader does; call torch.cuda.set_device first). A dropped view's
+        slot goes back only after the work queued on that GPU before the
+        release (docs/gpu.md, "Orderings on the GPU path"): copies out of
+        the views to another GPU are not waited for.
       peer_access: read a GPU ring on another GPU through peer access
         (default True); False copies each batch into ``device`` instead.
         Where the two GPUs have no peer access (cuDeviceCanAccessPeer; MIG
@@ -695,7 +702,7 @@ class TensorConsumer(LoaderSurface):
             # training): if the wait lasts, that one parks, so no two jobs wait on each
             # other through two rings.
             try:
-                return self._ring.acquire(SIBLING_PARK_AFTER, box)
+                return self._wait_for_slot(SIBLING_PARK_AFTER, box)
             except TimeoutError:
                 _park_idle_siblings(self)
         deadline = None if self.batch_timeout is None else \
@@ -716,15 +723,15 @@ class TensorConsumer(LoaderSurface):
             wait = left()
             step = SET_ASIDE_AFTER if wait is None else min(SET_ASIDE_AFTER, wait)
             try:
-                return self._ring.acquire(step, box)
+                return self._wait_for_slot(step, box)
             except TimeoutError:
                 if wait is not None and step >= wait:
                     raise
         wait = left()
         if wait is not None and wait <= STALL_WARN_AFTER:
-            return self._ring.acquire(wait, box)
+            return self._wait_for_slot(wait, box)
         try:
-            return self._ring.acquire(STALL_WARN_AFTER, box)
+            return self._wait_for_slot(STALL_WARN_AFTER, box)
         except TimeoutError:
             held = self._held_slots_blocking()
             if held:
@@ -732,7 +739,29 @@ class TensorConsumer(LoaderSurface):
                     STALL_WARN_AFTER, held, self._ring.info()["slot_count"])
                 log.warning("%s", message)
                 warnings.warn(message, TensorSocketWarning, stacklevel=6)
-        return self._ring.acquire(left(), box)
+        return self._wait_for_slot(left(), box)
+
+    def _wait_for_slot(self, timeout: float | None, box: Any) -> Any:
+        """Ring.acquire(timeout, box). Where releases wait for a flush (GPU state, see
+        Delivery.defers_releases), in FLUSH_EVERY steps with the releases of the views
+        dropped meanwhile flushed between them: the slot waited for may be one that
+        another thread of this process let go while this one waits (a prefetch thread
+        in next() while the training loop drops its batch). Host-only consumers wait in
+        one call (no wakeups: their releases are not deferred)."""
+        if not self._delivery.defers_releases:
+            return self._ring.acquire(timeout, box)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            step = FLUSH_EVERY if left is None else min(FLUSH_EVERY, left)
+            try:
+                return self._ring.acquire(step, box)
+            except TimeoutError:
+                # Also after the last step: a caller waiting in steps of its own (the
+                # may_set_aside loop of _acquire_slot) flushes between them too.
+                self._flush_releases()
+                if left is not None and step >= left:
+                    raise
 
     def _held_slots_blocking(self) -> int:
         """Slots this consumer holds, if one is the slot the producer must reuse next."""

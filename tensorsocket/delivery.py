@@ -44,23 +44,31 @@ class Delivery:
         self.gpu_import = False  # tensors come from the ring's GPU copy
         self._cuda: torch.device | None = None  # the GPU they are on, when they do
         self._move_to: torch.device | None = None  # host tensors are copied here
+        self._pinned: torch.device | None = None  # the GPU the host ring was page-locked for
         self.inflight: list = []  # (cuda event, host tensors) of copies not yet done
         self._decoder = Decoder()
 
+    @property
+    def defers_releases(self) -> bool:
+        """Whether GPU work may read the slots, so that the releases of dropped views wait
+        for flush_releases(): a GPU ring read in place, or page-locked host slots."""
+        return self.gpu_import or self.pin_memory
+
     def flush_releases(self, ring: Any, wait_ms: int = 0) -> None:
         """Order the releases of the views dropped since the last call after all GPU work
-        this process has queued so far (Ring.flush_releases), unless a CUDA graph is being
-        captured on the consumer's device (a context-wide event or synchronize would break
-        the capture: the releases wait for the next call). Only where GPU work may read the
-        slots: a GPU ring read in place, or page-locked host slots."""
-        if not (self.gpu_import or self.pin_memory) or self._capturing():
+        this process has queued so far on the consumer's GPU (Ring.flush_releases: the
+        work of that GPU's context), unless a CUDA graph is being captured on it (a
+        context-wide event or synchronize would break the capture: the releases wait for
+        the next call). Only where releases are deferred (defers_releases)."""
+        if not self.defers_releases or self._capturing():
             return
         if ring.flush_releases(wait_ms):
             _log_context_sync_once()
 
     def _capturing(self) -> bool:
-        """True while this thread's current stream on the consumer's GPU is capturing."""
-        device = self._cuda or self._move_to
+        """True while this thread's current stream on the consumer's GPU (the one its
+        releases are ordered on) is capturing."""
+        device = self._cuda or self._pinned
         if device is None or not torch.cuda.is_initialized():
             return False  # torch never used CUDA here: nothing of it can be capturing
         with torch.cuda.device(device):
@@ -97,10 +105,17 @@ class Delivery:
             self._move_to = torch.device("cuda", index)
             self.device = str(self._move_to)
         if self.pin_memory:
+            # Page-locked for (and releases ordered after the work of) the GPU the copies
+            # go to, else this thread's current one, as torch's DataLoader(pin_memory=True)
+            # pins for torch.accelerator.current_device_index() taken when its iterator is
+            # made (torch/utils/data/dataloader.py, _MultiProcessingDataLoaderIter): a DDP
+            # rank r that called torch.cuda.set_device(r) copies to cuda:r.
+            pinned = index if index is not None else _current_gpu()
             try:
-                ring.pin_host(index or 0)
+                ring.pin_host(pinned)
             except GPUUnavailable as e:
                 raise GPUUnavailable(f"pin_memory=True needs a GPU: {e}") from None
+            self._pinned = torch.device("cuda", pinned)
 
     def _fall_back(self, reason: str, index: int | None) -> None:
         """CUDA IPC cannot work here: deliver through host memory instead."""
@@ -211,6 +226,14 @@ def _stream_of(device: torch.device) -> int:
     else:
         handle = torch.cuda.current_stream(device).cuda_stream
     return handle if handle != 0 else 1
+
+
+def _current_gpu() -> int:
+    """This thread's current CUDA device in torch (torch.cuda.current_device()); 0 where
+    this torch has no CUDA (nothing of torch can then queue work on a GPU)."""
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.current_device()
 
 
 _context_sync_logged = False

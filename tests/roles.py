@@ -343,6 +343,11 @@ def _open(a: argparse.Namespace) -> TensorConsumer:
 
 def _consume(a: argparse.Namespace) -> dict:
     fake_gpu = None
+    if a.current_device is not None:
+        # What torch.cuda.set_device(N) would make torch.cuda.current_device() say, in a
+        # CPU-only torch (the CUDA calls themselves go to the driver double).
+        torch.cuda.is_available = lambda: True
+        torch.cuda.current_device = lambda: a.current_device
     if a.gpu_double:
         import tensorsocket.delivery
 
@@ -483,6 +488,8 @@ def main() -> None:
     ap.add_argument("--device", help="producer: device= of the ring; consumer: device=")
     ap.add_argument("--no-fallback", action="store_true", help="producer: device_fallback=False")
     ap.add_argument("--pin-memory", action="store_true", help="consumer: pin_memory=True")
+    ap.add_argument("--current-device", type=int,
+                    help="consumer: torch.cuda.current_device() says this (set_device)")
     ap.add_argument("--gpu-double", action="store_true",
                     help="consumer: read device views through the CUDA test double")
     ap.add_argument("--kernel-delay-us", type=int, default=0,

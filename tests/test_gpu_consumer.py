@@ -1,0 +1,187 @@
+"""A consumer's GPU state on the CUDA driver double (issue 23 review findings 2 and 4).
+
+Real producer and consumer processes over real shared memory, on the double
+(csrc/tests/fake_cuda.c, see tests/test_gpu.py): which GPU a pinned host ring is
+page-locked for, and a slot let go by one thread while another waits for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import fakecuda
+from test_gpu import fake_lib, gpu_env  # noqa: F401  (fixtures)
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+def test_pinned_for_the_current_gpu(procs, name, gpu_env):  # noqa: F811
+    """pin_memory=True without a CUDA device (device="cpu"; a DDP rank that called
+    torch.cuda.set_device(1)) page-locks the host ring for torch's current GPU, as
+    DataLoader(pin_memory=True) does, not for GPU 0: its releases are then ordered after
+    the work of the GPU its copies go to."""
+    env = {**gpu_env, "FAKECUDA_DEVICES": "2"}
+    p = procs.start("producer", "--name", name, "--kind", "tuple", "--batches", "6",
+                    "--slots", "2", env=env)
+    procs.wait_ready(p)
+    c = procs.start("consumer", "--name", name, "--kind", "tuple", "--pin-memory",
+                    "--device", "cpu", "--current-device", "1", env=env)
+    r = procs.result(c)
+    procs.result(p)
+    assert r["errors"] == [] and r["epochs"] == [list(range(6))]
+    log = fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
+    retained = {line["dev"] for line in fakecuda.select(log, "ctx_retain")}
+    assert retained == {"1"}, f"pinned through GPU(s) {sorted(retained)}, not the current 1"
+    assert len(fakecuda.select(log, "host_register")) == 1
+    assert fakecuda.select(log, "ctx_record_event"), "no release was ordered on a GPU"
+
+
+PREFETCH = r'''
+import os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import fakecuda
+import tensorsocket.delivery as delivery
+from tensorsocket import TensorConsumer
+from tensorsocket.harness import emit
+
+tests, name, scenario, batch_timeout = sys.argv[1:5]
+gpu = scenario == "gpu"
+if gpu:
+    fc = fakecuda.FakeCuda(os.environ["TENSORSOCKET_LIBCUDA"])
+    fc.setup(0)
+    cur = fc.stream_create(1)
+
+    class Dev:
+        """A device tensor: holds its capsule (so the slot) as long as it lives."""
+
+        def __init__(self, cap, view):
+            self.cap, self.ptr, self.nbytes = cap, view.data_ptr, view.nbytes
+            self.shape = tuple(view.shape)
+            self.ndim = len(self.shape)
+
+    def device_tensors(slot, device):
+        caps = slot.capsules(versioned=True, device=True, stream=cur)
+        return [Dev(c, v) for c, v in zip(caps, slot.views(device=True))]
+
+    delivery._device_tensors = device_tensors
+
+
+def value(batch):
+    if gpu:
+        x = batch[0]
+        fc.stream_synchronize(cur)
+        return int(np.frombuffer(fc.read(x.ptr, x.nbytes), np.float32)[0])
+    return int(batch[0][0, 0])
+
+
+c = TensorConsumer(name=name, timeout=60, batch_timeout=float(batch_timeout),
+                   device=None if gpu else "cpu", pin_memory=not gpu)
+it = iter(c)
+a = next(it)  # slot 0, which batch 2 needs
+b = next(it)  # slot 1
+out = {"first": [value(a), value(b)]}
+waiting = threading.Event()
+acquire_slot = c._acquire_slot
+
+
+def acquire_slot_after_the_flushes():
+    waiting.set()  # past the flushes before the wait (_next_batch, _acquire)
+    return acquire_slot()
+
+
+c._acquire_slot = acquire_slot_after_the_flushes
+
+
+got = []
+
+
+def prefetch():
+    try:
+        got.append(next(it))  # read in the main thread (its CUDA context is current)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+
+
+t = threading.Thread(target=prefetch)
+t.start()
+out["waited"] = waiting.wait(60)
+del a  # the training loop is done with batch 0: its release is queued, not flushed
+t.join()
+out["third"] = value(got[0]) if got else None
+emit(out)
+del b, got
+c.close()
+'''
+
+
+@pytest.mark.parametrize("scenario", ["gpu", "pinned"])
+def test_slot_dropped_while_another_thread_waits(procs, name, gpu_env, scenario):  # noqa: F811
+    """A prefetch thread waits in next() for the slot that the training loop's batch holds
+    (a 2-slot ring, both slots held), and the loop then drops that batch: its release,
+    deferred on a GPU consumer (GPU import, or pinned host slots) until a flush, is
+    flushed during the wait and the batch arrives, rather than a TimeoutError after
+    batch_timeout (or a hang without one)."""
+    p = procs.start("producer", "--name", name, "--kind", "tuple", "--batches", "4",
+                    "--slots", "2", *(("--device", "cuda:0") if scenario == "gpu" else ()),
+                    env=gpu_env)
+    procs.wait_ready(p)
+    c = procs.script(PREFETCH, TESTS, name, scenario, "20", env=gpu_env)
+    r = procs.result(c)
+    assert r["first"] == [0, 1] and r["waited"]
+    assert r.get("error") is None, r["error"]
+    assert r["third"] == 2
+    procs.result(p)
+
+
+class _HostRing:
+    """What Delivery asks of a host ring: its kind, page-locking, flushing."""
+
+    def __init__(self) -> None:
+        self.pinned_on: list = []
+        self.flushes = 0
+
+    def info(self) -> dict:
+        from tensorsocket import _core
+
+        return {"device_type": _core.DL_CPU}
+
+    def pin_host(self, device: int) -> None:
+        self.pinned_on.append(device)
+
+    def flush_releases(self, wait_ms: int = 0) -> bool:
+        self.flushes += 1
+        return False
+
+
+def test_capture_checked_on_the_pinned_gpu(monkeypatch):
+    """The capture check before a flush looks at the GPU the host ring was page-locked
+    for (torch's current device here, device="cpu"): while a graph is captured there,
+    releases are not flushed (a context-wide event would break the capture)."""
+    import contextlib
+
+    import torch
+
+    from tensorsocket.delivery import Delivery
+
+    checked_on = []
+
+    @contextlib.contextmanager
+    def on(device):
+        checked_on.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", on)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    ring = _HostRing()
+    delivery = Delivery("cpu", copy=False, pin_memory=True, peer_access=True)
+    delivery.attach(ring)
+    assert ring.pinned_on == [1] and delivery.device == "cpu"
+    delivery.flush_releases(ring)
+    assert checked_on == [torch.device("cuda", 1)]
+    assert ring.flushes == 0, "flushed during a capture on the pinned GPU"
