@@ -134,9 +134,11 @@ class TensorConsumer(LoaderSurface):
         from a GPU ring. ``"cuda:N"``: on GPU N: in place if the ring is on
         GPU N, through peer access if it is on another GPU (or copied into
         GPU N with ``peer_access=False``), copied by this consumer from a
-        host ring. If CUDA IPC cannot work (another PID namespace, no
-        driver here, ...), a GPUFallbackWarning says why and tensors come
-        through host memory (copied to ``device`` if one was given).
+        host ring. ``"cuda"``: torch's current GPU (torch.cuda.current_device()
+        when the consumer attaches), as torch reads "cuda". If CUDA IPC cannot
+        work (another PID namespace, no driver here, ...), a
+        GPUFallbackWarning says why and tensors come through host memory
+        (copied to ``device`` if one was given).
         ``"auto"`` is the default's name (env:
         ``TENSORSOCKET_CONSUMER_DEVICE``).
       pin_memory: page-lock this process's mapping of the ring's host slots,

@@ -86,7 +86,7 @@ class Delivery:
         gpu_ring = info["device_type"] == _core.DL_CUDA
         kind, index = self.kind, self.index
         if kind == "cuda" and index is None:
-            index = 0
+            index = _current_gpu()  # as torch reads "cuda": a DDP rank's own GPU
         if kind == "cpu" or (kind == "auto" and not gpu_ring):
             self.device = "cpu"
         elif gpu_ring and (kind == "auto" or self.peer_access or _same_gpu(info, index)):

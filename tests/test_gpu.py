@@ -276,6 +276,19 @@ def test_consumer_on_another_gpu_uses_peer_access(procs, name, gpu_env):
     assert len(opens) == SLOTS and all(line["peer"] == "1" for line in opens)
 
 
+def test_device_cuda_is_torchs_current_gpu(procs, name, gpu_env):
+    """device='cuda' names torch's current GPU, as torch reads it (a DDP rank that called
+    torch.cuda.set_device(1)), not GPU 0: a pool on GPU 1 is read in place there."""
+    env = {**gpu_env, "FAKECUDA_DEVICES": "2"}
+    prod, (c,) = _run(procs, name, env, producer=("--device", "cuda:1"),
+                      consumers=(("--gpu-double", "--device", "cuda", "--current-device", "1"),))
+    assert c["errors"] == [] and c["epochs"] == _expected()
+    assert c["stats"]["device"] == "cuda:1" and c["stats"]["zero_copy_gpu"] is True
+    log = fakecuda.parse_log(env["FAKECUDA_LOG"])
+    opens = [line for line in log if line.op == "ipc_open_mem"]
+    assert len(opens) == SLOTS and all(line["peer"] == "0" for line in opens), opens[:1]
+
+
 def test_pin_memory_registers_the_host_mapping_read_only(procs, name, gpu_env):
     """pin_memory=True page-locks the consumer's read-only mapping of a host ring."""
     prod, (c,) = _run(procs, name, gpu_env, consumers=(("--pin-memory", "--device", "cpu"),))
