@@ -282,7 +282,7 @@ static void ts_gpu_close(ts_device_state *state)
             ts_gpu_teardown(g);
             return;
         }
-        pthread_cond_signal(&g->cond);
+        pthread_cond_broadcast(&g->cond); /* drain waiters share the condition */
         pthread_mutex_unlock(&g->lock);
         pthread_join(g->reaper, NULL);
     }

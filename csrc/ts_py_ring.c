@@ -228,13 +228,18 @@ static PyObject *Ring_flush_releases(RingObject *self, PyObject *args)
     unsigned int wait_ms = 0;
     if (!PyArg_ParseTuple(args, "|I:flush_releases", &wait_ms)) return NULL;
     if (ts_ring_check(self) < 0) return NULL;
-    ts_device_state *dev = self->ring->dev;
-    if (dev == NULL || self->ring->is_producer) Py_RETURN_FALSE;
+    ts_ring *ring = self->ring;
+    ts_device_state *dev = ring->dev;
+    if (dev == NULL || ring->is_producer) Py_RETURN_FALSE;
     int synced = 0;
     ts_err err = {0};
     ts_status st;
+    /* Our own reference while the GIL is released: another thread's close() may drop the
+     * handle's meanwhile, and the ring's last reference frees dev (as Ring_acquire does). */
+    ts_ring_ref(ring);
     Py_BEGIN_ALLOW_THREADS
     st = dev->device->flush(dev, wait_ms, &synced, &err);
+    ts_ring_unref(ring);
     Py_END_ALLOW_THREADS
     if (st != TS_OK) return ts_py_raise(ts_py_state((PyObject *)self), &err);
     return PyBool_FromLong(synced);
