@@ -36,6 +36,7 @@ typedef struct ts_pending {
     void *arg;              /* for done (the ring's, holding what it needs) */
     uint32_t slot;
     uint32_t consumer;
+    uint64_t token;       /* the incarnation that took the hold, for done */
     CUdeviceptr free_ptr; /* owns: a copy=True allocation to free then, or 0 */
 } ts_pending;
 
@@ -699,8 +700,8 @@ static ts_status ts_gpu_copy(ts_device_state *state, uint64_t src, uint64_t n,
  * ========================================================================== */
 
 /* Queue a pending release or free (no driver call; any thread). */
-static void ts_gpu_queue(ts_gpu *g, uint32_t slot, uint32_t consumer, CUdeviceptr free_ptr,
-                         ts_device_done_fn done, void *arg)
+static void ts_gpu_queue(ts_gpu *g, uint32_t slot, uint32_t consumer, uint64_t token,
+                         CUdeviceptr free_ptr, ts_device_done_fn done, void *arg)
 {
     ts_pending *p = calloc(1, sizeof *p);
     if (p == NULL) {
@@ -712,13 +713,14 @@ static void ts_gpu_queue(ts_gpu *g, uint32_t slot, uint32_t consumer, CUdevicept
                      "out of memory queueing a GPU release: the slot stays held");
         g->failed = 1;
         pthread_mutex_unlock(&g->lock);
-        done(arg, slot, consumer, 0);
+        done(arg, slot, consumer, token, 0);
         return;
     }
     p->done = done;
     p->arg = arg;
     p->slot = slot;
     p->consumer = consumer;
+    p->token = token;
     p->free_ptr = free_ptr;
     pthread_mutex_lock(&g->lock);
     p->next = g->unflushed;
@@ -728,9 +730,9 @@ static void ts_gpu_queue(ts_gpu *g, uint32_t slot, uint32_t consumer, CUdevicept
 
 /* Queue the release of slot until the next flush (see ts_device.h). */
 static void ts_gpu_release_after(ts_device_state *state, uint32_t slot, uint32_t consumer,
-                                 ts_device_done_fn done, void *arg)
+                                 uint64_t token, ts_device_done_fn done, void *arg)
 {
-    ts_gpu_queue(ts_gpu_of(state), slot, consumer, 0, done, arg);
+    ts_gpu_queue(ts_gpu_of(state), slot, consumer, token, 0, done, arg);
 }
 
 /* Queue the free of a copy made by ts_gpu_copy until the next flush: the copy was made,
@@ -738,7 +740,7 @@ static void ts_gpu_release_after(ts_device_state *state, uint32_t slot, uint32_t
 static void ts_gpu_free_copy(ts_device_state *state, uint64_t p, ts_device_done_fn done,
                              void *arg)
 {
-    ts_gpu_queue(ts_gpu_of(state), 0, 0, (CUdeviceptr)p, done, arg);
+    ts_gpu_queue(ts_gpu_of(state), 0, 0, 0, (CUdeviceptr)p, done, arg);
 }
 
 /* An idle flush event (caller holds the lock and is inside the context). */
@@ -956,7 +958,7 @@ static void *ts_gpu_reaper_main(void *arg)
             ts_pending *next = p->next;
             ts_pending fin = *p;
             free(p);
-            fin.done(fin.arg, fin.slot, fin.consumer, ok);
+            fin.done(fin.arg, fin.slot, fin.consumer, fin.token, ok);
             p = next;
         }
         pthread_mutex_lock(&g->lock);

@@ -1429,6 +1429,7 @@ ts_status ts_ring_bind_consumer(ts_ring *ring, uint32_t index, uint64_t token, t
     ring->consumer = index;
     ring->token = token;
     ring->incarnation = inc;
+    ring->bound_as[index] = inc;
     return TS_OK;
 }
 
@@ -1889,7 +1890,8 @@ ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
         if (was_held[k]) ring->use[k]->holds = ts_fault_holds(&ring->cow, k);
         uint64_t bits = atomic_exchange_explicit(&ring->held[k], 0, memory_order_relaxed);
         for (uint32_t i = 0; bits != 0; i++, bits >>= 1)
-            if (bits & 1) ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, k), i, ring->incarnation);
+            if (bits & 1) /* an entry of an earlier bind keeps that bind's incarnation */
+                ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, k), i, ring->bound_as[i]);
     }
     ts_ring_trim_aside(ring, was_held);
 done:

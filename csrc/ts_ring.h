@@ -259,6 +259,9 @@ typedef struct ts_ring {
     uint64_t token;          /* consumer side: token of our entry */
     uint64_t incarnation;    /* consumer side: our entry's incarnation at bind (its releases
                               * name it, ts_ring_release) */
+    uint64_t bound_as[TS_MAX_CONSUMERS]; /* consumer side: per entry, the incarnation this
+                              * handle was last bound to it with: the holds under that
+                              * entry's bit in held are its (ts_ring_set_aside) */
     pid_t pid;               /* the process that opened the handle (a fork's child is not it) */
     _Atomic uint64_t *held;  /* owns (consumer side): per slot, the consumer bits under which
                               * this handle holds the slot (set by acquire, cleared by release) */

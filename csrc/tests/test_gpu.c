@@ -1322,6 +1322,79 @@ out:
     prod_close(&p);
 }
 
+/* ==========================================================================
+ * 8. A deferred release names the lease's incarnation, not the handle's (review 1)
+ * ========================================================================== */
+
+/* Consumer: drop a device view of entry A's slot (its release queued, not flushed), then,
+ * detached for lag and retired, bind the same handle to a new entry B (as consumer.py's
+ * rejoin does) and flush: the release must end entry A's hold. */
+static void rebound_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    uint32_t first = c.index;
+    uint64_t first_inc = c.ring->incarnation;
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    ts_export_delete(t, 1);
+    ts_lease_unref(l, TS_USE_WHOLE); /* queued until the next flush */
+    SEND(out, M_DONE, a.slot, 0);
+    RECV(in, M_HELLO, m); /* the producer retired entry A (LEAVING) and reserved B */
+    REQUIRE_OK(ts_ring_bind_consumer(c.ring, (uint32_t)m.a, m.b, &err));
+    c.index = (uint32_t)m.a;
+    CHECK(c.index != first && c.ring->incarnation != first_inc); /* the test's premise */
+    REQUIRE_OK(flush_releases(c.ring, 5000, NULL, &err));
+    CHECK_EQ(readers_of(c.ring, a.slot) & (1ULL << first), 0);
+    CHECK_EQ(atomic_load(&c.ring->hdr->late_releases), 0);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c);
+}
+
+/* A release queued before the handle was bound to another entry ends the old entry's hold:
+ * the slot goes back and the old entry does not stay LEAVING. */
+static void test_rebound_release(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t dummy = 0, ia = 0, ib = 0;
+    uint64_t token = 0;
+    REQUIRE(spawn(&c, rebound_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    /* Entry 0 handed out and given back once: the consumer gets it at incarnation 2, and
+     * entry 1 later at incarnation 1 (a release naming the handle's would be late). */
+    REQUIRE_OK(ts_ring_reserve(p.ring, getpid(), ts_proc_start_time(getpid()), 0, &dummy, &token,
+                               &err));
+    ts_ring_retire(p.ring, dummy);
+    REQUIRE(prod_add(&p, &c, &ia) == 0);
+    RECV(c.from, M_READY, m);
+    REQUIRE_OK(publish_batch(p.ring, 5, &err));
+    RECV(c.from, M_DONE, m);
+    uint32_t slot = (uint32_t)m.a;
+    ts_ring_detach(p.ring, ia, TS_REASON_LAGGED);
+    ts_ring_retire(p.ring, ia);
+    CHECK_EQ(atomic_load(&p.ring->hdr->consumers[ia].state), TS_CONSUMER_LEAVING);
+    REQUIRE(prod_add(&p, &c, &ib) == 0);
+    CHECK(ib != ia);
+    RECV(c.from, M_DONE, m);
+    CHECK_EQ(readers_of(p.ring, slot), 0);
+    CHECK_EQ(atomic_load(&p.ring->hdr->late_releases), 0);
+    CHECK(prod_finish(&p, &c) == 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
 static const ts_test g_tests[] = {
     {"import", test_import},
     {"device_views", test_device_views},
@@ -1334,6 +1407,7 @@ static const ts_test g_tests[] = {
     {"no_ipc_events", test_no_ipc_events},
     {"import_in_exporter", test_import_in_exporter},
     {"relaxed_release_thread", test_relaxed_release_thread},
+    {"rebound_release", test_rebound_release},
 };
 
 /* Run one group in a fresh process (it is the producer; the driver is loaded there
