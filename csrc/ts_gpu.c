@@ -786,6 +786,18 @@ static void ts_gpu_record_failure(ts_gpu *g, CUresult rc, const char *what)
     pthread_mutex_unlock(&g->lock);
 }
 
+/* 1 if rc says only that a stream of the context is being captured (CUDA graphs), so a
+ * context-wide call was refused: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: This error
+ * indicates that the operation is not permitted when the stream is capturing" and
+ * "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: ... the current capture sequence on the stream
+ * has been invalidated due to a previous error" (CUresult, CUDA driver API). Nothing was
+ * waited for and nothing failed: the releases wait for a later flush. */
+static int ts_gpu_capture_refused(CUresult rc)
+{
+    return rc == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ||
+           rc == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+}
+
 /* Wait until the reaper has finished every flush queued so far; 0, or -1 at the deadline
  * (CLOCK_REALTIME, as pthread_cond_timedwait measures). */
 static int ts_gpu_drain(ts_gpu *g, const struct timespec *deadline)
@@ -855,14 +867,17 @@ static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err)
         /* cuCtxRecordEvent: "Captures in hEvent all the activities of the context hCtx at
          * the time of this call" (CUDA driver API, 12.5+). It fails with
          * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, invalidating the capture, if a stream of
-         * the context is being captured: the caller never flushes then. */
+         * the context is being captured: the caller does not flush during its own
+         * captures, and one on another thread only defers the releases (below). */
         pthread_mutex_lock(&g->lock);
         f->event = ts_gpu_take_event(g);
         pthread_mutex_unlock(&g->lock);
         rc = f->event != NULL ? g->api->CtxRecordEvent(g->ctx, f->event) : CUDA_ERROR_OUT_OF_MEMORY;
         if (rc != CUDA_SUCCESS) {
-            /* Nothing was handed over: the releases stay queued for the next flush. */
-            st = ts_cuda_fail(g->api, err, rc, "cuCtxRecordEvent for the GPU releases");
+            /* Nothing was handed over: the releases stay queued for the next flush, which
+             * is all a capture on another thread means (not an error). */
+            if (!ts_gpu_capture_refused(rc))
+                st = ts_cuda_fail(g->api, err, rc, "cuCtxRecordEvent for the GPU releases");
             if (f->event != NULL) {
                 pthread_mutex_lock(&g->lock);
                 ts_gpu_give_event(g, f->event);
@@ -875,6 +890,12 @@ static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err)
         /* No context-wide event in this driver: wait for the whole context here. */
         *synced = 1;
         rc = g->api->CtxSynchronize();
+        if (ts_gpu_capture_refused(rc)) {
+            /* A capture on another thread: the sync did not happen, nothing failed. */
+            *synced = 0;
+            ts_gpu_leave(g);
+            goto requeue;
+        }
         if (rc != CUDA_SUCCESS) {
             ts_gpu_record_failure(g, rc, "cuCtxSynchronize before GPU releases");
             f->failed = 1; /* the reaper drops the releases' references, not the slots */
@@ -893,16 +914,19 @@ static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err)
 
 requeue:
     free(f);
-    pthread_mutex_lock(&g->lock);
-    /* Back at the old end of the queue (newest first): reverse again. */
+    /* Back at the old end of the queue (newest first), in their order: reversed again,
+     * behind the items queued meanwhile (newer). */
+    ts_pending *back = NULL;
     while (oldest != NULL) {
         ts_pending *next = oldest->next;
-        ts_pending **tail = &g->unflushed;
-        while (*tail != NULL) tail = &(*tail)->next;
-        oldest->next = NULL;
-        *tail = oldest;
+        oldest->next = back;
+        back = oldest;
         oldest = next;
     }
+    pthread_mutex_lock(&g->lock);
+    ts_pending **tail = &g->unflushed;
+    while (*tail != NULL) tail = &(*tail)->next;
+    *tail = back;
     pthread_mutex_unlock(&g->lock);
     return st;
 }

@@ -1395,6 +1395,98 @@ out:
     prod_close(&p);
 }
 
+/* ==========================================================================
+ * 9. A flush refused by a capture defers the releases, it fails nothing (review 6)
+ * ========================================================================== */
+
+/* Consumer: a release queued, then flushed while a capture runs on our stream (another
+ * thread's, as far as the flush knows): the flush succeeds and keeps the slot; once the
+ * capture ended, the next flush releases it. fallback: a driver without cuCtxRecordEvent
+ * (the flush synchronizes the context instead). */
+static void capture_flush(int in, int out, int fallback)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    int capturing = 0;
+    capture_fn begin = NULL;
+    end_capture_fn end = NULL;
+    if (fallback) setenv("FAKECUDA_DRIVER_VERSION", "12040", 1); /* read at cuInit */
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
+    void *p2 = fc_sym(c.api, "fakecuda_begin_capture"), *p3 = fc_sym(c.api, "fakecuda_end_capture");
+    REQUIRE(p2 != NULL && p3 != NULL);
+    memcpy(&begin, &p2, sizeof begin);
+    memcpy(&end, &p3, sizeof end);
+    CHECK_EQ(c.api->CtxRecordEvent == NULL, fallback);
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    uint64_t bit = 1ULL << c.index;
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    ts_export_delete(t, 1);
+    ts_lease_unref(l, TS_USE_WHOLE);
+    REQUIRE(CHECK_CU(begin(c.stream, CU_STREAM_CAPTURE_MODE_GLOBAL)));
+    capturing = 1;
+    int synced = 1;
+    CHECK_ST(flush_releases(c.ring, 0, &synced, &err), TS_OK);
+    CHECK_EQ(synced, 0);
+    CHECK(readers_of(c.ring, a.slot) & bit); /* not released under the capture */
+    capturing = 0;
+    end(c.stream); /* invalidated by the refused call: that is the driver's rule */
+    CHECK_ST(flush_releases(c.ring, 5000, &synced, &err), TS_OK);
+    CHECK_EQ(synced, fallback);
+    CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    if (capturing) end(c.stream);
+    cons_close(&c);
+}
+
+/* capture_flush with cuCtxRecordEvent. */
+static void capture_flush_consumer(int in, int out)
+{
+    capture_flush(in, out, 0);
+}
+
+/* capture_flush without cuCtxRecordEvent (cuCtxSynchronize). */
+static void capture_sync_consumer(int in, int out)
+{
+    capture_flush(in, out, 1);
+}
+
+/* Run a capture_flush consumer against one batch. */
+static void capture_flush_test(child_fn fn)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(prod_start(&p, &c, fn, &index) == 0);
+    REQUIRE_OK(publish_batch(p.ring, 4, &err));
+    RECV(c.from, M_DONE, m);
+    CHECK_EQ(readers_of(p.ring, 0), 0);
+    CHECK(prod_finish(&p, &c) == 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* A flush refused by a capture (cuCtxRecordEvent) defers the releases, fails nothing. */
+static void test_capture_deferred_flush(void)
+{
+    capture_flush_test(capture_flush_consumer);
+}
+
+/* The same without cuCtxRecordEvent: a refused cuCtxSynchronize is no failed wait. */
+static void test_capture_deferred_sync(void)
+{
+    capture_flush_test(capture_sync_consumer);
+}
+
 static const ts_test g_tests[] = {
     {"import", test_import},
     {"device_views", test_device_views},
@@ -1408,6 +1500,8 @@ static const ts_test g_tests[] = {
     {"import_in_exporter", test_import_in_exporter},
     {"relaxed_release_thread", test_relaxed_release_thread},
     {"rebound_release", test_rebound_release},
+    {"capture_deferred_flush", test_capture_deferred_flush},
+    {"capture_deferred_sync", test_capture_deferred_sync},
 };
 
 /* Run one group in a fresh process (it is the producer; the driver is loaded there
