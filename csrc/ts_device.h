@@ -157,6 +157,12 @@ typedef struct ts_device {
      * producer keeps the ring until then (tensorsocket/producer.py, _PoolKeeper), or its
      * process's exit takes the memory. */
     void (*close)(ts_device_state *state);
+
+    /* ---- consumer, appended */
+    /* The consumer's handle is closed: no flush will come any more. What release_after
+     * and free_copy queue from now on is flushed by the backend's thread itself, as flush
+     * does (a flush refused by a stream capture on another thread is retried later). */
+    void (*orphan)(ts_device_state *state);
 } ts_device;
 
 /* The CUDA backend (ts_gpu.c over the driver table of ts_cuda.c). */

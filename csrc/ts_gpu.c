@@ -72,6 +72,8 @@ typedef struct ts_gpu {
     int stop;        /* under lock: the reaper exits once the queue is empty */
     int self_free;   /* under lock: the reaper frees this struct when it exits */
     int busy;        /* under lock: the reaper is working on a flush it took */
+    int orphaned;    /* under lock: the consumer's handle is closed, nobody flushes any
+                      * more: the reaper flushes what deleters queue by itself */
     ts_pending *unflushed; /* owns, under lock: queued by deleters, newest first */
     ts_flush *head;  /* owns, under lock: flushes for the reaper, oldest first */
     ts_flush *tail;
@@ -725,6 +727,7 @@ static void ts_gpu_queue(ts_gpu *g, uint32_t slot, uint32_t consumer, uint64_t t
     pthread_mutex_lock(&g->lock);
     p->next = g->unflushed;
     g->unflushed = p;
+    if (g->orphaned) pthread_cond_broadcast(&g->cond); /* the reaper flushes it */
     pthread_mutex_unlock(&g->lock);
 }
 
@@ -931,6 +934,46 @@ requeue:
     return st;
 }
 
+/* The reaper's own flush once the handle is closed (lock held; dropped meanwhile). A
+ * flush refused by a capture on another thread (ts_gpu_capture_refused) leaves the
+ * releases queued: retried after ORPHAN_RETRY_MS, or at the next release queued. */
+#define ORPHAN_RETRY_MS 100
+static void ts_gpu_orphan_flush(ts_gpu *g)
+{
+    int synced = 0;
+    ts_err e = {0};
+    pthread_mutex_unlock(&g->lock);
+    ts_status st = ts_gpu_flush_now(g, &synced, &e);
+    pthread_mutex_lock(&g->lock);
+    if (st != TS_OK && !g->failed) {
+        /* Not a failed wait (that one is sticky already): say it as one, the slots
+         * stay held; nobody is left to report it to. */
+        snprintf(g->failure, sizeof g->failure, "%s", e.msg);
+        g->failed = 1;
+    }
+    if (st == TS_OK && g->head == NULL && g->unflushed != NULL && !g->failed) {
+        struct timespec dl;
+        clock_gettime(CLOCK_REALTIME, &dl);
+        dl.tv_nsec += ORPHAN_RETRY_MS * 1000000L;
+        if (dl.tv_nsec >= 1000000000L) {
+            dl.tv_sec++;
+            dl.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&g->cond, &g->lock, &dl);
+    }
+}
+
+/* The consumer's handle is closed (see ts_device.h): the reaper flushes from now on. */
+static void ts_gpu_orphan(ts_device_state *state)
+{
+    ts_gpu *g = ts_gpu_of(state);
+    if (g == NULL || g->is_producer) return;
+    pthread_mutex_lock(&g->lock);
+    g->orphaned = 1;
+    pthread_cond_broadcast(&g->cond);
+    pthread_mutex_unlock(&g->lock);
+}
+
 /* The reaper: waits for each flush's event, then releases its slots. */
 static void *ts_gpu_reaper_main(void *arg)
 {
@@ -944,7 +987,13 @@ static void *ts_gpu_reaper_main(void *arg)
     }
     pthread_mutex_lock(&g->lock);
     for (;;) {
-        while (g->head == NULL && !g->stop) pthread_cond_wait(&g->cond, &g->lock);
+        while (g->head == NULL && !g->stop) {
+            if (g->orphaned && g->unflushed != NULL && !g->failed) {
+                ts_gpu_orphan_flush(g);
+                continue;
+            }
+            pthread_cond_wait(&g->cond, &g->lock);
+        }
         ts_flush *f = g->head;
         if (f == NULL) break; /* stopped and nothing left */
         g->head = f->next;
@@ -1063,4 +1112,5 @@ const ts_device ts_device_cuda = {
     .free_copy = ts_gpu_free_copy,
     .flush = ts_gpu_flush,
     .close = ts_gpu_close,
+    .orphan = ts_gpu_orphan,
 };

@@ -214,6 +214,7 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
     ts_ring *ring = self->ring;
     self->ring = NULL;
+    ts_ring_orphan(ring); /* views dropped from now on are released without a flush */
     ts_ring_unref_nogil(ring);
     Py_RETURN_NONE;
 }
@@ -255,6 +256,7 @@ static PyObject *Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
 static void Ring_dealloc(RingObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
+    ts_ring_orphan(self->ring);
     ts_ring_unref_nogil(self->ring);
     tp->tp_free(self);
     Py_DECREF(tp);

@@ -482,6 +482,13 @@ void ts_ring_unref(ts_ring *ring)
     if (atomic_fetch_sub_explicit(&ring->refs, 1, memory_order_acq_rel) == 1) ts_ring_free(ring);
 }
 
+/* A consumer handle's owner closed it: its device flushes by itself (see ts_ring.h). */
+void ts_ring_orphan(ts_ring *ring)
+{
+    if (ring == NULL || ring->is_producer || ring->dev == NULL) return;
+    if (ring->dev->device->orphan != NULL) ring->dev->device->orphan(ring->dev);
+}
+
 /* Remove the segment's name (the mapping stays valid). */
 ts_status ts_ring_unlink_name(const char *name, ts_err *err)
 {

@@ -379,6 +379,11 @@ void ts_ring_ref(ts_ring *ring);
 /* Drop a reference; unmaps and frees at zero. Safe on any thread. */
 void ts_ring_unref(ts_ring *ring);
 
+/* The owner of a consumer handle closed it (the references left are its views'): from
+ * now on the device releases those views queue are flushed by the device's own thread,
+ * since no call of the consumer will flush them (ts_device.h, orphan). */
+void ts_ring_orphan(ts_ring *ring);
+
 /* Remove the segment's name (the mapping stays valid). */
 ts_status ts_ring_unlink_name(const char *name, ts_err *err);
 

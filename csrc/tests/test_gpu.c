@@ -1487,6 +1487,57 @@ static void test_capture_deferred_sync(void)
     capture_flush_test(capture_sync_consumer);
 }
 
+/* ==========================================================================
+ * 10. Views dropped after the handle was closed are released all the same (review 3)
+ * ========================================================================== */
+
+/* Consumer: keep a device view, close the handle (orphan, then drop its reference), then
+ * drop the view: nothing of ours flushes any more, the release thread does it. */
+static void orphan_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    ts_lease_unref(l, TS_USE_WHOLE); /* the view keeps the lease */
+    ts_ring_orphan(c.ring);           /* Ring.close() */
+    ts_ring_unref(c.ring);
+    c.ring = NULL;
+    ts_export_delete(t, 1); /* its release is queued; no flush will come from us */
+    SEND(out, M_DONE, a.slot, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c);
+}
+
+/* The slot of a view dropped after close() goes back, and the consumer's mapping of the
+ * pool closes (its importer entry goes), while the consumer process lives on. */
+static void test_release_after_close(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(prod_start(&p, &c, orphan_consumer, &index) == 0);
+    REQUIRE_OK(publish_batch(p.ring, 6, &err));
+    RECV(c.from, M_DONE, m);
+    uint32_t slot = (uint32_t)m.a;
+    CHECK(wait_bit_clear(p.ring, slot, 1ULL << index, 10000));
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(10000), &err), TS_OK);
+    CHECK_EQ(ts_ring_importers(p.ring), 0);
+    SEND(c.to, M_BYE, 0, 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
 static const ts_test g_tests[] = {
     {"import", test_import},
     {"device_views", test_device_views},
@@ -1502,6 +1553,7 @@ static const ts_test g_tests[] = {
     {"rebound_release", test_rebound_release},
     {"capture_deferred_flush", test_capture_deferred_flush},
     {"capture_deferred_sync", test_capture_deferred_sync},
+    {"release_after_close", test_release_after_close},
 };
 
 /* Run one group in a fresh process (it is the producer; the driver is loaded there
