@@ -163,6 +163,12 @@ typedef struct ts_device {
      * and free_copy queue from now on is flushed by the backend's thread itself, as flush
      * does (a flush refused by a stream capture on another thread is retried later). */
     void (*orphan)(ts_device_state *state);
+
+    /* ---- producer, appended */
+    /* The producer's handle goes while other processes still map the pool (close must
+     * wait): undo the page-locking of the host slot data, whose mapping goes now; the
+     * pool, its events and the driver stay, for the process's exit to take. */
+    void (*unpin_host)(ts_device_state *state);
 } ts_device;
 
 /* The CUDA backend (ts_gpu.c over the driver table of ts_cuda.c). */

@@ -963,6 +963,20 @@ static void ts_gpu_orphan_flush(ts_gpu *g)
     }
 }
 
+/* The producer's handle goes before its pool may (see ts_device.h): the host slot data
+ * stops being page-locked once the copies out of it finished. */
+static void ts_gpu_unpin_host(ts_device_state *state)
+{
+    ts_gpu *g = ts_gpu_of(state);
+    if (g == NULL || g->api == NULL || g->pinned == NULL || ts_gpu_enter(g, NULL) != TS_OK)
+        return;
+    if (g->stream != NULL) g->api->StreamSynchronize(g->stream);
+    g->api->MemHostUnregister(g->pinned);
+    g->pinned = NULL;
+    g->base.host_pinned = 0;
+    ts_gpu_leave(g);
+}
+
 /* The consumer's handle is closed (see ts_device.h): the reaper flushes from now on. */
 static void ts_gpu_orphan(ts_device_state *state)
 {
@@ -1113,4 +1127,5 @@ const ts_device ts_device_cuda = {
     .flush = ts_gpu_flush,
     .close = ts_gpu_close,
     .orphan = ts_gpu_orphan,
+    .unpin_host = ts_gpu_unpin_host,
 };

@@ -236,7 +236,18 @@ static void ts_ring_free(ts_ring *ring)
     /* Device state first: it page-locked and mirrors the host slot data. A producer's pool
      * goes only once no process maps it (ts_device.h, close): a handle freed before (the
      * interpreter exits while a consumer still maps it) leaves it to the process's exit. */
-    if (ring->dev != NULL && !(ring->is_producer && ts_ring_importers(ring) > 0))
+    int kept = 0;
+    if (ring->dev != NULL && ring->is_producer) {
+        /* No import begins from here on; one that claimed its entry before is counted:
+         * seq_cst on both sides, so one of the two sees the other (a consumer that sees
+         * the flag backs out, ts_ring_import_device). */
+        atomic_store_explicit(&ring->hdr->pool_closing, 1, memory_order_seq_cst);
+        atomic_thread_fence(memory_order_seq_cst);
+        kept = ts_ring_importers(ring) > 0;
+    }
+    if (kept && ring->dev->device->unpin_host != NULL)
+        ring->dev->device->unpin_host(ring->dev); /* the data mapping goes below */
+    else if (ring->dev != NULL)
         ring->dev->device->close(ring->dev);
     ring->dev = NULL;
     /* Our mappings of the pool are closed: the producer may free it. */
@@ -1210,8 +1221,9 @@ static int ts_ring_add_importer(ts_ring *ring)
     ts_header *h = ring->hdr;
     for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
         uint32_t want = TS_IMPORTER_FREE;
+        /* seq_cst: against the producer's pool_closing (ts_ring_free). */
         if (!atomic_compare_exchange_strong_explicit(&h->importers[i].state, &want,
-                                                     TS_IMPORTER_CLAIMED, memory_order_acq_rel,
+                                                     TS_IMPORTER_CLAIMED, memory_order_seq_cst,
                                                      memory_order_relaxed))
             continue;
         h->importers[i].pid = (int32_t)getpid();
@@ -1313,6 +1325,15 @@ ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ord
     /* Announce the mapping before it exists: the producer never frees under it. */
     int entry = ts_ring_add_importer(ring);
     if (entry < 0) return ts_err_set(err, TS_E_FULL, 0, "too many processes map this GPU ring");
+    /* The producer may have counted the importers before our claim and be freeing the
+     * pool: it said so first (ts_ring_free). */
+    if (atomic_load_explicit(&ring->hdr->pool_closing, memory_order_seq_cst)) {
+        ts_ring_drop_importer(ring->hdr, entry);
+        return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
+                          "the producer (pid %d) closed its GPU ring and is freeing its GPU "
+                          "memory",
+                          h->producer_pid);
+    }
     ts_device_ring view = ts_ring_device_view(ring);
     st = ring->dev->device->import(ring->dev, &view, err);
     if (st != TS_OK) {

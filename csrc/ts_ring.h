@@ -179,6 +179,11 @@ typedef struct ts_header {
     int32_t device_ordinal;   /* CUDA rings: the producer's device ordinal */
     uint32_t host_pinned;     /* CUDA rings: the producer page-locked the host slot data */
     uint8_t device_uuid[16];  /* CUDA rings: UUID of the GPU holding the slot pool */
+    _Atomic uint32_t pool_closing; /* CUDA rings: 1 once the producer's handle is being
+                                    * freed: it counts the importers next and frees the pool
+                                    * if there are none, so no new import may begin (seq_cst,
+                                    * with the importer claims: ts_ring_import_device). In
+                                    * the padding before state: no layout change */
 
     _Alignas(64) _Atomic uint32_t state;
     _Atomic uint32_t pub_word;     /* futex: bumped on publish and state change */

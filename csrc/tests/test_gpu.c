@@ -1538,6 +1538,71 @@ out:
     prod_close(&p);
 }
 
+/* ==========================================================================
+ * 11. The producer's handle goes while a consumer maps the pool (review 7, 8a)
+ * ========================================================================== */
+
+/* Consumer B: opens and binds the ring but imports only on GO, after the producer's handle
+ * began to go: the import is refused, and its importer entry given back. */
+static void late_importer_consumer(int in, int out)
+{
+    ts_ring *ring = NULL;
+    ts_cuda_api *api = NULL;
+    ts_err err = {0};
+    msg m;
+    RECV(in, M_HELLO, m);
+    REQUIRE_OK(ts_ring_open(g_name, &ring, &err));
+    REQUIRE_OK(ts_ring_bind_consumer(ring, (uint32_t)m.a, m.b, &err));
+    REQUIRE_OK(ts_cuda_load(&api, &err));
+    SEND(out, M_READY, 0, 0);
+    RECV(in, M_GO, m);
+    uint32_t before = ts_ring_importers(ring);
+    CHECK_ST(ts_ring_import_device(ring, &api->base, 0, &err), TS_E_PRODUCER_GONE);
+    CHECK(strstr(err.msg, "freeing its GPU memory") != NULL);
+    CHECK_EQ(ts_ring_importers(ring), before); /* the claim was given back */
+    CHECK_EQ(ts_ring_imported_device(ring), -1);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    if (ring != NULL) ts_ring_unref(ring);
+    if (api != NULL) ts_cuda_unref(api);
+}
+
+/* A: imported; B: not yet. The producer's handle goes: the pool stays (A maps it), its host
+ * slot data is unpinned before its mapping goes, and B can no longer begin an import. */
+static void test_close_while_imported(void)
+{
+    prod p = {0};
+    peer A = {0}, B = {0};
+    msg m;
+    uint32_t ia = 0, ib = 0;
+    REQUIRE(spawn(&A, leaver_consumer) == 0);
+    REQUIRE(spawn(&B, late_importer_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    REQUIRE(prod_add(&p, &A, &ia) == 0);
+    REQUIRE(prod_add(&p, &B, &ib) == 0);
+    RECV(A.from, M_READY, m);
+    RECV(B.from, M_READY, m);
+    CHECK_EQ(ts_ring_importers(p.ring), 1);
+    int pinned = p.ring->hdr->host_pinned != 0;
+    int frees = fc_counter(p.api, "free"), unpins = fc_counter(p.api, "host_unregister");
+    ts_ring_unref(p.ring);
+    p.ring = NULL;
+    CHECK_EQ(fc_counter(p.api, "free"), frees); /* the pool stays while A maps it */
+    CHECK_EQ(fc_counter(p.api, "host_unregister"), unpins + pinned);
+    SEND(B.to, M_GO, 0, 0);
+    RECV(B.from, M_DONE, m);
+    SEND(A.to, M_GO, 0, 0);
+    RECV(A.from, M_DONE, m);
+    SEND(A.to, M_BYE, 0, 0);
+    SEND(B.to, M_BYE, 0, 0);
+out:
+    reap(&A, 1);
+    reap(&B, 1);
+    fakecuda_objects(getpid(), 1); /* the pool kept is this process's exit's to take */
+    prod_close(&p);
+}
+
 static const ts_test g_tests[] = {
     {"import", test_import},
     {"device_views", test_device_views},
@@ -1554,6 +1619,7 @@ static const ts_test g_tests[] = {
     {"capture_deferred_flush", test_capture_deferred_flush},
     {"capture_deferred_sync", test_capture_deferred_sync},
     {"release_after_close", test_release_after_close},
+    {"close_while_imported", test_close_while_imported},
 };
 
 /* Run one group in a fresh process (it is the producer; the driver is loaded there
