@@ -245,10 +245,12 @@ static void ts_ring_free(ts_ring *ring)
         atomic_thread_fence(memory_order_seq_cst);
         kept = ts_ring_importers(ring) > 0;
     }
-    if (kept && ring->dev->device->unpin_host != NULL)
-        ring->dev->device->unpin_host(ring->dev); /* the data mapping goes below */
-    else if (ring->dev != NULL)
+    if (kept) {
+        if (ring->dev->device->unpin_host != NULL)
+            ring->dev->device->unpin_host(ring->dev); /* the data mapping goes below */
+    } else if (ring->dev != NULL) {
         ring->dev->device->close(ring->dev);
+    }
     ring->dev = NULL;
     /* Our mappings of the pool are closed: the producer may free it. */
     if (ring->importer >= 0) ts_ring_drop_importer(ring->hdr, ring->importer);
