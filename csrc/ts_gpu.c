@@ -877,8 +877,9 @@ static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err)
         pthread_mutex_unlock(&g->lock);
         rc = f->event != NULL ? g->api->CtxRecordEvent(g->ctx, f->event) : CUDA_ERROR_OUT_OF_MEMORY;
         if (rc != CUDA_SUCCESS) {
-            /* Nothing was handed over: the releases stay queued for the next flush, which
-             * is all a capture on another thread means (not an error). */
+            /* Nothing was handed over: the releases stay queued for the next flush. A
+             * capture on another thread refused it (and was invalidated by it, per the
+             * note on cuCtxRecordEvent): not a failed wait, so no error here. */
             if (!ts_gpu_capture_refused(rc))
                 st = ts_cuda_fail(g->api, err, rc, "cuCtxRecordEvent for the GPU releases");
             if (f->event != NULL) {
@@ -936,7 +937,12 @@ requeue:
 
 /* The reaper's own flush once the handle is closed (lock held; dropped meanwhile). A
  * flush refused by a capture on another thread (ts_gpu_capture_refused) leaves the
- * releases queued: retried after ORPHAN_RETRY_MS, or at the next release queued. */
+ * releases queued: retried after ORPHAN_RETRY_MS, or at the next release queued. The
+ * price: cuCtxRecordEvent "will return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED if the
+ * specified context hCtx has a stream in the capture mode. In such a case, the call will
+ * invalidate all the conflicting captures" (CUDA driver API), so a capture the process
+ * runs at that moment fails and must be redone; nothing else orders a release after work
+ * on streams nobody named, and without it the slot stays held until the process exits. */
 #define ORPHAN_RETRY_MS 100
 static void ts_gpu_orphan_flush(ts_gpu *g)
 {
