@@ -209,7 +209,8 @@ static void ts_ring_unref_nogil(ts_ring *ring)
     Py_END_ALLOW_THREADS
 }
 
-/* Ring.close(): drop this handle (views keep the mapping alive). */
+/* Ring.close(): drop this handle (views keep the mapping alive; the GPU releases of views
+ * dropped from now on are flushed by the release thread itself, ts_ring_orphan). */
 static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
     ts_ring *ring = self->ring;
@@ -223,7 +224,8 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
  * the release thread, after all work queued so far on this process's GPU context (never
  * call it during a CUDA-graph capture); with wait_ms, also wait for them to finish. True if
  * the driver has no cuCtxRecordEvent and the context was synchronized instead. A failed
- * release of an earlier flush raises here. */
+ * release of an earlier flush raises here; a flush refused by a capture on another thread
+ * leaves the releases queued for the next call, and does not raise. */
 static PyObject *Ring_flush_releases(RingObject *self, PyObject *args)
 {
     unsigned int wait_ms = 0;
