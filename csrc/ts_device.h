@@ -76,9 +76,11 @@ typedef struct ts_device_desc {
 } ts_device_desc;
 
 /* A queued release (or free) is over. ok: the work queued before it finished, the
- * consumer's hold on slot ends. !ok: waiting for that work failed; the slot must stay held
- * (only what the release itself owns, such as a ring reference, may go). */
-typedef void (*ts_device_done_fn)(void *arg, uint32_t slot, uint32_t consumer, int ok);
+ * consumer's hold on slot (taken by incarnation token of entry consumer) ends. !ok: waiting
+ * for that work failed; the slot must stay held (only what the release itself owns, such
+ * as a ring reference, may go). */
+typedef void (*ts_device_done_fn)(void *arg, uint32_t slot, uint32_t consumer, uint64_t token,
+                                  int ok);
 
 /* A backend. Functions taking a state get the one its create_pool, open or import made. */
 typedef struct ts_device {
@@ -127,15 +129,17 @@ typedef struct ts_device {
     /* Make stream wait for the slot's content. */
     ts_status (*stream_wait)(ts_device_state *state, uint32_t slot, ts_device_stream stream,
                              ts_err *err);
-    /* Queue the release of slot (no driver call): done(arg, slot, consumer, ok) is called
-     * on a thread of the backend once a later flush recorded the work queued on the
-     * consumer's context and that work finished (ok), or waiting for it failed (!ok). */
+    /* Queue the release of slot (no driver call): done(arg, slot, consumer, token, ok) is
+     * called on a thread of the backend once a later flush recorded the work queued on the
+     * consumer's context and that work finished (ok), or waiting for it failed (!ok).
+     * token is the lease's incarnation, carried as is (the handle may be bound again
+     * before done runs). */
     void (*release_after)(ts_device_state *state, uint32_t slot, uint32_t consumer,
-                          ts_device_done_fn done, void *arg);
+                          uint64_t token, ts_device_done_fn done, void *arg);
     /* A private device copy of n bytes at src, made on stream. */
     ts_status (*copy)(ts_device_state *state, uint64_t src, uint64_t n,
                       ts_device_stream stream, uint64_t *out, ts_err *err);
-    /* Queue the free of a copy made by copy, like a release: done(arg, 0, 0, ok) after. */
+    /* Queue the free of a copy made by copy, like a release: done(arg, 0, 0, 0, ok) after. */
     void (*free_copy)(ts_device_state *state, uint64_t p, ts_device_done_fn done, void *arg);
     /* Hand what release_after and free_copy queued to the backend's thread, ordered after
      * all work of the consumer's context queued before this call. Never while a stream of
@@ -153,6 +157,18 @@ typedef struct ts_device {
      * producer keeps the ring until then (tensorsocket/producer.py, _PoolKeeper), or its
      * process's exit takes the memory. */
     void (*close)(ts_device_state *state);
+
+    /* ---- consumer, appended */
+    /* The consumer's handle is closed: no flush will come any more. What release_after
+     * and free_copy queue from now on is flushed by the backend's thread itself, as flush
+     * does (a flush refused by a stream capture on another thread is retried later). */
+    void (*orphan)(ts_device_state *state);
+
+    /* ---- producer, appended */
+    /* The producer's handle goes while other processes still map the pool (close must
+     * wait): undo the page-locking of the host slot data, whose mapping goes now; the
+     * pool, its events and the driver stay, for the process's exit to take. */
+    void (*unpin_host)(ts_device_state *state);
 } ts_device;
 
 /* The CUDA backend (ts_gpu.c over the driver table of ts_cuda.c). */

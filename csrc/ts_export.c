@@ -37,11 +37,12 @@ void ts_lease_ref(ts_lease *lease, uint32_t leaf)
 
 /* A deferred release is over: the hold ends if the wait for the GPU work succeeded (else
  * the slot stays held: a slot must never go back under queued work), and the ring
- * reference taken for it goes. The hold's incarnation is the handle's (a handle is bound
- * once: ts_ring_bind_consumer). */
-static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer, int ok)
+ * reference taken for it goes. The hold's incarnation is the lease's token, not the
+ * handle's: the handle may have been bound again since (a consumer that rejoined). */
+static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer, uint64_t token,
+                              int ok)
 {
-    if (ok) ts_ring_release(ring, slot, consumer, ((ts_ring *)ring)->incarnation);
+    if (ok) ts_ring_release(ring, slot, consumer, token);
     ts_ring_unref(ring);
 }
 
@@ -59,7 +60,8 @@ void ts_lease_unref(ts_lease *lease, uint32_t leaf)
     if (dev != NULL && !ring->is_producer &&
         (lease->n_streams > 0 || lease->all_streams || dev->host_pinned)) {
         ts_ring_ref(ring); /* until done: the device calls it later, on its thread */
-        dev->device->release_after(dev, lease->slot, lease->consumer, ts_lease_released, ring);
+        dev->device->release_after(dev, lease->slot, lease->consumer, lease->token,
+                                   ts_lease_released, ring);
     } else {
         ts_ring_release(ring, lease->slot, lease->consumer, lease->token);
     }
@@ -118,10 +120,12 @@ typedef struct ts_export_ctx {
 
 /* A private device copy was freed (or not, its wait having failed): drop its ring
  * reference. */
-static void ts_copy_freed(void *ring, uint32_t slot, uint32_t consumer, int ok)
+static void ts_copy_freed(void *ring, uint32_t slot, uint32_t consumer, uint64_t token,
+                          int ok)
 {
     (void)slot;
     (void)consumer;
+    (void)token;
     (void)ok;
     ts_ring_unref(ring);
 }

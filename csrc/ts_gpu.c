@@ -36,6 +36,7 @@ typedef struct ts_pending {
     void *arg;              /* for done (the ring's, holding what it needs) */
     uint32_t slot;
     uint32_t consumer;
+    uint64_t token;       /* the incarnation that took the hold, for done */
     CUdeviceptr free_ptr; /* owns: a copy=True allocation to free then, or 0 */
 } ts_pending;
 
@@ -71,6 +72,8 @@ typedef struct ts_gpu {
     int stop;        /* under lock: the reaper exits once the queue is empty */
     int self_free;   /* under lock: the reaper frees this struct when it exits */
     int busy;        /* under lock: the reaper is working on a flush it took */
+    int orphaned;    /* under lock: the consumer's handle is closed, nobody flushes any
+                      * more: the reaper flushes what deleters queue by itself */
     ts_pending *unflushed; /* owns, under lock: queued by deleters, newest first */
     ts_flush *head;  /* owns, under lock: flushes for the reaper, oldest first */
     ts_flush *tail;
@@ -282,7 +285,7 @@ static void ts_gpu_close(ts_device_state *state)
             ts_gpu_teardown(g);
             return;
         }
-        pthread_cond_signal(&g->cond);
+        pthread_cond_broadcast(&g->cond); /* drain waiters share the condition */
         pthread_mutex_unlock(&g->lock);
         pthread_join(g->reaper, NULL);
     }
@@ -699,8 +702,8 @@ static ts_status ts_gpu_copy(ts_device_state *state, uint64_t src, uint64_t n,
  * ========================================================================== */
 
 /* Queue a pending release or free (no driver call; any thread). */
-static void ts_gpu_queue(ts_gpu *g, uint32_t slot, uint32_t consumer, CUdeviceptr free_ptr,
-                         ts_device_done_fn done, void *arg)
+static void ts_gpu_queue(ts_gpu *g, uint32_t slot, uint32_t consumer, uint64_t token,
+                         CUdeviceptr free_ptr, ts_device_done_fn done, void *arg)
 {
     ts_pending *p = calloc(1, sizeof *p);
     if (p == NULL) {
@@ -712,25 +715,27 @@ static void ts_gpu_queue(ts_gpu *g, uint32_t slot, uint32_t consumer, CUdevicept
                      "out of memory queueing a GPU release: the slot stays held");
         g->failed = 1;
         pthread_mutex_unlock(&g->lock);
-        done(arg, slot, consumer, 0);
+        done(arg, slot, consumer, token, 0);
         return;
     }
     p->done = done;
     p->arg = arg;
     p->slot = slot;
     p->consumer = consumer;
+    p->token = token;
     p->free_ptr = free_ptr;
     pthread_mutex_lock(&g->lock);
     p->next = g->unflushed;
     g->unflushed = p;
+    if (g->orphaned) pthread_cond_broadcast(&g->cond); /* the reaper flushes it */
     pthread_mutex_unlock(&g->lock);
 }
 
 /* Queue the release of slot until the next flush (see ts_device.h). */
 static void ts_gpu_release_after(ts_device_state *state, uint32_t slot, uint32_t consumer,
-                                 ts_device_done_fn done, void *arg)
+                                 uint64_t token, ts_device_done_fn done, void *arg)
 {
-    ts_gpu_queue(ts_gpu_of(state), slot, consumer, 0, done, arg);
+    ts_gpu_queue(ts_gpu_of(state), slot, consumer, token, 0, done, arg);
 }
 
 /* Queue the free of a copy made by ts_gpu_copy until the next flush: the copy was made,
@@ -738,7 +743,7 @@ static void ts_gpu_release_after(ts_device_state *state, uint32_t slot, uint32_t
 static void ts_gpu_free_copy(ts_device_state *state, uint64_t p, ts_device_done_fn done,
                              void *arg)
 {
-    ts_gpu_queue(ts_gpu_of(state), 0, 0, (CUdeviceptr)p, done, arg);
+    ts_gpu_queue(ts_gpu_of(state), 0, 0, 0, (CUdeviceptr)p, done, arg);
 }
 
 /* An idle flush event (caller holds the lock and is inside the context). */
@@ -782,6 +787,18 @@ static void ts_gpu_record_failure(ts_gpu *g, CUresult rc, const char *what)
                  e.msg);
     g->failed = 1;
     pthread_mutex_unlock(&g->lock);
+}
+
+/* 1 if rc says only that a stream of the context is being captured (CUDA graphs), so a
+ * context-wide call was refused: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: This error
+ * indicates that the operation is not permitted when the stream is capturing" and
+ * "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: ... the current capture sequence on the stream
+ * has been invalidated due to a previous error" (CUresult, CUDA driver API). Nothing was
+ * waited for and nothing failed: the releases wait for a later flush. */
+static int ts_gpu_capture_refused(CUresult rc)
+{
+    return rc == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ||
+           rc == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
 }
 
 /* Wait until the reaper has finished every flush queued so far; 0, or -1 at the deadline
@@ -853,14 +870,18 @@ static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err)
         /* cuCtxRecordEvent: "Captures in hEvent all the activities of the context hCtx at
          * the time of this call" (CUDA driver API, 12.5+). It fails with
          * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, invalidating the capture, if a stream of
-         * the context is being captured: the caller never flushes then. */
+         * the context is being captured: the caller does not flush during its own
+         * captures, and one on another thread only defers the releases (below). */
         pthread_mutex_lock(&g->lock);
         f->event = ts_gpu_take_event(g);
         pthread_mutex_unlock(&g->lock);
         rc = f->event != NULL ? g->api->CtxRecordEvent(g->ctx, f->event) : CUDA_ERROR_OUT_OF_MEMORY;
         if (rc != CUDA_SUCCESS) {
-            /* Nothing was handed over: the releases stay queued for the next flush. */
-            st = ts_cuda_fail(g->api, err, rc, "cuCtxRecordEvent for the GPU releases");
+            /* Nothing was handed over: the releases stay queued for the next flush. A
+             * capture on another thread refused it (and was invalidated by it, per the
+             * note on cuCtxRecordEvent): not a failed wait, so no error here. */
+            if (!ts_gpu_capture_refused(rc))
+                st = ts_cuda_fail(g->api, err, rc, "cuCtxRecordEvent for the GPU releases");
             if (f->event != NULL) {
                 pthread_mutex_lock(&g->lock);
                 ts_gpu_give_event(g, f->event);
@@ -873,6 +894,12 @@ static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err)
         /* No context-wide event in this driver: wait for the whole context here. */
         *synced = 1;
         rc = g->api->CtxSynchronize();
+        if (ts_gpu_capture_refused(rc)) {
+            /* A capture on another thread: the sync did not happen, nothing failed. */
+            *synced = 0;
+            ts_gpu_leave(g);
+            goto requeue;
+        }
         if (rc != CUDA_SUCCESS) {
             ts_gpu_record_failure(g, rc, "cuCtxSynchronize before GPU releases");
             f->failed = 1; /* the reaper drops the releases' references, not the slots */
@@ -891,18 +918,80 @@ static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err)
 
 requeue:
     free(f);
-    pthread_mutex_lock(&g->lock);
-    /* Back at the old end of the queue (newest first): reverse again. */
+    /* Back at the old end of the queue (newest first), in their order: reversed again,
+     * behind the items queued meanwhile (newer). */
+    ts_pending *back = NULL;
     while (oldest != NULL) {
         ts_pending *next = oldest->next;
-        ts_pending **tail = &g->unflushed;
-        while (*tail != NULL) tail = &(*tail)->next;
-        oldest->next = NULL;
-        *tail = oldest;
+        oldest->next = back;
+        back = oldest;
         oldest = next;
     }
+    pthread_mutex_lock(&g->lock);
+    ts_pending **tail = &g->unflushed;
+    while (*tail != NULL) tail = &(*tail)->next;
+    *tail = back;
     pthread_mutex_unlock(&g->lock);
     return st;
+}
+
+/* The reaper's own flush once the handle is closed (lock held; dropped meanwhile). A
+ * flush refused by a capture on another thread (ts_gpu_capture_refused) leaves the
+ * releases queued: retried after ORPHAN_RETRY_MS, or at the next release queued. The
+ * price: cuCtxRecordEvent "will return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED if the
+ * specified context hCtx has a stream in the capture mode. In such a case, the call will
+ * invalidate all the conflicting captures" (CUDA driver API), so a capture the process
+ * runs at that moment fails and must be redone; nothing else orders a release after work
+ * on streams nobody named, and without it the slot stays held until the process exits. */
+#define ORPHAN_RETRY_MS 100
+static void ts_gpu_orphan_flush(ts_gpu *g)
+{
+    int synced = 0;
+    ts_err e = {0};
+    pthread_mutex_unlock(&g->lock);
+    ts_status st = ts_gpu_flush_now(g, &synced, &e);
+    pthread_mutex_lock(&g->lock);
+    if (st != TS_OK && !g->failed) {
+        /* Not a failed wait (that one is sticky already): say it as one, the slots
+         * stay held; nobody is left to report it to. */
+        snprintf(g->failure, sizeof g->failure, "%s", e.msg);
+        g->failed = 1;
+    }
+    if (st == TS_OK && g->head == NULL && g->unflushed != NULL && !g->failed) {
+        struct timespec dl;
+        clock_gettime(CLOCK_REALTIME, &dl);
+        dl.tv_nsec += ORPHAN_RETRY_MS * 1000000L;
+        if (dl.tv_nsec >= 1000000000L) {
+            dl.tv_sec++;
+            dl.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&g->cond, &g->lock, &dl);
+    }
+}
+
+/* The producer's handle goes before its pool may (see ts_device.h): the host slot data
+ * stops being page-locked once the copies out of it finished. */
+static void ts_gpu_unpin_host(ts_device_state *state)
+{
+    ts_gpu *g = ts_gpu_of(state);
+    if (g == NULL || g->api == NULL || g->pinned == NULL || ts_gpu_enter(g, NULL) != TS_OK)
+        return;
+    if (g->stream != NULL) g->api->StreamSynchronize(g->stream);
+    g->api->MemHostUnregister(g->pinned);
+    g->pinned = NULL;
+    g->base.host_pinned = 0;
+    ts_gpu_leave(g);
+}
+
+/* The consumer's handle is closed (see ts_device.h): the reaper flushes from now on. */
+static void ts_gpu_orphan(ts_device_state *state)
+{
+    ts_gpu *g = ts_gpu_of(state);
+    if (g == NULL || g->is_producer) return;
+    pthread_mutex_lock(&g->lock);
+    g->orphaned = 1;
+    pthread_cond_broadcast(&g->cond);
+    pthread_mutex_unlock(&g->lock);
 }
 
 /* The reaper: waits for each flush's event, then releases its slots. */
@@ -918,7 +1007,13 @@ static void *ts_gpu_reaper_main(void *arg)
     }
     pthread_mutex_lock(&g->lock);
     for (;;) {
-        while (g->head == NULL && !g->stop) pthread_cond_wait(&g->cond, &g->lock);
+        while (g->head == NULL && !g->stop) {
+            if (g->orphaned && g->unflushed != NULL && !g->failed) {
+                ts_gpu_orphan_flush(g);
+                continue;
+            }
+            pthread_cond_wait(&g->cond, &g->lock);
+        }
         ts_flush *f = g->head;
         if (f == NULL) break; /* stopped and nothing left */
         g->head = f->next;
@@ -956,7 +1051,7 @@ static void *ts_gpu_reaper_main(void *arg)
             ts_pending *next = p->next;
             ts_pending fin = *p;
             free(p);
-            fin.done(fin.arg, fin.slot, fin.consumer, ok);
+            fin.done(fin.arg, fin.slot, fin.consumer, fin.token, ok);
             p = next;
         }
         pthread_mutex_lock(&g->lock);
@@ -1037,4 +1132,6 @@ const ts_device ts_device_cuda = {
     .free_copy = ts_gpu_free_copy,
     .flush = ts_gpu_flush,
     .close = ts_gpu_close,
+    .orphan = ts_gpu_orphan,
+    .unpin_host = ts_gpu_unpin_host,
 };

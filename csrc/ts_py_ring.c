@@ -209,11 +209,13 @@ static void ts_ring_unref_nogil(ts_ring *ring)
     Py_END_ALLOW_THREADS
 }
 
-/* Ring.close(): drop this handle (views keep the mapping alive). */
+/* Ring.close(): drop this handle (views keep the mapping alive; the GPU releases of views
+ * dropped from now on are flushed by the release thread itself, ts_ring_orphan). */
 static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
     ts_ring *ring = self->ring;
     self->ring = NULL;
+    ts_ring_orphan(ring); /* views dropped from now on are released without a flush */
     ts_ring_unref_nogil(ring);
     Py_RETURN_NONE;
 }
@@ -222,19 +224,25 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
  * the release thread, after all work queued so far on this process's GPU context (never
  * call it during a CUDA-graph capture); with wait_ms, also wait for them to finish. True if
  * the driver has no cuCtxRecordEvent and the context was synchronized instead. A failed
- * release of an earlier flush raises here. */
+ * release of an earlier flush raises here; a flush refused by a capture on another thread
+ * leaves the releases queued for the next call, and does not raise. */
 static PyObject *Ring_flush_releases(RingObject *self, PyObject *args)
 {
     unsigned int wait_ms = 0;
     if (!PyArg_ParseTuple(args, "|I:flush_releases", &wait_ms)) return NULL;
     if (ts_ring_check(self) < 0) return NULL;
-    ts_device_state *dev = self->ring->dev;
-    if (dev == NULL || self->ring->is_producer) Py_RETURN_FALSE;
+    ts_ring *ring = self->ring;
+    ts_device_state *dev = ring->dev;
+    if (dev == NULL || ring->is_producer) Py_RETURN_FALSE;
     int synced = 0;
     ts_err err = {0};
     ts_status st;
+    /* Our own reference while the GIL is released: another thread's close() may drop the
+     * handle's meanwhile, and the ring's last reference frees dev (as Ring_acquire does). */
+    ts_ring_ref(ring);
     Py_BEGIN_ALLOW_THREADS
     st = dev->device->flush(dev, wait_ms, &synced, &err);
+    ts_ring_unref(ring);
     Py_END_ALLOW_THREADS
     if (st != TS_OK) return ts_py_raise(ts_py_state((PyObject *)self), &err);
     return PyBool_FromLong(synced);
@@ -250,6 +258,7 @@ static PyObject *Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
 static void Ring_dealloc(RingObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
+    ts_ring_orphan(self->ring);
     ts_ring_unref_nogil(self->ring);
     tp->tp_free(self);
     Py_DECREF(tp);

@@ -236,8 +236,21 @@ static void ts_ring_free(ts_ring *ring)
     /* Device state first: it page-locked and mirrors the host slot data. A producer's pool
      * goes only once no process maps it (ts_device.h, close): a handle freed before (the
      * interpreter exits while a consumer still maps it) leaves it to the process's exit. */
-    if (ring->dev != NULL && !(ring->is_producer && ts_ring_importers(ring) > 0))
+    int kept = 0;
+    if (ring->dev != NULL && ring->is_producer) {
+        /* No import begins from here on; one that claimed its entry before is counted:
+         * seq_cst on both sides, so one of the two sees the other (a consumer that sees
+         * the flag backs out, ts_ring_import_device). */
+        atomic_store_explicit(&ring->hdr->pool_closing, 1, memory_order_seq_cst);
+        atomic_thread_fence(memory_order_seq_cst);
+        kept = ts_ring_importers(ring) > 0;
+    }
+    if (kept) {
+        if (ring->dev->device->unpin_host != NULL)
+            ring->dev->device->unpin_host(ring->dev); /* the data mapping goes below */
+    } else if (ring->dev != NULL) {
         ring->dev->device->close(ring->dev);
+    }
     ring->dev = NULL;
     /* Our mappings of the pool are closed: the producer may free it. */
     if (ring->importer >= 0) ts_ring_drop_importer(ring->hdr, ring->importer);
@@ -480,6 +493,13 @@ void ts_ring_ref(ts_ring *ring)
 void ts_ring_unref(ts_ring *ring)
 {
     if (atomic_fetch_sub_explicit(&ring->refs, 1, memory_order_acq_rel) == 1) ts_ring_free(ring);
+}
+
+/* A consumer handle's owner closed it: its device flushes by itself (see ts_ring.h). */
+void ts_ring_orphan(ts_ring *ring)
+{
+    if (ring == NULL || ring->is_producer || ring->dev == NULL) return;
+    if (ring->dev->device->orphan != NULL) ring->dev->device->orphan(ring->dev);
 }
 
 /* Remove the segment's name (the mapping stays valid). */
@@ -1203,8 +1223,9 @@ static int ts_ring_add_importer(ts_ring *ring)
     ts_header *h = ring->hdr;
     for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
         uint32_t want = TS_IMPORTER_FREE;
+        /* seq_cst: against the producer's pool_closing (ts_ring_free). */
         if (!atomic_compare_exchange_strong_explicit(&h->importers[i].state, &want,
-                                                     TS_IMPORTER_CLAIMED, memory_order_acq_rel,
+                                                     TS_IMPORTER_CLAIMED, memory_order_seq_cst,
                                                      memory_order_relaxed))
             continue;
         h->importers[i].pid = (int32_t)getpid();
@@ -1306,6 +1327,15 @@ ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ord
     /* Announce the mapping before it exists: the producer never frees under it. */
     int entry = ts_ring_add_importer(ring);
     if (entry < 0) return ts_err_set(err, TS_E_FULL, 0, "too many processes map this GPU ring");
+    /* The producer may have counted the importers before our claim and be freeing the
+     * pool: it said so first (ts_ring_free). */
+    if (atomic_load_explicit(&ring->hdr->pool_closing, memory_order_seq_cst)) {
+        ts_ring_drop_importer(ring->hdr, entry);
+        return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
+                          "the producer (pid %d) closed its GPU ring and is freeing its GPU "
+                          "memory",
+                          h->producer_pid);
+    }
     ts_device_ring view = ts_ring_device_view(ring);
     st = ring->dev->device->import(ring->dev, &view, err);
     if (st != TS_OK) {
@@ -1429,6 +1459,7 @@ ts_status ts_ring_bind_consumer(ts_ring *ring, uint32_t index, uint64_t token, t
     ring->consumer = index;
     ring->token = token;
     ring->incarnation = inc;
+    ring->bound_as[index] = inc;
     return TS_OK;
 }
 
@@ -1889,7 +1920,8 @@ ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
         if (was_held[k]) ring->use[k]->holds = ts_fault_holds(&ring->cow, k);
         uint64_t bits = atomic_exchange_explicit(&ring->held[k], 0, memory_order_relaxed);
         for (uint32_t i = 0; bits != 0; i++, bits >>= 1)
-            if (bits & 1) ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, k), i, ring->incarnation);
+            if (bits & 1) /* an entry of an earlier bind keeps that bind's incarnation */
+                ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, k), i, ring->bound_as[i]);
     }
     ts_ring_trim_aside(ring, was_held);
 done:

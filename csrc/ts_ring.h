@@ -179,6 +179,11 @@ typedef struct ts_header {
     int32_t device_ordinal;   /* CUDA rings: the producer's device ordinal */
     uint32_t host_pinned;     /* CUDA rings: the producer page-locked the host slot data */
     uint8_t device_uuid[16];  /* CUDA rings: UUID of the GPU holding the slot pool */
+    _Atomic uint32_t pool_closing; /* CUDA rings: 1 once the producer's handle is being
+                                    * freed: it counts the importers next and frees the pool
+                                    * if there are none, so no new import may begin (seq_cst,
+                                    * with the importer claims: ts_ring_import_device). In
+                                    * the padding before state: no layout change */
 
     _Alignas(64) _Atomic uint32_t state;
     _Atomic uint32_t pub_word;     /* futex: bumped on publish and state change */
@@ -259,6 +264,9 @@ typedef struct ts_ring {
     uint64_t token;          /* consumer side: token of our entry */
     uint64_t incarnation;    /* consumer side: our entry's incarnation at bind (its releases
                               * name it, ts_ring_release) */
+    uint64_t bound_as[TS_MAX_CONSUMERS]; /* consumer side: per entry, the incarnation this
+                              * handle was last bound to it with: the holds under that
+                              * entry's bit in held are its (ts_ring_set_aside) */
     pid_t pid;               /* the process that opened the handle (a fork's child is not it) */
     _Atomic uint64_t *held;  /* owns (consumer side): per slot, the consumer bits under which
                               * this handle holds the slot (set by acquire, cleared by release) */
@@ -375,6 +383,11 @@ void ts_ring_ref(ts_ring *ring);
 
 /* Drop a reference; unmaps and frees at zero. Safe on any thread. */
 void ts_ring_unref(ts_ring *ring);
+
+/* The owner of a consumer handle closed it (the references left are its views'): from
+ * now on the device releases those views queue are flushed by the device's own thread,
+ * since no call of the consumer will flush them (ts_device.h, orphan). */
+void ts_ring_orphan(ts_ring *ring);
 
 /* Remove the segment's name (the mapping stays valid). */
 ts_status ts_ring_unlink_name(const char *name, ts_err *err);

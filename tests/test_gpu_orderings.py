@@ -182,6 +182,18 @@ elif scenario == "capture":
     out["released_after"] = c.ring.info()["published"] > SLOTS
     out["invalidated"] = fc.counter("capture_invalidated")
     out["relaxed_reaper"] = fc.counter("exchange_capture_mode")
+elif scenario == "after_close":
+    # Review 3: the last batch outlives close(); dropped then, nothing of ours flushes.
+    b0 = next(it)
+    c.close()
+    closes = fc.counter("ipc_close_mem")
+    del b0
+    deadline = time.monotonic() + 60  # the release thread flushes and the ring goes
+    while fc.counter("ipc_close_mem") < closes + SLOTS and time.monotonic() < deadline:
+        time.sleep(0.005)
+    out["unmapped"] = fc.counter("ipc_close_mem") - closes
+    emit(out)
+    sys.exit(0)
 elif scenario == "exit":
     # Item 7: leave with batches held, a release queued behind slow work, and no close().
     b0 = next(it)
@@ -329,3 +341,16 @@ def test_exit_with_batches_held_and_a_release_pending(procs, name, gpu_env):
     assert "exec_read" in ops
     read_at = ops.index("exec_read")
     assert "event_sync" in ops[read_at:], "the process ended before its release was waited for"
+
+
+def test_view_dropped_after_close_is_released(procs, name, gpu_env):
+    """Review 3: a batch that outlives consumer.close() (a validation consumer's last
+    batch) is released when dropped, with no consumer call left to flush it: its release
+    thread flushes by itself, the ring handle goes, and with it the mapping of every slot
+    of the pool (so the producer's importer count drops and its keeper can free it)."""
+    p, c = _run(procs, name, gpu_env, "after_close")
+    r = procs.result(c)
+    rest = procs.start("consumer", "--name", name, "--kind", "tuple", env=gpu_env)
+    procs.result(rest)
+    procs.result(p)
+    assert r["unmapped"] == SLOTS, "a view dropped after close() kept the pool mapped"

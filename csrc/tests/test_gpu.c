@@ -1322,6 +1322,289 @@ out:
     prod_close(&p);
 }
 
+/* ==========================================================================
+ * 8. A deferred release names the lease's incarnation, not the handle's (review 1)
+ * ========================================================================== */
+
+/* Consumer: drop a device view of entry A's slot (its release queued, not flushed), then,
+ * detached for lag and retired, bind the same handle to a new entry B (as consumer.py's
+ * rejoin does) and flush: the release must end entry A's hold. */
+static void rebound_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    uint32_t first = c.index;
+    uint64_t first_inc = c.ring->incarnation;
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    ts_export_delete(t, 1);
+    ts_lease_unref(l, TS_USE_WHOLE); /* queued until the next flush */
+    SEND(out, M_DONE, a.slot, 0);
+    RECV(in, M_HELLO, m); /* the producer retired entry A (LEAVING) and reserved B */
+    REQUIRE_OK(ts_ring_bind_consumer(c.ring, (uint32_t)m.a, m.b, &err));
+    c.index = (uint32_t)m.a;
+    CHECK(c.index != first && c.ring->incarnation != first_inc); /* the test's premise */
+    REQUIRE_OK(flush_releases(c.ring, 5000, NULL, &err));
+    CHECK_EQ(readers_of(c.ring, a.slot) & (1ULL << first), 0);
+    CHECK_EQ(atomic_load(&c.ring->hdr->late_releases), 0);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c);
+}
+
+/* A release queued before the handle was bound to another entry ends the old entry's hold:
+ * the slot goes back and the old entry does not stay LEAVING. */
+static void test_rebound_release(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t dummy = 0, ia = 0, ib = 0;
+    uint64_t token = 0;
+    REQUIRE(spawn(&c, rebound_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    /* Entry 0 handed out and given back once: the consumer gets it at incarnation 2, and
+     * entry 1 later at incarnation 1 (a release naming the handle's would be late). */
+    REQUIRE_OK(ts_ring_reserve(p.ring, getpid(), ts_proc_start_time(getpid()), 0, &dummy, &token,
+                               &err));
+    ts_ring_retire(p.ring, dummy);
+    REQUIRE(prod_add(&p, &c, &ia) == 0);
+    RECV(c.from, M_READY, m);
+    REQUIRE_OK(publish_batch(p.ring, 5, &err));
+    RECV(c.from, M_DONE, m);
+    uint32_t slot = (uint32_t)m.a;
+    ts_ring_detach(p.ring, ia, TS_REASON_LAGGED);
+    ts_ring_retire(p.ring, ia);
+    CHECK_EQ(atomic_load(&p.ring->hdr->consumers[ia].state), TS_CONSUMER_LEAVING);
+    REQUIRE(prod_add(&p, &c, &ib) == 0);
+    CHECK(ib != ia);
+    RECV(c.from, M_DONE, m);
+    CHECK_EQ(readers_of(p.ring, slot), 0);
+    CHECK_EQ(atomic_load(&p.ring->hdr->late_releases), 0);
+    CHECK(prod_finish(&p, &c) == 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* ==========================================================================
+ * 9. A flush refused by a capture defers the releases, it fails nothing (review 6)
+ * ========================================================================== */
+
+/* Consumer: a release queued, then flushed while a capture runs on our stream (another
+ * thread's, as far as the flush knows): the flush succeeds and keeps the slot; once the
+ * capture ended, the next flush releases it. fallback: a driver without cuCtxRecordEvent
+ * (the flush synchronizes the context instead). */
+static void capture_flush(int in, int out, int fallback)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    int capturing = 0;
+    capture_fn begin = NULL;
+    end_capture_fn end = NULL;
+    if (fallback) setenv("FAKECUDA_DRIVER_VERSION", "12040", 1); /* read at cuInit */
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
+    void *p2 = fc_sym(c.api, "fakecuda_begin_capture"), *p3 = fc_sym(c.api, "fakecuda_end_capture");
+    REQUIRE(p2 != NULL && p3 != NULL);
+    memcpy(&begin, &p2, sizeof begin);
+    memcpy(&end, &p3, sizeof end);
+    CHECK_EQ(c.api->CtxRecordEvent == NULL, fallback);
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    uint64_t bit = 1ULL << c.index;
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    ts_export_delete(t, 1);
+    ts_lease_unref(l, TS_USE_WHOLE);
+    REQUIRE(CHECK_CU(begin(c.stream, CU_STREAM_CAPTURE_MODE_GLOBAL)));
+    capturing = 1;
+    int synced = 1;
+    CHECK_ST(flush_releases(c.ring, 0, &synced, &err), TS_OK);
+    CHECK_EQ(synced, 0);
+    CHECK(readers_of(c.ring, a.slot) & bit); /* not released under the capture */
+    capturing = 0;
+    end(c.stream); /* invalidated by the refused call: that is the driver's rule */
+    CHECK_ST(flush_releases(c.ring, 5000, &synced, &err), TS_OK);
+    CHECK_EQ(synced, fallback);
+    CHECK(wait_bit_clear(c.ring, a.slot, bit, 5000));
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    if (capturing) end(c.stream);
+    cons_close(&c);
+}
+
+/* capture_flush with cuCtxRecordEvent. */
+static void capture_flush_consumer(int in, int out)
+{
+    capture_flush(in, out, 0);
+}
+
+/* capture_flush without cuCtxRecordEvent (cuCtxSynchronize). */
+static void capture_sync_consumer(int in, int out)
+{
+    capture_flush(in, out, 1);
+}
+
+/* Run a capture_flush consumer against one batch. */
+static void capture_flush_test(child_fn fn)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(prod_start(&p, &c, fn, &index) == 0);
+    REQUIRE_OK(publish_batch(p.ring, 4, &err));
+    RECV(c.from, M_DONE, m);
+    CHECK_EQ(readers_of(p.ring, 0), 0);
+    CHECK(prod_finish(&p, &c) == 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* A flush refused by a capture (cuCtxRecordEvent) defers the releases, fails nothing. */
+static void test_capture_deferred_flush(void)
+{
+    capture_flush_test(capture_flush_consumer);
+}
+
+/* The same without cuCtxRecordEvent: a refused cuCtxSynchronize is no failed wait. */
+static void test_capture_deferred_sync(void)
+{
+    capture_flush_test(capture_sync_consumer);
+}
+
+/* ==========================================================================
+ * 10. Views dropped after the handle was closed are released all the same (review 3)
+ * ========================================================================== */
+
+/* Consumer: keep a device view, close the handle (orphan, then drop its reference), then
+ * drop the view: nothing of ours flushes any more, the release thread does it. */
+static void orphan_consumer(int in, int out)
+{
+    cons c;
+    ts_err err = {0};
+    ts_acquired a;
+    msg m;
+    if (cons_ready(&c, in, out, NULL) != 0) goto out;
+    REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
+    ts_lease *l = ts_lease_new(c.ring, a.slot, a.seq);
+    REQUIRE(l != NULL);
+    void *t = export_dev(l, 0, 1, 0, stream_arg(c.stream), &err);
+    REQUIRE(CHECK_ST(t != NULL ? TS_OK : err.code, TS_OK));
+    ts_lease_unref(l, TS_USE_WHOLE); /* the view keeps the lease */
+    ts_ring_orphan(c.ring);           /* Ring.close() */
+    ts_ring_unref(c.ring);
+    c.ring = NULL;
+    ts_export_delete(t, 1); /* its release is queued; no flush will come from us */
+    SEND(out, M_DONE, a.slot, 0);
+    RECV(in, M_BYE, m);
+out:
+    cons_close(&c);
+}
+
+/* The slot of a view dropped after close() goes back, and the consumer's mapping of the
+ * pool closes (its importer entry goes), while the consumer process lives on. */
+static void test_release_after_close(void)
+{
+    prod p = {0};
+    peer c = {0};
+    ts_err err = {0};
+    msg m;
+    uint32_t index = 0;
+    REQUIRE(prod_start(&p, &c, orphan_consumer, &index) == 0);
+    REQUIRE_OK(publish_batch(p.ring, 6, &err));
+    RECV(c.from, M_DONE, m);
+    uint32_t slot = (uint32_t)m.a;
+    CHECK(wait_bit_clear(p.ring, slot, 1ULL << index, 10000));
+    CHECK_ST(ts_ring_wait_released(p.ring, deadline_ms(10000), &err), TS_OK);
+    CHECK_EQ(ts_ring_importers(p.ring), 0);
+    SEND(c.to, M_BYE, 0, 0);
+out:
+    reap(&c, 1);
+    prod_close(&p);
+}
+
+/* ==========================================================================
+ * 11. The producer's handle goes while a consumer maps the pool (review 7, 8a)
+ * ========================================================================== */
+
+/* Consumer B: opens and binds the ring but imports only on GO, after the producer's handle
+ * began to go: the import is refused, and its importer entry given back. */
+static void late_importer_consumer(int in, int out)
+{
+    ts_ring *ring = NULL;
+    ts_cuda_api *api = NULL;
+    ts_err err = {0};
+    msg m;
+    RECV(in, M_HELLO, m);
+    REQUIRE_OK(ts_ring_open(g_name, &ring, &err));
+    REQUIRE_OK(ts_ring_bind_consumer(ring, (uint32_t)m.a, m.b, &err));
+    REQUIRE_OK(ts_cuda_load(&api, &err));
+    SEND(out, M_READY, 0, 0);
+    RECV(in, M_GO, m);
+    uint32_t before = ts_ring_importers(ring);
+    CHECK_ST(ts_ring_import_device(ring, &api->base, 0, &err), TS_E_PRODUCER_GONE);
+    CHECK(strstr(err.msg, "freeing its GPU memory") != NULL);
+    CHECK_EQ(ts_ring_importers(ring), before); /* the claim was given back */
+    CHECK_EQ(ts_ring_imported_device(ring), -1);
+    SEND(out, M_DONE, 0, 0);
+    RECV(in, M_BYE, m);
+out:
+    if (ring != NULL) ts_ring_unref(ring);
+    if (api != NULL) ts_cuda_unref(api);
+}
+
+/* A: imported; B: not yet. The producer's handle goes: the pool stays (A maps it), its host
+ * slot data is unpinned before its mapping goes, and B can no longer begin an import. */
+static void test_close_while_imported(void)
+{
+    prod p = {0};
+    peer A = {0}, B = {0};
+    msg m;
+    uint32_t ia = 0, ib = 0;
+    ts_device_state *kept = NULL;
+    REQUIRE(spawn(&A, leaver_consumer) == 0);
+    REQUIRE(spawn(&B, late_importer_consumer) == 0);
+    REQUIRE(prod_open(&p) == 0);
+    REQUIRE(prod_add(&p, &A, &ia) == 0);
+    REQUIRE(prod_add(&p, &B, &ib) == 0);
+    RECV(A.from, M_READY, m);
+    RECV(B.from, M_READY, m);
+    CHECK_EQ(ts_ring_importers(p.ring), 1);
+    int pinned = p.ring->hdr->host_pinned != 0;
+    int frees = fc_counter(p.api, "free"), unpins = fc_counter(p.api, "host_unregister");
+    kept = p.ring->dev; /* left to the process's exit: closed below instead (leak check) */
+    ts_ring_unref(p.ring);
+    p.ring = NULL;
+    CHECK_EQ(fc_counter(p.api, "free"), frees); /* the pool stays while A maps it */
+    CHECK_EQ(fc_counter(p.api, "host_unregister"), unpins + pinned);
+    SEND(B.to, M_GO, 0, 0);
+    RECV(B.from, M_DONE, m);
+    SEND(A.to, M_GO, 0, 0);
+    RECV(A.from, M_DONE, m);
+    SEND(A.to, M_BYE, 0, 0);
+    SEND(B.to, M_BYE, 0, 0);
+out:
+    reap(&A, 1);
+    reap(&B, 1);
+    if (kept != NULL) kept->device->close(kept); /* nobody maps the pool any more */
+    prod_close(&p);
+}
+
 static const ts_test g_tests[] = {
     {"import", test_import},
     {"device_views", test_device_views},
@@ -1334,6 +1617,11 @@ static const ts_test g_tests[] = {
     {"no_ipc_events", test_no_ipc_events},
     {"import_in_exporter", test_import_in_exporter},
     {"relaxed_release_thread", test_relaxed_release_thread},
+    {"rebound_release", test_rebound_release},
+    {"capture_deferred_flush", test_capture_deferred_flush},
+    {"capture_deferred_sync", test_capture_deferred_sync},
+    {"release_after_close", test_release_after_close},
+    {"close_while_imported", test_close_while_imported},
 };
 
 /* Run one group in a fresh process (it is the producer; the driver is loaded there

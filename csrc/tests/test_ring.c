@@ -2481,6 +2481,47 @@ out:
 
 /* ---- registry and main ------------------------------------------------------------ */
 
+/* Setting aside a handle bound again since it took a hold (a consumer that rejoined
+ * after its first set-aside could not copy): the old entry's hold is dropped as the
+ * incarnation that took it, so the slot goes back and the old entry does not stay LEAVING
+ * (review 1). */
+static void test_set_aside_rebound(void)
+{
+    fixture fx = {0};
+    consumer c = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    ts_ring_info info;
+    uint32_t dummy = 0, ib = 0;
+    uint64_t token = 0, tokb = 0, start = 0;
+    pid_t pid = getpid();
+    REQUIRE(fx_create(&fx, 2, 2, 3 * 4096) == 0);
+    /* Entry 0 handed out and given back once: c gets it at incarnation 2, entry 1 comes
+     * later at incarnation 1. */
+    REQUIRE_OK(ts_ring_reserve(fx.prod, pid, ts_proc_start_time(pid), 0, &dummy, &token, &err));
+    ts_ring_retire(fx.prod, dummy);
+    REQUIRE(consumer_add(&fx, &c, 1) == 0);
+    PUBLISH(0);
+    TAKE(c, 0, 0);
+    uint32_t k = a.slot, old = c.index;
+    uint64_t old_inc = c.ring->incarnation;
+    ts_ring_detach(fx.prod, old, TS_REASON_LAGGED);
+    ts_ring_retire(fx.prod, old);
+    CHECK_EQ(atomic_load(&fx.prod->hdr->consumers[old].state), TS_CONSUMER_LEAVING);
+    REQUIRE_OK(ts_ring_reserve(fx.prod, pid, ts_proc_start_time(pid), 0, &ib, &tokb, &err));
+    REQUIRE_OK(ts_ring_activate(fx.prod, ib, 0, &start, &err));
+    REQUIRE_OK(ts_ring_bind_consumer(c.ring, ib, tokb, &err));
+    c.index = ib;
+    CHECK(ib != old && c.ring->incarnation != old_inc); /* the test's premise */
+    CHECK_ST(ts_ring_set_aside(c.ring, &err), TS_OK);
+    CHECK_EQ(readers_of(fx.prod, k) & (1ULL << old), 0);
+    ts_ring_snapshot(fx.prod, &info);
+    CHECK_EQ(info.late_releases, 0);
+out:
+    consumer_drop(&c);
+    fx_destroy(&fx);
+}
+
 static const ts_test g_tests[] = {
     {"wrap_around", test_wrap_around},   {"slot_reuse", test_slot_reuse},
     {"bitmaps", test_bitmaps},           {"leases_dlpack", test_leases_dlpack},
@@ -2502,6 +2543,7 @@ static const ts_test g_tests[] = {
     {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
     {"try_acquire", test_try_acquire},   {"await_race", test_await_race},
     {"late_release", test_late_release}, {"late_release_race", test_late_release_race},
+    {"set_aside_rebound", test_set_aside_rebound},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
