@@ -988,6 +988,10 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, deliv
         return
     ring = ring_box[0]
     delivery.finish()  # asynchronous copies out of ring slots finish first
+    if ring.closed:  # the handle was closed under us (c.ring.close()): say bye, no more
+        client.close(say_bye=True)
+        context.term()
+        return
     try:  # releases of dropped views go before the ring handle, and before exit
         delivery.flush_releases(ring, RELEASE_DRAIN_MS)
     except Exception as e:  # a failed release: its slot stays held until we leave
