@@ -498,28 +498,13 @@ def child_main(argv: list[str]) -> int:
 
 def gpu_skip_reason(device: str) -> str | None:
     """Why the GPU check cannot run here (one line), or None."""
-    try:
-        import torch
-    except ImportError as e:
-        return f"torch cannot be imported ({e})"
-    why = []
-    if not torch.cuda.is_available():
-        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
-        why.append(f"torch.cuda.is_available() is False (torch {torch.__version__}, {build})")
-    try:
-        status = _import_tensorsocket().gpu_status()
-    except ImportError as e:
-        return f"tensorsocket cannot be imported ({e}); build it with pip install -e ."
-    if not status["available"]:
-        why.append(f"tensorsocket.gpu_status(): {status['reason']}")
-    if why:
-        return "no usable GPU: " + "; ".join(why)
     ordinal = int(device.partition(":")[2] or 0)
-    devices = status["devices"] or []
-    if ordinal >= len(devices) or ordinal >= torch.cuda.device_count():
-        return f"no GPU {ordinal} ({len(devices)} visible)"
-    if not devices[ordinal]["ipc_events"]:
-        return (f"GPU {ordinal} ({devices[ordinal]['name']}) does not support CUDA IPC events "
+    why = gpu_checks.skip_reason(ordinal)
+    if why is not None:
+        return why
+    desc = _import_tensorsocket().gpu_status()["devices"][ordinal]
+    if not desc["ipc_events"]:
+        return (f"GPU {ordinal} ({desc['name']}) does not support CUDA IPC events "
                 "(MIG instance?): the GPU ring cannot work there")
     return None
 

@@ -28,7 +28,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,22 @@ def shm_objects(pid: int | None = None) -> list[str]:
         if m is not None and (pid is None or int(m.group(1)) == pid):
             found.append(entry)
     return sorted(found)
+
+
+@contextlib.contextmanager
+def checked_env(lib: Path, log: Path, **extra: str) -> Iterator[dict]:
+    """The environment of processes on the double `lib`, logging to `log` (plus extra
+    variables); afterwards, the shm objects of the processes in the log that are left
+    behind are removed and reported (AssertionError). Objects of other processes (a
+    suite running beside this one) are not touched."""
+    before = set(shm_objects())
+    yield {"TENSORSOCKET_LIBCUDA": str(lib), "FAKECUDA_LOG": str(log), **extra}
+    pids = {int(line.split(" ", 1)[0]) for line in log.read_text().splitlines()
+            if line[:1].isdigit()} if log.exists() else set()
+    left = sorted(o for o in set(shm_objects()) - before if int(o.rsplit("-", 2)[1]) in pids)
+    for obj in left:
+        os.unlink(f"/dev/shm/{obj}")
+    assert left == [], f"device memory or events left behind: {left}"
 
 
 def cleanup_shm(pid: int) -> list[str]:

@@ -35,20 +35,9 @@ def fake_lib(tmp_path_factory) -> Path:
 @pytest.fixture
 def gpu_env(fake_lib, tmp_path):
     """Environment of processes on the double, with a call log; checks no leftovers."""
-    before = set(fakecuda.shm_objects())
-    log = tmp_path / "cuda.log"
-    env = {"TENSORSOCKET_LIBCUDA": str(fake_lib), "FAKECUDA_LOG": str(log),
-           "FAKECUDA_OP_DELAY_US": "200"}
-    yield env
-    # Only objects of this test's processes (the pids in its log): a test suite running
-    # beside this one (a sanitized run, another checkout) has its own.
-    pids = {int(line.split(" ", 1)[0]) for line in log.read_text().splitlines()
-            if line[:1].isdigit()} if log.exists() else set()
-    left = sorted(o for o in set(fakecuda.shm_objects()) - before
-                  if int(o.rsplit("-", 2)[1]) in pids)
-    for obj in left:
-        os.unlink(f"/dev/shm/{obj}")
-    assert left == [], f"device memory or events left behind: {left}"
+    with fakecuda.checked_env(fake_lib, tmp_path / "cuda.log",
+                              FAKECUDA_OP_DELAY_US="200") as env:
+        yield env
 
 
 def _run(procs, name, env, *, producer=(), consumers=((),), epochs=EPOCHS, cenv=None):

@@ -15,12 +15,12 @@ the side-stream read of item 2a, which must come before the producer's slow copy
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 import fakecuda
+from test_gpu import fake_lib  # noqa: F401  (fixture)
 
 SLOTS = 4
 TESTS = str(Path(__file__).resolve().parent)
@@ -211,28 +211,11 @@ emit(out)
 '''
 
 
-@pytest.fixture(scope="session")
-def fake_lib(tmp_path_factory) -> Path:
-    try:
-        return fakecuda.build(tmp_path_factory.mktemp("fakecuda"))
-    except fakecuda.NoCompiler as e:
-        pytest.skip(f"no C compiler for the CUDA test double: {e}")
-
-
 @pytest.fixture
-def gpu_env(fake_lib, tmp_path):
+def gpu_env(fake_lib, tmp_path):  # noqa: F811  (test_gpu's has an op delay; none here)
     """Environment of processes on the double, with a call log; checks no leftovers."""
-    before = set(fakecuda.shm_objects())
-    log = tmp_path / "cuda.log"
-    env = {"TENSORSOCKET_LIBCUDA": str(fake_lib), "FAKECUDA_LOG": str(log)}
-    yield env
-    pids = {int(line.split(" ", 1)[0]) for line in log.read_text().splitlines()
-            if line[:1].isdigit()} if log.exists() else set()
-    left = sorted(o for o in set(fakecuda.shm_objects()) - before
-                  if int(o.rsplit("-", 2)[1]) in pids)
-    for obj in left:
-        os.unlink(f"/dev/shm/{obj}")
-    assert left == [], f"device memory or events left behind: {left}"
+    with fakecuda.checked_env(fake_lib, tmp_path / "cuda.log") as env:
+        yield env
 
 
 GATE_S = 3.0

@@ -56,18 +56,9 @@ def libs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(params=["new"])
 def gpu_env(request, libs, tmp_path):
     """Environment of processes on the double, with a call log; checks no leftovers."""
-    before = set(fakecuda.shm_objects())
-    log = tmp_path / "cuda.log"
-    env = {"TENSORSOCKET_LIBCUDA": str(libs[request.param]), "FAKECUDA_LOG": str(log),
-           "FAKECUDA_OP_DELAY_US": "200"}
-    yield env
-    pids = {int(line.split(" ", 1)[0]) for line in log.read_text().splitlines()
-            if line[:1].isdigit()} if log.exists() else set()
-    left = sorted(o for o in set(fakecuda.shm_objects()) - before
-                  if int(o.rsplit("-", 2)[1]) in pids)
-    for obj in left:
-        os.unlink(f"/dev/shm/{obj}")
-    assert left == [], f"device memory or events left behind: {left}"
+    with fakecuda.checked_env(libs[request.param], tmp_path / "cuda.log",
+                              FAKECUDA_OP_DELAY_US="200") as env:
+        yield env
 
 
 def _run(procs, name, env, *, producer_env=None, consumer_env=None, device=None,

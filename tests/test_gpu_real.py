@@ -81,28 +81,6 @@ pytestmark = [pytest.mark.timeout(300)] if importlib.util.find_spec("pytest_time
 # -- roles (run in child processes) -----------------------------------------------------
 
 
-class ValueLoader:
-    """`batches` batches per epoch; batch b of epoch e is filled with e * 1000 + b."""
-
-    batch_size = BATCH
-
-    def __init__(self, batches: int) -> None:
-        self.batches = batches
-        self.epoch = 0
-
-    def __len__(self) -> int:
-        return self.batches
-
-    def __iter__(self):
-        import torch
-
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        for b in range(self.batches):
-            v = epoch * 1000 + b
-            yield {"x": torch.full(X_SHAPE, float(v)),
-                   "y": torch.full((BATCH,), v, dtype=torch.int64)}
-
-
 def _emit(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -116,7 +94,7 @@ def producer_role(a: argparse.Namespace) -> dict:
         kw = {"device": a.device, "device_fallback": False}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        producer = TensorProducer(ValueLoader(a.batches), name=a.name,
+        producer = TensorProducer(gpu_checks.ValueLoader(a.batches, list(X_SHAPE)), name=a.name,
                                   min_consumers=a.min_consumers, ring_slots=a.slots,
                                   start_timeout=START_TIMEOUT, **kw)
         try:
