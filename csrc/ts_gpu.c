@@ -801,6 +801,33 @@ static int ts_gpu_capture_refused(CUresult rc)
            rc == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
 }
 
+/* The list in the other order (a queue's newest first <-> oldest first). */
+static ts_pending *ts_pending_reversed(ts_pending *items)
+{
+    ts_pending *out = NULL;
+    while (items != NULL) {
+        ts_pending *next = items->next;
+        items->next = out;
+        out = items;
+        items = next;
+    }
+    return out;
+}
+
+/* The CLOCK_REALTIME time ms milliseconds from now (pthread_cond_timedwait's clock). */
+static struct timespec ts_gpu_realtime_in(uint32_t ms)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += (time_t)(ms / 1000);
+    t.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    return t;
+}
+
 /* Wait until the reaper has finished every flush queued so far; 0, or -1 at the deadline
  * (CLOCK_REALTIME, as pthread_cond_timedwait measures). */
 static int ts_gpu_drain(ts_gpu *g, const struct timespec *deadline)
@@ -824,14 +851,7 @@ static ts_status ts_gpu_flush(ts_device_state *state, uint32_t wait_ms, int *syn
     ts_gpu *g = ts_gpu_of(state);
     ts_status st = ts_gpu_flush_now(g, synced, err);
     if (st != TS_OK || wait_ms == 0 || !g->reaper_started) return st;
-    struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += (time_t)(wait_ms / 1000);
-    dl.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
+    struct timespec dl = ts_gpu_realtime_in(wait_ms);
     if (ts_gpu_drain(g, &dl) != 0)
         return ts_err_set(err, TS_E_TIMEOUT, 0,
                           "the GPU releases of this consumer did not finish within %u ms "
@@ -854,13 +874,7 @@ static ts_status ts_gpu_flush_now(ts_gpu *g, int *synced, ts_err *err)
     g->unflushed = NULL;
     pthread_mutex_unlock(&g->lock);
     if (items == NULL) return TS_OK;
-    ts_pending *oldest = NULL; /* the queue was newest first */
-    while (items != NULL) {
-        ts_pending *next = items->next;
-        items->next = oldest;
-        oldest = items;
-        items = next;
-    }
+    ts_pending *oldest = ts_pending_reversed(items); /* the queue was newest first */
     ts_flush *f = calloc(1, sizeof *f);
     ts_status st = f != NULL ? ts_gpu_enter(g, err)
                              : ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
@@ -920,13 +934,7 @@ requeue:
     free(f);
     /* Back at the old end of the queue (newest first), in their order: reversed again,
      * behind the items queued meanwhile (newer). */
-    ts_pending *back = NULL;
-    while (oldest != NULL) {
-        ts_pending *next = oldest->next;
-        oldest->next = back;
-        back = oldest;
-        oldest = next;
-    }
+    ts_pending *back = ts_pending_reversed(oldest);
     pthread_mutex_lock(&g->lock);
     ts_pending **tail = &g->unflushed;
     while (*tail != NULL) tail = &(*tail)->next;
@@ -958,13 +966,7 @@ static void ts_gpu_orphan_flush(ts_gpu *g)
         g->failed = 1;
     }
     if (st == TS_OK && g->head == NULL && g->unflushed != NULL && !g->failed) {
-        struct timespec dl;
-        clock_gettime(CLOCK_REALTIME, &dl);
-        dl.tv_nsec += ORPHAN_RETRY_MS * 1000000L;
-        if (dl.tv_nsec >= 1000000000L) {
-            dl.tv_sec++;
-            dl.tv_nsec -= 1000000000L;
-        }
+        struct timespec dl = ts_gpu_realtime_in(ORPHAN_RETRY_MS);
         pthread_cond_timedwait(&g->cond, &g->lock, &dl);
     }
 }

@@ -1265,6 +1265,12 @@ uint32_t ts_ring_importers(const ts_ring *ring)
     return n;
 }
 
+/* The producer's process still runs (its pid with the start time it had: not a reuse). */
+static int ts_ring_producer_alive(const ts_header *h)
+{
+    return ts_proc_alive(h->producer_pid, h->producer_start_time);
+}
+
 /* This handle maps the producer's device pool and the producer's process is gone. The
  * driver frees a process's device memory when it exits, and documents no import that
  * outlives its exporter ("Calling cuMemFree on an exported memory region before calling
@@ -1272,9 +1278,7 @@ uint32_t ts_ring_importers(const ts_ring *ring)
  * cuIpcOpenMemHandle): a batch in that memory must not be handed out. */
 static int ts_ring_pool_gone(const ts_ring *ring)
 {
-    const ts_header *h = ring->hdr;
-    return ring->dev != NULL && ring->dev->imported &&
-           !ts_proc_alive(h->producer_pid, h->producer_start_time);
+    return ring->dev != NULL && ring->dev->imported && !ts_ring_producer_alive(ring->hdr);
 }
 
 /* ==========================================================================
@@ -1318,7 +1322,7 @@ ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ord
                           "the producer's GPU is not visible to this process (check "
                           "CUDA_VISIBLE_DEVICES), pass device='cuda:N' to read the ring from "
                           "another GPU");
-    if (!ts_proc_alive(h->producer_pid, h->producer_start_time))
+    if (!ts_ring_producer_alive(h))
         return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
                           "the producer process (pid %d) is gone, and its GPU memory with it",
                           h->producer_pid);
@@ -1620,7 +1624,7 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
             if (!atomic_load_explicit(&c->awaiting, memory_order_acquire) &&
                 atomic_load_explicit(&h->published, memory_order_acquire) > cursor)
                 continue;
-            if (!ts_proc_alive(h->producer_pid, h->producer_start_time))
+            if (!ts_ring_producer_alive(h))
                 return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
                                   "the producer process (pid %d) is gone", h->producer_pid);
             if (ts_now_ns() >= deadline)
