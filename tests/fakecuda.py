@@ -223,6 +223,26 @@ def shm_objects(pid: int | None = None) -> list[str]:
     return sorted(found)
 
 
+class DeviceTensor:
+    """Stands in for a torch CUDA tensor of a consumer on the double (CPU torch has none):
+    holds its DLPack capsule, so the slot, as long as it lives, and says where the leaf is."""
+
+    def __init__(self, capsule: Any, view: Any) -> None:
+        self.cap, self.ptr, self.nbytes = capsule, view.data_ptr, view.nbytes
+        self.shape = tuple(view.shape)
+        self.ndim = len(self.shape)
+
+
+def deliver_device_tensors(delivery: Any, stream: Any) -> None:
+    """Make tensorsocket.delivery (the module) export each batch's device leaves as
+    DeviceTensors, made to wait for the producer's copy on stream."""
+    def device_tensors(slot: Any, device: Any) -> list:
+        caps = slot.capsules(versioned=True, device=True, stream=stream)
+        return [DeviceTensor(c, v) for c, v in zip(caps, slot.views(device=True))]
+
+    delivery._device_tensors = device_tensors
+
+
 @contextlib.contextmanager
 def checked_env(lib: Path, log: Path, **extra: str) -> Iterator[dict]:
     """The environment of processes on the double `lib`, logging to `log` (plus extra

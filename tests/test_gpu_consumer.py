@@ -53,20 +53,7 @@ if gpu:
     fc = fakecuda.FakeCuda(os.environ["TENSORSOCKET_LIBCUDA"])
     fc.setup(0)
     cur = fc.stream_create(1)
-
-    class Dev:
-        """A device tensor: holds its capsule (so the slot) as long as it lives."""
-
-        def __init__(self, cap, view):
-            self.cap, self.ptr, self.nbytes = cap, view.data_ptr, view.nbytes
-            self.shape = tuple(view.shape)
-            self.ndim = len(self.shape)
-
-    def device_tensors(slot, device):
-        caps = slot.capsules(versioned=True, device=True, stream=cur)
-        return [Dev(c, v) for c, v in zip(caps, slot.views(device=True))]
-
-    delivery._device_tensors = device_tensors
+    fakecuda.deliver_device_tensors(delivery, cur)
 
 
 def value(batch):

@@ -41,22 +41,7 @@ fc.setup(0)
 cur = fc.stream_create(1)   # the stream current at next()
 side = fc.stream_create(1)  # another stream of the training code
 
-
-class Dev:
-    """A device tensor: holds its capsule (so the slot) and says where the leaf is."""
-
-    def __init__(self, cap, view):
-        self.cap, self.ptr, self.nbytes = cap, view.data_ptr, view.nbytes
-        self.shape = tuple(view.shape)
-        self.ndim = len(self.shape)
-
-
-def device_tensors(slot, device):
-    caps = slot.capsules(versioned=True, device=True, stream=cur)
-    return [Dev(c, v) for c, v in zip(caps, slot.views(device=True))]
-
-
-delivery._device_tensors = device_tensors
+fakecuda.deliver_device_tensors(delivery, cur)
 capturing = [False]  # what torch.cuda.is_current_stream_capturing() would say
 delivery.Delivery._capturing = lambda self: capturing[0]
 records = []
