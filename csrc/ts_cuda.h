@@ -122,10 +122,9 @@ typedef struct ts_cuda_api {
     CUresult (*IpcOpenEventHandle)(CUevent *event, CUipcEventHandle handle);
     CUresult (*DeviceCanAccessPeer)(int *can_access, CUdevice dev, CUdevice peer_dev);
 
-    /* Optional (NULL where the driver lacks it): cuDeviceGetUuid_v2, CUDA 11.4+. */
+    /* Optional: NULL where the driver lacks them (ts_cuda_optional_syms). */
+    /* cuDeviceGetUuid_v2 (CUDA 11.4): a MIG instance's own UUID (ts_cuda_device_uuid). */
     CUresult (*DeviceGetUuid_v2)(CUuuid *uuid, CUdevice device);
-
-    /* Optional: NULL where the driver lacks them (looked up after the required ones). */
     /* cuCtxRecordEvent (CUDA 12.5): records in the event all work of the context queued
      * at the call; NULL below TS_CUDA_CTX_RECORD_EVENT_VERSION. */
     CUresult (*CtxRecordEvent)(CUcontext ctx, CUevent event);
