@@ -88,8 +88,7 @@ def _uuid_hex(text: bytes) -> str:
 
 
 def _consumer_ops(env, pid, op):
-    return [line for line in fakecuda.parse_log(env["FAKECUDA_LOG"])
-            if line.pid == pid and line.op == op]
+    return fakecuda.select(fakecuda.parse_log(env["FAKECUDA_LOG"]), op, pid=pid)
 
 
 def _assert_fell_back(c, device, *words):

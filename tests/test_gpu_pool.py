@@ -137,10 +137,6 @@ def _log(gpu_env):
     return fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
 
 
-def _frees(log, pid: int) -> list:
-    return [line for line in log if line.pid == pid and line.op == "free"]
-
-
 def test_idle_consumer_keeps_the_pool_past_release_timeout(procs, name, gpu_env, short_tmp):
     """A consumer idle past release_timeout while the producer closes: the pool is kept
     (nothing freed under its mapping), the consumer then reads the batches still published
@@ -149,7 +145,7 @@ def test_idle_consumer_keeps_the_pool_past_release_timeout(procs, name, gpu_env,
     prod, ppid, cons, cfifo, closed = _start(procs, name, gpu_env, short_tmp, "stay")
     log = _log(gpu_env)
     assert [str(line) for line in log if line.op == "freed_while_imported"] == []
-    assert _frees(log, ppid) == []  # nothing freed while the consumer maps it
+    assert fakecuda.select(log, "free", pid=ppid) == []  # nothing freed while the consumer maps it
     assert closed["kept"] == 1, closed
     _poke(cfifo)
     c = procs.result(cons)
@@ -181,7 +177,7 @@ def test_killed_consumer_lets_the_keeper_free_the_pool(procs, name, gpu_env, sho
     prod, ppid, cons, _, closed = _start(procs, name, gpu_env, short_tmp, "stay")
     log = _log(gpu_env)
     assert [str(line) for line in log if line.op == "freed_while_imported"] == []
-    assert _frees(log, ppid) == []
+    assert fakecuda.select(log, "free", pid=ppid) == []
     assert closed["kept"] == 1, closed
     cons.kill()
     cons.communicate(timeout=30)
@@ -189,7 +185,7 @@ def test_killed_consumer_lets_the_keeper_free_the_pool(procs, name, gpu_env, sho
     assert p == {"kept_after": 0, "keeper_alive": False, "new_fds": [], "new_maps": []}, p
     log = _log(gpu_env)
     assert [str(line) for line in log if line.op == "freed_while_imported"] == []
-    assert len(_frees(log, ppid)) == SLOTS
+    assert len(fakecuda.select(log, "free", pid=ppid)) == SLOTS
     fakecuda.cleanup_shm(cons.pid)  # a killed process cannot free its events
 
 
@@ -212,7 +208,7 @@ def test_producer_exit_fails_the_consumers_next_batch(procs, name, gpu_env, shor
     # The exit took the memory, not a cuMemFree of the producer's while it was mapped.
     assert [line.get("how") for line in log if line.op == "freed_while_imported"] == \
         ["exit"] * SLOTS
-    assert _frees(log, ppid) == []
+    assert fakecuda.select(log, "free", pid=ppid) == []
     assert closed["kept"] == 1, closed
 
 

@@ -21,10 +21,9 @@ import uuid
 from pathlib import Path
 from subprocess import PIPE
 
-import pytest
-
 import fakecuda
 from conftest import popen
+from test_gpu import fake_lib  # noqa: F401  (fixture, built once a session)
 
 # One process of the test: the producer or a consumer of the ring `segment`, reading
 # commands from stdin and answering each with one JSON line.
@@ -151,14 +150,6 @@ class Role:
             except (OSError, AssertionError, ValueError):
                 self.proc.kill()
                 self.proc.wait(30)
-
-
-@pytest.fixture
-def fake_lib(tmp_path_factory) -> Path:
-    try:
-        return fakecuda.build(tmp_path_factory.mktemp("fakecuda"))
-    except fakecuda.NoCompiler as e:
-        pytest.skip(f"no C compiler for the CUDA test double: {e}")
 
 
 def _late_release(env: dict, old_kind: str) -> int:
