@@ -259,6 +259,7 @@ class TensorConsumer(LoaderSurface):
         # the place of an epoch left mid-way (break), the samples of this epoch taken.
         self._resume_place: SavedPlace | None = None
         self._left_place: SavedPlace | None = None
+        self._left_source: int | None = None  # the producer epoch it was left in
         # Counters for stats() (and those of self._flow).
         self._wait_s = 0.0
         self._rejoins = 0
@@ -518,6 +519,35 @@ class TensorConsumer(LoaderSurface):
                             self._index, self.rank, self.world_size)
         return SavedPlace(cursor.epoch, batches, taken, self.producer_dataset_len)
 
+    def _left_place_now(self) -> SavedPlace | None:
+        """The place of the epoch left mid-way, for state_dict(). A rank of a group reads
+        on through the rest of the producer epoch it left (it skips it anyway) until the
+        group's batches taken are all seen; the entry after that epoch stays for the next."""
+        place = self._left_place
+        if place is None or place.taken is not None or self.world_size == 1 or \
+                not self._taken.known or self._left_source is None or self._closed:
+            return place
+        entry, source = self._flow.entry, self._left_source
+        while self._taken.taken(place.batches) is None:
+            slot = entry[0]
+            if slot is None:
+                try:
+                    slot = self._acquire()
+                except (TensorSocketError, TimeoutError) as e:  # the state says less
+                    log.info("consumer %d: reading on for its state stopped: %s",
+                             self._index, e)
+                    break
+            if slot.is_end_of_epoch or slot.epoch != source:
+                break  # (in flow.entry: the next epoch places it)
+            self._taken.group_batch(slot.index, sample_ids.split(slot.meta)[1])
+            self._cursor.place(slot)  # (the rest of the epoch left: skipped)
+            entry[0] = None
+            slot.release()
+        self._left_place = place = SavedPlace(place.epoch, place.batches,
+                                              self._taken.taken(place.batches),
+                                              place.dataset_len)
+        return place
+
     def _read_to_next_batch(self) -> None:
         """Make this rank's next batch ready (not delivered), reading the group's batches
         before it; nothing if the epoch ends first (its next next() ends it)."""
@@ -576,6 +606,7 @@ class TensorConsumer(LoaderSurface):
             return
         cursor = self._cursor
         place = self._place_now() if cursor.in_epoch and cursor.epoch == epoch else None
+        source = cursor.producer_epoch
         batcher = self._batcher
         outcome = cursor.abandon(epoch, self._holding())
         if outcome in (Abandon.COMPLETE, Abandon.LEFT):
@@ -584,7 +615,8 @@ class TensorConsumer(LoaderSurface):
                 batcher.reset()
         if outcome is not Abandon.LEFT:
             return
-        self._left_place = place  # what state_dict() says until the next epoch begins
+        # What state_dict() says until the next epoch begins.
+        self._left_place, self._left_source = place, source
         if self.world_size > 1 and self._aligned:
             # A rank stays attached and skips the rest of the epoch as it reads on, so
             # that every rank of its group starts the same next epoch.

@@ -154,7 +154,7 @@ class LoaderSurface:
         if self._resume_place is not None and not self._cursor.in_epoch:
             place = self._resume_place
         elif self._left_place is not None:
-            place = self._left_place
+            place = self._left_place_now()  # type: ignore[attr-defined]
         else:
             place = self._place_now(look_ahead=True)  # type: ignore[attr-defined]
         return resume.encode(place, self._own_batch_size, self.world_size)
