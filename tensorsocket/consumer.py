@@ -1120,6 +1120,10 @@ def _kept_samples(batch: Any, n: int | None, ids: np.ndarray,
         return None
     if n is None or n != ids.size:
         n = batch_samples(batch)
+        if n != ids.size:  # a collate_fn that changes the number of samples
+            log.warning("a batch of %d samples came with %d sample ids: it is kept whole in "
+                        "the resumed epoch", n, ids.size)
+            return batch, n, ids
     runs = _runs(keep)
     return combine([(batch, start, stop, n) for start, stop in runs]), \
         int(keep.sum()), ids[keep]

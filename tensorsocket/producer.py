@@ -564,7 +564,7 @@ class TensorProducer:
                     self._warn_cut(source, limit)
                     break
                 meta, leaves = self._encode(batch)
-                meta = with_ids(meta, self._sample_ids.next_ids(_leading_dim(leaves)))
+                meta = with_ids(meta, self._sample_ids.next_ids())
                 if self._ring is None:
                     self._make_ring(meta, leaves)
                 self._wait_for_consumers()
@@ -974,12 +974,3 @@ def _batch_bytes(leaves: list) -> int:
         total += memoryview(buf).nbytes + 64
     return total
 
-
-def _leading_dim(leaves: list) -> int | None:
-    """Dim 0 of a batch's first leaf with a dimension (its sample count, as the consumer
-    reads it), or None."""
-    for obj, _ in leaves:
-        shape = getattr(obj, "shape", ())
-        if len(shape):
-            return int(shape[0])
-    return None

@@ -74,9 +74,9 @@ class SampleIdRecorder:
         self._drawn = collections.deque() if attribute is not None else None
         return _Recording(source, attribute, self._drawn)
 
-    def next_ids(self, samples: int | None) -> np.ndarray | None:
-        """The indices of the batch the loader just yielded; `samples`: its sample count if
-        known, checked against them."""
+    def next_ids(self) -> np.ndarray | None:
+        """The indices of the batch the loader just yielded (its collate_fn was given the
+        samples of these, in this order)."""
         drawn = self._drawn
         if drawn is None or self._off_reason is not None:
             return None
@@ -87,10 +87,6 @@ class SampleIdRecorder:
             ids = np.asarray(drawn.popleft(), dtype=np.int64).reshape(-1)
         except (TypeError, ValueError, OverflowError):
             self._off("its sampler draws keys that are not integer indices")
-            return None
-        if samples is not None and samples != ids.size:
-            self._off(f"a batch of {samples} samples was made of {ids.size} indices (its "
-                      "collate_fn changes the number of samples)")
             return None
         return ids
 
