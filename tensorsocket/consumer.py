@@ -447,7 +447,7 @@ class TensorConsumer(LoaderSurface):
                 cursor.end()
                 self._flush_releases()
                 raise StopIteration from None
-        batch = flow.ready[0]
+        batch = flow.ready[0]  # type: ignore[index]
         if self.unpack_fn is not None:
             batch = self.unpack_fn(batch)
         return (cursor.delivered, batch) if self.with_index else batch
@@ -662,7 +662,7 @@ class TensorConsumer(LoaderSurface):
 
     # -- the loader batches of this consumer's epoch ----------------------------------
 
-    def _pull(self) -> tuple[Any, int | None]:
+    def _pull(self) -> tuple[Any, int | None, Any]:
         """The next loader batch of this consumer's epoch and its sample count if the
         loader tells, made into flow.loaded unless one is there; EpochEnd after its last.
         It leaves flow.loaded in the caller's step that hands it on."""
@@ -1079,7 +1079,8 @@ class EpochIterator:
         # Delivered: counted in one step with the return (no call in between, where a
         # KeyboardInterrupt could land: until here the batch stays for the next next()).
         flow = consumer._flow
-        consumer._taken.delivered(flow.ready[2])  # type: ignore[index]  (again: no change)
+        # (Recorded again after an interrupt before the count: no change.)
+        consumer._taken.delivered(flow.ready[2])  # type: ignore[index]
         flow.samples += flow.ready[1]  # type: ignore[index]
         flow.ready = None
         flow.batches += 1
