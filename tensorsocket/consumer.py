@@ -548,6 +548,29 @@ class TensorConsumer(LoaderSurface):
                                               place.dataset_len)
         return place
 
+    def _delivered_and_pending(self) -> tuple[list[list[int]], list[list[int]]] | None:
+        """For a sampler view (consumer.batch_sampler): the samples of the batches this
+        consumer delivered of its current (or resumed) epoch, and those it is still owed,
+        each in batches of its batch size (in a group, this rank's deal of the samples not
+        taken); None when the samples are not known. The batches delivered are told by
+        their samples, not their order."""
+        if self._resume_place is not None and not self._cursor.in_epoch:
+            place, mine = self._resume_place, None
+        else:
+            place = self._left_place or self._place_now()
+            mine = self._taken.mine
+        size, batch_size = place.dataset_len, self.batch_size
+        if place.taken is None or size is None or not batch_size:
+            return None
+        taken = place.taken.bits[:size]
+        own = mine.bits[:size] if mine is not None and self.world_size > 1 else taken
+        delivered = _chunks(np.flatnonzero(own), batch_size)[:place.batches]
+        pending = _chunks(np.flatnonzero(~np.pad(taken, (0, size - taken.size))),
+                          batch_size)
+        owed = max(self._resume_quota() - place.batches, 0)
+        dealt = pending[self.rank::self.world_size]
+        return delivered, dealt[:int(min(owed, len(dealt)))]
+
     def _read_to_next_batch(self) -> None:
         """Make this rank's next batch ready (not delivered), reading the group's batches
         before it; nothing if the epoch ends first (its next next() ends it)."""
@@ -1128,6 +1151,12 @@ def _kept_samples(batch: Any, n: int | None, ids: np.ndarray,
     runs = _runs(keep)
     return combine([(batch, start, stop, n) for start, stop in runs]), \
         int(keep.sum()), ids[keep]
+
+
+def _chunks(ids: np.ndarray, size: int) -> list[list[int]]:
+    """`ids` in lists of `size` (the last one shorter)."""
+    values = ids.tolist()
+    return [values[i:i + size] for i in range(0, len(values), size)]
 
 
 def _runs(keep: np.ndarray) -> list[tuple[int, int]]:
