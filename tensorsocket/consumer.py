@@ -285,7 +285,7 @@ class TensorConsumer(LoaderSurface):
             self._aligned = self.align_epochs and welcome.length is not None
             self._cursor = EpochCursor(self._aligned, welcome.length, self.rank,
                                        self.world_size)
-            self._taken = EpochTaken(self.world_size)
+            self._taken = EpochTaken(self.world_size, batch_size)
             self.start_seq = -1
             if not self._defer_ready:
                 self.start_seq = self._client.ready(self._aligned, self.world_size > 1)
@@ -471,6 +471,8 @@ class TensorConsumer(LoaderSurface):
                 # (n None: neither the loader nor a tensor with a dimension tells)
                 flow.ready, flow.loaded = (batch, n or 0, ids), None
             else:
+                if cursor.resuming and self.world_size > 1:
+                    batcher.batch_size = taken.deal_batch_size(self.batch_size or 1)
                 batcher.next_batch(self._pull, flow)
             if cursor.skip:  # taken before the state resumed from: as delivered
                 cursor.skip -= 1
@@ -494,11 +496,20 @@ class TensorConsumer(LoaderSurface):
         place = self._resume_place if self._cursor.resuming else None
         if place is not None:
             self._resume_place = None
-        self._taken.begin(place)
+        taken = self._taken
+        taken.begin(place)
         self._left_place = None
         batch_size = self.loader_batch_size
         self._resume_batcher = Rebatcher(batch_size, self._loader_drop_last) \
             if place is not None and self._rebatcher is None and batch_size else None
+        if place is not None and place.taken is not None and self.world_size > 1:
+            # What the ranks' deal hands out: the samples not taken, at most the batches
+            # each rank is still owed.
+            size = place.dataset_len if place.dataset_len is not None \
+                else place.taken.bits.size
+            owed = self._resume_quota() - place.batches
+            taken.deal_total = int(min(size - place.taken.count(),
+                                       owed * self.world_size * (self.batch_size or 1)))
 
     def _place_now(self, look_ahead: bool = False) -> SavedPlace:
         """Where this consumer is in its epochs, for state_dict(): epochs completed, batches
@@ -574,12 +585,29 @@ class TensorConsumer(LoaderSurface):
     def _read_to_next_batch(self) -> None:
         """Make this rank's next batch ready (not delivered), reading the group's batches
         before it; nothing if the epoch ends first (its next next() ends it)."""
-        if self._flow.ready is not None or self._epoch_complete():
+        if self._epoch_complete():
             return
         try:
             self._make_ready()
         except EpochEnd:
-            pass
+            return
+        if self._cursor.resuming or self._own_batch_size is None:
+            return
+        # Own batch sizes: the other ranks' batches up to this rank's next loader batch
+        # (kept, placed, for its next next()), which hold the rest of their samples taken.
+        entry = self._flow.entry
+        while entry[0] is None and not self._cursor.source_done:
+            try:
+                slot = self._acquire()
+            except (TensorSocketError, TimeoutError):
+                return  # (the producer finished or is gone: the state says what is known)
+            step = self._cursor.place(slot)
+            if step is not Step.DROP:
+                return  # a batch of ours (TAKE), or the epoch's end: kept for next()
+            if not slot.is_end_of_epoch:
+                self._taken.group_batch(slot.index, sample_ids.split(slot.meta)[1])
+            entry[0] = None
+            slot.release()
 
     def _flush_releases(self) -> None:
         """Release the slots of the batches dropped since the last call, after the GPU work

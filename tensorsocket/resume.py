@@ -42,9 +42,11 @@ class EpochTaken:
     """The samples of the current epoch taken by this consumer (or its group), and in a
     resumed epoch the samples it may still take."""
 
-    def __init__(self, world_size: int) -> None:
-        """Nothing taken yet."""
+    def __init__(self, world_size: int, batch_size: int | None = None) -> None:
+        """Nothing taken yet. batch_size: the consumer's own (None: the loader's batches
+        as they are)."""
         self.world_size = world_size
+        self.batch_size = batch_size
         self.begin(None)
 
     def begin(self, resumed: SavedPlace | None) -> None:
@@ -60,6 +62,9 @@ class EpochTaken:
         # A resumed epoch: the samples taken before or read since (those are not kept).
         self.claimed = self.base.union(IdMask()) if resumed is not None else None
         self.dealt = 0  # batches dealt in a resumed group epoch (every rank's)
+        self.dealt_samples = 0  # ... and their samples
+        self.deal_total = 0  # samples the deal hands out in all (set by the consumer)
+        self.round_size = 0  # samples per batch in the current round of the deal
 
     # -- recording -------------------------------------------------------------------
 
@@ -93,10 +98,21 @@ class EpochTaken:
             return None
         return dataset_len - self.claimed.count()
 
+    def deal_batch_size(self, batch_size: int) -> int:
+        """The size of the next batch of the deal: `batch_size`, but in the last round
+        (fewer than world_size batches of it left) an even split of what is left, so that
+        every rank gets the same number of batches."""
+        if self.dealt % self.world_size == 0:  # a round begins: its batches' size
+            left = self.deal_total - self.dealt_samples
+            self.round_size = batch_size if left >= self.world_size * batch_size or \
+                left <= 0 else -(-left // self.world_size)
+        return self.round_size
+
     def deal(self, ids: np.ndarray | None, rank: int) -> bool:
         """A batch of a resumed group epoch was made: whether it is this rank's (every
         world_size-th); its samples are noted as the group's either way."""
         index, self.dealt = self.dealt, self.dealt + 1
+        self.dealt_samples += 0 if ids is None else ids.size
         self.group_batch(index, ids)
         return index % self.world_size == rank
 
@@ -110,13 +126,28 @@ class EpochTaken:
         if self.world_size == 1:
             return self.base.union(self.mine)
         resumed = self.resumed
-        first = batches - (resumed.batches if resumed is not None else 0)
         out = self.base.union(IdMask())
-        for index in range(first * self.world_size):
-            ids = self.group.get(index)
-            if ids is None:
-                return None
-            out.add(ids)
+        if resumed is not None or self.batch_size is None:
+            # Whole group batches: the loader's (a whole epoch), or the deal's (a resumed
+            # one), `batches` of each rank's since the epoch (or the resume) began.
+            first = batches - (resumed.batches if resumed is not None else 0)
+            for index in range(first * self.world_size):
+                ids = self.group.get(index)
+                if ids is None:
+                    return None
+                out.add(ids)
+            return out
+        # Own batch sizes over a whole epoch: each rank took the first `batches *
+        # batch_size` samples of its loader batches (rank r: r, r + world_size, ...).
+        for rank in range(self.world_size):
+            need, index = batches * self.batch_size, rank
+            while need > 0:
+                ids = self.group.get(index)
+                if ids is None:
+                    return None
+                out.add(ids[:need])
+                need -= ids.size
+                index += self.world_size
         return out
 
 

@@ -188,10 +188,32 @@ def test_group_resumes_each_rank_its_part_from_rank_zeros_state(name, tmp_path,
     second = [wait_job(p) for p in ranks]
     taken = flat(first[0]["epochs"][0]) + flat(first[1]["epochs"][0])
     rest = [flat(s["epochs"][0]) for s in second]
-    assert [len(s["epochs"][0]) for s in second] == [2, 2]
+    assert [[len(b) for b in s["epochs"][0]] for s in second] == [[32, 32]] * 2
     assert_once(taken + rest[0] + rest[1], 256, "the group's epoch 0 over two runs")
     assert_once(flat(second[0]["epochs"][1]) + flat(second[1]["epochs"][1]), 256,
                 "the group's epoch 1")
+
+
+def test_group_with_own_batch_size_resumes_each_rank_its_part(name, tmp_path,
+                                                              producers_end):
+    """The same with batch_size=20 over loader batches of 32: each rank took 2 batches of
+    20 (40 of its own loader batches' samples); rank 0's state resumes both: each gets
+    len() - 2 batches, and no sample of the epoch comes twice."""
+    s0, s1 = tmp_path / "r0.json", tmp_path / "r1.json"
+    own = ["--own-batch-size", "20"]
+    ranks = [start_rank(name, r, "--take", "2", *own, state_out=s) for r, s in
+             ((0, s0), (1, s1))]
+    first = [wait_job(p) for p in ranks]
+    assert first[0]["state"]["taken"] == first[1]["state"]["taken"]
+    ranks = [start_rank(name, r, "--epochs", "1", *own, state_in=s0) for r in (0, 1)]
+    second = [wait_job(p) for p in ranks]
+    per_rank = second[0]["len"]  # 128 samples per rank: 7 batches of 20 (the last 8)
+    assert [len(s["epochs"][0]) for s in second] == [per_rank - 2] * 2
+    taken = flat(first[0]["epochs"][0]) + flat(first[1]["epochs"][0])
+    resumed = flat(second[0]["epochs"][0]) + flat(second[1]["epochs"][0])
+    counts = Counter(taken + resumed)
+    assert max(counts.values()) == 1, "a sample came twice"
+    assert len(taken) == 80 and len(resumed) >= 2 * (per_rank - 3) * 20
 
 
 # -- units -----------------------------------------------------------------------------
