@@ -10,7 +10,8 @@ python tests/resume_job.py NAME [--state-in F] [--take K] [--state-out F] [--epo
 --state-in F: load_state_dict(json of F) before iterating; the state right after it is
   printed as ``state_after_load``.
 --take K: take K batches of the first epoch, break, save state_dict() to --state-out
-  (the state after the break), exit. Without it: iterate --epochs whole epochs.
+  (the state after the break; with --save-inside, the state taken in the loop after the
+  K-th batch), exit. Without it: iterate --epochs whole epochs.
 --iterable: the loader is a plain list of batches (no sampler: resume by count).
 --producer-name P: attach with TensorConsumer(name=P) to a producer started elsewhere
   (tests/resume_producer.py) instead of share().
@@ -44,6 +45,8 @@ def main() -> None:
     ap.add_argument("--world-size", type=int)
     ap.add_argument("--iterable", action="store_true")
     ap.add_argument("--producer-name")
+    ap.add_argument("--save-inside", action="store_true",
+                    help="save the state inside the loop, after the --take-th batch")
     a = ap.parse_args()
 
     extra: dict = {}
@@ -75,10 +78,12 @@ def main() -> None:
                 epoch.append([int(v) for v in batch[0]])
                 del batch
                 if a.take is not None and len(epoch) == a.take:
+                    if a.save_inside:  # as a checkpoint callback at a step's end does
+                        out["state"] = loader.state_dict()
                     break
             out["epochs"].append(epoch)
         if a.take is not None:
-            state = loader.state_dict()
+            state = out["state"] if a.save_inside else loader.state_dict()
             json.dumps(state)  # JSON-serialisable, as a checkpoint needs
             with open(a.state_out, "w") as f:
                 json.dump(state, f)

@@ -96,11 +96,11 @@ def _live_locks(name: str) -> bool:
 @pytest.mark.parametrize("shuffle", [True, False], ids=["shuffle", "in-order"])
 def test_resumed_epoch_holds_exactly_the_samples_not_taken(name, tmp_path, producers_end,
                                                            shuffle):
-    """3 of the 8 batches of epoch 0, state saved after the break, the job exits; a new
-    job loads the state: its epoch 0 is exactly the 160 samples not taken, in 5 batches
+    """3 of the 8 batches of epoch 0, state saved after the break (in the loop, in-order
+    case), the job exits; a new job loads the state: its epoch 0 is exactly the 160 samples not taken, in 5 batches
     of 32, and its epoch 1 is whole. (On the old main: 60 of the 160 were seen before,
     union 196 of 256.)"""
-    opts = [] if shuffle else ["--no-shuffle"]
+    opts = [] if shuffle else ["--no-shuffle", "--save-inside"]
     state = tmp_path / "state.json"
     first = run_job(name, "--take", "3", *opts, state_out=state)
     assert first["state"]["epoch"] == 0 and first["state"]["batches_in_epoch"] == 3
@@ -162,6 +162,39 @@ def test_a_loader_without_a_sampler_resumes_by_count_with_a_warning(name, tmp_pa
     assert any("skips its first 3 batches by count" in w for w in second["warnings"])
 
 
+PRODUCER = """
+import sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+from tensorsocket import TensorProducer
+loader = DataLoader(TensorDataset(torch.arange(256)), batch_size=32, shuffle=True,
+                    num_workers=2, persistent_workers=True)
+producer = TensorProducer(loader, name=sys.argv[1], start_grace=0, ring_slots=4)
+print("ready", flush=True)
+while True:
+    for _ in producer:
+        pass
+"""
+
+
+def test_separate_producer_script_with_workers(name, tmp_path):
+    """A TensorProducer script of its own (a DataLoader with 2 workers, shuffling, its
+    sample ids drawn ahead by the workers): the job interrupted and the one resumed attach
+    to it by name; the resumed epoch is exactly the samples not taken."""
+    producer = popen([sys.executable, "-c", PRODUCER, name], cwd=ROOT,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert producer.stdout.readline().strip() == "ready"
+        state = tmp_path / "state.json"
+        first = run_job(name, "--take", "3", "--producer-name", name, state_out=state)
+        second = run_job(name, "--epochs", "2", "--producer-name", name, state_in=state)
+    finally:
+        producer.terminate()
+        producer.communicate(timeout=60 * SCALE)
+    assert_once(flat(first["epochs"][0]) + flat(second["epochs"][0]), 256, "epoch 0")
+    assert [len(b) for b in second["epochs"][0]] == [32] * 5
+    assert_once(flat(second["epochs"][1]), 256, "epoch 1")
+
+
 # -- a data-parallel group -----------------------------------------------------------
 
 def start_rank(name: str, rank: int, *args: str, state_in=None, state_out=None):
@@ -174,14 +207,17 @@ def start_rank(name: str, rank: int, *args: str, state_in=None, state_out=None):
     return start_job(argv)
 
 
+@pytest.mark.parametrize("where", ["after-break", "inside"])
 def test_group_resumes_each_rank_its_part_from_rank_zeros_state(name, tmp_path,
-                                                               producers_end):
+                                                               producers_end, where):
     """Two ranks take 2 batches each (the group: 4 of 8), rank 0's state is saved (as
     Lightning saves rank 0's loader state only); two new ranks load that one state: each
     gets 2 batches of 32, no sample twice, and with the 128 taken before, every sample of
     the epoch once."""
     s0, s1 = tmp_path / "r0.json", tmp_path / "r1.json"
-    ranks = [start_rank(name, r, "--take", "2", state_out=s) for r, s in ((0, s0), (1, s1))]
+    inside = ["--save-inside"] if where == "inside" else []
+    ranks = [start_rank(name, r, "--take", "2", *inside, state_out=s)
+             for r, s in ((0, s0), (1, s1))]
     first = [wait_job(p) for p in ranks]
     assert first[0]["state"]["taken"] == first[1]["state"]["taken"]
     ranks = [start_rank(name, r, "--epochs", "2", state_in=s0) for r in (0, 1)]
