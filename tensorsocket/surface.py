@@ -167,7 +167,9 @@ class LoaderSurface:
         batches as they are published: it may read up to one producer epoch to find them
         all. A producer that does not tell the samples of its batches (a loader without a
         sampler) resumes by count instead: the next epoch skips the batches taken, with a
-        warning."""
+        warning. An empty dict is ignored, as StatefulDataLoader ignores it."""
+        if isinstance(state, dict) and not state:
+            return
         place = resume.decode(state, self._own_batch_size, self.world_size)
         exact = place.taken is not None
         if exact and place.dataset_len != self.producer_dataset_len and \

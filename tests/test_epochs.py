@@ -272,6 +272,8 @@ def test_state_dict_resumes_mid_epoch(name):
     state = c.state_dict()
     assert state["epoch"] == 1 and state["batches_in_epoch"] == 3
     c2 = TensorConsumer(name=name, timeout=30)
+    c2.load_state_dict({})  # ignored, as StatefulDataLoader ignores it
+    assert c2.epoch == 0 and c2.state_dict()["batches_in_epoch"] == 0
     # A list of batches tells no sample ids: the resume is by count, and says so.
     with pytest.warns(TensorSocketWarning, match="skips its first 3 batches by count"):
         c2.load_state_dict(state)

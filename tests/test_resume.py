@@ -290,6 +290,8 @@ def test_bad_states_are_refused_with_the_field_named():
         decode({**good, "taken": "not base64!"}, None, 1)
     with pytest.raises(ValueError, match="not a tensorsocket consumer state"):
         decode({"epoch": 1}, None, 1)
+    with pytest.raises(ValueError, match="dataset of 256 samples it must hold 256"):
+        decode({**good, "taken": IdMask(8).to_text(8)}, None, 1)
 
 
 def test_group_state_needs_every_rank_batch_seen():
