@@ -24,15 +24,18 @@ How it works:
   the first trainer's terminal does not reach it. It keeps serving the others
   when the first caller exits. Its stdin is /dev/null; its stdout, stderr,
   logging and fatal-signal tracebacks go to ``<runtime dir>/<name>.producer.log``
-  (truncated by each new producer of the name, kept after it ends). It never
+  (_shared_producer.ProducerLog: moved to ``<name>.producer.log.1`` when full,
+  removed when the producer ends cleanly, kept when it fails). It never
   returns into the caller's code: it leaves with ``os._exit``, so the caller's
   atexit handlers and buffered output are not run or written twice (share()
   flushes sys.stdout and sys.stderr before forking).
 - Lifetime. The producer pauses while no consumer is attached and ends
   ``idle_timeout`` seconds after the last consumer left the ring (default
   60 s), or, with ``epochs=N``, once its consumers have read its N epochs. It
-  removes its segment, socket and lock files as it ends (its log stays, for
-  the next look). SIGTERM ends it cleanly too.
+  removes its segment, socket, lock and log files as it ends. SIGTERM tears it
+  down cleanly too, but keeps its log (it was stopped from outside: the log says
+  where it was); ``tensorsocket clean`` removes the logs of producers that no
+  longer run.
 
 Fork caveats (share() is meant to be called early in a training script,
 before the model is built):
