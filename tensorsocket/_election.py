@@ -21,6 +21,7 @@ from .endpoints import Endpoint, lock_held, open_lock_file
 SHARE_LOCK_SUFFIX = ".share-lock"  # no producer's file ends so: it ends in .lock or .sock
 LOG_SUFFIX = ".producer.log"  # <name>.producer.log: the output of share()'s producer
 OLDER_LOG_SUFFIX = LOG_SUFFIX + ".1"  # the part before it (see _shared_producer.ProducerLog)
+STAGED_SUFFIX = ".new"  # either, being made while the log is rotated
 
 
 def share_lock_file(rdir: Path, name: str) -> Path:
@@ -45,7 +46,8 @@ def older_log_path(log_path: Path) -> Path:
 
 def log_owner(file_name: str) -> str | None:
     """The producer name whose log (or older part of it) `file_name` is, else None."""
-    for suffix in (LOG_SUFFIX, OLDER_LOG_SUFFIX):
+    for suffix in (LOG_SUFFIX, OLDER_LOG_SUFFIX, LOG_SUFFIX + STAGED_SUFFIX,
+                   OLDER_LOG_SUFFIX + STAGED_SUFFIX):
         if file_name.endswith(suffix) and len(file_name) > len(suffix):
             return file_name[: -len(suffix)]
     return None

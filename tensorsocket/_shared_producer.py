@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import _core
-from ._election import older_log_path, release_lock, take_lock
+from ._election import STAGED_SUFFIX, older_log_path, release_lock, take_lock
 from .endpoints import Endpoint
 from .errors import ProducerNotFound, TensorSocketError
 from .producer import TensorProducer
@@ -268,8 +268,7 @@ class ProducerLog:
                 for stream in (sys.stdout, sys.stderr):
                     stream.flush()
                 full = _file_id(os.fstat(2))
-                self._move_aside()
-                self._redirect()
+                self._swap()
                 self._older_id = full
             except OSError as e:  # the log is not worth the producer: keep writing
                 self._done = True
@@ -293,14 +292,26 @@ class ProducerLog:
         except FileNotFoundError:
             pass
 
-    def _redirect(self) -> None:
-        """Create the log afresh and make it fd 1 and 2."""
-        fd = os.open(self.path, self._FLAGS, 0o600)
+    def _redirect(self, path: Path | None = None) -> None:
+        """Create the log (or `path`) afresh and make it fd 1 and 2."""
+        fd = os.open(path or self.path, self._FLAGS, 0o600)
         try:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
         finally:
             os.close(fd)
+
+    def _swap(self) -> None:
+        """The log becomes the older part and a new log goes on, with no moment when
+        either name is missing (for a reader, ``tail -F``): the new log and a second name
+        of the full one are made under temporary names, then renamed over the two."""
+        new, full = (p.with_name(p.name + STAGED_SUFFIX) for p in (self.path, self.older))
+        for staged in (new, full):
+            staged.unlink(missing_ok=True)  # a rotation cut short by a kill, say
+        os.link(self.path, full)
+        os.replace(full, self.older)
+        self._redirect(new)
+        os.replace(new, self.path)
 
 
 def _file_id(st: os.stat_result) -> tuple[int, int]:
