@@ -511,11 +511,13 @@ class _SharedEpoch:
         try:
             return next(self._it)
         except (ProducerFinished, ProducerGone) as e:
+            log_path = self._consumer.producer_log
+            log_note = (f"having ended cleanly, it removes its log {log_path}"
+                        if isinstance(e, ProducerFinished) else f"its log is {log_path}")
             named = type(e)(
                 f"{e} (shared producer {self._consumer.endpoint.name!r}: it stops when its "
                 "loader fails, after the epochs= of the share() call that started it, or "
-                "idle_timeout= seconds after its last consumer left; its log is "
-                f"{self._consumer.producer_log})")
+                f"idle_timeout= seconds after its last consumer left; {log_note})")
             if isinstance(e, ProducerFailed) and isinstance(named, ProducerFailed):
                 named.cause = e.cause
             raise named from None
