@@ -140,6 +140,20 @@ def test_failed_producer_keeps_its_log_until_clean(rdir, name, producers):
     assert again.returncode == 0 and "nothing to clean" in again.stdout, again.stdout
 
 
+def test_producer_stopped_by_a_signal_keeps_its_log(rdir, name, producers):
+    """SIGTERM tears the producer down (segment, socket, lock) but it did not end by
+    itself: its log stays, saying so, for the user to read."""
+    c = tensorsocket.share(DataLoader(TensorDataset(torch.arange(64)), batch_size=8),
+                           name=name, timeout=WAIT)
+    producer = producers(c)
+    assert next(iter(c)) is not None
+    os.kill(producer.pid, signal.SIGTERM)
+    producer.wait_gone()
+    c.close()
+    assert sorted(p.name for p in rdir.iterdir()) == [f"{name}.producer.log"]
+    assert "SystemExit: 143" in c.producer_log.read_text()
+
+
 def test_clean_never_removes_a_live_or_starting_producers_log(rdir, name, producers):
     """clean leaves the log of a running producer, the log of a name whose share()
     election is under way (a producer starting: its log is open before it takes its name
