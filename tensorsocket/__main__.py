@@ -178,7 +178,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     rdir = _runtime_dir()
     found = [item for item in leftovers(rdir) if args.name is None or item.name == args.name]
     if not found:
-        print("nothing to clean: no segment, socket or lock of a dead producer")
+        print("nothing to clean: no segment, socket, lock or log of a dead producer")
         return 0
     failed = 0
     verb = "would remove" if args.dry_run else "removed"
@@ -275,11 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
     top.set_defaults(func=_cmd_top)
 
     clean = sub.add_parser(
-        "clean", parents=[debug], help="remove segments and sockets left by dead producers",
+        "clean", parents=[debug],
+        help="remove segments, sockets and logs left by dead producers",
         description="Remove the shared-memory segments, sockets and lock files that producers "
-                    "killed without cleaning up left behind. Never touches a live producer's: "
-                    "a segment is removed only when the process recorded in it is gone, a "
-                    "socket or lock only when no producer holds the name's lock.")
+                    "killed without cleaning up left behind, and the logs that share()'s "
+                    "producers that failed or were killed left for reading. Never touches a "
+                    "live producer's: a segment is removed only when the process recorded in "
+                    "it is gone, a socket or lock only when no producer holds the name's lock, "
+                    "a log only when besides no share() is starting or ending a producer of "
+                    "the name.")
     clean.add_argument("--dry-run", action="store_true",
                        help="list what would be removed, remove nothing")
     clean.add_argument("--name", metavar="NAME", help=name_help)

@@ -19,16 +19,38 @@ from pathlib import Path
 from .endpoints import Endpoint, lock_held, open_lock_file
 
 SHARE_LOCK_SUFFIX = ".share-lock"  # no producer's file ends so: it ends in .lock or .sock
+LOG_SUFFIX = ".producer.log"  # <name>.producer.log: the output of share()'s producer
+OLDER_LOG_SUFFIX = LOG_SUFFIX + ".1"  # the part before it (see _shared_producer.ProducerLog)
+STAGED_SUFFIX = ".new"  # either, being made while the log is rotated
+
+
+def share_lock_file(rdir: Path, name: str) -> Path:
+    """The election lock file of producer `name` in runtime directory `rdir`."""
+    return rdir / f"{name}{SHARE_LOCK_SUFFIX}"
 
 
 def share_lock_path(endpoint: Endpoint) -> Path:
     """The election lock file of a producer name."""
-    return endpoint.runtime_dir / f"{endpoint.name}{SHARE_LOCK_SUFFIX}"
+    return share_lock_file(endpoint.runtime_dir, endpoint.name)
 
 
 def producer_log_path(endpoint: Endpoint) -> Path:
     """Where the producer that share() starts writes its output and log."""
-    return endpoint.runtime_dir / f"{endpoint.name}.producer.log"
+    return endpoint.runtime_dir / f"{endpoint.name}{LOG_SUFFIX}"
+
+
+def older_log_path(log_path: Path) -> Path:
+    """Where the earlier part of a producer log goes: ``<name>.producer.log.1``."""
+    return log_path.with_name(log_path.name[: -len(LOG_SUFFIX)] + OLDER_LOG_SUFFIX)
+
+
+def log_owner(file_name: str) -> str | None:
+    """The producer name whose log (or older part of it) `file_name` is, else None."""
+    for suffix in (LOG_SUFFIX, OLDER_LOG_SUFFIX, LOG_SUFFIX + STAGED_SUFFIX,
+                   OLDER_LOG_SUFFIX + STAGED_SUFFIX):
+        if file_name.endswith(suffix) and len(file_name) > len(suffix):
+            return file_name[: -len(suffix)]
+    return None
 
 
 def take_lock(path: Path, deadline: float | None) -> int | None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import _core
-from ._election import release_lock, take_lock
+from ._election import STAGED_SUFFIX, older_log_path, release_lock, take_lock
 from .endpoints import Endpoint
 from .errors import ProducerNotFound, TensorSocketError
 from .producer import TensorProducer
@@ -31,6 +31,7 @@ log = logging.getLogger("tensorsocket")
 _POLL = 0.1  # seconds between the producer's idle checks
 _KILL_GRACE = 5.0  # seconds a producer stopped with SIGTERM gets before SIGKILL
 _LOG_TAIL_LINES = 12
+LOG_MAX_BYTES = 10 * 1024 * 1024  # a producer log this big moves to <log>.1 (docs/usage.md)
 
 # -- starting it from the caller -----------------------------------------------------
 
@@ -204,14 +205,15 @@ def _producer_process(loader: Any, endpoint: Endpoint, epochs: int | None,
     try:
         reporter = _Reporter(wfd)
         reporter.send({"pid": os.getpid(), "start": _core.process_start_time(os.getpid())})
+        producer_log = ProducerLog(log_path)
         try:
-            _setup_process(log_path)
+            _setup_process(producer_log)
             _core.set_process_name(f"ts:{endpoint.name}")  # what ps and top show (15 bytes)
         except BaseException as e:
             reporter.error(f"cannot set up the producer process: {type(e).__name__}: {e}")
             raise
         status = _serve(loader, endpoint, epochs, idle_timeout, producer_kw, reporter,
-                        lock_path, caller)
+                        lock_path, caller, producer_log)
     finally:
         os._exit(status)
 
@@ -221,16 +223,119 @@ def _raise_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _setup_process(log_path: Path) -> None:
+class ProducerLog:
+    """The log file of the producer process, ``<runtime dir>/<name>.producer.log``: its
+    file descriptors 1 and 2, so its stdout, stderr, logging, faulthandler's tracebacks
+    and what C code and loader workers print.
+
+    - Opened as the producer starts, while the caller that starts it holds the share lock
+      (no other producer of the name is live): a log already there is that of an earlier
+      producer of the name that failed or was killed (one that ended cleanly removed
+      its own), and is moved to ``<name>.producer.log.1`` for the user to read,
+      replacing an older one there.
+    - Rotated: once it holds LOG_MAX_BYTES or more (checked after each published batch)
+      it moves to ``.1`` likewise and a new log goes on, so the output of one producer
+      takes at most about twice that. Loader workers started before the move write on
+      into the moved file until they are started again (each epoch, unless
+      ``persistent_workers=True``).
+    - Removed, with the older part where this producer wrote it, when the producer ends
+      cleanly (its epochs read, or idle_timeout), under the share lock, so that it never
+      removes the log of the next producer of the name (which opens its own under that
+      lock). A producer that failed, or was stopped by a signal, leaves its log for the
+      user; ``tensorsocket clean`` removes it once no producer of the name runs."""
+
+    _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+
+    def __init__(self, path: Path) -> None:
+        """Set up; see the class docstring."""
+        self.path = path
+        self.older = older_log_path(path)
+        self._mutex = threading.Lock()  # the main thread rotates, the idle watch removes
+        self._older_id: tuple[int, int] | None = None  # the older part, if this one's own
+        self._done = False  # removed, or rotation failed: leave the files as they are
+
+    def open(self) -> None:
+        """Move a log left at the path aside; a new one becomes this process's fd 1 and 2."""
+        self._move_aside()
+        self._redirect()
+
+    def rotate_if_full(self) -> None:
+        """Move the log to the older part and go on in a new one, once it is full."""
+        with self._mutex:
+            if self._done or os.fstat(2).st_size < LOG_MAX_BYTES:
+                return
+            try:
+                for stream in (sys.stdout, sys.stderr):
+                    stream.flush()
+                full = _file_id(os.fstat(2))
+                self._swap()
+                self._older_id = full
+            except OSError as e:  # the log is not worth the producer: keep writing
+                self._done = True
+                log.warning("cannot rotate the producer log %s (%s): it grows on", self.path, e)
+                return
+        log.info("the log reached %d bytes; its earlier part is in %s", LOG_MAX_BYTES,
+                 self.older)
+
+    def remove(self) -> None:
+        """The producer ended cleanly: unlink its log, and the older part if its own."""
+        with self._mutex:
+            self._done = True
+            _unlink_if_same(self.path, _file_id(os.fstat(2)))
+            if self._older_id is not None:
+                _unlink_if_same(self.older, self._older_id)
+
+    def _move_aside(self) -> None:
+        """Rename the log to the older part (replacing it), if there is a log."""
+        try:
+            os.replace(self.path, self.older)
+        except FileNotFoundError:
+            pass
+
+    def _redirect(self, path: Path | None = None) -> None:
+        """Create the log (or `path`) afresh and make it fd 1 and 2."""
+        fd = os.open(path or self.path, self._FLAGS, 0o600)
+        try:
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+        finally:
+            os.close(fd)
+
+    def _swap(self) -> None:
+        """The log becomes the older part and a new log goes on, with no moment when
+        either name is missing (for a reader, ``tail -F``): the new log and a second name
+        of the full one are made under temporary names, then renamed over the two."""
+        new, full = (p.with_name(p.name + STAGED_SUFFIX) for p in (self.path, self.older))
+        for staged in (new, full):
+            staged.unlink(missing_ok=True)  # a rotation cut short by a kill, say
+        os.link(self.path, full)
+        os.replace(full, self.older)
+        self._redirect(new)
+        os.replace(new, self.path)
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    """What tells one file from another: device and inode."""
+    return st.st_dev, st.st_ino
+
+
+def _unlink_if_same(path: Path, file_id: tuple[int, int]) -> None:
+    """Unlink `path` if it is still the file `file_id` (nobody moved it, or put another)."""
+    try:
+        if _file_id(os.lstat(path)) == file_id:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot remove the producer log %s: %s", path, e)
+
+
+def _setup_process(producer_log: ProducerLog) -> None:
     """stdin from /dev/null; stdout, stderr and logging to the log; clean SIGTERM."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                 0o600)
+    producer_log.open()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
     os.close(null)
-    os.close(fd)
     # The caller's sys.std* may be anything (a pytest capture, a tqdm wrapper): new ones.
     sys.stdin = open(os.devnull)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -251,7 +356,8 @@ def _setup_process(log_path: Path) -> None:
 
 
 def _serve(loader: Any, endpoint: Endpoint, epochs: int | None, idle_timeout: float | None,
-           producer_kw: dict, reporter: _Reporter, lock_path: Path, caller: int) -> int:
+           producer_kw: dict, reporter: _Reporter, lock_path: Path, caller: int,
+           producer_log: ProducerLog) -> int:
     """Run the producer; the exit status."""
     log.info("shared producer %r: pid %d, started by share() in pid %d; epochs=%s, "
              "idle_timeout=%s", endpoint.name, os.getpid(), caller, epochs, idle_timeout)
@@ -262,7 +368,7 @@ def _serve(loader: Any, endpoint: Endpoint, epochs: int | None, idle_timeout: fl
         log.exception("cannot start the producer")
         reporter.error(f"{type(e).__name__}: {e}")
         return 1
-    guard = _Guard(producer, reporter, idle_timeout, lock_path)
+    guard = _Guard(producer, reporter, idle_timeout, lock_path, producer_log)
     status = 1
     try:
         epoch = 0
@@ -270,6 +376,7 @@ def _serve(loader: Any, endpoint: Endpoint, epochs: int | None, idle_timeout: fl
             batches = 0
             for _ in producer:
                 batches += 1
+                producer_log.rotate_if_full()
             if batches == 0:
                 raise ValueError(
                     f"the loader yielded no batch in epoch {epoch}: an empty dataset, or an "
@@ -286,7 +393,7 @@ def _serve(loader: Any, endpoint: Endpoint, epochs: int | None, idle_timeout: fl
             log.error("the shared producer failed", exc_info=True)
             reporter.error(f"{type(e).__name__}: {e}")
     finally:
-        guard.close()
+        guard.close(ended_cleanly=status == 0)
     log.info("shared producer %r ended", endpoint.name)
     return status
 
@@ -299,15 +406,18 @@ class _Guard:
     and this thread decides when the pause has lasted too long, under the share lock: no
     caller is attaching then (they attach while holding it), so none can attach to a
     producer on its way out. (The producer's own start_timeout would end its epoch
-    without that lock, racing a caller attaching at that moment.)"""
+    without that lock, racing a caller attaching at that moment.) A producer that ends
+    cleanly removes its log under that lock too (see ProducerLog)."""
 
     def __init__(self, producer: TensorProducer, reporter: _Reporter,
-                 idle_timeout: float | None, lock_path: Path) -> None:
+                 idle_timeout: float | None, lock_path: Path,
+                 producer_log: ProducerLog) -> None:
         """Set up; see the class docstring."""
         self._producer = producer
         self._reporter = reporter
         self._idle_timeout = idle_timeout
         self._lock_path = lock_path
+        self._log = producer_log
         self._mutex = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
@@ -365,13 +475,16 @@ class _Guard:
                 self.retired = True
                 self._producer.close()  # the main thread's wait ends with an error
                 self._closed = True
+                self._log.remove()
             finally:
                 release_lock(fd, self._lock_path)
             return True
 
-    def close(self) -> None:
+    def close(self, ended_cleanly: bool) -> None:
         """Stop the thread; close the producer (under the share lock once consumers may
-        have attached, so that no caller attaches to it meanwhile)."""
+        have attached, so that no caller attaches to it meanwhile), and remove its log if
+        it `ended_cleanly` after its first batch (a caller still waiting for that batch
+        is told to read the log)."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
@@ -385,6 +498,8 @@ class _Guard:
             try:
                 self._producer.close()
                 self._closed = True
+                if ended_cleanly and fd is not None:
+                    self._log.remove()
             finally:
                 if fd is not None:
                     release_lock(fd, self._lock_path)

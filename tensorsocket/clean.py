@@ -1,4 +1,4 @@
-"""Find and remove what dead producers left behind: ring segments, sockets, locks.
+"""Find and remove what dead producers left behind: ring segments, sockets, locks, logs.
 
 A producer removes its segment, socket and lock file when it stops; one that
 was killed (SIGKILL, OOM killer, a crashed node agent) cannot. Its segment is
@@ -10,17 +10,29 @@ without touching anything live:
   time, so a reused pid does not count) is gone; a segment whose header cannot
   be read counts as stale only if the pid in its name is gone;
 - a socket or lock file is stale when nobody holds the name's lock (a live
-  producer keeps an exclusive flock on ``<name>.lock`` for its whole life).
+  producer keeps an exclusive flock on ``<name>.lock`` for its whole life);
+- the log of a producer that share() started (``<name>.producer.log`` and its older
+  part ``.1``; a producer that ends cleanly removes its own, one that failed or was
+  killed leaves it for the user) is stale when nobody holds the name's lock nor its
+  share() election lock (held while a producer of the name starts, before it takes
+  the name's lock, and while one ends). It is removed while holding that election
+  lock, so no producer of the name can start meanwhile. Only regular files of this
+  user count: a link or anything else under such a name is not ours to remove.
 """
 
 from __future__ import annotations
 
+import os
+import stat
+import time
 from pathlib import Path
 
 from . import _core
-from ._election import SHARE_LOCK_SUFFIX
+from ._election import SHARE_LOCK_SUFFIX, log_owner, release_lock, share_lock_file, take_lock
 from .endpoints import lock_held, runtime_dir
 from .segments import Leftover, stale_segments
+
+LOG_REASON = "no producer of this name runs"
 
 
 def _stale_files(rdir: Path) -> list[Leftover]:
@@ -47,9 +59,58 @@ def _stale_files(rdir: Path) -> list[Leftover]:
     return out
 
 
+def _stale_logs(rdir: Path) -> list[Leftover]:
+    """Logs of share() producers of names that no producer runs or starts under."""
+    out: list[Leftover] = []
+    try:
+        entries = sorted(rdir.iterdir())
+    except OSError:
+        return out
+    for path in entries:
+        name = log_owner(path.name)
+        if name is None or not _own_regular_file(path) or _name_in_use(rdir, name):
+            continue
+        out.append(Leftover("log", name, str(path), LOG_REASON))
+    return out
+
+
+def _own_regular_file(path: Path) -> bool:
+    """True for a regular file of this user (not a link, not another user's file)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
+def _name_in_use(rdir: Path, name: str) -> bool:
+    """True while a producer of `name` runs (its name lock) or a share() election of it
+    is under way (starting or ending one)."""
+    return lock_held(rdir / f"{name}.lock") or lock_held(share_lock_file(rdir, name))
+
+
+def _remove_log(item: Leftover) -> str | None:
+    """Remove a stale log under the name's election lock; None on success, else why not."""
+    path = Path(item.path)
+    election = share_lock_file(path.parent, item.name)
+    fd = take_lock(election, time.monotonic())  # one try: a share() may be at work
+    if fd is None:
+        return "a share() of this name is starting or ending its producer; left alone"
+    try:
+        if lock_held(path.parent / f"{item.name}.lock"):
+            return "a producer of this name started meanwhile; left alone"
+        if not _own_regular_file(path):
+            return "no longer a regular file of this user; left alone"
+        path.unlink(missing_ok=True)
+        return None
+    finally:
+        release_lock(fd, election)
+
+
 def leftovers(rdir: Path | None = None) -> list[Leftover]:
     """Everything dead producers of this user left (nothing of a live one)."""
-    return stale_segments() + _stale_files(rdir if rdir is not None else runtime_dir())
+    rdir = rdir if rdir is not None else runtime_dir()
+    return stale_segments() + _stale_files(rdir) + _stale_logs(rdir)
 
 
 def remove(item: Leftover) -> str | None:
@@ -59,6 +120,8 @@ def remove(item: Leftover) -> str | None:
         if item.kind == "segment":
             _core.Ring.unlink_name("/" + Path(item.path).name)
             return None
+        if item.kind == "log":
+            return _remove_log(item)
         if item.kind in ("socket", "lock"):
             lock = Path(item.path) if item.kind == "lock" else \
                 Path(item.path).with_suffix(".lock")

@@ -107,7 +107,7 @@ def pid_alive(pid: int) -> bool:
 class Leftover:
     """One file a dead producer left."""
 
-    kind: str  # "segment", "socket", "lock"
+    kind: str  # "segment", "socket", "lock", "log" (clean.py)
     name: str  # producer name
     path: str  # what to remove
     reason: str  # why it is stale

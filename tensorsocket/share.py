@@ -24,15 +24,18 @@ How it works:
   the first trainer's terminal does not reach it. It keeps serving the others
   when the first caller exits. Its stdin is /dev/null; its stdout, stderr,
   logging and fatal-signal tracebacks go to ``<runtime dir>/<name>.producer.log``
-  (truncated by each new producer of the name, kept after it ends). It never
+  (_shared_producer.ProducerLog: moved to ``<name>.producer.log.1`` when full,
+  removed when the producer ends cleanly, kept when it fails). It never
   returns into the caller's code: it leaves with ``os._exit``, so the caller's
   atexit handlers and buffered output are not run or written twice (share()
   flushes sys.stdout and sys.stderr before forking).
 - Lifetime. The producer pauses while no consumer is attached and ends
   ``idle_timeout`` seconds after the last consumer left the ring (default
   60 s), or, with ``epochs=N``, once its consumers have read its N epochs. It
-  removes its segment, socket and lock files as it ends (its log stays, for
-  the next look). SIGTERM ends it cleanly too.
+  removes its segment, socket, lock and log files as it ends. SIGTERM tears it
+  down cleanly too, but keeps its log (it was stopped from outside: the log says
+  where it was); ``tensorsocket clean`` removes the logs of producers that no
+  longer run.
 
 Fork caveats (share() is meant to be called early in a training script,
 before the model is built):
@@ -508,11 +511,13 @@ class _SharedEpoch:
         try:
             return next(self._it)
         except (ProducerFinished, ProducerGone) as e:
+            log_path = self._consumer.producer_log
+            log_note = (f"having ended cleanly, it removes its log {log_path}"
+                        if isinstance(e, ProducerFinished) else f"its log is {log_path}")
             named = type(e)(
                 f"{e} (shared producer {self._consumer.endpoint.name!r}: it stops when its "
                 "loader fails, after the epochs= of the share() call that started it, or "
-                "idle_timeout= seconds after its last consumer left; its log is "
-                f"{self._consumer.producer_log})")
+                f"idle_timeout= seconds after its last consumer left; {log_note})")
             if isinstance(e, ProducerFailed) and isinstance(named, ProducerFailed):
                 named.cause = e.cause
             raise named from None

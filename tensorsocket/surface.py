@@ -25,8 +25,8 @@ class SamplerView:
     """``consumer.sampler`` and ``consumer.batch_sampler``: the producer's sampling seen
     from a consumer. ``set_epoch(e)`` is what DistributedSampler users call before each
     epoch; the producer calls set_epoch on its own loader's sampler itself, so here it
-    has nothing to do (it warns once if the epoch asked for is not the one that comes:
-    the shared producer, not this process, decides the order of samples)."""
+    has nothing to do (it warns once if the caller goes back to an earlier epoch, whose
+    order the shared producer cannot give again: see LoaderSurface._note_set_epoch)."""
 
     def __init__(self, consumer: Any, batches: bool) -> None:
         """A view of `consumer`'s sampling (of batches if `batches`, else of samples)."""
@@ -54,7 +54,10 @@ class SamplerView:
         return self._consumer.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """DistributedSampler.set_epoch: nothing to do here (see the class docstring)."""
+        """DistributedSampler.set_epoch: nothing to do here (see the class docstring).
+        Frameworks reach it through both ``loader.sampler`` and
+        ``loader.batch_sampler.sampler`` (new views each time), so one epoch may be set
+        twice: that is fine (see LoaderSurface._note_set_epoch)."""
         self._consumer._note_set_epoch(epoch)
 
     def __len__(self) -> int:
@@ -94,6 +97,7 @@ class LoaderSurface:
     _cursor: EpochCursor
     _local_loader: Any
     _set_epoch_warned: bool
+    _last_set_epoch: int | None = None  # the number of the last set_epoch call, if any
     _producer_sets_epoch: bool
     _own_batch_size: int | None
     _resume_place: SavedPlace | None
@@ -128,20 +132,46 @@ class LoaderSurface:
         self._note_set_epoch(epoch)
 
     def _note_set_epoch(self, epoch: int) -> None:
-        """set_epoch(epoch) from training code: warn once if it cannot mean what it
-        says (another epoch than the one this consumer iterates next)."""
+        """set_epoch(epoch) from training code: warn once if it asks for what a shared
+        producer cannot give.
+
+        The number is the caller's own count of epochs, not the consumer's, and the two
+        differ in normal use, so it is not compared with the consumer's epoch:
+
+        - Lightning calls it on the train and the val loader with the fit loop's epoch
+          (``lightning/fabric/utilities/data.py`` ``_set_sampler_epoch``, from
+          ``loops/fit_loop.py`` and ``loops/evaluation_loop.py``): the val consumer gets
+          the same epoch twice (at the sanity check, which takes the start of the val
+          consumer's epoch 0, and at the first validation), and jumps of k with
+          ``check_val_every_n_epoch=k``; a run resumed from a checkpoint starts at its
+          checkpoint's epoch.
+        - accelerate's DataLoaderShard sets its own iteration count before each pass,
+          and training scripts call ``loader.sampler.set_epoch(epoch)`` with the epoch of
+          their loop (DistributedSampler's convention), which starts where a resumed run
+          starts.
+        - Frameworks set it on ``loader.sampler`` and ``loader.batch_sampler.sampler``,
+          which are two views here: the same number twice in a row.
+
+        Each of these asks for a new pass over the data, which each consumer epoch is
+        (reshuffled if the producer's loader shuffles), so a number equal to or above the
+        last one passes silently, and so does the first call, whatever its number. A
+        number below the last one asks to go back to an earlier epoch, to replay its
+        order, which the shared producer, having moved on, cannot give: that warns, once
+        per consumer."""
+        last, self._last_set_epoch = self._last_set_epoch, epoch
+        if last is None or epoch >= last or self._set_epoch_warned:
+            return
+        self._set_epoch_warned = True
         upcoming = self.epoch
         if self._cursor.in_epoch and self._epoch_complete():  # type: ignore[attr-defined]
             upcoming += 1  # a loop that stopped at len(): that epoch is over
-        if epoch == upcoming or self._set_epoch_warned:
-            return
-        self._set_epoch_warned = True
         who = "calls set_epoch on its loader's sampler itself" if self._producer_sets_epoch \
             else "reshuffles as its own loader does"
         message = (
-            f"set_epoch({epoch}) has no effect on a tensorsocket consumer: the shared "
-            f"producer orders the samples (it {who}); this consumer's next epoch is its "
-            f"epoch {upcoming}. Every epoch is still a whole pass over the data")
+            f"set_epoch({epoch}) after set_epoch({last}) cannot replay an earlier epoch on a "
+            f"tensorsocket consumer: the shared producer orders the samples (it {who}) and "
+            f"has moved on; this consumer's next epoch is its epoch {upcoming}, a whole new "
+            "pass over the data")
         log.info("%s", message)
         warnings.warn(message, TensorSocketWarning, stacklevel=3)
 

@@ -308,9 +308,17 @@ def test_consumer_has_what_training_code_reads_from_a_dataloader(name, jobs, mon
         assert c.num_workers == 0
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            c.sampler.set_epoch(0)  # the epoch that comes: nothing to say
-        with pytest.warns(TensorSocketWarning, match="set_epoch"):
-            c.sampler.set_epoch(5)
+            # A loop's epochs, as frameworks set them (the same one again, a jump, on
+            # sampler and batch_sampler.sampler): each is a new pass, nothing to say.
+            for epoch in (3, 3, 4, 6):
+                c.sampler.set_epoch(epoch)
+                c.batch_sampler.sampler.set_epoch(epoch)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            c.sampler.set_epoch(2)  # back to an earlier epoch: it cannot be replayed
+            c.sampler.set_epoch(1)
+        assert [(w.category, str(w.message).split(" cannot")[0]) for w in said] == \
+            [(TensorSocketWarning, "set_epoch(2) after set_epoch(6)")]
         assert c.mixup_enabled is True
         with pytest.warns(TensorSocketWarning, match="not on the shared producer"):
             c.mixup_enabled = False

@@ -545,7 +545,8 @@ def test_lightning_train_and_val(jobs, name):
     """Two jobs with a shared train and a shared val loader: every train and val epoch
     exactly once; the val loader does not shuffle, so each val epoch is its batches in
     order, and the sanity check (two val batches, then Lightning leaves the epoch) gets
-    its first two."""
+    its first two. Lightning's own set_epoch calls on the loaders (the fit loop's epoch,
+    also on the val loader after the sanity check took its epoch 0) warn nothing."""
     pytest.importorskip("lightning")
     n, nv = 64, 48
     started = [jobs.python(f"lightning{k}", "lightning_fit.py", "--name", name, "--val-name",
@@ -562,6 +563,10 @@ def test_lightning_train_and_val(jobs, name):
             if len(r.get("sanity", [])) != 2 or len(set(sanity)) != len(sanity) or \
                     not all(VAL_OFFSET <= i < VAL_OFFSET + nv for i in sanity):
                 problems.append(f"{job.label} rank {rank}: sanity check batches {r.get('sanity')}")
+        # Lightning prints warnings as "file:line: message", without their category.
+        problems += [f"{job.label}: a standard flow warned: {line.strip()}"
+                     for line in job.log.read_text(errors="replace").splitlines()
+                     if "set_epoch(" in line]
     problems += check_one_stream(started, "train")
     problems += check_one_stream(started, "val")
     problems += check_loads(jobs, producer_pids(started))

@@ -210,7 +210,8 @@ def wait_gone(pid: int, timeout: float) -> float:
 def assert_nothing_left(rdir: Path, name: str) -> None:
     assert shm_segments(name) == []
     left = sorted(p.name for p in rdir.iterdir())
-    assert left in ([], [f"{name}.producer.log"]), left  # the log stays, nothing else
+    # The log of a failed producer stays (moved to .1 by the next producer of the name).
+    assert left in ([], [f"{name}.producer.log"], [f"{name}.producer.log.1"]), left
 
 
 def producer_alive(rdir: Path, name: str) -> bool:
@@ -267,7 +268,7 @@ def test_three_simultaneous_callers_one_producer(trainers, rt, name):
     assert log.count("listening on") == 1
     gone = wait_gone(producer, IDLE + 10)
     assert time.monotonic() - ended < IDLE + 10, gone
-    assert "no consumer for idle_timeout" in Path(attached[0]["log"]).read_text()
+    assert not Path(attached[0]["log"]).exists()  # a clean end (idle_timeout) removes it
     assert_nothing_left(rt, name)
 
 
