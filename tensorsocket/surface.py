@@ -220,6 +220,7 @@ class LoaderSurface:
         self._cursor.resume(place.epoch, place.batches, exact)
         self._resume_place = place if exact else None
         self._left_place = None
+        self._last_set_epoch = None  # the epochs it counts start again from the state
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the caller's own loader (share()) that a consumer lacks, e.g. a
