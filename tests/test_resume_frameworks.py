@@ -24,8 +24,13 @@ fixture; ``TS_TEST_TIMEOUT_SCALE`` scales every deadline).
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tensorsocket.surface import SamplerView
 
 from test_frameworks import (  # noqa: F401  (jobs: the fixture)
     CLIENTS, BASELINE, Job, Jobs, _free_port, _ids_problem, assert_no_problems, check_loads,
@@ -221,6 +226,24 @@ def test_accelerate_skip_first_batches_per_rank(jobs, name):
             problems.append(f"{len(overlap)} samples on both ranks, e.g. {sorted(overlap)[:8]}")
     assert_no_problems(problems, jobs)
     jobs.stop_producers()
+
+
+@pytest.mark.parametrize("own_batch_size,drop_last", [(None, False), (48, False), (48, True)])
+def test_batch_sampler_view_is_the_ranks_part(own_batch_size, drop_last):
+    """What skip_first_batches rebuilds a loader from, for rank 1 of 2 with no record of
+    the epoch: the caller's loader's batches 1, 3, 5, 7 (the first len // 2 * 2 of 9),
+    cut into the consumer's own batches where it has a batch_size (the last one short
+    unless drop_last); the sampler view is the same indices one by one."""
+    loader = DataLoader(torch.arange(288), batch_size=32)  # 9 batches: the 9th to no rank
+    consumer = SimpleNamespace(_local_loader=loader, rank=1, world_size=2,
+                               _own_batch_size=own_batch_size, drop_last=drop_last)
+    part = [i for b in rank_batches(288, 32, 1, 2) for i in b]
+    size = own_batch_size or 32
+    want = [part[i:i + size] for i in range(0, len(part), size)]
+    if drop_last and len(want[-1]) < size:
+        want.pop()
+    assert list(iter(SamplerView(consumer, batches=True))) == want
+    assert list(iter(SamplerView(consumer, batches=False))) == [i for b in want for i in b]
 
 
 @pytest.mark.slow  # two accelerate launches of two processes each
