@@ -88,6 +88,25 @@ def check_resumed(first: Job, second: Job, samples: int, stop_after: int) -> lis
     return problems
 
 
+def keep_producers(jobs: Jobs) -> None:
+    """The producers of this test wait for the resumed run however long it takes to start
+    (the test stops them at its end): the resumed run must meet the producer that has
+    moved on since the interruption, the case under test (a new producer would start a
+    stream of its own)."""
+    jobs.env["TENSORSOCKET_IDLE_TIMEOUT"] = "3600"
+
+
+def check_same_producer(first: Job, second: Job) -> list[str]:
+    """Problems unless every rank of both runs read from one producer process."""
+    if BASELINE:
+        return []
+    pids = {f"{job.label} rank {rank}": r["meta"].get("train", r["meta"]).get("producer_pid")
+            for job in (first, second) for rank, r in job.records().items()}
+    if len(set(pids.values())) != 1 or None in pids.values():
+        return [f"the resumed run did not read from the interrupted run's producer: {pids}"]
+    return []
+
+
 # -- PyTorch Lightning ---------------------------------------------------------------------
 
 
@@ -95,6 +114,7 @@ def run_lightning_twice(jobs: Jobs, name: str, stop_after: int, *extra: str,
                         timeout: float = 120) -> tuple[Job, Job]:
     """lightning_resume.py stopped after `stop_after` steps with a checkpoint, then
     resumed from that checkpoint in a new process."""
+    keep_producers(jobs)
     ckpt_dir = jobs.tmp / "checkpoints"
     first = jobs.python("interrupted", "lightning_resume.py", "--name", name, "--ckpt-dir",
                         str(ckpt_dir), "--stop-after", str(stop_after), *extra)
@@ -120,7 +140,7 @@ def test_lightning_fit_resumes_mid_epoch(jobs, name):
     pytest.importorskip("lightning")
     n, stop_after = 256, 3
     first, second = run_lightning_twice(jobs, name, stop_after, "--samples", str(n))
-    problems = check_resumed(first, second, n, stop_after)
+    problems = check_resumed(first, second, n, stop_after) + check_same_producer(first, second)
     saved = second.records()[0].get("checkpoint_loader_state")
     if not BASELINE:
         if not saved:
@@ -158,7 +178,7 @@ def test_lightning_ddp_fit_resumes_mid_epoch(jobs, name):
     n, stop_after = 256, 2
     first, second = run_lightning_twice(jobs, name, stop_after, "--samples", str(n),
                                         "--devices", "2", timeout=180)
-    problems = check_resumed(first, second, n, stop_after)
+    problems = check_resumed(first, second, n, stop_after) + check_same_producer(first, second)
     if not BASELINE and lightning_warned(second):
         problems.append(f"Lightning warned on resume: {lightning_warned(second)}")
     problems += check_loads(jobs, producer_pids([first, second]))
@@ -254,6 +274,7 @@ def test_accelerate_save_and_load_state(jobs, name):
     rank the same number of batches; epoch 1 whole."""
     pytest.importorskip("accelerate")
     n, stop_after = 256, 2
+    keep_producers(jobs)
     common = ("--name", name, "--samples", str(n), "--shuffle", "--state-dir",
               str(jobs.tmp / "state"))
     first = accelerate_launch(jobs, "interrupted", "accelerate_resume.py", *common,
@@ -262,7 +283,7 @@ def test_accelerate_save_and_load_state(jobs, name):
     second = accelerate_launch(jobs, "resumed", "accelerate_resume.py", *common,
                                "--mode", "resume")
     jobs.wait(timeout=90)
-    problems = check_resumed(first, second, n, stop_after)
+    problems = check_resumed(first, second, n, stop_after) + check_same_producer(first, second)
     problems += check_loads(jobs, producer_pids([first, second]))
     assert_no_problems(problems, jobs)
     jobs.stop_producers()
