@@ -50,14 +50,16 @@ def _epoch(job: Job, epoch: int, key: str = "train") -> dict[int, list[list[int]
 
 
 def check_resumed(first: Job, second: Job, samples: int, stop_after: int) -> list[str]:
-    """Problems unless `first` took `stop_after` batches of epoch 0 on each rank, `second`
-    (resumed from it) the rest: together every sample of epoch 0 exactly once, the same
-    number of batches on every rank; and `second`'s epoch 1 every sample once, each rank
-    len(loader) batches."""
+    """Problems unless `second`, resumed from the state `first` saved after `stop_after`
+    batches of epoch 0 on each rank, took the rest: with those `stop_after` batches every
+    sample of epoch 0 exactly once, the same number of batches on every rank; and
+    `second`'s epoch 1 every sample once, each rank len(loader) batches. (`first` may have
+    gone on after saving: what it took after is lost, as in a job that died later.)"""
     problems = []
     expected = range(samples)
     world = max(int(r.get("world", 1)) for r in first.records().values())
-    before, after, whole = _epoch(first, 0), _epoch(second, 0), _epoch(second, 1)
+    before = {rank: b[:stop_after] for rank, b in _epoch(first, 0).items()}
+    after, whole = _epoch(second, 0), _epoch(second, 1)
     for label, got in (("interrupted run, epoch 0", before),
                        ("resumed run, rest of epoch 0", after), ("resumed run, epoch 1", whole)):
         if sorted(got) != list(range(world)):
@@ -111,16 +113,17 @@ def check_same_producer(first: Job, second: Job) -> list[str]:
 
 
 def run_lightning_twice(jobs: Jobs, name: str, stop_after: int, *extra: str,
-                        timeout: float = 120) -> tuple[Job, Job]:
-    """lightning_resume.py stopped after `stop_after` steps with a checkpoint, then
-    resumed from that checkpoint in a new process."""
+                        run_on: int | None = None, timeout: float = 120) -> tuple[Job, Job]:
+    """lightning_resume.py with a checkpoint after `stop_after` steps, stopped there (or
+    at step `run_on`), then resumed from that checkpoint in a new process."""
     keep_producers(jobs)
     ckpt_dir = jobs.tmp / "checkpoints"
+    more = ("--run-on", str(run_on)) if run_on else ()
     first = jobs.python("interrupted", "lightning_resume.py", "--name", name, "--ckpt-dir",
-                        str(ckpt_dir), "--stop-after", str(stop_after), *extra)
+                        str(ckpt_dir), "--stop-after", str(stop_after), *more, *extra)
     jobs.wait(timeout=timeout)
     second = jobs.python("resumed", "lightning_resume.py", "--name", name, "--resume",
-                         str(ckpt_dir / "interrupted.ckpt"), *extra)
+                         str(ckpt_dir / f"step={stop_after}.ckpt"), *extra)
     jobs.wait(timeout=timeout)
     return first, second
 
@@ -166,10 +169,11 @@ def test_lightning_warns_for_a_plain_dataloader(jobs, name):
 
 @pytest.mark.slow  # DDP: four Lightning interpreters and their process group
 def test_lightning_ddp_fit_resumes_mid_epoch(jobs, name):
-    """strategy="ddp", devices=2 (gloo): stopped after 2 of each rank's 4 steps, resumed
-    with ckpt_path (Lightning saves rank 0's loader state only; each rank loads it):
-    over both runs and both ranks every sample of epoch 0 once, each rank the same
-    number of batches; epoch 1 whole."""
+    """strategy="ddp", devices=2 (gloo): a checkpoint after 2 of each rank's 4 steps,
+    the job dies at step 5 (in epoch 1: the producer has moved past the interrupted
+    epoch), resumed with ckpt_path (Lightning saves rank 0's loader state only; each rank
+    loads it): the resumed run and the 2 steps before the checkpoint hold every sample of
+    epoch 0 once over both ranks, each rank the same number of batches; epoch 1 whole."""
     pytest.importorskip("lightning")
     import torch.distributed
 
@@ -177,7 +181,7 @@ def test_lightning_ddp_fit_resumes_mid_epoch(jobs, name):
         pytest.skip("torch.distributed is not available")
     n, stop_after = 256, 2
     first, second = run_lightning_twice(jobs, name, stop_after, "--samples", str(n),
-                                        "--devices", "2", timeout=180)
+                                        "--devices", "2", run_on=5, timeout=180)
     problems = check_resumed(first, second, n, stop_after) + check_same_producer(first, second)
     if not BASELINE and lightning_warned(second):
         problems.append(f"Lightning warned on resume: {lightning_warned(second)}")

@@ -2,6 +2,7 @@
 checkpoint, then ``trainer.fit(model, ckpt_path=...)`` in a new process.
 
     python lightning_resume.py --name NAME --out PATH --ckpt-dir DIR --stop-after K
+                               [--run-on M]
     python lightning_resume.py --name NAME --out PATH --resume CKPT
         [--samples 256] [--batch-size 32] [--epochs 2] [--devices 1|2] [--no-share]
 
@@ -11,8 +12,10 @@ returns ``tensorsocket.share(DataLoader(ds, batch_size=B, shuffle=True), name=NA
 logger, progress bar or sanity check.
 
 - With --stop-after K: ``max_steps=K`` and ``ModelCheckpoint(dirpath=DIR,
-  every_n_train_steps=K)``: the run trains K batches of epoch 0, saves a checkpoint
-  there (Lightning puts the loader's ``state_dict()`` in it) and stops, mid-epoch.
+  every_n_train_steps=K, filename="{step}")``: the run trains K batches of epoch 0,
+  saves ``DIR/step=K.ckpt`` there (Lightning puts the loader's ``state_dict()`` in it)
+  and stops, mid-epoch. With --run-on M (> K) it trains on to step M before it stops (a
+  job that dies some time after its last checkpoint: the steps after it are lost).
 - With --resume CKPT: ``trainer.fit(model, ckpt_path=CKPT)``, to the end of epoch E-1.
 
 training_step records the ids of every batch per epoch under ``train`` ({epoch: [[ids of
@@ -43,6 +46,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--name", required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--stop-after", type=int)
+parser.add_argument("--run-on", type=int)
 parser.add_argument("--ckpt-dir")
 parser.add_argument("--resume")
 parser.add_argument("--samples", type=int, default=256)
@@ -115,11 +119,11 @@ def checkpoint_loader_state(path: str):
 
 callbacks = []
 if args.stop_after is not None:
-    callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="interrupted",
+    callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}",
                                      every_n_train_steps=args.stop_after, save_top_k=-1))
 trainer = pl.Trainer(
     max_epochs=args.epochs,
-    max_steps=args.stop_after if args.stop_after is not None else -1,
+    max_steps=(args.run_on or args.stop_after) if args.stop_after is not None else -1,
     accelerator="cpu",
     devices=args.devices,
     strategy="ddp" if args.devices > 1 else "auto",
