@@ -11,9 +11,10 @@ import warnings
 import weakref
 from typing import Any, Callable
 
+import numpy as np
 import zmq
 
-from . import _core, config, diagnosis
+from . import _core, config, diagnosis, sample_ids
 from ._producer_watch import ProducerWatch
 from .auth import ClientSecret
 from .config import UNSET, Unset
@@ -31,7 +32,9 @@ from .errors import (
     TensorSocketWarning,
 )
 from .loader_info import LoaderShape
-from .rebatch import EpochEnd, Rebatcher, consumer_len
+from .rebatch import EpochEnd, Rebatcher, batch_samples, combine, consumer_len
+from .resume import EpochTaken, SavedPlace
+from .sample_ids import IdMask
 from .surface import LoaderSurface
 
 log = logging.getLogger("tensorsocket")
@@ -219,6 +222,9 @@ class TensorConsumer(LoaderSurface):
             address = given.get("address", address)
         given.get("runtime_dir")
         self._rebatcher = Rebatcher(batch_size, drop_last) if batch_size is not None else None
+        # A resumed epoch of a consumer without batch_size= cuts the samples it keeps into
+        # the loader's batch size (set at the epoch's start; see _begin_taken).
+        self._resume_batcher: Rebatcher | None = None
         self.unpack_fn = unpack_fn
         self._own_batch_size = batch_size  # None: the producer's batches as they are
         self._drop_last = bool(drop_last)
@@ -249,6 +255,11 @@ class TensorConsumer(LoaderSurface):
         self._iterators = 0  # iter() calls: the last one's iterator is the current one
         self._local_loader: Any = None  # share(): the caller's own loader (attributes)
         self._set_epoch_warned = False
+        # Exact resume (tensorsocket.resume): the place loaded and not yet resumed from,
+        # the place of an epoch left mid-way (break), the samples of this epoch taken.
+        self._resume_place: SavedPlace | None = None
+        self._left_place: SavedPlace | None = None
+        self._left_source: int | None = None  # the producer epoch it was left in
         # Counters for stats() (and those of self._flow).
         self._wait_s = 0.0
         self._rejoins = 0
@@ -274,6 +285,7 @@ class TensorConsumer(LoaderSurface):
             self._aligned = self.align_epochs and welcome.length is not None
             self._cursor = EpochCursor(self._aligned, welcome.length, self.rank,
                                        self.world_size)
+            self._taken = EpochTaken(self.world_size, batch_size)
             self.start_seq = -1
             if not self._defer_ready:
                 self.start_seq = self._client.ready(self._aligned, self.world_size > 1)
@@ -402,6 +414,7 @@ class TensorConsumer(LoaderSurface):
                 self._abandon_epoch(self.epoch)
             if not self._cursor.in_epoch:  # (else its first next() was interrupted: go on)
                 self._cursor.begin()
+                self._begin_taken()
             self._iterators += 1
             return EpochIterator(self, self._iterators)
 
@@ -426,28 +439,175 @@ class TensorConsumer(LoaderSurface):
             if cursor.fresh():
                 _park_idle_siblings(self)  # nobody waits for this process's idle consumers
             try:
-                while flow.ready is None:
-                    if self._rebatcher is None:
-                        batch, n = self._pull()
-                        # (n None: neither the loader nor a tensor with a dimension tells)
-                        flow.ready, flow.loaded = (batch, n or 0), None
-                    else:
-                        self._rebatcher.next_batch(self._pull, flow)
-                    if cursor.skip:  # taken before the state resumed from: as delivered
-                        cursor.skip -= 1
-                        cursor.delivered += 1
-                        flow.ready = None
+                self._make_ready()
             except EpochEnd:
-                if self._rebatcher is not None:
-                    self._rebatcher.reset()
+                if self._batcher is not None:
+                    self._batcher.reset()
                 self._take_end_marker()
                 cursor.end()
                 self._flush_releases()
                 raise StopIteration from None
-        batch = flow.ready[0]
+        batch = flow.ready[0]  # type: ignore[index]
         if self.unpack_fn is not None:
             batch = self.unpack_fn(batch)
         return (cursor.delivered, batch) if self.with_index else batch
+
+    @property
+    def _batcher(self) -> Rebatcher | None:
+        """What cuts this epoch's batches: the resumed epoch's, else batch_size='s."""
+        return self._resume_batcher or self._rebatcher
+
+    def _make_ready(self) -> None:
+        """Make the next batch of this epoch into flow.ready (see _next_batch); EpochEnd
+        after its last. In a resumed epoch, the batches it still owes (see _resume_quota);
+        in a resumed group epoch, the batches dealt to this rank."""
+        cursor, flow, taken = self._cursor, self._flow, self._taken
+        batcher = self._batcher
+        while flow.ready is None:
+            if cursor.resuming and cursor.delivered >= self._resume_quota():
+                raise EpochEnd
+            if batcher is None:
+                batch, n, ids = self._pull()
+                # (n None: neither the loader nor a tensor with a dimension tells)
+                flow.ready, flow.loaded = (batch, n or 0, ids), None
+            else:
+                if cursor.resuming and self.world_size > 1:
+                    batcher.batch_size = taken.deal_batch_size(self.batch_size or 1)
+                batcher.next_batch(self._pull, flow)
+            if cursor.skip:  # taken before the state resumed from: as delivered
+                cursor.skip -= 1
+                cursor.delivered += 1
+                flow.ready = None
+            elif cursor.resuming and self.world_size > 1 and flow.ready is not None \
+                    and not taken.deal(flow.ready[2], self.rank):
+                flow.ready = None  # another rank's batch of the deal
+
+    def _resume_quota(self) -> float:
+        """Batches of this consumer's resumed epoch, counting those delivered before the
+        interruption: one epoch's (len()), or no limit if that is unknown."""
+        try:
+            return len(self)
+        except TypeError:
+            return float("inf")
+
+    def _begin_taken(self) -> None:
+        """An epoch begins: what it takes is recorded from nothing, or from the place
+        loaded by load_state_dict() (a resumed epoch)."""
+        place = self._resume_place if self._cursor.resuming else None
+        if place is not None:
+            self._resume_place = None
+        taken = self._taken
+        taken.begin(place)
+        self._left_place = None
+        batch_size = self.loader_batch_size
+        self._resume_batcher = Rebatcher(batch_size, self._loader_drop_last) \
+            if place is not None and self._rebatcher is None and batch_size else None
+        if place is not None and place.taken is not None and self.world_size > 1:
+            # What the ranks' deal hands out: the samples not taken, at most the batches
+            # each rank is still owed.
+            size = place.dataset_len if place.dataset_len is not None \
+                else place.taken.bits.size
+            owed = self._resume_quota() - place.batches
+            taken.deal_total = int(min(size - place.taken.count(),
+                                       owed * self.world_size * (self.batch_size or 1)))
+
+    def _place_now(self, look_ahead: bool = False) -> SavedPlace:
+        """Where this consumer is in its epochs, for state_dict(): epochs completed, batches
+        delivered of the current one and the samples of it taken (by the group). In a
+        group, look_ahead reads on to this rank's next batch when the group's batches
+        taken are not all seen yet (the ranks ahead of it in the deal)."""
+        cursor = self._cursor
+        if not cursor.in_epoch:
+            return SavedPlace(cursor.epoch, 0, None, self.producer_dataset_len)
+        batches = cursor.delivered
+        taken = self._taken.taken(batches)
+        if taken is None and look_ahead and self.world_size > 1 and self._taken.known:
+            self._read_to_next_batch()
+            taken = self._taken.taken(batches)
+            if taken is None and self._taken.known:
+                log.warning("consumer %d (rank %d of %d): the group's batches before its "
+                            "own next one did not all come; its state counts batches only",
+                            self._index, self.rank, self.world_size)
+        return SavedPlace(cursor.epoch, batches, taken, self.producer_dataset_len)
+
+    def _left_place_now(self) -> SavedPlace | None:
+        """The place of the epoch left mid-way, for state_dict(). A rank of a group reads
+        on through the rest of the producer epoch it left (it skips it anyway) until the
+        group's batches taken are all seen; the entry after that epoch stays for the next."""
+        place = self._left_place
+        if place is None or place.taken is not None or self.world_size == 1 or \
+                not self._taken.known or self._left_source is None or self._closed:
+            return place
+        entry, source = self._flow.entry, self._left_source
+        while self._taken.taken(place.batches) is None:
+            slot = entry[0]
+            if slot is None:
+                try:
+                    slot = self._acquire()
+                except (TensorSocketError, TimeoutError) as e:  # the state says less
+                    log.info("consumer %d: reading on for its state stopped: %s",
+                             self._index, e)
+                    break
+            if slot.is_end_of_epoch or slot.epoch != source:
+                break  # (in flow.entry: the next epoch places it)
+            self._taken.group_batch(slot.index, sample_ids.split(slot.meta)[1])
+            self._cursor.place(slot)  # (the rest of the epoch left: skipped)
+            entry[0] = None
+            slot.release()
+        self._left_place = place = SavedPlace(place.epoch, place.batches,
+                                              self._taken.taken(place.batches),
+                                              place.dataset_len)
+        return place
+
+    def _delivered_and_pending(self) -> tuple[list[list[int]], list[list[int]]] | None:
+        """For a sampler view (consumer.batch_sampler): the samples of the batches this
+        consumer delivered of its current (or resumed) epoch, and those it is still owed,
+        each in batches of its batch size (in a group, this rank's deal of the samples not
+        taken); None when the samples are not known. The batches delivered are told by
+        their samples, not their order."""
+        if self._resume_place is not None and not self._cursor.in_epoch:
+            place, mine = self._resume_place, None
+        else:
+            place = self._left_place or self._place_now()
+            mine = self._taken.mine
+        size, batch_size = place.dataset_len, self.batch_size
+        if place.taken is None or size is None or not batch_size:
+            return None
+        taken = place.taken.bits[:size]
+        own = mine.bits[:size] if mine is not None and self.world_size > 1 else taken
+        delivered = _chunks(np.flatnonzero(own), batch_size)[:place.batches]
+        pending = _chunks(np.flatnonzero(~np.pad(taken, (0, size - taken.size))),
+                          batch_size)
+        owed = max(self._resume_quota() - place.batches, 0)
+        dealt = pending[self.rank::self.world_size]
+        return delivered, dealt[:int(min(owed, len(dealt)))]
+
+    def _read_to_next_batch(self) -> None:
+        """Make this rank's next batch ready (not delivered), reading the group's batches
+        before it; nothing if the epoch ends first (its next next() ends it)."""
+        if self._epoch_complete():
+            return
+        try:
+            self._make_ready()
+        except EpochEnd:
+            return
+        if self._cursor.resuming or self._own_batch_size is None:
+            return
+        # Own batch sizes: the other ranks' batches up to this rank's next loader batch
+        # (kept, placed, for its next next()), which hold the rest of their samples taken.
+        entry = self._flow.entry
+        while entry[0] is None and not self._cursor.source_done:
+            try:
+                slot = self._acquire()
+            except (TensorSocketError, TimeoutError):
+                return  # (the producer finished or is gone: the state says what is known)
+            step = self._cursor.place(slot)
+            if step is not Step.DROP:
+                return  # a batch of ours (TAKE), or the epoch's end: kept for next()
+            if not slot.is_end_of_epoch:
+                self._taken.group_batch(slot.index, sample_ids.split(slot.meta)[1])
+            entry[0] = None
+            slot.release()
 
     def _flush_releases(self) -> None:
         """Release the slots of the batches dropped since the last call, after the GPU work
@@ -477,7 +637,7 @@ class TensorConsumer(LoaderSurface):
     def _holding(self) -> bool:
         """Samples of the current epoch are held back, to be delivered (a partial batch
         of the re-batcher, unless drop_last drops it)."""
-        rebatcher = self._rebatcher
+        rebatcher = self._batcher
         return rebatcher is not None and not rebatcher.drop_last and rebatcher.holding()
 
     def _epoch_complete(self) -> bool:
@@ -495,13 +655,19 @@ class TensorConsumer(LoaderSurface):
         others. Safe from a finalizer: it only sets flags and events."""
         if self._closed or os.getpid() != self._pid:
             return
-        outcome = self._cursor.abandon(epoch, self._holding())
+        cursor = self._cursor
+        place = self._place_now() if cursor.in_epoch and cursor.epoch == epoch else None
+        source = cursor.producer_epoch
+        batcher = self._batcher
+        outcome = cursor.abandon(epoch, self._holding())
         if outcome in (Abandon.COMPLETE, Abandon.LEFT):
             self._flow.drop()
-            if self._rebatcher is not None:
-                self._rebatcher.reset()
+            if batcher is not None:
+                batcher.reset()
         if outcome is not Abandon.LEFT:
             return
+        # What state_dict() says until the next epoch begins.
+        self._left_place, self._left_source = place, source
         if self.world_size > 1 and self._aligned:
             # A rank stays attached and skips the rest of the epoch as it reads on, so
             # that every rank of its group starts the same next epoch.
@@ -547,14 +713,16 @@ class TensorConsumer(LoaderSurface):
 
     # -- the loader batches of this consumer's epoch ----------------------------------
 
-    def _pull(self) -> tuple[Any, int | None]:
+    def _pull(self) -> tuple[Any, int | None, Any]:
         """The next loader batch of this consumer's epoch and its sample count if the
         loader tells, made into flow.loaded unless one is there; EpochEnd after its last.
         It leaves flow.loaded in the caller's step that hands it on."""
-        flow = self._flow
-        if flow.loaded is None:
+        flow, cursor = self._flow, self._cursor
+        while flow.loaded is None:
+            if cursor.resuming and self._taken.unclaimed(self.producer_dataset_len) == 0:
+                raise EpochEnd  # every sample of the resumed epoch was read
             self._ensure_attached()
-            if self._aligned:
+            if self._aligned and not (cursor.resuming and self.world_size == 1):
                 self._pull_aligned()
             else:
                 self._pull_window()
@@ -577,6 +745,8 @@ class TensorConsumer(LoaderSurface):
                 return
             if step is Step.END_BEFORE:
                 raise EpochEnd  # the entry stays: the next epoch's first
+            if step is Step.DROP and self.world_size > 1 and not slot.is_end_of_epoch:
+                self._taken.group_batch(slot.index, sample_ids.split(slot.meta)[1])
             entry[0] = None
             slot.release()
             if step is Step.SKIP:
@@ -609,11 +779,20 @@ class TensorConsumer(LoaderSurface):
         rest) dim 0 of the batch's first tensor with a dimension; None otherwise. Made
         again if an interrupt comes before it is there (the slot stays in flow.entry)."""
         n = self._shape.samples_in(slot.index)
-        batch, leading = self._delivery.build(slot, n is None and self._rebatcher is None)
-        self._cursor.taken(slot)
+        cursor, taken = self._cursor, self._taken
+        batch, leading, ids = self._delivery.build(slot, n is None and self._batcher is None)
+        n = leading if n is None else n
+        cursor.taken(slot)
+        loaded: tuple | None = (batch, n, ids)
+        if cursor.resuming and ids is not None:
+            loaded = _kept_samples(batch, n, ids, taken.claimed)  # type: ignore[arg-type]
+        elif self.world_size > 1:
+            taken.group_batch(slot.index, ids)
         flow = self._flow
         # One step (no call): the entry is used up, its batch is made and counted.
-        flow.loaded, flow.entry[0] = (batch, leading if n is None else n), None
+        flow.loaded, flow.entry[0] = loaded, None
+        if loaded is not None and cursor.resuming and ids is not None:
+            taken.keep(loaded[2])  # read: not kept again (from the next producer epoch)
         flow.loader_batches += 1
         flow.bytes += slot.nbytes
         slot.release()
@@ -951,6 +1130,8 @@ class EpochIterator:
         # Delivered: counted in one step with the return (no call in between, where a
         # KeyboardInterrupt could land: until here the batch stays for the next next()).
         flow = consumer._flow
+        # (Recorded again after an interrupt before the count: no change.)
+        consumer._taken.delivered(flow.ready[2])  # type: ignore[index]
         flow.samples += flow.ready[1]  # type: ignore[index]
         flow.ready = None
         flow.batches += 1
@@ -977,6 +1158,39 @@ class EpochIterator:
     def __len__(self) -> int:
         """Batches in the whole epoch (as ``len(consumer)``)."""
         return len(self._consumer)
+
+
+def _kept_samples(batch: Any, n: int | None, ids: np.ndarray,
+                  claimed: IdMask) -> tuple[Any, int, np.ndarray] | None:
+    """A loader batch read in a resumed epoch, with only the samples not taken yet:
+    (batch, samples, ids); the batch itself when all are kept, None when none is (a copy
+    of the samples kept otherwise)."""
+    keep = ~claimed.contains(ids)
+    if keep.all():
+        return batch, ids.size, ids
+    if not keep.any():
+        return None
+    if n is None or n != ids.size:
+        n = batch_samples(batch)
+        if n != ids.size:  # a collate_fn that changes the number of samples
+            log.warning("a batch of %d samples came with %d sample ids: it is kept whole in "
+                        "the resumed epoch", n, ids.size)
+            return batch, n, ids
+    runs = _runs(keep)
+    return combine([(batch, start, stop, n) for start, stop in runs]), \
+        int(keep.sum()), ids[keep]
+
+
+def _chunks(ids: np.ndarray, size: int) -> list[list[int]]:
+    """`ids` in lists of `size` (the last one shorter)."""
+    values = ids.tolist()
+    return [values[i:i + size] for i in range(0, len(values), size)]
+
+
+def _runs(keep: np.ndarray) -> list[tuple[int, int]]:
+    """The (start, stop) ranges of the True runs of `keep`."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], keep.astype(np.int8), [0]))))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
 def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, delivery: Delivery,

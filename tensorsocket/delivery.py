@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _core
+from . import _core, sample_ids
 from .errors import GPUFallbackWarning, GPUUnavailable
 from .gpu import parse_device
 from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
@@ -145,13 +145,15 @@ class Delivery:
         self.inflight[:] = [(e, h) for e, h in self.inflight if not e.query()]
         return moved
 
-    def build(self, slot: Any, count: bool = False) -> tuple[Any, int | None]:
+    def build(self, slot: Any, count: bool = False) -> tuple[Any, int | None, Any]:
         """Turn a slot into the loader's batch structure of tensors and values. With count,
         also the batch's sample count as far as its tensors tell: dim 0 of the first tensor
         or array with a dimension, in the batch's order (None if it holds none, or without
-        count). The slot's own hold stays (the caller releases it; until then it may build
+        count); and the dataset indices of its samples, if the producer tells them (None
+        otherwise). The slot's own hold stays (the caller releases it; until then it may build
         again, after an interrupt); the tensors hold it as long as they live."""
-        build, kinds = self._decoder.compile(slot.meta)
+        structure, ids = sample_ids.split(slot.meta)
+        build, kinds = self._decoder.compile(structure)
         if self.gpu_import:
             leaves = self._device_leaves(slot, kinds)
         elif NUMPY not in kinds and NUMPY_SCALAR not in kinds:
@@ -172,7 +174,7 @@ class Delivery:
                 break
         if self._move_to is not None:
             leaves = self._to_device(leaves, kinds)
-        return build(leaves), leading
+        return build(leaves), leading, ids
 
     def _device_leaves(self, slot: Any, kinds: list) -> list:
         """Torch leaves from the slot's GPU copy (zero-copy; ordered after the producer's

@@ -95,6 +95,14 @@ class EpochCursor:
         self.group_taken = 0  # batches this rank took in the current epoch
         self.skip = 0
         self.resume_skip = 0  # batches of the next epoch to skip (load_state_dict)
+        # Exact resume (load_state_dict with the samples taken): the next epoch is a
+        # resumed one, and `resuming` while it is iterated. A resumed epoch reads every
+        # batch (the consumer keeps the samples not yet taken): alone, from where it is
+        # for one producer epoch (windowed); in a group, one producer epoch from its start.
+        self.resume_next = False
+        self.resume_delivered = 0  # batches delivered before the interruption
+        self.resuming = False
+        self.last_epoch_seen: int | None = None  # producer epoch of the last entry placed
         self.after_end_marker = False  # the last entry taken ended a producer epoch
         self.end_marker_unread = False
         # Aligned: the producer epoch this epoch reads (None: not anchored yet), and the
@@ -118,6 +126,9 @@ class EpochCursor:
         self.delivered = 0
         self.group_taken = 0
         self.skip, self.resume_skip = self.resume_skip, 0
+        self.resuming, self.resume_next = self.resume_next, False
+        if self.resuming:
+            self.delivered = self.resume_delivered
         self.placed = None  # an entry kept for this epoch (END_BEFORE) is placed anew
 
     def fresh(self) -> bool:
@@ -126,6 +137,8 @@ class EpochCursor:
 
     def end(self) -> None:
         """The current epoch is over (its StopIteration, or left): count it."""
+        if self.resuming:
+            self.finish_resumed()
         self.in_epoch = False
         self.epoch += 1
 
@@ -178,18 +191,19 @@ class EpochCursor:
             return placed[1]
         if self.source_done and self.in_epoch:
             return Step.END_BEFORE
+        self.last_epoch_seen = entry.epoch
         if self.world_size == 1 and self.aligned and entry.epoch == self.producer_epoch \
-                and not entry.is_end_of_epoch:
+                and not entry.is_end_of_epoch and not self.resuming:
             # The common case, a batch of the producer epoch being read: in one step of
             # plain stores (no call), as _place_aligned's changes would be.
             self.end_marker_unread = self.after_end_marker = False
             self.pulled += 1
             self.placed = (seq, Step.TAKE)
             return Step.TAKE
-        if self.aligned:
-            step, changes = self._place_aligned(entry)
-        else:
+        if self._windowed_now():
             step, changes = self._place_windowed(entry)
+        else:
+            step, changes = self._place_aligned(entry)
         changes["after_end_marker"] = entry.is_end_of_epoch
         changes["placed"] = (entry.seq, step)
         self._apply(changes)
@@ -213,7 +227,7 @@ class EpochCursor:
         elif entry.epoch != self.producer_epoch:
             # The next epoch began with no end marker for ours: ours ends here.
             return Step.END_BEFORE, self._source_finished(end_marker_unread=False)
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.resuming:
             if entry.index % self.world_size != self.rank or \
                     entry.index >= self.group_batches() * self.world_size:
                 return Step.DROP, changes  # another rank's batch, or one no rank takes
@@ -230,7 +244,11 @@ class EpochCursor:
                 return Step.END, {"source_done": True, "epoch_end": (entry.epoch + 2, 0)}
             return Step.DROP, {}
         changes: dict = {"pulled": self.pulled + 1}
-        if self.epoch_end is None:  # the first batch since we attached: anchor epochs
+        if self.epoch_end is None and self.resuming:
+            # A resumed epoch looks for its samples to the end of the producer epoch after
+            # this one: those before this entry in this epoch are somewhere in the next.
+            changes["epoch_end"] = (entry.epoch + (1 if entry.index == 0 else 2), 0)
+        elif self.epoch_end is None:  # the first batch since we attached: anchor epochs
             changes["epoch_end"] = (entry.epoch + 1, entry.index)
         return Step.TAKE, changes
 
@@ -241,7 +259,7 @@ class EpochCursor:
         if seq == self.taken_seq:
             return
         changes: dict = {"taken_seq": seq}
-        if self.aligned:
+        if not self._windowed_now():
             if not self.last_of_epoch(entry.index):
                 self.taken_seq = seq  # (the only change: one step)
                 return
@@ -253,6 +271,23 @@ class EpochCursor:
                 changes.update(source_done=True,
                                epoch_end=(self.epoch_end[0] + 1, self.epoch_end[1]))
         self._apply(changes)
+
+    def _windowed_now(self) -> bool:
+        """Whether entries are placed in a window from where the consumer is (align_epochs
+        off, or the resumed epoch of a consumer alone), rather than in whole producer
+        epochs."""
+        if self.resuming:
+            return self.world_size == 1
+        return not self.aligned
+
+    def finish_resumed(self) -> None:
+        """The resumed epoch ends (its rest delivered, or its producer epoch read): the next
+        is a whole one, from the start of the producer epoch after the last entry read."""
+        changes: dict = {"epoch_end": None, "producer_epoch": None}
+        if self.last_epoch_seen is not None:
+            changes["want_epoch"] = max(self.want_epoch, self.last_epoch_seen + 1)
+        self._apply(changes)
+        self.resuming = False
 
     def group_batches(self) -> int:
         """Loader batches each rank of the group takes per epoch (the same for every
@@ -266,7 +301,7 @@ class EpochCursor:
         only when the loader has a len())."""
         if self.length is None:
             return False
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.resuming:
             return self.group_taken >= self.group_batches()
         return index >= self.length - 1
 
@@ -351,14 +386,17 @@ class EpochCursor:
         """(epochs completed, batches delivered of the current one), for state_dict()."""
         return self.epoch, self.delivered if self.in_epoch else 0
 
-    def resume(self, epoch: int, skip: int) -> None:
-        """load_state_dict(): continue after `epoch` epochs, skipping `skip` batches of the
-        next one (taken before the state was saved)."""
+    def resume(self, epoch: int, skip: int, exact: bool) -> None:
+        """load_state_dict(): continue after `epoch` epochs, `skip` batches of the next one
+        taken before the state was saved. exact: the consumer knows which samples those
+        were, and the next epoch is a resumed one (see __init__) that starts counting at
+        `skip`; else its first `skip` batches are skipped."""
         if self.in_epoch:
             raise RuntimeError("load_state_dict() in the middle of an epoch: call it before "
                                "iterating the consumer")
         self.epoch = epoch
-        self.resume_skip = skip
+        self.resume_skip = 0 if exact else skip
+        self.resume_next, self.resume_delivered = exact, skip if exact else 0
 
 
 class InFlight:

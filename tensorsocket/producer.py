@@ -43,6 +43,7 @@ from .producer_files import (
     sweep_stale_segments,
     take_name_lock,
 )
+from .sample_ids import SampleIdRecorder, with_ids
 from .structure import Encoder
 from .worker_heap import padded_workers
 
@@ -278,6 +279,7 @@ class TensorProducer:
         self._closed = False
         self._batches = 0
         self._encoder = Encoder()  # batch -> spec and leaves (keeps the last spec's bytes)
+        self._sample_ids = SampleIdRecorder()  # the dataset indices of each batch
         self._used_up: Any = None  # the last iterator that yielded batches
         self._warned_cut = False  # said once that len() cut an epoch of a longer loader
 
@@ -546,7 +548,8 @@ class TensorProducer:
         source = self._epoch_source()
         self._sets_epoch = set_sampler_epoch(source, self.epoch) or self._sets_epoch
         limit = epoch_limit(source)
-        with padded_workers(source, self.worker_heap_pad) as padded:
+        with padded_workers(source, self.worker_heap_pad) as padded, \
+                self._sample_ids.recording(source):
             it = iter(source)
         if padded:
             log.debug("epoch %d: the loader's workers keep %d bytes at the top of their heaps",
@@ -561,6 +564,7 @@ class TensorProducer:
                     self._warn_cut(source, limit)
                     break
                 meta, leaves = self._encode(batch)
+                meta = with_ids(meta, self._sample_ids.next_ids())
                 if self._ring is None:
                     self._make_ring(meta, leaves)
                 self._wait_for_consumers()
@@ -969,3 +973,4 @@ def _batch_bytes(leaves: list) -> int:
     for buf, _ in leaves:
         total += memoryview(buf).nbytes + 64
     return total
+

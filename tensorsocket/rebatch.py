@@ -160,18 +160,19 @@ class Rebatcher:
             raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self._current: list | None = None  # [loader batch, n, offset]
+        self._current: list | None = None  # [loader batch, n, offset, sample ids or None]
         # The pieces of the batch being made. They are state, not a local of next_batch:
         # when pull() raises (batch_timeout's TimeoutError, a KeyboardInterrupt while it
         # waits) and the caller goes on, the next batch starts with them.
         self._pieces: list[Piece] = []
+        self._piece_ids: list = []  # the sample ids of each piece (None: unknown)
         self.dropped_samples = 0
 
     def reset(self) -> None:
         """Forget a partly used loader batch and a partly made batch (the epoch was cut
         short)."""
         self._current = None
-        self._pieces = []
+        self._pieces, self._piece_ids = [], []
 
     def holding(self) -> bool:
         """Whether samples taken from the loader's batches are not yet returned."""
@@ -179,8 +180,9 @@ class Rebatcher:
 
     def next_batch(self, pull: Callable[[], Any], flow: InFlight) -> None:
         """Make the next consumer batch of the loader batches pull() gives (see the class
-        docstring), into ``flow.ready`` as (batch, samples). pull() makes the next loader
-        batch into ``flow.loaded`` ((batch, samples or None)), unless one is there, and
+        docstring), into ``flow.ready`` as (batch, samples, sample ids or None). pull()
+        makes the next loader batch into ``flow.loaded`` ((batch, samples or None, sample
+        ids or None)), unless one is there, and
         returns it; it leaves there in the step that puts it here. If pull() raises
         anything but EpochEnd (batch_timeout's TimeoutError, a KeyboardInterrupt), or an
         interrupt lands anywhere here, the samples taken so far stay for the next call:
@@ -188,32 +190,36 @@ class Rebatcher:
         while (need := self.batch_size - _samples_of(self._pieces)) > 0:
             if self._current is None:
                 try:
-                    batch, n = pull()
+                    batch, n, ids = pull()
                 except EpochEnd:
                     if self._pieces and not self.drop_last:
                         self._hand_over(flow, self.batch_size - need)
                         return
                     dropped = self.dropped_samples + _samples_of(self._pieces)
-                    self.dropped_samples, self._pieces = dropped, []
+                    self.dropped_samples, self._pieces, self._piece_ids = dropped, [], []
                     raise
                 if n is None:
                     n = batch_samples(batch)
-                self._current, flow.loaded = ([batch, n, 0] if n else None), None
+                self._current, flow.loaded = ([batch, n, 0, ids] if n else None), None
                 continue
-            batch, n, offset = self._current
+            batch, n, offset, ids = self._current
             take = min(need, n - offset)
             piece = (batch, offset, offset + take, n)
-            rest = None if offset + take == n else [batch, n, offset + take]
-            # Both in one step: the samples are never both in the batch being made and
-            # still in _current, nor in neither.
-            self._pieces, self._current = self._pieces + [piece], rest
+            rest = None if offset + take == n else [batch, n, offset + take, ids]
+            piece_ids = None if ids is None else ids[offset:offset + take]
+            # In one step: the samples are never both in the batch being made and still
+            # in _current, nor in neither.
+            self._pieces, self._piece_ids, self._current = \
+                self._pieces + [piece], self._piece_ids + [piece_ids], rest
         self._hand_over(flow, self.batch_size)
 
     def _hand_over(self, flow: InFlight, samples: int) -> None:
         """The batch of the pieces taken, into flow.ready: they leave in the same step
         (an exception while it is made leaves them here)."""
         batch = combine(self._pieces)
-        flow.ready, self._pieces = (batch, samples), []
+        ids = self._piece_ids
+        joined = None if any(i is None for i in ids) else np.concatenate(ids)
+        flow.ready, self._pieces, self._piece_ids = (batch, samples, joined), [], []
 
 
 def _samples_of(pieces: list[Piece]) -> int:

@@ -14,13 +14,12 @@ import logging
 import warnings
 from typing import Any
 
+from . import resume
 from .epoch_cursor import EpochCursor
 from .errors import TensorSocketWarning
+from .resume import SavedPlace
 
 log = logging.getLogger("tensorsocket")
-
-STATE_VERSION = 1  # of the dict state_dict() returns
-
 
 class SamplerView:
     """``consumer.sampler`` and ``consumer.batch_sampler``: the producer's sampling seen
@@ -148,6 +147,10 @@ class LoaderSurface:
     _set_epoch_warned: bool
     _producer_sets_epoch: bool
     _own_batch_size: int | None
+    _resume_place: SavedPlace | None
+    _left_place: SavedPlace | None
+    world_size: int
+    producer_dataset_len: int | None
 
     @property
     def epoch(self) -> int:
@@ -195,32 +198,47 @@ class LoaderSurface:
 
     def state_dict(self) -> dict:
         """Where this consumer is, for resuming (torchdata StatefulDataLoader convention):
-        epochs completed and batches taken of the current one."""
-        epoch, taken = self._cursor.state()
-        return {
-            "tensorsocket_state": STATE_VERSION,
-            "epoch": epoch,
-            "batches_in_epoch": taken,
-            "batch_size": self._own_batch_size,
-        }
+        epochs completed, batches delivered of the current one and which samples of it were
+        taken (in a group: by the group). After a ``break``, the epoch left, until the next
+        begins; right after load_state_dict(), the place loaded. JSON-serialisable
+        (docs/usage.md, "Checkpoints and restarts")."""
+        if self._resume_place is not None and not self._cursor.in_epoch:
+            place = self._resume_place
+        elif self._left_place is not None:
+            place = self._left_place_now()  # type: ignore[attr-defined]
+        else:
+            place = self._place_now(look_ahead=True)  # type: ignore[attr-defined]
+        return resume.encode(place, self._own_batch_size, self.world_size)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the epoch counter is restored and the next epoch
-        skips the batches already taken of the interrupted one, so it yields the rest
-        (len() minus those). The batches come from the producer's current epoch: with a
-        shuffling loader they are another permutation than before the interruption."""
-        if not isinstance(state, dict) or state.get("tensorsocket_state") != STATE_VERSION:
+        yields exactly the samples of the interrupted one not taken yet, cut into batches of
+        this consumer's batch size (in a group, each rank its part, the same number of
+        batches on every rank), then whole epochs. Its samples come from the producer's
+        batches as they are published: it may read up to one producer epoch to find them
+        all. A producer that does not tell the samples of its batches (a loader without a
+        sampler) resumes by count instead: the next epoch skips the batches taken, with a
+        warning."""
+        place = resume.decode(state, self._own_batch_size, self.world_size)
+        exact = place.taken is not None
+        if exact and place.dataset_len != self.producer_dataset_len and \
+                self.producer_dataset_len is not None:
             raise ValueError(
-                f"not a tensorsocket consumer state (from TensorConsumer.state_dict(), "
-                f"version {STATE_VERSION}): {state!r:.200}")
-        epoch, skip = state.get("epoch"), state.get("batches_in_epoch")
-        if not isinstance(epoch, int) or not isinstance(skip, int) or epoch < 0 or skip < 0:
-            raise ValueError(f"bad epoch or batches_in_epoch in the state: {state!r:.200}")
-        if state.get("batch_size") != self._own_batch_size:
-            raise ValueError(
-                f"the state was saved by a consumer with batch_size={state.get('batch_size')}"
-                f", this one has batch_size={self.batch_size}: batches taken would not match")
-        self._cursor.resume(epoch, skip)
+                f"the state was saved over a dataset of {place.dataset_len} samples, the "
+                f"producer's has {self.producer_dataset_len}: the samples taken would not "
+                "match")
+        if not exact and place.batches:
+            message = (
+                "this state does not say which samples were taken (the producer's loader "
+                "does not tell the samples of its batches: it has no sampler, or the state "
+                "is from an older tensorsocket), so the resumed epoch skips its first "
+                f"{place.batches} batches by count; with a shuffling loader some samples "
+                "of the epoch may come twice and others not at all")
+            log.warning("%s", message)
+            warnings.warn(message, TensorSocketWarning, stacklevel=2)
+        self._cursor.resume(place.epoch, place.batches, exact)
+        self._resume_place = place if exact else None
+        self._left_place = None
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the caller's own loader (share()) that a consumer lacks, e.g. a

@@ -211,12 +211,37 @@ def test_producer_finishing_mid_window_ends_the_epoch_with_what_came():
 
 def test_resume_skips_the_batches_taken_before():
     cursor = EpochCursor(aligned=True, length=4)
-    cursor.resume(3, 2)
+    cursor.resume(3, 2, exact=False)
     assert cursor.epoch == 3 and cursor.state() == (3, 0)
     cursor.begin()
     assert cursor.skip == 2  # the consumer drops that many batches, counted as delivered
     cursor.skip, cursor.delivered = 0, 2
     assert cursor.deliver() == 2 and cursor.state() == (3, 3)
+
+
+def test_resumed_epoch_reads_every_batch_to_the_end_of_the_next_producer_epoch():
+    """An exact resume (the consumer keeps the samples not taken yet): alone, it takes
+    every batch from where it is to the end of the producer epoch after this one (the
+    samples it needs that came before it are somewhere in that one), counting from the
+    batches delivered before; the epoch after it is a whole one."""
+    cursor = EpochCursor(aligned=True, length=4)
+    cursor.resume(0, 3, exact=True)
+    got, _ = read_epoch(cursor, stream(3, 4)[2:])
+    assert got == [(0, 2), (0, 3)] + [(1, i) for i in range(4)]
+    assert cursor.delivered == 3 + 6 and cursor.epoch == 1
+    assert not cursor.resuming and cursor.want_epoch == 2 and cursor.producer_epoch is None
+    got, _ = read_epoch(cursor, stream(1, 4, first_epoch=2))
+    assert got == [(2, i) for i in range(4)]
+
+
+def test_resumed_group_epoch_reads_all_batches_of_one_producer_epoch():
+    """In a group, a resumed epoch waits for a producer epoch start and takes every batch
+    of it (the consumer deals the samples kept among the ranks), not every
+    world_size-th."""
+    cursor = EpochCursor(aligned=True, length=4, rank=1, world_size=2)
+    cursor.resume(0, 1, exact=True)
+    got, _ = read_epoch(cursor, stream(2, 4)[2:])
+    assert got == [(1, i) for i in range(4)]
 
 
 def test_attaching_again_after_an_epoch_cut_short_starts_a_whole_one():

@@ -39,7 +39,7 @@ def source(sizes: list[int]):
 
     def pull():
         try:
-            return next(it), None
+            return next(it), None, None
         except StopIteration:
             raise EpochEnd from None
 
@@ -73,7 +73,7 @@ def test_divisor_gives_zero_copy_slices():
     # A slice shares its loader batch's storage.
     whole = loader_batch(0, 8)
     r2 = Rebatcher(4)
-    half = cut(r2, lambda: (whole, None))
+    half = cut(r2, lambda: (whole, None, None))
     assert half["ids"].untyped_storage().data_ptr() == whole["ids"].untyped_storage().data_ptr()
     assert np.shares_memory(half["np"], whole["np"])
     assert half["pair"].x.untyped_storage().data_ptr() == \
@@ -82,7 +82,7 @@ def test_divisor_gives_zero_copy_slices():
 
 def test_whole_batch_is_handed_over_untouched():
     whole = loader_batch(0, 8)
-    assert cut(Rebatcher(8), lambda: (whole, None)) is whole
+    assert cut(Rebatcher(8), lambda: (whole, None, None)) is whole
 
 
 def test_spanning_batches_are_concatenated_with_their_structure():
@@ -107,13 +107,13 @@ def test_drop_last_drops_the_partial_batch_and_counts_it():
 def test_tensor_without_the_batch_dimension_is_named():
     bad = {"x": torch.zeros(8, 2), "w": torch.zeros(5)}
     with pytest.raises(ValueError, match=r"batch\['w'\] \(shape \(5,\)\).*8 samples"):
-        cut(Rebatcher(3), lambda: (bad, None))
+        cut(Rebatcher(3), lambda: (bad, None, None))
 
 
 def test_structure_change_between_batches_is_named():
     batches = iter([{"x": torch.zeros(2)}, {"y": torch.zeros(2)}])
     with pytest.raises(ValueError, match="changes keys"):
-        cut(Rebatcher(3), lambda: (next(batches), None))
+        cut(Rebatcher(3), lambda: (next(batches), None, None))
 
 
 def test_batch_without_batch_dimension_is_refused():
@@ -143,7 +143,7 @@ def test_detection_style_tuples_are_cut_per_sample():
         targets = tuple({"boxes": torch.zeros(i % 3, 4), "id": i} for i in range(start, start + n))
         return images, targets
 
-    batches = iter([(det_batch(0, 4), 4), (det_batch(4, 4), 4)])
+    batches = iter([(det_batch(0, 4), 4, None), (det_batch(4, 4), 4, None)])
     r = Rebatcher(3)
     counts: list = []
     got = drain(r, lambda: _next_or_end(batches), counts)
@@ -197,3 +197,30 @@ def test_an_exception_from_pull_keeps_the_samples_taken(sizes, b, drop_last, rai
     assert ids == list(range(total - total % b if drop_last else total))
     assert all(len(batch["ids"]) == b for batch in got[:-1])
     assert not r.holding()
+
+
+def test_sample_ids_travel_with_the_samples():
+    """The dataset indices of each loader batch (from the producer) come out with the
+    consumer batch made of its samples, cut and joined the same way."""
+    sizes = [5, 5, 5]
+    batches = iter([(loader_batch(5 * k, 5), None, np.arange(100 + 5 * k, 105 + 5 * k))
+                    for k in range(3)])
+
+    def pull():
+        try:
+            return next(batches)
+        except StopIteration:
+            raise EpochEnd from None
+
+    r = Rebatcher(4)
+    flow = InFlight()
+    got = []
+    while True:
+        try:
+            r.next_batch(pull, flow)
+        except EpochEnd:
+            break
+        got.append(flow.ready[2].tolist())
+        flow.ready = None
+    assert got == [list(range(100 + i, min(104 + i, 115))) for i in range(0, 15, 4)]
+    assert sum(sizes) == 15

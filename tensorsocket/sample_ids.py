@@ -1,0 +1,218 @@
+"""Which dataset samples make each batch, and which of an epoch a consumer took.
+
+Exact resume (docs/usage.md, "Checkpoints and restarts") needs to know the
+samples of every batch. The producer knows them: a DataLoader over a
+map-style dataset draws the indices of each batch from its batch sampler (or
+sampler), in order, and yields the batches in that order (with workers too,
+unless ``in_order=False``). ``SampleIdRecorder`` puts a recording wrapper in
+front of that sampler while the loader's iterator is made, and hands out the
+indices drawn, one batch at a time, as the batches come out.
+
+The indices travel in the slot's meta blob, after the structure blob, never
+as a leaf the user sees (``with_ids`` / ``split``): a msgpack blob never
+starts with the byte 0xc1, so a meta that does is ours.
+
+``IdMask`` is a set of sample ids held as a bitmap (one bit per sample of
+the dataset), and its compact text form for ``state_dict()``: zlib over the
+packed bits, base64 (at most ``ceil(N / 8)`` bytes before base64, and far
+less when the samples taken are runs, as unshuffled ones are).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import logging
+import struct
+import zlib
+from typing import Any, Iterator
+
+import numpy as np
+
+log = logging.getLogger("tensorsocket")
+
+_MARK = b"\xc1"  # never the first byte of a msgpack object
+_HEADER = struct.Struct("<I")  # bytes of the structure blob that follows the mark
+_ID_DTYPE = np.dtype("<i8")
+
+
+# -- the ids in a slot's meta ----------------------------------------------------------
+
+def with_ids(structure: bytes, ids: np.ndarray | None) -> bytes:
+    """The meta blob of a batch: its structure blob, followed by its sample ids if known."""
+    if ids is None:
+        return structure
+    return b"".join((_MARK, _HEADER.pack(len(structure)), structure,
+                     ids.astype(_ID_DTYPE, copy=False).tobytes()))
+
+
+def split(meta: bytes) -> tuple[bytes, np.ndarray | None]:
+    """(structure blob, sample ids or None) of a slot's meta blob (see with_ids)."""
+    if meta[:1] != _MARK:
+        return meta, None
+    (length,) = _HEADER.unpack_from(meta, 1)
+    start = 1 + _HEADER.size
+    return meta[start:start + length], np.frombuffer(meta, _ID_DTYPE, offset=start + length)
+
+
+# -- the producer's side: the indices each batch was made of ----------------------------
+
+class SampleIdRecorder:
+    """The dataset indices of the batches a DataLoader yields, in order (see the module
+    docstring). ``recording(source)`` wraps the iter() call of each epoch; ``next_ids()``
+    gives the indices of the batch just yielded (None when they are not known: not a
+    DataLoader over a map-style dataset, workers out of order, keys that are not ints)."""
+
+    def __init__(self) -> None:
+        self._drawn: collections.deque | None = None  # this epoch's, oldest first
+        self._off_reason: str | None = None  # why ids are off for good (said once)
+
+    def recording(self, source: Any) -> "_Recording":
+        """A context manager around ``iter(source)``: the iterator made in it draws its
+        indices through a recording wrapper."""
+        attribute = self._sampler_attribute(source)
+        self._drawn = collections.deque() if attribute is not None else None
+        return _Recording(source, attribute, self._drawn)
+
+    def next_ids(self) -> np.ndarray | None:
+        """The indices of the batch the loader just yielded (its collate_fn was given the
+        samples of these, in this order)."""
+        drawn = self._drawn
+        if drawn is None or self._off_reason is not None:
+            return None
+        if not drawn:
+            self._off("the loader yielded a batch its sampler did not draw indices for")
+            return None
+        try:
+            ids = np.asarray(drawn.popleft(), dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError, OverflowError):
+            self._off("its sampler draws keys that are not integer indices")
+            return None
+        return ids
+
+    def _sampler_attribute(self, source: Any) -> str | None:
+        """The DataLoader attribute that draws the indices of `source`'s batches, or None
+        (ids are not known for it)."""
+        from torch.utils.data import DataLoader, IterableDataset
+
+        if self._off_reason is not None or not isinstance(source, DataLoader):
+            return None
+        if isinstance(source.dataset, IterableDataset):
+            return None
+        if source.num_workers > 0 and getattr(source, "in_order", True) is False:
+            self._off("it runs workers with in_order=False, so batches may come out of the "
+                      "order their indices were drawn in")
+            return None
+        return "batch_sampler" if source.batch_sampler is not None else "sampler"
+
+    def _off(self, reason: str) -> None:
+        """Stop carrying ids for the rest of this producer's run, saying why once."""
+        if self._off_reason is None:
+            self._off_reason = reason
+            log.warning("the producer does not tell consumers which samples make each batch "
+                        "from now on: %s. A consumer resumed from a checkpoint then skips "
+                        "batches by count instead (docs/usage.md)", reason)
+
+
+class _Recording:
+    """``with recorder.recording(loader): it = iter(loader)`` (see SampleIdRecorder)."""
+
+    def __init__(self, source: Any, attribute: str | None,
+                 drawn: collections.deque | None) -> None:
+        self._source, self._attribute, self._drawn = source, attribute, drawn
+        self._inner: Any = None
+
+    def __enter__(self) -> None:
+        if self._attribute is None:
+            return
+        self._inner = getattr(self._source, self._attribute)
+        # DataLoader refuses to set its samplers after __init__ (its __setattr__): the
+        # wrapper stands in only while iter() takes the sampler's iterator.
+        object.__setattr__(self._source, self._attribute,
+                           _RecordingSampler(self._inner, self._drawn,
+                                             self._attribute == "batch_sampler"))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._attribute is not None:
+            object.__setattr__(self._source, self._attribute, self._inner)
+
+
+class _RecordingSampler:
+    """A sampler that draws from `inner` and notes each batch of indices it draws."""
+
+    def __init__(self, inner: Any, drawn: Any, batched: bool) -> None:
+        self._inner, self._drawn, self._batched = inner, drawn, batched
+
+    def __iter__(self) -> Iterator[Any]:
+        drawn, batched = self._drawn, self._batched
+        for item in self._inner:
+            drawn.append(item if batched else (item,))
+            yield item
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+# -- the consumer's side: the samples of an epoch taken ---------------------------------
+
+class IdMask:
+    """A set of sample ids in [0, size), as one bool per sample; grows for a larger id."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self, size: int = 0) -> None:
+        self.bits = np.zeros(max(size, 0), dtype=bool)
+
+    def add(self, ids: np.ndarray) -> None:
+        """Put `ids` in the set."""
+        if ids.size == 0:
+            return
+        top = int(ids.max()) + 1
+        if top > self.bits.size:
+            self.bits = np.concatenate([self.bits, np.zeros(top - self.bits.size, bool)])
+        self.bits[ids] = True
+
+    def union(self, other: "IdMask") -> "IdMask":
+        """A new set: this one and `other`."""
+        out = IdMask(max(self.bits.size, other.bits.size))
+        out.bits[:self.bits.size] |= self.bits
+        out.bits[:other.bits.size] |= other.bits
+        return out
+
+    def count(self) -> int:
+        """Ids in the set."""
+        return int(np.count_nonzero(self.bits))
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        """A bool per id of `ids`: whether it is in the set."""
+        inside = ids < self.bits.size
+        out = np.zeros(ids.shape, dtype=bool)
+        out[inside] = self.bits[ids[inside]]
+        return out
+
+    def to_text(self, size: int) -> str:
+        """The set of ids in [0, size) as ASCII text (zlib over the packed bits, base64),
+        for JSON."""
+        bits = self.bits[:size]
+        if bits.size < size:
+            bits = np.concatenate([bits, np.zeros(size - bits.size, bool)])
+        packed = np.packbits(bits).tobytes()
+        return base64.b64encode(zlib.compress(packed, 6)).decode("ascii")
+
+    @classmethod
+    def from_text(cls, text: str, size: int) -> "IdMask":
+        """The set of to_text() for ids in [0, size); ValueError if it is not one."""
+        try:
+            packed = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+        except (ValueError, zlib.error, UnicodeEncodeError) as e:
+            raise ValueError(f"the 'taken' field of the state is not a set of sample ids "
+                             f"({e})") from None
+        if len(packed) != (size + 7) // 8:
+            raise ValueError(f"the 'taken' field of the state holds {len(packed) * 8} bits, "
+                             f"for a dataset of {size} samples it must hold {size}")
+        mask = cls()
+        mask.bits = np.unpackbits(np.frombuffer(packed, np.uint8), count=size).astype(bool)
+        return mask
