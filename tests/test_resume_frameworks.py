@@ -270,12 +270,14 @@ def test_batch_sampler_view_is_the_ranks_part(own_batch_size, drop_last):
     assert list(iter(SamplerView(consumer, batches=False))) == [i for b in want for i in b]
 
 
-@pytest.mark.slow  # two accelerate launches of two processes each
+@pytest.mark.slow  # three accelerate launches of two processes each
 def test_accelerate_save_and_load_state(jobs, name):
     """register_for_checkpointing(loader); 2 of each rank's 4 batches of epoch 0, then
     accelerator.save_state and exit; a new accelerate launch does load_state and trains
     on: over both launches and both ranks, every sample of epoch 0 exactly once, each
-    rank the same number of batches; epoch 1 whole."""
+    rank the same number of batches; epoch 1 whole. A third launch resumes from the same
+    state as accelerate's examples do, load_state then skip_first_batches(loader, 2):
+    with the 2 batches before, every sample of epoch 0 once too."""
     pytest.importorskip("accelerate")
     n, stop_after = 256, 2
     keep_producers(jobs)
@@ -288,6 +290,20 @@ def test_accelerate_save_and_load_state(jobs, name):
                                "--mode", "resume")
     jobs.wait(timeout=90)
     problems = check_resumed(first, second, n, stop_after) + check_same_producer(first, second)
-    problems += check_loads(jobs, producer_pids([first, second]))
+    third = accelerate_launch(jobs, "resumed-by-skip", "accelerate_resume.py", *common,
+                              "--mode", "resume-skip", "--stop-after", str(stop_after))
+    jobs.wait(timeout=90)
+    before = [b for r in first.records().values() for b in r["train"]["0"][:stop_after]]
+    after = _epoch(third, 0)
+    counts = {rank: len(b) for rank, b in after.items()}
+    if sorted(counts) != [0, 1] or len(set(counts.values())) != 1:
+        problems.append(f"load_state + skip_first_batches: batches per rank {counts}")
+    problem = _ids_problem("epoch 0, the interrupted launch's batches and load_state + "
+                           "skip_first_batches", _ids(before) + [
+                               i for b in after.values() for i in _ids(b)], range(n))
+    if problem:
+        problems.append(problem)
+    problems += check_loads(jobs, producer_pids([first, second]) | {
+        r["meta"]["pid"] for r in third.records().values()})
     assert_no_problems(problems, jobs)
     jobs.stop_producers()

@@ -1,7 +1,7 @@
 """Hugging Face Accelerate's resume paths over a shared loader, under ``accelerate launch``.
 
     accelerate launch --multi_gpu --num_processes 2 accelerate_resume.py --name NAME
-        --out PATH --mode skip|interrupt|resume [--samples 256] [--batch-size 32]
+        --out PATH --mode skip|interrupt|resume|resume-skip [--samples 256] [--batch-size 32]
         [--skip 2] [--stop-after 2] [--state-dir DIR] [--shuffle] [--no-share]
 
 Every rank does ``loader = tensorsocket.share(DataLoader(IdDataset(n), batch_size=B,
@@ -15,7 +15,12 @@ the environment), then ``accelerator.prepare(model, optimizer, loader)``, and on
   batches of epoch 0 (ids under ``train``), ``accelerator.save_state(DIR)``, exit;
 - ``resume``: register the loader, ``accelerator.load_state(DIR)``, then the rest of epoch
   0 and epoch 1 (ids under ``train``): with the interrupted run's, every sample of epoch 0
-  once, epoch 1 whole.
+  once, epoch 1 whole;
+- ``resume-skip``: register the loader, ``accelerator.load_state(DIR)``, then
+  ``skip_first_batches(loader, --stop-after)`` as accelerate's examples resume, iterated
+  to its end (ids under ``train``, epoch 0): with the interrupted run's, every sample of
+  epoch 0 once (the skipping loader is built from the restored consumer's
+  ``batch_sampler``: the batches it delivered, then this rank's part of the rest).
 
 The record of rank r goes to <out>.rank<r>.json (see _common.dump).
 """
@@ -39,7 +44,8 @@ from _common import IdDataset, dump, ids_of, make_loader, own_loads  # noqa: E40
 parser = argparse.ArgumentParser()
 parser.add_argument("--name", required=True)
 parser.add_argument("--out", required=True)
-parser.add_argument("--mode", choices=("skip", "interrupt", "resume"), required=True)
+parser.add_argument("--mode", choices=("skip", "interrupt", "resume", "resume-skip"),
+                    required=True)
 parser.add_argument("--samples", type=int, default=256)
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--skip", type=int, default=2)
@@ -116,7 +122,16 @@ def resume() -> None:
         save()
 
 
-{"skip": skip, "interrupt": interrupt, "resume": resume}[args.mode]()
+def resume_skip() -> None:
+    """load_state, then skip_first_batches(loader, --stop-after) to the end of epoch 0."""
+    accelerator.register_for_checkpointing(loader)
+    accelerator.load_state(args.state_dir)
+    skipped = accelerator.skip_first_batches(loader, args.stop_after)
+    record["train"]["0"] = [step(x, y) for x, y in skipped]
+
+
+{"skip": skip, "interrupt": interrupt, "resume": resume, "resume-skip": resume_skip}[
+    args.mode]()
 accelerator.wait_for_everyone()
 record["done"] = True
 save()
