@@ -142,6 +142,7 @@ def test_lightning_fit_resumes_mid_epoch(jobs, name):
     that the loader is not resumable."""
     pytest.importorskip("lightning")
     n, stop_after = 256, 3
+    jobs.env["TENSORSOCKET_START_GRACE"] = "0"  # one job: no other to wait for
     first, second = run_lightning_twice(jobs, name, stop_after, "--samples", str(n))
     problems = check_resumed(first, second, n, stop_after) + check_same_producer(first, second)
     saved = second.records()[0].get("checkpoint_loader_state")
