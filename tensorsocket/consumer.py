@@ -784,6 +784,11 @@ class TensorConsumer(LoaderSurface):
         n = leading if n is None else n
         cursor.taken(slot)
         loaded: tuple | None = (batch, n, ids)
+        if cursor.resuming and ids is None and taken.known:
+            log.warning("consumer %d resumes from a state that names the samples taken, but "
+                        "the producer does not tell the samples of its batches: its resumed "
+                        "epoch takes %s batches as they come", self._index,
+                        self._resume_quota() - cursor.delivered)
         if cursor.resuming and ids is not None:
             loaded = _kept_samples(batch, n, ids, taken.claimed)  # type: ignore[arg-type]
         elif self.world_size > 1:
