@@ -18,7 +18,11 @@ every sample carries its id, and what the two runs received together is counted:
   launches must give every sample of the interrupted epoch once over the ranks.
 
 The processes, deadlines and checks are those of tests/test_frameworks.py (the ``jobs``
-fixture; ``TS_TEST_TIMEOUT_SCALE`` scales every deadline).
+fixture; ``TS_TEST_TIMEOUT_SCALE`` scales every deadline). ``TS_TEST_NO_SHARE=1`` runs
+the scripts on plain DataLoaders: the skip_first_batches test passes (accelerate shards a
+DataLoader it prepared), Lightning's resume test fails as it should (a plain DataLoader's
+resumed epoch starts over: 96 of 256 samples twice, 96 never), which is the difference
+these tests are about.
 """
 
 from __future__ import annotations
