@@ -26,7 +26,18 @@ class SamplerView:
     from a consumer. ``set_epoch(e)`` is what DistributedSampler users call before each
     epoch; the producer calls set_epoch on its own loader's sampler itself, so here it
     has nothing to do (it warns once if the caller goes back to an earlier epoch, whose
-    order the shared producer cannot give again: see LoaderSurface._note_set_epoch)."""
+    order the shared producer cannot give again: see LoaderSurface._note_set_epoch).
+
+    Iterating the view gives the dataset indices of this consumer's own batches of an
+    epoch (the batch sampler) or those indices one by one (the sampler), as a
+    DataLoader's would: code that builds a DataLoader of its own from a loader's
+    ``dataset`` and ``batch_sampler`` (accelerate's ``skip_first_batches``) then loads
+    what this consumer, this rank of a group, receives. Where the consumer knows the
+    indices of its current epoch (the batches it delivered, and those still to come)
+    the view gives those; else it gives the caller's own loader's sampling (share()),
+    split and cut as the consumer splits and cuts the producer's batches (see
+    _rank_batches), which with a shuffling loader is another permutation than the
+    producer's."""
 
     def __init__(self, consumer: Any, batches: bool) -> None:
         """A view of `consumer`'s sampling (of batches if `batches`, else of samples)."""
@@ -61,7 +72,11 @@ class SamplerView:
         self._consumer._note_set_epoch(epoch)
 
     def __len__(self) -> int:
-        """Batches (batch sampler) or samples (sampler) of one epoch of this consumer."""
+        """Batches (batch sampler) or samples (sampler) of one epoch of this consumer:
+        as many as iterating the view gives."""
+        known = self._known_batches()
+        if known is not None:
+            return len(known) if self._batches else sum(map(len, known))
         if self._batches:
             return len(self._consumer)
         consumer = self._consumer
@@ -71,17 +86,53 @@ class SamplerView:
         return consumer._rank_samples()
 
     def __iter__(self) -> Any:
-        """The indices of the caller's own loader's sampler (share()): code that builds a
-        DataLoader of its own from a loader's dataset and sampler (accelerate's
-        skip_first_batches) gets one that loads in this process, as it would from the
-        caller's DataLoader. A consumer's own batches come from the producer."""
-        local = self._consumer._local_loader
-        inner = getattr(local, "batch_sampler" if self._batches else "sampler", None)
+        """The dataset indices of this consumer's batches of an epoch (see the class
+        docstring): lists of indices (batch sampler) or indices (sampler)."""
+        batches = self._known_batches()
+        if batches is None:
+            batches = self._rank_batches()
+        if self._batches:
+            return iter(batches)
+        return (index for batch in batches for index in batch)
+
+    def _known_batches(self) -> list[list[int]] | None:
+        """The indices of the consumer's batches of its current epoch, delivered and to
+        come, where the consumer knows them; else None."""
+        known = getattr(self._consumer, "_delivered_and_pending", None)
+        found = known() if callable(known) else None
+        if found is None:
+            return None
+        delivered, pending = found
+        return [list(batch) for batch in [*delivered, *pending]]
+
+    def _rank_batches(self) -> list[list[int]]:
+        """The caller's own loader's batches of indices as this consumer receives them:
+        rank r of a group of W takes batches r, r + W, ... of the first len // W * W
+        (EpochCursor), and a consumer with its own batch_size cuts the samples of those
+        into batches of that size (the last one short unless drop_last)."""
+        consumer = self._consumer
+        local = consumer._local_loader
+        inner = getattr(local, "batch_sampler", None)
+        if inner is None and getattr(local, "sampler", None) is not None:
+            inner = ([index] for index in local.sampler)  # batch_size=None: one per batch
         if inner is None:
             raise TypeError(
                 "the samples of a tensorsocket consumer are chosen by the shared producer's "
-                "loader; iterate the consumer itself for its batches")
-        return iter(inner)
+                "loader, and this consumer has no loader of its own to describe them (not "
+                "made by share(), or its loader has no batch_sampler); iterate the consumer "
+                "itself for its batches")
+        batches = [list(batch) for batch in inner]
+        world, rank = consumer.world_size, consumer.rank
+        if world > 1:
+            batches = batches[rank:len(batches) // world * world:world]
+        size = consumer._own_batch_size
+        if size is None:
+            return batches
+        samples = [index for batch in batches for index in batch]
+        cut = [samples[i:i + size] for i in range(0, len(samples), size)]
+        if cut and len(cut[-1]) < size and consumer.drop_last:
+            cut.pop()
+        return cut
 
     def __repr__(self) -> str:
         """What this is, for logs."""
