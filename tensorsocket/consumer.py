@@ -1133,10 +1133,12 @@ def _waits_on_each_other(me: TensorConsumer, other: TensorConsumer) -> bool:
 def _holding_back(ring: Any) -> list[dict]:
     """The consumers (table entries) that keep the producer from publishing its next
     entry: the slot it must reuse holds an entry they receive and have not released
-    (unread, or read and kept). Empty while the producer has a free slot."""
+    (unread, or read and kept). Empty while the producer has a free slot. Consumers that
+    receive no more (left, detached) do not count: the producer passes their slots."""
     info = ring.info()
     published, slots = info["published"], info["slot_count"]
     if published < slots or info["state"] != _core.RING_OPEN:
         return []
     readers = ring.slot_readers()[published % slots]
-    return [e for e in ring.consumers() if readers >> e["index"] & 1]
+    return [e for e in ring.consumers()
+            if readers >> e["index"] & 1 and e["state"] == _core.CONSUMER_ACTIVE]
