@@ -1062,8 +1062,11 @@ def _idle(consumer: TensorConsumer) -> bool:
 
 
 def _keeps_place(consumer: TensorConsumer) -> bool:
-    """Parked between epochs with its place in the ring kept (see TensorConsumer._park)."""
-    return consumer._held_place and not consumer._attached and not consumer._closed
+    """Parked between epochs with its place in the ring kept (see TensorConsumer._park),
+    and not iterated since: an iter() (under its _state_lock) begins an epoch, and then
+    the place is that iterator's to go on from."""
+    return consumer._held_place and not consumer._attached and not consumer._closed \
+        and consumer._cursor.idle(consumer._holding())
 
 
 def _sibling(me: TensorConsumer, other: TensorConsumer) -> bool:
@@ -1116,8 +1119,11 @@ def _waits_on_each_other(me: TensorConsumer, other: TensorConsumer) -> bool:
     processes read everything `other`'s producer published (it waits for it). Read from
     the two rings' consumer tables."""
     ring = me._ring
-    if ring.closed or ring.consumer(me._index)["lag"] != 0:
-        return False  # a batch is there for `me`: no wait
+    if ring.closed:
+        return False
+    mine = ring.consumer(me._index)
+    if mine["token"] != me._client.token or mine["lag"] != 0:
+        return False  # a batch is there for `me` (or its place is gone): no wait here
     awaited = {e["pid"] for e in _holding_back(ring)} - {os.getpid()}
     theirs = other._ring
     if not awaited or theirs.closed:
