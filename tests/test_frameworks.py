@@ -753,7 +753,9 @@ def test_lightning_ddp_beside_a_single_job_alternating_loaders(jobs, name):
     of each job holds every sample exactly once, and no consumer of either job is held
     for park_hold (issue 24, item 3: the DDP ranks attach after start_grace, so the jobs
     read the loaders out of phase, and a kept place closed a cycle of waits between them;
-    no producer's log may say that a place was kept until park_hold ran out)."""
+    no producer's log may say that a place was kept until park_hold ran out). Each
+    training step takes 0.5 s (--step-sleep), so that the single job is still training
+    when the DDP ranks attach, seconds later, on a loaded machine too."""
     pytest.importorskip("lightning")
     import torch.distributed
 
@@ -761,10 +763,10 @@ def test_lightning_ddp_beside_a_single_job_alternating_loaders(jobs, name):
         pytest.skip("torch.distributed is not available")
     n, nv = 128, 48
     common = ["--name", name, "--val-name", f"{name}-val", "--samples", str(n),
-              "--val-samples", str(nv)]
+              "--val-samples", str(nv), "--step-sleep", "0.5"]
     started = [jobs.python("lightning-ddp", "lightning_fit.py", *common, "--devices", "2"),
                jobs.python("lightning-single", "lightning_fit.py", *common, "--devices", "1")]
-    jobs.wait(timeout=150)
+    jobs.wait(timeout=240)
     problems = []
     for job in started:
         problems += check_epochs(job, "train", n, 2)
