@@ -773,7 +773,12 @@ def test_lightning_ddp_beside_a_single_job_alternating_loaders(jobs, name):
         problems += check_epochs(job, "val", nv, 2, offset=VAL_OFFSET)
     problems += check_one_stream(started, "train") + check_one_stream(started, "val")
     problems += check_loads(jobs, producer_pids(started))
-    for log in sorted(jobs.runtime.glob("*.producer.log")):
+    # Read while the producers still run (they end idle_timeout after the jobs, and a
+    # producer that ends cleanly may remove its log): both logs must be there.
+    logs = sorted(jobs.runtime.glob("*.producer.log"))
+    if len(logs) != 2:
+        problems.append(f"want the logs of the 2 producers, found {[p.name for p in logs]}")
+    for log in logs:
         held = [line for line in log.read_text(errors="replace").splitlines()
                 if HELD_TOO_LONG in line]
         if held:
