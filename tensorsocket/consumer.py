@@ -691,6 +691,12 @@ class TensorConsumer(LoaderSurface):
                 self._client.request_park(hold, skip_epoch)
             else:
                 self._client.request_leave()
+        elif not hold and self._held_place and not self._closed:
+            # Parked keeping its place, which now holds back a job that this process waits
+            # for (see _park_idle_siblings): the place is given up (the entry kept with it
+            # was released above), and the next batch attaches again at an epoch start.
+            self._held_place = False
+            self._client.request_park(False)
 
     def _ensure_attached(self) -> None:
         """Before reading after a park: go on from the place the producer kept, or
@@ -881,21 +887,27 @@ class TensorConsumer(LoaderSurface):
         """Ring.acquire within batch_timeout; warns once if the wait is this consumer's
         own doing (see diagnosis.blocking_held_slots). The slot is put in flow.entry."""
         box = self._flow.entry
-        if _has_idle_siblings(self) and (self.batch_timeout is None
-                                         or self.batch_timeout > SIBLING_PARK_AFTER):
-            # This process may be about to wait here while another of its consumers sits
-            # between epochs holding its producer back (a validation loader during
-            # training): if the wait lasts, that one parks, so no two jobs wait on each
-            # other through two rings.
-            try:
-                return self._wait_for_slot(SIBLING_PARK_AFTER, box)
-            except TimeoutError:
-                _park_idle_siblings(self)
         deadline = None if self.batch_timeout is None else \
             time.monotonic() + self.batch_timeout
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        # This process may be about to wait here while another of its consumers sits
+        # between epochs holding its producer back (a validation loader during training):
+        # if the wait lasts, that one parks, so no two jobs wait on each other through two
+        # rings. A place kept while parked can close such a cycle too (the job we wait for
+        # waits for that place): looked at again every SIBLING_PARK_AFTER of the wait, as
+        # the other job may come to wait for it only later (see _park_idle_siblings). Our
+        # own kept batches that block us are the loop below's to handle.
+        while _has_idle_siblings(self) and not self._held_slots_blocking():
+            wait = left()
+            if wait is not None and wait <= SIBLING_PARK_AFTER:
+                break
+            try:
+                return self._wait_for_slot(SIBLING_PARK_AFTER, box)
+            except TimeoutError:
+                _park_idle_siblings(self)
 
         # Batches this consumer keeps may come to hold the slot the producer must refill
         # next (as soon as it gets there): then they are copied privately rather than
@@ -1268,6 +1280,14 @@ def _idle(consumer: TensorConsumer) -> bool:
         and consumer.world_size == 1 and consumer._cursor.idle(consumer._holding())
 
 
+def _keeps_place(consumer: TensorConsumer) -> bool:
+    """Parked between epochs with its place in the ring kept (see TensorConsumer._park),
+    and not iterated since: an iter() (under its _state_lock) begins an epoch, and then
+    the place is that iterator's to go on from."""
+    return consumer._held_place and not consumer._attached and not consumer._closed \
+        and consumer._cursor.idle(consumer._holding())
+
+
 def _sibling(me: TensorConsumer, other: TensorConsumer) -> bool:
     """Whether `other` is a consumer of this process reading another producer than `me`
     (consumers of the same producer only wait for each other as any two consumers do)."""
@@ -1275,20 +1295,75 @@ def _sibling(me: TensorConsumer, other: TensorConsumer) -> bool:
 
 
 def _has_idle_siblings(me: TensorConsumer) -> bool:
-    """Whether a consumer of another producer in this process is idle (see _idle)."""
-    return any(_sibling(me, c) and _idle(c) for c in list(_CONSUMERS))
+    """Whether a consumer of another producer in this process is idle (see _idle), or
+    parked keeping its place: either holds its producer back while this process reads
+    `me`."""
+    return any(_sibling(me, c) and (_idle(c) or _keeps_place(c)) for c in list(_CONSUMERS))
 
 
 def _park_idle_siblings(me: TensorConsumer) -> None:
     """Park the consumers of other producers in this process that sit between epochs:
     this process is reading `me` now, so they would only hold their producers (and the
     other jobs reading them) back, and two jobs alternating between two shared loaders
-    would wait on each other. Each attaches again, at an epoch start, when next iterated."""
+    would wait on each other. Each attaches again, at an epoch start, when next iterated.
+
+    A parked consumer keeps its place for park_hold seconds (its producer keeps the next
+    epoch's first batches for it, so that its job reads the same epochs as the others).
+    That place is given up at once where it closes a cycle of waits (see
+    _waits_on_each_other): two jobs out of phase, one reading the training loader, the
+    other the validation loader, would otherwise each wait for the other's place until
+    park_hold ran out."""
     for other in list(_CONSUMERS):
         if not _sibling(me, other):
             continue
         with other._state_lock:
-            if _idle(other):
+            if not (_idle(other) or _keeps_place(other)):
+                continue
+            if _waits_on_each_other(me, other):
+                log.info("consumer %d gives up its place in its ring: a job that it holds "
+                         "back is one that this process waits for through another loader",
+                         other._index)
+                other._park(hold=False)
+            elif _idle(other):
                 log.debug("consumer %d parks while this process reads another loader",
                           other._index)
                 other._park(hold=True)
+
+
+def _waits_on_each_other(me: TensorConsumer, other: TensorConsumer) -> bool:
+    """Whether this process waits (reading `me`) for a process that waits for `other`'s
+    place: `me` read everything published and its producer cannot publish more until
+    consumers of other processes free the slot it must reuse; `other`'s entry is one
+    that keeps its own producer from publishing; and a consumer of one of those
+    processes read everything `other`'s producer published (it waits for it). Read from
+    the two rings' consumer tables."""
+    ring = me._ring
+    if ring.closed:
+        return False
+    mine = ring.consumer(me._index)
+    if mine["token"] != me._client.token or mine["lag"] != 0:
+        return False  # a batch is there for `me` (or its place is gone): no wait here
+    awaited = {e["pid"] for e in _holding_back(ring)} - {os.getpid()}
+    theirs = other._ring
+    if not awaited or theirs.closed:
+        return False
+    holders = _holding_back(theirs)
+    if not any(e["index"] == other._index and e["token"] == other._client.token
+               for e in holders):
+        return False
+    return any(e["pid"] in awaited and e["state"] == _core.CONSUMER_ACTIVE and e["lag"] == 0
+               for e in theirs.consumers())
+
+
+def _holding_back(ring: Any) -> list[dict]:
+    """The consumers (table entries) that keep the producer from publishing its next
+    entry: the slot it must reuse holds an entry they receive and have not released
+    (unread, or read and kept). Empty while the producer has a free slot. Consumers that
+    receive no more (left, detached) do not count: the producer passes their slots."""
+    info = ring.info()
+    published, slots = info["published"], info["slot_count"]
+    if published < slots or info["state"] != _core.RING_OPEN:
+        return []
+    readers = ring.slot_readers()[published % slots]
+    return [e for e in ring.consumers()
+            if readers >> e["index"] & 1 and e["state"] == _core.CONSUMER_ACTIVE]

@@ -558,7 +558,11 @@ class ControlServer:
         with, not a later one because it came back a moment after them."""
         peer = self._peer(ident, msg)
         ring = self._ring()
-        if peer is None or ring is None or peer.parked:
+        if peer is None or ring is None:
+            return
+        if peer.parked:
+            if not msg.hold and peer.held_until is not None:
+                self._give_up_place(ring, peer)
             return
         peer.parked = True
         peer.active = False
@@ -576,6 +580,18 @@ class ControlServer:
             return
         ring.retire(peer.index)
         log.info("consumer %d (pid %d) parked", peer.index, peer.pid)
+
+    def _give_up_place(self, ring: Any, peer: _Peer) -> None:
+        """A consumer parked keeping its place gives it up before park_hold ran out: its
+        process waits, through another loader, for a job that waits for this place (a
+        cycle of waits between two jobs out of phase, which only park_hold would end
+        otherwise; see consumer._park_idle_siblings). It attaches again at a later
+        epoch start when it reads again."""
+        peer.held_until = None
+        ring.retire(peer.index)
+        log.info("consumer %d (pid %d) gave up its place: its process waits for a job that "
+                 "waits for this place (it starts at a later epoch when it reads again)",
+                 peer.index, peer.pid)
 
     def _unpark(self, ident: bytes, msg: protocol.Message) -> None:
         """A parked consumer reads again: it goes on from its place if that was kept."""

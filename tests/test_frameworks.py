@@ -743,3 +743,50 @@ def test_plain_loop_two_jobs(jobs, name):
     problems += check_loads(jobs, producer_pids(started))
     assert_no_problems(problems, jobs)
     jobs.stop_producers()
+
+
+# -- alternating loaders under DDP ---------------------------------------------------------
+
+
+HELD_TOO_LONG = "stayed parked longer than park_hold"  # the producer's log line (control.py)
+
+
+@pytest.mark.slow  # two Lightning jobs, one of two DDP ranks: three fresh interpreters
+def test_lightning_ddp_beside_a_single_job_alternating_loaders(jobs, name):
+    """A strategy="ddp" job of two CPU ranks (gloo) and a single-device job, started
+    together, each with a shared train and a shared val loader: every train and val epoch
+    of each job holds every sample exactly once, and no consumer of either job is held
+    for park_hold (issue 24, item 3: the DDP ranks attach after start_grace, so the jobs
+    read the loaders out of phase, and a kept place closed a cycle of waits between them;
+    no producer's log may say that a place was kept until park_hold ran out). Each
+    training step takes 0.5 s (--step-sleep), so that the single job is still training
+    when the DDP ranks attach, seconds later, on a loaded machine too."""
+    pytest.importorskip("lightning")
+    import torch.distributed
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    n, nv = 128, 48
+    common = ["--name", name, "--val-name", f"{name}-val", "--samples", str(n),
+              "--val-samples", str(nv), "--step-sleep", "0.5"]
+    started = [jobs.python("lightning-ddp", "lightning_fit.py", *common, "--devices", "2"),
+               jobs.python("lightning-single", "lightning_fit.py", *common, "--devices", "1")]
+    jobs.wait(timeout=240)
+    problems = []
+    for job in started:
+        problems += check_epochs(job, "train", n, 2)
+        problems += check_epochs(job, "val", nv, 2, offset=VAL_OFFSET)
+    problems += check_one_stream(started, "train") + check_one_stream(started, "val")
+    problems += check_loads(jobs, producer_pids(started))
+    # Read while the producers still run (they end idle_timeout after the jobs, and a
+    # producer that ends cleanly may remove its log): both logs must be there.
+    logs = sorted(jobs.runtime.glob("*.producer.log"))
+    if len(logs) != 2:
+        problems.append(f"want the logs of the 2 producers, found {[p.name for p in logs]}")
+    for log in logs:
+        held = [line for line in log.read_text(errors="replace").splitlines()
+                if HELD_TOO_LONG in line]
+        if held:
+            problems.append(f"{log.name}: a consumer was held for park_hold: {held}")
+    assert_no_problems(problems, jobs)
+    jobs.stop_producers()

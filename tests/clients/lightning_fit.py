@@ -2,6 +2,7 @@
 
     python lightning_fit.py --name NAME --out PATH [--val-name VNAME] [--devices 1|2]
                             [--samples 64] [--val-samples 48] [--no-share]
+                            [--step-sleep SECONDS]
 
 A linear model on IdDataset (sample i is x=[float(i)], y=i). ``train_dataloader()``
 returns ``tensorsocket.share(DataLoader(ds, batch_size=8, shuffle=True), name=NAME)``;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,6 +44,9 @@ parser.add_argument("--devices", type=int, default=1)
 parser.add_argument("--samples", type=int, default=64)
 parser.add_argument("--val-samples", type=int, default=48)
 parser.add_argument("--epochs", type=int, default=2)
+# Seconds each training step sleeps (a model that takes time): a job's epochs last longer,
+# so that jobs started together overlap even where one of them starts much later.
+parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--no-share", action="store_true",
                     default=os.environ.get("TS_TEST_NO_SHARE") == "1")
 args = parser.parse_args()
@@ -80,6 +85,8 @@ class IdModel(pl.LightningModule):
         x, y = batch
         assert torch.equal(x[:, 0].long(), y), "features do not match the ids"
         self.record["train"].setdefault(str(self.current_epoch), []).append(ids_of(y))
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         return F.mse_loss(self.layer(x).squeeze(1), y.float())
 
     def validation_step(self, batch, batch_idx):
