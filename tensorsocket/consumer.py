@@ -493,9 +493,9 @@ class TensorConsumer(LoaderSurface):
     def _begin_taken(self) -> None:
         """An epoch begins: what it takes is recorded from nothing, or from the place
         loaded by load_state_dict() (a resumed epoch)."""
-        place = self._resume_place if self._cursor.resuming else None
-        if place is not None:
-            self._resume_place = None
+        place, self._resume_place = self._resume_place, None
+        if not self._cursor.resuming:
+            place = None  # (none loaded, or one that resumes by count)
         taken = self._taken
         taken.begin(place)
         self._left_place = None

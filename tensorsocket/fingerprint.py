@@ -53,6 +53,8 @@ from typing import Any, Collection, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from .sample_ids import recorded_sampler
+
 __all__ = ["describe", "differences", "records_first_sample"]
 
 FORMAT = 1  # version of the description's fields
@@ -147,8 +149,9 @@ def _loader_fields(loader: Any, first_sample: bool) -> dict:
         fields["collate_fn"] = _callable_text(inner.collate_fn)
         fields["batch_size"] = inner.batch_size
         fields["drop_last"] = bool(inner.drop_last)
-        fields["sampler"] = _type_name(inner.sampler)
-        batch_sampler = inner.batch_sampler
+        # (A producer's loader has its sampler wrapped while an epoch runs: see through.)
+        fields["sampler"] = _type_name(recorded_sampler(inner.sampler))
+        batch_sampler = recorded_sampler(inner.batch_sampler)
         fields["batch_sampler"] = None if batch_sampler is None else _type_name(batch_sampler)
         return fields
     fields.update(kind="iterable", type=_type_name(loader))

@@ -548,8 +548,15 @@ class TensorProducer:
         source = self._epoch_source()
         self._sets_epoch = set_sampler_epoch(source, self.epoch) or self._sets_epoch
         limit = epoch_limit(source)
-        with padded_workers(source, self.worker_heap_pad) as padded, \
-                self._sample_ids.recording(source):
+        # The sampler records the indices it draws for the whole epoch: a loader whose
+        # __iter__ is a generator (a DataLoader subclass such as accelerate's
+        # DataLoaderShard) draws them only at its first next().
+        with self._sample_ids.recording(source):
+            yield from self._publish_recorded_epoch(source, limit)
+
+    def _publish_recorded_epoch(self, source: Any, limit: int | None) -> Iterator[Any]:
+        """_publish_epoch, while the sampler of `source` records the indices it draws."""
+        with padded_workers(source, self.worker_heap_pad) as padded:
             it = iter(source)
         if padded:
             log.debug("epoch %d: the loader's workers keep %d bytes at the top of their heaps",

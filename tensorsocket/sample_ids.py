@@ -5,8 +5,8 @@ samples of every batch. The producer knows them: a DataLoader over a
 map-style dataset draws the indices of each batch from its batch sampler (or
 sampler), in order, and yields the batches in that order (with workers too,
 unless ``in_order=False``). ``SampleIdRecorder`` puts a recording wrapper in
-front of that sampler while the loader's iterator is made, and hands out the
-indices drawn, one batch at a time, as the batches come out.
+front of that sampler for the epoch, and hands out the indices drawn, one batch
+at a time, as the batches come out.
 
 The indices travel in the slot's meta blob, after the structure blob, never
 as a leaf the user sees (``with_ids`` / ``split``): a msgpack blob never
@@ -68,8 +68,8 @@ class SampleIdRecorder:
         self._off_reason: str | None = None  # why ids are off for good (said once)
 
     def recording(self, source: Any) -> "_Recording":
-        """A context manager around ``iter(source)``: the iterator made in it draws its
-        indices through a recording wrapper."""
+        """A context manager around an epoch of `source`: its iterator draws its indices
+        through a recording wrapper."""
         attribute = self._sampler_attribute(source)
         self._drawn = collections.deque() if attribute is not None else None
         return _Recording(source, attribute, self._drawn)
@@ -115,7 +115,7 @@ class SampleIdRecorder:
 
 
 class _Recording:
-    """``with recorder.recording(loader): it = iter(loader)`` (see SampleIdRecorder)."""
+    """``with recorder.recording(loader): <one epoch of loader>`` (see SampleIdRecorder)."""
 
     def __init__(self, source: Any, attribute: str | None,
                  drawn: collections.deque | None) -> None:
@@ -127,7 +127,7 @@ class _Recording:
             return
         self._inner = getattr(self._source, self._attribute)
         # DataLoader refuses to set its samplers after __init__ (its __setattr__): the
-        # wrapper stands in only while iter() takes the sampler's iterator.
+        # wrapper stands in for the epoch (descriptions see through it: recorded_sampler).
         object.__setattr__(self._source, self._attribute,
                            _RecordingSampler(self._inner, self._drawn,
                                              self._attribute == "batch_sampler"))
@@ -137,11 +137,22 @@ class _Recording:
             object.__setattr__(self._source, self._attribute, self._inner)
 
 
+def recorded_sampler(sampler: Any) -> Any:
+    """The loader's own sampler behind a recording wrapper (the sampler itself if it is
+    not one): what a description of the loader names."""
+    return sampler.wrapped if isinstance(sampler, _RecordingSampler) else sampler
+
+
 class _RecordingSampler:
     """A sampler that draws from `inner` and notes each batch of indices it draws."""
 
     def __init__(self, inner: Any, drawn: Any, batched: bool) -> None:
         self._inner, self._drawn, self._batched = inner, drawn, batched
+
+    @property
+    def wrapped(self) -> Any:
+        """The loader's own sampler."""
+        return self._inner
 
     def __iter__(self) -> Iterator[Any]:
         drawn, batched = self._drawn, self._batched

@@ -208,9 +208,13 @@ class LoaderSurface:
         last one passes silently, and so does the first call, whatever its number. A
         number below the last one asks to go back to an earlier epoch, to replay its
         order, which the shared producer, having moved on, cannot give: that warns, once
-        per consumer."""
+        per consumer, where the producer's loader orders its samples by epoch (its
+        sampler has set_epoch, as DistributedSampler). Where it has none (a RandomSampler
+        reshuffles each pass whatever the number), going back loses nothing: a second
+        ``Trainer.fit`` on the same loader counts from 0 again, silently."""
         last, self._last_set_epoch = self._last_set_epoch, epoch
-        if last is None or epoch >= last or self._set_epoch_warned:
+        if last is None or epoch >= last or self._set_epoch_warned or \
+                not self._producer_sets_epoch:
             return
         self._set_epoch_warned = True
         upcoming = self.epoch
@@ -269,7 +273,7 @@ class LoaderSurface:
             log.warning("%s", message)
             warnings.warn(message, TensorSocketWarning, stacklevel=2)
         self._cursor.resume(place.epoch, place.batches, exact)
-        self._resume_place = place if exact else None
+        self._resume_place = place  # (what state_dict() says until the epoch begins)
         self._left_place = None
         self._last_set_epoch = None  # the epochs it counts start again from the state
 
