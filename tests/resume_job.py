@@ -13,6 +13,7 @@ python tests/resume_job.py NAME [--state-in F] [--take K] [--state-out F] [--epo
   (the state after the break; with --save-inside, the state taken in the loop after the
   K-th batch), exit. Without it: iterate --epochs whole epochs.
 --iterable: the loader is a plain list of batches (no sampler: resume by count).
+--generator-iter: a DataLoader subclass whose __iter__ is a generator.
 --producer-name P: attach with TensorConsumer(name=P) to a producer started elsewhere
   (tests/resume_producer.py) instead of share().
 """
@@ -30,6 +31,14 @@ import tensorsocket
 from tensorsocket import TensorConsumer
 
 
+class GeneratorLoader(DataLoader):
+    """A DataLoader subclass whose __iter__ is a generator (as accelerate's
+    DataLoaderShard): it draws its first indices at the first next(), not at iter()."""
+
+    def __iter__(self):
+        yield from super().__iter__()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
@@ -45,6 +54,8 @@ def main() -> None:
     ap.add_argument("--world-size", type=int)
     ap.add_argument("--iterable", action="store_true")
     ap.add_argument("--producer-name")
+    ap.add_argument("--generator-iter", action="store_true",
+                    help="a DataLoader subclass whose __iter__ is a generator")
     ap.add_argument("--save-inside", action="store_true",
                     help="save the state inside the loop, after the --take-th batch")
     a = ap.parse_args()
@@ -62,7 +73,8 @@ def main() -> None:
             source = [(torch.arange(i, min(i + a.batch_size, a.samples)),)
                       for i in range(0, a.samples, a.batch_size)]
         else:
-            source = DataLoader(data, batch_size=a.batch_size, shuffle=not a.no_shuffle)
+            kind = GeneratorLoader if a.generator_iter else DataLoader
+            source = kind(data, batch_size=a.batch_size, shuffle=not a.no_shuffle)
         loader = tensorsocket.share(source, name=a.name, timeout=60, **extra)
 
     out: dict = {"epochs": [], "warnings": []}

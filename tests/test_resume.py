@@ -114,6 +114,18 @@ def test_resumed_epoch_holds_exactly_the_samples_not_taken(name, tmp_path, produ
     assert not second["warnings"], second["warnings"]
 
 
+def test_a_dataloader_subclass_with_a_generator_iter_resumes_exactly(name, tmp_path,
+                                                                     producers_end):
+    """A DataLoader subclass whose __iter__ is a generator (as accelerate's DataLoaderShard)
+    draws its indices only at its first next(): they are still recorded, and the resume
+    is exact."""
+    state = tmp_path / "state.json"
+    first = run_job(name, "--take", "3", "--generator-iter", state_out=state)
+    assert first["state"]["taken"] is not None
+    second = run_job(name, "--epochs", "1", "--generator-iter", state_in=state)
+    assert_once(flat(first["epochs"][0]) + flat(second["epochs"][0]), 256, "epoch 0")
+
+
 def test_chain_of_interruptions_reads_each_sample_once(name, tmp_path, producers_end):
     """a takes 3 batches, b resumes and takes 2, c resumes to the end: every sample of
     epoch 0 once across the three (the old main read 416 samples, 256 distinct)."""
@@ -158,6 +170,7 @@ def test_a_loader_without_a_sampler_resumes_by_count_with_a_warning(name, tmp_pa
     first = run_job(name, "--take", "3", "--iterable", state_out=state)
     assert first["state"]["taken"] is None
     second = run_job(name, "--epochs", "1", "--iterable", state_in=state)
+    assert second["state_after_load"]["batches_in_epoch"] == 3  # the state loaded
     assert len(second["epochs"][0]) == 5
     assert any("skips its first 3 batches by count" in w for w in second["warnings"])
 
