@@ -260,6 +260,8 @@ class TensorConsumer(LoaderSurface):
         self._resume_place: SavedPlace | None = None
         self._left_place: SavedPlace | None = None
         self._left_source: int | None = None  # the producer epoch it was left in
+        # A resumed group epoch left: the sample ids read and not yet dealt, in order.
+        self._left_stream: list | None = None
         # Counters for stats() (and those of self._flow).
         self._wait_s = 0.0
         self._rejoins = 0
@@ -498,7 +500,7 @@ class TensorConsumer(LoaderSurface):
             place = None  # (none loaded, or one that resumes by count)
         taken = self._taken
         taken.begin(place)
-        self._left_place = None
+        self._left_place, self._left_stream = None, None
         batch_size = self.loader_batch_size
         self._resume_batcher = Rebatcher(batch_size, self._loader_drop_last) \
             if place is not None and self._rebatcher is None and batch_size else None
@@ -538,26 +540,65 @@ class TensorConsumer(LoaderSurface):
         if place is None or place.taken is not None or self.world_size == 1 or \
                 not self._taken.known or self._left_source is None or self._closed:
             return place
-        entry, source = self._flow.entry, self._left_source
-        while self._taken.taken(place.batches) is None:
-            slot = entry[0]
-            if slot is None:
-                try:
-                    slot = self._acquire()
-                except (TensorSocketError, TimeoutError) as e:  # the state says less
-                    log.info("consumer %d: reading on for its state stopped: %s",
-                             self._index, e)
+        if self._left_stream is not None:
+            self._deal_on(place.batches)
+        else:
+            while self._taken.taken(place.batches) is None:
+                read = self._read_on_in_left_epoch()
+                if read is None:
                     break
-            if slot.is_end_of_epoch or slot.epoch != source:
-                break  # (in flow.entry: the next epoch places it)
-            self._taken.group_batch(slot.index, sample_ids.split(slot.meta)[1])
-            self._cursor.place(slot)  # (the rest of the epoch left: skipped)
-            entry[0] = None
-            slot.release()
+                self._taken.group_batch(*read)
         self._left_place = place = SavedPlace(place.epoch, place.batches,
                                               self._taken.taken(place.batches),
                                               place.dataset_len)
         return place
+
+    def _read_on_in_left_epoch(self) -> tuple[int, Any] | None:
+        """The next entry of the producer epoch left mid-way, skipped (as reading on would
+        skip it): (its index, its sample ids); None once that epoch is over (the entry
+        after it stays in flow.entry, for the next epoch to place) or reading stopped."""
+        entry = self._flow.entry
+        slot = entry[0]
+        if slot is None:
+            try:
+                slot = self._acquire()
+            except (TensorSocketError, TimeoutError) as e:  # the state says less
+                log.info("consumer %d: reading on for its state stopped: %s", self._index, e)
+                return None
+        if slot.is_end_of_epoch or slot.epoch != self._left_source:
+            return None
+        read = slot.index, sample_ids.split(slot.meta)[1]
+        self._cursor.place(slot)  # (the rest of the epoch left: skipped)
+        entry[0] = None
+        slot.release()
+        return read
+
+    def _deal_on(self, batches: int) -> None:
+        """A resumed group epoch was left: go on with the deal (reading on in the
+        producer epoch it read, keeping the samples not taken, cutting them as the deal
+        does) until the group's batches taken by `batches` of each rank are known."""
+        taken, stream = self._taken, self._left_stream
+        assert stream is not None
+        ended = False
+        while taken.taken(batches) is None:
+            size = taken.deal_batch_size(self.batch_size or 1)
+            while sum(0 if ids is None else ids.size for ids in stream) < size and not ended:
+                read = None if taken.unclaimed(self.producer_dataset_len) == 0 \
+                    else self._read_on_in_left_epoch()
+                if read is None:
+                    ended = True
+                elif read[1] is None:
+                    stream.append(None)
+                else:
+                    stream.append(read[1][taken.keep(read[1])])
+            if any(ids is None for ids in stream):
+                taken.known = False  # (a batch without sample ids: the state counts)
+                return
+            joined = np.concatenate(stream) if stream else np.empty(0, np.int64)
+            if joined.size == 0:
+                return
+            stream[:] = [joined[size:]]
+            taken.deal(joined[:size], self.rank)
 
     def _delivered_and_pending(self) -> tuple[list[list[int]], list[list[int]]] | None:
         """For a sampler view (consumer.batch_sampler): the samples of the batches this
@@ -659,6 +700,10 @@ class TensorConsumer(LoaderSurface):
         place = self._place_now() if cursor.in_epoch and cursor.epoch == epoch else None
         source = cursor.producer_epoch
         batcher = self._batcher
+        stream = None
+        if cursor.resuming and self.world_size > 1 and batcher is not None:
+            loaded = self._flow.loaded
+            stream = batcher.held_ids() + ([loaded[2]] if loaded is not None else [])
         outcome = cursor.abandon(epoch, self._holding())
         if outcome in (Abandon.COMPLETE, Abandon.LEFT):
             self._flow.drop()
@@ -667,7 +712,7 @@ class TensorConsumer(LoaderSurface):
         if outcome is not Abandon.LEFT:
             return
         # What state_dict() says until the next epoch begins.
-        self._left_place, self._left_source = place, source
+        self._left_place, self._left_source, self._left_stream = place, source, stream
         if self.world_size > 1 and self._aligned:
             # A rank stays attached and skips the rest of the epoch as it reads on, so
             # that every rank of its group starts the same next epoch.

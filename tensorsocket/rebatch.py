@@ -174,6 +174,15 @@ class Rebatcher:
         self._current = None
         self._pieces, self._piece_ids = [], []
 
+    def held_ids(self) -> list:
+        """The sample ids of the samples taken from loader batches and not yet handed
+        over, in order (None for those of a batch without ids)."""
+        held = list(self._piece_ids)
+        if self._current is not None:
+            _, n, offset, ids = self._current
+            held.append(None if ids is None else ids[offset:n])
+        return held
+
     def holding(self) -> bool:
         """Whether samples taken from the loader's batches are not yet returned."""
         return self._current is not None or bool(self._pieces)

@@ -243,6 +243,30 @@ def test_group_resumes_each_rank_its_part_from_rank_zeros_state(name, tmp_path,
                 "the group's epoch 1")
 
 
+@pytest.mark.parametrize("own", [None, "20"], ids=["loader-batches", "own-batch-size"])
+def test_group_chain_of_breaks_reads_each_sample_once(name, tmp_path, producers_end, own):
+    """A group interrupted twice by a break (states saved after it, rank 0's loaded by
+    both ranks each time, the second inside a resumed epoch), then run to the end: every
+    sample of epoch 0 once over the three runs."""
+    opts = [] if own is None else ["--own-batch-size", own]
+    seen: list[int] = []
+    state_in = None
+    for run, take in enumerate(("1", "1", None)):
+        out = [tmp_path / f"run{run}-r{r}.json" for r in (0, 1)]
+        args = ["--take", take] if take else ["--epochs", "1"]
+        ranks = [start_rank(name, r, *args, *opts, state_in=state_in,
+                            state_out=out[r] if take else None) for r in (0, 1)]
+        jobs = [wait_job(p) for p in ranks]
+        if take:
+            assert jobs[0]["state"]["taken"] == jobs[1]["state"]["taken"] is not None
+        seen += flat(jobs[0]["epochs"][0]) + flat(jobs[1]["epochs"][0])
+        state_in = out[0]
+    counts = Counter(seen)
+    assert max(counts.values()) == 1, f"{sum(c > 1 for c in counts.values())} twice"
+    if own is None:
+        assert sorted(counts) == list(range(256))
+
+
 def test_group_with_own_batch_size_resumes_each_rank_its_part(name, tmp_path,
                                                               producers_end):
     """The same with batch_size=20 over loader batches of 32: each rank took 2 batches of
