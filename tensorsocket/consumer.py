@@ -435,7 +435,7 @@ class TensorConsumer(LoaderSurface):
         self._check_process()
         cursor, flow = self._cursor, self._flow
         self._flush_releases()
-        if flow.ready is None:
+        if flow.ready is None or cursor.resuming and self.world_size > 1:
             if not cursor.in_epoch:
                 raise StopIteration
             if cursor.fresh():
@@ -465,7 +465,20 @@ class TensorConsumer(LoaderSurface):
         in a resumed group epoch, the batches dealt to this rank."""
         cursor, flow, taken = self._cursor, self._flow, self._taken
         batcher = self._batcher
-        while flow.ready is None:
+        dealing = cursor.resuming and self.world_size > 1 and batcher is not None
+        while True:
+            if flow.ready is not None:
+                if not dealing:
+                    return
+                # Which rank's it is follows from the count of batches made (the same
+                # after an interrupt before this step: the batch is dealt once).
+                assert batcher is not None
+                index = batcher.handed_over - 1 - taken.deal_base
+                taken.deal(index, flow.ready[2])
+                if index % self.world_size == self.rank:
+                    return
+                flow.ready = None  # another rank's batch of the deal
+                continue
             if cursor.resuming and cursor.delivered >= self._resume_quota():
                 raise EpochEnd
             if batcher is None:
@@ -480,9 +493,6 @@ class TensorConsumer(LoaderSurface):
                 cursor.skip -= 1
                 cursor.delivered += 1
                 flow.ready = None
-            elif cursor.resuming and self.world_size > 1 and flow.ready is not None \
-                    and not taken.deal(flow.ready[2], self.rank):
-                flow.ready = None  # another rank's batch of the deal
 
     def _resume_quota(self) -> float:
         """Batches of this consumer's resumed epoch, counting those delivered before the
@@ -510,6 +520,7 @@ class TensorConsumer(LoaderSurface):
             size = place.dataset_len if place.dataset_len is not None \
                 else place.taken.bits.size
             owed = self._resume_quota() - place.batches
+            taken.deal_base = self._batcher.handed_over if self._batcher is not None else 0
             taken.deal_total = int(min(size - place.taken.count(),
                                        owed * self.world_size * (self.batch_size or 1)))
 
@@ -598,7 +609,7 @@ class TensorConsumer(LoaderSurface):
             if joined.size == 0:
                 return
             stream[:] = [joined[size:]]
-            taken.deal(joined[:size], self.rank)
+            taken.deal(taken.dealt, joined[:size])
 
     def _delivered_and_pending(self) -> tuple[list[list[int]], list[list[int]]] | None:
         """For a sampler view (consumer.batch_sampler): the samples of the batches this

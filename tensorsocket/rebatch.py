@@ -167,6 +167,7 @@ class Rebatcher:
         self._pieces: list[Piece] = []
         self._piece_ids: list = []  # the sample ids of each piece (None: unknown)
         self.dropped_samples = 0
+        self.handed_over = 0  # batches made so far (their count names each one)
 
     def reset(self) -> None:
         """Forget a partly used loader batch and a partly made batch (the epoch was cut
@@ -228,7 +229,8 @@ class Rebatcher:
         batch = combine(self._pieces)
         ids = self._piece_ids
         joined = None if any(i is None for i in ids) else np.concatenate(ids)
-        flow.ready, self._pieces, self._piece_ids = (batch, samples, joined), [], []
+        flow.ready, self._pieces, self._piece_ids, self.handed_over = \
+            (batch, samples, joined), [], [], self.handed_over + 1
 
 
 def _samples_of(pieces: list[Piece]) -> int:

@@ -63,6 +63,7 @@ class EpochTaken:
         self.claimed = self.base.union(IdMask()) if resumed is not None else None
         self.dealt = 0  # batches dealt in a resumed group epoch (every rank's)
         self.dealt_samples = 0  # ... and their samples
+        self.deal_base = 0  # the re-batcher's count of batches made when the deal began
         self.deal_total = 0  # samples the deal hands out in all (set by the consumer)
         self.round_size = 0  # samples per batch in the current round of the deal
 
@@ -108,13 +109,16 @@ class EpochTaken:
                 left <= 0 else -(-left // self.world_size)
         return self.round_size
 
-    def deal(self, ids: np.ndarray | None, rank: int) -> bool:
-        """A batch of a resumed group epoch was made: whether it is this rank's (every
-        world_size-th); its samples are noted as the group's either way."""
-        index, self.dealt = self.dealt, self.dealt + 1
-        self.dealt_samples += 0 if ids is None else ids.size
-        self.group_batch(index, ids)
-        return index % self.world_size == rank
+    def deal(self, index: int, ids: np.ndarray | None) -> None:
+        """Batch `index` of the deal of a resumed group epoch was made, of samples `ids`
+        (it goes to rank index % world_size). Once per batch: noting it again (after an
+        interrupt) changes nothing."""
+        if ids is None:
+            self.known = False
+        elif index not in self.group:
+            # One statement of plain stores: an interrupt cannot split it.
+            self.group[index], self.dealt, self.dealt_samples = \
+                ids, index + 1, self.dealt_samples + ids.size
 
     # -- the state ---------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ python tests/resume_job.py NAME [--state-in F] [--take K] [--state-out F] [--epo
   K-th batch), exit. Without it: iterate --epochs whole epochs.
 --iterable: the loader is a plain list of batches (no sampler: resume by count).
 --generator-iter: a DataLoader subclass whose __iter__ is a generator.
+--interrupt-deal N: a KeyboardInterrupt lands in next() at the N-th call of the resumed
+  group epoch's deal; the loop catches it and goes on (interrupts are counted).
 --producer-name P: attach with TensorConsumer(name=P) to a producer started elsewhere
   (tests/resume_producer.py) instead of share().
 """
@@ -28,7 +30,21 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import tensorsocket
-from tensorsocket import TensorConsumer
+from tensorsocket import TensorConsumer, resume
+
+
+def _interrupt_at(owner: type, method: str, call: int) -> None:
+    """The `call`-th call of owner.method raises KeyboardInterrupt before it runs, as a
+    SIGINT landing at that call would."""
+    real, calls = getattr(owner, method), [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    setattr(owner, method, interrupted)
 
 
 class GeneratorLoader(DataLoader):
@@ -54,6 +70,8 @@ def main() -> None:
     ap.add_argument("--world-size", type=int)
     ap.add_argument("--iterable", action="store_true")
     ap.add_argument("--producer-name")
+    ap.add_argument("--interrupt-deal", type=int, default=0,
+                    help="a KeyboardInterrupt at this call of the resumed deal")
     ap.add_argument("--generator-iter", action="store_true",
                     help="a DataLoader subclass whose __iter__ is a generator")
     ap.add_argument("--save-inside", action="store_true",
@@ -77,7 +95,9 @@ def main() -> None:
             source = kind(data, batch_size=a.batch_size, shuffle=not a.no_shuffle)
         loader = tensorsocket.share(source, name=a.name, timeout=60, **extra)
 
-    out: dict = {"epochs": [], "warnings": []}
+    if a.interrupt_deal:
+        _interrupt_at(resume.EpochTaken, "deal", a.interrupt_deal)
+    out: dict = {"epochs": [], "warnings": [], "interrupts": 0}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if a.state_in:
@@ -86,7 +106,15 @@ def main() -> None:
             out["state_after_load"] = loader.state_dict()
         for _ in range(1 if a.take is not None else a.epochs):
             epoch = []
-            for batch in loader:
+            it = iter(loader)
+            while True:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                except KeyboardInterrupt:  # a Ctrl-C the loop catches, going on
+                    out["interrupts"] += 1
+                    continue
                 epoch.append([int(v) for v in batch[0]])
                 del batch
                 if a.take is not None and len(epoch) == a.take:

@@ -243,6 +243,22 @@ def test_group_resumes_each_rank_its_part_from_rank_zeros_state(name, tmp_path,
                 "the group's epoch 1")
 
 
+def test_interrupt_in_a_resumed_group_epoch_loses_and_repeats_nothing(name, tmp_path,
+                                                                       producers_end):
+    """A KeyboardInterrupt lands in rank 0's next() as the deal of its resumed epoch is
+    decided (the loop catches it and goes on): rank 0 still gets only its own batches."""
+    s0 = tmp_path / "r0.json"
+    ranks = [start_rank(name, r, "--take", "1", state_out=s0 if r == 0 else tmp_path / "x")
+             for r in (0, 1)]
+    first = [wait_job(p) for p in ranks]
+    ranks = [start_rank(name, r, "--epochs", "1", *(["--interrupt-deal", "1"] if r == 0
+                                                   else []), state_in=s0) for r in (0, 1)]
+    second = [wait_job(p) for p in ranks]
+    assert second[0]["interrupts"] == 1
+    assert [len(s["epochs"][0]) for s in second] == [3, 3]
+    assert_once(sum((flat(j["epochs"][0]) for j in first + second), []), 256, "epoch 0")
+
+
 @pytest.mark.parametrize("own", [None, "20"], ids=["loader-batches", "own-batch-size"])
 def test_group_chain_of_breaks_reads_each_sample_once(name, tmp_path, producers_end, own):
     """A group interrupted twice by a break (states saved after it, rank 0's loaded by
