@@ -265,16 +265,18 @@ def test_the_last_failed_logs_are_kept_and_clean_removes_them(rdir, name, produc
     live = tensorsocket.share(DataLoader(TensorDataset(torch.arange(64)), batch_size=8),
                               name=name, timeout=WAIT, idle_timeout=0.5)
     producer = producers(live)
-    failed = failed_logs(rdir, name)
-    failures = sorted(k for k in range(kept + 1) for p in failed
-                      if f"sample {k} is unreadable" in p.read_text())
-    assert failures == list(range(1, kept + 1)), failed  # the first one's log is gone
+    try:
+        failed = failed_logs(rdir, name)
+        failures = sorted(k for k in range(kept + 1) for p in failed
+                          if f"sample {k} is unreadable" in p.read_text())
+        assert failures == list(range(1, kept + 1)), failed  # the first one's log is gone
 
-    r = cli("clean", "--name", name)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert all(f"removed log     {p}  " in r.stdout for p in failed), r.stdout
-    assert r.stdout.count("removed ") == len(failed) and failed_logs(rdir, name) == []
-    assert live.producer_log.exists() and next(iter(live)) is not None  # still serving
-    live.close()
+        r = cli("clean", "--name", name)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert all(f"removed log     {p}  " in r.stdout for p in failed), r.stdout
+        assert r.stdout.count("removed ") == len(failed) and failed_logs(rdir, name) == []
+        assert live.producer_log.exists() and next(iter(live)) is not None  # still serving
+    finally:
+        live.close()
     producer.wait_gone()
     assert sorted(p.name for p in rdir.iterdir()) == []
