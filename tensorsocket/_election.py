@@ -25,7 +25,7 @@ OLDER_PART_SUFFIX = ".1"  # a log's earlier part is its name with this after
 OLDER_LOG_SUFFIX = LOG_SUFFIX + OLDER_PART_SUFFIX  # its earlier part (see ProducerLog)
 STAGED_SUFFIX = ".new"  # either, being made while the log is rotated
 FAILED_LOG_INFIX = ".failed-"  # <log>.failed-<UTC time>: what a failed producer left
-FAILED_LOGS_KEPT = 3  # the logs of this many failed producers of a name are kept
+FAILED_LOGS_KEPT = 3  # the logs of this many failed producers of a name stay (docs/usage.md)
 _FAILED_LOG = re.compile(
     rf"(?P<name>.+){re.escape(LOG_SUFFIX + FAILED_LOG_INFIX)}"
     rf"(?P<time>\d{{8}}T\d{{6}}Z)(?:-(?P<nth>\d+))?(?:{re.escape(OLDER_PART_SUFFIX)})?")
