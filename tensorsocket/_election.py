@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import time
 from pathlib import Path
 
@@ -20,8 +21,14 @@ from .endpoints import Endpoint, lock_held, open_lock_file
 
 SHARE_LOCK_SUFFIX = ".share-lock"  # no producer's file ends so: it ends in .lock or .sock
 LOG_SUFFIX = ".producer.log"  # <name>.producer.log: the output of share()'s producer
-OLDER_LOG_SUFFIX = LOG_SUFFIX + ".1"  # the part before it (see _shared_producer.ProducerLog)
+OLDER_PART_SUFFIX = ".1"  # a log's earlier part is its name with this after
+OLDER_LOG_SUFFIX = LOG_SUFFIX + OLDER_PART_SUFFIX  # its earlier part (see ProducerLog)
 STAGED_SUFFIX = ".new"  # either, being made while the log is rotated
+FAILED_LOG_INFIX = ".failed-"  # <log>.failed-<UTC time>: what a failed producer left
+FAILED_LOGS_KEPT = 3  # the logs of this many failed producers of a name stay (docs/usage.md)
+_FAILED_LOG = re.compile(
+    rf"(?P<name>.+){re.escape(LOG_SUFFIX + FAILED_LOG_INFIX)}"
+    rf"(?P<time>\d{{8}}T\d{{6}}Z)(?:-(?P<nth>\d+))?(?:{re.escape(OLDER_PART_SUFFIX)})?")
 
 
 def share_lock_file(rdir: Path, name: str) -> Path:
@@ -44,8 +51,35 @@ def older_log_path(log_path: Path) -> Path:
     return log_path.with_name(log_path.name[: -len(LOG_SUFFIX)] + OLDER_LOG_SUFFIX)
 
 
+def failed_log_path(log_path: Path, when: float, nth: int = 1) -> Path:
+    """Where the log of a failed producer of the name goes, ``<log>.failed-<time>``, named
+    after `when` (its last write, UTC, to the second); the `nth` (2, 3...) log of that
+    second gets ``-<nth>`` after it. Its older part goes beside it with ``.1`` after."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(when))
+    return log_path.with_name(f"{log_path.name}{FAILED_LOG_INFIX}{stamp}"
+                              + (f"-{nth}" if nth > 1 else ""))
+
+
+def failed_older_path(failed_log: Path) -> Path:
+    """Where the older part of a failed producer's log goes: beside it, ``.1`` after."""
+    return failed_log.with_name(failed_log.name + OLDER_PART_SUFFIX)
+
+
+def failed_log_owner(file_name: str) -> tuple[str, tuple[str, int]] | None:
+    """The producer name of a failed producer's log (or older part of it) `file_name`,
+    and when it was written as a key that sorts oldest first; else None."""
+    m = _FAILED_LOG.fullmatch(file_name)
+    if m is None:
+        return None
+    return m["name"], (m["time"], int(m["nth"] or 1))
+
+
 def log_owner(file_name: str) -> str | None:
-    """The producer name whose log (or older part of it) `file_name` is, else None."""
+    """The producer name whose log (or older part of it) `file_name` is, else None; a
+    failed producer's log counts (see failed_log_owner)."""
+    failed = failed_log_owner(file_name)
+    if failed is not None:
+        return failed[0]
     for suffix in (LOG_SUFFIX, OLDER_LOG_SUFFIX, LOG_SUFFIX + STAGED_SUFFIX,
                    OLDER_LOG_SUFFIX + STAGED_SUFFIX):
         if file_name.endswith(suffix) and len(file_name) > len(suffix):

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from . import _core
-from ._election import STAGED_SUFFIX, older_log_path, release_lock, take_lock
+from ._election import (FAILED_LOGS_KEPT, STAGED_SUFFIX, failed_log_owner, failed_log_path,
+                        failed_older_path, log_owner, older_log_path, release_lock,
+                        take_lock)
 from .endpoints import Endpoint
 from .errors import ProducerNotFound, TensorSocketError
 from .producer import TensorProducer
@@ -229,10 +231,12 @@ class ProducerLog:
     and what C code and loader workers print.
 
     - Opened as the producer starts, while the caller that starts it holds the share lock
-      (no other producer of the name is live): a log already there is that of an earlier
-      producer of the name that failed or was killed (one that ended cleanly removed
-      its own), and is moved to ``<name>.producer.log.1`` for the user to read,
-      replacing an older one there.
+      (no other producer of the name is live): a log already there, and its older part,
+      are those of an earlier producer of the name that failed or was killed (one that
+      ended cleanly removed its own). They move to names of their own for the user to
+      read, ``<name>.producer.log.failed-<time of its last write>`` and that with
+      ``.1`` after (failed_log_path), which this producer never writes; only the logs of
+      the last FAILED_LOGS_KEPT failed producers of the name are kept.
     - Rotated: once it holds LOG_MAX_BYTES or more (checked after each published batch)
       it moves to ``.1`` likewise and a new log goes on, so the output of one producer
       takes at most about twice that. Loader workers started before the move write on
@@ -286,11 +290,45 @@ class ProducerLog:
                 _unlink_if_same(self.older, self._older_id)
 
     def _move_aside(self) -> None:
-        """Rename the log to the older part (replacing it), if there is a log."""
-        try:
-            os.replace(self.path, self.older)
-        except FileNotFoundError:
-            pass
+        """Keep the log and older part an earlier producer left under a failed log's
+        names, then remove failed logs beyond the last FAILED_LOGS_KEPT."""
+        left = {}
+        for part in (self.path, self.older):
+            try:
+                left[part] = os.lstat(part).st_mtime
+            except FileNotFoundError:
+                pass
+        if not left:
+            return
+        kept = self._free_failed_path(max(left.values()))
+        for part in left:
+            os.replace(part, kept if part == self.path else failed_older_path(kept))
+        self._drop_old_failed_logs()
+
+    def _free_failed_path(self, when: float) -> Path:
+        """A failed log's path for a log last written at `when` that no file has yet."""
+        nth = 1
+        while True:
+            path = failed_log_path(self.path, when, nth)
+            if not any(os.path.lexists(p) for p in (path, failed_older_path(path))):
+                return path
+            nth += 1
+
+    def _drop_old_failed_logs(self) -> None:
+        """Unlink the failed logs of this name (and their older parts) but the last
+        FAILED_LOGS_KEPT; one that cannot be unlinked stays for ``tensorsocket clean``."""
+        name = log_owner(self.path.name)
+        failed: dict[tuple[str, int], list[Path]] = {}
+        for entry in self.path.parent.iterdir():
+            owner = failed_log_owner(entry.name)
+            if owner is not None and owner[0] == name:
+                failed.setdefault(owner[1], []).append(entry)
+        for when in sorted(failed)[:-FAILED_LOGS_KEPT]:
+            for path in failed[when]:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as e:
+                    log.warning("cannot remove the failed producer log %s: %s", path, e)
 
     def _redirect(self, path: Path | None = None) -> None:
         """Create the log (or `path`) afresh and make it fd 1 and 2."""

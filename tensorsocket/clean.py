@@ -15,9 +15,12 @@ without touching anything live:
   part ``.1``; a producer that ends cleanly removes its own, one that failed or was
   killed leaves it for the user) is stale when nobody holds the name's lock nor its
   share() election lock (held while a producer of the name starts, before it takes
-  the name's lock, and while one ends). It is removed while holding that election
-  lock, so no producer of the name can start meanwhile. Only regular files of this
-  user count: a link or anything else under such a name is not ours to remove.
+  the name's lock, and while one ends). The next producer of the name moves such a log
+  to a failed log's names (``<name>.producer.log.failed-<time>`` and ``.1`` after it),
+  which no producer writes: those are always stale. A log is removed while holding
+  the name's election lock, so no producer of the name can start (and move or prune
+  logs) meanwhile. Only regular files of this user count: a link or anything else
+  under such a name is not ours to remove.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import time
 from pathlib import Path
 
 from . import _core
-from ._election import SHARE_LOCK_SUFFIX, log_owner, release_lock, share_lock_file, take_lock
+from ._election import (SHARE_LOCK_SUFFIX, failed_log_owner, log_owner, release_lock,
+                        share_lock_file, take_lock)
 from .endpoints import lock_held, runtime_dir
 from .segments import Leftover, stale_segments
 
 LOG_REASON = "no producer of this name runs"
+FAILED_LOG_REASON = "a failed producer's log"
 
 
 def _stale_files(rdir: Path) -> list[Leftover]:
@@ -60,7 +65,8 @@ def _stale_files(rdir: Path) -> list[Leftover]:
 
 
 def _stale_logs(rdir: Path) -> list[Leftover]:
-    """Logs of share() producers of names that no producer runs or starts under."""
+    """Logs of share() producers of names that no producer runs or starts under, and
+    the logs of failed producers (whatever runs)."""
     out: list[Leftover] = []
     try:
         entries = sorted(rdir.iterdir())
@@ -68,9 +74,12 @@ def _stale_logs(rdir: Path) -> list[Leftover]:
         return out
     for path in entries:
         name = log_owner(path.name)
-        if name is None or not _own_regular_file(path) or _name_in_use(rdir, name):
+        if name is None or not _own_regular_file(path):
             continue
-        out.append(Leftover("log", name, str(path), LOG_REASON))
+        if failed_log_owner(path.name) is not None:
+            out.append(Leftover("log", name, str(path), FAILED_LOG_REASON))
+        elif not _name_in_use(rdir, name):
+            out.append(Leftover("log", name, str(path), LOG_REASON))
     return out
 
 
@@ -97,7 +106,7 @@ def _remove_log(item: Leftover) -> str | None:
     if fd is None:
         return "a share() of this name is starting or ending its producer; left alone"
     try:
-        if lock_held(path.parent / f"{item.name}.lock"):
+        if failed_log_owner(path.name) is None and lock_held(path.parent / f"{item.name}.lock"):
             return "a producer of this name started meanwhile; left alone"
         if not _own_regular_file(path):
             return "no longer a regular file of this user; left alone"

@@ -1,6 +1,7 @@
 """The log of share()'s producer, ``<runtime dir>/<name>.producer.log``: removed when the
 producer ends cleanly, kept when it fails (for the user, until ``tensorsocket clean``
-removes it), rotated when it grows; clean never removes the log of a producer that runs
+removes it; the next producer of the name moves it to a name of its own), rotated when it
+grows; clean never removes the log of a producer that runs
 or is being started, nor a file under such a name that is not ours.
 
 Real share() producers forked from the test process, each test in a runtime directory of
@@ -19,9 +20,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import tensorsocket
-from tensorsocket import _core, _shared_producer
+from tensorsocket import _core, _election, _shared_producer
 from tensorsocket._election import older_log_path, release_lock, share_lock_file, take_lock
-from tensorsocket.errors import ProducerFailed
+from tensorsocket.errors import ProducerFailed, TensorSocketError
 
 from conftest import ROOT, run as run_python
 
@@ -215,3 +216,67 @@ def test_a_growing_log_is_rotated(rdir, name, producers, monkeypatch):
     c.close()
     producer.wait_gone()
     assert not log.exists() and not older.exists()
+
+
+def failed_logs(rdir, name: str) -> list:
+    """The logs that failed producers of `name` left, as the next producer moved them."""
+    return sorted(rdir.glob(f"{name}.producer.log.failed-*"))
+
+
+def test_a_failed_producers_log_survives_the_next_producer(rdir, name, producers,
+                                                           monkeypatch):
+    """The next producer of the name moves a failed producer's log to
+    <name>.producer.log.failed-<time>, which it never writes: its rotation (to .1) and its
+    clean end (removing its own log and .1) leave the failure there for the user."""
+    c = tensorsocket.share(DataLoader(Chatty(32, fail_at=20), batch_size=8), name=name,
+                           timeout=WAIT)
+    producer = producers(c)
+    with pytest.raises(ProducerFailed):
+        read_ids(c)
+    c.close()
+    producer.wait_gone()
+    cap, width, batch = 16384, 256, 8
+    monkeypatch.setattr(_shared_producer, "LOG_MAX_BYTES", cap)  # the fork inherits it
+    n = 3 * cap // width  # 3 caps of output: its log rotates
+    c = tensorsocket.share(DataLoader(Chatty(n, width=width), batch_size=batch), name=name,
+                           epochs=1, timeout=WAIT)
+    producer = producers(c)
+    ids, rotated = [], False
+    for b in c:
+        ids += [int(i) for i in b]
+        rotated = rotated or older_log_path(c.producer_log).exists()
+    assert ids == list(range(n)) and rotated
+    c.close()
+    producer.wait_gone()
+    kept, left = failed_logs(rdir, name), sorted(p.name for p in rdir.iterdir())
+    assert len(kept) == 1 and "sample 20 is unreadable" in kept[0].read_text(), left
+    assert left == [kept[0].name], left  # and the clean end removed its own log and .1
+
+
+def test_the_last_failed_logs_are_kept_and_clean_removes_them(rdir, name, producers):
+    """Of failed producers of a name, the logs of the last FAILED_LOGS_KEPT stay (each
+    under a name of its own); `clean` removes them even while a producer of the name runs,
+    and leaves that producer's log."""
+    kept = _election.FAILED_LOGS_KEPT
+    for k in range(kept + 1):  # each fails on its first batch: share() raises
+        with pytest.raises(TensorSocketError, match=f"sample {k} is unreadable"):
+            tensorsocket.share(DataLoader(Chatty(8, fail_at=k), batch_size=8), name=name,
+                               timeout=WAIT)
+    live = tensorsocket.share(DataLoader(TensorDataset(torch.arange(64)), batch_size=8),
+                              name=name, timeout=WAIT, idle_timeout=0.5)
+    producer = producers(live)
+    try:
+        failed = failed_logs(rdir, name)
+        failures = sorted(k for k in range(kept + 1) for p in failed
+                          if f"sample {k} is unreadable" in p.read_text())
+        assert failures == list(range(1, kept + 1)), failed  # the first one's log is gone
+
+        r = cli("clean", "--name", name)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert all(f"removed log     {p}  " in r.stdout for p in failed), r.stdout
+        assert r.stdout.count("removed ") == len(failed) and failed_logs(rdir, name) == []
+        assert live.producer_log.exists() and next(iter(live)) is not None  # still serving
+    finally:
+        live.close()
+    producer.wait_gone()
+    assert sorted(p.name for p in rdir.iterdir()) == []
