@@ -532,7 +532,12 @@ class TensorConsumer(LoaderSurface):
         cursor = self._cursor
         if not cursor.in_epoch:
             return SavedPlace(cursor.epoch, 0, None, self.producer_dataset_len)
-        batches = cursor.delivered
+        batches, size = cursor.delivered, self.producer_dataset_len
+        if self.world_size > 1 and self._taken.known and size is not None and \
+                self._epoch_complete():
+            # Every rank's batches of the epoch were delivered (ranks step together): all
+            # of it is taken, what no rank takes (the tail a group leaves) included.
+            return SavedPlace(cursor.epoch, batches, IdMask.whole(size), size)
         taken = self._taken.taken(batches)
         if taken is None and look_ahead and self.world_size > 1 and self._taken.known:
             self._read_to_next_batch()

@@ -177,6 +177,13 @@ class IdMask:
     def __init__(self, size: int = 0) -> None:
         self.bits = np.zeros(max(size, 0), dtype=bool)
 
+    @classmethod
+    def whole(cls, size: int) -> "IdMask":
+        """The set of every id in [0, size)."""
+        mask = cls()
+        mask.bits = np.ones(size, dtype=bool)
+        return mask
+
     def add(self, ids: np.ndarray) -> None:
         """Put `ids` in the set."""
         if ids.size == 0:

@@ -131,6 +131,7 @@ def main() -> None:
     out["warnings"] = [str(w.message) for w in caught
                        if issubclass(w.category, tensorsocket.TensorSocketWarning)]
     out["len"] = len(loader)
+    out["producer_pid"] = loader.producer_pid
     loader.close()
     print(json.dumps(out))
 
