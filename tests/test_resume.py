@@ -206,6 +206,7 @@ while True:
 """
 
 
+@pytest.mark.slow  # a fresh interpreter with two loader workers; share()d ones cover the rest
 def test_separate_producer_script_with_workers(name, tmp_path):
     """A TensorProducer script of its own (a DataLoader with 2 workers, shuffling, its
     sample ids drawn ahead by the workers): the job interrupted and the one resumed attach
