@@ -117,9 +117,9 @@ def test_clean_end_removes_the_log(rdir, name, producers):
     assert sorted(p.name for p in rdir.iterdir() if "producer.log" in p.name) == []
 
 
-def test_failed_producer_keeps_its_log_until_clean(rdir, name, producers):
-    """A producer whose loader raises keeps its log, with the error; `clean --dry-run`
-    lists it and removes nothing, `clean` removes it, and then there is nothing to clean."""
+def fail_a_producer(name: str, producers) -> None:
+    """A share() producer of `name` whose loader raises at sample 20, read until it fails
+    and gone."""
     c = tensorsocket.share(DataLoader(Chatty(32, fail_at=20), batch_size=8), name=name,
                            timeout=WAIT)
     producer = producers(c)
@@ -127,6 +127,12 @@ def test_failed_producer_keeps_its_log_until_clean(rdir, name, producers):
         read_ids(c)
     c.close()
     producer.wait_gone()
+
+
+def test_failed_producer_keeps_its_log_until_clean(rdir, name, producers):
+    """A producer whose loader raises keeps its log, with the error; `clean --dry-run`
+    lists it and removes nothing, `clean` removes it, and then there is nothing to clean."""
+    fail_a_producer(name, producers)
     log = rdir / f"{name}.producer.log"
     assert "sample 20 is unreadable" in log.read_text()
 
@@ -228,13 +234,7 @@ def test_a_failed_producers_log_survives_the_next_producer(rdir, name, producers
     """The next producer of the name moves a failed producer's log to
     <name>.producer.log.failed-<time>, which it never writes: its rotation (to .1) and its
     clean end (removing its own log and .1) leave the failure there for the user."""
-    c = tensorsocket.share(DataLoader(Chatty(32, fail_at=20), batch_size=8), name=name,
-                           timeout=WAIT)
-    producer = producers(c)
-    with pytest.raises(ProducerFailed):
-        read_ids(c)
-    c.close()
-    producer.wait_gone()
+    fail_a_producer(name, producers)
     cap, width, batch = 16384, 256, 8
     monkeypatch.setattr(_shared_producer, "LOG_MAX_BYTES", cap)  # the fork inherits it
     n = 3 * cap // width  # 3 caps of output: its log rotates
