@@ -69,42 +69,40 @@ class Hello(Message):
 
 
 @dataclass(frozen=True)
-class Ready(Message):
-    """The consumer mapped the ring (align: start at the current epoch's first entry)."""
-    kind: ClassVar[str] = "ready"
+class Placed(Message):
+    """A message of a consumer that has its place (no message of its own): which
+    entry, and the token that proves it is that entry's consumer."""
     consumer: int
     token: int
+
+
+@dataclass(frozen=True)
+class Ready(Placed):
+    """The consumer mapped the ring (align: start at the current epoch's first entry)."""
+    kind: ClassVar[str] = "ready"
     align: bool
 
 
 @dataclass(frozen=True)
-class Park(Message):
+class Park(Placed):
     kind: ClassVar[str] = "park"
-    consumer: int
-    token: int
     hold: bool
     skip_epoch: bool
 
 
 @dataclass(frozen=True)
-class Unpark(Message):
+class Unpark(Placed):
     kind: ClassVar[str] = "unpark"
-    consumer: int
-    token: int
 
 
 @dataclass(frozen=True)
-class Heartbeat(Message):
+class Heartbeat(Placed):
     kind: ClassVar[str] = "heartbeat"
-    consumer: int
-    token: int
 
 
 @dataclass(frozen=True)
-class Bye(Message):
+class Bye(Placed):
     kind: ClassVar[str] = "bye"
-    consumer: int
-    token: int
 
 
 @dataclass(frozen=True)
