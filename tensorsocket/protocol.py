@@ -85,6 +85,7 @@ class Ready(Placed):
 
 @dataclass(frozen=True)
 class Park(Placed):
+    """Stop reading for a while (hold: keep the place; skip_epoch: at the next epoch)."""
     kind: ClassVar[str] = "park"
     hold: bool
     skip_epoch: bool
@@ -92,16 +93,19 @@ class Park(Placed):
 
 @dataclass(frozen=True)
 class Unpark(Placed):
+    """Read again after a park that asked to keep the place."""
     kind: ClassVar[str] = "unpark"
 
 
 @dataclass(frozen=True)
 class Heartbeat(Placed):
+    """The consumer is alive."""
     kind: ClassVar[str] = "heartbeat"
 
 
 @dataclass(frozen=True)
 class Bye(Placed):
+    """The consumer leaves the ring."""
     kind: ClassVar[str] = "bye"
 
 
@@ -142,6 +146,8 @@ class Loader(Message):
 
 @dataclass(frozen=True)
 class Welcome(Loader):
+    """The answer to a hello: the consumer's place, the segment and the producer's
+    settings, with what it tells of its loader."""
     kind: ClassVar[str] = "welcome"
     protocol: int
     consumer: int
@@ -165,23 +171,27 @@ class LoaderInfo(Loader):
 
 @dataclass(frozen=True)
 class Started(Message):
+    """The answer to ready: the consumer's first sequence number."""
     kind: ClassVar[str] = "started"
     start_seq: int
 
 
 @dataclass(frozen=True)
 class Unparked(Message):
+    """The answer to unpark: whether the place was kept."""
     kind: ClassVar[str] = "unparked"
     held: bool
 
 
 @dataclass(frozen=True)
 class ByeOk(Message):
+    """The answer to bye."""
     kind: ClassVar[str] = "bye_ok"
 
 
 @dataclass(frozen=True)
 class Error(Message):
+    """A refusal or failure (code: protocol, version, auth, unknown, full, ...)."""
     kind: ClassVar[str] = "error"
     code: str
     message: str
