@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .rebatch import consumer_len
 
 if TYPE_CHECKING:
-    from .protocol import Loader
+    from .protocol import LoaderInfo, Welcome
 
 log = logging.getLogger("tensorsocket")
 
@@ -106,8 +106,9 @@ def fingerprint_of(loader: Any) -> str | None:
 
 
 def describe_loader(loader: Any) -> dict[str, Any]:
-    """The fields of protocol.Loader (what a welcome and a loader_info tell of the
-    producer's loader) of a loader (None: a callable's, before its first epoch)."""
+    """What a welcome and a loader_info tell of the producer's loader (their fields
+    from length to fingerprint), of a loader (None: a callable's, before its first
+    epoch)."""
     samples, exact = samples_per_epoch(loader)
     dataset, dataset_len = data_identity(loader)
     return {
@@ -189,7 +190,7 @@ class LoaderShape:
     samples_exact: bool
 
     @classmethod
-    def of_reply(cls, reply: Loader) -> "LoaderShape":
+    def of_reply(cls, reply: Welcome | LoaderInfo) -> "LoaderShape":
         """The shape a welcome or loader_info reply describes."""
         return cls(reply.length, reply.loader_batch_size, reply.samples, reply.samples_exact)
 

@@ -132,27 +132,21 @@ class Proof(Message):
 
 
 @dataclass(frozen=True)
-class Loader(Message):
-    """What a welcome and a loader_info tell of the producer's loader (no message of
-    its own; tensorsocket.loader_info.describe_loader gives these fields)."""
-    length: int | None
+class Welcome(Message):
+    """The answer to a hello: the consumer's place, the segment, what the producer tells
+    of its loader and its settings."""
+    kind: ClassVar[str] = "welcome"
+    protocol: int
+    consumer: int
+    token: int
+    segment: str
+    length: int | None  # what it tells of its loader: tensorsocket.loader_info.describe_loader
     loader_batch_size: int | None
     samples: int | None
     samples_exact: bool
     dataset: str | None
     dataset_len: int | None
     fingerprint: str | None
-
-
-@dataclass(frozen=True)
-class Welcome(Loader):
-    """The answer to a hello: the consumer's place, the segment and the producer's
-    settings, with what it tells of its loader."""
-    kind: ClassVar[str] = "welcome"
-    protocol: int
-    consumer: int
-    token: int
-    segment: str
     epoch: int
     producer_pid: int
     window: int
@@ -162,11 +156,18 @@ class Welcome(Loader):
 
 
 @dataclass(frozen=True)
-class LoaderInfo(Loader):
+class LoaderInfo(Message):
     """The answer to info: the loader fields of a welcome."""
     kind: ClassVar[str] = "loader_info"
     protocol: int
     producer_pid: int
+    length: int | None  # what it tells of its loader: tensorsocket.loader_info.describe_loader
+    loader_batch_size: int | None
+    samples: int | None
+    samples_exact: bool
+    dataset: str | None
+    dataset_len: int | None
+    fingerprint: str | None
 
 
 @dataclass(frozen=True)
