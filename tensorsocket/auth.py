@@ -53,12 +53,15 @@ import stat
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from . import config
 from .endpoints import Endpoint
+
+if TYPE_CHECKING:
+    from .protocol import Hello, Info
 
 SECRET_SUFFIX = ".secret"
 MIN_TOKEN_CHARS = 16
@@ -267,9 +270,9 @@ class Gate:
             return nonce, None
         return nonce, mac(self._key, "producer", consumer_nonce, nonce)
 
-    def refusal(self, ident: bytes, frame: zmq.Frame, hello: Any) -> str | None:
-        """None if this hello (or info: a protocol.Message with pid and proof) from
-        connection `ident` may be answered, else why not (for the error reply)."""
+    def refusal(self, ident: bytes, frame: zmq.Frame, hello: Hello | Info) -> str | None:
+        """None if this hello (or info) from connection `ident` may be answered, else why
+        not (for the error reply)."""
         challenge = self._challenges.pop(ident, None)
         creds = peer_credentials(frame) if self._ipc else None
         if creds is not None:

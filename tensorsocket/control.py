@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import zmq
 
@@ -35,6 +35,8 @@ from .errors import (
 )
 
 log = logging.getLogger("tensorsocket")
+
+_M = TypeVar("_M", bound=protocol.Message)  # the message type a consumer waits for
 
 HEARTBEAT_INTERVAL = 1.0  # seconds between consumer heartbeats
 HEARTBEAT_TIMEOUT = config.SETTINGS["heartbeat_timeout"].default  # then a consumer is evicted
@@ -159,7 +161,8 @@ class ControlServer:
             bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._port = int(bound.rsplit(":", 1)[1])  # the real one, were it a wildcard
         self._peers: dict[bytes, _Peer] = {}
-        self._waiting: list[tuple[bytes, protocol.Message]] = []  # hellos, infos before the ring
+        # hellos and infos that came before the ring
+        self._waiting: list[tuple[bytes, protocol.Hello | protocol.Info]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._farewell: tuple[str, str] | None = None  # see close()
@@ -168,7 +171,8 @@ class ControlServer:
         self.dropped = 0  # error replies not sent: the peer was refused too often
         self._refusals: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # (allowance, at)
         self._held: tuple[int, float, bool] = (-1, 0.0, False)  # (published, since, warned)
-        self._handlers = {"ready": self._ready,
+        # the messages of a consumer that has a place (each handler takes its own type)
+        self._handlers: dict[str, Callable[[bytes, Any], None]] = {"ready": self._ready,
                           "heartbeat": self._heartbeat, "bye": self._bye,
                           "park": self._park, "unpark": self._unpark}
         self._thread = threading.Thread(target=self._run, name="tensorsocket-control", daemon=True)
@@ -227,7 +231,7 @@ class ControlServer:
         code, message = self._farewell
         waiting, self._waiting = self._waiting, []
         for ident, _ in waiting:
-            self._send(ident, "error", code=code, message=message)
+            self._send(ident, protocol.Error(code, message))
         return bool(waiting)
 
     def _watch_connections(self) -> None:
@@ -326,21 +330,21 @@ class ControlServer:
                 log.debug("rejected control message: %s", e)
                 version = protocol.foreign_hello(payload)
                 if version is not None:
-                    self._send(ident, "error", code="version", message=_version_message(version))
+                    self._send(ident, protocol.Error("version", _version_message(version)))
                 else:
-                    self._send(ident, "error", code="protocol", message=str(e))
+                    self._send(ident, protocol.Error("protocol", str(e)))
                 continue
-            if msg.kind == "challenge":
+            if isinstance(msg, protocol.Challenge):
                 self._challenge(ident, msg)
                 continue
-            if msg.kind in protocol.ADMISSIONS:
+            if isinstance(msg, (protocol.Hello, protocol.Info)):
                 self._admit(ident, msg, frames[1])
                 continue
             handler = self._handlers.get(msg.kind)
             if handler is None:
                 self.rejected += 1
-                self._send(ident, "error", code="protocol",
-                           message=f"{msg.kind} is not a consumer message")
+                self._send(ident, protocol.Error("protocol",
+                                                 f"{msg.kind} is not a consumer message"))
                 continue
             try:
                 handler(ident, msg)
@@ -348,18 +352,18 @@ class ControlServer:
                 self.rejected += 1
                 log.warning("control message %s failed: %s: %s", msg.kind,
                             type(e).__name__, e)
-                self._send(ident, "error", code="protocol",
-                           message=f"{msg.kind} failed: {type(e).__name__}")
+                self._send(ident, protocol.Error("protocol",
+                                                 f"{msg.kind} failed: {type(e).__name__}"))
         return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
-    def _send(self, ident: bytes, kind: str, **fields: Any) -> None:
-        if kind == "error":
+    def _send(self, ident: bytes, msg: protocol.Message) -> None:
+        if isinstance(msg, protocol.Error):
             if ident not in self._peers and not self._may_refuse(ident):
                 self.dropped += 1
                 return
-            fields["message"] = fields["message"][:MAX_ERROR_CHARS]
+            msg = protocol.Error(msg.code, msg.message[:MAX_ERROR_CHARS])
         try:
-            self._sock.send_multipart([ident, protocol.encode(kind, **fields)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, msg.encode()], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the peer is gone or its queue is full: it will time out
 
@@ -375,46 +379,45 @@ class ControlServer:
             self._refusals.popitem(last=False)
         return allowance >= 1
 
-    def _peer(self, ident: bytes, msg: protocol.Message) -> _Peer | None:
+    def _peer(self, ident: bytes, msg: protocol.Placed) -> _Peer | None:
         """The peer this message claims to be, if it really is that peer."""
         peer = self._peers.get(ident)
         if peer is None or peer.index != msg.consumer or peer.token != msg.token:
             self.rejected += 1
-            self._send(ident, "error", code="unknown", message="no such consumer on this socket")
+            self._send(ident, protocol.Error("unknown", "no such consumer on this socket"))
             return None
         peer.last_seen = time.monotonic()
         return peer
 
     # -- messages ----------------------------------------------------------------
 
-    def _challenge(self, ident: bytes, msg: protocol.Message) -> None:
+    def _challenge(self, ident: bytes, msg: protocol.Challenge) -> None:
         """A consumer's challenge, before its hello: answered with this producer's own
         nonce and its proof that it knows the secret (tensorsocket.auth)."""
         if msg.protocol != protocol.PROTOCOL_VERSION:
             self.rejected += 1
-            self._send(ident, "error", code="version", message=_version_message(msg.protocol))
+            self._send(ident, protocol.Error("version", _version_message(msg.protocol)))
             return
         if not is_nonce(msg.nonce):
             self.rejected += 1
-            self._send(ident, "error", code="protocol", message="challenge with a bad nonce")
+            self._send(ident, protocol.Error("protocol", "challenge with a bad nonce"))
             return
         nonce, proof = self._gate.challenge(ident, msg.nonce)
-        self._send(ident, "proof", nonce=nonce, mac=proof)
+        self._send(ident, protocol.Proof(nonce=nonce, mac=proof))
 
-    def _admit(self, ident: bytes, msg: protocol.Message, frame: zmq.Frame) -> None:
+    def _admit(self, ident: bytes, msg: protocol.Hello | protocol.Info, frame: zmq.Frame) -> None:
         """A hello (or an info): answered if it is well formed, of this protocol version
         and from a peer tensorsocket.auth lets in; refused with an error that tells nothing
         of the producer otherwise."""
         if not 0 < msg.pid < 2**31 or not 0 <= msg.start_time < 2**64:
             self.rejected += 1
-            self._send(ident, "error", code="protocol",
-                       message=f"{msg.kind} with an impossible pid")
+            self._send(ident, protocol.Error("protocol", f"{msg.kind} with an impossible pid"))
             return
         if msg.protocol != protocol.PROTOCOL_VERSION:
             self.rejected += 1
             log.warning("consumer pid %s speaks protocol %s, this producer %s",
                         msg.pid, msg.protocol, protocol.PROTOCOL_VERSION)
-            self._send(ident, "error", code="version", message=_version_message(msg.protocol))
+            self._send(ident, protocol.Error("version", _version_message(msg.protocol)))
             return
         refusal = self._gate.refusal(ident, frame, msg)
         if refusal is not None:
@@ -424,7 +427,7 @@ class ControlServer:
                     "refused a %s (claiming pid %d)%s: %s", msg.kind, msg.pid,
                     " (later refusals are logged at debug level)"
                     if self.refused == REFUSAL_WARNINGS else "", refusal)
-            self._send(ident, "error", code="auth", message=refusal)
+            self._send(ident, protocol.Error("auth", refusal))
             return
         if self._unproven:
             try:
@@ -436,22 +439,22 @@ class ControlServer:
         except Exception as e:  # a message must never take the control thread down
             self.rejected += 1
             log.warning("control message %s failed: %s: %s", msg.kind, type(e).__name__, e)
-            self._send(ident, "error", code="protocol",
-                       message=f"{msg.kind} failed: {type(e).__name__}")
+            self._send(ident, protocol.Error("protocol", f"{msg.kind} failed: {type(e).__name__}"))
 
-    def _answer(self, ident: bytes, msg: protocol.Message) -> None:
+    def _answer(self, ident: bytes, msg: protocol.Hello | protocol.Info) -> None:
         """An admitted hello or info, answered once the ring exists (before it, a loader
         callable's loader is not known yet, nor is the segment)."""
         if self._ring() is None:
             self._waiting.append((ident, msg))
-        elif msg.kind == "info":
+        elif isinstance(msg, protocol.Info):
             info = self._welcome_info()
-            self._send(ident, "loader_info", protocol=protocol.PROTOCOL_VERSION,
-                       **{f: info[f] for f in protocol.SCHEMAS["loader_info"] if f != "protocol"})
+            self._send(ident, protocol.LoaderInfo(
+                protocol=protocol.PROTOCOL_VERSION,
+                **{f: info[f] for f in protocol.SCHEMAS["loader_info"] if f != "protocol"}))
         else:
             self._hello(ident, msg)
 
-    def _hello(self, ident: bytes, msg: protocol.Message) -> None:
+    def _hello(self, ident: bytes, msg: protocol.Hello) -> None:
         """An admitted hello, once the ring exists: reserve an entry and answer welcome."""
         ring = self._ring()
         if ident in self._peers:
@@ -459,7 +462,7 @@ class ControlServer:
         try:
             index, token = ring.reserve(msg.pid, msg.start_time, msg.batch_size or 0)
         except _core.TooManyConsumers as e:
-            self._send(ident, "error", code="full", message=str(e))
+            self._send(ident, protocol.Error("full", str(e)))
             return
         with self._lock:
             group = None
@@ -467,18 +470,18 @@ class ControlServer:
             if not 0 <= msg.rank < msg.world_size <= _core.MAX_CONSUMERS:
                 ring.retire(index)
                 self.rejected += 1
-                self._send(ident, "error", code="protocol", message="hello with an impossible "
-                           "rank or world size")
+                self._send(ident, protocol.Error(
+                    "protocol", "hello with an impossible rank or world size"))
                 return
             group = f"{msg.group or ''}/{msg.world_size}"
         with self._lock:
             self._peers[ident] = _Peer(index, token, msg.pid, msg.start_time,
                                        time.monotonic(), msg.batch_size, group=group,
                                        rank=msg.rank)
-        self._send(ident, "welcome", protocol=protocol.PROTOCOL_VERSION, consumer=index,
-                   token=token, **self._welcome_info())
+        self._send(ident, protocol.Welcome(protocol=protocol.PROTOCOL_VERSION, consumer=index,
+                                           token=token, **self._welcome_info()))
 
-    def _ready(self, ident: bytes, msg: protocol.Message) -> None:
+    def _ready(self, ident: bytes, msg: protocol.Ready) -> None:
         peer = self._peer(ident, msg)
         if peer is None:
             return
@@ -502,7 +505,7 @@ class ControlServer:
         log.info("consumer %d (pid %d%s) joined at entry %d (%d published%s)", peer.index,
                  peer.pid, "" if peer.group is None else f", rank {peer.rank} of {peer.group}",
                  start, ring.info()["published"], ", aligned" if align else "")
-        self._send(ident, "started", start_seq=start)
+        self._send(ident, protocol.Started(start_seq=start))
 
     def _start_group(self, group: str, now: float) -> None:
         """Start the ranks of `group` that said ready, all at the same entry, once every
@@ -539,16 +542,16 @@ class ControlServer:
             peer.ready_align = None
             self._started(ident, peer, begun, align)
 
-    def _heartbeat(self, ident: bytes, msg: protocol.Message) -> None:
+    def _heartbeat(self, ident: bytes, msg: protocol.Heartbeat) -> None:
         self._peer(ident, msg)
 
-    def _bye(self, ident: bytes, msg: protocol.Message) -> None:
+    def _bye(self, ident: bytes, msg: protocol.Bye) -> None:
         if self._peer(ident, msg) is None:
             return
         self._retire(ident)
-        self._send(ident, "bye_ok")
+        self._send(ident, protocol.ByeOk())
 
-    def _park(self, ident: bytes, msg: protocol.Message) -> None:
+    def _park(self, ident: bytes, msg: protocol.Park) -> None:
         """The consumer stopped reading: take it off the ring so that nobody waits for
         it, but keep it as a consumer of this producer (its heartbeats go on) until it
         attaches again or leaves. One that stopped between epochs (hold), to read
@@ -593,7 +596,7 @@ class ControlServer:
                  "waits for this place (it starts at a later epoch when it reads again)",
                  peer.index, peer.pid)
 
-    def _unpark(self, ident: bytes, msg: protocol.Message) -> None:
+    def _unpark(self, ident: bytes, msg: protocol.Unpark) -> None:
         """A parked consumer reads again: it goes on from its place if that was kept."""
         peer = self._peer(ident, msg)
         ring = self._ring()
@@ -607,7 +610,7 @@ class ControlServer:
             peer.active = True
             self._restart_holds(time.monotonic())
             log.info("consumer %d (pid %d) reads again from its place", peer.index, peer.pid)
-        self._send(ident, "unparked", held=held)
+        self._send(ident, protocol.Unparked(held=held))
 
     def _restart_holds(self, now: float) -> None:
         """A consumer reads again: the places kept for parked ones hold it back from now
@@ -845,38 +848,54 @@ class ControlClient:
         self.left = False  # bye sent for the current consumer entry
 
     def hello(self, batch_size: int | None, group: str | None = None, rank: int = 0,
-              world_size: int = 1, watch: Any = None) -> protocol.Message:
+              world_size: int = 1, watch: Any = None) -> protocol.Welcome:
         """Send hello; return the welcome, waiting up to the timeout for a producer. On
         TCP the producer must first prove that it knows the secret (see _proof); a
         proof that does not fit makes the consumer read the secret file again (a
         producer that started after the consumer wrote a new one). watch: a
         ProducerWatch, which raises while we wait if the producer died."""
-        msg = self._admission("hello", "welcome", watch, batch_size=batch_size, group=group,
-                              rank=rank, world_size=world_size)
+        pid, start_time = self._identity()
+        deadline = self._deadline()
+        proof = self._proof(deadline, watch)
+        msg = self._admission(protocol.Hello(
+            protocol=protocol.PROTOCOL_VERSION, pid=pid, start_time=start_time,
+            batch_size=batch_size, group=group, rank=rank, world_size=world_size,
+            proof=proof), protocol.Welcome, deadline, watch)
         self.consumer, self.token = msg.consumer, msg.token
         self.left = False
         return msg
 
-    def info(self, watch: Any = None) -> protocol.Message:
+    def info(self, watch: Any = None) -> protocol.LoaderInfo:
         """What the producer's loader is (its loader_info reply), asked as a hello is but
         taking no place in its ring: nothing to say bye for."""
-        return self._admission("info", "loader_info", watch)
+        pid, start_time = self._identity()
+        deadline = self._deadline()
+        proof = self._proof(deadline, watch)
+        return self._admission(protocol.Info(protocol=protocol.PROTOCOL_VERSION, pid=pid,
+                                             start_time=start_time, proof=proof),
+                               protocol.LoaderInfo, deadline, watch)
 
-    def _admission(self, kind: str, want: str, watch: Any, **fields: Any) -> protocol.Message:
+    @staticmethod
+    def _identity() -> tuple[int, int]:
+        """This process's pid and start time, which a hello and an info carry."""
+        pid = os.getpid()
+        return pid, _core.process_start_time(pid)
+
+    def _deadline(self) -> float | None:
+        """When a producer must have answered (None: no timeout)."""
+        return None if self._timeout is None else time.monotonic() + self._timeout
+
+    def _admission(self, msg: protocol.Hello | protocol.Info, want: type[_M],
+                   deadline: float | None, watch: Any) -> _M:
         """Send a hello or an info (with this process's identity and its proof of the
         producer's secret, once the producer proved it knows it: see _proof); the reply
-        `want`, waiting up to the timeout for a producer (see hello)."""
-        pid = os.getpid()
-        fields.update(protocol=protocol.PROTOCOL_VERSION, pid=pid,
-                      start_time=_core.process_start_time(pid))
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        proof = self._proof(deadline, watch)
-        self._sock.send(protocol.encode(kind, proof=proof, **fields))
+        of type `want`, waiting until `deadline` for a producer (see hello)."""
+        self._sock.send(msg.encode())
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        msg = self._receive(left, want, watch)
-        if msg is None:
+        reply = self._receive(left, want, watch)
+        if reply is None:
             raise self._not_found(watch)
-        return msg
+        return reply
 
     def _proof(self, deadline: float | None, watch: Any) -> str | None:
         """Challenge the producer, check its proof that it knows the secret, and return
@@ -890,8 +909,7 @@ class ControlClient:
         if known is None and not secret.tcp:
             return None
         nonce = new_nonce()
-        challenge = protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
-                                    nonce=nonce)
+        challenge = protocol.Challenge(protocol=protocol.PROTOCOL_VERSION, nonce=nonce).encode()
         try:
             while True:
                 # Sent again while no answer comes: a connection the producer closed (its
@@ -899,7 +917,7 @@ class ControlClient:
                 self._sock.send(challenge)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 step = CHALLENGE_AGAIN if left is None else min(CHALLENGE_AGAIN, left)
-                reply = self._receive(step, "proof", watch)
+                reply = self._receive(step, protocol.Proof, watch)
                 if reply is not None or (left is not None and step >= left):
                     break
         except VersionMismatch:
@@ -925,15 +943,13 @@ class ControlClient:
     def ready(self, align: bool = False, group: bool = False) -> int:
         """Tell the producer we mapped the ring; return our first sequence number (align:
         start at the current epoch's first entry if it is still in the ring)."""
-        self._sock.send(protocol.encode("ready", consumer=self.consumer, token=self.token,
-                                        align=bool(align)))
-        msg = self._receive(PENDING_TIMEOUT + (GROUP_TIMEOUT if group else 0), "started")
+        self._sock.send(protocol.Ready(self.consumer, self.token, align=bool(align)).encode())
+        msg = self._receive(PENDING_TIMEOUT + (GROUP_TIMEOUT if group else 0), protocol.Started)
         if msg is None:
             raise ProducerNotFound(f"the producer at {self.address} stopped answering")
         return msg.start_seq
 
-    def _receive(self, timeout: float | None, want: str,
-                 watch: Any = None) -> protocol.Message | None:
+    def _receive(self, timeout: float | None, want: type[_M], watch: Any = None) -> _M | None:
         """The next message of type want; raises on an error reply; None on timeout.
         watch: see hello()."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -955,9 +971,9 @@ class ControlClient:
                 msg = protocol.read(self._sock.recv())
             except ProtocolError as e:
                 raise ProtocolError(f"bad reply from the producer at {self.address}: {e}") from None
-            if msg.kind == "error":
+            if isinstance(msg, protocol.Error):
                 raise self._refusal(msg.code, msg.message)
-            if msg.kind == want:
+            if isinstance(msg, want):
                 return msg
 
     def _refusal(self, code: str, message: str) -> Exception:
@@ -1005,8 +1021,8 @@ class ControlClient:
         """Read again after a park that asked to keep the place: whether the producer
         kept it (go on from it); if not, the caller attaches again."""
         self.stop_heartbeats()  # sends the park if the heartbeat thread had not yet
-        self._sock.send(protocol.encode("unpark", consumer=self.consumer, token=self.token))
-        msg = self._receive(PENDING_TIMEOUT, "unparked")
+        self._sock.send(protocol.Unpark(self.consumer, self.token).encode())
+        msg = self._receive(PENDING_TIMEOUT, protocol.Unparked)
         if msg is None:
             raise ProducerNotFound(f"the producer at {self.address} stopped answering")
         if msg.held:
@@ -1031,22 +1047,24 @@ class ControlClient:
         elif self._park.is_set():
             self._park.clear()
             try:
-                self._sock.send(protocol.encode("park", consumer=self.consumer,
-                                                token=self.token, hold=self._park_hold,
-                                                skip_epoch=self._park_skip), zmq.NOBLOCK)
+                self._sock.send(self._park_message(), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 
+    def _park_message(self) -> bytes:
+        return protocol.Park(self.consumer, self.token, hold=self._park_hold,
+                             skip_epoch=self._park_skip).encode()
+
     def _send_bye(self) -> None:
         try:
-            self._sock.send(protocol.encode("bye", consumer=self.consumer, token=self.token),
+            self._sock.send(protocol.Bye(self.consumer, self.token).encode(),
                             zmq.NOBLOCK)
             self.left = True
         except zmq.ZMQError:
             pass
 
     def _beat(self) -> None:
-        beat = protocol.encode("heartbeat", consumer=self.consumer, token=self.token)
+        beat = protocol.Heartbeat(self.consumer, self.token).encode()
         while True:
             self._wake.wait(HEARTBEAT_INTERVAL)
             self._wake.clear()
@@ -1060,9 +1078,7 @@ class ControlClient:
                 if self._park.is_set():
                     self._park.clear()
                     parking = True
-                    self._sock.send(protocol.encode("park", consumer=self.consumer,
-                                                    token=self.token, hold=self._park_hold,
-                                                    skip_epoch=self._park_skip), zmq.NOBLOCK)
+                    self._sock.send(self._park_message(), zmq.NOBLOCK)
                     parking = False
                 self._sock.send(beat, zmq.NOBLOCK)
                 while self._sock.poll(0):
@@ -1080,10 +1096,10 @@ class ControlClient:
         self.stop_heartbeats()
         try:
             if say_bye and self.consumer >= 0 and not self.left:
-                self._sock.send(protocol.encode("bye", consumer=self.consumer, token=self.token),
+                self._sock.send(protocol.Bye(self.consumer, self.token).encode(),
                                 zmq.NOBLOCK)
                 try:
-                    self._receive(wait, "bye_ok")
+                    self._receive(wait, protocol.ByeOk)
                 except TensorSocketError:
                     pass
         except zmq.ZMQError:

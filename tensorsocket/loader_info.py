@@ -17,16 +17,14 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .rebatch import consumer_len
 
+if TYPE_CHECKING:
+    from .protocol import LoaderInfo, Welcome
+
 log = logging.getLogger("tensorsocket")
-
-# The fields that describe the producer's loader, in the welcome and loader_info replies.
-LOADER_FIELDS = ("length", "loader_batch_size", "samples", "samples_exact", "dataset",
-                 "dataset_len", "fingerprint")
-
 
 def length_of(loader: Any) -> int | None:
     """``len(loader)`` if it has one, else None (a generator, an iterable without
@@ -108,7 +106,9 @@ def fingerprint_of(loader: Any) -> str | None:
 
 
 def describe_loader(loader: Any) -> dict[str, Any]:
-    """The LOADER_FIELDS of a loader (None: a callable's, before its first epoch)."""
+    """What a welcome and a loader_info tell of the producer's loader (their fields
+    from length to fingerprint), of a loader (None: a callable's, before its first
+    epoch)."""
     samples, exact = samples_per_epoch(loader)
     dataset, dataset_len = data_identity(loader)
     return {
@@ -190,8 +190,8 @@ class LoaderShape:
     samples_exact: bool
 
     @classmethod
-    def of_reply(cls, reply: Any) -> "LoaderShape":
-        """The shape a welcome or loader_info reply (a protocol.Message) describes."""
+    def of_reply(cls, reply: Welcome | LoaderInfo) -> "LoaderShape":
+        """The shape a welcome or loader_info reply describes."""
         return cls(reply.length, reply.loader_batch_size, reply.samples, reply.samples_exact)
 
     def samples_in(self, index: int) -> int | None:

@@ -4,18 +4,20 @@ Nothing received is ever unpickled or evaluated. A message is a msgpack map
 with a string ``type`` and exactly the typed fields its schema lists; anything
 else is rejected with ProtocolError.
 
-Each message type also has a class made from its schema (``MESSAGES``: a frozen
-dataclass whose fields are the schema's, ``Welcome``, ``Ready``, ...):
-``read()`` decodes bytes into one, ``message()`` builds one, checked, and its
-``encode()`` gives the bytes, so the control plane reads and writes messages by
-attribute. ``decode()`` and ``encode()`` do the same with plain dicts.
+Each message type is a frozen dataclass below (``Welcome``, ``Ready``, ...): its
+``kind`` is the map's ``type``, its fields are the map's, and the schema checks
+(``SCHEMAS``: field -> accepted types) are derived from its annotations. The
+control plane writes a message as one of these (``Ready(...).encode()``) and
+reads one with ``read()``; ``decode()`` and ``encode()`` do the same with plain
+dicts (for tests and tools that write raw maps).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import reprlib
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, get_args, get_type_hints
 
 import msgpack
 
@@ -28,117 +30,193 @@ PROTOCOL_VERSION = 7  # 7: challenge / proof before a hello or info, which carry
 #                       epoch); 4: aligned joins, parking, consumer groups, loader fingerprint
 MAX_MESSAGE_BYTES = 64 * 1024
 
-_INT = (int,)
-_OPT_INT = (int, type(None))
-_STR = (str,)
-_OPT_STR = (str, type(None))
-_BOOL = (bool,)
 
-# What a welcome and a loader_info tell of the producer's loader.
-_LOADER_FIELDS: dict[str, tuple] = {
-    "length": _OPT_INT,
-    "loader_batch_size": _OPT_INT,
-    "samples": _OPT_INT,
-    "samples_exact": _BOOL,
-    "dataset": _OPT_STR,
-    "dataset_len": _OPT_INT,
-    "fingerprint": _OPT_STR,
-}
+@dataclass(frozen=True)
+class Message:
+    """A control message: one frozen dataclass per type, below."""
 
+    kind: ClassVar[str] = ""  # the message type: the map's "type"
+
+    def encode(self) -> bytes:
+        """The message's bytes on the wire (checked against its schema)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return encode(self.kind, **fields)
+
+
+# consumer -> producer
+
+@dataclass(frozen=True)
+class Challenge(Message):
+    """A consumer's random nonce, before its hello or info (tensorsocket.auth)."""
+    kind: ClassVar[str] = "challenge"
+    protocol: int
+    nonce: str
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """A consumer asks for a place in the ring. proof: its answer to the producer's
+    proof (tensorsocket.auth), which a TCP producer requires."""
+    kind: ClassVar[str] = "hello"
+    protocol: int
+    pid: int
+    start_time: int
+    batch_size: int | None
+    group: str | None
+    rank: int
+    world_size: int
+    proof: str | None
+
+
+@dataclass(frozen=True)
+class Placed(Message):
+    """A message of a consumer that has its place (no message of its own): which
+    entry, and the token that proves it is that entry's consumer."""
+    consumer: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Ready(Placed):
+    """The consumer mapped the ring (align: start at the current epoch's first entry)."""
+    kind: ClassVar[str] = "ready"
+    align: bool
+
+
+@dataclass(frozen=True)
+class Park(Placed):
+    """Stop reading for a while (hold: keep the place; skip_epoch: at the next epoch)."""
+    kind: ClassVar[str] = "park"
+    hold: bool
+    skip_epoch: bool
+
+
+@dataclass(frozen=True)
+class Unpark(Placed):
+    """Read again after a park that asked to keep the place."""
+    kind: ClassVar[str] = "unpark"
+
+
+@dataclass(frozen=True)
+class Heartbeat(Placed):
+    """The consumer is alive."""
+    kind: ClassVar[str] = "heartbeat"
+
+
+@dataclass(frozen=True)
+class Bye(Placed):
+    """The consumer leaves the ring."""
+    kind: ClassVar[str] = "bye"
+
+
+@dataclass(frozen=True)
+class Info(Message):
+    """What the producer's loader is, asked without attaching (share()); admitted as a
+    hello is."""
+    kind: ClassVar[str] = "info"
+    protocol: int
+    pid: int
+    start_time: int
+    proof: str | None
+
+
+# producer -> consumer
+
+@dataclass(frozen=True)
+class Proof(Message):
+    """The answer to a challenge: the producer's nonce, and its proof that it knows the
+    secret (None: an ipc producer that has none)."""
+    kind: ClassVar[str] = "proof"
+    nonce: str
+    mac: str | None
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """The answer to a hello: the consumer's place, the segment, what the producer tells
+    of its loader and its settings."""
+    kind: ClassVar[str] = "welcome"
+    protocol: int
+    consumer: int
+    token: int
+    segment: str
+    length: int | None  # what it tells of its loader: tensorsocket.loader_info.describe_loader
+    loader_batch_size: int | None
+    samples: int | None
+    samples_exact: bool
+    dataset: str | None
+    dataset_len: int | None
+    fingerprint: str | None
+    epoch: int
+    producer_pid: int
+    window: int
+    max_lag: int
+    lag_policy: str
+    auto_set_epoch: bool
+
+
+@dataclass(frozen=True)
+class LoaderInfo(Message):
+    """The answer to info: the loader fields of a welcome."""
+    kind: ClassVar[str] = "loader_info"
+    protocol: int
+    producer_pid: int
+    length: int | None  # what it tells of its loader: tensorsocket.loader_info.describe_loader
+    loader_batch_size: int | None
+    samples: int | None
+    samples_exact: bool
+    dataset: str | None
+    dataset_len: int | None
+    fingerprint: str | None
+
+
+@dataclass(frozen=True)
+class Started(Message):
+    """The answer to ready: the consumer's first sequence number."""
+    kind: ClassVar[str] = "started"
+    start_seq: int
+
+
+@dataclass(frozen=True)
+class Unparked(Message):
+    """The answer to unpark: whether the place was kept."""
+    kind: ClassVar[str] = "unparked"
+    held: bool
+
+
+@dataclass(frozen=True)
+class ByeOk(Message):
+    """The answer to bye."""
+    kind: ClassVar[str] = "bye_ok"
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    """A refusal or failure (code: protocol, version, auth, unknown, full, ...)."""
+    kind: ClassVar[str] = "error"
+    code: str
+    message: str
+
+
+def _schema(cls: type[Message]) -> dict[str, tuple[type, ...]]:
+    """Field -> accepted python types, from the dataclass's annotations (``int | None``
+    -> ``(int, NoneType)``)."""
+    hints = get_type_hints(cls)
+    return {f.name: get_args(hints[f.name]) or (hints[f.name],)
+            for f in dataclasses.fields(cls)}
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.kind: cls for cls in (Challenge, Hello, Ready, Park, Unpark, Heartbeat, Bye, Info,
+                              Proof, Welcome, LoaderInfo, Started, Unparked, ByeOk, Error)}
 # type -> {field: accepted python types}
-SCHEMAS: dict[str, dict[str, tuple]] = {
-    # consumer -> producer
-    # a consumer's random nonce, before its hello or info (tensorsocket.auth)
-    "challenge": {"protocol": _INT, "nonce": _STR},
-    # proof: the consumer's answer to the challenges, which a TCP producer requires
-    "hello": {"protocol": _INT, "pid": _INT, "start_time": _INT, "batch_size": _OPT_INT,
-              "group": _OPT_STR, "rank": _INT, "world_size": _INT, "proof": _OPT_STR},
-    "ready": {"consumer": _INT, "token": _INT, "align": _BOOL},
-    "park": {"consumer": _INT, "token": _INT, "hold": _BOOL, "skip_epoch": _BOOL},
-    "unpark": {"consumer": _INT, "token": _INT},
-    "heartbeat": {"consumer": _INT, "token": _INT},
-    "bye": {"consumer": _INT, "token": _INT},
-    # what the producer's loader is, asked without attaching (share()); admitted as a hello
-    "info": {"protocol": _INT, "pid": _INT, "start_time": _INT, "proof": _OPT_STR},
-    # producer -> consumer
-    # the answer to a challenge: the producer's nonce, and its proof that it knows the
-    # secret (None: an ipc producer that has none)
-    "proof": {"nonce": _STR, "mac": _OPT_STR},
-    "welcome": {
-        "protocol": _INT,
-        "consumer": _INT,
-        "token": _INT,
-        "segment": _STR,
-        **_LOADER_FIELDS,
-        "epoch": _INT,
-        "producer_pid": _INT,
-        "window": _INT,
-        "max_lag": _INT,
-        "lag_policy": _STR,
-        "auto_set_epoch": _BOOL,
-    },
-    # the answer to info: the loader fields of a welcome
-    "loader_info": {"protocol": _INT, "producer_pid": _INT, **_LOADER_FIELDS},
-    "started": {"start_seq": _INT},
-    "unparked": {"held": _BOOL},
-    "bye_ok": {},
-    "error": {"code": _STR, "message": _STR},
-}
-
+SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
+    kind: _schema(cls) for kind, cls in MESSAGES.items()}
 
 # Message types a consumer sends before it has a place (checked by tensorsocket.auth).
 ADMISSIONS = ("hello", "info")
 # ... and every one that carries its protocol version (a foreign one is answered so).
 OPENINGS = ("challenge",) + ADMISSIONS
-
-
-class Message:
-    """A control message, checked against its schema: one frozen dataclass per type (see
-    MESSAGES), whose fields are the schema's."""
-
-    kind: ClassVar[str] = ""  # the message type
-    names: ClassVar[tuple[str, ...]] = ()  # its fields, in schema order
-
-    def fields(self) -> dict[str, Any]:
-        """The fields, as the wire map has them (less ``type``)."""
-        return {name: getattr(self, name) for name in self.names}
-
-    def encode(self) -> bytes:
-        """The message's bytes on the wire."""
-        return encode(self.kind, **self.fields())
-
-    if TYPE_CHECKING:  # the fields are made at import time, from SCHEMAS
-        def __getattr__(self, name: str) -> Any: ...
-
-
-def _annotation(types: tuple) -> Any:
-    """The type hint of a field that accepts `types`."""
-    real = [t for t in types if t is not type(None)]
-    hint: Any = real[0] if len(real) == 1 else Any
-    return Optional[hint] if type(None) in types else hint
-
-
-def _message_class(kind: str, schema: dict[str, tuple]) -> type[Message]:
-    """The dataclass of message type `kind` (``loader_info`` -> ``LoaderInfo``)."""
-    name = "".join(part.title() for part in kind.split("_"))
-    fields = [(field, _annotation(types)) for field, types in schema.items()]
-    doc = f"The {kind} control message" + (f": {', '.join(schema)}." if schema else ".")
-    cls = dataclasses.make_dataclass(name, fields, bases=(Message,), frozen=True,
-                                     namespace={"kind": kind, "names": tuple(schema),
-                                                "__doc__": doc})
-    cls.__module__ = __name__
-    return cls
-
-
-MESSAGES: dict[str, type[Message]] = {kind: _message_class(kind, schema)
-                                      for kind, schema in SCHEMAS.items()}
-
-
-def message(kind: str, **fields: Any) -> Message:
-    """A message of type kind, checked against its schema (ProtocolError if it does not
-    match)."""
-    _check({"type": kind, **fields})
-    return MESSAGES[kind](**fields)
 
 
 def read(data: bytes) -> Message:
@@ -148,7 +226,8 @@ def read(data: bytes) -> Message:
 
 
 def encode(kind: str, **fields: Any) -> bytes:
-    """Encode a message of type kind (checked against its schema)."""
+    """Encode a map of message type kind, checked against its schema (the control plane
+    sends typed messages: Message.encode())."""
     msg = {"type": kind, **fields}
     _check(msg)
     return msgpack.packb(msg, use_bin_type=True)
