@@ -64,21 +64,35 @@ class SampleIdRecorder:
     DataLoader over a map-style dataset, workers out of order, keys that are not ints)."""
 
     def __init__(self) -> None:
-        self._drawn: collections.deque | None = None  # this epoch's, oldest first
+        self._drawn: collections.deque = collections.deque()  # drawn, oldest first
+        self._recording = False  # this epoch's indices are recorded
         self._off_reason: str | None = None  # why ids are off for good (said once)
+        # The wrapper, one per loader for all its epochs: a DataLoader with
+        # persistent_workers keeps the sampler its first iterator took and draws each
+        # later epoch from it (_BaseDataLoaderIter._index_sampler).
+        self._wrapper: _RecordingSampler | None = None
+        self._wrapped_loader: Any = None
 
     def recording(self, source: Any) -> "_Recording":
         """A context manager around an epoch of `source`: its iterator draws its indices
         through a recording wrapper."""
         attribute = self._sampler_attribute(source)
-        self._drawn = collections.deque() if attribute is not None else None
-        return _Recording(source, attribute, self._drawn)
+        self._drawn.clear()  # (indices drawn ahead for an epoch cut short)
+        self._recording = attribute is not None
+        if attribute is None:
+            return _Recording(source, None, None)
+        inner = recorded_sampler(getattr(source, attribute))
+        wrapper = self._wrapper
+        if wrapper is None or self._wrapped_loader is not source or wrapper.wrapped is not inner:
+            wrapper = _RecordingSampler(inner, self._drawn, attribute == "batch_sampler")
+            self._wrapper, self._wrapped_loader = wrapper, source
+        return _Recording(source, attribute, wrapper)
 
     def next_ids(self) -> np.ndarray | None:
         """The indices of the batch the loader just yielded (its collate_fn was given the
         samples of these, in this order)."""
         drawn = self._drawn
-        if drawn is None or self._off_reason is not None:
+        if not self._recording or self._off_reason is not None:
             return None
         if not drawn:
             self._off("the loader yielded a batch its sampler did not draw indices for")
@@ -118,8 +132,8 @@ class _Recording:
     """``with recorder.recording(loader): <one epoch of loader>`` (see SampleIdRecorder)."""
 
     def __init__(self, source: Any, attribute: str | None,
-                 drawn: collections.deque | None) -> None:
-        self._source, self._attribute, self._drawn = source, attribute, drawn
+                 wrapper: "_RecordingSampler | None") -> None:
+        self._source, self._attribute, self._wrapper = source, attribute, wrapper
         self._inner: Any = None
 
     def __enter__(self) -> None:
@@ -128,9 +142,7 @@ class _Recording:
         self._inner = getattr(self._source, self._attribute)
         # DataLoader refuses to set its samplers after __init__ (its __setattr__): the
         # wrapper stands in for the epoch (descriptions see through it: recorded_sampler).
-        object.__setattr__(self._source, self._attribute,
-                           _RecordingSampler(self._inner, self._drawn,
-                                             self._attribute == "batch_sampler"))
+        object.__setattr__(self._source, self._attribute, self._wrapper)
 
     def __exit__(self, *exc: object) -> None:
         if self._attribute is not None:

@@ -14,6 +14,8 @@ python tests/resume_job.py NAME [--state-in F] [--take K] [--state-out F] [--epo
   K-th batch), exit. Without it: iterate --epochs whole epochs.
 --iterable: the loader is a plain list of batches (no sampler: resume by count).
 --generator-iter: a DataLoader subclass whose __iter__ is a generator.
+--workers W: the DataLoader runs W persistent workers.
+--warm-epochs N: N whole epochs are read first (their ids are printed as epochs too).
 --interrupt-deal N: a KeyboardInterrupt lands in next() at the N-th call of the resumed
   group epoch's deal; the loop catches it and goes on (interrupts are counted).
 --producer-name P: attach with TensorConsumer(name=P) to a producer started elsewhere
@@ -70,6 +72,10 @@ def main() -> None:
     ap.add_argument("--world-size", type=int)
     ap.add_argument("--iterable", action="store_true")
     ap.add_argument("--producer-name")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="loader workers (persistent_workers=True)")
+    ap.add_argument("--warm-epochs", type=int, default=0,
+                    help="whole epochs read before the --take epoch")
     ap.add_argument("--interrupt-deal", type=int, default=0,
                     help="a KeyboardInterrupt at this call of the resumed deal")
     ap.add_argument("--generator-iter", action="store_true",
@@ -92,7 +98,9 @@ def main() -> None:
                       for i in range(0, a.samples, a.batch_size)]
         else:
             kind = GeneratorLoader if a.generator_iter else DataLoader
-            source = kind(data, batch_size=a.batch_size, shuffle=not a.no_shuffle)
+            workers = {"num_workers": a.workers, "persistent_workers": True} \
+                if a.workers else {}
+            source = kind(data, batch_size=a.batch_size, shuffle=not a.no_shuffle, **workers)
         loader = tensorsocket.share(source, name=a.name, timeout=60, **extra)
 
     if a.interrupt_deal:
@@ -104,6 +112,8 @@ def main() -> None:
             with open(a.state_in) as f:
                 loader.load_state_dict(json.load(f))
             out["state_after_load"] = loader.state_dict()
+        for _ in range(a.warm_epochs):  # whole epochs before the one interrupted
+            out["epochs"].append([[int(v) for v in batch[0]] for batch in loader])
         for _ in range(1 if a.take is not None else a.epochs):
             epoch = []
             it = iter(loader)

@@ -142,6 +142,19 @@ def test_a_dataloader_subclass_with_a_generator_iter_resumes_exactly(name, tmp_p
     assert_once(flat(first["epochs"][0]) + flat(second["epochs"][0]), 256, "epoch 0")
 
 
+def test_persistent_workers_resume_exactly_in_a_later_epoch(name, tmp_path, producers_end):
+    """A DataLoader with persistent workers keeps the sampler its first iterator took
+    and draws every later epoch from it: the ids are still recorded there, so a job
+    interrupted in epoch 1 resumes exactly."""
+    state = tmp_path / "state.json"
+    opts = ["--workers", "2"]
+    first = run_job(name, "--warm-epochs", "1", "--take", "3", *opts, state_out=state)
+    assert first["state"]["epoch"] == 1 and first["state"]["taken"] is not None
+    second = run_job(name, "--epochs", "1", *opts, state_in=state)
+    same_producer(first, second)
+    assert_once(flat(first["epochs"][1]) + flat(second["epochs"][0]), 256, "epoch 1")
+
+
 def test_chain_of_interruptions_reads_each_sample_once(name, tmp_path, producers_end):
     """a takes 3 batches, b resumes and takes 2, c resumes to the end: every sample of
     epoch 0 once across the three (the old main read 416 samples, 256 distinct)."""
@@ -217,6 +230,7 @@ def test_separate_producer_script_with_workers(name, tmp_path):
         assert producer.stdout.readline().strip() == "ready"
         state = tmp_path / "state.json"
         first = run_job(name, "--take", "3", "--producer-name", name, state_out=state)
+        assert first["state"]["taken"] is not None
         second = run_job(name, "--epochs", "2", "--producer-name", name, state_in=state)
     finally:
         producer.terminate()
