@@ -864,7 +864,7 @@ class TensorConsumer(LoaderSurface):
         # One step (no call): the entry is used up, its batch is made and counted.
         flow.loaded, flow.entry[0] = loaded, None
         if loaded is not None and cursor.resuming and ids is not None:
-            taken.keep(loaded[2])  # read: not kept again (from the next producer epoch)
+            taken.claim(loaded[2])  # read: not kept again (from the next producer epoch)
         flow.loader_batches += 1
         flow.bytes += slot.nbytes
         slot.release()
@@ -1404,27 +1404,13 @@ def _waits_on_each_other(me: TensorConsumer, other: TensorConsumer) -> bool:
     mine = ring.consumer(me._index)
     if mine["token"] != me._client.token or mine["lag"] != 0:
         return False  # a batch is there for `me` (or its place is gone): no wait here
-    awaited = {e["pid"] for e in _holding_back(ring)} - {os.getpid()}
+    awaited = {e["pid"] for e in diagnosis.holding_back(ring)} - {os.getpid()}
     theirs = other._ring
     if not awaited or theirs.closed:
         return False
-    holders = _holding_back(theirs)
+    holders = diagnosis.holding_back(theirs)
     if not any(e["index"] == other._index and e["token"] == other._client.token
                for e in holders):
         return False
     return any(e["pid"] in awaited and e["state"] == _core.CONSUMER_ACTIVE and e["lag"] == 0
                for e in theirs.consumers())
-
-
-def _holding_back(ring: Any) -> list[dict]:
-    """The consumers (table entries) that keep the producer from publishing its next
-    entry: the slot it must reuse holds an entry they receive and have not released
-    (unread, or read and kept). Empty while the producer has a free slot. Consumers that
-    receive no more (left, detached) do not count: the producer passes their slots."""
-    info = ring.info()
-    published, slots = info["published"], info["slot_count"]
-    if published < slots or info["state"] != _core.RING_OPEN:
-        return []
-    readers = ring.slot_readers()[published % slots]
-    return [e for e in ring.consumers()
-            if readers >> e["index"] & 1 and e["state"] == _core.CONSUMER_ACTIVE]

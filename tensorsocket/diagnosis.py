@@ -84,6 +84,13 @@ def detach_reason(ring: Any, index: int, token: int) -> int | None:
 # -- the producer's side ---------------------------------------------------------------
 
 
+def _next_slot_readers(ring: Any, info: dict) -> int:
+    """The reader bitmap of the slot the producer must reuse for its next entry (0 while
+    it still has a slot never used)."""
+    published, slots = info["published"], info["slot_count"]
+    return ring.slot_readers()[published % slots] if published >= slots else 0
+
+
 def next_slot_holders(ring: Any, info: dict) -> list[dict]:
     """The consumers (table entries) that read the entry in the slot the producer must
     reuse next and still hold it (keep its batch alive); empty if the slot is free or only
@@ -91,14 +98,26 @@ def next_slot_holders(ring: Any, info: dict) -> list[dict]:
     (detached, left, taken off as silent) only holds: its slot may keep an older batch
     than the ring's last round (the producer put holes there), and it waits only when
     every slot is kept so."""
-    published, slots = info["published"], info["slot_count"]
-    readers = ring.slot_readers()[published % slots] if published >= slots else 0
+    readers = _next_slot_readers(ring, info)
     if readers == 0:
         return []
-    entry_seq = published - slots  # the entry in the slot to reuse
+    entry_seq = info["published"] - info["slot_count"]  # the entry in the slot to reuse
     return [e for e in ring.consumers() if readers >> e["index"] & 1
             and e["cursor"] is not None
             and (entry_seq < e["cursor"] or e["state"] != _core.CONSUMER_ACTIVE)]
+
+
+def holding_back(ring: Any) -> list[dict]:
+    """The consumers (table entries) that keep the producer from publishing its next
+    entry: the slot it must reuse holds an entry they receive and have not released
+    (unread, or read and kept). Empty while the producer has a free slot. Consumers that
+    receive no more (left, detached) do not count: the producer passes their slots."""
+    info = ring.info()
+    if info["state"] != _core.RING_OPEN:
+        return []
+    readers = _next_slot_readers(ring, info)
+    return [e for e in ring.consumers()
+            if readers >> e["index"] & 1 and e["state"] == _core.CONSUMER_ACTIVE]
 
 
 def kept_slot_warning(waited: float, holders: list[dict]) -> str:

@@ -382,10 +382,6 @@ class EpochCursor:
         self.in_epoch = False
         return False
 
-    def state(self) -> tuple[int, int]:
-        """(epochs completed, batches delivered of the current one), for state_dict()."""
-        return self.epoch, self.delivered if self.in_epoch else 0
-
     def resume(self, epoch: int, skip: int, exact: bool) -> None:
         """load_state_dict(): continue after `epoch` epochs, `skip` batches of the next one
         taken before the state was saved. exact: the consumer knows which samples those

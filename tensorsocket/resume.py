@@ -60,7 +60,7 @@ class EpochTaken:
         # in the producer epoch (a whole epoch) or in the deal (a resumed one).
         self.group: dict[int, np.ndarray] = {}
         # A resumed epoch: the samples taken before or read since (those are not kept).
-        self.claimed = self.base.union(IdMask()) if resumed is not None else None
+        self.claimed = self.base.copy() if resumed is not None else None
         self.dealt = 0  # batches dealt in a resumed group epoch (every rank's)
         self.dealt_samples = 0  # ... and their samples
         self.deal_base = 0  # the re-batcher's count of batches made when the deal began
@@ -92,6 +92,12 @@ class EpochTaken:
         fresh = ~self.claimed.contains(ids)
         self.claimed.add(ids[fresh])
         return fresh
+
+    def claim(self, ids: np.ndarray) -> None:
+        """The samples `ids`, kept of a batch read in a resumed epoch (none of them read
+        before), count as read from now on."""
+        assert self.claimed is not None
+        self.claimed.add(ids)
 
     def unclaimed(self, dataset_len: int | None) -> int | None:
         """Samples of a resumed epoch not read yet (None: the dataset size is unknown)."""
@@ -130,7 +136,7 @@ class EpochTaken:
         if self.world_size == 1:
             return self.base.union(self.mine)
         resumed = self.resumed
-        out = self.base.union(IdMask())
+        out = self.base.copy()
         if resumed is not None or self.batch_size is None:
             # Whole group batches: the loader's (a whole epoch), or the deal's (a resumed
             # one), `batches` of each rank's since the epoch (or the resume) began.

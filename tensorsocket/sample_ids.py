@@ -205,6 +205,12 @@ class IdMask:
             self.bits = np.concatenate([self.bits, np.zeros(top - self.bits.size, bool)])
         self.bits[ids] = True
 
+    def copy(self) -> "IdMask":
+        """A new set of the same ids."""
+        out = IdMask()
+        out.bits = self.bits.copy()
+        return out
+
     def union(self, other: "IdMask") -> "IdMask":
         """A new set: this one and `other`."""
         out = IdMask(max(self.bits.size, other.bits.size))
