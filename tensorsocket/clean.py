@@ -50,7 +50,7 @@ def _stale_files(rdir: Path) -> list[Leftover]:
     names = {p.name[: -len(".lock")] for p in entries if p.name.endswith(".lock")}
     names |= {p.name[: -len(".sock")] for p in entries if p.name.endswith(".sock")}
     for name in sorted(names):
-        lock, sock = rdir / f"{name}.lock", rdir / f"{name}.sock"
+        lock, sock = _name_lock(rdir, name), rdir / f"{name}.sock"
         if lock.exists() and lock_held(lock):
             continue  # a live producer holds the name
         if sock.exists():
@@ -59,7 +59,7 @@ def _stale_files(rdir: Path) -> list[Leftover]:
             out.append(Leftover("lock", name, str(lock), "no producer holds it"))
     for share_lock in (p for p in entries if p.name.endswith(SHARE_LOCK_SUFFIX)):
         name = share_lock.name[: -len(SHARE_LOCK_SUFFIX)]
-        if not lock_held(share_lock) and not (rdir / f"{name}.lock").exists():
+        if not lock_held(share_lock) and not _name_lock(rdir, name).exists():
             out.append(Leftover("lock", name, str(share_lock), "no share() election holds it"))
     return out
 
@@ -83,6 +83,11 @@ def _stale_logs(rdir: Path) -> list[Leftover]:
     return out
 
 
+def _name_lock(rdir: Path, name: str) -> Path:
+    """The lock file a live producer of `name` holds (as Endpoint.lock_path)."""
+    return rdir / f"{name}.lock"
+
+
 def _own_regular_file(path: Path) -> bool:
     """True for a regular file of this user (not a link, not another user's file)."""
     try:
@@ -95,7 +100,7 @@ def _own_regular_file(path: Path) -> bool:
 def _name_in_use(rdir: Path, name: str) -> bool:
     """True while a producer of `name` runs (its name lock) or a share() election of it
     is under way (starting or ending one)."""
-    return lock_held(rdir / f"{name}.lock") or lock_held(share_lock_file(rdir, name))
+    return lock_held(_name_lock(rdir, name)) or lock_held(share_lock_file(rdir, name))
 
 
 def _remove_log(item: Leftover) -> str | None:
@@ -106,7 +111,8 @@ def _remove_log(item: Leftover) -> str | None:
     if fd is None:
         return "a share() of this name is starting or ending its producer; left alone"
     try:
-        if failed_log_owner(path.name) is None and lock_held(path.parent / f"{item.name}.lock"):
+        if failed_log_owner(path.name) is None and \
+                lock_held(_name_lock(path.parent, item.name)):
             return "a producer of this name started meanwhile; left alone"
         if not _own_regular_file(path):
             return "no longer a regular file of this user; left alone"
