@@ -10,7 +10,9 @@ from glob import glob
 
 from setuptools import Extension, setup
 
-CORE_SOURCES = sorted(glob("csrc/ts_*.c"))
+# csrc/base (OS primitives, errors), csrc/device (the device interface, the CUDA backend),
+# csrc/ring (the ring, DLPack export), csrc/binding (the module: the only Python.h user).
+SOURCES = sorted(glob("csrc/*/ts_*.c"))
 
 compile_args = ["-std=c11", "-Wall", "-Wextra", "-O2", "-fvisibility=hidden"]
 link_args = []
@@ -25,7 +27,7 @@ setup(
     ext_modules=[
         Extension(
             "tensorsocket._core",
-            sources=CORE_SOURCES,
+            sources=SOURCES,
             include_dirs=["csrc"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,

@@ -232,11 +232,14 @@ def _workload():
 
 
 def _harness():
-    """tensorsocket.harness (child processes, machine information): for the orchestrator
+    """tools.harness (child processes, machine information): for the orchestrator
     only. The children must not import tensorsocket unless they use it: importing the
     package changes what sits at the top of the heap of a DataLoader's forked workers (see
     benchmarks/README.md, "The allocator")."""
-    from tensorsocket import harness
+    root = str(Path(__file__).resolve().parent.parent)  # tools/: this checkout's, not installed
+    if root not in sys.path:
+        sys.path.append(root)
+    from tools import harness
 
     return harness
 
@@ -754,7 +757,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 def _remove_leftovers(name: str) -> None:
     """What a tensorsocket producer of this (unique, ours only) name may leave: its
     segment if it was killed, and the lock and socket files."""
-    from tensorsocket.clean import remove_leftovers
+    from tensorsocket.cli.clean import remove_leftovers
 
     remove_leftovers(name)
 

@@ -277,6 +277,15 @@ def _import_tensorsocket():
     return tensorsocket
 
 
+def _import_tools_harness():
+    """tools.harness of this checkout (not installed)."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from tools import harness
+
+    return harness
+
+
 def run_producer(args: argparse.Namespace) -> dict:
     """Publish one epoch (synthetic batches, or the throughput DataLoader); profile the
     publishes of batches [profile_from, profile_from + profile_batches) if asked."""
@@ -511,12 +520,12 @@ def gpu_skip_reason(device: str) -> str | None:
 
 class Children:
     """Child processes of one run: started, read, and always reaped (with timeouts); the
-    processes themselves come from tensorsocket.harness."""
+    processes themselves come from tools.harness."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         _import_tensorsocket()
-        from tensorsocket import harness
+        harness = _import_tools_harness()
 
         self.harness = harness
         self.group = self.harness.Children()
@@ -586,7 +595,7 @@ class Children:
 def _remove_leftovers(name: str) -> None:
     """Remove what a producer of this (unique) name may leave if it was killed."""
     _import_tensorsocket()
-    from tensorsocket.clean import remove_leftovers
+    from tensorsocket.cli.clean import remove_leftovers
 
     remove_leftovers(name)
 
@@ -797,7 +806,7 @@ def environment(args: argparse.Namespace) -> dict:
     import torch
 
     status = _import_tensorsocket().gpu_status()
-    from tensorsocket import harness
+    harness = _import_tools_harness()
 
     ordinal = int(args.device.partition(":")[2] or 0)
     dev = (status["devices"] or [{}])[ordinal]

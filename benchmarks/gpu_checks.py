@@ -318,7 +318,7 @@ class Procs:
                     f.close()
             self._err[p.pid].close()
         try:
-            from tensorsocket.clean import leftovers, remove_leftovers
+            from tensorsocket.cli.clean import leftovers, remove_leftovers
 
             for n in {item.name for item in leftovers()
                       if item.name == self.name or item.name.startswith(self.name + "-")}:
@@ -460,7 +460,7 @@ def check_nondefault_current_stream(opts: Options) -> CheckResult:
 def check_dlpack_stream_minus1(opts: Options) -> CheckResult:
     """Views exported with __dlpack__(stream=-1) (no ordering asked of the export), read
     on three streams in turn: the batch is readable once next() returns and the slot is
-    not reused under any of them. Patches tensorsocket.delivery._device_tensors (the
+    not reused under any of them. Patches tensorsocket.data.delivery._device_tensors (the
     consumer's export hook) to pass stream=-1."""
     return _stream_check("dlpack_stream_minus1", opts,
                          {"current": "default", "read": "rotate", "streams": 3,
@@ -1008,11 +1008,11 @@ def role_consumer(a: dict) -> dict:
 
 def _patch_export_stream(stream: int) -> None:
     """Make the consumer export GPU views with __dlpack__(stream=<stream>) (the hook
-    tensorsocket.delivery calls for a batch of torch tensors)."""
-    from tensorsocket import delivery
+    tensorsocket.data.delivery calls for a batch of torch tensors)."""
+    from tensorsocket.data import delivery
 
     if not hasattr(delivery, "_device_tensors") or not hasattr(delivery, "_from_capsule"):
-        raise RuntimeError("tensorsocket.delivery has no _device_tensors/_from_capsule hook: "
+        raise RuntimeError("tensorsocket.data.delivery has no _device_tensors/_from_capsule hook: "
                            "update the dlpack_stream_minus1 check")
 
     def export(slot: Any, device: Any) -> list:

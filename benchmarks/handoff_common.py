@@ -4,7 +4,7 @@ options both scripts take, running the suite of configurations and the table of 
 
 Both scripts import this module; neither imports the other's code (handoff.py starts
 original_handoff.py's suite through its run_original()). Child processes and machine
-information come from tensorsocket.harness, which only the orchestrators import (see
+information come from tools.harness, which only the orchestrators import (see
 harness()): the original's children run this module in a venv whose tensorsocket is the
 original.
 """
@@ -244,11 +244,11 @@ def check_reports(reports: list[dict], kind: str, batches: int, consumers: int) 
 
 
 def harness():
-    """tensorsocket.harness of this checkout, for the orchestrators only."""
+    """tools.harness of this checkout, for the orchestrators only."""
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
-    from tensorsocket import harness as module
+    from tools import harness as module
 
     return module
 
@@ -267,7 +267,7 @@ def stop_all(procs: list) -> None:
 
 def remove_leftovers(name: str) -> None:
     """Remove what a producer of this (unique, ours only) name may have left."""
-    from tensorsocket.clean import remove_leftovers as remove
+    from tensorsocket.cli.clean import remove_leftovers as remove
 
     remove(name)
 

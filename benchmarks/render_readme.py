@@ -196,7 +196,7 @@ def _stream_note(doc: dict) -> str:
         return ""
     ratios = ", ".join(f"N={r['consumers']}: {_num(r.get('ratio_vs_stream_copy'), '.2f')}x"
                        for r in rows)
-    return (" The producer fills large slots with streaming stores (`csrc/ts_copy.c`); that "
+    return (" The producer fills large slots with streaming stores (`csrc/base/ts_copy.c`); that "
             f"copy alone runs at {rows[0]['stream_copy_gb_per_s']:.1f} GB/s here, and the "
             f"32 MiB handoff reaches {ratios} of it.")
 

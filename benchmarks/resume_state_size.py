@@ -2,7 +2,7 @@
 
     python benchmarks/resume_state_size.py [--samples N]
 
-The state holds the samples of the interrupted epoch taken (tensorsocket.resume): a bitmap,
+The state holds the samples of the interrupted epoch taken (tensorsocket.data.resume): a bitmap,
 zlib, base64. Printed per fraction of the epoch taken, for a shuffling loader (samples
 taken at random) and an unshuffled one (a run of ids), with the time to encode and decode.
 """
@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from tensorsocket.resume import SavedPlace, decode, encode
-from tensorsocket.sample_ids import IdMask
+from tensorsocket.data.resume import SavedPlace, decode, encode
+from tensorsocket.data.sample_ids import IdMask
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ class LivePanel:
     REFRESH_S = 0.25
 
     def __init__(self, name: str, batches_per_epoch: int, epochs: int, out: TextIO) -> None:
-        from tensorsocket.status import Survey
+        from tensorsocket.cli.status import Survey
 
         self.name = name
         self.batches_per_epoch = batches_per_epoch

@@ -7,7 +7,7 @@ from one shared loader, and the summary says how much loader CPU time sharing sa
 
 The parent (this script without --role) starts a producer process and N consumer
 processes, all this script again (``--role producer|consumer``) through
-tensorsocket.harness. The producer runs a DataLoader with a real per-sample CPU transform
+tools.harness. The producer runs a DataLoader with a real per-sample CPU transform
 over a synthetic in-memory image set (``_demo_model.py``) and publishes every batch to the
 shared-memory ring; each consumer trains a tiny CNN on those batches with its own learning
 rate. Children report to the parent with one JSON object per stdout line, after ``MARK``;
@@ -35,6 +35,7 @@ from typing import Any, TextIO
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # _demo_model, _demo_panel (python examples/demo.py has it)
+sys.path.append(str(HERE.parent))  # tools/: this checkout's, not installed
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -43,8 +44,8 @@ from _demo_model import (  # noqa: E402
 )
 from _demo_panel import LivePanel  # noqa: E402
 
-from tensorsocket import harness  # noqa: E402
-from tensorsocket.clean import remove_leftovers  # noqa: E402
+from tensorsocket.cli.clean import remove_leftovers  # noqa: E402
+from tools import harness  # noqa: E402
 
 PROG = "demo.py"
 MARK = "@tensorsocket-demo "
@@ -417,7 +418,7 @@ def _check_environment() -> None:
     """DemoError for what would make every child fail: a TENSORSOCKET_* value that does
     not parse, a runtime directory that cannot be used (said once, here)."""
     from tensorsocket import config
-    from tensorsocket.endpoints import runtime_dir
+    from tensorsocket.control.endpoints import runtime_dir
 
     for setting in config.SETTINGS.values():
         try:

@@ -30,12 +30,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from tensorsocket import TensorConsumer, TensorProducer, harness
+from tensorsocket import TensorConsumer, TensorProducer
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tools/: this checkout's, not installed
+from tools import harness  # noqa: E402
 
 EPOCHS = 2
 

@@ -33,11 +33,15 @@ import queue
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tensorsocket import TensorConsumer, TensorProducer, harness
+from tensorsocket import TensorConsumer, TensorProducer
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tools/: this checkout's, not installed
+from tools import harness  # noqa: E402
 
 RESULT = "RESULT "  # a trial's last stdout line: RESULT {json}
 LOADER_BATCH = 64
@@ -84,7 +88,7 @@ def trial(args: argparse.Namespace) -> None:
 
 
 class Trial:
-    """A trial process (started through tensorsocket.harness); a thread echoes its output
+    """A trial process (started through tools.harness); a thread echoes its output
     and keeps its result."""
 
     def __init__(self, number: int, lr: float, batch_size: int, epochs: int, name: str) -> None:

@@ -29,9 +29,9 @@ from .errors import (
     TooManyConsumers,
     VersionMismatch,
 )
-from .gpu import gpu_available, gpu_status
+from .data.gpu import gpu_available, gpu_status
 from .producer import TensorProducer
-from .share import share
+from .sharing.share import share
 
 __version__ = "0.1.0"
 

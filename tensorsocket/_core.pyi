@@ -1,4 +1,4 @@
-"""Type stubs for the C core (csrc/ts_module.c, ts_py_ring.c, ts_py_slot.c)."""
+"""Type stubs for the C core (csrc/binding/ts_module.c, ts_py_ring.c, ts_py_slot.c)."""
 
 from typing import Any, Sequence, TypedDict, final
 

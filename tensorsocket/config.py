@@ -325,13 +325,13 @@ class Boolean(Kind):
 @dataclass(frozen=True)
 class Device(Kind):
     """A device name (`cpu`, `cuda`, `cuda:N`; a consumer's also `auto`). An argument
-    is checked where it is used (tensorsocket.gpu.parse_device, which names it)."""
+    is checked where it is used (tensorsocket.data.gpu.parse_device, which names it)."""
 
     auto: bool = False
 
     def parse(self, text: str) -> Any:
         """The device of a variable's text (None for `auto`)."""
-        from .gpu import parse_device
+        from .data.gpu import parse_device
 
         if self.auto and text == "auto":
             return None
@@ -420,13 +420,13 @@ class Setting:
 
 
 def _parse_name(text: str) -> str:
-    from .endpoints import check_name
+    from .control.endpoints import check_name
 
     return check_name(text)
 
 
 def _parse_address(text: str) -> str:
-    from .endpoints import check_address
+    from .control.endpoints import check_address
 
     return check_address(text)
 
@@ -438,7 +438,7 @@ def _parse_dir(text: str) -> str:
 
 
 def _parse_token(text: str) -> str:
-    from .auth import check_token
+    from .control.auth import check_token
 
     return check_token(text)
 
@@ -676,7 +676,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:
 def environment_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values of the ``TENSORSOCKET_*`` variables that work but are likely a mistake: a
     control-plane address reachable from other machines (a producer warns about it too)."""
-    from .endpoints import exposed_address_warning
+    from .control.endpoints import exposed_address_warning
 
     env = os.environ if environ is None else environ
     setting = SETTINGS["address"]

@@ -14,14 +14,15 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from . import _core, config, diagnosis, sample_ids
-from ._producer_watch import ProducerWatch
-from .auth import ClientSecret
+from . import _core, config
+from .data import diagnosis, sample_ids
+from .control.producer_watch import ProducerWatch
+from .control.auth import ClientSecret
 from .config import UNSET, Unset
-from .control import ControlClient
-from .delivery import Delivery
-from .endpoints import resolve
-from .epoch_cursor import Abandon, EpochCursor, InFlight, Step
+from .control.server import ControlClient
+from .data.delivery import Delivery
+from .control.endpoints import resolve
+from .data.epoch_cursor import Abandon, EpochCursor, InFlight, Step
 from .errors import (
     ConsumerDetached,
     LagWarning,
@@ -31,10 +32,10 @@ from .errors import (
     TensorSocketError,
     TensorSocketWarning,
 )
-from .loader_info import LoaderShape
-from .rebatch import EpochEnd, Rebatcher, batch_samples, combine, consumer_len
-from .resume import EpochTaken, SavedPlace
-from .sample_ids import IdMask
+from .loader.loader_info import LoaderShape
+from .data.rebatch import EpochEnd, Rebatcher, batch_samples, combine, consumer_len
+from .data.resume import EpochTaken, SavedPlace
+from .data.sample_ids import IdMask
 from .surface import LoaderSurface
 
 log = logging.getLogger("tensorsocket")
@@ -173,7 +174,7 @@ class TensorConsumer(LoaderSurface):
       auth_token: the producer's secret, for a producer on a TCP address
         (env). Default: read from the producer's ``<runtime dir>/<name>.secret``
         (same user, runtime directory and name/port as the producer); give it
-        where that file cannot be read. See tensorsocket.auth.
+        where that file cannot be read. See tensorsocket.control.auth.
     """
 
     # Set by tensorsocket.share() on the consumers it returns.
@@ -255,7 +256,7 @@ class TensorConsumer(LoaderSurface):
         self._iterators = 0  # iter() calls: the last one's iterator is the current one
         self._local_loader: Any = None  # share(): the caller's own loader (attributes)
         self._set_epoch_warned = False
-        # Exact resume (tensorsocket.resume): the place loaded and not yet resumed from,
+        # Exact resume (tensorsocket.data.resume): the place loaded and not yet resumed from,
         # the place of an epoch left mid-way (break), the samples of this epoch taken.
         self._resume_place: SavedPlace | None = None
         self._left_place: SavedPlace | None = None

@@ -64,7 +64,7 @@ class ProtocolError(TensorSocketError):
 
 class AuthenticationError(TensorSocketError, PermissionError):
     """The producer refused this consumer: another user's process, a hello for another
-    process, or a missing or wrong secret on a TCP address (see tensorsocket.auth)."""
+    process, or a missing or wrong secret on a TCP address (see tensorsocket.control.auth)."""
 
 
 class TensorSocketWarning(UserWarning):

@@ -15,10 +15,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import zmq
 
-from . import _core, auth, config
+from . import _core, config
+from .control import auth
 from .config import UNSET, Unset
-from .control import ControlServer
-from .endpoints import Endpoint, resolve
+from .control.server import ControlServer
+from .control.endpoints import Endpoint, resolve
 from .errors import (
     BatchTooLarge,
     GPUFallbackWarning,
@@ -27,8 +28,8 @@ from .errors import (
     TensorSocketError,
     TensorSocketWarning,
 )
-from .gpu import parse_device
-from .loader_info import (
+from .data.gpu import parse_device
+from .loader.loader_info import (
     describe_loader,
     epoch_factory,
     epoch_limit,
@@ -36,16 +37,16 @@ from .loader_info import (
     length_of,
     set_sampler_epoch,
 )
-from .producer_files import (
+from .control.producer_files import (
     OwnedFiles,
     forget_on_sigterm,
     remove_on_sigterm,
     sweep_stale_segments,
     take_name_lock,
 )
-from .sample_ids import SampleIdRecorder, with_ids
-from .structure import Encoder
-from .worker_heap import padded_workers
+from .data.sample_ids import SampleIdRecorder, with_ids
+from .data.structure import Encoder
+from .loader.worker_heap import padded_workers
 
 log = logging.getLogger("tensorsocket")
 
@@ -740,7 +741,7 @@ class TensorProducer:
         epoch) behind the producer, entries and bytes delivered, and the time
         it spent waiting for batches; rejected_messages: malformed control
         messages, consumers of another protocol version, and hellos refused by
-        tensorsocket.auth (another user, another pid, no or a wrong secret).
+        tensorsocket.control.auth (another user, another pid, no or a wrong secret).
         """
         ring = self._ring if self._ring is not None and not self._ring.closed else None
         info = ring.info() if ring is not None else {}

@@ -14,10 +14,10 @@ import logging
 import warnings
 from typing import Any
 
-from . import resume
-from .epoch_cursor import EpochCursor
+from .data import resume
+from .data.epoch_cursor import EpochCursor
 from .errors import TensorSocketWarning
-from .resume import SavedPlace
+from .data.resume import SavedPlace
 
 log = logging.getLogger("tensorsocket")
 

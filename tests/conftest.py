@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorsocket import harness
+from tools import harness
 
 from fork_server import ForkServer
 
@@ -66,7 +66,8 @@ def hello_message(pid: int, **fields) -> bytes:
     """A well-formed hello of the control protocol claiming `pid` (a forger's, in the tests
     of who may attach); every field not given (the secret, which another user does not
     know) is left empty."""
-    from tensorsocket import _core, protocol
+    from tensorsocket import _core
+    from tensorsocket.control.server import protocol
 
     msg = dict(protocol=protocol.PROTOCOL_VERSION, pid=pid,
                start_time=_core.process_start_time(pid), batch_size=None, group=None,
@@ -91,7 +92,7 @@ def name():
     leaked = shm_segments(n)
     # A SIGKILLed producer cannot remove its socket and lock files (a later producer of
     # the same name reuses them); test_nothing_left_behind checks a clean exit does.
-    from tensorsocket.endpoints import runtime_dir
+    from tensorsocket.control.endpoints import runtime_dir
 
     for path in runtime_dir().glob(n + ".*"):
         path.unlink()
@@ -102,7 +103,7 @@ def name():
 
 # -- child processes ---------------------------------------------------------------------
 #
-# Every test that starts Python children goes through tensorsocket.harness: procs.start()
+# Every test that starts Python children goes through tools.harness: procs.start()
 # and procs.script() below, or popen() / run() (subprocess.Popen / subprocess.run for a
 # Python argv). They are forked from one fork server per test process, which imported
 # torch and tensorsocket once (a fresh interpreter spends 1-3 s of CPU on that, and the

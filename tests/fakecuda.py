@@ -101,7 +101,7 @@ DRIVER_FUNCTIONS = (
     "cuEventSynchronize", "cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle",
     "cuIpcGetEventHandle", "cuIpcOpenEventHandle", "cuDeviceCanAccessPeer",
     "cuDeviceGetUuid_v2",
-    # optional in the core (ts_cuda.c): CUDA 12.5 and 10.1
+    # optional in the core (ts_cuda_api.c): CUDA 12.5 and 10.1
     "cuCtxRecordEvent", "cuThreadExchangeStreamCaptureMode",
 )
 # Driver functions a driver may lack; OLD_DRIVER_FLAGS builds the double without them (a
@@ -234,7 +234,7 @@ class DeviceTensor:
 
 
 def deliver_device_tensors(delivery: Any, stream: Any) -> None:
-    """Make tensorsocket.delivery (the module) export each batch's device leaves as
+    """Make tensorsocket.data.delivery (the module) export each batch's device leaves as
     DeviceTensors, made to wait for the producer's copy on stream."""
     def device_tensors(slot: Any, device: Any) -> list:
         caps = slot.capsules(versioned=True, device=True, stream=stream)

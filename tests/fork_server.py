@@ -1,10 +1,10 @@
 """A fork server for the test suite: a process that imported torch, numpy, zmq and
-tensorsocket once and forks a Python child per request (tensorsocket.harness.spawn's
+tensorsocket once and forks a Python child per request (tools.harness.spawn's
 `fork_server`). A fresh interpreter spends 1-3 s of CPU importing torch; the suite starts
 hundreds of short children. Test support only: it rewrites what /proc shows of a child
 (prctl PR_SET_MM_MAP) and replays the interpreter's start and end in Python.
 
-Linux only; no dependency beyond the standard library and tensorsocket.harness.
+Linux only; no dependency beyond the standard library and tools.harness.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from tensorsocket.harness import ChildProcess, _tail, child_env
+from tools.harness import ChildProcess, _tail, child_env
 
 PIPE = subprocess.PIPE
 DEVNULL = subprocess.DEVNULL

@@ -32,7 +32,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import tensorsocket
-from tensorsocket import TensorConsumer, resume
+from tensorsocket import TensorConsumer
+from tensorsocket.data import resume
 
 
 def _interrupt_at(owner: type, method: str, call: int) -> None:

@@ -1,7 +1,7 @@
 """Producer and consumer processes for the end-to-end tests.
 
 Run as ``python tests/roles.py producer|consumer [options]`` (tests/conftest.py's
-``procs.start()``). Each process prints JSON lines on stdout (tensorsocket.harness's
+``procs.start()``). Each process prints JSON lines on stdout (tools.harness's
 protocol: a producer's first says it is ready, the last one what it saw); the tests assert
 on them.
 Batch b of epoch e carries the value e * 1000 + b everywhere, so a consumer
@@ -27,7 +27,7 @@ from tensorsocket import (  # noqa: E402
     TensorConsumer,
     TensorProducer,
 )
-from tensorsocket.harness import emit  # noqa: E402  (the JSON-line protocol)
+from tools.harness import emit  # noqa: E402  (the JSON-line protocol)
 
 
 class CountingLoader:
@@ -349,11 +349,11 @@ def _consume(a: argparse.Namespace) -> dict:
         torch.cuda.is_available = lambda: True
         torch.cuda.current_device = lambda: a.current_device
     if a.gpu_double:
-        import tensorsocket.delivery
+        import tensorsocket.data.delivery
 
         fake_gpu = FakeGpu(a.kernel_delay_us)
-        tensorsocket.delivery._device_tensor = fake_gpu.tensor
-        tensorsocket.delivery._device_tensors = fake_gpu.tensors
+        tensorsocket.data.delivery._device_tensor = fake_gpu.tensor
+        tensorsocket.data.delivery._device_tensors = fake_gpu.tensors
     c = _open(a)
     info = c.ring.info()
     lo, hi = info["data_address"], info["data_address"] + info["data_bytes"]

@@ -45,7 +45,7 @@ HELD_TOO_LONG = "stayed parked longer than park_hold"
 JOB_B = r"""
 import os, sys, time
 from tensorsocket import TensorConsumer
-from tensorsocket.harness import emit
+from tools.harness import emit
 name, go = sys.argv[1], sys.argv[2]
 val = TensorConsumer(name=name + "-val", timeout=60)
 it = iter(val)
@@ -71,7 +71,7 @@ val.close()
 JOB_A = r"""
 import sys, time
 from tensorsocket import TensorConsumer
-from tensorsocket.harness import emit
+from tools.harness import emit
 name = sys.argv[1]
 train = TensorConsumer(name=name, timeout=60)
 val = TensorConsumer(name=name + "-val", timeout=60)

@@ -1,6 +1,6 @@
 """Build and run the C-level unit tests of the GPU ring (csrc/tests/test_gpu.c).
 
-The test program is compiled together with every csrc/ts_*.c except the Python
+The test program is compiled together with every file of csrc/base, csrc/device and csrc/ring, not the Python
 binding (ts_module.c, ts_py_*.c), with the compiler named by $CC (default ``cc``), and runs
 on the CUDA driver test double (csrc/tests/fake_cuda.c, built by tests/fakecuda.py)
 named by TENSORSOCKET_LIBCUDA. TENSORSOCKET_SANITIZE=1 adds AddressSanitizer and
@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from c_sources import core_sources
 
 import fakecuda
 
@@ -30,12 +31,6 @@ GROUPS = 16  # test groups in test_gpu.c
 RUN_TIMEOUT = 300
 
 
-def _core_sources() -> list[str]:
-    return [
-        str(p.relative_to(ROOT))
-        for p in sorted(CSRC.glob("ts_*.c"))
-        if p.name != "ts_module.c" and not p.name.startswith("ts_py_")
-    ]
 
 
 def _build(out_dir: Path, sanitize: bool) -> Path:
@@ -43,7 +38,7 @@ def _build(out_dir: Path, sanitize: bool) -> Path:
     binary = out_dir / "test_gpu"
     cmd = [
         *fakecuda.compiler(), *BASE_FLAGS, *(ASAN_FLAGS if sanitize else []),
-        str(TEST_SRC.relative_to(ROOT)), *_core_sources(), "-o", str(binary), "-lrt", "-ldl",
+        str(TEST_SRC.relative_to(ROOT)), *core_sources(), "-o", str(binary), "-lrt", "-ldl",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     if proc.returncode != 0:

@@ -1,6 +1,6 @@
 """Build and run the C-level unit tests of the shared-memory ring (csrc/tests/test_ring.c).
 
-The test program is compiled together with every csrc/ts_*.c except the Python
+The test program is compiled together with every file of csrc/base, csrc/device and csrc/ring, not the Python
 binding (ts_module.c, ts_py_*.c), with the compiler named by $CC (default ``cc``).
 TENSORSOCKET_SANITIZE=1 adds AddressSanitizer and UndefinedBehaviorSanitizer.
 A second test builds with ThreadSanitizer and runs only the tests that use two threads;
@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from c_sources import core_sources
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
@@ -36,12 +37,6 @@ def _cc() -> list[str]:
     return cc
 
 
-def _core_sources() -> list[str]:
-    return [
-        str(p.relative_to(ROOT))
-        for p in sorted(CSRC.glob("ts_*.c"))
-        if p.name != "ts_module.c" and not p.name.startswith("ts_py_")
-    ]
 
 
 def _compile(sources: list[str], out: Path, extra: list[str]) -> subprocess.CompletedProcess:
@@ -52,7 +47,7 @@ def _compile(sources: list[str], out: Path, extra: list[str]) -> subprocess.Comp
 def _build(out_dir: Path, extra: list[str]) -> Path:
     """Compile test_ring.c with the core; fail the test with the compiler output."""
     binary = out_dir / "test_ring"
-    proc = _compile([str(TEST_SRC.relative_to(ROOT)), *_core_sources()], binary, extra)
+    proc = _compile([str(TEST_SRC.relative_to(ROOT)), *core_sources()], binary, extra)
     if proc.returncode != 0:
         pytest.fail(
             f"compiling the C ring tests failed:\n{shlex.join(proc.args)}\n"

@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from conftest import ROOT, shm_segments, run as run_python
-from tensorsocket.endpoints import runtime_dir
+from tensorsocket.control.endpoints import runtime_dir
 
 
 def cli(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -456,7 +456,7 @@ def test_a_bad_runtime_dir_is_one_line(private_tmp):
 
 def _status(**fields) -> "object":
     """A ProducerStatus of a busy producer with two consumers, wide values everywhere."""
-    from tensorsocket.status import ConsumerStatus, ProducerStatus
+    from tensorsocket.cli.status import ConsumerStatus, ProducerStatus
 
     consumers = [ConsumerStatus(index=i, pid=4194301 + i, alive=True, state=state,
                                 reason=reason, batch_size=bs, cursor=1234567, lag=3,
@@ -481,7 +481,7 @@ def test_render_wraps_a_producer_at_80_columns():
     """The text of status and top in 80 columns: every field of a producer with wide
     values is there, on lines of at most 80 characters; unlimited width keeps each group
     of fields on one line."""
-    from tensorsocket.status import render
+    from tensorsocket.cli.status import render
 
     p = _status()
     narrow = render([p], width=80)
@@ -566,7 +566,7 @@ def test_status_lists_other_users_producers(name, monkeypatch):
         assert clean.returncode == 0 and "nothing to clean" in clean.stdout
         assert os.path.exists(path)
 
-        from tensorsocket import status
+        from tensorsocket.cli import status
 
         monkeypatch.setattr(status.os, "access", lambda path, mode: False)
         (seen,) = status.other_users(name)

@@ -16,8 +16,9 @@ from tensorsocket import (
     TensorSocketError,
     VersionMismatch,
 )
-from tensorsocket import _core, protocol
-from tensorsocket.endpoints import resolve
+from tensorsocket import _core
+from tensorsocket.control.server import protocol
+from tensorsocket.control.endpoints import resolve
 
 
 def test_decode_rejects_garbage_and_wrong_types():
@@ -241,8 +242,8 @@ def test_info_tells_the_loader_without_attaching(name):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from tensorsocket.control import ControlClient
-    from tensorsocket.loader_info import LoaderShape
+    from tensorsocket.control.server import ControlClient
+    from tensorsocket.loader.loader_info import LoaderShape
 
     loader = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=4)
     p = TensorProducer(loader, name=name, min_consumers=1, start_timeout=30, start_grace=0)

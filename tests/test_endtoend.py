@@ -144,7 +144,7 @@ def test_nothing_left_behind(procs, name):
     assert procs.result(cons)["errors"] == []
     procs.result(prod)
     assert shm_segments(name) == []
-    from tensorsocket.endpoints import runtime_dir
+    from tensorsocket.control.endpoints import runtime_dir
 
     assert sorted(p.name for p in runtime_dir().glob(name + ".*")) == []
     # The name is free again at once.

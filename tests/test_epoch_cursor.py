@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tensorsocket.epoch_cursor import Abandon, EpochCursor, Step
+from tensorsocket.data.epoch_cursor import Abandon, EpochCursor, Step
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import tensorsocket
 from conftest import ROOT, popen
 from tensorsocket import TensorConsumer, TensorProducer
-from tensorsocket.endpoints import runtime_dir
+from tensorsocket.control.endpoints import runtime_dir
 from tensorsocket.errors import TensorSocketError, TensorSocketWarning
 
 JOB = ROOT / "tests" / "epoch_job.py"

@@ -113,7 +113,7 @@ def test_argument_errors():
 def test_a_name_ending_in_a_newline_is_refused(name):
     """The name check matches the whole name: "x\\n" made files named "x\\n.lock" and
     "x\\n.sock" (a regex's $ matches before a final newline)."""
-    from tensorsocket.endpoints import check_name
+    from tensorsocket.control.endpoints import check_name
 
     for bad in (f"{name}\n", f"{name}\n\n", "\n", f"{name}\nx"):
         with pytest.raises(ValueError, match="invalid producer name"):
@@ -130,8 +130,8 @@ def test_a_symlink_at_the_lock_path_is_not_followed(name, tmp_path, target_exist
     """A symbolic link planted where a producer's name lock or share()'s election lock
     goes is refused, naming the file and the fix; the file it points to is neither
     written nor created."""
-    from tensorsocket._election import share_lock_path, take_lock
-    from tensorsocket.endpoints import resolve, runtime_dir
+    from tensorsocket.sharing.election import share_lock_path, take_lock
+    from tensorsocket.control.endpoints import resolve, runtime_dir
 
     target = tmp_path / "precious"
     if target_exists:
@@ -229,8 +229,8 @@ def test_segment_still_being_created_reads_as_not_there_yet(name):
     not "not a ring"; bytes that are not a ring are still refused as such; `clean` leaves a
     live process's half-created segment alone."""
     from tensorsocket import VersionMismatch, _core
-    from tensorsocket.clean import stale_segments
-    from tensorsocket.endpoints import segment_prefix
+    from tensorsocket.cli.clean import stale_segments
+    from tensorsocket.control.endpoints import segment_prefix
 
     seg = f"{segment_prefix(name)}{os.getpid()}"
     path = f"/dev/shm/{seg}"

@@ -1,4 +1,4 @@
-"""Who installs the SIGSEGV handler of copy on write (csrc/ts_fault.c): a consumer, when it
+"""Who installs the SIGSEGV handler of copy on write (csrc/base/ts_fault.c): a consumer, when it
 takes its first batch of a host ring; never a process that only imports tensorsocket,
 produces, or maps rings to read their headers (`tensorsocket status`)."""
 

@@ -18,8 +18,9 @@ import zmq
 
 from conftest import hello_message, shm_segments
 from tensorsocket import SharedMemoryTooSmall, TensorConsumer, TensorProducer, TensorSocketError
-from tensorsocket import _core, protocol
-from tensorsocket.endpoints import resolve, runtime_dir
+from tensorsocket import _core
+from tensorsocket.control.server import protocol
+from tensorsocket.control.endpoints import resolve, runtime_dir
 
 
 def _batches(epoch: int, start: int, stop: int) -> list[int]:
@@ -171,7 +172,7 @@ def test_consumer_sigstopped_without_max_lag_is_evicted(procs, name, fault_table
 _SILENT_CONSUMER = """
 import ctypes, os, signal, sys
 from tensorsocket import TensorConsumer
-from tensorsocket.harness import emit
+from tools.harness import emit
 name, how, fifo = sys.argv[1:4]
 fd = os.open(fifo, os.O_RDWR)  # never blocks; the test's write ends the read below
 c = TensorConsumer(name=name, timeout=60, batch_timeout=60)
@@ -604,7 +605,7 @@ def test_file_planted_at_the_segment_name_before_the_first_batch(name, fault_tab
     pid) before its first batch: the ring is then created under that name plus a random
     tag, consumers attach as usual, and the planted file is left alone (the producer
     died of FileExistsError before)."""
-    from tensorsocket.status import segments
+    from tensorsocket.cli.status import segments
 
     base = resolve(name).segment_name(os.getpid())
     planted = "/dev/shm" + base
@@ -679,7 +680,7 @@ def test_files_with_names_no_producer_makes_are_ignored(name, fault_table):
     and links or directories under a producer's name, are not segments: status, clean and
     a producer of the name pass them by (an out-of-range pid was an OverflowError in all
     three) and never remove them."""
-    from tensorsocket import clean, status
+    from tensorsocket.cli import clean, status
 
     prefix = f"/dev/shm/tensorsocket-{os.getuid()}-{name}-"
     files = [prefix + "9" * 23, prefix + "abc", prefix + str((1 << 22) + 1)]  # PID_MAX_LIMIT + 1

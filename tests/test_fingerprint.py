@@ -1,4 +1,4 @@
-"""tensorsocket.fingerprint: describe() and differences() of loaders' pipelines."""
+"""tensorsocket.loader.fingerprint: describe() and differences() of loaders' pipelines."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 
 from tensorsocket import TensorSocketError
-from tensorsocket.endpoints import resolve
-from tensorsocket.fingerprint import MAX_CHARS, describe, differences, records_first_sample
-from tensorsocket.share import _check_same_data
+from tensorsocket.control.endpoints import resolve
+from tensorsocket.loader.fingerprint import MAX_CHARS, describe, differences, records_first_sample
+from tensorsocket.sharing.share import _check_same_data
 from conftest import run as run_python
 
 # A pipeline module both this process and a fresh interpreter import by the same name, so
@@ -78,7 +78,7 @@ def test_same_loader_is_described_the_same(pipeline):
 
 def test_same_loader_in_a_fresh_process_is_described_the_same(pipeline, tmp_path):
     code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import {pipeline.__name__} "
-            "as p; from tensorsocket.fingerprint import describe; "
+            "as p; from tensorsocket.loader.fingerprint import describe; "
             "print(describe(p.build(), first_sample=True))")
     out = run_python([sys.executable, "-c", code], capture_output=True, text=True,
                      timeout=60, check=True).stdout.strip()

@@ -10,7 +10,7 @@ import time
 
 from conftest import shm_segments
 from tensorsocket import _core
-from tensorsocket.endpoints import resolve
+from tensorsocket.control.endpoints import resolve
 
 
 def _wait_for_delivery(name: str, producer_pid: int, consumer_pid: int) -> None:

@@ -43,9 +43,9 @@ import os, sys, threading
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 import fakecuda
-import tensorsocket.delivery as delivery
+import tensorsocket.data.delivery as delivery
 from tensorsocket import TensorConsumer
-from tensorsocket.harness import emit
+from tools.harness import emit
 
 tests, name, scenario, batch_timeout = sys.argv[1:5]
 gpu = scenario == "gpu"
@@ -151,7 +151,7 @@ def test_capture_checked_on_the_pinned_gpu(monkeypatch):
 
     import torch
 
-    from tensorsocket.delivery import Delivery
+    from tensorsocket.data.delivery import Delivery
 
     checked_on = []
 

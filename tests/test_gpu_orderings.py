@@ -30,9 +30,9 @@ import logging, os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 import fakecuda
-import tensorsocket.delivery as delivery
+import tensorsocket.data.delivery as delivery
 from tensorsocket import TensorConsumer
-from tensorsocket.harness import emit
+from tools.harness import emit
 
 tests, name, scenario, slots, gate_s = sys.argv[1:6]
 SLOTS, GATE_S = int(slots), float(gate_s)

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 from roles import CountingLoader
 from tensorsocket import TensorProducer
 from tensorsocket import producer as producer_module
-from tensorsocket.harness import emit
+from tools.harness import emit
 name, after, fifo = sys.argv[1:4]
 fd = os.open(fifo, os.O_RDWR)
 
@@ -75,15 +75,15 @@ if after == "stay":
 CONSUMER = """
 import os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-import tensorsocket.delivery
+import tensorsocket.data.delivery
 from roles import FakeGpu
 from tensorsocket import TensorConsumer
-from tensorsocket.harness import emit
+from tools.harness import emit
 name, fifo = sys.argv[1:3]
 fd = os.open(fifo, os.O_RDWR)
 gpu = FakeGpu(100)
-tensorsocket.delivery._device_tensor = gpu.tensor
-tensorsocket.delivery._device_tensors = gpu.tensors
+tensorsocket.data.delivery._device_tensor = gpu.tensor
+tensorsocket.data.delivery._device_tensors = gpu.tensors
 c = TensorConsumer(name=name, timeout=60, batch_timeout=60)
 it = iter(c)
 x, _ = next(it)

@@ -23,15 +23,9 @@ import torch
 import zmq
 
 from conftest import ROOT, Producing, hello_message
-from tensorsocket import (
-    AuthenticationError,
-    TensorConsumer,
-    TensorProducer,
-    _core,
-    control,
-    protocol,
-)
-from tensorsocket.endpoints import resolve
+from tensorsocket import AuthenticationError, TensorConsumer, TensorProducer, _core
+from tensorsocket.control.server import server as control, protocol
+from tensorsocket.control.endpoints import resolve
 
 DEADLINE = 60.0
 
@@ -42,7 +36,7 @@ if os.getuid() == 0:
     os.setgid(65534)
     os.setuid(65534)
 import zmq
-from tensorsocket.harness import emit
+from tools.harness import emit
 """
 
 
@@ -93,7 +87,7 @@ import zmq
 sys.path.insert(0, sys.argv[4])
 from roles import CountingLoader
 from tensorsocket import TensorProducer, control
-from tensorsocket.harness import emit
+from tools.harness import emit
 port, batches, limit = (int(a) for a in sys.argv[1:4])
 flag = sys.argv[5]
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))

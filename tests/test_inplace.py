@@ -1,7 +1,7 @@
 """In-place writes into batch tensors, with real processes: private to the writer.
 
 A consumer's mapping of the host ring is read-only and shared; a write into a batch it
-holds makes that slot private to it, copy on write (csrc/ts_fault.c), and its release maps
+holds makes that slot private to it, copy on write (csrc/base/ts_fault.c), and its release maps
 the shared view back before the producer refills the slot. One producer publishes known
 batches through a ring of few slots (each slot is reused many times); a writer consumer
 changes every batch in place the way training code does (x.mul_(2), x[0] = -1, x += 1,

@@ -1,10 +1,17 @@
-"""The layers of the code stay layers: what includes or imports what.
+"""The layers of the code stay layers, by folder: what includes or imports what.
 
-C (csrc/): only the binding includes Python.h; the ring protocol and DLPack export reach a
-GPU only through the device interface (ts_device.h), never the CUDA backend (ts_gpu.c) or
-its driver table (ts_cuda.h), and the backend never calls back into the ring; no two
-modules include each other, directly or through others. Python: the library modules do
-not import the command line."""
+C (csrc/), from the bottom up: base/ (errors, clock, futex, segment, proc, copy, fault,
+the DLPack header), device/ (the device interface ts_device, the CUDA backend
+ts_device_cuda.c over the dlopen'ed driver table ts_cuda_api), ring/ (the ring protocol
+and DLPack export), binding/ (the Python module: the only files that include Python.h).
+A file includes headers of its own folder or of a lower one; no include cycle.
+
+Python (tensorsocket/), from the bottom up: the leaves (_core, errors, validation,
+config), data/, control/, loader/, the public face (producer, consumer, surface),
+sharing/ (share()), cli/, then __init__ and __main__. A module imports modules of its own
+layer or of a lower one (at any level: inside functions and under TYPE_CHECKING too); no
+import cycle. Long functions say why at their top.
+"""
 
 from __future__ import annotations
 
@@ -18,20 +25,38 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 PACKAGE = ROOT / "tensorsocket"
 
+C_LAYERS = ["base", "device", "ring", "binding"]
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
-BINDING = re.compile(r"^ts_(module\.c|py(_\w+)?\.[ch])$")  # ts_module.c, ts_py.h, ts_py_*.c
-CLI_MODULES = {"status", "top", "clean", "__main__"}
+
+# Python layers, bottom up: a top-level module by name, a subpackage by its folder.
+PY_LAYERS = [
+    {"_core", "errors", "validation", "config"},
+    {"data"},
+    {"control"},
+    {"loader"},
+    {"producer", "consumer", "surface"},
+    {"sharing"},
+    {"cli"},
+    {"__init__", "__main__"},
+]
+LONG_FUNCTION = 80  # lines; a longer function says why at its top ("Long: ...")
 
 
-def _sources() -> dict[str, str]:
-    """Every file of the core (csrc/ts_*.c and .h, not the C tests): name -> text."""
-    files = sorted(CSRC.glob("ts_*.[ch]"))
-    assert files, "no sources under csrc/"
-    return {p.name: p.read_text() for p in files}
+# -- C -----------------------------------------------------------------------------------
+
+
+def _c_sources() -> dict[str, str]:
+    """Every file of the C extension (csrc/<layer>/ts_*.[ch], not the C tests): its path
+    relative to csrc/ (e.g. "ring/ts_ring.c") -> text."""
+    files = sorted(p for layer in C_LAYERS for p in (CSRC / layer).glob("ts_*.[ch]"))
+    assert files, "no sources under csrc/<layer>/"
+    stray = sorted(p.name for p in CSRC.glob("ts_*.[ch]"))
+    assert not stray, f"C files outside the layer folders: {stray}"
+    return {str(p.relative_to(CSRC)): p.read_text() for p in files}
 
 
 def _includes(text: str) -> tuple[set[str], set[str]]:
-    """The "local" and <system> headers a file includes."""
+    """The "local" (as written: "ring/ts_ring.h") and <system> headers a file includes."""
     local, system = set(), set()
     for kind, name in INCLUDE.findall(text):
         (local if kind == '"' else system).add(name)
@@ -51,50 +76,59 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def _header_graph() -> dict[str, set[str]]:
-    return {name: _includes(text)[0] for name, text in _sources().items()}
+    return {name: _includes(text)[0] for name, text in _c_sources().items()}
+
+
+def _c_layer(path: str) -> int:
+    return C_LAYERS.index(path.split("/")[0])
+
+
+@pytest.mark.parametrize("name", sorted(_c_sources()))
+def test_c_files_include_their_own_layer_or_lower(name):
+    """A file of csrc/ring includes headers of ring/, device/ and base/, never of the
+    binding; device/ never the ring; base/ only base/. Every local include names an
+    existing file by its folder."""
+    sources = _c_sources()
+    for header in _includes(sources[name])[0]:
+        assert header in sources, f"{name} includes {header!r}, not a csrc/<layer>/ file"
+        assert _c_layer(header) <= _c_layer(name), \
+            f"{name} ({C_LAYERS[_c_layer(name)]}) includes {header} of a higher layer"
 
 
 def test_only_the_binding_includes_python_h():
-    """Python.h is included by the binding's files alone (and every binding .c file
-    reaches it), and no file of the core includes a binding header."""
-    sources = _sources()
+    """Python.h is included by the binding's files alone, and every binding .c file
+    reaches it."""
+    sources = _c_sources()
     graph = _header_graph()
-    binding = {name for name in sources if BINDING.match(name)}
-    assert {"ts_module.c", "ts_py.h"} <= binding
+    binding = {name for name in sources if name.startswith("binding/")}
+    assert {"binding/ts_module.c", "binding/ts_py.h"} <= binding
     for name, text in sources.items():
         local, system = _includes(text)
         if name not in binding:
             assert "Python.h" not in system | local, f"{name} includes Python.h"
-            assert not local & binding, f"{name} includes the binding: {local & binding}"
         elif name.endswith(".c"):
             reached = _reach(graph, name) | {name}
-            assert any("Python.h" in _includes(sources[f])[1]
-                       for f in reached if f in sources), f"{name} does not reach Python.h"
+            assert any("Python.h" in _includes(sources[f])[1] for f in reached),  \
+                f"{name} does not reach Python.h"
 
 
-@pytest.mark.parametrize("name", ["ts_ring.c", "ts_ring.h", "ts_export.c", "ts_export.h"])
+@pytest.mark.parametrize("name", ["ring/ts_ring.c", "ring/ts_ring.h", "ring/ts_export.c",
+                                  "ring/ts_export.h"])
 def test_ring_and_export_reach_the_gpu_only_through_ts_device(name):
-    """Neither the ring protocol nor DLPack export includes the CUDA backend or its driver
-    table, directly or through another header; they include ts_device.h."""
+    """Neither the ring protocol nor DLPack export includes the CUDA driver table,
+    directly or through another header; they include device/ts_device.h."""
     graph = _header_graph()
     reached = _reach(graph, name)
-    assert not reached & {"ts_gpu.h", "ts_cuda.h"}, f"{name} reaches {reached}"
-    assert "ts_device.h" in reached | graph[name]
-
-
-@pytest.mark.parametrize("name", ["ts_gpu.c", "ts_cuda.c", "ts_cuda.h", "ts_device.h",
-                                  "ts_device.c"])
-def test_the_device_layer_does_not_know_the_ring(name):
-    """The device interface and the CUDA backend see the ring only through what
-    ts_device.h hands them: they include neither ts_ring.h nor ts_export.h."""
-    reached = _reach(_header_graph(), name)
-    assert not reached & {"ts_ring.h", "ts_export.h"}, f"{name} reaches {reached}"
+    assert "device/ts_cuda_api.h" not in reached, f"{name} reaches {reached}"
+    assert "device/ts_device.h" in reached | graph[name]
 
 
 def test_only_the_cuda_backend_includes_the_driver_table():
-    """ts_cuda.h (the CUDA driver API) is included by the CUDA backend's own files only."""
-    users = {name for name, local in _header_graph().items() if "ts_cuda.h" in local}
-    assert users <= {"ts_cuda.c", "ts_gpu.c"}, users
+    """device/ts_cuda_api.h (the CUDA driver API, dlopen'ed) is included by the CUDA
+    backend (ts_device_cuda.c) and the table itself (ts_cuda_api.c) only."""
+    users = {name for name, local in _header_graph().items()
+             if "device/ts_cuda_api.h" in local}
+    assert users == {"device/ts_cuda_api.c", "device/ts_device_cuda.c"}, users
 
 
 def test_no_include_cycle_between_modules():
@@ -110,66 +144,149 @@ def test_no_include_cycle_between_modules():
     assert cycles == [], f"modules on an include cycle: {cycles}"
 
 
-def _imports(module: str) -> set[str]:
-    """The tensorsocket modules one module imports (at any level: inside functions too)."""
-    path = PACKAGE / f"{module}.py"
-    if not path.is_file():
-        return set()  # the C extension, or a package outside ours
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module is None:
-                out.update(alias.name for alias in node.names)
-            elif node.level == 1:
-                out.add(node.module.split(".")[0])
-            elif node.level == 0 and node.module == "tensorsocket":
-                out.update(alias.name for alias in node.names)
-            elif node.level == 0 and node.module and node.module.startswith("tensorsocket."):
-                out.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            out.update(alias.name.split(".")[1] for alias in node.names
-                       if alias.name.startswith("tensorsocket."))
+# -- Python ------------------------------------------------------------------------------
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name below tensorsocket ("data.rebatch",
+    "consumer", "_core" for the extension) -> its file (None for the extension)."""
+    out: dict[str, Path] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
     return out
 
 
-def _imports_reached(module: str) -> set[str]:
-    seen: set[str] = set()
-    todo = [module]
-    while todo:
-        for dep in _imports(todo.pop()):
-            if dep not in seen:
-                seen.add(dep)
-                todo.append(dep)
-    return seen
+def _resolve(module: str, node: ast.ImportFrom | ast.Import) -> set[str]:
+    """The package modules an import statement in `module` names (dotted, below
+    tensorsocket)."""
+    known = _modules()
+    known_or_core = set(known) | {"_core"}
+    targets: set[str] = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name.startswith("tensorsocket."):
+                targets.add(alias.name[len("tensorsocket."):])
+        return targets & known_or_core
+    if node.level == 0:
+        if node.module is None or not (node.module == "tensorsocket"
+                                       or node.module.startswith("tensorsocket.")):
+            return set()
+        base = node.module[len("tensorsocket"):].lstrip(".")
+    else:
+        here = module.split(".")
+        is_package = (_modules()[module].name == "__init__.py")
+        package = here if is_package else here[:-1]
+        package = package[:len(package) - (node.level - 1)]
+        base = ".".join(package + ([node.module] if node.module else []))
+    for alias in node.names:
+        sub = f"{base}.{alias.name}" if base else alias.name
+        targets.add(sub if sub in known_or_core else base)
+    return {t for t in targets if t in known_or_core}
 
 
-LIBRARY = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in CLI_MODULES)
+def _imports(module: str) -> set[str]:
+    """The package modules `module` imports, at any level (functions, TYPE_CHECKING)."""
+    path = _modules()[module]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= _resolve(module, node)
+    out.discard(module)
+    return out
 
 
-@pytest.mark.parametrize("module", LIBRARY)
-def test_library_modules_do_not_import_the_command_line(module):
-    """No library module (producer, consumer, control plane, share() and what they use)
-    imports a module of the command line, directly or through another module."""
-    assert {"producer", "consumer", "control", "share", "segments"} <= set(LIBRARY)
-    reached = _imports_reached(module)
-    assert not reached & CLI_MODULES, f"tensorsocket.{module} reaches {reached & CLI_MODULES}"
+def _py_layer(module: str) -> int:
+    top = module.split(".")[0] if module else "__init__"
+    for i, layer in enumerate(PY_LAYERS):
+        if top in layer:
+            return i
+    raise AssertionError(f"tensorsocket.{module} is in no layer of test_layering.PY_LAYERS")
 
 
-def test_producer_and_consumer_import_something():
-    """The import walk sees imports at all (else the test above could not fail)."""
-    assert {"config", "control"} <= _imports_reached("producer")
-    assert {"config", "delivery"} <= _imports_reached("consumer")
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_python_modules_import_their_own_layer_or_lower(module):
+    """No module imports one of a higher layer: data/ never control/ or the consumer,
+    the consumer never share() or the CLI, and so on (PY_LAYERS)."""
+    mine = _py_layer(module)
+    higher = {m for m in _imports(module) if _py_layer(m) > mine}
+    assert not higher, f"tensorsocket.{module} imports higher layers: {sorted(higher)}"
+
+
+def test_no_import_cycle():
+    """No module reaches itself through the modules it imports."""
+    graph = {m: _imports(m) for m in _modules()}
+    cycles = sorted(m for m in graph if m in _reach(graph, m))
+    assert cycles == [], f"modules on an import cycle: {cycles}"
+
+
+def test_the_import_walk_sees_imports():
+    """The walk resolves relative imports of every form (else the tests above could
+    not fail)."""
+    assert {"config", "control.server", "data.structure"} <= _imports("producer")
+    assert {"data.delivery", "data.epoch_cursor"} <= _imports("consumer")
+    assert "consumer" in _imports("sharing.share")
+    assert "cli.main" in _imports("__main__")
 
 
 def test_the_cli_uses_the_library_segment_scan():
-    """status and clean list segments through tensorsocket.segments, as the producer does."""
-    for cli in ("status", "clean"):
-        assert "segments" in _imports(cli)
-    assert "segments" in _imports("producer_files")
+    """status and clean list segments through data/segments, as the producer does."""
+    for cli in ("cli.status", "cli.clean"):
+        assert "data.segments" in _imports(cli)
+    assert "data.segments" in _imports("control.producer_files")
+
+
+def test_harness_is_not_installed():
+    """The child-process harness of tests, benchmarks and examples lives in tools/, out of
+    the package."""
+    assert not (PACKAGE / "harness.py").exists()
+    assert (ROOT / "tools" / "harness.py").is_file()
+
+
+# -- function length ---------------------------------------------------------------------
+
+
+def _long_python_functions() -> list[str]:
+    out = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                doc = ast.get_docstring(node) or ""
+                if length > LONG_FUNCTION and "Long:" not in doc:
+                    out.append(f"tensorsocket.{module}.{node.name} ({length} lines)")
+    return out
+
+
+def _long_c_functions() -> list[str]:
+    """C functions over LONG_FUNCTION lines (a body from a `{` at column 0 to the next `}`
+    at column 0) whose comment above does not say "Long:"."""
+    out = []
+    for name, text in _c_sources().items():
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if line != "{" or i == 0:
+                continue
+            end = next(k for k in range(i + 1, len(lines)) if lines[k] == "}")
+            if end - i + 1 <= LONG_FUNCTION:
+                continue
+            above = "\n".join(lines[max(0, i - 12):i])
+            if "Long:" not in above:
+                out.append(f"csrc/{name}: {lines[i - 1].strip()[:60]} ({end - i + 1} lines)")
+    return out
+
+
+def test_long_functions_say_why():
+    """No function of the library or the C core is over 80 lines unless a "Long:" line at
+    its top (docstring, or the comment above a C function) says why."""
+    assert _long_python_functions() == []
+    assert _long_c_functions() == []
 
 
 def test_benchmarks_import_no_cycle():
-    """The benchmark scripts share code through a module that imports neither of them."""
+    """The benchmark scripts share code through modules that import none of them."""
     bench = ROOT / "benchmarks"
     graph = {}
     for path in bench.glob("*.py"):
@@ -180,17 +297,6 @@ def test_benchmarks_import_no_cycle():
             elif isinstance(node, ast.Import):
                 deps.update(a.name.split(".")[0] for a in node.names)
         graph[path.stem] = deps & {p.stem for p in bench.glob("*.py")}
-    assert "handoff_common" in graph.get("handoff", set())
-    for a, deps in graph.items():
-        for b in deps:
-            assert a not in _closure(graph, b), f"benchmarks/{a}.py and {b}.py import each other"
-
-
-def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for dep in graph.get(todo.pop(), ()):
-            if dep not in seen:
-                seen.add(dep)
-                todo.append(dep)
-    return seen
+    assert graph, "no benchmark scripts"
+    for a in graph:
+        assert a not in _reach(graph, a), f"benchmarks/{a}.py is on an import cycle"

@@ -15,7 +15,7 @@ import torch
 
 from conftest import ROOT, shm_segments, popen
 from tensorsocket import TensorConsumer, TensorProducer
-from tensorsocket.endpoints import runtime_dir
+from tensorsocket.control.endpoints import runtime_dir
 
 HOLD_AND_EXIT = textwrap.dedent("""
     import os, sys
@@ -145,7 +145,7 @@ def test_sigterm_on_a_forked_child_leaves_the_producers_files(name):
 def test_sigterm_handler_only_from_the_main_thread_over_the_default(name):
     """The handler is installed by a producer the main thread creates, over the default
     action only, and the default comes back once the last producer is closed."""
-    from tensorsocket.producer_files import on_sigterm
+    from tensorsocket.control.producer_files import on_sigterm
 
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:

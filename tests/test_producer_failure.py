@@ -233,7 +233,7 @@ def test_lock_file_of_an_earlier_run_is_waited_past(name):
     run) does not end the wait: a new producer may be on its way. The timeout's
     ProducerNotFound mentions it."""
     from tensorsocket import ProducerNotFound
-    from tensorsocket.endpoints import resolve
+    from tensorsocket.control.endpoints import resolve
 
     lock = resolve(name).lock_path
     pid = _dead_pid()
@@ -250,7 +250,7 @@ def test_lock_file_of_an_earlier_run_is_waited_past(name):
 def test_lock_file_of_a_producer_that_just_died_ends_the_wait(name):
     """A dead producer's lock file written since this process started, within the
     timeout: that producer was started for this consumer and died."""
-    from tensorsocket.endpoints import resolve
+    from tensorsocket.control.endpoints import resolve
 
     lock = resolve(name).lock_path
     pid = _dead_pid()

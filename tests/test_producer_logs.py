@@ -20,8 +20,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import tensorsocket
-from tensorsocket import _core, _election, _shared_producer
-from tensorsocket._election import older_log_path, release_lock, share_lock_file, take_lock
+from tensorsocket import _core
+from tensorsocket.sharing import election as _election, shared_producer as _shared_producer
+from tensorsocket.sharing.election import older_log_path, release_lock, share_lock_file, take_lock
 from tensorsocket.errors import ProducerFailed, TensorSocketError
 
 from conftest import ROOT, run as run_python

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorsocket.epoch_cursor import InFlight
-from tensorsocket.rebatch import EpochEnd, Rebatcher, batch_samples, consumer_len
+from tensorsocket.data.epoch_cursor import InFlight
+from tensorsocket.data.rebatch import EpochEnd, Rebatcher, batch_samples, consumer_len
 
 Pair = collections.namedtuple("Pair", "x y")
 

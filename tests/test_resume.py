@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, popen
-from tensorsocket.endpoints import runtime_dir
-from tensorsocket.resume import EpochTaken, SavedPlace, decode, encode
-from tensorsocket.sample_ids import IdMask, split, with_ids
+from tensorsocket.control.endpoints import runtime_dir
+from tensorsocket.data.resume import EpochTaken, SavedPlace, decode, encode
+from tensorsocket.data.sample_ids import IdMask, split, with_ids
 
 JOB = ROOT / "tests" / "resume_job.py"
 SCALE = float(os.environ.get("TS_TEST_TIMEOUT_SCALE", "1"))

@@ -28,7 +28,7 @@ import tensorsocket
 from conftest import shm_segments, popen
 from tensorsocket import ProducerFinished, ProducerNotFound, TensorConsumer, TensorSocketError
 from tensorsocket import _core
-from tensorsocket.endpoints import runtime_dir
+from tensorsocket.control.endpoints import runtime_dir
 
 IDLE = 1.5  # idle_timeout of the producers the tests start
 SAMPLES = 40
@@ -91,7 +91,7 @@ def _ours(p: psutil.Process, base: str) -> bool:
     """Whether p runs with XDG_RUNTIME_DIR=base, or writes its output into base (a producer
     that share() forked writes to its log in the runtime directory). /proc/PID/environ
     shows the environment a process was exec'd with: a child forked by the tests' fork
-    server (tensorsocket.harness) and the producers it forks show the server's."""
+    server (tools.harness) and the producers it forks show the server's."""
     if p.environ().get("XDG_RUNTIME_DIR") == base:
         return True
     for fd in (1, 2):
@@ -218,8 +218,8 @@ def assert_nothing_left(rdir: Path, name: str) -> None:
 
 
 def producer_alive(rdir: Path, name: str) -> bool:
-    from tensorsocket._election import producer_live
-    from tensorsocket.endpoints import resolve
+    from tensorsocket.sharing.election import producer_live
+    from tensorsocket.control.endpoints import resolve
 
     return producer_live(resolve(name))
 

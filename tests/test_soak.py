@@ -299,7 +299,7 @@ def _last(p: subprocess.Popen, timeout: float) -> dict:
 
 
 def _runtime_files(name: str) -> list[str]:
-    from tensorsocket.endpoints import runtime_dir
+    from tensorsocket.control.endpoints import runtime_dir
 
     return sorted(p.name for p in runtime_dir().glob(name + ".*"))
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensorsocket.structure import Decoder, Encoder, flatten
+from tensorsocket.data.structure import Decoder, Encoder, flatten
 
 Point = collections.namedtuple("Point", ["x", "y"])
 

@@ -101,12 +101,12 @@ def test_every_public_name_has_a_docstring():
 
 def test_command_line_modules_have_docstrings():
     """The CLI's modules and their public functions are documented."""
-    import tensorsocket.clean
-    import tensorsocket.status
-    import tensorsocket.top
+    import tensorsocket.cli.clean
+    import tensorsocket.cli.status
+    import tensorsocket.cli.top
 
     missing = []
-    for module in (tensorsocket.status, tensorsocket.clean, tensorsocket.top):
+    for module in (tensorsocket.cli.status, tensorsocket.cli.clean, tensorsocket.cli.top):
         assert inspect.getdoc(module), module.__name__
         for name, obj in vars(module).items():
             if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:

@@ -16,7 +16,7 @@ import torch
 
 from roles import HeapProbeDataset, mark_worker_init
 from tensorsocket import TensorConsumer, TensorProducer, config
-from tensorsocket.worker_heap import PaddedWorkerInit, glibc_mallopt, padded_workers
+from tensorsocket.loader.worker_heap import PaddedWorkerInit, glibc_mallopt, padded_workers
 
 pytestmark = pytest.mark.skipif(glibc_mallopt() is None, reason="glibc only")
 # Under ASan (scripts/test-sanitized.sh) malloc is ASan's allocator: glibc's mallopt does not

@@ -58,9 +58,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ts_cuda.h"
+#include "device/ts_cuda_api.h"
 
-/* Error codes ts_cuda.h does not need but the double returns or names. */
+/* Error codes ts_cuda_api.h does not need but the double returns or names. */
 #define CUDA_ERROR_ILLEGAL_STATE 401
 #define CUDA_ERROR_UNKNOWN 999
 #define FC_CAPTURE_MODE_THREAD_LOCAL 1
@@ -80,7 +80,7 @@
 #define FC_STATE_MAGIC 0x53454346u /* "FCES" */
 
 /* The prototypes of the exports: -Wmissing-prototypes stays quiet, and a
- * signature that drifts from ts_cuda.h's table is a compile error. */
+ * signature that drifts from ts_cuda_api.h's table is a compile error. */
 FC_API CUresult cuInit(unsigned int flags);
 FC_API CUresult cuDriverGetVersion(int *version);
 FC_API CUresult cuGetErrorName(CUresult error, const char **name);

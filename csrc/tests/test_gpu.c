@@ -1,4 +1,4 @@
-/* test_gpu.c - C-level unit tests of the GPU ring (ts_gpu.c, the device paths of ts_ring.c
+/* test_gpu.c - C-level unit tests of the GPU ring (ts_device_cuda.c, the device paths of ts_ring.c
  * and ts_export.c), on the CUDA driver test double (csrc/tests/fake_cuda.c).
  *
  * The double refuses to open an IPC handle in the process that exported it, as the real
@@ -32,12 +32,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "ts_clock.h"
-#include "ts_cuda.h"
-#include "ts_error.h"
-#include "ts_export.h"
-#include "ts_proc.h"
-#include "ts_ring.h"
+#include "base/ts_clock.h"
+#include "device/ts_cuda_api.h"
+#include "base/ts_error.h"
+#include "ring/ts_export.h"
+#include "base/ts_proc.h"
+#include "ring/ts_ring.h"
 
 #include "ts_check.h"
 

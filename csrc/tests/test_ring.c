@@ -20,12 +20,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "ts_clock.h"
-#include "ts_copy.h"
-#include "ts_error.h"
-#include "ts_export.h"
-#include "ts_proc.h"
-#include "ts_ring.h"
+#include "base/ts_clock.h"
+#include "base/ts_copy.h"
+#include "base/ts_error.h"
+#include "ring/ts_export.h"
+#include "base/ts_proc.h"
+#include "ring/ts_ring.h"
 
 #include "ts_check.h"
 

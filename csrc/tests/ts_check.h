@@ -21,9 +21,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ts_clock.h"
-#include "ts_error.h"
-#include "ts_ring.h"
+#include "base/ts_clock.h"
+#include "base/ts_error.h"
+#include "ring/ts_ring.h"
 
 /* ---- checks ------------------------------------------------------------------------ */
 

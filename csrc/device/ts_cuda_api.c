@@ -1,0 +1,193 @@
+/* ts_cuda_api.c - loading the CUDA driver API at run time (see ts_cuda_api.h). */
+#define _GNU_SOURCE
+#include "device/ts_cuda_api.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TS_LIBCUDA_DEFAULT "libcuda.so.1"
+#define TS_LIBCUDA_ENV "TENSORSOCKET_LIBCUDA"
+
+/* One symbol to look up: its exported (versioned) name and where it goes. */
+typedef struct ts_cuda_sym {
+    const char *name;
+    size_t offset; /* of the function pointer in ts_cuda_api */
+} ts_cuda_sym;
+
+#define TS_SYM(field, symbol) {symbol, offsetof(ts_cuda_api, field)}
+
+/* The exported names are the ones cuda.h #defines the API names to. */
+static const ts_cuda_sym ts_cuda_syms[] = {
+    TS_SYM(Init, "cuInit"),
+    TS_SYM(DriverGetVersion, "cuDriverGetVersion"),
+    TS_SYM(GetErrorName, "cuGetErrorName"),
+    TS_SYM(GetErrorString, "cuGetErrorString"),
+    TS_SYM(DeviceGetCount, "cuDeviceGetCount"),
+    TS_SYM(DeviceGet, "cuDeviceGet"),
+    TS_SYM(DeviceGetAttribute, "cuDeviceGetAttribute"),
+    TS_SYM(DeviceGetUuid, "cuDeviceGetUuid"),
+    TS_SYM(DeviceGetName, "cuDeviceGetName"),
+    TS_SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"),
+    TS_SYM(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2"),
+    TS_SYM(CtxPushCurrent, "cuCtxPushCurrent_v2"),
+    TS_SYM(CtxPopCurrent, "cuCtxPopCurrent_v2"),
+    TS_SYM(CtxSynchronize, "cuCtxSynchronize"),
+    TS_SYM(MemAlloc, "cuMemAlloc_v2"),
+    TS_SYM(MemFree, "cuMemFree_v2"),
+    TS_SYM(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"),
+    TS_SYM(MemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2"),
+    TS_SYM(MemHostRegister, "cuMemHostRegister_v2"),
+    TS_SYM(MemHostUnregister, "cuMemHostUnregister"),
+    TS_SYM(StreamCreate, "cuStreamCreate"),
+    TS_SYM(StreamDestroy, "cuStreamDestroy_v2"),
+    TS_SYM(StreamSynchronize, "cuStreamSynchronize"),
+    TS_SYM(StreamWaitEvent, "cuStreamWaitEvent"),
+    TS_SYM(EventCreate, "cuEventCreate"),
+    TS_SYM(EventDestroy, "cuEventDestroy_v2"),
+    TS_SYM(EventRecord, "cuEventRecord"),
+    TS_SYM(EventQuery, "cuEventQuery"),
+    TS_SYM(EventSynchronize, "cuEventSynchronize"),
+    TS_SYM(IpcGetMemHandle, "cuIpcGetMemHandle"),
+    TS_SYM(IpcOpenMemHandle, "cuIpcOpenMemHandle_v2"),
+    TS_SYM(IpcCloseMemHandle, "cuIpcCloseMemHandle"),
+    TS_SYM(IpcGetEventHandle, "cuIpcGetEventHandle"),
+    TS_SYM(IpcOpenEventHandle, "cuIpcOpenEventHandle"),
+    TS_SYM(DeviceCanAccessPeer, "cuDeviceCanAccessPeer"),
+};
+
+/* Symbols a driver may lack; their pointers stay NULL then. cuDeviceGetUuid_v2 came with
+ * CUDA 11.4: "If the device is in MIG mode, returns its MIG UUID which uniquely identifies
+ * the subscribed MIG compute instance" (CUDA driver API, Device Management), where
+ * cuDeviceGetUuid (v1) gives a MIG instance its parent GPU's UUID;
+ * cuCtxRecordEvent came with CUDA 12.5, cuThreadExchangeStreamCaptureMode with 10.1. */
+static const ts_cuda_sym ts_cuda_optional_syms[] = {
+    TS_SYM(DeviceGetUuid_v2, "cuDeviceGetUuid_v2"),
+    TS_SYM(CtxRecordEvent, "cuCtxRecordEvent"),
+    TS_SYM(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode"),
+};
+
+/* Load the driver (dlopen, symbols, cuInit). */
+ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
+{
+    ts_status st = TS_OK;
+    const char *path = getenv(TS_LIBCUDA_ENV);
+    int from_env = path != NULL && path[0] != '\0';
+    if (!from_env) path = TS_LIBCUDA_DEFAULT;
+    ts_cuda_api *api = calloc(1, sizeof *api);
+    if (api == NULL) return ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
+    api->base.device = &ts_device_cuda;
+    atomic_init(&api->base.refs, 1);
+    snprintf(api->base.path, sizeof api->base.path, "%s", path);
+
+    api->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (api->lib == NULL) {
+        const char *why = dlerror();
+        st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                        "the CUDA driver library %s could not be loaded (%s): no NVIDIA "
+                        "driver on this machine%s",
+                        path, why ? why : "unknown error",
+                        from_env ? " (set by " TS_LIBCUDA_ENV ")" : "");
+        goto error;
+    }
+    for (size_t i = 0; i < sizeof ts_cuda_syms / sizeof ts_cuda_syms[0]; i++) {
+        void *fn = dlsym(api->lib, ts_cuda_syms[i].name);
+        if (fn == NULL) {
+            st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                            "the CUDA driver %s lacks %s: the driver is too old (CUDA 11.3 "
+                            "or newer is needed)",
+                            path, ts_cuda_syms[i].name);
+            goto error;
+        }
+        /* POSIX guarantees object and function pointers convert through dlsym. */
+        memcpy((char *)api + ts_cuda_syms[i].offset, &fn, sizeof fn);
+    }
+    for (size_t i = 0; i < sizeof ts_cuda_optional_syms / sizeof ts_cuda_optional_syms[0]; i++) {
+        void *fn = dlsym(api->lib, ts_cuda_optional_syms[i].name);
+        if (fn != NULL) memcpy((char *)api + ts_cuda_optional_syms[i].offset, &fn, sizeof fn);
+    }
+    CUresult rc = api->Init(0);
+    if (rc != CUDA_SUCCESS) {
+        ts_cuda_fail(api, err, rc, "cuInit failed, no usable GPU");
+        if (err != NULL) err->code = TS_E_GPU_UNAVAILABLE;
+        st = TS_E_GPU_UNAVAILABLE;
+        goto error;
+    }
+    api->DriverGetVersion(&api->base.version);
+    /* The driver API reference documents cuCtxRecordEvent from CUDA 12.5 on: an older
+     * driver's answer (the version it reports) is trusted over a stray symbol. */
+    if (api->base.version < TS_CUDA_CTX_RECORD_EVENT_VERSION) api->CtxRecordEvent = NULL;
+    *out = api;
+    return TS_OK;
+
+error:
+    if (api->lib != NULL) dlclose(api->lib);
+    free(api);
+    return st;
+}
+
+/* Take a reference on the table. */
+void ts_cuda_ref(ts_cuda_api *api)
+{
+    ts_device_driver_ref(&api->base);
+}
+
+/* Drop a reference; the library is closed at zero (ts_cuda_unload). */
+void ts_cuda_unref(ts_cuda_api *api)
+{
+    if (api != NULL) ts_device_driver_unref(&api->base);
+}
+
+/* The table of a driver the CUDA backend loaded (base is its first member). */
+ts_cuda_api *ts_cuda_of(ts_device_driver *driver)
+{
+    return (ts_cuda_api *)driver;
+}
+
+/* Close the library and free the table. */
+void ts_cuda_unload(ts_device_driver *driver)
+{
+    ts_cuda_api *api = ts_cuda_of(driver);
+    dlclose(api->lib);
+    free(api);
+}
+
+/* Record a failed driver call in err: "<what>: CUDA_ERROR_X (text)". */
+ts_status ts_cuda_fail(const ts_cuda_api *api, ts_err *err, CUresult rc, const char *what)
+{
+    const char *name = NULL, *text = NULL;
+    if (api != NULL && api->GetErrorName != NULL) api->GetErrorName(rc, &name);
+    if (api != NULL && api->GetErrorString != NULL) api->GetErrorString(rc, &text);
+    return ts_err_set(err, TS_E_CUDA, 0, "%s: %s (%s)", what, name ? name : "CUDA error",
+                      text ? text : "no description");
+}
+
+/* The UUID that identifies device: _v2's where the driver has it, else v1's. */
+CUresult ts_cuda_device_uuid(const ts_cuda_api *api, CUuuid *uuid, CUdevice device)
+{
+    if (api->DeviceGetUuid_v2 != NULL) return api->DeviceGetUuid_v2(uuid, device);
+    return api->DeviceGetUuid(uuid, device);
+}
+
+/* The name of the call ts_cuda_device_uuid makes. */
+const char *ts_cuda_uuid_call(const ts_cuda_api *api)
+{
+    return api->DeviceGetUuid_v2 != NULL ? "cuDeviceGetUuid_v2" : "cuDeviceGetUuid";
+}
+
+/* The ordinal of the visible device with this UUID, or -1. */
+int ts_cuda_find_device(const ts_cuda_api *api, const CUuuid *uuid)
+{
+    int count = 0;
+    if (api->DeviceGetCount(&count) != CUDA_SUCCESS) return -1;
+    for (int i = 0; i < count; i++) {
+        CUdevice dev;
+        CUuuid u;
+        if (api->DeviceGet(&dev, i) != CUDA_SUCCESS) continue;
+        if (ts_cuda_device_uuid(api, &u, dev) != CUDA_SUCCESS) continue;
+        if (memcmp(u.bytes, uuid->bytes, sizeof u.bytes) == 0) return i;
+    }
+    return -1;
+}

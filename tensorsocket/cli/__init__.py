@@ -1,0 +1,1 @@
+"""The command line: ``tensorsocket status | top | clean | config`` (main)."""

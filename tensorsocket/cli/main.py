@@ -1,0 +1,354 @@
+"""Command line of tensorsocket: ``tensorsocket SUBCOMMAND`` or ``python -m tensorsocket``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+from typing import Any, NoReturn, Sequence
+
+PROG = "tensorsocket"
+
+
+class UsageError(Exception):
+    """A bad combination of arguments that argparse cannot check; ``hint`` says what to do."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class CommandError(Exception):
+    """An expected failure whose message says what to do (a bad runtime directory, a
+    bad TENSORSOCKET_* value): shown as one line, with ``hint`` if given; exit 1."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line and a hint with the usage of
+    the (sub)command they belong to."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """Parse; an argument this (sub)command does not know is its usage error (argparse
+        would leave it to the top-level parser, which shows the top-level usage)."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def error(self, message: str) -> NoReturn:
+        """Print `prog: error: message` and the usage on one line; exit 2."""
+        usage = " ".join(self.format_usage().split())
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"hint: {usage} (`{self.prog} --help` explains each option)\n")
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by SIGTERM, so that commands clean up as on Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM handler: unwind the command."""
+    raise _Terminated()
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
+def _check_settings() -> None:
+    """CommandError for a TENSORSOCKET_* variable that does not parse (its message names
+    the variable and the fix)."""
+    from .. import config
+
+    for setting in config.SETTINGS.values():
+        try:
+            setting.from_env()
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+
+
+def _runtime_dir() -> Any:
+    """The runtime directory for sockets and locks; CommandError if it cannot be used."""
+    from .. import config
+    from ..control.endpoints import runtime_dir
+
+    var = config.SETTINGS["runtime_dir"].env
+    try:
+        return runtime_dir()
+    except (OSError, ValueError) as e:
+        if var in str(e):  # the message names the variable and what to do
+            raise CommandError(str(e)) from None
+        raise CommandError(f"cannot use the runtime directory for sockets and locks: {e}",
+                           f"set {var} to a directory of your own (created mode 0700 if "
+                           "missing)") from None
+
+
+def _width() -> int:
+    """Columns to wrap text at: $COLUMNS if set, else the terminal's, else 80."""
+    import shutil
+
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def _check_name(name: str | None) -> None:
+    """A --name must be a valid producer name."""
+    from ..control.endpoints import check_name
+
+    if name is not None:
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise UsageError(str(e), "producer names are the name= given to TensorProducer; "
+                             "`tensorsocket status` lists them") from None
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """Print every producer of this user and its consumers, or a JSON document."""
+    import json
+
+    from .status import as_json, no_producer_named, other_users, render, survey
+
+    _check_name(args.name)
+    producers = survey(args.interval, args.name)
+    others = other_users(args.name)
+    missing = args.name is not None and not producers
+    line, hint = no_producer_named(args.name) if missing else ("", "")
+    if args.json:
+        json.dump(as_json(producers, args.interval, others), sys.stdout, indent=2)
+        print()
+    elif missing:
+        print(line)
+        if others:  # another user's producer of that name
+            print("\n".join(render([], _width(), others)[1:]))
+    else:
+        print("\n".join(render(producers, _width(), others)))
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    """Show the status live until q."""
+    from .top import run
+
+    _check_name(args.name)
+    return run(args.interval, args.name, args.iterations, force_plain=args.plain)
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    """Remove what dead producers left; --dry-run only lists it."""
+    from .clean import leftovers, remove
+
+    _check_name(args.name)
+    rdir = _runtime_dir()
+    found = [item for item in leftovers(rdir) if args.name is None or item.name == args.name]
+    if not found:
+        print("nothing to clean: no segment, socket, lock or log of a dead producer")
+        return 0
+    failed = 0
+    verb = "would remove" if args.dry_run else "removed"
+    for item in found:
+        problem = None if args.dry_run else remove(item)
+        if problem is None:
+            print(f"{verb} {item.describe()}")
+        else:
+            failed += 1
+            print(f"kept    {item.path}: {problem}")
+    done = len(found) - failed
+    summary = f"{done} item(s) {'to remove' if args.dry_run else 'removed'}"
+    if failed:
+        summary += f", {failed} kept"
+    if args.dry_run:
+        summary += "; run without --dry-run to remove them"
+    print(summary)
+    return 1 if failed else 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    """Show the settings environment variables give here, or the docs' table."""
+    from .. import config
+
+    if args.markdown:
+        sys.stdout.write(config.markdown())
+        return 0
+    rows = [["environment variable", "argument", "side", "value here"]]
+    problems = []
+    for s in config.SETTINGS.values():
+        try:
+            value = s.from_env()
+        except ValueError as e:
+            problems.append(str(e))
+            value = config.UNSET
+        text = os.environ.get(s.env, "").strip()
+        here = f"{s.shown(text) if s.secret else text}  (set)" if value is not config.UNSET else \
+            f"default: {s.default_text.replace('`', '')}"
+        rows.append([s.env, f"{s.argument}=" if s.argument else "-", s.sides, here])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print("an argument given in the code wins over its variable; "
+          "docs/configuration.md explains each setting")
+    problems += [p for p in config.check_environment() if p not in problems]
+    for p in problems:
+        print(f"problem: {p}", file=sys.stderr)
+    for w in config.environment_warnings():
+        print(f"warning: {w}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with one subparser per subcommand."""
+    from .. import __version__
+
+    debug = _Parser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks on errors")
+
+    parser = _Parser(
+        prog=PROG, parents=[debug],
+        description="tensorsocket: shared data loading for collocated PyTorch training jobs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
+                                parser_class=_Parser)
+
+    name_help = "only the producer of this name= (default: every producer of this user)"
+    status = sub.add_parser(
+        "status", parents=[debug], help="show every producer on this machine and its consumers",
+        description="Read every tensorsocket ring segment of this user (no daemon needed) and "
+                    "show each producer (pid, epoch, batch rate, ring occupancy, bytes per "
+                    "batch, loader CPU) and its consumers (pid, batch size, cursor, lag, rate). "
+                    "Rates are measured over --interval seconds.")
+    status.add_argument("--json", action="store_true",
+                        help="print a JSON document (format 1, see docs/cli.md) for scripts")
+    status.add_argument("--name", metavar="NAME", help=name_help)
+    status.add_argument("--interval", type=_non_negative_float, default=0.5, metavar="SECONDS",
+                        help="measure rates over this long (default: 0.5; 0: no rates)")
+    status.set_defaults(func=_cmd_status)
+
+    top = sub.add_parser(
+        "top", parents=[debug], help="the status, refreshed live (q quits)",
+        description="Show `tensorsocket status` full-screen, refreshed every --interval "
+                    "seconds (curses). Keys: q quits, + and - change the refresh. When "
+                    "standard output is not a terminal, print a snapshot per refresh.")
+    top.add_argument("--name", metavar="NAME", help=name_help)
+    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS",
+                     help="seconds between refreshes (default: 1)")
+    top.add_argument("--iterations", type=_positive_int, default=None, metavar="N",
+                     help="stop after N refreshes (default: run until q or Ctrl-C)")
+    top.add_argument("--plain", action="store_true",
+                     help="print snapshots instead of the full-screen view")
+    top.set_defaults(func=_cmd_top)
+
+    clean = sub.add_parser(
+        "clean", parents=[debug],
+        help="remove segments, sockets and logs left by dead producers",
+        description="Remove the shared-memory segments, sockets and lock files that producers "
+                    "killed without cleaning up left behind, and the logs that share()'s "
+                    "producers that failed or were killed left for reading. Never touches a "
+                    "live producer's: a segment is removed only when the process recorded in "
+                    "it is gone, a socket or lock only when no producer holds the name's lock, "
+                    "a log only when besides no share() is starting or ending a producer of "
+                    "the name.")
+    clean.add_argument("--dry-run", action="store_true",
+                       help="list what would be removed, remove nothing")
+    clean.add_argument("--name", metavar="NAME", help=name_help)
+    clean.set_defaults(func=_cmd_clean)
+
+    config = sub.add_parser(
+        "config", parents=[debug], help="the settings environment variables give here",
+        description="List every TENSORSOCKET_* setting, its value in this environment (or "
+                    "its default) and the argument that overrides it; exit 1 if a variable "
+                    "does not parse or is no setting (a typo). A value that is likely a "
+                    "mistake (an address other machines reach) gets a warning.")
+    config.add_argument("--markdown", action="store_true",
+                        help="print docs/configuration.md (the one table of settings)")
+    config.set_defaults(func=_cmd_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version and usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    debug = getattr(args, "debug", False)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    prefix = f"{PROG} {args.command}"
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"\n{prefix}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `tensorsocket status | head`: the reader left, not an error
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the exit flush quiet
+        except OSError:
+            pass
+        return 141
+    except _Terminated:
+        print(f"{prefix}: terminated", file=sys.stderr)
+        return 143
+    except Exception as e:
+        # Errors that carry a hint (UsageError, CommandError; "" for none) are
+        # expected failures: their message is for the user and says what to do. Anything
+        # else is unexpected: shown with its type and the --debug hint.
+        hint = getattr(e, "hint", None)
+        if debug:
+            traceback.print_exc()
+        message = str(e) if hint is not None else f"{type(e).__name__}: {e}"
+        print(f"{prefix}: error: {message}", file=sys.stderr)
+        if hint:
+            print(f"hint: {hint}", file=sys.stderr)
+        if not debug and hint is None:
+            print("hint: run again with --debug to see the full traceback", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

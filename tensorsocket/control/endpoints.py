@@ -1,0 +1,270 @@
+"""Rendezvous: where a producer named N listens and how its segments are named.
+
+With no arguments both sides use the name ``default`` (or
+``$TENSORSOCKET_NAME``) and meet at an ipc:// socket in a per-user runtime
+directory of mode 0700 (``$TENSORSOCKET_RUNTIME_DIR``, else
+``$XDG_RUNTIME_DIR/tensorsocket``, else ``/tmp/tensorsocket-<uid>``). A
+``port`` gives a loopback TCP endpoint instead; an explicit ``address`` (or
+``$TENSORSOCKET_ADDRESS`` when neither ``port`` nor ``address`` is passed) is
+used as given. See tensorsocket.config for the settings and their variables.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import ipaddress
+import os
+import re
+import stat
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import config
+
+DEFAULT_NAME = config.SETTINGS["name"].default
+_NAME_RE = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}")  # the whole name (fullmatch)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a producer is found: its name, control address and lock file."""
+
+    name: str
+    address: str
+    runtime_dir: Path
+
+    @property
+    def socket_path(self) -> Path | None:
+        """File of an ipc:// endpoint (None for tcp://)."""
+        if self.address.startswith("ipc://"):
+            return Path(self.address[len("ipc://"):])
+        return None
+
+    @property
+    def lock_path(self) -> Path:
+        """File a live producer holds an exclusive flock on."""
+        return self.runtime_dir / f"{self.name}.lock"
+
+    def segment_name(self, pid: int) -> str:
+        """POSIX shm name of the ring of producer pid."""
+        return f"/{segment_prefix(self.name)}{pid}"
+
+
+def segment_prefix(name: str) -> str:
+    """Prefix (without the leading '/') of every segment of producer `name`."""
+    return f"tensorsocket-{os.getuid()}-{name}-"
+
+
+def runtime_dir() -> Path:
+    """This user's private directory for sockets and locks.
+
+    ``$TENSORSOCKET_RUNTIME_DIR`` if set: that directory, created mode 0700 if
+    missing; an existing one must be a directory (not a symlink) owned by this
+    user with no access for group or others, else PermissionError. Otherwise
+    ``$XDG_RUNTIME_DIR/tensorsocket`` if XDG_RUNTIME_DIR is a directory of this
+    user, else ``/tmp/tensorsocket-<uid>`` (both created 0700, and tightened to
+    0700 if they exist with a looser mode).
+    """
+    chosen = config.get("runtime_dir")
+    if chosen is not None:
+        return _chosen_dir(Path(chosen))
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and _private_dir(Path(base), create=False):
+        path = Path(base) / "tensorsocket"
+    else:
+        path = Path("/tmp") / f"tensorsocket-{os.getuid()}"
+    if not _private_dir(path, create=True):
+        raise PermissionError(
+            f"{path} exists but is not a directory private to this user (owner and mode 0700); "
+            "remove it, or set TENSORSOCKET_RUNTIME_DIR to a directory of your own"
+        )
+    return path
+
+
+def _chosen_dir(path: Path) -> Path:
+    """The directory TENSORSOCKET_RUNTIME_DIR names, created 0700 if missing and
+    checked (never changed) if it exists."""
+    var = config.SETTINGS["runtime_dir"].env
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{var}={path}: its parent directory does not exist; create it, or point "
+            f"{var} elsewhere") from None
+    st = os.lstat(path)
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a symlink is refused too)"
+    elif st.st_uid != os.getuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif stat.S_IMODE(st.st_mode) & 0o077:
+        problem = (f"has mode {stat.S_IMODE(st.st_mode):04o}: others may use it "
+                   f"(chmod 700 {path})")
+    if problem is not None:
+        raise PermissionError(
+            f"{var}={path} {problem}; the runtime directory must be private to this user")
+    return path
+
+
+def _private_dir(path: Path, create: bool) -> bool:
+    """True if path is a real directory owned by us; tightens or creates it when asked."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    if create and stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return True
+
+
+def check_name(name: str) -> str:
+    """Validate a producer name (used in file and segment names)."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid producer name {name!r}: use 1-64 letters, digits, '_', '.' or '-'"
+        )
+    return name
+
+
+def check_port(port: int | str) -> int:
+    """port as an int, if it is a TCP port number (1..65535); else ValueError."""
+    try:
+        port_no = int(port)
+    except (TypeError, ValueError):
+        raise ValueError(f"port must be an integer, got {port!r}") from None
+    if not 0 < port_no < 65536:
+        raise ValueError(f"port {port_no} is outside 1..65535")
+    return port_no
+
+
+def check_address(address: str) -> str:
+    """address, if it is ipc://PATH or tcp://HOST:PORT with a port in 1..65535; else
+    ValueError saying what is wrong (a port out of range would not be refused by ZeroMQ:
+    tcp://HOST:99999 listened on a port of its own choosing)."""
+    if re.fullmatch(r"ipc://.+", address):
+        return address
+    tcp = re.fullmatch(r"tcp://(.+):(\d+)", address)
+    if tcp is None:
+        raise ValueError("not an ipc://PATH or tcp://HOST:PORT address")
+    check_port(tcp.group(2))
+    return address
+
+
+def resolve(
+    name: str | None = None,
+    port: int | str | None = None,
+    address: str | None = None,
+    *,
+    for_producer: bool = False,
+) -> Endpoint:
+    """The endpoint for these arguments (see the module docstring).
+
+    name: the argument, else ``$TENSORSOCKET_NAME``, else ``"default"``.
+    port: loopback TCP on this port (not with address); a producer named
+    ``default`` becomes ``port<N>``. address: ``ipc://PATH`` or
+    ``tcp://HOST:PORT``; with neither port nor address, ``$TENSORSOCKET_ADDRESS``
+    if set, else an ipc socket ``<runtime dir>/<name>.sock``. for_producer:
+    warn about a TCP address reachable from other machines.
+    """
+    name = config.get("name", name)
+    if port is not None:
+        port_no = check_port(port)
+        if address is not None:
+            raise ValueError("give either port= or address=, not both")
+        address = f"tcp://127.0.0.1:{port_no}"
+        if name == DEFAULT_NAME:
+            name = f"port{port_no}"
+    else:
+        address = config.get("address", address)
+        if address is not None:
+            try:
+                check_address(address)
+            except ValueError as e:
+                raise ValueError(f"address={address!r} is not valid: {e}") from None
+    check_name(name)
+    rdir = runtime_dir()
+    if address is None:
+        address = f"ipc://{rdir / (name + '.sock')}"
+        if len(address) - len("ipc://") > 100:
+            raise ValueError(f"socket path too long for ipc://: {address}; set "
+                             "TENSORSOCKET_RUNTIME_DIR to a shorter directory")
+    elif address.startswith("tcp://"):
+        exposed = exposed_address_warning(address)
+        if for_producer and exposed is not None:
+            warnings.warn(f"tensorsocket {exposed}", stacklevel=3)
+    return Endpoint(name=name, address=address, runtime_dir=rdir)
+
+
+def exposed_address_warning(address: str) -> str | None:
+    """Why a producer should not listen at `address` (a tcp:// address other machines
+    reach), or None for a loopback or ipc:// address."""
+    if not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if _is_loopback(host):
+        return None
+    return (f"control plane bound to {address}, which is reachable from other machines; "
+            "use a loopback address (tcp://127.0.0.1:PORT) unless you mean it")
+
+
+def _is_loopback(host: str) -> bool:
+    """True for localhost and loopback IP addresses."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def open_lock_file(path: Path) -> int:
+    """Open (creating it mode 0600) the lock file at `path` for reading and writing; the
+    fd. A symbolic link or anything but a regular file there is refused with
+    PermissionError, never followed: we write our pid into lock files."""
+    problem = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        problem = "is a symbolic link"
+    else:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            problem = "is not a regular file"
+    if problem is not None:
+        raise PermissionError(
+            f"lock file {path} {problem}, which tensorsocket never makes there; it was left "
+            f"alone (nothing written through it): remove it (rm {path}) and start again")
+    return fd
+
+
+def lock_held(path: Path) -> bool:
+    """True while some process holds an flock on `path` (a live producer holds its name's
+    lock for its whole life). A missing file is not held; a file that cannot be opened
+    counts as held, so a caller that removes unheld files errs on the safe side. The probe
+    takes a shared lock for an instant, which does not disturb other probes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the shared lock at once
+    return False

@@ -1,0 +1,2 @@
+"""share(): one producer elected among the training jobs (election), forked from a job
+(shared_producer)."""

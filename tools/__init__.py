@@ -1,0 +1,1 @@
+"""Tooling of this checkout for tests, benchmarks and examples (not installed)."""
