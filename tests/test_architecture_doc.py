@@ -43,6 +43,7 @@ C_NAME = re.compile(r"\b(?:ts|TS)_\w+")
 TYPE_METHOD = re.compile(r"\b(Ring|Slot|SlotView)\.(\w+)")
 CORE_NAME = re.compile(r"\b_core\.(\w+)")
 DOTTED = re.compile(r"\b([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b")
+SYSTEM_HEADER = re.compile(r"^(?!ts_)[A-Za-z]\w*\.h$")  # Python.h, cuda.h: not files of ours
 SKIPPED_DIRS = {".git", "__pycache__", "build", "dist", "node_modules", ".venv", "venv"}
 
 
@@ -102,7 +103,7 @@ def cited_files(text: str) -> set[str]:
 def checkout_files() -> frozenset[str]:
     """Every file of the checkout, relative to its root (build outputs and caches left
     out)."""
-    found = set()
+    found: set[str] = set()
     for top, dirs, files in os.walk(ROOT):
         dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and not d.startswith(".")
                    and not d.endswith(".egg-info")]
@@ -133,7 +134,8 @@ def files_not_found(text: str) -> list[str]:
     """Cited files that are no file of the checkout: a full path, or the tail of one."""
     files = checkout_files()
     return sorted(name for name in cited_files(text)
-                  if name not in files and not any(f.endswith("/" + name) for f in files))
+                  if name not in files and not any(f.endswith("/" + name) for f in files)
+                  and not SYSTEM_HEADER.match(name))
 
 
 @lru_cache(maxsize=None)
@@ -347,6 +349,8 @@ def test_the_checks_can_fail():
 
     cites = text + "\nSee `tests/test_imports.py`, `_shared_producer.py` and `ts_ring.c`.\n"
     assert files_not_found(cites) == ["_shared_producer.py", "tests/test_imports.py"]
+    assert files_not_found("`Python.h` and `ts_no_such_header.h`") == ["ts_no_such_header.h"]
+    assert _anchor("Who may attach") == "who-may-attach" and _anchor("share()") == "share"
     assert cited_tests_not_found(cites) == ["tests/test_imports.py"]
     assert cited_tests_not_found("tests/test_layering.py::test_no_such_thing") == \
         ["tests/test_layering.py::test_no_such_thing"]
