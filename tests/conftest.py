@@ -67,7 +67,7 @@ def hello_message(pid: int, **fields) -> bytes:
     of who may attach); every field not given (the secret, which another user does not
     know) is left empty."""
     from tensorsocket import _core
-    from tensorsocket.control.server import protocol
+    from tensorsocket.control import protocol
 
     msg = dict(protocol=protocol.PROTOCOL_VERSION, pid=pid,
                start_time=_core.process_start_time(pid), batch_size=None, group=None,

@@ -17,7 +17,7 @@ from tensorsocket import (
     VersionMismatch,
 )
 from tensorsocket import _core
-from tensorsocket.control.server import protocol
+from tensorsocket.control import protocol
 from tensorsocket.control.endpoints import resolve
 
 
@@ -242,7 +242,7 @@ def test_info_tells_the_loader_without_attaching(name):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from tensorsocket.control.server import ControlClient
+    from tensorsocket.control import ControlClient
     from tensorsocket.loader.loader_info import LoaderShape
 
     loader = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=4)

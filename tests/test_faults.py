@@ -19,7 +19,7 @@ import zmq
 from conftest import hello_message, shm_segments
 from tensorsocket import SharedMemoryTooSmall, TensorConsumer, TensorProducer, TensorSocketError
 from tensorsocket import _core
-from tensorsocket.control.server import protocol
+from tensorsocket.control import protocol
 from tensorsocket.control.endpoints import resolve, runtime_dir
 
 

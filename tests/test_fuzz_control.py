@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorsocket import TensorConsumer, TensorProducer, _core
-from tensorsocket.control.server import protocol
+from tensorsocket.control import protocol
 from tensorsocket.errors import ProtocolError
 
 WIDTH = 4  # batch i is arange(i * WIDTH, (i + 1) * WIDTH)

@@ -24,7 +24,7 @@ import zmq
 
 from conftest import ROOT, Producing, hello_message
 from tensorsocket import AuthenticationError, TensorConsumer, TensorProducer, _core
-from tensorsocket.control.server import server as control, protocol
+from tensorsocket.control import server as control, protocol
 from tensorsocket.control.endpoints import resolve
 
 DEADLINE = 60.0

@@ -169,7 +169,7 @@ def test_producer_warns_about_a_consumer_holding_the_others_back(procs, name, ca
                                                                   monkeypatch):
     """Without max_lag nobody is detached; a consumer that keeps the others waiting (behind
     the fastest by nearly the whole ring) gets one WARNING naming it and max_lag=."""
-    from tensorsocket.control.server import server as control
+    from tensorsocket.control import server as control
 
     monkeypatch.setattr(control, "LAG_WARN_AFTER", 1.0)
     caplog.set_level(logging.INFO, logger="tensorsocket")

@@ -81,7 +81,7 @@ def test_producer_logs_the_consumer_that_keeps_its_slots(name, procs, caplog, mo
     import torch
 
     from tensorsocket import TensorProducer
-    from tensorsocket.control.server import server as control
+    from tensorsocket.control import server as control
 
     monkeypatch.setattr(control, "HELD_WARN_AFTER", 1.0)
     caplog.set_level(logging.WARNING, logger="tensorsocket")
