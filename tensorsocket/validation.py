@@ -2,10 +2,10 @@
 secrets (auth_token) and devices.
 
 A leaf (the standard library only): tensorsocket.config parses its variables with these
-checks, and the modules that use a value (control.endpoints, control.auth, data.gpu,
-data.segments) check an argument with the same ones, so that both accept the same
-values. Each raises ValueError (TypeError for a device of another type) with a message
-naming the argument.
+checks, and the modules that use a value (control.endpoints, control.auth, data.delivery,
+data.segments, the producer) check an argument with the same ones, so that both accept
+the same values. Each raises ValueError (TypeError for a device of another type) with a
+message naming the argument.
 """
 
 from __future__ import annotations
