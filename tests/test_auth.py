@@ -27,7 +27,7 @@ import zmq
 
 from conftest import ROOT, Producing, hello_message, run as run_python
 from tensorsocket import TensorConsumer, TensorProducer, TensorSocketError, _core
-from tensorsocket.control.server import auth, protocol
+from tensorsocket.control import auth, protocol
 from tensorsocket.control.endpoints import runtime_dir
 
 DEADLINE = 30.0  # seconds any single wait may take before the test fails
@@ -295,7 +295,7 @@ def test_consumer_started_before_the_tcp_producer_finds_the_new_secret(name, mon
     """A consumer that says hello before the producer runs, with a stale secret file of
     an earlier producer of the name (killed, say), still attaches: the producer replaces
     the file, and the refused consumer reads it again."""
-    from tensorsocket.control.server import auth
+    from tensorsocket.control import auth
 
     sent: list = []
     current = auth.ClientSecret.current
@@ -387,7 +387,7 @@ def test_heartbeats_go_on_when_the_queue_to_the_producer_is_full(monkeypatch):
     """A heartbeat that cannot be queued (the producer read nothing for so long that the
     socket's queue is full) is skipped, not the end of the heartbeat thread: once the
     producer reads again, it must hear from this consumer, or it evicts it."""
-    from tensorsocket.control.server import server as control
+    from tensorsocket.control import server as control
 
     class FullThenFree:
         """Stands in for the consumer's socket: full until it refused a few messages, a

@@ -185,7 +185,7 @@ def test_a_tcp_port_out_of_range_is_refused_from_the_environment_and_the_argumen
     """TENSORSOCKET_ADDRESS=tcp://localhost:99999 was accepted and the producer listened on
     a port of ZeroMQ's choosing (the port= argument refused 99999); the variable and the
     address= argument now say what is wrong, as port= does."""
-    from tensorsocket.control.server import endpoints
+    from tensorsocket.control import endpoints
 
     for port in ("99999", "0", "65536"):
         address = f"tcp://localhost:{port}"
