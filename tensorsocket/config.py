@@ -23,10 +23,11 @@ forwards ``None`` still lets the environment apply. For settings whose
 ``max_lag`` (``None``: lossless) - an explicit ``None`` wins over the
 environment, and the environment spells that choice ``none``.
 
-``python -m tensorsocket.config`` prints docs/configuration.md (generated
-from :data:`SETTINGS` by :func:`markdown`); ``--table`` prints just the
-table; ``--env`` checks the ``TENSORSOCKET_*`` variables of the current
-environment.
+Names, addresses, secrets and devices are checked by tensorsocket.validation, for
+an argument and a variable alike. docs/configuration.md is generated from
+:data:`SETTINGS` and :data:`OTHER_VARIABLES` by ``tensorsocket config --markdown``
+(tensorsocket.cli.config_command), which also checks the ``TENSORSOCKET_*`` variables
+of the current environment (:func:`check_environment`, :func:`environment_warnings`).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ import math
 import numbers
 import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from . import _core
+from .validation import check_address, check_name, check_token, exposed_address_warning, \
+    parse_device
 
 __all__ = [
     "ENV_PREFIX",
@@ -56,8 +58,6 @@ __all__ = [
     "environment_warnings",
     "get",
     "lookup",
-    "markdown",
-    "markdown_table",
 ]
 
 ENV_PREFIX = "TENSORSOCKET_"
@@ -193,17 +193,18 @@ class Seconds(Kind):
 
 @dataclass(frozen=True)
 class Integer(Kind):
-    """An integer in lo..hi; none: what None (variable: `none`) means, if anything."""
+    """An integer in lo..hi (hi None: no bound above); none: what None (variable: `none`)
+    means, if anything."""
 
     lo: int
-    hi: int
+    hi: int | None = None
     none: str | None = None
 
     @property
     def takes(self) -> str:
         """What an argument takes."""
-        return f"an int in {self.lo}..{self.hi}" + (f", or None ({self.none})"
-                                                   if self.none else "")
+        bound = f">= {self.lo}" if self.hi is None else f"in {self.lo}..{self.hi}"
+        return f"an int {bound}" + (f", or None ({self.none})" if self.none else "")
 
     def parse(self, text: str) -> Any:
         """The integer of a variable's text."""
@@ -223,7 +224,10 @@ class Integer(Kind):
         return self._bounded(_whole(value, self.takes))
 
     def _bounded(self, value: int) -> int:
-        if not self.lo <= value <= self.hi:
+        """value if it is in range."""
+        if self.hi is None and value < self.lo:
+            raise ValueError(f"{value} is under {self.lo}")
+        if self.hi is not None and not self.lo <= value <= self.hi:
             raise ValueError(f"{value} is outside {self.lo}..{self.hi}")
         return value
 
@@ -325,14 +329,12 @@ class Boolean(Kind):
 @dataclass(frozen=True)
 class Device(Kind):
     """A device name (`cpu`, `cuda`, `cuda:N`; a consumer's also `auto`). An argument
-    is checked where it is used (tensorsocket.data.gpu.parse_device, which names it)."""
+    is checked where it is used (tensorsocket.validation.parse_device, which names it)."""
 
     auto: bool = False
 
     def parse(self, text: str) -> Any:
         """The device of a variable's text (None for `auto`)."""
-        from .data.gpu import parse_device
-
         if self.auto and text == "auto":
             return None
         try:
@@ -419,28 +421,10 @@ class Setting:
 # -- kinds of the settings' values ----------------------------------------------------
 
 
-def _parse_name(text: str) -> str:
-    from .control.endpoints import check_name
-
-    return check_name(text)
-
-
-def _parse_address(text: str) -> str:
-    from .control.endpoints import check_address
-
-    return check_address(text)
-
-
 def _parse_dir(text: str) -> str:
     if not os.path.isabs(text):
         raise ValueError("not an absolute path")
     return os.path.normpath(text)
-
-
-def _parse_token(text: str) -> str:
-    from .control.auth import check_token
-
-    return check_token(text)
 
 
 _TIMEOUT = Seconds(none="wait forever")
@@ -453,14 +437,14 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "1-64 letters, digits, `_`, `.`, `-`",
             "rendezvous name: a consumer finds the producer of the same name; one live "
             "producer per name (with `port=` and no name: `port<N>`)",
-            Text(_parse_name)),
+            Text(check_name)),
     Setting("address", "address", "TENSORSOCKET_ADDRESS", "both", None,
             "ipc socket `<runtime dir>/<name>.sock`",
             "`ipc://PATH` or `tcp://HOST:PORT`",
             "control-plane address; an explicit `port=` or `address=` argument overrides the "
             "variable; a non-loopback TCP address makes the producer and `tensorsocket "
             "config` warn",
-            Text(_parse_address)),
+            Text(check_address)),
     Setting("runtime_dir", None, "TENSORSOCKET_RUNTIME_DIR", "both", None,
             "`$XDG_RUNTIME_DIR/tensorsocket` if `XDG_RUNTIME_DIR` is a directory of this "
             "user, else `/tmp/tensorsocket-<uid>`",
@@ -476,7 +460,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "it to `<runtime dir>/<name>.secret` (mode 0600) for consumers of its user; give "
             "both sides the same value where a consumer cannot read that file "
             "(another runtime directory, another container)",
-            Text(_parse_token), secret=True),
+            Text(check_token), secret=True),
     # -- consumer ----------------------------------------------------------------------
     Setting("timeout", "timeout", "TENSORSOCKET_TIMEOUT", "consumer", 60.0, "60",
             _TIMEOUT_ACCEPTS,
@@ -676,8 +660,6 @@ def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:
 def environment_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values of the ``TENSORSOCKET_*`` variables that work but are likely a mistake: a
     control-plane address reachable from other machines (a producer warns about it too)."""
-    from .control.endpoints import exposed_address_warning
-
     env = os.environ if environ is None else environ
     setting = SETTINGS["address"]
     try:
@@ -686,104 +668,3 @@ def environment_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
         return []
     text = None if address is UNSET else exposed_address_warning(address)
     return [] if text is None else [f"{setting.env}={address}: {text}"]
-
-
-# -- documentation --------------------------------------------------------------------
-
-
-def markdown_table() -> str:
-    """The settings as one Markdown table (the table of docs/configuration.md)."""
-    lines = [
-        "| argument | environment variable | side | default | the variable takes | meaning |",
-        "|---|---|---|---|---|---|",
-    ]
-    for s in SETTINGS.values():
-        arg = f"`{s.argument}=`" if s.argument else "(none)"
-        lines.append(f"| {arg} | `{s.env}` | {s.sides} | {s.default_text} | {s.accepts} "
-                     f"| {s.meaning} |")
-    return "\n".join(lines) + "\n"
-
-
-def markdown() -> str:
-    """The whole of docs/configuration.md."""
-    others = "\n".join(f"- `{var}`: {text}" for var, text in OTHER_VARIABLES.items())
-    chosen = _join(sorted({f"`{s.argument}=`" for s in SETTINGS.values()
-                           if s.argument and s.none_is_value}))
-    automatic = _join(sorted({f"`{s.argument}=`" for s in SETTINGS.values()
-                              if s.argument and not s.none_is_value}))
-    return f"""# Configuration
-
-<!-- generated by `tensorsocket config --markdown > docs/configuration.md`; do not edit -->
-
-Every setting of `TensorProducer` and `TensorConsumer` below is taken from, in order:
-
-1. the **argument**, when it is given;
-2. else the **environment variable**, parsed and checked: a bad value raises `ValueError`
-   naming the variable, the value and what it takes (an empty variable counts as unset);
-3. else the **default**.
-
-An argument counts as not given when it is left out. For {automatic}, passing `None`
-counts as not given too (their `None` only means "automatic"), so a wrapper that forwards
-`None` still lets the environment apply; a consumer's `device="auto"` asks for the default
-whatever the environment says. For {chosen}, `None` is a choice of its own (the timeouts:
-wait forever; `max_lag=`: lossless): an explicit `None` wins over the environment, which
-spells that choice `none` (`inf` and `forever` are accepted for the timeouts too).
-
-A timeout argument is checked as its variable is: `float('inf')` waits forever, as `None`
-does; NaN and negative numbers are refused with a `ValueError` naming the argument and
-its variable.
-
-{markdown_table()}
-Notes:
-
-- `port=` (the original TensorSocket's second positional argument) has no variable of its
-  own: `TENSORSOCKET_ADDRESS=tcp://127.0.0.1:PORT` selects a TCP endpoint from the
-  environment. A `port=` or `address=` argument overrides `TENSORSOCKET_ADDRESS`.
-- `device=` has one variable per side, as the two sides mean different things by it: the
-  producer's puts the ring in GPU memory (and allocates it), a consumer's says where its own
-  tensors go, and jobs on one machine often share an environment while using different
-  GPUs.
-- `TENSORSOCKET_RUNTIME_DIR` names the directory itself (nothing is appended). It is
-  created (mode 0700) if missing; an existing one must be a directory owned by this user
-  with no access for others (`chmod 700 DIR`), or both sides refuse it.
-- Which values came from the environment is logged (logger `tensorsocket`, level INFO)
-  when a producer or consumer starts. `tensorsocket config` lists the `TENSORSOCKET_*`
-  variables of the current environment and checks them, typos included.
-
-Other environment variables:
-
-{others}
-"""
-
-
-def _join(items: list[str]) -> str:
-    """`a`, `b` and `c`."""
-    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tensorsocket.config [--table | --env]``."""
-    args = sys.argv[1:] if argv is None else argv
-    if args == ["--table"]:
-        sys.stdout.write(markdown_table())
-        return 0
-    if args == ["--env"]:
-        problems = check_environment()
-        for s in SETTINGS.values():
-            text = os.environ.get(s.env, "")
-            if text.strip():
-                print(f"{s.env}={text}")
-        for p in problems:
-            print(f"problem: {p}")
-        for w in environment_warnings():
-            print(f"warning: {w}")
-        return 1 if problems else 0
-    if args:
-        print("usage: python -m tensorsocket.config [--table | --env]", file=sys.stderr)
-        return 2
-    sys.stdout.write(markdown())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

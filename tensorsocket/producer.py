@@ -28,7 +28,7 @@ from .errors import (
     TensorSocketError,
     TensorSocketWarning,
 )
-from .data.gpu import parse_device
+from .validation import parse_device
 from .loader.loader_info import (
     describe_loader,
     epoch_factory,

@@ -191,7 +191,8 @@ def test_ipc_peer_of_another_user_is_refused(name, rig):
         client = textwrap.dedent(f"""
             import os
             import zmq
-            from tensorsocket import _core, protocol
+            from tensorsocket import _core
+            from tensorsocket.control import protocol
             os.setgid(65534)
             os.setuid(65534)  # every thread of the process; zmq's start below
             s = zmq.Context().socket(zmq.DEALER)

@@ -145,7 +145,31 @@ def test_status_without_producers(tmp_path):
                                                  "name 'no/slashes'")
     assert "hint:" in bad.stderr and "Traceback" not in bad.stderr
     neg = cli("status", "--interval", "-1")
-    assert neg.returncode == 2 and "must be at least 0" in neg.stderr
+    assert neg.returncode == 2 and "takes a number of seconds >= 0" in neg.stderr
+
+
+@pytest.mark.parametrize("args, takes", [
+    (["status", "--interval", "-1"], "a number of seconds >= 0 (not a finite number of "
+                                     "seconds >= 0)"),
+    (["status", "--interval", "inf"], "a number of seconds >= 0 (not a finite number of "
+                                      "seconds >= 0)"),
+    (["top", "--interval", "0"], "a number of seconds > 0 (0 is refused: the view would be "
+                                 "redrawn without pause)"),
+    (["top", "--interval", "soon"], "a number of seconds > 0 (not a number)"),
+    (["top", "--iterations", "0"], "an int >= 1 (0 is under 1)"),
+    (["top", "--iterations", "2.5"], "an int >= 1 (not an integer)"),
+])
+def test_numeric_options_are_parsed_as_settings_are(capsys, args, takes):
+    """The numbers the commands take are parsed by the kinds of the settings
+    (config.Kind): a bad one is one error line naming the option, the value, what it
+    takes and why not, then the usage hint; exit 2."""
+    from tensorsocket.cli.main import main
+
+    assert main(args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == (f"tensorsocket {args[0]}: error: argument {args[1]}: {args[2]} is not "
+                        f"valid: it takes {takes}"), lines
+    assert lines[1].startswith(f"hint: usage: tensorsocket {args[0]}"), lines
 
 
 def test_clean_removes_only_dead_producers_files(name, procs):

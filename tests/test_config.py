@@ -31,18 +31,20 @@ def clean_environment(monkeypatch):
 
 
 def test_docs_are_generated_from_the_registry(capsys):
-    """docs/configuration.md is exactly what `python -m tensorsocket.config` prints, and
+    """docs/configuration.md is exactly what `tensorsocket config --markdown` prints, and
     holds the table of every setting."""
+    from tensorsocket.cli import config_command
+    from tensorsocket.cli.main import main
+
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    assert doc == config.markdown(), \
-        "docs/configuration.md is stale: python -m tensorsocket.config > docs/configuration.md"
-    assert config.markdown_table() in doc
+    assert doc == config_command.markdown(), \
+        "docs/configuration.md is stale: tensorsocket config --markdown > docs/configuration.md"
+    table = config_command.markdown_table()
+    assert table in doc
     for s in SETTINGS.values():
-        assert f"`{s.env}`" in config.markdown_table()
-    assert config.main([]) == 0
+        assert f"`{s.env}`" in table
+    assert main(["config", "--markdown"]) == 0
     assert capsys.readouterr().out == doc
-    assert config.main(["--table"]) == 0
-    assert capsys.readouterr().out == config.markdown_table()
 
 
 def test_registry_matches_the_signatures(name):

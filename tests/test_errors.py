@@ -113,7 +113,7 @@ def test_argument_errors():
 def test_a_name_ending_in_a_newline_is_refused(name):
     """The name check matches the whole name: "x\\n" made files named "x\\n.lock" and
     "x\\n.sock" (a regex's $ matches before a final newline)."""
-    from tensorsocket.control.endpoints import check_name
+    from tensorsocket.validation import check_name
 
     for bad in (f"{name}\n", f"{name}\n\n", "\n", f"{name}\nx"):
         with pytest.raises(ValueError, match="invalid producer name"):

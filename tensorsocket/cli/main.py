@@ -7,7 +7,9 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
+
+from ..config import Integer, Kind, Seconds
 
 PROG = "tensorsocket"
 
@@ -57,49 +59,18 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Terminated()
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _option(kind: Kind) -> Callable[[str], Any]:
+    """argparse type of an option that takes a value of a setting's kind (config.Kind):
+    its text is parsed as a TENSORSOCKET_* variable's is, and refused in the same words."""
 
-
-def _positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    """argparse type: a number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
-    return value
-
-
-def _check_settings() -> None:
-    """CommandError for a TENSORSOCKET_* variable that does not parse (its message names
-    the variable and the fix)."""
-    from .. import config
-
-    for setting in config.SETTINGS.values():
+    def parse(text: str) -> Any:
         try:
-            setting.from_env()
+            return kind.parse(text.strip())
         except ValueError as e:
-            raise CommandError(str(e)) from None
+            raise argparse.ArgumentTypeError(
+                f"{text} is not valid: it takes {kind.takes} ({e})") from None
+
+    return parse
 
 
 def _runtime_dir() -> Any:
@@ -200,35 +171,10 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    """Show the settings environment variables give here, or the docs' table."""
-    from .. import config
+    """Show the settings environment variables give here, or docs/configuration.md."""
+    from . import config_command
 
-    if args.markdown:
-        sys.stdout.write(config.markdown())
-        return 0
-    rows = [["environment variable", "argument", "side", "value here"]]
-    problems = []
-    for s in config.SETTINGS.values():
-        try:
-            value = s.from_env()
-        except ValueError as e:
-            problems.append(str(e))
-            value = config.UNSET
-        text = os.environ.get(s.env, "").strip()
-        here = f"{s.shown(text) if s.secret else text}  (set)" if value is not config.UNSET else \
-            f"default: {s.default_text.replace('`', '')}"
-        rows.append([s.env, f"{s.argument}=" if s.argument else "-", s.sides, here])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    print("an argument given in the code wins over its variable; "
-          "docs/configuration.md explains each setting")
-    problems += [p for p in config.check_environment() if p not in problems]
-    for p in problems:
-        print(f"problem: {p}", file=sys.stderr)
-    for w in config.environment_warnings():
-        print(f"warning: {w}", file=sys.stderr)
-    return 1 if problems else 0
+    return config_command.run(markdown_page=args.markdown)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true",
                         help="print a JSON document (format 1, see docs/cli.md) for scripts")
     status.add_argument("--name", metavar="NAME", help=name_help)
-    status.add_argument("--interval", type=_non_negative_float, default=0.5, metavar="SECONDS",
+    status.add_argument("--interval", type=_option(Seconds()), default=0.5, metavar="SECONDS",
                         help="measure rates over this long (default: 0.5; 0: no rates)")
     status.set_defaults(func=_cmd_status)
 
@@ -266,9 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "seconds (curses). Keys: q quits, + and - change the refresh. When "
                     "standard output is not a terminal, print a snapshot per refresh.")
     top.add_argument("--name", metavar="NAME", help=name_help)
-    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS",
+    refresh = Seconds(above=True, at_minimum="0 is refused: the view would be redrawn "
+                                             "without pause")
+    top.add_argument("--interval", type=_option(refresh), default=1.0, metavar="SECONDS",
                      help="seconds between refreshes (default: 1)")
-    top.add_argument("--iterations", type=_positive_int, default=None, metavar="N",
+    top.add_argument("--iterations", type=_option(Integer(1)), default=None, metavar="N",
                      help="stop after N refreshes (default: run until q or Ctrl-C)")
     top.add_argument("--plain", action="store_true",
                      help="print snapshots instead of the full-screen view")

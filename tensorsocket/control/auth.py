@@ -58,14 +58,13 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from .. import config
+from ..validation import MAX_TOKEN_CHARS, check_token
 from .endpoints import Endpoint
 
 if TYPE_CHECKING:
     from .protocol import Hello, Info
 
 SECRET_SUFFIX = ".secret"
-MIN_TOKEN_CHARS = 16
-MAX_TOKEN_CHARS = 1024
 KEY_ITERATIONS = 100_000  # PBKDF2 rounds from the secret to the key (~50 ms, once)
 _KEY_SALT = b"tensorsocket control plane v7"
 NONCE_BYTES = 32  # a challenge's random bytes (sent as hex)
@@ -80,18 +79,6 @@ _ADVICE = (
 def secret_path(endpoint: Endpoint) -> Path:
     """The file in which the producer of `endpoint` keeps its secret."""
     return endpoint.runtime_dir / f"{endpoint.name}{SECRET_SUFFIX}"
-
-
-def check_token(token: Any) -> str:
-    """A token given by the user, checked (ValueError saying what is wrong)."""
-    if not isinstance(token, str):
-        raise ValueError(f"auth_token must be a str, got {type(token).__name__}")
-    if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
-        raise ValueError(f"auth_token must have {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} "
-                         f"characters, got {len(token)}")
-    if not all("!" <= ch <= "~" for ch in token):
-        raise ValueError("auth_token must be printable ASCII without spaces")
-    return token
 
 
 def producer_secret(endpoint: Endpoint, token: Any = config.UNSET) -> str | None:

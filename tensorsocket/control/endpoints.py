@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import ipaddress
 import os
-import re
 import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import config
+from ..validation import check_address, check_name, check_port, exposed_address_warning
 
 DEFAULT_NAME = config.SETTINGS["name"].default
-_NAME_RE = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}")  # the whole name (fullmatch)
 
 
 @dataclass(frozen=True)
@@ -128,39 +126,6 @@ def _private_dir(path: Path, create: bool) -> bool:
     return True
 
 
-def check_name(name: str) -> str:
-    """Validate a producer name (used in file and segment names)."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ValueError(
-            f"invalid producer name {name!r}: use 1-64 letters, digits, '_', '.' or '-'"
-        )
-    return name
-
-
-def check_port(port: int | str) -> int:
-    """port as an int, if it is a TCP port number (1..65535); else ValueError."""
-    try:
-        port_no = int(port)
-    except (TypeError, ValueError):
-        raise ValueError(f"port must be an integer, got {port!r}") from None
-    if not 0 < port_no < 65536:
-        raise ValueError(f"port {port_no} is outside 1..65535")
-    return port_no
-
-
-def check_address(address: str) -> str:
-    """address, if it is ipc://PATH or tcp://HOST:PORT with a port in 1..65535; else
-    ValueError saying what is wrong (a port out of range would not be refused by ZeroMQ:
-    tcp://HOST:99999 listened on a port of its own choosing)."""
-    if re.fullmatch(r"ipc://.+", address):
-        return address
-    tcp = re.fullmatch(r"tcp://(.+):(\d+)", address)
-    if tcp is None:
-        raise ValueError("not an ipc://PATH or tcp://HOST:PORT address")
-    check_port(tcp.group(2))
-    return address
-
-
 def resolve(
     name: str | None = None,
     port: int | str | None = None,
@@ -204,28 +169,6 @@ def resolve(
         if for_producer and exposed is not None:
             warnings.warn(f"tensorsocket {exposed}", stacklevel=3)
     return Endpoint(name=name, address=address, runtime_dir=rdir)
-
-
-def exposed_address_warning(address: str) -> str | None:
-    """Why a producer should not listen at `address` (a tcp:// address other machines
-    reach), or None for a loopback or ipc:// address."""
-    if not address.startswith("tcp://"):
-        return None
-    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-    if _is_loopback(host):
-        return None
-    return (f"control plane bound to {address}, which is reachable from other machines; "
-            "use a loopback address (tcp://127.0.0.1:PORT) unless you mean it")
-
-
-def _is_loopback(host: str) -> bool:
-    """True for localhost and loopback IP addresses."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def open_lock_file(path: Path) -> int:

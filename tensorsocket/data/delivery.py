@@ -20,7 +20,7 @@ import torch
 from .. import _core
 from . import sample_ids
 from ..errors import GPUFallbackWarning, GPUUnavailable
-from .gpu import parse_device
+from ..validation import parse_device
 from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
 
 log = logging.getLogger("tensorsocket")

@@ -17,7 +17,7 @@ import stat
 from dataclasses import dataclass
 
 from .. import _core
-from ..control.endpoints import check_name
+from ..validation import check_name
 
 SHM_DIR = "/dev/shm"
 
