@@ -30,7 +30,7 @@ HOST_COPY_CONSUMER = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import roles
-from tensorsocket import delivery
+from tensorsocket.data import delivery
 
 def _to_device(self, leaves, kinds):
     return leaves

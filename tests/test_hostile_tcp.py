@@ -86,7 +86,8 @@ import os, resource, sys, time
 import zmq
 sys.path.insert(0, sys.argv[4])
 from roles import CountingLoader
-from tensorsocket import TensorProducer, control
+from tensorsocket import TensorProducer
+from tensorsocket.control import server as control
 from tools.harness import emit
 port, batches, limit = (int(a) for a in sys.argv[1:4])
 flag = sys.argv[5]
