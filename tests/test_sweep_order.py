@@ -1,8 +1,8 @@
 """examples/sweep.py's order of joins as the CI run that timed out saw it, with real
 processes: a driver that stops the loader while no consumer is attached (min_consumers=0,
 as sweep.py's driver does), a consumer of batch size 48 attached during the producer's
-first epoch, then consumers of batch sizes 32 (three epochs) and 64 (two) joining during
-its second. The consumer of batch size 32 reads its third epoch alone, while the two that
+first epoch, then consumers of batch sizes 32 (four epochs here, three in sweep.py) and 64 (two)
+joining during its second. The consumer of batch size 32 reads its last epochs alone, while the two that
 left still keep their last batches alive (a slow process exit on a loaded machine: their
 ring slots stay held until they go). Every consumer gets every sample of each epoch."""
 
@@ -57,7 +57,7 @@ import os, sys, time
 from tensorsocket import TensorConsumer, harness
 
 name, batch_size, epochs, release = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-consumer = TensorConsumer(name=name, batch_size=batch_size, timeout=60, batch_timeout=60)
+consumer = TensorConsumer(name=name, batch_size=batch_size, timeout=60, batch_timeout=30)
 seen = []
 for _ in range(epochs):
     ids = []
@@ -81,13 +81,15 @@ def test_last_joiner_reads_its_last_epoch_alone(procs, name, tmp_path):
     assert procs.wait_ready(driver) == {"gate": 1}  # epoch 0's first batch is published
     first = procs.script(CONSUMER, name, "48", "2", release)
     assert procs.wait_ready(driver) == {"gate": 2}  # epoch 1's first batch is published
-    alone = procs.script(CONSUMER, name, "32", "3", "-")
+    alone = procs.script(CONSUMER, name, "32", "4", "-")
     other = procs.script(CONSUMER, name, "64", "2", release)
     whole = list(range(80))
     assert first.wait_ready()["epochs"] == [whole] * 2
     assert other.wait_ready()["epochs"] == [whole] * 2
-    # Its third epoch comes while the two others have left, their last batches alive.
-    assert alone.wait_ready()["epochs"] == [whole] * 3
+    # Its last epochs come while the two others have left, their last batches alive: one
+    # epoch more than sweep.py's trial reads, so that the producer must pass the slot the
+    # consumer of batch size 64 still holds (a hole) before that epoch can come.
+    assert alone.wait_ready()["epochs"] == [whole] * 4
     with open(release, "w"):
         pass
     for p in (first, other, alone):
