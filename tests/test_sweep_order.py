@@ -1,10 +1,11 @@
 """examples/sweep.py's order of joins as the CI run that timed out saw it, with real
 processes: a driver that stops the loader while no consumer is attached (min_consumers=0,
 as sweep.py's driver does), a consumer of batch size 48 attached during the producer's
-first epoch, then consumers of batch sizes 32 (four epochs here, three in sweep.py) and 64 (two)
-joining during its second. The consumer of batch size 32 reads its last epochs alone, while the two that
-left still keep their last batches alive (a slow process exit on a loaded machine: their
-ring slots stay held until they go). Every consumer gets every sample of each epoch."""
+first epoch, then consumers of batch sizes 32 (four epochs here, three in sweep.py) and 64
+(two) joining during its second. The consumer of batch size 32 reads its last epochs
+alone, while the two that left still keep their last batches alive (a slow process exit on
+a loaded machine: their ring slots stay held until they go). Every consumer gets every
+sample of each epoch."""
 
 from __future__ import annotations
 
