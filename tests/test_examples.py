@@ -224,10 +224,15 @@ def test_train_shared_three_trainings_one_producer(runner, tmp_path):
     assert sorted(p.name for p in runtime.iterdir()) == []
 
 
-@pytest.mark.slow  # trains a ResNet-18; late joiners also in test_flexible
+@pytest.mark.slow  # trains a ResNet-18; late joiners also in test_flexible and test_sweep_order
 def test_sweep(runner, tmp_path):
+    # About 40 CPU-seconds in all (four processes importing torch, three training a
+    # ResNet-18), so the limit is for a machine that the rest of the slow suite loads too:
+    # CI once cut it off at 90 s while it was still making progress. A stall would not
+    # need the limit: each trial's consumer raises after 60 s without a batch, and the
+    # driver then fails.
     out = runner.run("sweep.py", "--quick", "--images", "8", "--data", str(tmp_path / "jpegs"),
-                     timeout=90)
+                     timeout=300)
     # (trial, lr, batch size, epochs) of the quick schedule; 80 samples per epoch.
     for number, lr, bs, epochs in ((1, "0.1", 32, 3), (2, "0.03", 64, 2), (3, "0.01", 48, 2)):
         seen = _epochs(out, rf"\[trial {number} lr {lr} batch {bs}\] epoch (\d)/{epochs}: "

@@ -9,6 +9,8 @@ sample of each epoch."""
 
 from __future__ import annotations
 
+import pytest
+
 DRIVER = r"""
 import sys, time
 import torch
@@ -75,6 +77,7 @@ harness.emit({"released": release == "-" or os.path.exists(release)})
 """
 
 
+@pytest.mark.slow  # four consumer processes and a driver: ~10 s; the late joiners also in test_flexible
 def test_last_joiner_reads_its_last_epoch_alone(procs, name, tmp_path):
     release = str(tmp_path / "release")
     driver = procs.script(DRIVER, name)
