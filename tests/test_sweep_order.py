@@ -14,7 +14,8 @@ import pytest
 DRIVER = r"""
 import sys, time
 import torch
-from tensorsocket import TensorProducer, harness
+from tensorsocket import TensorProducer
+from tools import harness
 
 name = sys.argv[1]
 data = torch.utils.data.TensorDataset(torch.zeros(80, 3), torch.arange(80))
@@ -57,7 +58,8 @@ with TensorProducer(loader, name=name, min_consumers=0) as producer:
 
 CONSUMER = r"""
 import os, sys, time
-from tensorsocket import TensorConsumer, harness
+from tensorsocket import TensorConsumer
+from tools import harness
 
 name, batch_size, epochs, release = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 consumer = TensorConsumer(name=name, batch_size=batch_size, timeout=60, batch_timeout=30)
