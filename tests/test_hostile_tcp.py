@@ -203,7 +203,7 @@ def test_a_full_table_of_unproven_connections_keeps_no_new_consumer_out(procs, m
         hog = procs.script(_HOG, str(port), "40")
         procs.wait_ready(hog)
         deadline = time.monotonic() + DEADLINE
-        while len(producer._server._connections) < 8:  # the hog fills the table
+        while producer._server._connections.count < 8:  # the hog fills the table
             assert time.monotonic() < deadline, "the hog never filled the table"
             time.sleep(0.01)
         with TensorConsumer(port=port, timeout=DEADLINE, batch_timeout=DEADLINE) as c:

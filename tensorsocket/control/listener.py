@@ -91,7 +91,9 @@ class UnprovenConnections:
         """The monitor socket, readable when libzmq accepted or closed connections."""
         return self._monitor
 
-    def __len__(self) -> int:
+    @property
+    def count(self) -> int:
+        """Connections not proven yet, now."""
         return len(self._unproven)
 
     def watch(self) -> None:
