@@ -19,7 +19,7 @@ from .data import diagnosis, sample_ids
 from .control.producer_watch import ProducerWatch
 from .control.auth import ClientSecret
 from .config import UNSET, Unset
-from .control.server import ControlClient
+from .control.client import ControlClient
 from .data.delivery import Delivery
 from .control.endpoints import resolve
 from .data.epoch_cursor import Abandon, EpochCursor, InFlight, Step

@@ -379,7 +379,7 @@ def test_heartbeat_timeout_is_checked(name, monkeypatch):
     monkeypatch.setenv("TENSORSOCKET_HEARTBEAT_TIMEOUT", "none")
     p = TensorProducer(_loader(1), name=name)
     try:
-        assert p._server.heartbeat_timeout is None
+        assert p._server._liveness.heartbeat_timeout is None
     finally:
         p.close()
 
@@ -388,7 +388,7 @@ def test_heartbeats_go_on_when_the_queue_to_the_producer_is_full(monkeypatch):
     """A heartbeat that cannot be queued (the producer read nothing for so long that the
     socket's queue is full) is skipped, not the end of the heartbeat thread: once the
     producer reads again, it must hear from this consumer, or it evicts it."""
-    from tensorsocket.control import server as control
+    from tensorsocket.control import client as control
 
     class FullThenFree:
         """Stands in for the consumer's socket: full until it refused a few messages, a

@@ -242,7 +242,7 @@ def test_info_tells_the_loader_without_attaching(name):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from tensorsocket.control import ControlClient
+    from tensorsocket.control.client import ControlClient
     from tensorsocket.loader.loader_info import LoaderShape
 
     loader = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=4)

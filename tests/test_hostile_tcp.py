@@ -24,7 +24,7 @@ import zmq
 
 from conftest import ROOT, Producing, hello_message
 from tensorsocket import AuthenticationError, TensorConsumer, TensorProducer, _core
-from tensorsocket.control import server as control, protocol
+from tensorsocket.control import listener, protocol, stall_watch
 from tensorsocket.control.endpoints import resolve
 
 DEADLINE = 60.0
@@ -87,13 +87,13 @@ import zmq
 sys.path.insert(0, sys.argv[4])
 from roles import CountingLoader
 from tensorsocket import TensorProducer
-from tensorsocket.control import server as control
+from tensorsocket.control import listener, server
 from tools.harness import emit
 port, batches, limit = (int(a) for a in sys.argv[1:4])
 flag = sys.argv[5]
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 checks, starved = [0], [0]
-check = control.ControlServer._check_peers
+check = server.ControlServer._check_peers
 def counting(self, now):
     checks[0] += 1
     try:
@@ -101,14 +101,14 @@ def counting(self, now):
     except OSError:
         starved[0] += 1
     check(self, now)
-control.ControlServer._check_peers = counting
+server.ControlServer._check_peers = counting
 if sys.argv[6] == "uncapped":  # the producer runs out of fds: its liveness checks fail
     def read_one_event(self):  # and none of the connections is ever cut
         try:
             self._monitor.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             pass
-    control.ControlServer._watch_connections = read_one_event
+    listener.UnprovenConnections.watch = read_one_event
 cpu = {}
 class Gated(CountingLoader):
     def __iter__(self):
@@ -128,7 +128,7 @@ p = TensorProducer(Gated(batches, "tuple"), str(port), min_consumers=2, start_ti
 for _ in p:
     pass
 emit({"checks": checks[0], "starved_checks": starved[0], "cpu": cpu.get("share"),
-      "cut": getattr(p._server, "cut", None), "drained": p.join(timeout=60)})
+      "cut": p._server._connections.cut, "drained": p.join(timeout=60)})
 """
 
 # Hold N idle, handshaken zmq connections to the port until killed.
@@ -191,8 +191,8 @@ def test_a_full_table_of_unproven_connections_keeps_no_new_consumer_out(procs, m
     get in. A full table used to close the newest connection, which was always the
     consumer's, for as long as the other user kept it up; now the newest makes room by
     closing the oldest, once that one had UNPROVEN_GRACE seconds to prove itself."""
-    monkeypatch.setattr(control, "UNPROVEN_MAX", 8)
-    monkeypatch.setattr(control, "UNPROVEN_GRACE", 0.2)
+    monkeypatch.setattr(listener, "UNPROVEN_MAX", 8)
+    monkeypatch.setattr(listener, "UNPROVEN_GRACE", 0.2)
     port = _free_port()
     producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(20)], str(port),
                               min_consumers=1, start_timeout=DEADLINE,
@@ -203,13 +203,13 @@ def test_a_full_table_of_unproven_connections_keeps_no_new_consumer_out(procs, m
         hog = procs.script(_HOG, str(port), "40")
         procs.wait_ready(hog)
         deadline = time.monotonic() + DEADLINE
-        while len(producer._server._unproven) < 8:  # the hog fills the table
+        while producer._server._connections.count < 8:  # the hog fills the table
             assert time.monotonic() < deadline, "the hog never filled the table"
             time.sleep(0.01)
         with TensorConsumer(port=port, timeout=DEADLINE, batch_timeout=DEADLINE) as c:
             seen = [float(b[0][0]) for b in c]
         assert seen == [float(i) for i in range(20)]
-        assert producer._server.cut > 0
+        assert producer._server._connections.cut > 0
     finally:
         producer.close()
         producing.join(DEADLINE)
@@ -377,7 +377,7 @@ def test_consumer_that_never_reads_is_detached(name, monkeypatch):
     heartbeats, and never reads: the others used to wait for it for ever (no max_lag by
     default, and it is not silent). After UNREAD_TIMEOUT it is detached, and the reader
     gets every batch."""
-    monkeypatch.setattr(control, "UNREAD_TIMEOUT", 1.0, raising=False)
+    monkeypatch.setattr(stall_watch, "UNREAD_TIMEOUT", 1.0)
     producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(30)], name=name,
                               min_consumers=2,
                               start_timeout=DEADLINE, publish_timeout=DEADLINE)
@@ -431,7 +431,7 @@ def test_a_consumer_made_long_before_its_loop_starts_late_with_whole_epochs(name
     without it; when its loop starts, it is not told to make a new consumer (a DataLoader
     made early just starts when iterated): it starts as a late joiner, with whole
     epochs."""
-    monkeypatch.setattr(control, "UNREAD_TIMEOUT", 1.0)
+    monkeypatch.setattr(stall_watch, "UNREAD_TIMEOUT", 1.0)
     per_epoch = 8
     producer = TensorProducer(lambda epoch: [torch.full((2,), float(epoch * 100 + i))
                                              for i in range(per_epoch)],

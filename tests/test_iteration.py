@@ -169,9 +169,9 @@ def test_producer_warns_about_a_consumer_holding_the_others_back(procs, name, ca
                                                                   monkeypatch):
     """Without max_lag nobody is detached; a consumer that keeps the others waiting (behind
     the fastest by nearly the whole ring) gets one WARNING naming it and max_lag=."""
-    from tensorsocket.control import server as control
+    from tensorsocket.control import stall_watch
 
-    monkeypatch.setattr(control, "LAG_WARN_AFTER", 1.0)
+    monkeypatch.setattr(stall_watch, "LAG_WARN_AFTER", 1.0)
     caplog.set_level(logging.INFO, logger="tensorsocket")
     producer = TensorProducer(CountingLoader(30, "tuple"), name=name, min_consumers=2,
                               ring_slots=4, rubber_band=0, start_timeout=30)

@@ -81,9 +81,9 @@ def test_producer_logs_the_consumer_that_keeps_its_slots(name, procs, caplog, mo
     import torch
 
     from tensorsocket import TensorProducer
-    from tensorsocket.control import server as control
+    from tensorsocket.control import stall_watch
 
-    monkeypatch.setattr(control, "HELD_WARN_AFTER", 1.0)
+    monkeypatch.setattr(stall_watch, "HELD_WARN_AFTER", 1.0)
     caplog.set_level(logging.WARNING, logger="tensorsocket")
     loader = [torch.full((2,), float(i)) for i in range(8)]
     # The keeper may take long to start on a loaded machine: the first wait is long, the

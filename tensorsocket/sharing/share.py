@@ -82,7 +82,7 @@ from .shared_producer import start_producer
 from ..control.auth import ClientSecret
 from ..config import UNSET
 from ..consumer import TensorConsumer
-from ..control.server import ControlClient
+from ..control.client import ControlClient
 from ..control.endpoints import Endpoint, resolve
 from ..errors import (
     ProducerFailed,
