@@ -647,7 +647,7 @@ def test_every_segment_name_taken_is_an_error_naming_the_files(name, monkeypatch
                                                                 fault_table):
     """The producer tries a few names; when a planter took them all (here the random tags
     are made predictable), the first batch raises an error naming the files."""
-    import tensorsocket.producer as producer_module
+    import tensorsocket.producer.tensor_producer as producer_module
 
     monkeypatch.setattr(producer_module.secrets, "token_hex", lambda n: "0badc0de")
     base = resolve(name).segment_name(os.getpid())

@@ -32,7 +32,7 @@ import os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 from roles import CountingLoader
 from tensorsocket import TensorProducer
-from tensorsocket import producer as producer_module
+from tensorsocket.producer import tensor_producer as producer_module
 from tools.harness import emit
 name, after, fifo = sys.argv[1:4]
 fd = os.open(fifo, os.O_RDWR)

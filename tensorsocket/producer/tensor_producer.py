@@ -15,12 +15,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import zmq
 
-from . import _core, config
-from .control import auth
-from .config import UNSET, Unset
-from .control.server import ControlServer
-from .control.endpoints import Endpoint, resolve
-from .errors import (
+from .. import _core, config
+from ..control import auth
+from ..config import UNSET, Unset
+from ..control.server import ControlServer
+from ..control.endpoints import Endpoint, resolve
+from ..errors import (
     BatchTooLarge,
     GPUFallbackWarning,
     GPUUnavailable,
@@ -28,8 +28,8 @@ from .errors import (
     TensorSocketError,
     TensorSocketWarning,
 )
-from .data.gpu import parse_device
-from .loader.loader_info import (
+from ..data.gpu import parse_device
+from ..loader.loader_info import (
     describe_loader,
     epoch_factory,
     epoch_limit,
@@ -37,16 +37,16 @@ from .loader.loader_info import (
     length_of,
     set_sampler_epoch,
 )
-from .control.producer_files import (
+from ..control.producer_files import (
     OwnedFiles,
     forget_on_sigterm,
     remove_on_sigterm,
     sweep_stale_segments,
     take_name_lock,
 )
-from .data.sample_ids import SampleIdRecorder, with_ids
-from .data.structure import Encoder
-from .loader.worker_heap import padded_workers
+from ..data.sample_ids import SampleIdRecorder, with_ids
+from ..data.structure import Encoder
+from ..loader.worker_heap import padded_workers
 
 log = logging.getLogger("tensorsocket")
 
