@@ -88,7 +88,7 @@ def _refusal_reveals_nothing(reply: dict, producer: TensorProducer) -> None:
     """A refused peer gets an `auth` error and nothing of the producer's state."""
     assert reply["type"] == "error" and reply["code"] == "auth", reply
     assert set(reply) == {"type", "code", "message"}, reply
-    for secret in (producer._segment, "tensorsocket-", "builtins.list"):
+    for secret in (producer._rings.segment, "tensorsocket-", "builtins.list"):
         assert secret not in reply["message"], reply["message"]
     assert producer._server.present_count() == 0
 

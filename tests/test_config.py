@@ -71,7 +71,8 @@ def test_registry_matches_the_signatures(name):
         assert (p.min_consumers, p.start_timeout, p.publish_timeout, p.max_lag, p.lag_policy,
                 p.device, p.device_fallback, p.release_timeout) == \
             (1, None, None, None, "raise", "cpu", True, 30.0)
-        assert p._ring_slots is None and p._slot_bytes is None and p._ring_bytes is None
+        assert (p._settings.ring_slots, p._settings.slot_bytes, p._settings.ring_bytes) == \
+            (None, None, None)
     finally:
         p.close()
     assert resolve().name == "default"

@@ -647,9 +647,9 @@ def test_every_segment_name_taken_is_an_error_naming_the_files(name, monkeypatch
                                                                 fault_table):
     """The producer tries a few names; when a planter took them all (here the random tags
     are made predictable), the first batch raises an error naming the files."""
-    import tensorsocket.producer as producer_module
+    from tensorsocket.producer import ring_maker
 
-    monkeypatch.setattr(producer_module.secrets, "token_hex", lambda n: "0badc0de")
+    monkeypatch.setattr(ring_maker.secrets, "token_hex", lambda n: "0badc0de")
     base = resolve(name).segment_name(os.getpid())
     taken = ["/dev/shm" + base, f"/dev/shm{base}.0badc0de"]
     p = TensorProducer([torch.zeros(4)], name=name, min_consumers=0)

@@ -32,7 +32,7 @@ import os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 from roles import CountingLoader
 from tensorsocket import TensorProducer
-from tensorsocket import producer as producer_module
+from tensorsocket.producer.gpu_release import POOL_KEEPER as keeper
 from tools.harness import emit
 name, after, fifo = sys.argv[1:4]
 fd = os.open(fifo, os.O_RDWR)
@@ -57,14 +57,13 @@ for _ in p:
     pass
 os.read(fd, 1)  # the consumer maps the pool and idles
 p.close()
-keeper = getattr(producer_module, "_POOL_KEEPER", None)  # (a build without one: None)
-emit({"closed": True, "kept": keeper.kept() if keeper is not None else 0})
+emit({"closed": True, "kept": keeper.kept()})
 if after == "stay":
-    thread = keeper._thread if keeper is not None else None
+    thread = keeper._thread
     if thread is not None:
         thread.join(120)
     fds, maps = shm_use()
-    emit({"kept_after": keeper.kept() if keeper is not None else 0,
+    emit({"kept_after": keeper.kept(),
           "keeper_alive": thread is not None and thread.is_alive(),
           "new_fds": sorted(fds - before[0]), "new_maps": sorted(maps - before[1])})
 """ % (BATCHES, SLOTS)

@@ -169,7 +169,7 @@ def test_failure_mid_run_is_no_normal_end(procs, name, mode, cause):
     assert f"failed: {cause}" in str(e.value) and "create a new TensorConsumer" in str(e.value)
     # Where the user's code raised it (the script's batches(), not our loop over it).
     assert e.value.cause.endswith(" in batches)" if mode != "loop-fail" else " in <module>)")
-    assert "producer.py" not in e.value.cause
+    assert "publisher.py" not in e.value.cause
     prod.communicate(timeout=60)
     assert prod.returncode == 1
 

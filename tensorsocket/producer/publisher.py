@@ -1,0 +1,147 @@
+"""An epoch run: the loader's batches encoded (with the dataset indices the sampler drew),
+the ring made at the first one, each published once consumers are there, then yielded;
+the epoch ends with a marker, also when it is cut short."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+from ..data.sample_ids import SampleIdRecorder, with_ids
+from ..data.structure import Encoder
+from ..errors import BatchTooLarge
+from ..loader.loader_info import describe_loader
+from .epochs import LoaderEpochs
+from .gate import ConsumerGate
+from .lifecycle import ProducerState
+from .ring_maker import RingMaker
+from .settings import ProducerSettings
+from .sizing import RingSizing
+
+
+class EpochPublisher:
+    """Runs the loader's epochs into the ring; ``batches`` counts the batches published."""
+
+    def __init__(self, settings: ProducerSettings, epochs: LoaderEpochs, rings: RingMaker,
+                 gate: ConsumerGate, state: ProducerState) -> None:
+        """Nothing published yet; the ring is made at the first batch."""
+        self._settings = settings
+        self._epochs = epochs
+        self._rings = rings
+        self._gate = gate
+        self._state = state
+        self.batches = 0
+        self._encoder = Encoder()  # batch -> spec and leaves (keeps the last spec's bytes)
+        self._sample_ids = SampleIdRecorder()  # the dataset indices of each batch
+
+    def run_epoch(self) -> Iterator[Any]:
+        """One epoch: run the loader, publishing each batch before yielding it. An error
+        is noted for the consumers (told when the producer closes); a whole epoch that ran
+        after an earlier failure clears it."""
+        try:
+            yield from self._publish_epoch()
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            self._state.note_failure(e)
+            raise
+        self._state.failure = None
+
+    def _publish_epoch(self) -> Iterator[Any]:
+        """run_epoch, without the failure's note."""
+        source, limit = self._epochs.start()
+        # The sampler records the indices it draws for the whole epoch: a loader whose
+        # __iter__ is a generator (a DataLoader subclass such as accelerate's
+        # DataLoaderShard) draws them only at its first next().
+        with self._sample_ids.recording(source):
+            yield from self._publish_recorded_epoch(source, limit)
+
+    def _publish_recorded_epoch(self, source: Any, limit: int | None) -> Iterator[Any]:
+        """_publish_epoch, while the sampler of `source` records the indices it draws."""
+        epochs = self._epochs
+        it = epochs.iterate(source, self._settings.worker_heap_pad)
+        one_shot = it is source  # an iterator: iterating it again continues it
+        index = 0
+        try:
+            for batch in it:
+                if limit is not None and index >= limit:
+                    # len() says the epoch is over, yet the loader goes on (a loader that
+                    # never stops, as the original TensorSocket's examples have): end it.
+                    epochs.warn_cut(source, limit)
+                    break
+                self._publish_batch(batch, index)
+                index += 1
+                if one_shot:
+                    epochs.yielded(source)
+                yield batch
+        except GeneratorExit:
+            # An epoch cut short (break) still ends with a marker: consumers never hang.
+            self._end_epoch(index)
+            raise
+        if index == 0:
+            epochs.ended_empty(source, one_shot)
+        self._end_epoch(index)
+
+    def _publish_batch(self, batch: Any, index: int) -> None:
+        """Encode batch `index` of the epoch, make the ring at the first, wait for
+        consumers, publish."""
+        if self._settings.pack_fn is not None:
+            batch = self._settings.pack_fn(batch)
+        meta, leaves = self._encoder.flatten(batch)
+        meta = with_ids(meta, self._sample_ids.next_ids())
+        if self._state.ring is None:
+            self._state.ring = self._rings.make(meta, leaves, self._epochs.length())
+        self._gate.wait(self._state.ring, first=self.batches == 0)
+        self._publish(meta, leaves, index=index)
+
+    def _publish(self, meta: bytes, leaves: list, *, end: bool = False, index: int = 0) -> None:
+        """Publish a batch (or the end marker), waiting up to publish_timeout for a slot."""
+        epoch, timeout = self._epochs.epoch, self._settings.publish_timeout
+        try:
+            self._state.ring.publish(leaves, meta, end_of_epoch=end, epoch=epoch, index=index,
+                                     timeout=timeout)
+        except BatchTooLarge as e:
+            raise BatchTooLarge(
+                f"{e}. Batch {index} of epoch {epoch} is larger than the ring's slots, "
+                "which were sized from the first batch: pass slot_bytes= (bytes per batch) to "
+                "TensorProducer. Nothing was published."
+            ) from None
+        except TimeoutError:
+            raise TimeoutError(
+                f"no ring slot became free within publish_timeout={timeout} s: "
+                "a consumer holds its batches (or stopped reading)"
+            ) from None
+        if not end:
+            self.batches += 1
+
+    def _end_epoch(self, index: int) -> None:
+        """Publish the end-of-epoch marker after `index` batches."""
+        if index == 0:
+            return
+        if self._state.ring is not None and not self._state.closed:
+            self._publish(b"", [], end=True, index=index)
+        self._epochs.epoch += 1
+
+
+def welcome_info(settings: ProducerSettings, epochs: LoaderEpochs, sizing: RingSizing,
+                 rings: RingMaker) -> dict:
+    """Handshake fields for a consumer (sent once the ring exists, so the first epoch has
+    started and a callable's loader of it is known)."""
+    return {
+        **describe_loader(epochs.current),
+        "segment": rings.segment,
+        "epoch": epochs.epoch,
+        "producer_pid": os.getpid(),
+        "window": sizing.window,
+        "max_lag": settings.max_lag or 0,
+        "lag_policy": settings.lag_policy,
+        "auto_set_epoch": epochs.sets_epoch,
+    }
+
+
+def collected_welcome() -> dict:
+    """Handshake fields of a producer being collected: placeholders."""
+    return {"segment": "", "length": None, "loader_batch_size": None, "samples": None,
+            "samples_exact": False, "dataset": None, "dataset_len": None,
+            "epoch": 0, "producer_pid": os.getpid(), "window": 0, "max_lag": 0,
+            "lag_policy": "raise", "fingerprint": None, "auto_set_epoch": False}

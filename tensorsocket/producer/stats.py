@@ -1,0 +1,60 @@
+"""The counters of TensorProducer.stats(): the ring's, the control server's, and one row
+per consumer (see that method's docstring for each)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _core
+from ..control.server import ControlServer
+
+STATE_NAMES = {
+    _core.CONSUMER_PENDING: "joining",
+    _core.CONSUMER_ACTIVE: "active",
+    _core.CONSUMER_LEAVING: "leaving",
+    _core.CONSUMER_DETACHED: "detached",
+}
+
+
+def producer_stats(ring: Any, server: ControlServer, closed: bool, *, epoch: int,
+                   device: str, batches: int, consumer_wait_seconds: float, window: int,
+                   max_lag: int | None) -> dict:
+    """stats() of a producer whose ring is `ring` (None before the first batch) and whose
+    control server is `server`; the producer's own counters come as keywords."""
+    ring = ring if ring is not None and not ring.closed else None
+    info = ring.info() if ring is not None else {}
+    return {
+        "epoch": epoch,
+        "device": device,
+        "host_pinned": bool(info.get("producer_host_pinned", 0)),
+        "batches": batches,
+        "bytes_copied": info.get("bytes_copied", 0),
+        "wait_seconds": info.get("publish_wait_ns", 0) / 1e9,
+        "consumer_wait_seconds": consumer_wait_seconds,
+        "consumers": server.consumer_count() if not closed else 0,
+        "slots": info.get("slot_count", 0),
+        "slot_bytes": info.get("slot_bytes", 0),
+        "occupied": info.get("occupied", 0),
+        "window": window,
+        "max_lag": max_lag,
+        "lag_detached": info.get("lag_detached", 0),
+        "skipped_slots": info.get("holes", 0),
+        "late_releases": info.get("late_releases", 0),
+        "rejected_messages": server.rejected,
+        "consumer_table": consumer_table(ring, server) if ring is not None else [],
+    }
+
+
+def consumer_table(ring: Any, server: ControlServer) -> list[dict]:
+    """One row per consumer of `ring`: its state, batch size, lag and deliveries."""
+    sizes = server.batch_sizes()
+    return [{
+        "index": c["index"],
+        "pid": c["pid"],
+        "state": STATE_NAMES.get(c["state"], str(c["state"])),
+        "batch_size": sizes.get(c["index"]),
+        "lag": c["lag"],
+        "delivered": c["delivered"],
+        "delivered_bytes": c["delivered_bytes"],
+        "wait_seconds": c["wait_ns"] / 1e9,
+    } for c in ring.consumers()]
