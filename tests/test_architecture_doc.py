@@ -2,7 +2,7 @@
 it cites exists.
 
 The file map is the "## File map" section: tables whose rows start with one path in
-backticks (``| `tensorsocket/producer.py` | its job |``). The checks:
+backticks (``| `tensorsocket/errors.py` | its job |``). The checks:
 
 - every module of tensorsocket/ (any .py, recursively) and every file of the _core
   extension's sources (csrc/, less the C tests) has a row, and tools/harness.py too;
@@ -335,7 +335,7 @@ def test_the_checks_can_fail():
     says)."""
     text = doc()
     paths = map_paths(text)
-    assert "tensorsocket/producer.py" in paths and "csrc/ring/ts_ring.c" in paths
+    assert "tensorsocket/producer/tensor_producer.py" in paths and "csrc/ring/ts_ring.c" in paths
     assert "tensorsocket/control/protocol.py" in required_paths()
     assert "csrc/binding/ts_py.h" in required_paths()
 

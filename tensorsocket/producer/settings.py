@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 from .. import config
 from ..config import UNSET
 from ..control.endpoints import Endpoint, resolve
-from ..data.gpu import parse_device
+from ..validation import parse_device
 
 MAX_SLOTS = config.MAX_SLOTS
 DEFAULT_RUBBER_BAND_PCT = 0.005  # of an epoch's batches (sizing.DEFAULT_MAX_WINDOW caps it)
