@@ -358,7 +358,7 @@ def test_the_checks_can_fail():
 
     names = ("`ts_device_fence` `ts_ring_publish` `ts_fault_fork_*` `Ring.fence` "
              "`Ring.publish` `protocol.message` `protocol.Hello` "
-             "`TensorProducer._make_ring` `TensorProducer.no_such_method`")
+             "`RingSizing.shape` `TensorProducer.no_such_method`")
     assert c_names_not_found(names) == ["ts_device_fence"]
     assert core_names_not_found(names) == ["Ring.fence"]
     assert python_names_not_found(names) == ["TensorProducer.no_such_method",
