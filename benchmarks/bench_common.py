@@ -182,10 +182,11 @@ def loadavg() -> list[float] | None:
     return harness().loadavg()
 
 
-def write_json(path: str | os.PathLike, doc: Any, indent: int = 2) -> None:
-    """Write a result document and say where."""
+def write_json(path: str | os.PathLike, doc: Any, indent: int = 2, say: bool = True) -> None:
+    """Write a result document and (with `say`) say where."""
     Path(path).write_text(json.dumps(doc, indent=indent) + "\n")
-    print(f"wrote {path}")
+    if say:
+        print(f"wrote {path}")
 
 
 def log(msg: str) -> None:

@@ -96,19 +96,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
+from bench_common import (  # noqa: E402
+    cpu_seconds, dispatch, div, fmt, harness, remove_leftovers, report, stop_all, tail,
+    unwind_on_sigterm, write_json,
+)
 from handoff_common import (  # noqa: E402
     KINDS, RING_SLOTS, CountingLoader, Tally, add_common_options, by_key, check_reports,
-    cpu_seconds, div, fmt, harness, parse_common, print_table, remove_leftovers, run_suite, short,
-    stop_all, tail,
+    parse_common, print_table, run_suite, short,
 )
 
 TARGET_TINY_BPS = 20000.0  # batches/s to one consumer
@@ -145,7 +146,7 @@ def run_producer(args: argparse.Namespace) -> int:
     )
     try:
         # Tell the orchestrator the control socket is bound.
-        print(json.dumps({"role": "producer", "ready": True}), flush=True)
+        report({"role": "producer", "ready": True})
         t0 = None
         cpu0 = 0.0
         n = 0
@@ -160,7 +161,7 @@ def run_producer(args: argparse.Namespace) -> int:
         drained = producer.join(timeout=JOIN_TIMEOUT)
     finally:
         producer.close()
-    print(json.dumps({
+    report({
         "role": "producer",
         "batches": n,
         "seconds": t1 - (t0 or t1),
@@ -168,7 +169,7 @@ def run_producer(args: argparse.Namespace) -> int:
         "wait_seconds": stats["wait_seconds"],
         "bytes_copied": stats["bytes_copied"],
         "drained": drained,
-    }), flush=True)
+    })
     return 0
 
 
@@ -197,7 +198,7 @@ def run_consumer(args: argparse.Namespace) -> int:
         consumer.close()
     if profiler is not None:
         profiler.dump_stats(f"{args.profile}.{os.getpid()}")
-    print(json.dumps(tally.report()), flush=True)
+    report(tally.report())
     return 0
 
 
@@ -448,8 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ours["verdicts"] = checks
 
     if args.json:
-        Path(args.json).write_text(json.dumps(ours, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, ours)
     return 1 if any(r["error"] for r in ours["results"]) else 0
 
 
@@ -476,9 +476,7 @@ def _timeouts() -> dict:
 
 def _child_main(argv: list[str]) -> int:
     role = argv[0]
-    # On SIGTERM from the orchestrator, unwind normally so that the producer
-    # unlinks its segment and the consumer says bye (finally blocks run).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    unwind_on_sigterm()
     parser = argparse.ArgumentParser(prog=f"handoff.py {role}")
     parser.add_argument("--name", required=True)
     parser.add_argument("--kind", required=True, choices=KINDS)
@@ -492,6 +490,4 @@ def _child_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("_producer", "_consumer"):
-        sys.exit(_child_main(sys.argv[1:]))
-    sys.exit(main())
+    dispatch({"_producer": _child_main, "_consumer": _child_main}, main)
