@@ -44,6 +44,16 @@ def harness():
     return module
 
 
+def import_tensorsocket():
+    """tensorsocket, from the installed package or else from this checkout."""
+    try:
+        import tensorsocket
+    except ImportError:
+        sys.path.insert(0, str(ROOT))
+        import tensorsocket
+    return tensorsocket
+
+
 def report(obj: dict) -> None:
     """A child's report: `obj` as one JSON line on stdout, flushed."""
     print(json.dumps(obj), flush=True)
