@@ -256,67 +256,65 @@ def run_config(kind: str, consumers: int, batches: int, tag: str,
     return {"consumers": reports, "producer": preport, "error": error}
 
 
+def _verdict(target: str, value: float | None, limit: float, at_most: bool = False) -> dict:
+    """{"target", "value", "ok"}: ok whether value >= limit (<= with at_most), None when
+    there is no value."""
+    ok = None if value is None else (value <= limit if at_most else value >= limit)
+    return {"target": target, "value": value, "ok": ok}
+
+
 def verdicts(ours: dict, original: dict | None = None, floor: dict | None = None) -> list[dict]:
     """The targets, each {"target", "value", "ok"} (ok None: not measurable)."""
-    out = []
     res = ours["results"]
-    for r in res:
-        if r["kind"] != "tiny":
-            continue
+    tiny = [r for r in res if r["kind"] == "tiny"]
+    out = []
+    for r in tiny:
         if r["consumers"] == 1:
-            v = r["batches_per_s"]
-            out.append({"target": f"ours tiny x1: batches/s >= {TARGET_TINY_BPS_ONE:.0f}",
-                        "value": v, "ok": None if v is None else v >= TARGET_TINY_BPS_ONE})
-        v = r.get("cpu_us_per_batch")
-        out.append({"target": f"ours tiny x{r['consumers']}: CPU us per delivered batch <= "
-                              f"{TARGET_TINY_CPU_US:g}",
-                    "value": v, "ok": None if v is None else v <= TARGET_TINY_CPU_US})
-    if floor is not None:
-        low = by_key(floor["results"])
-        for r in res:
-            f = low.get((r["kind"], r["consumers"]))
-            if r["kind"] != "tiny" or f is None:
-                continue
-            v = div(r["batches_per_s"], f["batches_per_s"])
-            out.append({"target": f"ours/floor tiny x{r['consumers']} (batches/s per consumer; "
-                                  f"floor: shared_memory + pipes) >= {TARGET_TINY_VS_FLOOR:g}",
-                        "value": v, "ok": None if v is None else v >= TARGET_TINY_VS_FLOOR})
-    for r in res:
-        if r["kind"] == "32MiB":
-            v = r["ratio_vs_memcpy"]
-            out.append({"target": f"ours 32MiB x{r['consumers']}: per-consumer GB/s / memcpy "
-                                  f">= {TARGET_LARGE_RATIO}",
-                        "value": v, "ok": None if v is None else v >= TARGET_LARGE_RATIO})
+            out.append(_verdict(f"ours tiny x1: batches/s >= {TARGET_TINY_BPS_ONE:.0f}",
+                                r["batches_per_s"], TARGET_TINY_BPS_ONE))
+        out.append(_verdict(f"ours tiny x{r['consumers']}: CPU us per delivered batch <= "
+                            f"{TARGET_TINY_CPU_US:g}", r.get("cpu_us_per_batch"),
+                            TARGET_TINY_CPU_US, at_most=True))
+    low = by_key(floor["results"]) if floor is not None else {}
+    for r in tiny:
+        f = low.get((r["kind"], r["consumers"]))
+        if f is not None:
+            out.append(_verdict(f"ours/floor tiny x{r['consumers']} (batches/s per consumer; "
+                                f"floor: shared_memory + pipes) >= {TARGET_TINY_VS_FLOOR:g}",
+                                div(r["batches_per_s"], f["batches_per_s"]),
+                                TARGET_TINY_VS_FLOOR))
+    for r in (r for r in res if r["kind"] == "32MiB"):
+        out.append(_verdict(f"ours 32MiB x{r['consumers']}: per-consumer GB/s / memcpy "
+                            f">= {TARGET_LARGE_RATIO}", r["ratio_vs_memcpy"],
+                            TARGET_LARGE_RATIO))
     large = {r["consumers"]: r for r in res if r["kind"] == "32MiB"}
     if 1 in large and len(large) > 1:
-        base = large[1]["gb_per_s"]
         worst = min((r for n, r in large.items() if n != 1),
                     key=lambda r: r["gb_per_s"] if r["gb_per_s"] is not None else -1)
-        v = div(worst["gb_per_s"], base)
-        out.append({"target": f"ours 32MiB flat in N: min over N>1 of per-consumer GB/s / "
-                              f"GB/s at 1 consumer >= {TARGET_FLAT} (worst: "
-                              f"x{worst['consumers']})",
-                    "value": v, "ok": None if v is None else v >= TARGET_FLAT})
-    for r in res:
-        if r["kind"] == "tiny":
-            v = r["batches_per_s"]
-            out.append({"target": f"ours tiny x{r['consumers']}: batches/s per consumer >= "
-                                  f"{TARGET_TINY_BPS:.0f}",
-                        "value": v, "ok": None if v is None else v >= TARGET_TINY_BPS})
+        out.append(_verdict(f"ours 32MiB flat in N: min over N>1 of per-consumer GB/s / "
+                            f"GB/s at 1 consumer >= {TARGET_FLAT} (worst: "
+                            f"x{worst['consumers']})",
+                            div(worst["gb_per_s"], large[1]["gb_per_s"]), TARGET_FLAT))
+    for r in tiny:
+        out.append(_verdict(f"ours tiny x{r['consumers']}: batches/s per consumer >= "
+                            f"{TARGET_TINY_BPS:.0f}", r["batches_per_s"], TARGET_TINY_BPS))
     if original is not None:
-        orig = by_key(original["results"])
-        for r in res:
-            o = orig.get((r["kind"], r["consumers"]))
-            if o is None:
-                continue
-            target = TARGET_VS_ORIGINAL[r["kind"]]
-            v = div(r["batches_per_s"], o["batches_per_s"])
-            name = (f"ours/original {r['kind']} x{r['consumers']} (batches/s per consumer) "
-                    f">= {target:g}")
-            if v is None and o["error"] and r["batches_per_s"] is not None:
-                name += f" [original failed: {short(o['error'], 120)}]"
-            out.append({"target": name, "value": v,
-                        "ok": None if v is None else v >= target})
+        out += _original_verdicts(res, by_key(original["results"]))
+    return out
+
+
+def _original_verdicts(res: list[dict], orig: dict) -> list[dict]:
+    out = []
+    for r in res:
+        o = orig.get((r["kind"], r["consumers"]))
+        if o is None:
+            continue
+        v = div(r["batches_per_s"], o["batches_per_s"])
+        name = (f"ours/original {r['kind']} x{r['consumers']} (batches/s per consumer) "
+                f">= {TARGET_VS_ORIGINAL[r['kind']]:g}")
+        if v is None and o["error"] and r["batches_per_s"] is not None:
+            name += f" [original failed: {short(o['error'], 120)}]"
+        out.append(_verdict(name, v, TARGET_VS_ORIGINAL[r["kind"]]))
     return out
 
 
