@@ -303,7 +303,6 @@ def run_orig_consumer(args: argparse.Namespace) -> int:
     os._exit(0)  # its fetch and heartbeat threads are daemons; zmq contexts never closed
 
 
-
 ROLES = {
     "_trainer": run_trainer,
     "_producer": run_producer,
