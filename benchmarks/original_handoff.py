@@ -82,7 +82,7 @@ if str(_HERE) not in sys.path:
 
 import handoff_common as H  # noqa: E402  (benchmarks/ is not a package)
 from bench_common import (  # noqa: E402
-    dispatch, free_ports, harness, read_text, stop_all, tail, write_json,
+    dispatch, free_ports, harness, json_reports, read_text, stop_all, tail, write_json,
 )
 from original_env import ORIGINAL_VERSION, OriginalUnavailable, ensure_venv  # noqa: E402
 
@@ -304,8 +304,7 @@ def _child_env() -> dict:
 
 
 def _last_report(text: str, role: str) -> dict | None:
-    lines = [r for r in harness().json_lines(text)
-             if r.get("role") == role and "ready" not in r]
+    lines = json_reports(text, role)
     return lines[-1] if lines else None
 
 
