@@ -57,7 +57,6 @@ import json
 import os
 import platform
 import re
-import resource
 import selectors
 import signal
 import statistics
@@ -72,6 +71,10 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = ("verify", "overhead", "throughput")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_checks  # noqa: E402  (the checks of --quick, shared with tests/test_gpu_real.py)
+from bench_common import (  # noqa: E402
+    children_cpu_seconds, dispatch, harness, import_tensorsocket, machine_info,
+    remove_leftovers, report, write_json,
+)
 TARGET_NEXT_US = 50.0
 WORK_ELEMS = 4096  # float64 elements the simulated decode works on (fits in L1/L2)
 VALUE_MOD = 251  # x of batch i holds i % 251 (uint8)
@@ -263,33 +266,10 @@ def count_device_activity(prof) -> dict:
 # -- child roles -----------------------------------------------------------------------------
 
 
-def _emit(obj: dict) -> None:
-    print(json.dumps(obj), flush=True)
-
-
-def _import_tensorsocket():
-    """tensorsocket, from the installed package or else from this checkout."""
-    try:
-        import tensorsocket
-    except ImportError:
-        sys.path.insert(0, str(ROOT))
-        import tensorsocket
-    return tensorsocket
-
-
-def _import_tools_harness():
-    """tools.harness of this checkout (not installed)."""
-    if str(ROOT) not in sys.path:
-        sys.path.append(str(ROOT))
-    from tools import harness
-
-    return harness
-
-
 def run_producer(args: argparse.Namespace) -> dict:
     """Publish one epoch (synthetic batches, or the throughput DataLoader); profile the
     publishes of batches [profile_from, profile_from + profile_batches) if asked."""
-    ts = _import_tensorsocket()
+    ts = import_tensorsocket()
     shape = parse_shape(args.shape)
     if args.loader == "synthetic":
         loader = SyntheticLoader(args.batches, shape)
@@ -304,7 +284,7 @@ def run_producer(args: argparse.Namespace) -> dict:
     )
     prof = profile = None
     try:
-        _emit({"role": "producer", "ready": True})
+        report({"role": "producer", "ready": True})
         for i, _ in enumerate(producer):  # batch i is published (copy issued) here
             if window and i == window[0] - 1:
                 prof = start_profiler(args.device)
@@ -321,7 +301,7 @@ def run_producer(args: argparse.Namespace) -> dict:
 
 def _wait_go() -> None:
     """Barrier: say ready, then wait for the orchestrator's 'go' on stdin."""
-    _emit({"ready": True})
+    report({"ready": True})
     with selectors.DefaultSelector() as sel:
         sel.register(sys.stdin, selectors.EVENT_READ)
         if not sel.select(READY_TIMEOUT) or sys.stdin.readline().strip() != "go":
@@ -430,7 +410,7 @@ def timed_loop(batches_iter, to_gpu, args: argparse.Namespace) -> dict:
 
 def run_consumer(args: argparse.Namespace) -> dict:
     """A TensorConsumer in one of the modes verify / overhead / throughput."""
-    ts = _import_tensorsocket()
+    ts = import_tensorsocket()
     consumer = ts.TensorConsumer(name=args.name, timeout=ATTACH_TIMEOUT,
                                  batch_timeout=BATCH_TIMEOUT)
     try:
@@ -498,7 +478,7 @@ def child_main(argv: list[str]) -> int:
     ap.add_argument("--profile-batches", type=int, default=0)
     args = ap.parse_args(argv[1:])
     run = {"_producer": run_producer, "_consumer": run_consumer, "_baseline": run_baseline}
-    _emit(run[role](args))
+    report(run[role](args))
     return 0
 
 
@@ -511,7 +491,7 @@ def gpu_skip_reason(device: str) -> str | None:
     why = gpu_checks.skip_reason(ordinal)
     if why is not None:
         return why
-    desc = _import_tensorsocket().gpu_status()["devices"][ordinal]
+    desc = import_tensorsocket().gpu_status()["devices"][ordinal]
     if not desc["ipc_events"]:
         return (f"GPU {ordinal} ({desc['name']}) does not support CUDA IPC events "
                 "(MIG instance?): the GPU ring cannot work there")
@@ -524,10 +504,8 @@ class Children:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        _import_tensorsocket()
-        harness = _import_tools_harness()
-
-        self.harness = harness
+        import_tensorsocket()
+        self.harness = harness()
         self.group = self.harness.Children()
         self._err: dict[int, object] = {}
 
@@ -589,15 +567,8 @@ class Children:
                     f.close()
             self._err[p.pid].close()
         if self.name:
-            _remove_leftovers(self.name)
-
-
-def _remove_leftovers(name: str) -> None:
-    """Remove what a producer of this (unique) name may leave if it was killed."""
-    _import_tensorsocket()
-    from tensorsocket.cli.clean import remove_leftovers
-
-    remove_leftovers(name)
+            import_tensorsocket()
+            remove_leftovers(self.name)
 
 
 def _common(args: argparse.Namespace, batches: int) -> list[str]:
@@ -645,11 +616,6 @@ def run_baseline_consumers(args: argparse.Namespace, consumers: int) -> dict:
         return {"consumers": [kids.result(c, deadline) for c in cons]}
     finally:
         kids.close()
-
-
-def _children_cpu_seconds() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
 
 
 def step_verify(args: argparse.Namespace) -> dict:
@@ -723,7 +689,7 @@ def step_throughput(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {"tensorsocket": [], "baseline": []}
     for rep in range(args.repeats):
         for mode in ("baseline", "tensorsocket") if rep % 2 else ("tensorsocket", "baseline"):
-            cpu0, t0 = _children_cpu_seconds(), time.perf_counter()
+            cpu0, t0 = children_cpu_seconds(), time.perf_counter()
             if mode == "tensorsocket":
                 res = run_tensorsocket(args, args.consumers, args.batches, "throughput",
                                        loader="dataloader", barrier=True)
@@ -733,7 +699,7 @@ def step_throughput(args: argparse.Namespace) -> dict:
             runs[mode].append({
                 "batches_per_s": statistics.median(c["batches_per_s"] for c in cons),
                 "per_consumer": [c["batches_per_s"] for c in cons],
-                "cpu_seconds": _children_cpu_seconds() - cpu0,
+                "cpu_seconds": children_cpu_seconds() - cpu0,
                 "wall_seconds": time.perf_counter() - t0,
                 "content_ok": all(c["content_ok"] for c in cons),
                 "on_cuda": all(c["on_cuda"] for c in cons),
@@ -805,8 +771,7 @@ def environment(args: argparse.Namespace) -> dict:
     """What this run ran on (no CUDA context is created here)."""
     import torch
 
-    status = _import_tensorsocket().gpu_status()
-    harness = _import_tools_harness()
+    status = import_tensorsocket().gpu_status()
 
     ordinal = int(args.device.partition(":")[2] or 0)
     dev = (status["devices"] or [{}])[ordinal]
@@ -820,7 +785,7 @@ def environment(args: argparse.Namespace) -> dict:
         "batch_mb": batch_nbytes(parse_shape(args.batch_shape)) / 1e6,
         "work_ms": args.work_ms, "work_iters": args.work_iters, "workers": args.workers,
         "repeats": args.repeats, "ring_slots": args.ring_slots,
-        "machine": harness.machine_info(),
+        "machine": machine_info(),
     }
 
 
@@ -875,8 +840,7 @@ def run_quick(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"environment": env, "checks": gpu_checks.results_json(results),
                "verdict": verdict}
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, doc)
     return 1 if failed else 0
 
 
@@ -975,12 +939,9 @@ def main(argv: list[str] | None = None) -> int:
     print(verdict)
     if args.json:
         doc = {"environment": env, "results": results, "verdict": verdict}
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, doc)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("_producer", "_consumer", "_baseline"):
-        sys.exit(child_main(sys.argv[1:]))
-    sys.exit(main())
+    dispatch({role: child_main for role in ("_producer", "_consumer", "_baseline")}, main)

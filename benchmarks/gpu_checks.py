@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from bench_common import import_tensorsocket, report
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -91,7 +93,7 @@ class Options:
 
 def default_options(device: int = 0) -> Options:
     """Options for GPU `device`, with gpu_ring from what tensorsocket sees of it."""
-    devices = _import_tensorsocket().gpu_status()["devices"] or []
+    devices = import_tensorsocket().gpu_status()["devices"] or []
     ipc = device < len(devices) and bool(devices[device].get("ipc_events"))
     return Options(device=device, gpu_ring=ipc)
 
@@ -117,16 +119,6 @@ def check(fn: Callable[[Options], CheckResult]) -> Callable[[Options], CheckResu
 # -- where the checks can run -------------------------------------------------------------
 
 
-def _import_tensorsocket():
-    """tensorsocket, from the installed package or else from this checkout."""
-    try:
-        import tensorsocket
-    except ImportError:
-        sys.path.insert(0, str(ROOT))
-        import tensorsocket
-    return tensorsocket
-
-
 def skip_reason(device: int = 0) -> str | None:
     """Why the checks cannot run here (one line), or None."""
     if os.environ.get("TENSORSOCKET_LIBCUDA"):
@@ -141,7 +133,7 @@ def skip_reason(device: int = 0) -> str | None:
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
         why.append(f"torch.cuda.is_available() is False (torch {torch.__version__}, {build})")
     try:
-        status = _import_tensorsocket().gpu_status()
+        status = import_tensorsocket().gpu_status()
     except ImportError as e:
         return f"tensorsocket cannot be imported ({e}); build it with pip install -e ."
     if not status["available"]:
@@ -156,7 +148,7 @@ def skip_reason(device: int = 0) -> str | None:
 
 def gpu_count() -> int:
     """GPUs tensorsocket sees (no CUDA context is created)."""
-    status = _import_tensorsocket().gpu_status()
+    status = import_tensorsocket().gpu_status()
     return len(status["devices"] or [])
 
 
@@ -183,7 +175,7 @@ def device_memory_used(device: int = 0) -> tuple[int | None, str]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None, "nvidia-smi not found"
-    devices = _import_tensorsocket().gpu_status()["devices"] or []
+    devices = import_tensorsocket().gpu_status()["devices"] or []
     if device >= len(devices):
         return None, f"no GPU {device}"
     want = str(devices[device]["uuid"]).lower().replace("-", "")
@@ -662,7 +654,7 @@ def _two_gpus(opts: Options) -> str | None:
     n = gpu_count()
     if n < 2:
         return f"needs 2 GPUs ({n} visible)"
-    devices = _import_tensorsocket().gpu_status()["devices"] or []
+    devices = import_tensorsocket().gpu_status()["devices"] or []
     if not all(d.get("ipc_events") for d in devices[:2]):
         return "GPU 0 or 1 has no CUDA IPC events (MIG?): no GPU ring to share"
     return None
@@ -813,10 +805,6 @@ def results_json(results: list[CheckResult]) -> list[dict]:
 # -- roles (run in child processes) ---------------------------------------------------------
 
 
-def _emit(obj: dict) -> None:
-    print(json.dumps(obj), flush=True)
-
-
 def _wait_stdin(word: str = "go", timeout: float = LINE_TIMEOUT) -> None:
     """Wait for `word` on stdin (the orchestrator's handshake)."""
     with selectors.DefaultSelector() as sel:
@@ -905,7 +893,7 @@ def role_producer(a: dict) -> dict:
 
         torch.cuda.init()
         torch.cuda.mem_get_info(a["device"])
-        _emit({"cuda_ready": True})
+        report({"cuda_ready": True})
         _wait_stdin()
         ref = torch.cuda.mem_get_info(a["device"])[0]
     deficits, stats, drained, close_s = [], None, None, None
@@ -916,11 +904,11 @@ def role_producer(a: dict) -> dict:
             producer = TensorProducer(_loader(a), name=name, min_consumers=1,
                                       start_grace=0, start_timeout=START_TIMEOUT, **kw)
             try:
-                _emit({"ready": cycle})
+                report({"ready": cycle})
                 for _ in range(a.get("epochs", 1)):
                     for _ in producer:
                         pass
-                _emit({"published": cycle})
+                report({"published": cycle})
                 stats = producer.stats()
                 if a.get("join", True):
                     drained = producer.join(timeout=60)
@@ -969,7 +957,7 @@ def role_consumer(a: dict) -> dict:
         dev = a["expect"]
         torch.full(a["warm_shape"], 1.0, device=dev).sum(dtype=torch.float64).item()
         torch.full((a["warm_shape"][0],), 1, device=dev).sum().item()
-        _emit({"cuda_ready": True})
+        report({"cuda_ready": True})
     if a.get("dlpack_minus1"):
         _patch_export_stream(-1)
     modes = {"check": _mode_check, "streams": _mode_streams, "pinned": _mode_pinned,
@@ -1227,7 +1215,7 @@ def _mode_idle(consumer: Any, a: dict) -> dict:
             errors.append(f"batch {b}: content is not {b}")
         del batch
     torch.cuda.synchronize(a["expect"])
-    _emit({"holding": True})
+    report({"holding": True})
     _wait_stdin(timeout=LINE_TIMEOUT)
     # What the next accesses give: batches (each must be right), then the end or an error.
     after_clear, after_batches, after = False, 0, "no end within 64 batches"
@@ -1283,9 +1271,9 @@ def role_main(argv: list[str]) -> int:
         import traceback
 
         traceback.print_exc()
-        _emit({"error": f"{role}: {type(e).__name__}: {e}"})
+        report({"error": f"{role}: {type(e).__name__}: {e}"})
         return 1
-    _emit({"result": res})
+    report({"result": res})
     return 0
 
 

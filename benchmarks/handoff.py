@@ -96,19 +96,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
+from bench_common import (  # noqa: E402
+    cpu_seconds, dispatch, div, fmt, harness, remove_leftovers, report, stop_all, tail,
+    unwind_on_sigterm, write_json,
+)
 from handoff_common import (  # noqa: E402
     KINDS, RING_SLOTS, CountingLoader, Tally, add_common_options, by_key, check_reports,
-    cpu_seconds, div, fmt, harness, parse_common, print_table, remove_leftovers, run_suite, short,
-    stop_all, tail,
+    parse_common, print_table, run_suite, short,
 )
 
 TARGET_TINY_BPS = 20000.0  # batches/s to one consumer
@@ -145,7 +146,7 @@ def run_producer(args: argparse.Namespace) -> int:
     )
     try:
         # Tell the orchestrator the control socket is bound.
-        print(json.dumps({"role": "producer", "ready": True}), flush=True)
+        report({"role": "producer", "ready": True})
         t0 = None
         cpu0 = 0.0
         n = 0
@@ -160,7 +161,7 @@ def run_producer(args: argparse.Namespace) -> int:
         drained = producer.join(timeout=JOIN_TIMEOUT)
     finally:
         producer.close()
-    print(json.dumps({
+    report({
         "role": "producer",
         "batches": n,
         "seconds": t1 - (t0 or t1),
@@ -168,7 +169,7 @@ def run_producer(args: argparse.Namespace) -> int:
         "wait_seconds": stats["wait_seconds"],
         "bytes_copied": stats["bytes_copied"],
         "drained": drained,
-    }), flush=True)
+    })
     return 0
 
 
@@ -197,7 +198,7 @@ def run_consumer(args: argparse.Namespace) -> int:
         consumer.close()
     if profiler is not None:
         profiler.dump_stats(f"{args.profile}.{os.getpid()}")
-    print(json.dumps(tally.report()), flush=True)
+    report(tally.report())
     return 0
 
 
@@ -255,67 +256,65 @@ def run_config(kind: str, consumers: int, batches: int, tag: str,
     return {"consumers": reports, "producer": preport, "error": error}
 
 
+def _verdict(target: str, value: float | None, limit: float, at_most: bool = False) -> dict:
+    """{"target", "value", "ok"}: ok whether value >= limit (<= with at_most), None when
+    there is no value."""
+    ok = None if value is None else (value <= limit if at_most else value >= limit)
+    return {"target": target, "value": value, "ok": ok}
+
+
 def verdicts(ours: dict, original: dict | None = None, floor: dict | None = None) -> list[dict]:
     """The targets, each {"target", "value", "ok"} (ok None: not measurable)."""
-    out = []
     res = ours["results"]
-    for r in res:
-        if r["kind"] != "tiny":
-            continue
+    tiny = [r for r in res if r["kind"] == "tiny"]
+    out = []
+    for r in tiny:
         if r["consumers"] == 1:
-            v = r["batches_per_s"]
-            out.append({"target": f"ours tiny x1: batches/s >= {TARGET_TINY_BPS_ONE:.0f}",
-                        "value": v, "ok": None if v is None else v >= TARGET_TINY_BPS_ONE})
-        v = r.get("cpu_us_per_batch")
-        out.append({"target": f"ours tiny x{r['consumers']}: CPU us per delivered batch <= "
-                              f"{TARGET_TINY_CPU_US:g}",
-                    "value": v, "ok": None if v is None else v <= TARGET_TINY_CPU_US})
-    if floor is not None:
-        low = by_key(floor["results"])
-        for r in res:
-            f = low.get((r["kind"], r["consumers"]))
-            if r["kind"] != "tiny" or f is None:
-                continue
-            v = div(r["batches_per_s"], f["batches_per_s"])
-            out.append({"target": f"ours/floor tiny x{r['consumers']} (batches/s per consumer; "
-                                  f"floor: shared_memory + pipes) >= {TARGET_TINY_VS_FLOOR:g}",
-                        "value": v, "ok": None if v is None else v >= TARGET_TINY_VS_FLOOR})
-    for r in res:
-        if r["kind"] == "32MiB":
-            v = r["ratio_vs_memcpy"]
-            out.append({"target": f"ours 32MiB x{r['consumers']}: per-consumer GB/s / memcpy "
-                                  f">= {TARGET_LARGE_RATIO}",
-                        "value": v, "ok": None if v is None else v >= TARGET_LARGE_RATIO})
+            out.append(_verdict(f"ours tiny x1: batches/s >= {TARGET_TINY_BPS_ONE:.0f}",
+                                r["batches_per_s"], TARGET_TINY_BPS_ONE))
+        out.append(_verdict(f"ours tiny x{r['consumers']}: CPU us per delivered batch <= "
+                            f"{TARGET_TINY_CPU_US:g}", r.get("cpu_us_per_batch"),
+                            TARGET_TINY_CPU_US, at_most=True))
+    low = by_key(floor["results"]) if floor is not None else {}
+    for r in tiny:
+        f = low.get((r["kind"], r["consumers"]))
+        if f is not None:
+            out.append(_verdict(f"ours/floor tiny x{r['consumers']} (batches/s per consumer; "
+                                f"floor: shared_memory + pipes) >= {TARGET_TINY_VS_FLOOR:g}",
+                                div(r["batches_per_s"], f["batches_per_s"]),
+                                TARGET_TINY_VS_FLOOR))
+    for r in (r for r in res if r["kind"] == "32MiB"):
+        out.append(_verdict(f"ours 32MiB x{r['consumers']}: per-consumer GB/s / memcpy "
+                            f">= {TARGET_LARGE_RATIO}", r["ratio_vs_memcpy"],
+                            TARGET_LARGE_RATIO))
     large = {r["consumers"]: r for r in res if r["kind"] == "32MiB"}
     if 1 in large and len(large) > 1:
-        base = large[1]["gb_per_s"]
         worst = min((r for n, r in large.items() if n != 1),
                     key=lambda r: r["gb_per_s"] if r["gb_per_s"] is not None else -1)
-        v = div(worst["gb_per_s"], base)
-        out.append({"target": f"ours 32MiB flat in N: min over N>1 of per-consumer GB/s / "
-                              f"GB/s at 1 consumer >= {TARGET_FLAT} (worst: "
-                              f"x{worst['consumers']})",
-                    "value": v, "ok": None if v is None else v >= TARGET_FLAT})
-    for r in res:
-        if r["kind"] == "tiny":
-            v = r["batches_per_s"]
-            out.append({"target": f"ours tiny x{r['consumers']}: batches/s per consumer >= "
-                                  f"{TARGET_TINY_BPS:.0f}",
-                        "value": v, "ok": None if v is None else v >= TARGET_TINY_BPS})
+        out.append(_verdict(f"ours 32MiB flat in N: min over N>1 of per-consumer GB/s / "
+                            f"GB/s at 1 consumer >= {TARGET_FLAT} (worst: "
+                            f"x{worst['consumers']})",
+                            div(worst["gb_per_s"], large[1]["gb_per_s"]), TARGET_FLAT))
+    for r in tiny:
+        out.append(_verdict(f"ours tiny x{r['consumers']}: batches/s per consumer >= "
+                            f"{TARGET_TINY_BPS:.0f}", r["batches_per_s"], TARGET_TINY_BPS))
     if original is not None:
-        orig = by_key(original["results"])
-        for r in res:
-            o = orig.get((r["kind"], r["consumers"]))
-            if o is None:
-                continue
-            target = TARGET_VS_ORIGINAL[r["kind"]]
-            v = div(r["batches_per_s"], o["batches_per_s"])
-            name = (f"ours/original {r['kind']} x{r['consumers']} (batches/s per consumer) "
-                    f">= {target:g}")
-            if v is None and o["error"] and r["batches_per_s"] is not None:
-                name += f" [original failed: {short(o['error'], 120)}]"
-            out.append({"target": name, "value": v,
-                        "ok": None if v is None else v >= target})
+        out += _original_verdicts(res, by_key(original["results"]))
+    return out
+
+
+def _original_verdicts(res: list[dict], orig: dict) -> list[dict]:
+    out = []
+    for r in res:
+        o = orig.get((r["kind"], r["consumers"]))
+        if o is None:
+            continue
+        v = div(r["batches_per_s"], o["batches_per_s"])
+        name = (f"ours/original {r['kind']} x{r['consumers']} (batches/s per consumer) "
+                f">= {TARGET_VS_ORIGINAL[r['kind']]:g}")
+        if v is None and o["error"] and r["batches_per_s"] is not None:
+            name += f" [original failed: {short(o['error'], 120)}]"
+        out.append(_verdict(name, v, TARGET_VS_ORIGINAL[r["kind"]]))
     return out
 
 
@@ -448,8 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ours["verdicts"] = checks
 
     if args.json:
-        Path(args.json).write_text(json.dumps(ours, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, ours)
     return 1 if any(r["error"] for r in ours["results"]) else 0
 
 
@@ -476,9 +474,7 @@ def _timeouts() -> dict:
 
 def _child_main(argv: list[str]) -> int:
     role = argv[0]
-    # On SIGTERM from the orchestrator, unwind normally so that the producer
-    # unlinks its segment and the consumer says bye (finally blocks run).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    unwind_on_sigterm()
     parser = argparse.ArgumentParser(prog=f"handoff.py {role}")
     parser.add_argument("--name", required=True)
     parser.add_argument("--kind", required=True, choices=KINDS)
@@ -492,6 +488,4 @@ def _child_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("_producer", "_consumer"):
-        sys.exit(_child_main(sys.argv[1:]))
-    sys.exit(main())
+    dispatch({"_producer": _child_main, "_consumer": _child_main}, main)

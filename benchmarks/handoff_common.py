@@ -3,10 +3,10 @@ stamped in, the loader, the consumers' tally and its check), the memcpy baseline
 options both scripts take, running the suite of configurations and the table of results.
 
 Both scripts import this module; neither imports the other's code (handoff.py starts
-original_handoff.py's suite through its run_original()). Child processes and machine
-information come from tools.harness, which only the orchestrators import (see
-harness()): the original's children run this module in a venv whose tensorsocket is the
-original.
+original_handoff.py's suite through its run_original()). Child processes, timing, medians
+and machine information come from bench_common (tools.harness, which only the
+orchestrators import): the original's children run this module in a venv whose
+tensorsocket is the original.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
+
+from bench_common import (
+    add_run_options, count_list, cpu_seconds, div, fmt, loadavg, machine_info,
+    median, name_list, repeats as default_repeats,
+)
 
 
 SCHEMA = "tensorsocket-handoff/2"
@@ -30,7 +33,6 @@ QUICK_DIVISOR = 10
 RING_SLOTS = 4
 COUNTER_BYTES = 4  # 32 MiB batch: the counter's bytes, one at the start of each of pages 0-3
 FILL = 7  # 32 MiB batch: every other byte
-KILL_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when a run's children are stopped
 
 
 # -- the workload ------------------------------------------------------------------------
@@ -197,14 +199,6 @@ class Tally:
         }
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process so far."""
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def cpu_per_batch(consumers: list[dict], producer: dict | None) -> float | None:
     """CPU microseconds per delivered batch of one run: the producer's and every
     consumer's CPU time from the first batch on, over the batches all consumers got."""
@@ -238,38 +232,6 @@ def check_reports(reports: list[dict], kind: str, batches: int, consumers: int) 
         if bad:
             problems.append(f"{who}: " + "; ".join(bad))
     return "; ".join(problems) or None
-
-
-# -- children ----------------------------------------------------------------------------
-
-
-def harness():
-    """tools.harness of this checkout, for the orchestrators only."""
-    root = str(Path(__file__).resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from tools import harness as module
-
-    return module
-
-
-def tail(text: str, lines: int = 8, chars: int = 2000) -> str:
-    """The last lines of a child's stderr, for an error message."""
-    return "\n".join((text or "").strip().splitlines()[-lines:])[-chars:]
-
-
-def stop_all(procs: list) -> None:
-    """SIGTERM every child's process tree, SIGKILL what is left after KILL_GRACE; reap."""
-    children = harness().Children()
-    children.procs = list(procs)
-    children.stop_all(KILL_GRACE)
-
-
-def remove_leftovers(name: str) -> None:
-    """Remove what a producer of this (unique, ours only) name may have left."""
-    from tensorsocket.cli.clean import remove_leftovers as remove
-
-    remove(name)
 
 
 # -- the memcpy baseline -----------------------------------------------------------------
@@ -342,28 +304,14 @@ def memcpy_baseline(kind: str, min_seconds: float) -> dict:
 # -- the suite ---------------------------------------------------------------------------
 
 
-def _median(xs):
-    return statistics.median(xs) if xs else None
-
-
-def div(a, b):
-    return a / b if a is not None and b else None
-
-
 def parse_common(parser: argparse.ArgumentParser, argv: list[str] | None):
     """Parse the options both scripts share; return (args, kinds, counts, repeats, nbatches)."""
     args = parser.parse_args(argv)
-    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    repeats = default_repeats(args)
     if repeats < 1:
         parser.error("--repeats must be >= 1")
-    kinds = [k for k in args.kinds.split(",") if k]
-    for k in kinds:
-        if k not in KINDS:
-            parser.error(f"unknown kind {k!r}")
-    try:
-        counts = [int(c) for c in args.consumers.split(",") if c]
-    except ValueError:
-        parser.error(f"bad --consumers {args.consumers!r}")
+    kinds = name_list(parser, args.kinds, KINDS, "kind")
+    counts = count_list(parser, args.consumers)
     if not counts or min(counts) < 1:
         parser.error("--consumers: counts >= 1")
     div = QUICK_DIVISOR if args.quick else 1
@@ -372,22 +320,16 @@ def parse_common(parser: argparse.ArgumentParser, argv: list[str] | None):
 
 
 def add_common_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_DIVISOR}x fewer batches and 1 repeat")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="repeats per configuration (default 3, 1 with --quick)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    add_run_options(parser, f"{QUICK_DIVISOR}x fewer batches and 1 repeat", CONSUMER_COUNTS)
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"comma-separated subset of {','.join(KINDS)}")
-    parser.add_argument("--consumers", default=",".join(map(str, CONSUMER_COUNTS)),
-                        help="comma-separated consumer counts (default 1,2,4)")
 
 
 def run_suite(config_fn, *, label: str, kinds: list[str], counts: list[int], repeats: int,
               nbatches: dict, quick: bool, settings: dict | None = None) -> dict:
     """Run config_fn(kind, consumers, batches, tag) for every configuration and
     repeat, with the memcpy baseline; the JSON document (see the module docstring)."""
-    machine = harness().machine_info()
+    machine = machine_info()
     print(f"[{label}] python {machine['python']}, torch {machine['torch']}, "
           f"{machine['cpus']} CPUs ({machine['cpu_model']}), load {machine['loadavg_start']}")
     print(f"[{label}] batches per run: " + ", ".join(f"{k}={nbatches[k]}" for k in kinds)
@@ -406,7 +348,7 @@ def run_suite(config_fn, *, label: str, kinds: list[str], counts: list[int], rep
                            "error": f"{type(e).__name__}: {e}"}
                 seconds = time.perf_counter() - t0
                 ok = res["error"] is None
-                bps = _median([c["batches_per_s"] for c in res["consumers"]]) if ok else None
+                bps = median([c["batches_per_s"] for c in res["consumers"]]) if ok else None
                 runs[(kind, n)].append({
                     "repeat": rep,
                     "seconds": seconds,
@@ -425,7 +367,7 @@ def run_suite(config_fn, *, label: str, kinds: list[str], counts: list[int], rep
                       f"(run {seconds:.1f} s)", flush=True)
     results = [summarize(kind, n, runs[(kind, n)], baselines[kind], nbatches[kind], repeats)
                for kind in kinds for n in counts]
-    machine["loadavg_end"] = harness().loadavg()
+    machine["loadavg_end"] = loadavg()
     return {
         "schema": SCHEMA,
         "implementation": label,
@@ -450,7 +392,7 @@ def short(text: str | None, n: int = 160) -> str:
 
 
 def _baseline_summary(runs: list[dict]) -> dict:
-    out = {key: _median([b[key] for b in runs if key in b])
+    out = {key: median([b[key] for b in runs if key in b])
            for key in ("gb_per_s", "copies_per_s", "us_per_copy", "rotating_gb_per_s",
                        "stream_gb_per_s")}
     out["runs"] = runs
@@ -462,7 +404,7 @@ def summarize(kind: str, n: int, runs: list[dict], baselines: list[dict], batche
     base = _baseline_summary(baselines)
     good = [r for r in runs if r["error"] is None]
     bps_runs = [r["median_batches_per_s"] for r in good]
-    bps = _median(bps_runs)
+    bps = median(bps_runs)
     gbps = div(bps * batch_bytes(kind), 1e9) if bps is not None else None
     errors = [r["error"] for r in runs]
     return {
@@ -475,7 +417,7 @@ def summarize(kind: str, n: int, runs: list[dict], baselines: list[dict], batche
         "gb_per_s": gbps,
         "us_per_batch": div(1e6, bps),
         # CPU of producer + consumers per delivered batch (median over repeats)
-        "cpu_us_per_batch": _median([r["cpu_us_per_batch"] for r in good
+        "cpu_us_per_batch": median([r["cpu_us_per_batch"] for r in good
                                      if r.get("cpu_us_per_batch") is not None]),
         "batches_per_s_runs": bps_runs,
         "gb_per_s_runs": [b * batch_bytes(kind) / 1e9 for b in bps_runs],
@@ -496,10 +438,6 @@ def summarize(kind: str, n: int, runs: list[dict], baselines: list[dict], batche
 
 
 # -- output ------------------------------------------------------------------------------
-
-
-def fmt(x, spec: str, width: int) -> str:
-    return f"{'-' if x is None else format(x, spec):>{width}}"
 
 
 def print_table(doc: dict) -> None:

@@ -68,7 +68,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -82,6 +81,9 @@ if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
 import handoff_common as H  # noqa: E402  (benchmarks/ is not a package)
+from bench_common import (  # noqa: E402
+    dispatch, free_ports, harness, json_reports, read_text, stop_all, tail, write_json,
+)
 from original_env import ORIGINAL_VERSION, OriginalUnavailable, ensure_venv  # noqa: E402
 
 LABEL = f"tensorsocket {ORIGINAL_VERSION} (original, PyPI)"
@@ -285,19 +287,6 @@ def run_oconsumer(args: argparse.Namespace) -> int:
 # -- orchestrator (this interpreter) --------------------------------------------------------
 
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("0.0.0.0", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def estimate_peak_bytes(kind: str, consumers: int, pbs: int) -> int:
     """Rough peak memory of one run of the original: the pickled broadcast (for every
     consumer pbs slices, each pickling the whole pbs-batch storage) in the producer and,
@@ -314,31 +303,53 @@ def _child_env() -> dict:
     return env
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
 def _last_report(text: str, role: str) -> dict | None:
-    lines = [r for r in H.harness().json_lines(text)
-             if r.get("role") == role and "ready" not in r]
+    lines = json_reports(text, role)
     return lines[-1] if lines else None
 
 
 def _wait_ready(proc: subprocess.Popen, out: Path, err: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if '"ready": true' in _read(out):
+        if '"ready": true' in read_text(out):
             return
         if proc.poll() is not None:
-            rep = _last_report(_read(out), "producer")
-            why = rep["error"] if rep and rep.get("error") else H.tail(_read(err))
+            rep = _last_report(read_text(out), "producer")
+            why = rep["error"] if rep and rep.get("error") else tail(read_text(err))
             raise RuntimeError(f"producer exited before it was ready (rc={proc.returncode}): "
                                f"{why}")
         time.sleep(0.05)
     raise TimeoutError(f"producer not ready within {timeout:.0f} s")
+
+
+class _Children:
+    """The processes of one configuration of the original: started with the venv's python,
+    on four fresh ports, their stdout and stderr in files of a temporary directory."""
+
+    def __init__(self, python: Path | None, kind: str) -> None:
+        self.python = python
+        self.kind = kind
+        self.ports = [str(p) for p in free_ports(4)]
+        self.tmp = Path(tempfile.mkdtemp(prefix="ts-original-handoff-"))
+        self.procs: list = []
+        self.files: list[tuple[Path, Path]] = []
+        self.opened: list = []
+        self.env = _child_env()
+
+    def spawn(self, role: str, i: int, *extra: str, stdin=None) -> subprocess.Popen:
+        out, err = self.tmp / f"{role}{i}.out", self.tmp / f"{role}{i}.err"
+        fo, fe = open(out, "w"), open(err, "w")
+        self.opened.extend([fo, fe])
+        p = harness().spawn([str(self.python), os.path.abspath(__file__), role, "--kind",
+                             self.kind, "--ports", *self.ports, *extra], label=f"{role} {i}",
+                            stdin=stdin, stdout=fo, stderr=fe, cwd=self.tmp, env=self.env)
+        self.procs.append(p)
+        self.files.append((out, err))
+        return p
+
+    def close_files(self) -> None:
+        for f in self.opened:
+            f.close()
 
 
 class Runner:
@@ -359,7 +370,7 @@ class Runner:
                     "error": f"original unavailable: {self.unavailable}"}
         pbs = self.pbs[kind]
         need = estimate_peak_bytes(kind, consumers, pbs)
-        avail = (H.harness().meminfo_gb("MemAvailable") or 0) * 1e9
+        avail = (harness().meminfo_gb("MemAvailable") or 0) * 1e9
         if avail and need > MEM_GUARD_FRACTION * avail:
             return {"consumers": [], "producer": None,
                     "error": f"not run: estimated peak memory {need / 1e9:.1f} GB (producer_"
@@ -382,73 +393,17 @@ class Runner:
         return res
 
     def _run(self, kind: str, consumers: int, batches: int, pbs: int) -> dict:
-        ports = [str(p) for p in free_ports(4)]
-        tmp = Path(tempfile.mkdtemp(prefix="ts-original-handoff-"))
-        procs: list = []
-        files: list[tuple[Path, Path]] = []
+        kids = _Children(self.python, kind)
         problems: list[str] = []
-        env = _child_env()
-        script = os.path.abspath(__file__)
-        opened = []
-
-        def spawn(role: str, i: int, *extra: str, stdin=None) -> subprocess.Popen:
-            out, err = tmp / f"{role}{i}.out", tmp / f"{role}{i}.err"
-            fo, fe = open(out, "w"), open(err, "w")
-            opened.extend([fo, fe])
-            p = H.harness().spawn([str(self.python), script, role, "--kind", kind,
-                               "--ports", *ports, *extra], label=f"{role} {i}",
-                              stdin=stdin, stdout=fo, stderr=fe, cwd=tmp, env=env)
-            procs.append(p)
-            files.append((out, err))
-            return p
-
-        mem_total = (H.harness().meminfo_gb("MemTotal") or 0) * 1e9
         try:
-            pad = pbs if self.padding else 0
-            producer = spawn("_oproducer", 0, "--batches", str(batches + pad),
-                             "--consumers", str(consumers),
-                             "--producer-batch-size", str(pbs),
-                             "--linger", str(LINGER_TIMEOUT), stdin=subprocess.PIPE)
-            _wait_ready(producer, *files[0], READY_TIMEOUT)
-            cons = [spawn("_oconsumer", i + 1, "--batch-timeout", str(self.batch_timeout))
-                    for i in range(consumers)]
-            deadline = time.monotonic() + self.config_timeout
-            while any(c.poll() is None for c in cons):
-                if time.monotonic() > deadline:
-                    problems.append(f"configuration not finished within "
-                                    f"{self.config_timeout:.0f} s")
-                    break
-                avail = (H.harness().meminfo_gb("MemAvailable") or 0) * 1e9
-                if mem_total and avail and avail < MEM_FLOOR_FRACTION * mem_total:
-                    problems.append(f"stopped by the benchmark: MemAvailable fell to "
-                                    f"{avail / 1e9:.1f} GB of {mem_total / 1e9:.1f} GB")
-                    break
-                time.sleep(0.1)
-            # Consumers still running get SIGTERM: they report how far they got.
-            for c in cons:
-                if c.poll() is None:
-                    c.send_signal(signal.SIGTERM)
-            for c in cons:
-                try:
-                    c.wait(timeout=KILL_GRACE)
-                except subprocess.TimeoutExpired:
-                    pass
-            producer.stdin.close()  # consumers are done: the producer may exit
-            failed = bool(problems)
-            try:  # its join() may take up to JOIN_TIMEOUT; no waiting after a failure
-                producer.wait(timeout=KILL_GRACE + (0 if failed else JOIN_TIMEOUT))
-            except subprocess.TimeoutExpired:
-                if not failed:
-                    problems.append(f"producer still running {KILL_GRACE + JOIN_TIMEOUT:.0f} s "
-                                    "after the consumers finished")
+            self._drive(kids, consumers, batches, pbs, problems)
         except Exception as e:  # recorded as this configuration's result
             problems.append(f"{type(e).__name__}: {e}")
         finally:
-            H.stop_all(procs)
-            for f in opened:
-                f.close()
-            reports, preport = self._collect(procs, files, problems)
-            shutil.rmtree(tmp, ignore_errors=True)
+            stop_all(kids.procs)
+            kids.close_files()
+            reports, preport = self._collect(kids.procs, kids.files, problems)
+            shutil.rmtree(kids.tmp, ignore_errors=True)
         if preport and preport.get("error"):
             problems.append(f"producer: {preport['error']}")
         if reports:
@@ -464,16 +419,64 @@ class Runner:
         return {"consumers": reports, "producer": preport,
                 "error": "; ".join(problems) or None, "notes": notes}
 
+    def _drive(self, kids: "_Children", consumers: int, batches: int, pbs: int,
+               problems: list[str]) -> None:
+        """The producer, then the consumers until they finish (or the configuration's
+        timeout or the memory floor stops them), then let the producer go."""
+        pad = pbs if self.padding else 0
+        producer = kids.spawn("_oproducer", 0, "--batches", str(batches + pad),
+                              "--consumers", str(consumers),
+                              "--producer-batch-size", str(pbs),
+                              "--linger", str(LINGER_TIMEOUT), stdin=subprocess.PIPE)
+        _wait_ready(producer, *kids.files[0], READY_TIMEOUT)
+        cons = [kids.spawn("_oconsumer", i + 1, "--batch-timeout", str(self.batch_timeout))
+                for i in range(consumers)]
+        self._watch(cons, problems)
+        # Consumers still running get SIGTERM: they report how far they got.
+        for c in cons:
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+        for c in cons:
+            try:
+                c.wait(timeout=KILL_GRACE)
+            except subprocess.TimeoutExpired:
+                pass
+        producer.stdin.close()  # consumers are done: the producer may exit
+        failed = bool(problems)
+        try:  # its join() may take up to JOIN_TIMEOUT; no waiting after a failure
+            producer.wait(timeout=KILL_GRACE + (0 if failed else JOIN_TIMEOUT))
+        except subprocess.TimeoutExpired:
+            if not failed:
+                problems.append(f"producer still running {KILL_GRACE + JOIN_TIMEOUT:.0f} s "
+                                "after the consumers finished")
+
+    def _watch(self, cons: list, problems: list[str]) -> None:
+        """Until every consumer exited, the configuration's time is up, or MemAvailable
+        fell below the floor (the last two: a problem)."""
+        mem_total = (harness().meminfo_gb("MemTotal") or 0) * 1e9
+        deadline = time.monotonic() + self.config_timeout
+        while any(c.poll() is None for c in cons):
+            if time.monotonic() > deadline:
+                problems.append(f"configuration not finished within "
+                                f"{self.config_timeout:.0f} s")
+                return
+            avail = (harness().meminfo_gb("MemAvailable") or 0) * 1e9
+            if mem_total and avail and avail < MEM_FLOOR_FRACTION * mem_total:
+                problems.append(f"stopped by the benchmark: MemAvailable fell to "
+                                f"{avail / 1e9:.1f} GB of {mem_total / 1e9:.1f} GB")
+                return
+            time.sleep(0.1)
+
     def _collect(self, procs, files, problems) -> tuple[list[dict], dict | None]:
         preport = None
         reports = []
         for i, (p, (out, err)) in enumerate(zip(procs, files, strict=True)):
             role = "producer" if i == 0 else "consumer"
-            rep = _last_report(_read(out), role)
+            rep = _last_report(read_text(out), role)
             if rep is None:
                 who = "producer" if i == 0 else f"consumer {i}"
                 problems.append(f"{who} exited rc={p.returncode} without a report: "
-                                f"{H.tail(_read(err), 4)}")
+                                f"{tail(read_text(err), 4)}")
                 if i:
                     reports.append({"role": "consumer", "batches": 0, "error": "no report"})
                 continue
@@ -556,8 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                        padding=not args.no_padding)
     H.print_table(doc)
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, doc)
     return 0
 
 
@@ -578,6 +580,4 @@ def _child_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("_oproducer", "_oconsumer"):
-        sys.exit(_child_main(sys.argv[1:]))
-    sys.exit(main())
+    dispatch({"_oproducer": _child_main, "_oconsumer": _child_main}, main)

@@ -25,19 +25,20 @@ ours / floor per configuration; the schema of the document is handoff.py's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import select
-import signal
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import (  # noqa: E402
+    cpu_seconds, dispatch, harness, report, stop_all, tail, unwind_on_sigterm, write_json,
+)
 from handoff_common import (  # noqa: E402
-    KINDS, RING_SLOTS, CountingLoader, Tally, add_common_options, check_reports,
-    cpu_seconds, harness, make_batch, parse_common, print_table, run_suite, stop_all, tail,
+    KINDS, RING_SLOTS, CountingLoader, Tally, add_common_options, check_reports, make_batch,
+    parse_common, print_table, run_suite,
 )
 
 LABEL = "shared_memory + pipes (floor)"
@@ -77,7 +78,7 @@ def run_producer(args: argparse.Namespace) -> int:
         acks = [int(fd) for fd in args.ack_fds.split(",")]
         acked = [0] * len(acks)  # batches each consumer is done with
         loader = CountingLoader(args.kind, args.batches)
-        print(json.dumps({"role": "producer", "ready": True}), flush=True)
+        report({"role": "producer", "ready": True})
         t0 = cpu0 = None
         for seq, batch in enumerate(loader):
             if t0 is None:
@@ -106,9 +107,8 @@ def run_producer(args: argparse.Namespace) -> int:
         views.clear()  # no export of the block may outlive close()
         shm.close()
         shm.unlink()
-    print(json.dumps({"role": "producer", "batches": args.batches,
-                      "seconds": t1 - (t0 or t1), "cpu_seconds": cpu1 - (cpu0 or cpu1)}),
-          flush=True)
+    report({"role": "producer", "batches": args.batches,
+            "seconds": t1 - (t0 or t1), "cpu_seconds": cpu1 - (cpu0 or cpu1)})
     return 0
 
 
@@ -146,7 +146,7 @@ def run_consumer(args: argparse.Namespace) -> int:
     finally:
         shm.close()
         os.close(ack)
-    print(json.dumps(tally.report()), flush=True)
+    report(tally.report())
     return 0
 
 
@@ -217,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
                     quick=args.quick)
     print_table(doc)
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json, doc, say=False)
     return 1 if any(r["error"] for r in doc["results"]) else 0
 
 
 def _child_main(argv: list[str]) -> int:
     role = argv[0]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    unwind_on_sigterm()
     parser = argparse.ArgumentParser(prog=f"shm_pipe_handoff.py {role}")
     parser.add_argument("--name", required=True)
     parser.add_argument("--kind", required=True, choices=KINDS)
@@ -237,6 +237,4 @@ def _child_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("_producer", "_consumer"):
-        sys.exit(_child_main(sys.argv[1:]))
-    sys.exit(main())
+    dispatch({"_producer": _child_main, "_consumer": _child_main}, main)

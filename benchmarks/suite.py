@@ -63,6 +63,14 @@ def machine_info() -> dict:
     }
 
 
+def _shown(path: Path) -> Path:
+    """`path` relative to the checkout where it lies in it (--out may point elsewhere)."""
+    try:
+        return path.resolve().relative_to(ROOT)
+    except ValueError:
+        return path
+
+
 def machine_tag(info: dict) -> str:
     """A short file-name-safe name for the machine: '2cpu-intel-xeon-...'."""
     cpu = re.sub(r"\(r\)|\(tm\)|cpu|@.*$", "", info["cpu"].lower())
@@ -140,16 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                 kept = old.get("kept_from") or {}
                 results.setdefault("kept_from", {})[step] = kept.get(
                     step, old["machine"].get("commit"))
-                print(f"{step}: kept from {path.relative_to(ROOT)} (commit "
+                print(f"{step}: kept from {_shown(path)} (commit "
                       f"{results['kept_from'][step]})", flush=True)
     results["verdicts"] = evaluate(results)
     path.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\nresults: {path.relative_to(ROOT)}")
+    print(f"\nresults: {_shown(path)}")
     try:
         from plot import plot_results
 
         png = plot_results(results, path.with_suffix(".png"))
-        print(f"plot:    {png.relative_to(ROOT)}")
+        print(f"plot:    {_shown(png)}")
     except ImportError as e:
         print(f"plot:    skipped ({e}; pip install matplotlib)")
     print("\nverdicts:")

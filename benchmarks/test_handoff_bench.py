@@ -36,6 +36,7 @@ def _load_handoff():
 
 handoff = _load_handoff()
 common = sys.modules["handoff_common"]  # imported by handoff.py
+bench = sys.modules["bench_common"]  # likewise
 
 TINY_ROUNDS, TINY_ITERATIONS, TINY_WARMUP = 200, 50, 10
 LARGE_ROUNDS, LARGE_WARMUP = 40, 5
@@ -47,7 +48,7 @@ def producer_process(kind: str, batches: int):
     """A producer subprocess publishing `batches` copies of the `kind` batch
     to one consumer; yields its name. Always killed and cleaned up."""
     name = f"bench-pytest-{os.getpid()}-{kind}-{time.monotonic_ns() % 10**9}"
-    proc = common.harness().spawn(
+    proc = bench.harness().spawn(
         handoff.child_argv("_producer", "--name", name, "--kind", kind,
                            "--batches", str(batches), "--consumers", "1"), label="producer")
     try:
@@ -55,8 +56,8 @@ def producer_process(kind: str, batches: int):
         yield name
         proc.result(handoff.JOIN_TIMEOUT + 30)
     finally:
-        common.stop_all([proc])
-        common.remove_leftovers(name)
+        bench.stop_all([proc])
+        bench.remove_leftovers(name)
 
 
 @contextlib.contextmanager
