@@ -119,9 +119,8 @@ class ResumeBook:
         return resume.encode(place, self._options.batch_size, self._options.world_size)
 
     def load_state_dict(self, state: dict) -> None:
-        """TensorConsumer.load_state_dict() (an empty dict is ignored)."""
-        if isinstance(state, dict) and not state:
-            return
+        """TensorConsumer.load_state_dict(), for a state that is not empty (LoaderSurface
+        ignores an empty one)."""
         options, dataset_len = self._options, self._reader.dataset_len
         place = resume.decode(state, options.batch_size, options.world_size)
         exact = place.taken is not None

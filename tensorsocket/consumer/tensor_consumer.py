@@ -177,6 +177,7 @@ class TensorConsumer:
         except BaseException:
             place.close()
             raise
+        SIBLINGS.add(self._member)  # (parked by this process's other consumers from now)
         self.start_seq: int = place.start_seq
         log.info("consumer %d attached to %s at entry %d", place.index, o.endpoint.address,
                  place.start_seq)
@@ -203,7 +204,6 @@ class TensorConsumer:
         self._reader = EpochReader(place, state, self._acquirer, self._member, o)
         self._book = ResumeBook(place, state, self._reader, self._acquirer, o,
                                 shared.drop_last if shared is not None else False)
-        SIBLINGS.add(self._member)
         self.loader_batch_size: int | None = w.loader_batch_size
         self.samples_per_epoch: int | None = w.samples
         # What the producer's loader reads: its dataset's type name and length (or None).
