@@ -223,8 +223,8 @@ def _elect_and_attach(loader: Any, endpoint: Endpoint, epochs: int | None,
                       idle_timeout: float | None, producer_kw: dict,
                       consumer_kw: dict) -> tuple[TensorConsumer, bool]:
     """Under the name's election lock: start the producer unless one is live, and attach
-    this caller's consumer to it. (the consumer, whether this call started the
-    producer). A rank of a group says ready outside the lock: it waits there for the
+    this caller's consumer to it; returns the consumer and whether this call started the
+    producer. A rank of a group says ready outside the lock: it waits there for the
     other ranks, which need the lock to attach."""
     timeout = config.get("timeout", consumer_kw.get("timeout", UNSET))
     deadline = None if timeout is None else time.monotonic() + float(timeout)
