@@ -364,7 +364,7 @@ def test_busy_consumer_is_not_evicted(name, rig):
                     while time.monotonic() < step_end:
                         time.sleep(0.1)
                     assert p.consumers_present() == 1
-                    assert p.ring.consumer(c._index)["state"] == _core.CONSUMER_ACTIVE
+                    assert p.ring.consumer(c._place.index)["state"] == _core.CONSUMER_ACTIVE
                 del batch
         assert seen == [0.0, 1.0, 2.0]
     finally:

@@ -168,7 +168,7 @@ def test_a_place_kept_too_long_is_given_up(name):
             first[0] += a.tolist()
             first[1] += b.tolist()
         del a, b  # kept batches would hold their slots
-        parked._park(hold=True)  # between epochs, as when its job reads another loader
+        parked._place.park(hold=True)  # between epochs, as when its job reads another loader
         later = [[int(i) for b in reader for i in b] for _ in range(3)]  # never waits long
         assert reader.epoch == 4
         reader.close()  # attached and not reading, it would hold the ring now

@@ -173,7 +173,7 @@ def test_close_from_another_thread_interrupts_a_waiting_call(name):
     c = TensorConsumer(name=name, timeout=10)  # one of two: the producer keeps waiting
     t2 = drain_in_thread(c)
     _wait_until_in_call(t, "ring.wait_consumers(want, s.start_timeout)")
-    _wait_until_in_call(t2, "return self._ring.acquire(timeout, box)")
+    _wait_until_in_call(t2, "return place.ring.acquire(timeout, box)")
     c.close()
     p.close()
     t.join(10)

@@ -87,7 +87,7 @@ class ConsumerThread(threading.Thread):
     def run(self) -> None:
         try:
             with TensorConsumer(name=self.producer_name, timeout=10, batch_timeout=10) as c:
-                self.index, self.token = c._client.consumer, c._client.token
+                self.index, self.token = c._place.index, c._place.token
                 self.start_seq = c.start_seq
                 self.attached.set()
                 for batch in c:

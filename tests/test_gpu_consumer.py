@@ -71,15 +71,15 @@ a = next(it)  # slot 0, which batch 2 needs
 b = next(it)  # slot 1
 out = {"first": [value(a), value(b)]}
 waiting = threading.Event()
-acquire_slot = c._acquire_slot
+acquire_slot = c._acquirer.acquire_slot
 
 
 def acquire_slot_after_the_flushes():
-    waiting.set()  # past the flushes before the wait (_next_batch, _acquire)
+    waiting.set()  # past the flushes before the wait (next_batch, acquire)
     return acquire_slot()
 
 
-c._acquire_slot = acquire_slot_after_the_flushes
+c._acquirer.acquire_slot = acquire_slot_after_the_flushes
 
 
 got = []

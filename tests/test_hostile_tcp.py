@@ -457,7 +457,7 @@ def test_a_consumer_made_long_before_its_loop_starts_late_with_whole_epochs(name
             reader = iter(busy)
             first = [next(reader) for _ in range(per_epoch)]  # the early one holds it back
             deadline = time.monotonic() + DEADLINE
-            while producer.ring.consumer(early._index)["state"] != _core.CONSUMER_DETACHED:
+            while producer.ring.consumer(early._place.index)["state"] != _core.CONSUMER_DETACHED:
                 assert time.monotonic() < deadline, "the unread consumer was never detached"
                 time.sleep(0.02)
             assert [int(b[0]) for b in first] == list(range(per_epoch))

@@ -229,7 +229,8 @@ def test_the_import_walk_sees_imports():
     assert "config" in _imports("producer.settings")  # from .. import config
     assert "control.server" in _imports("producer.lifecycle")
     assert "data.structure" in _imports("producer.publisher")
-    assert {"data.delivery", "data.epoch_cursor"} <= _imports("consumer")
+    assert {"data.delivery", "data.epoch_cursor"} <= _imports("consumer.place")
+    assert {"consumer.options", "consumer.tensor_consumer"} <= _imports("consumer")
     assert "consumer" in _imports("sharing.share")
     assert "cli.main" in _imports("__main__")
 

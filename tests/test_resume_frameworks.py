@@ -34,7 +34,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tensorsocket.surface import SamplerView
+from tensorsocket.consumer.surface import SamplerView
 
 from test_frameworks import (  # noqa: F401  (jobs: the fixture)
     CLIENTS, BASELINE, Job, Jobs, _free_port, _ids_problem, assert_no_problems, check_loads,
@@ -264,15 +264,16 @@ def test_batch_sampler_view_is_the_ranks_part(own_batch_size, drop_last):
     cut into the consumer's own batches where it has a batch_size (the last one short
     unless drop_last); the sampler view is the same indices one by one."""
     loader = DataLoader(torch.arange(288), batch_size=32)  # 9 batches: the 9th to no rank
-    consumer = SimpleNamespace(_local_loader=loader, rank=1, world_size=2,
-                               _own_batch_size=own_batch_size, drop_last=drop_last)
+    surface = SimpleNamespace(local_loader=loader, rank=1, world_size=2,
+                              own_batch_size=own_batch_size, drop_last=drop_last,
+                              known_batches=lambda: None)
     part = [i for b in rank_batches(288, 32, 1, 2) for i in b]
     size = own_batch_size or 32
     want = [part[i:i + size] for i in range(0, len(part), size)]
     if drop_last and len(want[-1]) < size:
         want.pop()
-    assert list(iter(SamplerView(consumer, batches=True))) == want
-    assert list(iter(SamplerView(consumer, batches=False))) == [i for b in want for i in b]
+    assert list(iter(SamplerView(surface, batches=True))) == want
+    assert list(iter(SamplerView(surface, batches=False))) == [i for b in want for i in b]
 
 
 @pytest.mark.slow  # three accelerate launches of two processes each

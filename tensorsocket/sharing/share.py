@@ -81,7 +81,8 @@ from .election import (
 from .shared_producer import start_producer
 from ..control.auth import ClientSecret
 from ..config import UNSET
-from ..consumer import TensorConsumer
+from ..consumer import SharedLoader, TensorConsumer
+from ..consumer.surface import ForwardsLoaderAttributes
 from ..control.client import ControlClient
 from ..control.endpoints import Endpoint, resolve
 from ..errors import (
@@ -93,7 +94,6 @@ from ..errors import (
 )
 from ..loader.loader_info import LoaderShape, batch_size_of, data_identity, drop_last_of, is_iterable
 from ..producer import TensorProducer
-from ..surface import ForwardsLoaderAttributes
 
 __all__ = ["share"]
 
@@ -168,6 +168,26 @@ def share(
     bad argument, naming it; RuntimeError if CUDA is initialised here.
     """
     producer_kw, consumer_kw = _check_options(producer_options, consumer_options)
+    name = _check_arguments(loader, name, epochs, min_consumers, start_grace, producer_kw,
+                            consumer_kw)
+    idle_timeout = config.get("idle_timeout", idle_timeout)
+    _refuse_initialised_cuda()
+    endpoint = resolve(name)
+    consumer, started = _elect_and_attach(loader, endpoint, epochs, idle_timeout,
+                                          producer_kw, consumer_kw)
+    if not started:
+        try:
+            _check_same_data(consumer, loader, endpoint, idle_timeout)
+        except BaseException:
+            consumer.close()
+            raise
+    return consumer
+
+
+def _check_arguments(loader: Any, name: str | None, epochs: int | None, min_consumers: int,
+                     start_grace: float, producer_kw: dict, consumer_kw: dict) -> str | None:
+    """Check share()'s own arguments, put the producer's into producer_kw and the
+    consumer group of a data-parallel job into consumer_kw; the name to share under."""
     if isinstance(min_consumers, bool) or not isinstance(min_consumers, int) or \
             not 1 <= min_consumers <= _core.MAX_CONSUMERS:
         raise ValueError(f"min_consumers must be an int in 1..{_core.MAX_CONSUMERS}, got "
@@ -181,7 +201,12 @@ def share(
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
                                or epochs < 1):
         raise ValueError(f"epochs must be a positive integer or None, got {epochs!r}")
-    idle_timeout = config.get("idle_timeout", idle_timeout)
+    return name
+
+
+def _refuse_initialised_cuda() -> None:
+    """RuntimeError if CUDA is initialised in this process (a forked child cannot use
+    it; see the module docstring)."""
     if torch.cuda.is_initialized() or _core.cuda_loaded():
         by = "torch" if torch.cuda.is_initialized() else \
             "tensorsocket (a GPU consumer, pin_memory=True or gpu_status())"
@@ -192,14 +217,21 @@ def share(
             "earlier share() whose consumer reads a GPU ring), or run a TensorProducer in a "
             "script of its own and use TensorConsumer(name=...) here"
         )
-    endpoint = resolve(name)
+
+
+def _elect_and_attach(loader: Any, endpoint: Endpoint, epochs: int | None,
+                      idle_timeout: float | None, producer_kw: dict,
+                      consumer_kw: dict) -> tuple[TensorConsumer, bool]:
+    """Under the name's election lock: start the producer unless one is live, and attach
+    this caller's consumer to it; returns the consumer and whether this call started the
+    producer. A rank of a group says ready outside the lock: it waits there for the
+    other ranks, which need the lock to attach."""
     timeout = config.get("timeout", consumer_kw.get("timeout", UNSET))
     deadline = None if timeout is None else time.monotonic() + float(timeout)
     want_bs = consumer_kw.pop("batch_size", batch_size_of(loader))
     want_dl = bool(consumer_kw.pop("drop_last", drop_last_of(loader)))
     lock_path = share_lock_path(endpoint)
     log_path = producer_log_path(endpoint)
-
     fd = take_lock(lock_path, deadline)
     if fd is None:
         holder = lock_holder(lock_path)
@@ -208,30 +240,35 @@ def share(
             f"{endpoint.name!r} for more than timeout={timeout} s; its log is {log_path}. "
             "Raise share(..., timeout=) for a loader that is slow to start"
         )
+    lock = _ElectionLock(fd, lock_path)
     started = False
     try:
         if not producer_live(endpoint):
             start_producer(loader, endpoint, epochs, idle_timeout, producer_kw, fd, lock_path,
                            log_path, timeout, deadline)
             started = True
-        consumer = _attach(endpoint, want_bs, want_dl, consumer_kw)
+        rank = (consumer_kw.get("world_size") or 1) > 1
+        shared = SharedLoader(loader, want_dl, started, log_path,
+                              before_ready=lock.release if rank else None)
+        consumer = _attach(endpoint, want_bs, shared, consumer_kw)
     finally:
-        release_lock(fd, lock_path)
-    if consumer._defer_ready:  # a rank: wait for the others outside the lock
-        consumer._ready_now()
-    if not started:
-        try:
-            _check_same_data(consumer, loader, endpoint, idle_timeout)
-        except BaseException:
-            consumer.close()
-            raise
-    consumer.started_producer = started
-    consumer.producer_log = log_path
-    if hasattr(loader, "dataset"):
-        consumer.dataset = loader.dataset
-    consumer._local_loader = loader
-    consumer._loader_drop_last = want_dl
-    return consumer
+        lock.release()
+    return consumer, started
+
+
+class _ElectionLock:
+    """The name's election lock, held by this share() call until release() (once)."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        """The lock take_lock() gave: its file descriptor and path."""
+        self._fd: int | None = fd
+        self._path = path
+
+    def release(self) -> None:
+        """Let go of the lock (again: nothing)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            release_lock(fd, self._path)
 
 
 # -- arguments ------------------------------------------------------------------------
@@ -248,7 +285,7 @@ def _check_options(producer_options: dict | None,
                    consumer_options: dict) -> tuple[dict, dict]:
     """Check the keywords meant for either side; errors name the right place."""
     producer_names = _keywords(TensorProducer, {"self", "data_loader", "producer_batch_size"})
-    consumer_names = _keywords(TensorConsumer, {"self"}) - _RENDEZVOUS
+    consumer_names = _keywords(TensorConsumer, {"self", "shared"}) - _RENDEZVOUS
     for key in consumer_options:
         if key in _RENDEZVOUS:
             raise TypeError(
@@ -446,15 +483,14 @@ def _check_loader(loader: Any, epochs: int | None) -> None:
 # -- the caller's side ----------------------------------------------------------------
 
 
-def _attach(endpoint: Endpoint, want_bs: int | None, want_dl: bool,
+def _attach(endpoint: Endpoint, want_bs: int | None, shared: SharedLoader,
             options: dict) -> TensorConsumer:
     """The caller's consumer: the producer's batches as they are when they are what
     this caller's loader would make, else re-cut to its batch size."""
-    kwargs = dict(options, name=endpoint.name, address=endpoint.address)
-    if want_bs is not None and not _same_batches(endpoint, want_bs, want_dl, options):
-        kwargs.update(batch_size=want_bs, drop_last=want_dl)
-    if (options.get("world_size") or 1) > 1:
-        return _SharedRank(**kwargs)
+    kwargs = dict(options, name=endpoint.name, address=endpoint.address, shared=shared)
+    if want_bs is not None and not _same_batches(endpoint, want_bs, shared.drop_last,
+                                                 options):
+        kwargs.update(batch_size=want_bs, drop_last=shared.drop_last)
     return _SharedConsumer(**kwargs)
 
 
@@ -482,13 +518,6 @@ class _SharedConsumer(ForwardsLoaderAttributes, TensorConsumer):
     def __iter__(self) -> Any:
         """One epoch, with the shared producer named in its end-of-stream errors."""
         return _SharedEpoch(super().__iter__(), self)
-
-
-class _SharedRank(_SharedConsumer):
-    """A share() consumer that is a rank of a group: it says ready outside the election
-    lock, since it waits there for the other ranks, which need the lock to attach."""
-
-    _defer_ready = True
 
 
 class _SharedEpoch:

@@ -5,28 +5,31 @@ read ``loader.dataset``, ``loader.batch_size`` and ``loader.sampler``, call
 ``loader.sampler.set_epoch(epoch)`` (DistributedSampler), save and restore
 ``state_dict()`` (torchdata's StatefulDataLoader convention), and read or set
 attributes of their own loader types (timm's ``mixup_enabled``). ``LoaderSurface``
-gives a TensorConsumer those, with the meaning each has for a shared loader.
+gives a TensorConsumer those, with the meaning each has for a shared loader: the
+consumer holds one and hands these on to it.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import Any, Callable
 
-from .data import resume
-from .data.epoch_cursor import EpochCursor
-from .errors import TensorSocketWarning
-from .data.resume import SavedPlace
+from ..errors import TensorSocketWarning
+from .book import ResumeBook
+from .epoch_state import EpochState
+from .options import ConsumerOptions, SharedLoader
+from .reader import EpochReader
 
 log = logging.getLogger("tensorsocket")
+
 
 class SamplerView:
     """``consumer.sampler`` and ``consumer.batch_sampler``: the producer's sampling seen
     from a consumer. ``set_epoch(e)`` is what DistributedSampler users call before each
     epoch; the producer calls set_epoch on its own loader's sampler itself, so here it
     has nothing to do (it warns once if the caller goes back to an earlier epoch, whose
-    order the shared producer cannot give again: see LoaderSurface._note_set_epoch).
+    order the shared producer cannot give again: see LoaderSurface.note_set_epoch).
 
     Iterating the view gives the dataset indices of this consumer's own batches of an
     epoch (the batch sampler) or those indices one by one (the sampler), as a
@@ -39,37 +42,38 @@ class SamplerView:
     _rank_batches), which with a shuffling loader is another permutation than the
     producer's."""
 
-    def __init__(self, consumer: Any, batches: bool) -> None:
-        """A view of `consumer`'s sampling (of batches if `batches`, else of samples)."""
-        self._consumer = consumer
+    def __init__(self, surface: LoaderSurface, batches: bool) -> None:
+        """A view of the sampling of the consumer whose surface this is (of batches if
+        `batches`, else of samples)."""
+        self._surface = surface
         self._batches = batches
 
     @property
     def batch_size(self) -> int | None:
         """Samples per batch of this consumer (None: the producer's batches as they are)."""
-        return self._consumer.batch_size
+        return self._surface.batch_size
 
     @property
     def drop_last(self) -> bool:
         """Whether this consumer drops a short last batch."""
-        return self._consumer.drop_last
+        return self._surface.drop_last
 
     @property
     def sampler(self) -> "SamplerView":
         """The sample-level view (a BatchSampler's ``sampler``)."""
-        return SamplerView(self._consumer, batches=False)
+        return SamplerView(self._surface, batches=False)
 
     @property
     def epoch(self) -> int:
         """Epochs this consumer completed (DistributedSampler's attribute)."""
-        return self._consumer.epoch
+        return self._surface.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """DistributedSampler.set_epoch: nothing to do here (see the class docstring).
         Frameworks reach it through both ``loader.sampler`` and
         ``loader.batch_sampler.sampler`` (new views each time), so one epoch may be set
-        twice: that is fine (see LoaderSurface._note_set_epoch)."""
-        self._consumer._note_set_epoch(epoch)
+        twice: that is fine (see LoaderSurface.note_set_epoch)."""
+        self._surface.note_set_epoch(epoch)
 
     def __len__(self) -> int:
         """Batches (batch sampler) or samples (sampler) of one epoch of this consumer:
@@ -78,12 +82,11 @@ class SamplerView:
         if known is not None:
             return len(known) if self._batches else sum(map(len, known))
         if self._batches:
-            return len(self._consumer)
-        consumer = self._consumer
-        if consumer.samples_per_epoch is None:
+            return self._surface.length()
+        if self._surface.samples_per_epoch is None:
             raise TypeError("the number of samples per epoch of the producer's loader is "
                             "unknown")
-        return consumer._rank_samples()
+        return self._surface.rank_samples()
 
     def __iter__(self) -> Any:
         """The dataset indices of this consumer's batches of an epoch (see the class
@@ -98,8 +101,7 @@ class SamplerView:
     def _known_batches(self) -> list[list[int]] | None:
         """The indices of the consumer's batches of its current epoch, delivered and to
         come, where the consumer knows them; else None."""
-        known = getattr(self._consumer, "_delivered_and_pending", None)
-        found = known() if callable(known) else None
+        found = self._surface.known_batches()
         if found is None:
             return None
         delivered, pending = found
@@ -110,8 +112,8 @@ class SamplerView:
         rank r of a group of W takes batches r, r + W, ... of the first len // W * W
         (EpochCursor), and a consumer with its own batch_size cuts the samples of those
         into batches of that size (the last one short unless drop_last)."""
-        consumer = self._consumer
-        local = consumer._local_loader
+        surface = self._surface
+        local = surface.local_loader
         inner = getattr(local, "batch_sampler", None)
         if inner is None and getattr(local, "sampler", None) is not None:
             inner = ([index] for index in local.sampler)  # batch_size=None: one per batch
@@ -122,67 +124,120 @@ class SamplerView:
                 "made by share(), or its loader has no batch_sampler); iterate the consumer "
                 "itself for its batches")
         batches = [list(batch) for batch in inner]
-        world, rank = consumer.world_size, consumer.rank
+        world, rank = surface.world_size, surface.rank
         if world > 1:
             batches = batches[rank:len(batches) // world * world:world]
-        size = consumer._own_batch_size
+        size = surface.own_batch_size
         if size is None:
             return batches
         samples = [index for batch in batches for index in batch]
         cut = [samples[i:i + size] for i in range(0, len(samples), size)]
-        if cut and len(cut[-1]) < size and consumer.drop_last:
+        if cut and len(cut[-1]) < size and surface.drop_last:
             cut.pop()
         return cut
 
     def __repr__(self) -> str:
         """What this is, for logs."""
         kind = "batch_sampler" if self._batches else "sampler"
-        return f"<tensorsocket {kind} view of consumer {self._consumer._index}>"
+        return f"<tensorsocket {kind} view of consumer {self._surface.index}>"
 
 
 class LoaderSurface:
-    """Mixin of TensorConsumer: DataLoader attributes, resumable state and the caller's
-    loader's own attributes (see the module docstring)."""
+    """What training code reads from a DataLoader besides its batches, for one consumer
+    (see the module docstring): the sampler views, set_epoch, num_workers, the
+    resumable state and the caller's own loader's attributes. The consumer holds one
+    and hands these on to it."""
 
-    # Set by the consumer; declared for type checkers.
-    _cursor: EpochCursor
-    _local_loader: Any
-    _set_epoch_warned: bool
-    _last_set_epoch: int | None = None  # the number of the last set_epoch call, if any
-    _producer_sets_epoch: bool
-    _own_batch_size: int | None
-    _resume_place: SavedPlace | None
-    _left_place: SavedPlace | None
-    world_size: int
-    producer_dataset_len: int | None
+    def __init__(self, reader: EpochReader, book: ResumeBook, state: EpochState,
+                 options: ConsumerOptions, index: Callable[[], int],
+                 shared: SharedLoader | None, producer_sets_epoch: bool) -> None:
+        """The surface of the consumer with this reader, book and state. index: its
+        index in the ring now (for logs); shared: what share() knows of its caller's
+        loader; producer_sets_epoch: the producer calls set_epoch on its loader's
+        sampler itself."""
+        self._reader = reader
+        self._book = book
+        self._state = state
+        self._options = options
+        self._index = index
+        self.local_loader: Any = shared.loader if shared is not None else None
+        self._loader_drop_last = shared.drop_last if shared is not None else False
+        self._producer_sets_epoch = producer_sets_epoch
+        self._last_set_epoch: int | None = None  # the number of the last set_epoch call
+        self._set_epoch_warned = False
+
+    # -- what a sampler view reads -------------------------------------------------------
+
+    @property
+    def index(self) -> int:
+        """The consumer's index in its ring."""
+        return self._index()
+
+    @property
+    def rank(self) -> int:
+        """The consumer's rank in its group (0 alone)."""
+        return self._options.rank
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of its group (1 alone)."""
+        return self._options.world_size
+
+    @property
+    def own_batch_size(self) -> int | None:
+        """batch_size= (None: the producer's batches as they are)."""
+        return self._options.batch_size
 
     @property
     def epoch(self) -> int:
         """Epochs this consumer completed (the number of the one it iterates, or next)."""
-        return self._cursor.epoch
+        return self._state.cursor.epoch
 
     @property
-    def sampler(self) -> SamplerView:
-        """The sampling of this consumer's batches; ``set_epoch`` is accepted (see
-        SamplerView)."""
-        return SamplerView(self, batches=False)
+    def batch_size(self) -> int | None:
+        """Samples per batch, as DataLoader.batch_size: the batch_size= asked for, else
+        the producer's loader's (None if it has none)."""
+        return self._reader.batch_size
 
     @property
-    def batch_sampler(self) -> SamplerView:
-        """The batch-level view of the sampling, with ``batch_size`` and ``drop_last``."""
-        return SamplerView(self, batches=True)
+    def drop_last(self) -> bool:
+        """Whether a short last batch is dropped: this consumer's drop_last= when it cuts
+        its own batches, else the loader's (share() knows it from the caller's loader)."""
+        if self._options.batch_size is not None:
+            return self._options.drop_last
+        return self._loader_drop_last
+
+    @property
+    def samples_per_epoch(self) -> int | None:
+        """The producer's loader's samples per epoch (None: unknown)."""
+        return self._reader.samples_per_epoch
+
+    def length(self) -> int:
+        """Batches in one epoch of the consumer (len(consumer))."""
+        return self._reader.length()
+
+    def rank_samples(self) -> int:
+        """Samples one epoch brings the consumer (its rank's share in a group)."""
+        return self._reader.rank_samples()
+
+    def known_batches(self) -> tuple[list[list[int]], list[list[int]]] | None:
+        """The samples of the batches delivered of the current epoch and of those still
+        owed, where known (ResumeBook.delivered_and_pending)."""
+        return self._book.delivered_and_pending()
+
+    # -- what the consumer hands on ------------------------------------------------------
+
+    def sampler(self, batches: bool) -> SamplerView:
+        """A view of the consumer's sampling: of batches (batch_sampler) or samples."""
+        return SamplerView(self, batches=batches)
 
     @property
     def num_workers(self) -> int:
         """The caller's loader's ``num_workers`` (share()), else 0: this process runs no
         loader worker; the producer does the loading."""
-        return int(getattr(self._local_loader, "num_workers", 0) or 0)
+        return int(getattr(self.local_loader, "num_workers", 0) or 0)
 
-    def set_epoch(self, epoch: int) -> None:
-        """As ``loader.sampler.set_epoch``: the shared producer orders the samples."""
-        self._note_set_epoch(epoch)
-
-    def _note_set_epoch(self, epoch: int) -> None:
+    def note_set_epoch(self, epoch: int) -> None:
         """set_epoch(epoch) from training code: warn once if it asks for what a shared
         producer cannot give.
 
@@ -218,7 +273,7 @@ class LoaderSurface:
             return
         self._set_epoch_warned = True
         upcoming = self.epoch
-        if self._cursor.in_epoch and self._epoch_complete():  # type: ignore[attr-defined]
+        if self._state.cursor.in_epoch and self._state.epoch_complete():
             upcoming += 1  # a loop that stopped at len(): that epoch is over
         who = "calls set_epoch on its loader's sampler itself" if self._producer_sets_epoch \
             else "reshuffles as its own loader does"
@@ -231,63 +286,26 @@ class LoaderSurface:
         warnings.warn(message, TensorSocketWarning, stacklevel=3)
 
     def state_dict(self) -> dict:
-        """Where this consumer is, for resuming (torchdata StatefulDataLoader convention):
-        epochs completed, batches delivered of the current one and which samples of it were
-        taken (in a group: by the group). After a ``break``, the epoch left, until the next
-        begins; right after load_state_dict(), the place loaded. JSON-serialisable
-        (docs/usage.md, "Checkpoints and restarts")."""
-        if self._resume_place is not None and not self._cursor.in_epoch:
-            place = self._resume_place
-        elif self._left_place is not None:
-            place = self._left_place_now()  # type: ignore[attr-defined]
-        else:
-            place = self._place_now(look_ahead=True)  # type: ignore[attr-defined]
-        return resume.encode(place, self._own_batch_size, self.world_size)
+        """TensorConsumer.state_dict() (ResumeBook.state_dict)."""
+        return self._book.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from state_dict(): the epoch counter is restored and the next epoch
-        yields exactly the samples of the interrupted one not taken yet, cut into batches of
-        this consumer's batch size (in a group, each rank its part, the same number of
-        batches on every rank), then whole epochs. Its samples come from the producer's
-        batches as they are published: it may read up to one producer epoch to find them
-        all. A producer that does not tell the samples of its batches (a loader without a
-        sampler) resumes by count instead: the next epoch skips the batches taken, with a
-        warning. An empty dict is ignored, as StatefulDataLoader ignores it."""
+        """TensorConsumer.load_state_dict(): the book resumes from `state`, and the epochs
+        set_epoch counts start again from it."""
         if isinstance(state, dict) and not state:
             return
-        place = resume.decode(state, self._own_batch_size, self.world_size)
-        exact = place.taken is not None
-        if exact and place.dataset_len != self.producer_dataset_len and \
-                self.producer_dataset_len is not None:
-            raise ValueError(
-                f"the state was saved over a dataset of {place.dataset_len} samples, the "
-                f"producer's has {self.producer_dataset_len}: the samples taken would not "
-                "match")
-        if not exact and place.batches:
-            message = (
-                "this state does not say which samples were taken (the producer's loader "
-                "does not tell the samples of its batches: it has no sampler, or the state "
-                "is from an older tensorsocket), so the resumed epoch skips its first "
-                f"{place.batches} batches by count; with a shuffling loader some samples "
-                "of the epoch may come twice and others not at all")
-            log.warning("%s", message)
-            warnings.warn(message, TensorSocketWarning, stacklevel=2)
-        self._cursor.resume(place.epoch, place.batches, exact)
-        self._resume_place = place  # (what state_dict() says until the epoch begins)
-        self._left_place = None
-        self._last_set_epoch = None  # the epochs it counts start again from the state
+        self._book.load_state_dict(state)
+        self._last_set_epoch = None
 
-    def __getattr__(self, name: str) -> Any:
-        """Attributes of the caller's own loader (share()) that a consumer lacks, e.g. a
-        framework's loader flags; AttributeError naming both otherwise."""
-        if name.startswith("_"):
-            raise AttributeError(name)
-        local = self.__dict__.get("_local_loader")
+    def loader_attribute(self, owner: str, name: str) -> Any:
+        """An attribute of the caller's own loader (share()) that a consumer lacks, e.g. a
+        framework's loader flags; AttributeError naming both otherwise (owner: the
+        consumer's type name)."""
+        local = self.local_loader
         if local is not None and hasattr(local, name):
             return getattr(local, name)
         where = f" nor has this caller's {type(local).__name__}" if local is not None else ""
-        raise AttributeError(
-            f"{type(self).__name__!r} object has no attribute {name!r}{where}")
+        raise AttributeError(f"{owner!r} object has no attribute {name!r}{where}")
 
 
 class ForwardsLoaderAttributes:
@@ -300,7 +318,8 @@ class ForwardsLoaderAttributes:
         reach (mixup switched off in this script stays on in the producer)."""
         if not name.startswith("_") and name not in self.__dict__ \
                 and not hasattr(type(self), name):
-            local = self.__dict__.get("_local_loader")
+            surface = self.__dict__.get("_surface")
+            local = surface.local_loader if surface is not None else None
             if local is not None and hasattr(local, name):
                 setattr(local, name, value)
                 message = (

@@ -1,0 +1,265 @@
+"""A consumer's epoch and resume bookkeeping: the epochs it begins and leaves, and where
+it is in them for state_dict() and load_state_dict() (tensorsocket.data.resume): the
+place loaded and not yet resumed from, the place of an epoch left mid-way, and in a
+group the deal of a resumed epoch's samples between the ranks."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import numpy as np
+
+from ..data import resume, sample_ids
+from ..data.epoch_cursor import Abandon
+from ..data.rebatch import Rebatcher
+from ..data.resume import SavedPlace
+from ..data.sample_ids import IdMask
+from ..errors import TensorSocketError, TensorSocketWarning
+from .acquire import SlotAcquirer
+from .epoch_state import EpochState
+from .options import ConsumerOptions
+from .place import RingPlace
+from .reader import EpochReader
+
+log = logging.getLogger("tensorsocket")
+
+
+class ResumeBook:
+    """Begins and leaves a consumer's epochs (begin(), abandon()) and says where it is
+    in them (state_dict()), or where to resume (load_state_dict())."""
+
+    def __init__(self, place: RingPlace, state: EpochState, reader: EpochReader,
+                 acquirer: SlotAcquirer, options: ConsumerOptions,
+                 loader_drop_last: bool) -> None:
+        """The book of the consumer with this place, state and reader. loader_drop_last:
+        the caller's loader's drop_last (share()), for a resumed epoch's batches."""
+        self._place = place
+        self._state = state
+        self._reader = reader
+        self._acquirer = acquirer
+        self._options = options
+        self._loader_drop_last = loader_drop_last
+        self._resume_place: SavedPlace | None = None  # loaded, not yet resumed from
+        self._left_place: SavedPlace | None = None  # of an epoch left mid-way (break)
+        self._left_source: int | None = None  # the producer epoch it was left in
+        # A resumed group epoch left: the sample ids read and not yet dealt, in order.
+        self._left_stream: list | None = None
+
+    def begin(self) -> None:
+        """An epoch begins: what it takes is recorded from nothing, or from the place
+        loaded by load_state_dict() (a resumed epoch)."""
+        state, world = self._state, self._options.world_size
+        place, self._resume_place = self._resume_place, None
+        if not state.cursor.resuming:
+            place = None  # (none loaded, or one that resumes by count)
+        taken = state.taken
+        taken.begin(place)
+        self._left_place, self._left_stream = None, None
+        batch_size = self._reader.loader_batch_size
+        state.resume_batcher = Rebatcher(batch_size, self._loader_drop_last) \
+            if place is not None and state.rebatcher is None and batch_size else None
+        if place is not None and place.taken is not None and world > 1:
+            # What the ranks' deal hands out: the samples not taken, at most the batches
+            # each rank is still owed.
+            size = place.dataset_len if place.dataset_len is not None \
+                else place.taken.bits.size
+            owed = self._reader.resume_quota() - place.batches
+            taken.deal_base = state.batcher.handed_over if state.batcher is not None else 0
+            taken.deal_total = int(min(size - place.taken.count(),
+                                       owed * world * (self._reader.batch_size or 1)))
+
+    def abandon(self, epoch: int) -> None:
+        """The epoch's iterator was dropped or replaced before StopIteration (see
+        EpochCursor.abandon). Left mid-way (break), the consumer parks, and its next
+        batch comes from the start of the producer's next epoch. Aligned, it keeps its
+        place while parked (for park_hold seconds once others read; it skips the rest of
+        the epoch it left when it reads again), so that its next epoch is the one the jobs
+        it started with read: a loop left early (Lightning's sanity check of a validation
+        loader) would otherwise come back as a late joiner, an epoch later than the
+        others. Safe from a finalizer: it only sets flags and events."""
+        place, state = self._place, self._state
+        if place.closed or place.in_forked_child():
+            return
+        cursor = state.cursor
+        here = self.place_now() if cursor.in_epoch and cursor.epoch == epoch else None
+        source = cursor.producer_epoch
+        batcher = state.batcher
+        stream = None
+        if cursor.resuming and self._options.world_size > 1 and batcher is not None:
+            loaded = state.flow.loaded
+            stream = batcher.held_ids() + ([loaded[2]] if loaded is not None else [])
+        outcome = cursor.abandon(epoch, state.holding())
+        if outcome in (Abandon.COMPLETE, Abandon.LEFT):
+            state.flow.drop()
+            if batcher is not None:
+                batcher.reset()
+        if outcome is not Abandon.LEFT:
+            return
+        # What state_dict() says until the next epoch begins.
+        self._left_place, self._left_source, self._left_stream = here, source, stream
+        if self._options.world_size > 1 and place.aligned:
+            # A rank stays attached and skips the rest of the epoch as it reads on, so
+            # that every rank of its group starts the same next epoch.
+            return
+        place.park(hold=place.aligned, skip_epoch=True)
+
+    # -- state_dict() -------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """TensorConsumer.state_dict(): the place loaded until its epoch begins, the
+        epoch left mid-way until the next begins, else the current place."""
+        if self._resume_place is not None and not self._state.cursor.in_epoch:
+            place = self._resume_place
+        elif self._left_place is not None:
+            place = self._left_place_now(self._left_place)
+        else:
+            place = self.place_now(look_ahead=True)
+        return resume.encode(place, self._options.batch_size, self._options.world_size)
+
+    def load_state_dict(self, state: dict) -> None:
+        """TensorConsumer.load_state_dict(), for a state that is not empty (LoaderSurface
+        ignores an empty one)."""
+        options, dataset_len = self._options, self._reader.dataset_len
+        place = resume.decode(state, options.batch_size, options.world_size)
+        exact = place.taken is not None
+        if exact and place.dataset_len != dataset_len and dataset_len is not None:
+            raise ValueError(
+                f"the state was saved over a dataset of {place.dataset_len} samples, the "
+                f"producer's has {dataset_len}: the samples taken would not match")
+        if not exact and place.batches:
+            message = (
+                "this state does not say which samples were taken (the producer's loader "
+                "does not tell the samples of its batches: it has no sampler, or the state "
+                "is from an older tensorsocket), so the resumed epoch skips its first "
+                f"{place.batches} batches by count; with a shuffling loader some samples "
+                "of the epoch may come twice and others not at all")
+            log.warning("%s", message)
+            warnings.warn(message, TensorSocketWarning, stacklevel=4)
+        self._state.cursor.resume(place.epoch, place.batches, exact)
+        self._resume_place = place  # (what state_dict() says until the epoch begins)
+        self._left_place = None
+
+    def place_now(self, look_ahead: bool = False) -> SavedPlace:
+        """Where this consumer is in its epochs, for state_dict(): epochs completed, batches
+        delivered of the current one and the samples of it taken (by the group). In a
+        group, look_ahead reads on to this rank's next batch when the group's batches
+        taken are not all seen yet (the ranks ahead of it in the deal)."""
+        state, world, size = self._state, self._options.world_size, self._reader.dataset_len
+        cursor, taken_by = state.cursor, state.taken
+        if not cursor.in_epoch:
+            return SavedPlace(cursor.epoch, 0, None, size)
+        batches = cursor.delivered
+        if world > 1 and taken_by.known and size is not None and state.epoch_complete():
+            # Every rank's batches of the epoch were delivered (ranks step together): all
+            # of it is taken, what no rank takes (the tail a group leaves) included.
+            return SavedPlace(cursor.epoch, batches, IdMask.whole(size), size)
+        taken = taken_by.taken(batches)
+        if taken is None and look_ahead and world > 1 and taken_by.known:
+            self._reader.read_to_next_batch()
+            taken = taken_by.taken(batches)
+            if taken is None and taken_by.known:
+                log.warning("consumer %d (rank %d of %d): the group's batches before its "
+                            "own next one did not all come; its state counts batches only",
+                            self._place.index, self._options.rank, world)
+        return SavedPlace(cursor.epoch, batches, taken, size)
+
+    def _left_place_now(self, place: SavedPlace) -> SavedPlace:
+        """The place of the epoch left mid-way (`place`, as left), for state_dict(). A
+        rank of a group reads on through the rest of the producer epoch it left (it skips
+        it anyway) until the group's batches taken are all seen; the entry after that
+        epoch stays for the next."""
+        taken = self._state.taken
+        if place.taken is not None or self._options.world_size == 1 or \
+                not taken.known or self._left_source is None or self._place.closed:
+            return place
+        if self._left_stream is not None:
+            self._deal_on(place.batches)
+        else:
+            while taken.taken(place.batches) is None:
+                read = self._read_on_in_left_epoch()
+                if read is None:
+                    break
+                taken.group_batch(*read)
+        self._left_place = place = SavedPlace(place.epoch, place.batches,
+                                              taken.taken(place.batches), place.dataset_len)
+        return place
+
+    def _read_on_in_left_epoch(self) -> tuple[int, Any] | None:
+        """The next entry of the producer epoch left mid-way, skipped (as reading on would
+        skip it): (its index, its sample ids); None once that epoch is over (the entry
+        after it stays in flow.entry, for the next epoch to place) or reading stopped."""
+        entry = self._state.flow.entry
+        slot = entry[0]
+        if slot is None:
+            try:
+                slot = self._acquirer.acquire()
+            except (TensorSocketError, TimeoutError) as e:  # the state says less
+                log.info("consumer %d: reading on for its state stopped: %s",
+                         self._place.index, e)
+                return None
+        if slot.is_end_of_epoch or slot.epoch != self._left_source:
+            return None
+        read = slot.index, sample_ids.split(slot.meta)[1]
+        self._state.cursor.place(slot)  # (the rest of the epoch left: skipped)
+        entry[0] = None
+        slot.release()
+        return read
+
+    def _deal_on(self, batches: int) -> None:
+        """A resumed group epoch was left: go on with the deal (reading on in the
+        producer epoch it read, keeping the samples not taken, cutting them as the deal
+        does) until the group's batches taken by `batches` of each rank are known."""
+        taken, stream = self._state.taken, self._left_stream
+        assert stream is not None
+        ended = False
+        while taken.taken(batches) is None:
+            size = taken.deal_batch_size(self._reader.batch_size or 1)
+            while sum(0 if ids is None else ids.size for ids in stream) < size and not ended:
+                read = None if taken.unclaimed(self._reader.dataset_len) == 0 \
+                    else self._read_on_in_left_epoch()
+                if read is None:
+                    ended = True
+                elif read[1] is None:
+                    stream.append(None)
+                else:
+                    stream.append(read[1][taken.keep(read[1])])
+            if any(ids is None for ids in stream):
+                taken.known = False  # (a batch without sample ids: the state counts)
+                return
+            joined = np.concatenate(stream) if stream else np.empty(0, np.int64)
+            if joined.size == 0:
+                return
+            stream[:] = [joined[size:]]
+            taken.deal(taken.dealt, joined[:size])
+
+    def delivered_and_pending(self) -> tuple[list[list[int]], list[list[int]]] | None:
+        """For a sampler view (consumer.batch_sampler): the samples of the batches this
+        consumer delivered of its current (or resumed) epoch, and those it is still owed,
+        each in batches of its batch size (in a group, this rank's deal of the samples not
+        taken); None when the samples are not known. The batches delivered are told by
+        their samples, not their order."""
+        world, rank = self._options.world_size, self._options.rank
+        if self._resume_place is not None and not self._state.cursor.in_epoch:
+            place, mine = self._resume_place, None
+        else:
+            place = self._left_place or self.place_now()
+            mine = self._state.taken.mine
+        size, batch_size = place.dataset_len, self._reader.batch_size
+        if place.taken is None or size is None or not batch_size:
+            return None
+        taken = place.taken.bits[:size]
+        own = mine.bits[:size] if mine is not None and world > 1 else taken
+        delivered = _chunks(np.flatnonzero(own), batch_size)[:place.batches]
+        pending = _chunks(np.flatnonzero(~np.pad(taken, (0, size - taken.size))),
+                          batch_size)
+        owed = max(self._reader.resume_quota() - place.batches, 0)
+        dealt = pending[rank::world]
+        return delivered, dealt[:int(min(owed, len(dealt)))]
+
+
+def _chunks(ids: np.ndarray, size: int) -> list[list[int]]:
+    """`ids` in lists of `size` (the last one shorter)."""
+    values = ids.tolist()
+    return [values[i:i + size] for i in range(0, len(values), size)]
