@@ -189,3 +189,22 @@ def test_dead_producer_makes_waiting_consumer_raise(procs, name):
     assert first["label"] == 0  # the batch in hand stays valid
     del first
     c.close()  # the last party out removes the dead producer's segment
+
+
+def test_batch_timeout_set_after_construction_takes_effect(procs, name):
+    """consumer.batch_timeout is the limit of the next waits, also when set after the
+    consumer was made (as before the consumer was split into parts)."""
+    prod = procs.start("producer", "--name", name, "--min-consumers", "2", "--batches", "3")
+    procs.wait_ready(prod)
+    c = TensorConsumer(name=name, timeout=30, batch_timeout=600)
+    c.batch_timeout = 0.5
+    assert c.batch_timeout == 0.5
+    it = iter(c)
+    with pytest.raises(TimeoutError, match=r"batch_timeout=0\.5 s"):
+        next(it)  # the producer waits for a second consumer: nothing comes
+    c2 = TensorConsumer(name=name, timeout=30)
+    assert sum(1 for _ in c2) == 3
+    assert sum(1 for _ in it) == 3
+    c.close()
+    c2.close()
+    procs.result(prod)

@@ -164,7 +164,7 @@ class TensorConsumer:
             world_size=world_size, group=group, auth_token=auth_token)
         self.unpack_fn, self.with_index, self.endpoint = unpack_fn, o.with_index, o.endpoint
         # Not `timeout`: training code reads that as DataLoader.timeout (a batch fetch limit).
-        self.answer_timeout, self.batch_timeout = o.answer_wait, o.batch_wait
+        self.answer_timeout, self._options = o.answer_wait, o
         self.copy, self.pin_memory, self.peer_access = o.copy, o.pin_memory, o.peer_access
         self.align_epochs, self.group = o.align_epochs, o.group
         self.rank, self.world_size = o.rank, o.world_size
@@ -190,6 +190,15 @@ class TensorConsumer:
                 self.dataset = shared.loader.dataset
         self._surface = LoaderSurface(self._reader, self._book, self._state, o,
                                       lambda: place.index, shared, self._sets_epoch)
+
+    @property
+    def batch_timeout(self) -> float | None:
+        """Seconds to wait for one batch (None: no limit); set it to change the next waits."""
+        return self._options.batch_wait
+
+    @batch_timeout.setter
+    def batch_timeout(self, seconds: float | None) -> None:
+        self._options.batch_wait = seconds
 
     def _attach_parts(self, o: ConsumerOptions, place: RingPlace,
                       shared: SharedLoader | None) -> None:

@@ -126,7 +126,7 @@ class Places:
         """A consumer parked keeping its place gives it up before park_hold ran out: its
         process waits, through another loader, for a job that waits for this place (a
         cycle of waits between two jobs out of phase, which only park_hold would end
-        otherwise; see consumer._park_idle_siblings). It attaches again at a later
+        otherwise; see Siblings.park_idle in consumer/siblings.py). It attaches again at a later
         epoch start when it reads again."""
         peer.held_until = None
         ring.retire(peer.index)
