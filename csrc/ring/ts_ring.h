@@ -404,6 +404,20 @@ uint64_t ts_ring_published(const ts_ring *ring);
 /* The reader bitmap of slot i. */
 uint64_t ts_ring_slot_readers(const ts_ring *ring, uint32_t i);
 
+/* The slot the producer must fill for its next entry, as any process reads it. */
+typedef struct ts_next_slot {
+    uint64_t published; /* entries published so far: the next one is seq `published` */
+    uint32_t slot;      /* where it goes: published % slot_count */
+    uint64_t seq;       /* the entry (or hole) last in that slot; TS_SEQ_NONE: never used */
+    uint64_t readers;   /* that slot's reader bitmap (0 for a slot never used): the producer
+                         * waits while it is not 0, unless every bit left is a hold of a
+                         * consumer that receives no more (then a hole goes there, Holes) */
+} ts_next_slot;
+
+/* Read the slot the producer fills next and its readers into out: the one answer to
+ * "which slot is reused next" for status and diagnosis (tensorsocket/data/diagnosis.py). */
+void ts_ring_next_slot(const ts_ring *ring, ts_next_slot *out);
+
 /* Read the header and this handle's state into out. */
 void ts_ring_snapshot(const ts_ring *ring, ts_ring_info *out);
 
