@@ -63,6 +63,42 @@ ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i)
                        (uint64_t)i * ring->hdr->slot_desc_bytes);
 }
 
+/* 1 for the producer's handle. */
+int ts_ring_is_producer(const ts_ring *ring)
+{
+    return ring->is_producer;
+}
+
+/* Slots of the ring. */
+uint32_t ts_ring_slot_count(const ts_ring *ring)
+{
+    return ring->hdr->slot_count;
+}
+
+/* DLDeviceType of the ring's slot data. */
+int32_t ts_ring_device_type(const ts_ring *ring)
+{
+    return ring->hdr->device_type;
+}
+
+/* This handle's device state, or NULL. */
+ts_device_state *ts_ring_device_state(const ts_ring *ring)
+{
+    return ring->dev;
+}
+
+/* Consumer handle: its table index. */
+uint32_t ts_ring_consumer_index(const ts_ring *ring)
+{
+    return ring->consumer;
+}
+
+/* Consumer handle: the incarnation its holds are taken as. */
+uint64_t ts_ring_incarnation(const ts_ring *ring)
+{
+    return ring->incarnation;
+}
+
 /* The slot that entry seq lives in (or passed through, a hole). */
 static uint32_t ts_seq_slot(const ts_header *h, uint64_t seq)
 {
@@ -1342,8 +1378,8 @@ static int ts_ring_pool_gone(const ts_ring *ring)
  * ========================================================================== */
 
 /* This consumer handle's device state on driver's device ordinal, made on first use. */
-static ts_status ts_ring_device_state(ts_ring *ring, ts_device_driver *driver, int ordinal,
-                                      ts_err *err)
+static ts_status ts_ring_open_device(ts_ring *ring, ts_device_driver *driver, int ordinal,
+                                     ts_err *err)
 {
     if (ring->dev == NULL)
         return driver->device->open(driver, ordinal, ring->hdr->slot_count, &ring->dev, err);
@@ -1382,7 +1418,7 @@ ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ord
         return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
                           "the producer process (pid %d) is gone, and its GPU memory with it",
                           h->producer_pid);
-    ts_status st = ts_ring_device_state(ring, driver, ordinal, err);
+    ts_status st = ts_ring_open_device(ring, driver, ordinal, err);
     if (st != TS_OK || ring->dev->imported) return st;
     /* Announce the mapping before it exists: the producer never frees under it. */
     int entry = ts_ring_add_importer(ring);
@@ -1411,7 +1447,7 @@ ts_status ts_ring_pin_host(ts_ring *ring, ts_device_driver *driver, int ordinal,
 {
     if (ring->is_producer)
         return ts_err_set(err, TS_E_INVALID, 0, "the producer's slots are page-locked already");
-    ts_status st = ts_ring_device_state(ring, driver, ordinal, err);
+    ts_status st = ts_ring_open_device(ring, driver, ordinal, err);
     if (st != TS_OK || ring->dev->host_pinned) return st;
     /* Remapping a slot private on a write (ts_fault.h) would replace pages the driver has
      * locked: a registered mapping stays shared, and a write into it is stopped as before. */
@@ -1436,6 +1472,14 @@ uint64_t ts_ring_device_ptr(const ts_ring *ring, uint32_t slot)
 {
     if (ring->dev == NULL) return 0;
     return ring->dev->device->slot_ptr(ring->dev, slot);
+}
+
+/* Hand a consumer's queued device releases to the device (see ts_ring.h). */
+ts_status ts_ring_flush_releases(ts_ring *ring, uint32_t wait_ms, int *synced, ts_err *err)
+{
+    *synced = 0;
+    if (ring->dev == NULL || ring->is_producer) return TS_OK;
+    return ring->dev->device->flush(ring->dev, wait_ms, synced, err);
 }
 
 /* The DLDevice of this handle's views (see ts_ring.h). */

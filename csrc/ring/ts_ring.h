@@ -398,6 +398,26 @@ uint64_t ts_ring_segment_bytes(const ts_geometry *g, uint64_t *ctrl_bytes);
 /* Slot descriptor i. */
 ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i);
 
+/* ---- accessors: what the binding and the export read of a handle (never its fields) */
+
+/* 1 for the producer's handle, 0 for a consumer's. */
+int ts_ring_is_producer(const ts_ring *ring);
+
+/* Slots of the ring. */
+uint32_t ts_ring_slot_count(const ts_ring *ring);
+
+/* DLDeviceType of the ring's slot data: kDLCPU for a host ring, kDLCUDA for a CUDA ring. */
+int32_t ts_ring_device_type(const ts_ring *ring);
+
+/* This handle's device state (ts_device.h; borrowed, lives as long as the ring), or NULL. */
+ts_device_state *ts_ring_device_state(const ts_ring *ring);
+
+/* Consumer handle: the table index it is bound to (UINT32_MAX before ts_ring_bind_consumer). */
+uint32_t ts_ring_consumer_index(const ts_ring *ring);
+
+/* Consumer handle: the incarnation its holds are taken as now (ts_ring_release names it). */
+uint64_t ts_ring_incarnation(const ts_ring *ring);
+
 /* Entries published so far. */
 uint64_t ts_ring_published(const ts_ring *ring);
 
@@ -596,5 +616,10 @@ DLDevice ts_ring_dl_device(const ts_ring *ring, int device);
 
 /* Live processes that still map the device pool. */
 uint32_t ts_ring_importers(const ts_ring *ring);
+
+/* Consumer of a device ring: hand the releases its dropped views queued to the device
+ * (ts_device.h, flush). *synced: 1 if the device synchronized the context to do it. A
+ * producer's handle, or a host ring's, has nothing to flush: TS_OK, *synced 0. */
+ts_status ts_ring_flush_releases(ts_ring *ring, uint32_t wait_ms, int *synced, ts_err *err);
 
 #endif /* TS_RING_H */
