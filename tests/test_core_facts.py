@@ -241,3 +241,28 @@ def test_the_binding_and_the_export_read_rings_through_accessors():
     for name, text in texts.items():
         fields = re.findall(r"\bring->(\w+)", text)
         assert fields == [], f"{name} reads {sorted(set(fields))} of a ring"
+
+
+def _stub_parameters() -> dict[str, list[str]]:
+    """Function or method name -> its parameter names in tensorsocket/_core.pyi."""
+    import ast
+
+    tree = ast.parse((ROOT / "tensorsocket" / "_core.pyi").read_text())
+    out: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            args = [a.arg for a in node.args.args if a.arg not in ("self", "cls")]
+            out[node.name] = args + [a.arg for a in node.args.kwonlyargs]
+    return out
+
+
+def test_argument_names_are_the_stubs():
+    """The names each function binds (its names[] for ts_py_args) are the parameters the
+    stub gives it, in order: a keyword call type-checked against the stub binds."""
+    bound = {}
+    for text in _binding_sources().values():
+        for m in re.finditer(r"names\[\] = \{(.*?)\};.*?ts_py_args\(\"(\w+)\"", text, re.S):
+            bound[m.group(2)] = re.findall(r'"(\w+)"', m.group(1))
+    stubs = _stub_parameters()
+    assert len(bound) >= 25, sorted(bound)
+    assert bound == {fn: stubs.get(fn) for fn in bound}
