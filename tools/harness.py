@@ -23,12 +23,17 @@ repository that runs producers and consumers as real processes:
   that imported torch once, instead of starting each afresh (the test suite's, in
   tests/fork_server.py: it starts hundreds of short children).
 
-Linux only, like the rest of tensorsocket; no dependency beyond the standard library.
+Linux only, like the rest of tensorsocket; no dependency beyond the standard library, and
+tensorsocket's own /proc parser for process trees (its built C extension, loaded alone on
+the first walk of a tree: see ``_process_stat``).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import importlib.machinery
+import importlib.util
 import json
 import os
 import platform
@@ -141,22 +146,39 @@ def _tail(text: str | bytes | None, lines: int = 30, chars: int = 4000) -> str:
 # -- process trees ------------------------------------------------------------------------
 
 
+@functools.cache
+def _process_stat() -> Any:
+    """tensorsocket's parser of /proc/<pid>/stat, ``_core.process_stat`` (csrc/base/ts_proc.c,
+    the one parser of that file in this repository): the extension already imported here,
+    else the one built in this tree, loaded by itself. Importing the package would import
+    torch into every process that walks a tree (benchmark orchestrators among them); the
+    extension alone has no import and no side effect beyond its module. Loaded on the first
+    walk, never at import: children that import the harness without walking a tree never
+    load it."""
+    core = sys.modules.get("tensorsocket._core")
+    if core is None:
+        package = ROOT / "tensorsocket"
+        built = [package / f"_core{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+        path = next((p for p in built if p.is_file()), None)
+        if path is None:
+            raise RuntimeError(f"the harness reads process trees with tensorsocket's /proc "
+                               f"parser, and {package} has no built extension: run "
+                               "`python3 setup.py build_ext --inplace` first")
+        spec = importlib.util.spec_from_file_location("tensorsocket._core", path)
+        assert spec is not None and spec.loader is not None
+        core = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(core)
+    return core.process_stat
+
+
 def _parents() -> dict[int, int]:
     """pid -> parent pid of every process (from /proc)."""
+    process_stat = _process_stat()
     out = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
-        try:
-            out[int(entry)] = int(stat[stat.rindex(b")") + 2:].split()[1])
-        except (ValueError, IndexError):
-            continue
+        stat = process_stat(int(entry)) if entry.isdigit() else None
+        if stat is not None:  # else not a process, or gone meanwhile
+            out[int(entry)] = stat["ppid"]
     return out
 
 

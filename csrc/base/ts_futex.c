@@ -25,6 +25,13 @@ uint64_t ts_deadline_after(double seconds)
     return ts_now_ns() + (uint64_t)(seconds * 1e9);
 }
 
+/* The end of a slice that starts now (see ts_clock.h). */
+uint64_t ts_slice_end(uint64_t deadline)
+{
+    uint64_t until = ts_now_ns() + TS_SLICE_NS;
+    return until < deadline ? until : deadline;
+}
+
 /* Sleep while *word == expected, until woken or the deadline passes. */
 int ts_futex_wait(_Atomic uint32_t *word, uint32_t expected, uint64_t deadline_ns)
 {

@@ -41,11 +41,10 @@ pid_t ts_proc_self(void)
     return pid;
 }
 
-/* Read /proc/pid/stat; fill state and start time. Returns 0 on success, else -1 with
- * errno (ESRCH for a process that is gone, EIO for a file it could not parse). */
-static int ts_proc_read_stat(pid_t pid, char *state, uint64_t *start_time)
+/* Read all of /proc/<pid>/stat into buf (bytes, NUL terminated): 0, or -1 with errno. */
+static int ts_proc_slurp_stat(pid_t pid, char *buf, size_t bytes)
 {
-    char path[64], buf[1024];
+    char path[64];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     int fd;
     do {
@@ -54,7 +53,7 @@ static int ts_proc_read_stat(pid_t pid, char *state, uint64_t *start_time)
     if (fd < 0) return -1;
     ssize_t n;
     do {
-        n = read(fd, buf, sizeof buf - 1);
+        n = read(fd, buf, bytes - 1);
     } while (n < 0 && errno == EINTR);
     int saved = errno;
     close(fd);
@@ -65,45 +64,59 @@ static int ts_proc_read_stat(pid_t pid, char *state, uint64_t *start_time)
         return -1;
     }
     buf[n] = '\0';
+    return 0;
+}
+
+/* Parse the text of /proc/<pid>/stat into out: 0, or -1 with errno EIO. */
+static int ts_proc_parse_stat(const char *buf, ts_proc_stat *out)
+{
     /* comm (field 2) may contain spaces and parentheses: skip to the last ')'. */
-    char *p = strrchr(buf, ')');
-    if (p == NULL || p[1] == '\0') {
+    const char *p = strrchr(buf, ')');
+    if (p == NULL || p[1] != ' ' || p[2] == '\0') {
         errno = EIO;
         return -1;
     }
-    p += 2;
-    *state = *p;
-    /* p now points at field 3; the start time is field 22. */
-    for (int field = 3; field < 22; field++) {
+    p += 2; /* field 3 */
+    out->state = *p;
+    for (int field = 4; field <= 22; field++) {
         p = strchr(p, ' ');
         if (p == NULL) {
             errno = EIO;
             return -1;
         }
         p++;
+        if (field == 4) out->ppid = (int32_t)strtol(p, NULL, 10);
+        else if (field == 14) out->utime = strtoull(p, NULL, 10);
+        else if (field == 15) out->stime = strtoull(p, NULL, 10);
+        else if (field == 22) out->start_time = strtoull(p, NULL, 10);
     }
-    *start_time = strtoull(p, NULL, 10);
     return 0;
+}
+
+/* Read /proc/<pid>/stat into out (see ts_proc.h). */
+int ts_proc_read_stat(pid_t pid, ts_proc_stat *out)
+{
+    char buf[1024];
+    if (ts_proc_slurp_stat(pid, buf, sizeof buf) != 0) return -1;
+    return ts_proc_parse_stat(buf, out);
 }
 
 /* Start time of pid in clock ticks since boot, or 0 if it does not exist. */
 uint64_t ts_proc_start_time(pid_t pid)
 {
-    char state;
-    uint64_t start = 0;
-    if (pid <= 0 || ts_proc_read_stat(pid, &state, &start) != 0) return 0;
-    return start;
+    ts_proc_stat st;
+    if (pid <= 0 || ts_proc_read_stat(pid, &st) != 0) return 0;
+    return st.start_time;
 }
 
 /* Whether pid (started at start_time) lives (see ts_proc.h). */
 ts_proc_state ts_proc_check(pid_t pid, uint64_t start_time)
 {
-    char state;
-    uint64_t start = 0;
+    ts_proc_stat st;
     if (pid <= 0) return TS_PROC_DEAD;
-    if (ts_proc_read_stat(pid, &state, &start) == 0) {
-        if (state == 'Z' || state == 'X' || state == 'x') return TS_PROC_DEAD;
-        return start == start_time ? TS_PROC_ALIVE : TS_PROC_DEAD;
+    if (ts_proc_read_stat(pid, &st) == 0) {
+        if (st.state == 'Z' || st.state == 'X' || st.state == 'x') return TS_PROC_DEAD;
+        return st.start_time == start_time ? TS_PROC_ALIVE : TS_PROC_DEAD;
     }
     /* No stat to read. EMFILE, ENFILE, ENOMEM or EACCES say nothing of the target, and
      * ENOENT may be a /proc that is not mounted: ask the kernel, which needs no fd. */

@@ -5,6 +5,21 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+/* What /proc/<pid>/stat says of a process: the fields tensorsocket reads. */
+typedef struct ts_proc_stat {
+    char state;          /* field 3: R, S, D, T, Z, X, ... */
+    int32_t ppid;        /* field 4: the parent's pid */
+    uint64_t utime;      /* field 14: CPU time in user mode, clock ticks */
+    uint64_t stime;      /* field 15: CPU time in kernel mode, clock ticks */
+    uint64_t start_time; /* field 22: start, clock ticks since boot */
+} ts_proc_stat;
+
+/* Read /proc/<pid>/stat into out: the one parser of that file (the CLI's status and the
+ * test harness reach it through the binding, tensorsocket._core.process_stat). 0, or -1
+ * with errno: ESRCH for a process that is gone, EIO for a file it could not parse, or
+ * what open and read said (EMFILE, EACCES, ...). */
+int ts_proc_read_stat(pid_t pid, ts_proc_stat *out);
+
 /* Start time of pid in clock ticks since boot (field 22 of /proc/pid/stat),
  * or 0 if the process does not exist. */
 uint64_t ts_proc_start_time(pid_t pid);

@@ -4,6 +4,7 @@
 #include "binding/ts_py.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -158,6 +159,96 @@ int ts_py_bool(PyObject *obj)
     return obj == NULL ? 0 : PyObject_IsTrue(obj);
 }
 
+/* An int masked to 32 bits, unless not given. */
+int ts_py_u32(PyObject *obj, uint32_t *out)
+{
+    if (obj == NULL) return 0;
+    unsigned long v = PyLong_AsUnsignedLongMask(obj);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* An int masked to 64 bits, unless not given. */
+int ts_py_u64(PyObject *obj, uint64_t *out)
+{
+    if (obj == NULL) return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLongMask(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* An int that fits a C int, unless not given. */
+int ts_py_int(PyObject *obj, int *out)
+{
+    if (obj == NULL) return 0;
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < INT_MIN || v > INT_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "signed integer is out of the range of a C int");
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* A float, unless not given. */
+int ts_py_double(PyObject *obj, double *out)
+{
+    if (obj == NULL) return 0;
+    double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+/* A str without NULs as UTF-8 (None: NULL, with none_ok), unless not given. */
+int ts_py_str(PyObject *obj, int none_ok, const char **out)
+{
+    if (obj == NULL) return 0;
+    if (none_ok && obj == Py_None) {
+        *out = NULL;
+        return 0;
+    }
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "expected str%s, not %.50s", none_ok ? " or None" : "",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(obj, &n);
+    if (s == NULL) return -1;
+    if ((size_t)n != strlen(s)) {
+        PyErr_SetString(PyExc_ValueError, "embedded null character");
+        return -1;
+    }
+    *out = s;
+    return 0;
+}
+
+/* Truth of an argument, unless not given. */
+int ts_py_flag(PyObject *obj, int *out)
+{
+    if (obj == NULL) return 0;
+    int v = PyObject_IsTrue(obj);
+    if (v < 0) return -1;
+    *out = v;
+    return 0;
+}
+
+/* A tuple of n C ints. */
+int ts_py_ints(PyObject *obj, int n, const char *what, int *out)
+{
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != n) {
+        PyErr_Format(PyExc_TypeError, "%s must be a tuple of %d ints", what, n);
+        return -1;
+    }
+    for (int i = 0; i < n; i++)
+        if (ts_py_int(PyTuple_GET_ITEM(obj, i), &out[i]) < 0) return -1;
+    return 0;
+}
+
 /* One field of the struct at base as a new object. */
 static PyObject *ts_py_field_value(const void *base, const ts_py_field *f)
 {
@@ -195,30 +286,62 @@ PyObject *ts_py_dict(const void *base, const ts_py_field *fields, size_t n)
  * ========================================================================== */
 
 /* process_start_time(pid) -> start time in clock ticks, 0 if no such process */
-static PyObject *ts_py_process_start_time(PyObject *Py_UNUSED(module), PyObject *arg)
+static PyObject *ts_py_process_start_time(PyObject *Py_UNUSED(module), PyObject *const *args,
+                                          Py_ssize_t nargs, PyObject *kwnames)
 {
-    long pid = PyLong_AsLong(arg);
-    if (pid == -1 && PyErr_Occurred()) return NULL;
+    static const char *const names[] = {"pid"};
+    PyObject *a[1];
+    int pid = 0;
+    if (ts_py_args("process_start_time", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_int(a[0], &pid) < 0)
+        return NULL;
     return PyLong_FromUnsignedLongLong(ts_proc_start_time((pid_t)pid));
 }
 
-/* process_alive(pid, start_time) -> bool */
-static PyObject *ts_py_process_alive(PyObject *Py_UNUSED(module), PyObject *args)
+/* process_stat(pid) -> dict of /proc/<pid>/stat's fields (ts_proc_stat), or None if the
+ * process is gone or its file cannot be read or parsed */
+static PyObject *ts_py_process_stat(PyObject *Py_UNUSED(module), PyObject *const *args,
+                                    Py_ssize_t nargs, PyObject *kwnames)
 {
-    int pid;
-    unsigned long long start;
-    if (!PyArg_ParseTuple(args, "iK:process_alive", &pid, &start)) return NULL;
+    static const char *const names[] = {"pid"};
+    PyObject *a[1];
+    int pid = 0;
+    if (ts_py_args("process_stat", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_int(a[0], &pid) < 0)
+        return NULL;
+    ts_proc_stat st;
+    if (pid <= 0 || ts_proc_read_stat((pid_t)pid, &st) != 0) Py_RETURN_NONE;
+    return Py_BuildValue("{sCsisKsKsK}", "state", (int)(unsigned char)st.state, "ppid",
+                         (int)st.ppid, "utime", (unsigned long long)st.utime, "stime",
+                         (unsigned long long)st.stime, "start_time",
+                         (unsigned long long)st.start_time);
+}
+
+/* process_alive(pid, start_time) -> bool */
+static PyObject *ts_py_process_alive(PyObject *Py_UNUSED(module), PyObject *const *args,
+                                     Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"pid", "start_time"};
+    PyObject *a[2];
+    int pid = 0;
+    uint64_t start = 0;
+    if (ts_py_args("process_alive", args, nargs, kwnames, names, 2, 2, 2, a) < 0 ||
+        ts_py_int(a[0], &pid) < 0 || ts_py_u64(a[1], &start) < 0)
+        return NULL;
     return PyBool_FromLong(ts_proc_alive(pid, start));
 }
 
 /* segment_bytes(slot_count, slot_bytes, max_leaves) -> bytes a ring needs */
-static PyObject *ts_py_segment_bytes(PyObject *Py_UNUSED(module), PyObject *args)
+static PyObject *ts_py_segment_bytes(PyObject *Py_UNUSED(module), PyObject *const *args,
+                                     Py_ssize_t nargs, PyObject *kwnames)
 {
-    unsigned int slot_count, max_leaves;
-    unsigned long long slot_bytes;
-    if (!PyArg_ParseTuple(args, "IKI:segment_bytes", &slot_count, &slot_bytes, &max_leaves))
+    static const char *const names[] = {"slot_count", "slot_bytes", "max_leaves"};
+    PyObject *a[3];
+    ts_geometry g = {0};
+    if (ts_py_args("segment_bytes", args, nargs, kwnames, names, 3, 3, 3, a) < 0 ||
+        ts_py_u32(a[0], &g.slot_count) < 0 || ts_py_u64(a[1], &g.slot_bytes) < 0 ||
+        ts_py_u32(a[2], &g.max_leaves) < 0)
         return NULL;
-    ts_geometry g = {slot_count, max_leaves, slot_bytes, 0};
     return PyLong_FromUnsignedLongLong(ts_ring_segment_bytes(&g, NULL));
 }
 
@@ -255,11 +378,19 @@ static PyObject *ts_py_cuda_status(PyObject *module, PyObject *Py_UNUSED(ignored
 }
 
 /* copy_stream(dst, src) -> bool: the slot-fill streaming copy, for benchmarks. */
-static PyObject *ts_py_copy_stream(PyObject *Py_UNUSED(module), PyObject *args)
+static PyObject *ts_py_copy_stream(PyObject *Py_UNUSED(module), PyObject *const *args,
+                                   Py_ssize_t nargs, PyObject *kwnames)
 {
+    static const char *const names[] = {"dst", "src"};
+    PyObject *a[2], *result = NULL;
     Py_buffer dst = {0}, src = {0};
-    PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "w*y*:copy_stream", &dst, &src)) return NULL;
+    if (ts_py_args("copy_stream", args, nargs, kwnames, names, 2, 2, 2, a) < 0 ||
+        PyObject_GetBuffer(a[0], &dst, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(a[1], &src, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
     if (dst.len < src.len) {
         PyErr_Format(PyExc_ValueError, "copy_stream: dst has %zd bytes, src %zd", dst.len,
                      src.len);
@@ -276,10 +407,15 @@ done:
 }
 
 /* set_process_name(name): what ps and top show for this process (15 bytes kept). */
-static PyObject *ts_py_set_process_name(PyObject *Py_UNUSED(module), PyObject *arg)
+static PyObject *ts_py_set_process_name(PyObject *Py_UNUSED(module), PyObject *const *args,
+                                        Py_ssize_t nargs, PyObject *kwnames)
 {
-    const char *name = PyUnicode_AsUTF8(arg);
-    if (name == NULL) return NULL;
+    static const char *const names[] = {"name"};
+    PyObject *a[1];
+    const char *name = NULL;
+    if (ts_py_args("set_process_name", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_str(a[0], 0, &name) < 0)
+        return NULL;
     if (ts_proc_set_name(name) != 0) return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
 }
@@ -318,18 +454,21 @@ static PyMethodDef ts_module_methods[] = {
      "After os.fork, in the child: its batches become private copies."},
     {"cuda_status", ts_py_cuda_status, METH_NOARGS,
      "Whether the GPU path is available: driver, devices, or the reason it is not."},
-    {"set_process_name", ts_py_set_process_name, METH_O,
+    {"set_process_name", TS_PY_FASTCALL(ts_py_set_process_name),
      "Name this process as ps and top show it (its first 15 bytes; Linux)."},
     {"cuda_loaded", ts_py_cuda_loaded, METH_NOARGS,
      "True once the CUDA driver was initialised here (or in the process that forked this "
      "one); it never loads the driver."},
-    {"process_start_time", ts_py_process_start_time, METH_O,
+    {"process_start_time", TS_PY_FASTCALL(ts_py_process_start_time),
      "Start time of a process in clock ticks (0 if it does not exist)."},
-    {"process_alive", ts_py_process_alive, METH_VARARGS,
+    {"process_stat", TS_PY_FASTCALL(ts_py_process_stat),
+     "What /proc/<pid>/stat says of a process: state, ppid, utime, stime, start_time (clock "
+     "ticks); None if it is gone or unreadable."},
+    {"process_alive", TS_PY_FASTCALL(ts_py_process_alive),
      "True if pid exists and started at start_time."},
-    {"segment_bytes", ts_py_segment_bytes, METH_VARARGS,
+    {"segment_bytes", TS_PY_FASTCALL(ts_py_segment_bytes),
      "Bytes of shared memory a ring of this geometry needs."},
-    {"copy_stream", ts_py_copy_stream, METH_VARARGS,
+    {"copy_stream", TS_PY_FASTCALL(ts_py_copy_stream),
      "Copy src into dst with the streaming copy that fills large slots (benchmarks); "
      "True if it streamed, False if this CPU has no streaming stores (memcpy)."},
     {NULL, NULL, 0, NULL},

@@ -50,6 +50,9 @@ extern PyType_Spec ts_py_ring_spec;
 extern PyType_Spec ts_py_slot_spec;
 extern PyType_Spec ts_py_view_spec;
 
+/* A method table entry's function and flags for a function that takes arguments. */
+#define TS_PY_FASTCALL(fn) (PyCFunction)(void (*)(void))(fn), METH_FASTCALL | METH_KEYWORDS
+
 /* The flags of every type of the module. */
 #define TS_PY_TYPE_FLAGS \
     (Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE)
@@ -70,15 +73,44 @@ ts_device_driver *ts_py_cuda(ts_state *state);
  * exception. */
 int ts_py_timeout(PyObject *obj, uint64_t *deadline);
 
+/* Arguments, the one way the binding takes them: every function or method with arguments
+ * is METH_FASTCALL | METH_KEYWORDS, binds them to their names with ts_py_args, then
+ * converts each with one of the ts_py_* converters below (or uses the object itself). */
+
 /* Bind METH_FASTCALL | METH_KEYWORDS arguments to the n names: out[i] is the argument
  * named names[i], or NULL when not given (the caller's default). The first npos may come
- * by position, the rest only by keyword; the first nreq are required. 0, or -1 with a
- * TypeError. */
+ * by position or keyword, the rest only by keyword; the first nreq are required. 0, or -1
+ * with a TypeError. */
 int ts_py_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                const char *const *names, int n, int npos, int nreq, PyObject **out);
 
+/* The converters: obj is an argument bound by ts_py_args (NULL: not given, *out keeps the
+ * caller's default). 0, or -1 with an exception. */
+
+/* An int, masked to 32 bits (as the "I" format of PyArg_ParseTuple takes it). */
+int ts_py_u32(PyObject *obj, uint32_t *out);
+
+/* An int, masked to 64 bits (as "K" takes it). */
+int ts_py_u64(PyObject *obj, uint64_t *out);
+
+/* An int that fits a C int (as "i" takes it: OverflowError beyond). */
+int ts_py_int(PyObject *obj, int *out);
+
+/* A float, or an object with __float__ or __index__ (as "d" takes it). */
+int ts_py_double(PyObject *obj, double *out);
+
+/* A str without NUL characters, as UTF-8 (as "s" takes it; borrowed from obj). With
+ * none_ok, None gives NULL (as "z" takes it). */
+int ts_py_str(PyObject *obj, int none_ok, const char **out);
+
+/* Truth of an argument (as "p" takes it). */
+int ts_py_flag(PyObject *obj, int *out);
+
 /* Truth of an optional argument (NULL: 0); 0/1, or -1 with an exception. */
 int ts_py_bool(PyObject *obj);
+
+/* A tuple of n ints that fit C ints (what, in a TypeError: the argument it is), into out. */
+int ts_py_ints(PyObject *obj, int n, const char *what, int *out);
 
 /* One field of a core struct, as a dict item. */
 typedef struct ts_py_field {

@@ -1,12 +1,10 @@
 /* ts_py_ring.c - the Ring type of tensorsocket._core (see ts_py.h): a process's handle on a
  * ring segment, producer or consumer. Every blocking call releases the GIL, sleeps at most
- * one slice at a time, and checks for signals (Ctrl-C) between slices (ts_wait). */
+ * one slice (TS_SLICE_NS, ts_clock.h) at a time, and checks for signals (Ctrl-C) between
+ * slices (ts_wait). */
 #include "binding/ts_py.h"
 
 #include "base/ts_clock.h"
-
-/* How long a blocking call may sleep before it checks for signals. */
-#define TS_SIGNAL_SLICE_NS 100000000ULL
 
 /* Raise if the ring was closed. */
 static int ts_ring_check(RingObject *self)
@@ -20,7 +18,7 @@ static int ts_ring_check(RingObject *self)
 static int ts_role_check(RingObject *self, int want)
 {
     if (ts_ring_check(self) < 0) return -1;
-    if (self->ring->is_producer == want) return 0;
+    if (ts_ring_is_producer(self->ring) == want) return 0;
     PyErr_SetString(PyExc_ValueError, want ? "only the producer's ring handle can do this"
                                            : "only a consumer's ring handle can do this");
     return -1;
@@ -57,8 +55,7 @@ static int ts_wait(RingObject *self, ts_ring *ring, ts_wait_fn fn, void *arg, in
         if (*st == TS_E_TIMEOUT && ts_now_ns() >= deadline) return 0; /* timeout 0: a try */
     }
     for (;;) {
-        uint64_t slice = ts_now_ns() + TS_SIGNAL_SLICE_NS;
-        if (slice > deadline) slice = deadline;
+        uint64_t slice = ts_slice_end(deadline);
         Py_BEGIN_ALLOW_THREADS
         *st = fn(ring, arg, slice, err);
         Py_END_ALLOW_THREADS
@@ -110,29 +107,36 @@ static ts_status ts_wait_released_fn(ts_ring *ring, void *arg, uint64_t deadline
 }
 
 /* Ring.wait_consumers(n, timeout=None) -> True, or False on timeout */
-static PyObject *Ring_wait_consumers(RingObject *self, PyObject *args)
+static PyObject *Ring_wait_consumers(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                     PyObject *kwnames)
 {
-    unsigned int n;
-    PyObject *timeout = Py_None;
-    if (!PyArg_ParseTuple(args, "I|O:wait_consumers", &n, &timeout)) return NULL;
-    uint32_t want = n;
-    return ts_wait_bool(self, ts_wait_consumers_fn, &want, timeout);
+    static const char *const names[] = {"n", "timeout"};
+    PyObject *a[2];
+    uint32_t want = 0;
+    if (ts_py_args("wait_consumers", args, nargs, kwnames, names, 2, 2, 1, a) < 0 ||
+        ts_py_u32(a[0], &want) < 0)
+        return NULL;
+    return ts_wait_bool(self, ts_wait_consumers_fn, &want, a[1]);
 }
 
 /* Ring.wait_drained(timeout=None) -> True, or False on timeout */
-static PyObject *Ring_wait_drained(RingObject *self, PyObject *args)
+static PyObject *Ring_wait_drained(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames)
 {
-    PyObject *timeout = Py_None;
-    if (!PyArg_ParseTuple(args, "|O:wait_drained", &timeout)) return NULL;
-    return ts_wait_bool(self, ts_wait_drained_fn, NULL, timeout);
+    static const char *const names[] = {"timeout"};
+    PyObject *a[1];
+    if (ts_py_args("wait_drained", args, nargs, kwnames, names, 1, 1, 0, a) < 0) return NULL;
+    return ts_wait_bool(self, ts_wait_drained_fn, NULL, a[0]);
 }
 
 /* Ring.wait_released(timeout=None) -> True, or False on timeout */
-static PyObject *Ring_wait_released(RingObject *self, PyObject *args)
+static PyObject *Ring_wait_released(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames)
 {
-    PyObject *timeout = Py_None;
-    if (!PyArg_ParseTuple(args, "|O:wait_released", &timeout)) return NULL;
-    return ts_wait_bool(self, ts_wait_released_fn, NULL, timeout);
+    static const char *const names[] = {"timeout"};
+    PyObject *a[1];
+    if (ts_py_args("wait_released", args, nargs, kwnames, names, 1, 1, 0, a) < 0) return NULL;
+    return ts_wait_bool(self, ts_wait_released_fn, NULL, a[0]);
 }
 
 /* ==========================================================================
@@ -152,18 +156,22 @@ static PyObject *ts_wrap_ring(ts_state *state, ts_ring *ring)
 }
 
 /* Ring.create(name, slot_count, slot_bytes, max_leaves, *, device=-1) -> producer Ring */
-static PyObject *Ring_create(PyTypeObject *cls, PyObject *args, PyObject *kwds)
+static PyObject *Ring_create(PyTypeObject *cls, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
 {
-    static char *kwlist[] = {"name", "slot_count", "slot_bytes", "max_leaves", "device", NULL};
-    const char *name;
-    unsigned int slot_count, max_leaves;
-    unsigned long long slot_bytes;
+    static const char *const names[] = {"name", "slot_count", "slot_bytes", "max_leaves",
+                                        "device"};
+    PyObject *a[5];
+    const char *name = NULL;
+    ts_geometry g = {0};
     int device = -1;
     ts_state *state = PyType_GetModuleState(cls);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sIKI|$i:create", kwlist, &name, &slot_count,
-                                     &slot_bytes, &max_leaves, &device))
+    if (ts_py_args("create", args, nargs, kwnames, names, 5, 4, 4, a) < 0 ||
+        ts_py_str(a[0], 0, &name) < 0 || ts_py_u32(a[1], &g.slot_count) < 0 ||
+        ts_py_u64(a[2], &g.slot_bytes) < 0 || ts_py_u32(a[3], &g.max_leaves) < 0 ||
+        ts_py_int(a[4], &device) < 0)
         return NULL;
-    ts_geometry g = {slot_count, max_leaves, slot_bytes, device >= 0};
+    g.on_device = device >= 0;
     ts_device_driver *driver = NULL;
     if (device >= 0 && (driver = ts_py_cuda(state)) == NULL) return NULL;
     ts_ring *ring = NULL;
@@ -177,11 +185,16 @@ static PyObject *Ring_create(PyTypeObject *cls, PyObject *args, PyObject *kwds)
 }
 
 /* Ring.open(name) -> consumer Ring */
-static PyObject *Ring_open(PyTypeObject *cls, PyObject *args)
+static PyObject *Ring_open(PyTypeObject *cls, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames)
 {
-    const char *name;
+    static const char *const names[] = {"name"};
+    PyObject *a[1];
+    const char *name = NULL;
     ts_state *state = PyType_GetModuleState(cls);
-    if (!PyArg_ParseTuple(args, "s:open", &name)) return NULL;
+    if (ts_py_args("open", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_str(a[0], 0, &name) < 0)
+        return NULL;
     ts_ring *ring = NULL;
     ts_err err = {0};
     if (ts_ring_open(name, &ring, &err) != TS_OK) return ts_py_raise(state, &err);
@@ -189,10 +202,15 @@ static PyObject *Ring_open(PyTypeObject *cls, PyObject *args)
 }
 
 /* Ring.unlink_name(name): remove a segment name (missing is fine). */
-static PyObject *Ring_unlink_name(PyTypeObject *cls, PyObject *args)
+static PyObject *Ring_unlink_name(PyTypeObject *cls, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames)
 {
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s:unlink_name", &name)) return NULL;
+    static const char *const names[] = {"name"};
+    PyObject *a[1];
+    const char *name = NULL;
+    if (ts_py_args("unlink_name", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_str(a[0], 0, &name) < 0)
+        return NULL;
     ts_err err = {0};
     if (ts_ring_unlink_name(name, &err) != TS_OK)
         return ts_py_raise(PyType_GetModuleState(cls), &err);
@@ -226,14 +244,16 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
  * the driver has no cuCtxRecordEvent and the context was synchronized instead. A failed
  * release of an earlier flush raises here; a flush refused by a capture on another thread
  * leaves the releases queued for the next call, and does not raise. */
-static PyObject *Ring_flush_releases(RingObject *self, PyObject *args)
+static PyObject *Ring_flush_releases(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                     PyObject *kwnames)
 {
-    unsigned int wait_ms = 0;
-    if (!PyArg_ParseTuple(args, "|I:flush_releases", &wait_ms)) return NULL;
-    if (ts_ring_check(self) < 0) return NULL;
+    static const char *const names[] = {"wait_ms"};
+    PyObject *a[1];
+    uint32_t wait_ms = 0;
+    if (ts_py_args("flush_releases", args, nargs, kwnames, names, 1, 1, 0, a) < 0 ||
+        ts_py_u32(a[0], &wait_ms) < 0 || ts_ring_check(self) < 0)
+        return NULL;
     ts_ring *ring = self->ring;
-    ts_device_state *dev = ring->dev;
-    if (dev == NULL || ring->is_producer) Py_RETURN_FALSE;
     int synced = 0;
     ts_err err = {0};
     ts_status st;
@@ -241,7 +261,7 @@ static PyObject *Ring_flush_releases(RingObject *self, PyObject *args)
      * handle's meanwhile, and the ring's last reference frees dev (as Ring_acquire does). */
     ts_ring_ref(ring);
     Py_BEGIN_ALLOW_THREADS
-    st = dev->device->flush(dev, wait_ms, &synced, &err);
+    st = ts_ring_flush_releases(ring, wait_ms, &synced, &err);
     ts_ring_unref(ring);
     Py_END_ALLOW_THREADS
     if (st != TS_OK) return ts_py_raise(ts_py_state((PyObject *)self), &err);
@@ -268,23 +288,29 @@ static void Ring_dealloc(RingObject *self)
  * Producer: the consumer table
  * ========================================================================== */
 
-/* A sequence number argument that may be None (then TS_SEQ_NONE); -1 with an exception. */
+/* A sequence number argument that may be None or not given (then TS_SEQ_NONE); -1 with an
+ * exception (an int out of range included: no mask here). */
 static int ts_optional_seq(PyObject *obj, uint64_t *out)
 {
     *out = TS_SEQ_NONE;
-    if (obj == Py_None) return 0;
+    if (obj == NULL || obj == Py_None) return 0;
     *out = PyLong_AsUnsignedLongLong(obj);
     return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
 }
 
 /* Ring.reserve(pid, start_time, batch_size=0) -> (index, token) */
-static PyObject *Ring_reserve(RingObject *self, PyObject *args)
+static PyObject *Ring_reserve(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames)
 {
-    int pid;
-    unsigned long long start_time;
-    unsigned int batch_size = 0;
-    if (!PyArg_ParseTuple(args, "iK|I:reserve", &pid, &start_time, &batch_size)) return NULL;
-    if (ts_role_check(self, 1) < 0) return NULL;
+    static const char *const names[] = {"pid", "start_time", "batch_size"};
+    PyObject *a[3];
+    int pid = 0;
+    uint64_t start_time = 0;
+    uint32_t batch_size = 0;
+    if (ts_py_args("reserve", args, nargs, kwnames, names, 3, 3, 2, a) < 0 ||
+        ts_py_int(a[0], &pid) < 0 || ts_py_u64(a[1], &start_time) < 0 ||
+        ts_py_u32(a[2], &batch_size) < 0 || ts_role_check(self, 1) < 0)
+        return NULL;
     uint32_t index = 0;
     uint64_t token = 0;
     ts_err err = {0};
@@ -295,15 +321,19 @@ static PyObject *Ring_reserve(RingObject *self, PyObject *args)
 
 /* Ring.activate(index, align=False, start=None) -> first sequence number the consumer
  * receives (start: exactly that entry, which must still be in the ring) */
-static PyObject *Ring_activate(RingObject *self, PyObject *args)
+static PyObject *Ring_activate(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames)
 {
-    unsigned int index;
+    static const char *const names[] = {"index", "align", "start"};
+    PyObject *a[3];
+    uint32_t index = 0;
     int align = 0;
-    PyObject *from_obj = Py_None;
     uint64_t from, start = 0;
     ts_err err = {0};
-    if (!PyArg_ParseTuple(args, "I|pO:activate", &index, &align, &from_obj)) return NULL;
-    if (ts_role_check(self, 1) < 0 || ts_optional_seq(from_obj, &from) < 0) return NULL;
+    if (ts_py_args("activate", args, nargs, kwnames, names, 3, 3, 1, a) < 0 ||
+        ts_py_u32(a[0], &index) < 0 || ts_py_flag(a[1], &align) < 0 ||
+        ts_role_check(self, 1) < 0 || ts_optional_seq(a[2], &from) < 0)
+        return NULL;
     ts_status st = from == TS_SEQ_NONE
                        ? ts_ring_activate(self->ring, index, align, &start, &err)
                        : ts_ring_activate_from(self->ring, index, from, &start, &err);
@@ -313,14 +343,17 @@ static PyObject *Ring_activate(RingObject *self, PyObject *args)
 
 /* Ring.activate_group(indices, align=False, start=None) -> the entry every one of the
  * consumers starts at (the ranks of a group, in one step) */
-static PyObject *Ring_activate_group(RingObject *self, PyObject *args)
+static PyObject *Ring_activate_group(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                     PyObject *kwnames)
 {
-    PyObject *seq_obj, *from_obj = Py_None, *fast = NULL, *result = NULL;
+    static const char *const names[] = {"indices", "align", "start"};
+    PyObject *a[3], *fast = NULL, *result = NULL;
     int align = 0;
     uint32_t indices[TS_MAX_CONSUMERS];
-    if (!PyArg_ParseTuple(args, "O|pO:activate_group", &seq_obj, &align, &from_obj)) return NULL;
-    if (ts_role_check(self, 1) < 0) return NULL;
-    fast = PySequence_Fast(seq_obj, "activate_group: indices must be a sequence");
+    if (ts_py_args("activate_group", args, nargs, kwnames, names, 3, 3, 1, a) < 0 ||
+        ts_py_flag(a[1], &align) < 0 || ts_role_check(self, 1) < 0)
+        return NULL;
+    fast = PySequence_Fast(a[0], "activate_group: indices must be a sequence");
     if (fast == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     if (n < 1 || n > TS_MAX_CONSUMERS) {
@@ -334,7 +367,7 @@ static PyObject *Ring_activate_group(RingObject *self, PyObject *args)
         indices[i] = (uint32_t)(v > UINT32_MAX ? UINT32_MAX : v);
     }
     uint64_t from;
-    if (ts_optional_seq(from_obj, &from) < 0) goto done;
+    if (ts_optional_seq(a[2], &from) < 0) goto done;
     uint64_t start = 0;
     ts_err err = {0};
     if (ts_ring_activate_group(self->ring, indices, (uint32_t)n, align, from, &start, &err) !=
@@ -350,32 +383,44 @@ done:
 
 /* Ring.await_next_epoch(index): the consumer skips the rest of the producer's epoch,
  * keeping its place (it receives again from the next epoch's first entry). */
-static PyObject *Ring_await_next_epoch(RingObject *self, PyObject *args)
+static PyObject *Ring_await_next_epoch(RingObject *self, PyObject *const *args,
+                                       Py_ssize_t nargs, PyObject *kwnames)
 {
-    unsigned int index;
+    static const char *const names[] = {"index"};
+    PyObject *a[1];
+    uint32_t index = 0;
     ts_err err = {0};
-    if (!PyArg_ParseTuple(args, "I:await_next_epoch", &index)) return NULL;
-    if (ts_role_check(self, 1) < 0) return NULL;
+    if (ts_py_args("await_next_epoch", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_u32(a[0], &index) < 0 || ts_role_check(self, 1) < 0)
+        return NULL;
     return ts_done(self, ts_ring_await_next_epoch(self->ring, index, &err), &err);
 }
 
 /* Ring.set_policy(window, max_lag): late-joiner window and lag limit (0: off). */
-static PyObject *Ring_set_policy(RingObject *self, PyObject *args)
+static PyObject *Ring_set_policy(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames)
 {
-    unsigned long long window, max_lag;
+    static const char *const names[] = {"window", "max_lag"};
+    PyObject *a[2];
+    uint64_t window = 0, max_lag = 0;
     ts_err err = {0};
-    if (!PyArg_ParseTuple(args, "KK:set_policy", &window, &max_lag)) return NULL;
-    if (ts_role_check(self, 1) < 0) return NULL;
+    if (ts_py_args("set_policy", args, nargs, kwnames, names, 2, 2, 2, a) < 0 ||
+        ts_py_u64(a[0], &window) < 0 || ts_py_u64(a[1], &max_lag) < 0 ||
+        ts_role_check(self, 1) < 0)
+        return NULL;
     return ts_done(self, ts_ring_set_policy(self->ring, window, max_lag, &err), &err);
 }
 
 /* Ring.detach(index, reason=REASON_LAGGED): take a live consumer off, keeping the
  * slots it holds held (a laggard, or one that never read). */
-static PyObject *Ring_detach(RingObject *self, PyObject *args, PyObject *kwargs)
+static PyObject *Ring_detach(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
 {
-    static char *kwlist[] = {"index", "reason", NULL};
-    unsigned int index, reason = TS_REASON_LAGGED;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "I|I:detach", kwlist, &index, &reason))
+    static const char *const names[] = {"index", "reason"};
+    PyObject *a[2];
+    uint32_t index = 0, reason = TS_REASON_LAGGED;
+    if (ts_py_args("detach", args, nargs, kwnames, names, 2, 2, 1, a) < 0 ||
+        ts_py_u32(a[0], &index) < 0 || ts_py_u32(a[1], &reason) < 0)
         return NULL;
     if (reason != TS_REASON_LAGGED && reason != TS_REASON_UNREAD) {
         PyErr_Format(PyExc_ValueError,
@@ -388,22 +433,32 @@ static PyObject *Ring_detach(RingObject *self, PyObject *args, PyObject *kwargs)
 }
 
 /* Ring.retire(index): a live consumer left. */
-static PyObject *Ring_retire(RingObject *self, PyObject *args)
+static PyObject *Ring_retire(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
 {
-    unsigned int index;
-    if (!PyArg_ParseTuple(args, "I:retire", &index)) return NULL;
-    if (ts_role_check(self, 1) < 0) return NULL;
+    static const char *const names[] = {"index"};
+    PyObject *a[1];
+    uint32_t index = 0;
+    if (ts_py_args("retire", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_u32(a[0], &index) < 0 || ts_role_check(self, 1) < 0)
+        return NULL;
     ts_ring_retire(self->ring, index);
     Py_RETURN_NONE;
 }
 
 /* Ring.retire_silent(index, silent, limit): a consumer that sent no heartbeat for `silent`
  * seconds, longer than `limit`, while its process lives; its held slots stay held. */
-static PyObject *Ring_retire_silent(RingObject *self, PyObject *args)
+static PyObject *Ring_retire_silent(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames)
 {
-    unsigned int index;
-    double silent, limit;
-    if (!PyArg_ParseTuple(args, "Idd:retire_silent", &index, &silent, &limit)) return NULL;
+    static const char *const names[] = {"index", "silent", "limit"};
+    PyObject *a[3];
+    uint32_t index = 0;
+    double silent = 0, limit = 0;
+    if (ts_py_args("retire_silent", args, nargs, kwnames, names, 3, 3, 3, a) < 0 ||
+        ts_py_u32(a[0], &index) < 0 || ts_py_double(a[1], &silent) < 0 ||
+        ts_py_double(a[2], &limit) < 0)
+        return NULL;
     if (!(silent >= 0 && limit >= 0 && silent < 1e12 && limit < 1e12)) {
         PyErr_SetString(PyExc_ValueError, "retire_silent: silent and limit are seconds >= 0");
         return NULL;
@@ -414,11 +469,14 @@ static PyObject *Ring_retire_silent(RingObject *self, PyObject *args)
 }
 
 /* Ring.evict(index, reason=REASON_DIED): a dead (or silent) consumer. */
-static PyObject *Ring_evict(RingObject *self, PyObject *args, PyObject *kwargs)
+static PyObject *Ring_evict(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames)
 {
-    static char *kwlist[] = {"index", "reason", NULL};
-    unsigned int index, reason = TS_REASON_DIED;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "I|I:evict", kwlist, &index, &reason))
+    static const char *const names[] = {"index", "reason"};
+    PyObject *a[2];
+    uint32_t index = 0, reason = TS_REASON_DIED;
+    if (ts_py_args("evict", args, nargs, kwnames, names, 2, 2, 1, a) < 0 ||
+        ts_py_u32(a[0], &index) < 0 || ts_py_u32(a[1], &reason) < 0)
         return NULL;
     if (reason != TS_REASON_DIED && reason != TS_REASON_SILENT) {
         PyErr_Format(PyExc_ValueError,
@@ -432,11 +490,15 @@ static PyObject *Ring_evict(RingObject *self, PyObject *args, PyObject *kwargs)
 
 /* Ring.finish(failure=None): no more entries; wake every consumer. failure: why the
  * producer failed, for the consumers to read with failure() (None: a normal end). */
-static PyObject *Ring_finish(RingObject *self, PyObject *args)
+static PyObject *Ring_finish(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
 {
+    static const char *const names[] = {"failure"};
+    PyObject *a[1];
     const char *failure = NULL;
-    if (!PyArg_ParseTuple(args, "|z:finish", &failure)) return NULL;
-    if (ts_role_check(self, 1) < 0) return NULL;
+    if (ts_py_args("finish", args, nargs, kwnames, names, 1, 1, 0, a) < 0 ||
+        ts_py_str(a[0], 1, &failure) < 0 || ts_role_check(self, 1) < 0)
+        return NULL;
     if (failure != NULL && failure[0] != '\0')
         ts_ring_fail(self->ring, failure);
     else
@@ -467,32 +529,19 @@ static ts_status ts_publish_fn(ts_ring *ring, void *arg, uint64_t deadline, ts_e
                            p->meta_bytes, deadline, err);
 }
 
-/* An unsigned 64-bit argument (NULL: 0), as the "K" format takes it. */
-static int ts_u64_arg(const char *name, PyObject *obj, uint64_t *out)
-{
-    *out = 0;
-    if (obj == NULL) return 0;
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "publish() argument '%s' must be int, not %.50s", name,
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    *out = PyLong_AsUnsignedLongLongMask(obj);
-    return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
-}
-
 /* Fill src (dims: its shape and stride storage) from one (buffer, (code, bits, lanes))
  * leaf, taking the buffer into buf; 0, or -1 with an exception (buf taken only on 0). */
 static int ts_parse_leaf(PyObject *item, Py_ssize_t i, Py_buffer *buf, ts_src_leaf *src,
                          int64_t *dims)
 {
-    int code, bits, lanes;
+    int dtype[3]; /* code, bits, lanes */
     if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
         PyErr_SetString(PyExc_TypeError, "each leaf must be (buffer, (code, bits, lanes))");
         return -1;
     }
-    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(item, 1), "iii", &code, &bits, &lanes)) return -1;
-    src->dtype = (DLDataType){(uint8_t)code, (uint8_t)bits, (uint16_t)lanes};
+    if (ts_py_ints(PyTuple_GET_ITEM(item, 1), 3, "a leaf's dtype (code, bits, lanes)", dtype) < 0)
+        return -1;
+    src->dtype = (DLDataType){(uint8_t)dtype[0], (uint8_t)dtype[1], (uint16_t)dtype[2]};
     if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 0), buf, PyBUF_RECORDS_RO) < 0) return -1;
     if (buf->ndim > TS_MAX_NDIM) {
         PyErr_Format(PyExc_ValueError, "a tensor has %d dimensions, at most %d are supported",
@@ -539,8 +588,8 @@ static PyObject *Ring_publish(RingObject *self, PyObject *const *args, Py_ssize_
 
     if (ts_py_args("publish", args, nargs, kwnames, names, 6, 2, 2, a) < 0) return NULL;
     if (PyObject_GetBuffer(a[1], &meta, PyBUF_SIMPLE) < 0) return NULL;
-    if ((end = ts_py_bool(a[2])) < 0 || ts_u64_arg("epoch", a[3], &p.epoch) < 0 ||
-        ts_u64_arg("index", a[4], &p.index) < 0 || ts_role_check(self, 1) < 0 ||
+    if ((end = ts_py_bool(a[2])) < 0 || ts_py_u64(a[3], &p.epoch) < 0 ||
+        ts_py_u64(a[4], &p.index) < 0 || ts_role_check(self, 1) < 0 ||
         ts_py_timeout(a[5], &deadline) < 0)
         goto done;
     fast = PySequence_Fast(a[0], "leaves must be a sequence");
@@ -592,13 +641,18 @@ done:
  * ========================================================================== */
 
 /* Ring.bind(index, token): make this handle the given consumer. */
-static PyObject *Ring_bind(RingObject *self, PyObject *args)
+static PyObject *Ring_bind(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames)
 {
-    unsigned int index;
-    unsigned long long token;
+    static const char *const names[] = {"index", "token"};
+    PyObject *a[2];
+    uint32_t index = 0;
+    uint64_t token = 0;
     ts_err err = {0};
-    if (!PyArg_ParseTuple(args, "IK:bind", &index, &token)) return NULL;
-    if (ts_role_check(self, 0) < 0) return NULL;
+    if (ts_py_args("bind", args, nargs, kwnames, names, 2, 2, 2, a) < 0 ||
+        ts_py_u32(a[0], &index) < 0 || ts_py_u64(a[1], &token) < 0 ||
+        ts_role_check(self, 0) < 0)
+        return NULL;
     return ts_done(self, ts_ring_bind_consumer(self->ring, index, token, &err), &err);
 }
 
@@ -627,7 +681,7 @@ static PyObject *ts_slot_out(ts_state *state, ts_ring *ring, const ts_acquired *
 {
     ts_lease *lease = ts_lease_new(ring, got->slot, got->seq);
     if (lease == NULL) {
-        ts_ring_release(ring, got->slot, ring->consumer, ring->incarnation);
+        ts_ring_release(ring, got->slot, ts_ring_consumer_index(ring), ts_ring_incarnation(ring));
         return PyErr_NoMemory();
     }
     PyObject *slot = ts_py_slot_new(state, lease, got);
@@ -638,26 +692,26 @@ static PyObject *ts_slot_out(ts_state *state, ts_ring *ring, const ts_acquired *
 
 /* Ring.acquire(timeout=None, box=None) -> Slot; raises TimeoutError, ProducerFinished,
  * ProducerGone or ConsumerDetached. box: see ts_slot_out. */
-static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames)
 {
+    static const char *const names[] = {"timeout", "box"};
     ts_state *state = ts_py_state((PyObject *)self);
     ts_acquired got;
     ts_err err = {0};
     ts_status st;
     uint64_t deadline;
-    PyObject *slot = NULL;
-    if (nargs > 2)
-        return PyErr_Format(PyExc_TypeError, "acquire() takes at most 2 arguments (%zd given)",
-                            nargs);
-    PyObject *box = nargs > 1 ? args[1] : NULL;
-    if (ts_role_check(self, 0) < 0 || ts_box_check(box) < 0 ||
-        ts_py_timeout(nargs ? args[0] : NULL, &deadline) < 0)
+    PyObject *a[2], *slot = NULL;
+    if (ts_py_args("acquire", args, nargs, kwnames, names, 2, 2, 0, a) < 0) return NULL;
+    PyObject *box = a[1];
+    if (ts_role_check(self, 0) < 0 || ts_box_check(box) < 0 || ts_py_timeout(a[0], &deadline) < 0)
         return NULL;
     ts_ring *ring = self->ring; /* our own reference: another thread may close the object */
     ts_ring_ref(ring);
     if (ts_wait(self, ring, ts_acquire_fn, &got, 1, deadline, &st, &err) < 0) {
         if (st == TS_OK) /* closed meanwhile */
-            ts_ring_release(ring, got.slot, ring->consumer, ring->incarnation);
+            ts_ring_release(ring, got.slot, ts_ring_consumer_index(ring),
+                            ts_ring_incarnation(ring));
     } else if (st != TS_OK) {
         ts_py_raise(state, &err);
     } else {
@@ -670,16 +724,17 @@ static PyObject *Ring_acquire(RingObject *self, PyObject *const *args, Py_ssize_
 /* Ring.try_acquire(box=None) -> Slot, or None when no entry is published for us yet. It
  * never waits, so it keeps the GIL: the per-batch call of a consumer that keeps up. Raises
  * as acquire() does; box: see ts_slot_out. */
-static PyObject *Ring_try_acquire(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *Ring_try_acquire(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames)
 {
+    static const char *const names[] = {"box"};
     ts_state *state = ts_py_state((PyObject *)self);
     ts_acquired got;
     ts_err err = {0};
-    if (nargs > 1)
-        return PyErr_Format(PyExc_TypeError,
-                            "try_acquire() takes at most 1 argument (%zd given)", nargs);
-    PyObject *box = nargs ? args[0] : NULL;
-    if (ts_role_check(self, 0) < 0 || ts_box_check(box) < 0) return NULL;
+    PyObject *box;
+    if (ts_py_args("try_acquire", args, nargs, kwnames, names, 1, 1, 0, &box) < 0 ||
+        ts_role_check(self, 0) < 0 || ts_box_check(box) < 0)
+        return NULL;
     ts_status st = ts_ring_acquire(self->ring, TS_DEADLINE_NOW, &got, &err);
     if (st == TS_E_TIMEOUT) Py_RETURN_NONE;
     if (st != TS_OK) return ts_py_raise(state, &err);
@@ -690,15 +745,16 @@ static PyObject *Ring_try_acquire(RingObject *self, PyObject *const *args, Py_ss
  * back; reads no more. Once done, successor goes into box[0] (a list [handle]) in the same
  * call: a KeyboardInterrupt raised as the call returns cannot leave the caller reading
  * through a handle set aside. */
-static PyObject *Ring_set_aside(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *Ring_set_aside(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames)
 {
-    PyObject *box = nargs > 0 ? args[0] : Py_None;
-    PyObject *successor = nargs > 1 ? args[1] : Py_None;
-    if (nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "set_aside() takes at most 2 arguments");
+    static const char *const names[] = {"box", "successor"};
+    PyObject *a[2];
+    if (ts_py_args("set_aside", args, nargs, kwnames, names, 2, 2, 0, a) < 0 ||
+        ts_role_check(self, 0) < 0)
         return NULL;
-    }
-    if (ts_role_check(self, 0) < 0) return NULL;
+    PyObject *box = a[0] != NULL ? a[0] : Py_None;
+    PyObject *successor = a[1] != NULL ? a[1] : Py_None;
     if (box != Py_None && !(PyList_CheckExact(box) && PyList_GET_SIZE(box) == 1 &&
                             successor != Py_None)) {
         PyErr_SetString(PyExc_TypeError,
@@ -758,29 +814,35 @@ static PyObject *ts_device_call(RingObject *self, int import, int ordinal)
 
 /* Ring.import_device(device=None) -> ordinal: open the ring's GPU memory
  * (consumer). None picks the visible GPU that holds the pool. */
-static PyObject *Ring_import_device(RingObject *self, PyObject *args)
+static PyObject *Ring_import_device(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames)
 {
-    PyObject *device = Py_None;
+    static const char *const names[] = {"device"};
+    PyObject *device;
     int ordinal = -1;
-    if (!PyArg_ParseTuple(args, "|O:import_device", &device)) return NULL;
-    if (ts_role_check(self, 0) < 0) return NULL;
-    if (self->ring->hdr->device_type == kDLCPU) {
+    if (ts_py_args("import_device", args, nargs, kwnames, names, 1, 1, 0, &device) < 0 ||
+        ts_role_check(self, 0) < 0)
+        return NULL;
+    if (ts_ring_device_type(self->ring) == kDLCPU) {
         PyErr_SetString(ts_py_state((PyObject *)self)->GPUUnavailable,
                         "the producer keeps this ring in host memory (it was not created "
                         "with device='cuda:N')");
         return NULL;
     }
-    if (device != Py_None && (ordinal = PyLong_AsLong(device)) == -1 && PyErr_Occurred())
-        return NULL;
+    if (device != Py_None && ts_py_int(device, &ordinal) < 0) return NULL;
     return ts_device_call(self, 1, ordinal);
 }
 
 /* Ring.pin_host(device=0): page-lock this process's mapping of the slot data. */
-static PyObject *Ring_pin_host(RingObject *self, PyObject *args)
+static PyObject *Ring_pin_host(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames)
 {
+    static const char *const names[] = {"device"};
+    PyObject *device;
     int ordinal = 0;
-    if (!PyArg_ParseTuple(args, "|i:pin_host", &ordinal)) return NULL;
-    if (ts_role_check(self, 0) < 0) return NULL;
+    if (ts_py_args("pin_host", args, nargs, kwnames, names, 1, 1, 0, &device) < 0 ||
+        ts_py_int(device, &ordinal) < 0 || ts_role_check(self, 0) < 0)
+        return NULL;
     return ts_device_call(self, 0, ordinal);
 }
 
@@ -841,11 +903,15 @@ static PyObject *Ring_consumers(RingObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 /* Ring.consumer(index) -> dict of that consumer table entry. */
-static PyObject *Ring_consumer(RingObject *self, PyObject *args)
+static PyObject *Ring_consumer(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames)
 {
-    unsigned int index;
-    if (!PyArg_ParseTuple(args, "I:consumer", &index)) return NULL;
-    if (ts_ring_check(self) < 0) return NULL;
+    static const char *const names[] = {"index"};
+    PyObject *a[1];
+    uint32_t index = 0;
+    if (ts_py_args("consumer", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_u32(a[0], &index) < 0 || ts_ring_check(self) < 0)
+        return NULL;
     if (index >= TS_MAX_CONSUMERS)
         return PyErr_Format(PyExc_IndexError, "no consumer %u", index);
     return ts_consumer_dict(self->ring, index);
@@ -855,7 +921,7 @@ static PyObject *Ring_consumer(RingObject *self, PyObject *args)
 static PyObject *Ring_slot_readers(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (ts_ring_check(self) < 0) return NULL;
-    uint32_t k = self->ring->hdr->slot_count;
+    uint32_t k = ts_ring_slot_count(self->ring);
     PyObject *out = PyTuple_New(k);
     for (uint32_t i = 0; out != NULL && i < k; i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(ts_ring_slot_readers(self->ring, i));
@@ -863,6 +929,21 @@ static PyObject *Ring_slot_readers(RingObject *self, PyObject *Py_UNUSED(ignored
         else PyTuple_SET_ITEM(out, i, v);
     }
     return out;
+}
+
+#define TS_NF(field, kind) TS_PY_FIELD(ts_next_slot, field, kind)
+static const ts_py_field ts_next_slot_fields[] = {
+    TS_NF(published, 'K'), TS_NF(slot, 'u'), TS_NF(seq, 'q'), TS_NF(readers, 'K'),
+};
+
+/* Ring.next_slot() -> dict: the slot the producer fills next (ts_ring_next_slot). */
+static PyObject *Ring_next_slot(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_ring_check(self) < 0) return NULL;
+    ts_next_slot next;
+    ts_ring_next_slot(self->ring, &next);
+    return ts_py_dict(&next, ts_next_slot_fields,
+                      sizeof ts_next_slot_fields / sizeof *ts_next_slot_fields);
 }
 
 /* Ring.info() -> dict of geometry, counters and this handle's state. */
@@ -879,60 +960,62 @@ static PyObject *Ring_info(RingObject *self, PyObject *Py_UNUSED(ignored))
  * ========================================================================== */
 
 static PyMethodDef Ring_methods[] = {
-    {"create", (PyCFunction)(void (*)(void))Ring_create,
-     METH_VARARGS | METH_KEYWORDS | METH_CLASS, "Create a ring segment (producer)."},
-    {"open", (PyCFunction)Ring_open, METH_VARARGS | METH_CLASS,
+    {"create", TS_PY_FASTCALL(Ring_create) | METH_CLASS, "Create a ring segment (producer)."},
+    {"open", TS_PY_FASTCALL(Ring_open) | METH_CLASS,
      "Open a ring segment (consumer)."},
-    {"unlink_name", (PyCFunction)Ring_unlink_name, METH_VARARGS | METH_CLASS,
+    {"unlink_name", TS_PY_FASTCALL(Ring_unlink_name) | METH_CLASS,
      "Remove a segment name."},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "Drop this handle."},
-    {"set_aside", (PyCFunction)(void (*)(void))Ring_set_aside, METH_FASTCALL,
+    {"set_aside", TS_PY_FASTCALL(Ring_set_aside),
      "set_aside(box=None, successor=None): copy the slots this handle holds privately and "
      "hand them back; it reads no more. Once done, successor is put in box[0]."},
     {"held_slots", (PyCFunction)Ring_held_slots, METH_NOARGS,
      "Slots this consumer handle holds (views of them are alive)."},
-    {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "Reserve a consumer entry."},
-    {"activate", (PyCFunction)Ring_activate, METH_VARARGS, "Start delivering to a consumer."},
-    {"await_next_epoch", (PyCFunction)Ring_await_next_epoch, METH_VARARGS,
+    {"reserve", TS_PY_FASTCALL(Ring_reserve), "Reserve a consumer entry."},
+    {"activate", TS_PY_FASTCALL(Ring_activate), "Start delivering to a consumer."},
+    {"await_next_epoch", TS_PY_FASTCALL(Ring_await_next_epoch),
      "A consumer skips the rest of the producer's epoch, keeping its place."},
-    {"activate_group", (PyCFunction)Ring_activate_group, METH_VARARGS,
+    {"activate_group", TS_PY_FASTCALL(Ring_activate_group),
      "Start delivering to several consumers, all from the same entry."},
-    {"retire", (PyCFunction)Ring_retire, METH_VARARGS, "A live consumer left."},
-    {"retire_silent", (PyCFunction)Ring_retire_silent, METH_VARARGS,
+    {"retire", TS_PY_FASTCALL(Ring_retire), "A live consumer left."},
+    {"retire_silent", TS_PY_FASTCALL(Ring_retire_silent),
      "A live consumer fell silent: retire it, keeping the slots it holds."},
-    {"evict", (PyCFunction)(void (*)(void))Ring_evict, METH_VARARGS | METH_KEYWORDS,
+    {"evict", TS_PY_FASTCALL(Ring_evict),
      "A dead (or silent) consumer: drop its holds."},
-    {"detach", (PyCFunction)(void (*)(void))Ring_detach, METH_VARARGS | METH_KEYWORDS,
+    {"detach", TS_PY_FASTCALL(Ring_detach),
      "Take a live consumer off."},
-    {"set_policy", (PyCFunction)Ring_set_policy, METH_VARARGS,
+    {"set_policy", TS_PY_FASTCALL(Ring_set_policy),
      "Set the late-joiner window and the lag limit."},
-    {"publish", (PyCFunction)(void (*)(void))Ring_publish, METH_FASTCALL | METH_KEYWORDS,
+    {"publish", TS_PY_FASTCALL(Ring_publish),
      "Copy a batch into the next slot and publish it."},
-    {"wait_consumers", (PyCFunction)Ring_wait_consumers, METH_VARARGS,
+    {"wait_consumers", TS_PY_FASTCALL(Ring_wait_consumers),
      "Wait until n consumers are active."},
-    {"wait_drained", (PyCFunction)Ring_wait_drained, METH_VARARGS,
+    {"wait_drained", TS_PY_FASTCALL(Ring_wait_drained),
      "Wait until the consumers read everything published."},
-    {"finish", (PyCFunction)Ring_finish, METH_VARARGS,
+    {"finish", TS_PY_FASTCALL(Ring_finish),
      "Mark the ring finished (with the producer's failure, if it failed)."},
     {"failure", (PyCFunction)Ring_failure, METH_NOARGS,
      "Why the producer failed, once the ring is finished; None after a normal end."},
-    {"bind", (PyCFunction)Ring_bind, METH_VARARGS, "Bind to a consumer entry."},
-    {"acquire", (PyCFunction)(void (*)(void))Ring_acquire, METH_FASTCALL,
+    {"bind", TS_PY_FASTCALL(Ring_bind), "Bind to a consumer entry."},
+    {"acquire", TS_PY_FASTCALL(Ring_acquire),
      "Take the next entry (also put in box, a list [None], if given)."},
-    {"try_acquire", (PyCFunction)(void (*)(void))Ring_try_acquire, METH_FASTCALL,
+    {"try_acquire", TS_PY_FASTCALL(Ring_try_acquire),
      "Take the next entry if it is published (also put in box, a list [None], if given); "
      "None otherwise (never waits)."},
     {"consumers", (PyCFunction)Ring_consumers, METH_NOARGS, "The consumer table."},
-    {"consumer", (PyCFunction)Ring_consumer, METH_VARARGS, "One consumer table entry."},
+    {"consumer", TS_PY_FASTCALL(Ring_consumer), "One consumer table entry."},
     {"slot_readers", (PyCFunction)Ring_slot_readers, METH_NOARGS, "Reader bitmaps."},
+    {"next_slot", (PyCFunction)Ring_next_slot, METH_NOARGS,
+     "The slot the producer fills next: published, slot, seq (the entry last there, None "
+     "for a slot never used) and its readers."},
     {"info", (PyCFunction)Ring_info, METH_NOARGS, "Geometry and counters."},
-    {"import_device", (PyCFunction)Ring_import_device, METH_VARARGS,
+    {"import_device", TS_PY_FASTCALL(Ring_import_device),
      "Open the ring's GPU memory (consumer); returns the device ordinal."},
-    {"pin_host", (PyCFunction)Ring_pin_host, METH_VARARGS,
+    {"pin_host", TS_PY_FASTCALL(Ring_pin_host),
      "Page-lock this process's mapping of the host slot data."},
-    {"flush_releases", (PyCFunction)Ring_flush_releases, METH_VARARGS,
+    {"flush_releases", TS_PY_FASTCALL(Ring_flush_releases),
      "Order the releases of dropped GPU views after this process's queued GPU work."},
-    {"wait_released", (PyCFunction)Ring_wait_released, METH_VARARGS,
+    {"wait_released", TS_PY_FASTCALL(Ring_wait_released),
      "Wait until no consumer holds any slot."},
     {NULL, NULL, 0, NULL},
 };

@@ -88,9 +88,10 @@ static int ts_parse_stream(PyObject *stream, int device, int64_t *out)
  * minor to report) for major >= 1. */
 static int ts_parse_max_version(PyObject *obj, ts_export_opts *opts)
 {
-    int major = 0, minor = 0;
+    int version[2]; /* major, minor */
     if (obj == NULL || obj == Py_None) return 0;
-    if (!PyArg_ParseTuple(obj, "ii:max_version", &major, &minor)) return -1;
+    if (ts_py_ints(obj, 2, "max_version", version) < 0) return -1;
+    int major = version[0], minor = version[1];
     if (major >= 1) {
         opts->versioned = 1;
         opts->minor = (major > 1 || minor > TS_DLPACK_MINOR) ? TS_DLPACK_MINOR : (uint32_t)minor;
@@ -108,8 +109,9 @@ static PyObject *SlotView_dlpack(SlotViewObject *self, PyObject *const *args, Py
     ts_export_opts opts = {.device = self->device, .stream = 1};
     if (ts_parse_stream(a[0], self->device, &opts.stream) < 0) return NULL;
     if (a[2] != NULL && a[2] != Py_None) {
-        int dev_type = 0, dev_id = 0;
-        if (!PyArg_ParseTuple(a[2], "ii:dl_device", &dev_type, &dev_id)) return NULL;
+        int dl_device[2];
+        if (ts_py_ints(a[2], 2, "dl_device", dl_device) < 0) return NULL;
+        int dev_type = dl_device[0], dev_id = dl_device[1];
         DLDevice here = ts_ring_dl_device(self->lease->ring, self->device);
         if (dev_type != here.device_type || dev_id != here.device_id) {
             PyErr_Format(PyExc_BufferError,

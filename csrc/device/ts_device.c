@@ -21,9 +21,3 @@ void ts_device_driver_unref(ts_device_driver *driver)
     if (atomic_fetch_sub_explicit(&driver->refs, 1, memory_order_acq_rel) != 1) return;
     driver->device->unload(driver);
 }
-
-/* The DLDevice of a state's device memory. */
-DLDevice ts_device_dl(const ts_device_state *state)
-{
-    return (DLDevice){state->device->device_type, state->ordinal};
-}

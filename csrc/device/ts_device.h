@@ -183,7 +183,4 @@ void ts_device_driver_ref(ts_device_driver *driver);
 /* Drop a reference (NULL is fine); the driver is unloaded at zero. */
 void ts_device_driver_unref(ts_device_driver *driver);
 
-/* The DLDevice of a state's device memory. */
-DLDevice ts_device_dl(const ts_device_state *state);
-
 #endif /* TS_DEVICE_H */

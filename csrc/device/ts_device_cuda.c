@@ -313,6 +313,65 @@ static ts_status ts_gpu_ipc_unsupported(const ts_gpu *g, ts_err *err, CUresult r
     return err != NULL ? err->code : TS_E_CUDA;
 }
 
+/* Whether the pool's GPU can carry a ring (interprocess events), and its UUID into
+ * r->uuid for consumers to find it by. */
+static ts_status ts_gpu_check_pool_device(ts_gpu *g, const ts_device_ring *r, ts_err *err)
+{
+    ts_cuda_api *api = g->api;
+    int ipc_events = 0;
+    CUresult rc =
+        api->DeviceGetAttribute(&ipc_events, CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED, g->dev);
+    if (rc != CUDA_SUCCESS || !ipc_events)
+        return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                          "GPU %d does not support CUDA IPC events (a MIG instance?), which "
+                          "the GPU ring needs to order consumers after the producer's copies",
+                          g->base.ordinal);
+    CUuuid uuid;
+    rc = ts_cuda_device_uuid(api, &uuid, g->dev);
+    if (rc != CUDA_SUCCESS) return ts_cuda_fail(api, err, rc, ts_cuda_uuid_call(api));
+    memcpy(r->uuid, uuid.bytes, sizeof uuid.bytes);
+    return TS_OK;
+}
+
+/* Allocate slot k's device memory and events and export their IPC handles into r->ipc[k]
+ * (context entered). What it made is in g either way, for ts_gpu_teardown. */
+static ts_status ts_gpu_export_slot(ts_gpu *g, const ts_device_ring *r, uint32_t k,
+                                    ts_err *err)
+{
+    ts_cuda_api *api = g->api;
+    ts_device_ipc *e = &r->ipc[k];
+    CUresult rc = api->MemAlloc(&g->ptr[k], (size_t)r->slot_bytes);
+    if (rc != CUDA_SUCCESS) {
+        g->ptr[k] = 0;
+        ts_status st = ts_cuda_fail(api, err, rc, "cuMemAlloc of a ring slot");
+        if (rc != CUDA_ERROR_OUT_OF_MEMORY) return st;
+        return ts_err_set(err, TS_E_CUDA, ENOMEM,
+                          "GPU %d has no room for %u ring slots of %llu bytes (slot %u "
+                          "failed): lower ring_slots= or slot_bytes=",
+                          g->base.ordinal, r->slot_count, (unsigned long long)r->slot_bytes, k);
+    }
+    CUipcMemHandle mh;
+    rc = api->IpcGetMemHandle(&mh, g->ptr[k]);
+    if (rc != CUDA_SUCCESS) return ts_gpu_ipc_unsupported(g, err, rc, "cuIpcGetMemHandle");
+    memcpy(e->mem, mh.reserved, sizeof e->mem);
+    rc = api->EventCreate(&g->event[k], CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+    if (rc != CUDA_SUCCESS) {
+        g->event[k] = NULL;
+        return ts_gpu_ipc_unsupported(g, err, rc, "cuEventCreate(CU_EVENT_INTERPROCESS)");
+    }
+    CUipcEventHandle eh;
+    rc = api->IpcGetEventHandle(&eh, g->event[k]);
+    if (rc != CUDA_SUCCESS) return ts_gpu_ipc_unsupported(g, err, rc, "cuIpcGetEventHandle");
+    memcpy(e->event, eh.reserved, sizeof e->event);
+    /* The interprocess event cannot be waited on without spinning; this one sleeps. */
+    rc = api->EventCreate(&g->copied[k], CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC);
+    if (rc != CUDA_SUCCESS) {
+        g->copied[k] = NULL;
+        return ts_cuda_fail(api, err, rc, "cuEventCreate");
+    }
+    return TS_OK;
+}
+
 /* Allocate the device pool of a new CUDA ring (see ts_device.h). */
 static ts_status ts_gpu_create_pool(ts_device_driver *driver, int ordinal,
                                     const ts_device_ring *r, ts_device_state **out, ts_err *err)
@@ -323,24 +382,7 @@ static ts_status ts_gpu_create_pool(ts_device_driver *driver, int ordinal,
     int entered = 0;
     ts_gpu *g = ts_gpu_new(api, ordinal, r->slot_count, 1, err);
     if (g == NULL) return err != NULL ? err->code : TS_E_GPU_UNAVAILABLE;
-
-    int ipc_events = 0;
-    rc = api->DeviceGetAttribute(&ipc_events, CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED, g->dev);
-    if (rc != CUDA_SUCCESS || !ipc_events) {
-        st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
-                        "GPU %d does not support CUDA IPC events (a MIG instance?), which the "
-                        "GPU ring needs to order consumers after the producer's copies",
-                        ordinal);
-        goto error;
-    }
-    CUuuid uuid;
-    rc = ts_cuda_device_uuid(api, &uuid, g->dev);
-    if (rc != CUDA_SUCCESS) {
-        st = ts_cuda_fail(api, err, rc, ts_cuda_uuid_call(api));
-        goto error;
-    }
-    memcpy(r->uuid, uuid.bytes, sizeof uuid.bytes);
-
+    if ((st = ts_gpu_check_pool_device(g, r, err)) != TS_OK) goto error;
     st = ts_gpu_enter(g, err);
     if (st != TS_OK) goto error;
     entered = 1;
@@ -349,47 +391,8 @@ static ts_status ts_gpu_create_pool(ts_device_driver *driver, int ordinal,
         st = ts_cuda_fail(api, err, rc, "cuStreamCreate");
         goto error;
     }
-    for (uint32_t k = 0; k < r->slot_count; k++) {
-        ts_device_ipc *e = &r->ipc[k];
-        rc = api->MemAlloc(&g->ptr[k], (size_t)r->slot_bytes);
-        if (rc != CUDA_SUCCESS) {
-            g->ptr[k] = 0;
-            st = ts_cuda_fail(api, err, rc, "cuMemAlloc of a ring slot");
-            if (rc == CUDA_ERROR_OUT_OF_MEMORY)
-                st = ts_err_set(err, TS_E_CUDA, ENOMEM,
-                                "GPU %d has no room for %u ring slots of %llu bytes (slot %u "
-                                "failed): lower ring_slots= or slot_bytes=",
-                                ordinal, r->slot_count, (unsigned long long)r->slot_bytes, k);
-            goto error;
-        }
-        CUipcMemHandle mh;
-        rc = api->IpcGetMemHandle(&mh, g->ptr[k]);
-        if (rc != CUDA_SUCCESS) {
-            st = ts_gpu_ipc_unsupported(g, err, rc, "cuIpcGetMemHandle");
-            goto error;
-        }
-        memcpy(e->mem, mh.reserved, sizeof e->mem);
-        rc = api->EventCreate(&g->event[k], CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
-        if (rc != CUDA_SUCCESS) {
-            g->event[k] = NULL;
-            st = ts_gpu_ipc_unsupported(g, err, rc, "cuEventCreate(CU_EVENT_INTERPROCESS)");
-            goto error;
-        }
-        CUipcEventHandle eh;
-        rc = api->IpcGetEventHandle(&eh, g->event[k]);
-        if (rc != CUDA_SUCCESS) {
-            st = ts_gpu_ipc_unsupported(g, err, rc, "cuIpcGetEventHandle");
-            goto error;
-        }
-        memcpy(e->event, eh.reserved, sizeof e->event);
-        /* The interprocess event cannot be waited on without spinning; this one sleeps. */
-        rc = api->EventCreate(&g->copied[k], CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC);
-        if (rc != CUDA_SUCCESS) {
-            g->copied[k] = NULL;
-            st = ts_cuda_fail(api, err, rc, "cuEventCreate");
-            goto error;
-        }
-    }
+    for (uint32_t k = 0; k < r->slot_count; k++)
+        if ((st = ts_gpu_export_slot(g, r, k, err)) != TS_OK) goto error;
     /* Page-locked host slots make each batch's copy one asynchronous DMA. If
      * the system refuses (locked-memory limits), copies from pageable memory
      * still work, only slower. */

@@ -22,8 +22,8 @@ ts_lease *ts_lease_new(ts_ring *ring, uint32_t slot, uint64_t seq)
     ts_ring_ref(ring);
     lease->ring = ring;
     lease->slot = slot;
-    lease->consumer = ring->consumer;
-    lease->token = ring->incarnation;
+    lease->consumer = ts_ring_consumer_index(ring);
+    lease->token = ts_ring_incarnation(ring);
     lease->seq = seq;
     return lease;
 }
@@ -56,8 +56,8 @@ void ts_lease_unref(ts_lease *lease, uint32_t leaf)
     ts_ring_unuse_leaf(ring, lease->slot, leaf);
     if (atomic_fetch_sub_explicit(&lease->refs, 1, memory_order_acq_rel) != 1) return;
     ts_ring_use_end(ring, lease->slot);
-    ts_device_state *dev = ring->dev;
-    if (dev != NULL && !ring->is_producer &&
+    ts_device_state *dev = ts_ring_device_state(ring);
+    if (dev != NULL && !ts_ring_is_producer(ring) &&
         (lease->n_streams > 0 || lease->all_streams || dev->host_pinned)) {
         ts_ring_ref(ring); /* until done: the device calls it later, on its thread */
         dev->device->release_after(dev, lease->slot, lease->consumer, lease->token,
@@ -137,7 +137,7 @@ static void ts_export_ctx_free(ts_export_ctx *ctx)
     free(ctx->copy);
     if (ctx->device_copy_ring != NULL) {
         /* Freed after the consumer's next flush; the ring reference goes with it. */
-        ts_device_state *dev = ctx->device_copy_ring->dev;
+        ts_device_state *dev = ts_ring_device_state(ctx->device_copy_ring);
         dev->device->free_copy(dev, ctx->device_copy, ts_copy_freed, ctx->device_copy_ring);
     }
     free(ctx);
@@ -172,7 +172,7 @@ static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
     if (base == 0)
         return ts_err_set(err, TS_E_INVALID, 0,
                           "this consumer has not opened the ring's GPU memory");
-    ts_device_state *dev = ring->dev;
+    ts_device_state *dev = ts_ring_device_state(ring);
     int followable = 0;
     /* -1: the caller orders its own work. A copy is our own work on the stream -1 names
      * (the legacy one), so it waits for the producer's copy. */
@@ -209,7 +209,7 @@ void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *o, ts_er
         return NULL;
     }
     if (o->copy && o->device) {
-        ts_device_state *dev = lease->ring->dev;
+        ts_device_state *dev = ts_ring_device_state(lease->ring);
         if (dev->device->copy(dev, (uint64_t)(uintptr_t)data, leaf->nbytes, stream,
                               &ctx->device_copy, err) != TS_OK) {
             free(ctx);
@@ -258,7 +258,7 @@ void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *o, ts_er
         /* A consumer's host view is writable where a write makes the slot private to this
          * process (ts_fault.h); device memory is shared by every importer (no copy on write
          * there), and a page-locked host mapping stays shared: read-only for those. */
-        int writable = lease->ring->is_producer ||
+        int writable = ts_ring_is_producer(lease->ring) ||
                        (!o->device && ts_ring_host_writable(lease->ring));
         m->flags = o->copy ? TS_DLPACK_FLAG_IS_COPIED : writable ? 0 : TS_DLPACK_FLAG_READ_ONLY;
         m->dl_tensor = t;

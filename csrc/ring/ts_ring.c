@@ -17,8 +17,6 @@
 #include "base/ts_segment.h"
 
 #define TS_PAGE 4096ULL
-/* Longest single sleep: liveness of the other side is re-checked this often. */
-#define TS_SLICE_NS 100000000ULL
 
 /* ==========================================================================
  * Geometry
@@ -65,6 +63,59 @@ ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i)
                        (uint64_t)i * ring->hdr->slot_desc_bytes);
 }
 
+/* 1 for the producer's handle. */
+int ts_ring_is_producer(const ts_ring *ring)
+{
+    return ring->is_producer;
+}
+
+/* Slots of the ring. */
+uint32_t ts_ring_slot_count(const ts_ring *ring)
+{
+    return ring->hdr->slot_count;
+}
+
+/* DLDeviceType of the ring's slot data. */
+int32_t ts_ring_device_type(const ts_ring *ring)
+{
+    return ring->hdr->device_type;
+}
+
+/* This handle's device state, or NULL. */
+ts_device_state *ts_ring_device_state(const ts_ring *ring)
+{
+    return ring->dev;
+}
+
+/* Consumer handle: its table index. */
+uint32_t ts_ring_consumer_index(const ts_ring *ring)
+{
+    return ring->consumer;
+}
+
+/* Consumer handle: the incarnation its holds are taken as. */
+uint64_t ts_ring_incarnation(const ts_ring *ring)
+{
+    return ring->incarnation;
+}
+
+/* The slot that entry seq lives in (or passed through, a hole). */
+static uint32_t ts_seq_slot(const ts_header *h, uint64_t seq)
+{
+    return (uint32_t)(seq % h->slot_count);
+}
+
+/* The slot the producer fills next and what holds it back (see ts_ring.h). */
+void ts_ring_next_slot(const ts_ring *ring, ts_next_slot *out)
+{
+    const ts_header *h = ring->hdr;
+    uint64_t published = atomic_load_explicit(&h->published, memory_order_acquire);
+    out->published = published;
+    out->slot = ts_seq_slot(h, published);
+    out->seq = published >= h->slot_count ? published - h->slot_count : TS_SEQ_NONE;
+    out->readers = out->seq == TS_SEQ_NONE ? 0 : ts_ring_slot_readers(ring, out->slot);
+}
+
 /* Host address of slot data. */
 uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot)
 {
@@ -100,18 +151,6 @@ static void ts_signal(_Atomic uint32_t *word, _Atomic uint32_t *waiters)
 {
     atomic_fetch_add_explicit(word, 1, memory_order_seq_cst);
     if (atomic_load_explicit(waiters, memory_order_seq_cst) != 0) ts_futex_wake_all(word);
-}
-
-/* Sleep on word (last seen value seen) for at most one slice before deadline.
- * The caller re-checks its condition after waiters was raised, so a wake
- * between the check and the sleep is never lost. Returns 0, ETIMEDOUT (the
- * slice or the deadline passed) or EINTR. */
-static int ts_sleep(_Atomic uint32_t *word, uint32_t seen, uint64_t deadline)
-{
-    uint64_t now = ts_now_ns();
-    uint64_t until = now + TS_SLICE_NS;
-    if (deadline < until) until = deadline;
-    return ts_futex_wait(word, seen, until);
 }
 
 /* Clear bit in a slot's readers; wake the producer if the slot became free, or if the bits
@@ -177,24 +216,46 @@ static void ts_gate_bump(ts_consumer *c)
     atomic_fetch_add_explicit(&c->gate, 1ULL << TS_GATE_SHIFT, memory_order_acq_rel);
 }
 
-/* A condition a waiter sleeps on. */
+/* A condition a waiter sleeps on: 1 once it holds. */
 typedef int (*ts_cond_fn)(const ts_ring *ring, const void *arg);
 
-/* Sleep on word until cond(ring, arg) holds or the deadline passes. Returns
- * TS_OK, TS_E_TIMEOUT or TS_E_INTR; the caller describes the failure. */
-static ts_status ts_wait_for(ts_ring *ring, _Atomic uint32_t *word, _Atomic uint32_t *waiters,
-                             ts_cond_fn cond, const void *arg, uint64_t deadline)
+/* What a waiter does after a slice passed without its condition: TS_OK to sleep on, else
+ * the status to return, err set (the producer is gone, say). */
+typedef ts_status (*ts_slice_fn)(ts_ring *ring, const void *arg, ts_err *err);
+
+/* A sleeper on one of the header's futex words (pub_word, free_word, roster_word). */
+typedef struct ts_waiter {
+    _Atomic uint32_t *word;    /* borrowed: bumped by wakers (ts_signal) */
+    _Atomic uint32_t *waiters; /* borrowed: sleepers on word, which wakers check */
+    ts_cond_fn cond;           /* what it waits for */
+    ts_slice_fn between;       /* after a slice that timed out; NULL: nothing */
+    const void *arg;           /* borrowed: cond's and between's argument */
+    const char *what;          /* the timeout's message: "timed out waiting for <what>" */
+} ts_waiter;
+
+/* The ring's one wait: sleep on w->word, a slice (TS_SLICE_NS) at a time, until w->cond
+ * holds (TS_OK), the deadline passes (TS_E_TIMEOUT), a signal arrives (TS_E_INTR) or
+ * w->between, run after each slice that timed out, fails (its status). The condition is
+ * checked again after waiters was raised, so a wake between the check and the sleep is
+ * never lost. between runs before the deadline is looked at: a caller that waits in
+ * slices of its own (the binding) still has it checked once per slice. */
+static ts_status ts_wait_for(ts_ring *ring, const ts_waiter *w, uint64_t deadline, ts_err *err)
 {
     for (;;) {
-        if (cond(ring, arg)) return TS_OK;
-        uint32_t seen = atomic_load_explicit(word, memory_order_seq_cst);
-        atomic_fetch_add_explicit(waiters, 1, memory_order_seq_cst);
+        if (w->cond(ring, w->arg)) return TS_OK;
+        uint32_t seen = atomic_load_explicit(w->word, memory_order_seq_cst);
+        atomic_fetch_add_explicit(w->waiters, 1, memory_order_seq_cst);
         int rc = 0;
-        if (!cond(ring, arg)) rc = ts_sleep(word, seen, deadline);
-        atomic_fetch_sub_explicit(waiters, 1, memory_order_seq_cst);
-        if (rc == EINTR) return TS_E_INTR;
-        if (cond(ring, arg)) return TS_OK;
-        if (ts_now_ns() >= deadline) return TS_E_TIMEOUT;
+        if (!w->cond(ring, w->arg)) rc = ts_futex_wait(w->word, seen, ts_slice_end(deadline));
+        atomic_fetch_sub_explicit(w->waiters, 1, memory_order_seq_cst);
+        if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
+        if (w->cond(ring, w->arg)) return TS_OK;
+        if (rc == ETIMEDOUT && w->between != NULL) {
+            ts_status st = w->between(ring, w->arg, err);
+            if (st != TS_OK) return st;
+        }
+        if (ts_now_ns() >= deadline)
+            return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT, "timed out waiting for %s", w->what);
     }
 }
 
@@ -672,7 +733,7 @@ static ts_status ts_activate(ts_ring *ring, const uint32_t *indices, uint32_t n,
         goto done;
     }
     for (uint64_t seq = start; seq < published; seq++) /* cannot trigger; stay safe */
-        if (atomic_load_explicit(&ts_ring_slot(ring, (uint32_t)(seq % h->slot_count))->seq,
+        if (atomic_load_explicit(&ts_ring_slot(ring, ts_seq_slot(h, seq))->seq,
                                  memory_order_acquire) != seq)
             start = seq + 1;
     if (from != TS_SEQ_NONE && start != from) {
@@ -681,7 +742,7 @@ static ts_status ts_activate(ts_ring *ring, const uint32_t *indices, uint32_t n,
         goto done;
     }
     for (uint64_t seq = start; seq < published; seq++)
-        atomic_fetch_or_explicit(&ts_ring_slot(ring, (uint32_t)(seq % h->slot_count))->readers,
+        atomic_fetch_or_explicit(&ts_ring_slot(ring, ts_seq_slot(h, seq))->readers,
                                  bits, memory_order_acq_rel);
     for (uint32_t i = 0; i < n; i++) {
         ts_consumer *c = &h->consumers[indices[i]];
@@ -819,7 +880,7 @@ ts_status ts_ring_await_next_epoch(ts_ring *ring, uint32_t index, ts_err *err)
     uint64_t next = published;
     int marker_seen = 0;
     for (uint64_t seq = cursor; seq < published; seq++) {
-        const ts_slot *s = ts_ring_slot(ring, (uint32_t)(seq % h->slot_count));
+        const ts_slot *s = ts_ring_slot(ring, ts_seq_slot(h, seq));
         if (atomic_load_explicit(&s->seq, memory_order_acquire) == seq &&
             !atomic_load_explicit(&s->hole, memory_order_relaxed) &&
             s->kind == TS_ENTRY_END_EPOCH) {
@@ -1041,36 +1102,34 @@ static void ts_publish_hole(ts_ring *ring, ts_slot *s, uint64_t seq)
     if (skip) ts_signal(&h->pub_word, &h->pub_waiters);
 }
 
+/* Between the slices of a wait for a slot: a consumer behind by more than max_lag must not
+ * hold the others back, and the fastest one moves on meanwhile: look again. */
+static ts_status ts_detach_laggards_between(ts_ring *ring, const void *unused, ts_err *err)
+{
+    (void)unused;
+    (void)err;
+    ts_detach_laggards(ring);
+    return TS_OK;
+}
+
 /* Wait until the slot for the next entry has no readers, or may get a hole. */
 static ts_status ts_wait_slot_free(ts_ring *ring, ts_slot *s, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
-    ts_status st = TS_OK;
     if (ts_slot_usable(ring, s)) return TS_OK;
     uint64_t t0 = ts_now_ns();
-    for (;;) {
-        /* A consumer behind by more than max_lag must not hold the others back:
-         * look again after every slice, as the fastest one moves on meanwhile. */
-        ts_detach_laggards(ring);
-        uint64_t until = ts_now_ns() + TS_SLICE_NS;
-        st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_slot_usable, s,
-                         until < deadline ? until : deadline);
-        if (st != TS_E_TIMEOUT || ts_now_ns() >= deadline) break;
-    }
+    ts_detach_laggards(ring);
+    const ts_waiter w = {&h->free_word, &h->free_waiters, ts_slot_usable,
+                         ts_detach_laggards_between, s, "consumers to release a slot"};
+    ts_status st = ts_wait_for(ring, &w, deadline, err);
     atomic_fetch_add_explicit(&h->publish_wait_ns, ts_now_ns() - t0, memory_order_relaxed);
-    if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
-    if (st == TS_E_TIMEOUT)
-        return ts_err_set(err, st, ETIMEDOUT, "timed out waiting for consumers to release a slot");
     return st;
 }
 
-/* Copy leaves and meta into the next slot and publish it. */
-ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t index,
-                          const ts_src_leaf *leaves, uint32_t n_leaves, const void *meta,
-                          uint64_t meta_bytes, uint64_t deadline, ts_err *err)
+/* Whether leaves and meta fit a slot of this ring: TS_OK, or why not. */
+static ts_status ts_publish_check(const ts_header *h, const ts_src_leaf *leaves,
+                                  uint32_t n_leaves, uint64_t meta_bytes, ts_err *err)
 {
-    ts_header *h = ring->hdr;
-    ts_status st;
     if (n_leaves > h->max_leaves)
         return ts_err_set(err, TS_E_TOO_BIG, 0,
                           "the batch has %u tensors but a slot holds at most %u (max_leaves)",
@@ -1084,26 +1143,36 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
         return ts_err_set(err, TS_E_TOO_BIG, 0,
                           "the batch needs %llu bytes but a slot holds %llu (slot_bytes)",
                           (unsigned long long)need, (unsigned long long)h->slot_bytes);
+    return TS_OK;
+}
 
-    uint64_t seq;
-    uint32_t k;
-    ts_slot *s;
-    for (;;) { /* slots kept by consumers that receive no more get holes */
-        seq = atomic_load_explicit(&h->published, memory_order_relaxed);
-        k = (uint32_t)(seq % h->slot_count);
-        s = ts_ring_slot(ring, k);
-        st = ts_wait_slot_free(ring, s, deadline, err);
+/* Wait for the slot of the next entry, putting holes in slots kept by consumers that
+ * receive no more; *seq and *k: the entry's seq and its slot, free to be written. */
+static ts_status ts_publish_slot(ts_ring *ring, uint64_t deadline, uint64_t *seq, uint32_t *k,
+                                 ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    for (;;) {
+        *seq = atomic_load_explicit(&h->published, memory_order_relaxed);
+        *k = ts_seq_slot(h, *seq);
+        ts_slot *s = ts_ring_slot(ring, *k);
+        ts_status st = ts_wait_slot_free(ring, s, deadline, err);
         if (st != TS_OK) return st;
-        if (ts_slot_is_free(ring, s)) break;
-        ts_publish_hole(ring, s, seq);
+        if (ts_slot_is_free(ring, s)) return TS_OK;
+        ts_publish_hole(ring, s, *seq);
     }
-    /* A device ring: earlier copies out of the slot's host data have finished. */
-    if (ring->dev != NULL && (st = ring->dev->device->prepare(ring->dev, k, err)) != TS_OK)
-        return st;
+}
 
+/* Write the entry into free slot k: its leaves, meta and descriptor (not yet published).
+ * Returns the bytes of its tensors (the meta follows them, 8-byte aligned). */
+static uint64_t ts_write_slot(ts_ring *ring, uint32_t k, uint32_t kind, uint64_t epoch,
+                              uint64_t index, const ts_src_leaf *leaves, uint32_t n_leaves,
+                              const void *meta, uint64_t meta_bytes)
+{
+    ts_slot *s = ts_ring_slot(ring, k);
     atomic_store_explicit(&s->seq, TS_SEQ_NONE, memory_order_relaxed);
     atomic_store_explicit(&s->hole, 0, memory_order_relaxed);
-    uint64_t base = (uint64_t)k * h->slot_bytes, off = 0;
+    uint64_t base = (uint64_t)k * ring->hdr->slot_bytes, off = 0;
     for (uint32_t i = 0; i < n_leaves; i++) {
         const ts_src_leaf *l = &leaves[i];
         ts_leaf *d = &s->leaves[i];
@@ -1125,22 +1194,22 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
     s->meta_offset = off;
     s->meta_bytes = meta_bytes;
     s->used_bytes = off + meta_bytes;
-    /* A device ring copies the tensors to the device (they come first in a slot; the
-     * structure blob is host-only) and marks the slot's content for consumers to wait on.
-     * Host writes are made visible by the release store that publishes the slot. */
-    if (ring->dev != NULL &&
-        (st = ring->dev->device->publish(ring->dev, k, ring->data + base,
-                                         n_leaves > 0 ? off : 0, err)) != TS_OK)
-        return st;
+    return off;
+}
 
-    pthread_mutex_lock(&ring->lock);
+/* Publish entry seq, written into slot k, to the active consumers (lock held). An epoch's
+ * end marker also starts the consumers that skipped the rest of the epoch on the next
+ * one. Returns 1 if laggards were detached (the roster changed). */
+static int ts_publish_locked(ts_ring *ring, uint32_t k, uint64_t seq)
+{
+    ts_header *h = ring->hdr;
+    ts_slot *s = ts_ring_slot(ring, k);
     uint64_t mask = atomic_load_explicit(&h->active_mask, memory_order_seq_cst);
     atomic_store_explicit(&s->readers, mask, memory_order_relaxed);
     atomic_store_explicit(&s->seq, seq, memory_order_release);
     atomic_store_explicit(&h->published, seq + 1, memory_order_seq_cst);
-    if (kind == TS_ENTRY_END_EPOCH) {
+    if (s->kind == TS_ENTRY_END_EPOCH) {
         atomic_store_explicit(&h->epoch_first_seq, seq + 1, memory_order_relaxed);
-        /* Consumers that skipped the rest of this epoch receive from the next one on. */
         for (uint32_t i = 0; i < TS_MAX_CONSUMERS; i++) {
             ts_consumer *c = &h->consumers[i];
             if (!atomic_load_explicit(&c->awaiting, memory_order_seq_cst) ||
@@ -1151,7 +1220,34 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
             atomic_store_explicit(&c->awaiting, 0, memory_order_seq_cst);
         }
     }
-    int detached = ts_detach_laggards_locked(ring);
+    return ts_detach_laggards_locked(ring);
+}
+
+/* Copy leaves and meta into the next slot and publish it. */
+ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t index,
+                          const ts_src_leaf *leaves, uint32_t n_leaves, const void *meta,
+                          uint64_t meta_bytes, uint64_t deadline, ts_err *err)
+{
+    ts_header *h = ring->hdr;
+    uint64_t seq;
+    uint32_t k;
+    ts_status st = ts_publish_check(h, leaves, n_leaves, meta_bytes, err);
+    if (st != TS_OK || (st = ts_publish_slot(ring, deadline, &seq, &k, err)) != TS_OK)
+        return st;
+    /* A device ring: earlier copies out of the slot's host data have finished. */
+    if (ring->dev != NULL && (st = ring->dev->device->prepare(ring->dev, k, err)) != TS_OK)
+        return st;
+    uint64_t off = ts_write_slot(ring, k, kind, epoch, index, leaves, n_leaves, meta,
+                                 meta_bytes);
+    /* A device ring copies the tensors to the device (they come first in a slot; the
+     * structure blob is host-only) and marks the slot's content for consumers to wait on.
+     * Host writes are made visible by the release store that publishes the slot. */
+    if (ring->dev != NULL &&
+        (st = ring->dev->device->publish(ring->dev, k, ts_ring_slot_data(ring, k),
+                                         n_leaves > 0 ? off : 0, err)) != TS_OK)
+        return st;
+    pthread_mutex_lock(&ring->lock);
+    int detached = ts_publish_locked(ring, k, seq);
     pthread_mutex_unlock(&ring->lock);
     ring->bytes_copied += off + meta_bytes;
     if (detached) ts_signal(&h->roster_word, &h->roster_waiters);
@@ -1180,9 +1276,9 @@ static int ts_enough_consumers(const ts_ring *ring, const void *n)
 ts_status ts_ring_wait_consumers(ts_ring *ring, uint32_t n, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
-    ts_status st = ts_wait_for(ring, &h->roster_word, &h->roster_waiters, ts_enough_consumers,
-                               &n, deadline);
-    if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
+    const ts_waiter w = {&h->roster_word, &h->roster_waiters, ts_enough_consumers, NULL, &n,
+                         "consumers"};
+    ts_status st = ts_wait_for(ring, &w, deadline, err);
     if (st == TS_E_TIMEOUT)
         return ts_err_set(err, st, ETIMEDOUT, "timed out waiting for %u consumers (%u attached)",
                           n, ts_active_count(h));
@@ -1208,13 +1304,9 @@ static int ts_ring_is_drained(const ts_ring *ring, const void *unused)
 ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
-    ts_status st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_ring_is_drained, NULL,
-                               deadline);
-    if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
-    if (st == TS_E_TIMEOUT)
-        return ts_err_set(err, st, ETIMEDOUT,
-                          "timed out waiting for consumers to read the last batches");
-    return st;
+    const ts_waiter w = {&h->free_word, &h->free_waiters, ts_ring_is_drained, NULL, NULL,
+                         "consumers to read the last batches"};
+    return ts_wait_for(ring, &w, deadline, err);
 }
 
 /* Record that this process maps the device pool; its importer entry, or -1 (table full). */
@@ -1286,8 +1378,8 @@ static int ts_ring_pool_gone(const ts_ring *ring)
  * ========================================================================== */
 
 /* This consumer handle's device state on driver's device ordinal, made on first use. */
-static ts_status ts_ring_device_state(ts_ring *ring, ts_device_driver *driver, int ordinal,
-                                      ts_err *err)
+static ts_status ts_ring_open_device(ts_ring *ring, ts_device_driver *driver, int ordinal,
+                                     ts_err *err)
 {
     if (ring->dev == NULL)
         return driver->device->open(driver, ordinal, ring->hdr->slot_count, &ring->dev, err);
@@ -1326,7 +1418,7 @@ ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ord
         return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
                           "the producer process (pid %d) is gone, and its GPU memory with it",
                           h->producer_pid);
-    ts_status st = ts_ring_device_state(ring, driver, ordinal, err);
+    ts_status st = ts_ring_open_device(ring, driver, ordinal, err);
     if (st != TS_OK || ring->dev->imported) return st;
     /* Announce the mapping before it exists: the producer never frees under it. */
     int entry = ts_ring_add_importer(ring);
@@ -1355,7 +1447,7 @@ ts_status ts_ring_pin_host(ts_ring *ring, ts_device_driver *driver, int ordinal,
 {
     if (ring->is_producer)
         return ts_err_set(err, TS_E_INVALID, 0, "the producer's slots are page-locked already");
-    ts_status st = ts_ring_device_state(ring, driver, ordinal, err);
+    ts_status st = ts_ring_open_device(ring, driver, ordinal, err);
     if (st != TS_OK || ring->dev->host_pinned) return st;
     /* Remapping a slot private on a write (ts_fault.h) would replace pages the driver has
      * locked: a registered mapping stays shared, and a write into it is stopped as before. */
@@ -1382,6 +1474,14 @@ uint64_t ts_ring_device_ptr(const ts_ring *ring, uint32_t slot)
     return ring->dev->device->slot_ptr(ring->dev, slot);
 }
 
+/* Hand a consumer's queued device releases to the device (see ts_ring.h). */
+ts_status ts_ring_flush_releases(ts_ring *ring, uint32_t wait_ms, int *synced, ts_err *err)
+{
+    *synced = 0;
+    if (ring->dev == NULL || ring->is_producer) return TS_OK;
+    return ring->dev->device->flush(ring->dev, wait_ms, synced, err);
+}
+
 /* The DLDevice of this handle's views (see ts_ring.h). */
 DLDevice ts_ring_dl_device(const ts_ring *ring, int device)
 {
@@ -1404,13 +1504,9 @@ static int ts_ring_is_released(const ts_ring *ring, const void *unused)
 ts_status ts_ring_wait_released(ts_ring *ring, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
-    ts_status st = ts_wait_for(ring, &h->free_word, &h->free_waiters, ts_ring_is_released, NULL,
-                               deadline);
-    if (st == TS_E_INTR) return ts_err_set(err, st, EINTR, "interrupted");
-    if (st == TS_E_TIMEOUT)
-        return ts_err_set(err, st, ETIMEDOUT,
-                          "timed out waiting for consumers to free the batches they hold");
-    return st;
+    const ts_waiter w = {&h->free_word, &h->free_waiters, ts_ring_is_released, NULL, NULL,
+                         "consumers to free the batches they hold"};
+    return ts_wait_for(ring, &w, deadline, err);
 }
 
 /* Mark the ring finished and wake every consumer. */
@@ -1519,10 +1615,10 @@ static ts_status ts_detached_error(const ts_ring *ring, const ts_consumer *c, ts
     }
 }
 
-/* Take the next entry for our consumer, waiting until deadline. */
-ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts_err *err)
+/* Why this handle cannot take entries (not a consumer's, a forked child's, set aside, or
+ * its mapping damaged): TS_OK if it can. */
+static ts_status ts_acquire_usable(const ts_ring *ring, ts_err *err)
 {
-    ts_header *h = ring->hdr;
     if (ring->consumer >= TS_MAX_CONSUMERS)
         return ts_err_set(err, TS_E_INVALID, 0, "this ring handle is not a consumer");
     if (ts_proc_self() != ring->pid)
@@ -1537,7 +1633,49 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
                           "this consumer's mapping of the ring is damaged: a slot it had "
                           "written into could not be mapped back (%s); open the ring again",
                           strerror(broken));
-    ts_consumer *c = &h->consumers[ring->consumer];
+    return TS_OK;
+}
+
+/* Hand out the entry at cursor in slot k, claimed (our bit keeps its content stable). */
+static void ts_acquire_hand_out(ts_ring *ring, ts_consumer *c, uint32_t k, uint64_t cursor,
+                                ts_acquired *out)
+{
+    ts_header *h = ring->hdr;
+    const ts_slot *s = ts_ring_slot(ring, k);
+    ts_fault_take(&ring->cow, k); /* before any pointer into the slot is handed out */
+    atomic_fetch_or_explicit(&ring->held[k], 1ULL << ring->consumer, memory_order_relaxed);
+    out->slot = k;
+    out->seq = cursor;
+    out->kind = s->kind;
+    out->epoch = s->epoch;
+    out->index = s->index;
+    out->n_leaves = s->n_leaves;
+    out->used_bytes = s->used_bytes;
+    out->meta = ts_ring_slot_data(ring, k) + s->meta_offset;
+    out->meta_bytes = s->meta_bytes;
+    atomic_fetch_add_explicit(&c->delivered, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&c->delivered_bytes, s->used_bytes, memory_order_relaxed);
+    atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
+    /* The producer may be waiting for this consumer to drain. */
+    if (atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0 &&
+        out->kind == TS_ENTRY_END_EPOCH)
+        ts_signal(&h->free_word, &h->free_waiters);
+}
+
+/* What an acquire that found nothing saw: it sleeps until one of these changes. */
+typedef struct ts_acquire_seen {
+    const ts_consumer *c; /* borrowed: our table entry */
+    uint64_t cursor;      /* our cursor */
+    int awaiting;         /* we skip the rest of the producer's epoch */
+} ts_acquire_seen;
+
+/* One look at our cursor: TS_OK with the entry there taken into out (holes passed), or
+ * TS_E_TIMEOUT (err untouched) if nothing is published for us yet, with what was seen in
+ * *seen; else the error (detached, the producer's GPU memory gone). */
+static ts_status ts_acquire_try(ts_ring *ring, ts_consumer *c, ts_acquired *out,
+                                ts_acquire_seen *seen, ts_err *err)
+{
+    ts_header *h = ring->hdr;
     uint64_t bit = 1ULL << ring->consumer;
     for (;;) {
         uint64_t cursor = atomic_load_explicit(&c->cursor, memory_order_seq_cst);
@@ -1545,92 +1683,94 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
             atomic_load_explicit(&c->state, memory_order_acquire) != TS_CONSUMER_ACTIVE)
             return ts_detached_error(ring, c, err);
         int awaiting = atomic_load_explicit(&c->awaiting, memory_order_seq_cst);
-        if (!awaiting && atomic_load_explicit(&h->published, memory_order_acquire) > cursor) {
-            uint32_t k = (uint32_t)(cursor % h->slot_count);
-            ts_slot *s = ts_ring_slot(ring, k);
-            uint64_t readers = atomic_load_explicit(&s->readers, memory_order_acquire);
-            uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
-            if (!(readers & bit) || seq != cursor) {
-                /* Only a detach (which sets the cursor flag) takes entries back. */
-                if (atomic_load_explicit(&c->cursor, memory_order_seq_cst) != cursor) continue;
-                return ts_err_set(err, TS_E_DETACHED, 0,
-                                  "entry %llu was withdrawn from this consumer: "
-                                  "the producer took it off the ring meanwhile",
-                                  (unsigned long long)cursor);
-            }
-            if (atomic_load_explicit(&s->hole, memory_order_relaxed)) {
-                /* No entry here (ts_ring_publish): pass it, unless detached meanwhile. */
-                if (atomic_compare_exchange_strong_explicit(&c->cursor, &cursor, cursor + 1,
-                                                            memory_order_seq_cst,
-                                                            memory_order_seq_cst))
-                    ts_slot_drop_as(h, s, ring->consumer, ring->incarnation);
-                continue;
-            }
-            /* A batch of a GPU ring lives in the producer's device memory (see
-             * ts_ring_pool_gone): hand none out once that memory is gone. */
-            if (s->kind == TS_ENTRY_BATCH && ts_ring_pool_gone(ring))
-                return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
-                                  "the producer process (pid %d) exited while this consumer "
-                                  "mapped its GPU memory: the batches it published and this "
-                                  "consumer had not read were in that memory and are lost, "
-                                  "and the GPU tensors of its batches still held here are "
-                                  "no longer valid (see docs/gpu.md, \"When the producer's "
-                                  "GPU memory is freed\")",
-                                  h->producer_pid);
-            /* Claim the entry; fails only if the producer detached us meanwhile.
-             * Once claimed, our bit keeps the slot's content stable. */
-            if (!atomic_compare_exchange_strong_explicit(&c->cursor, &cursor, cursor + 1,
-                                                         memory_order_seq_cst,
-                                                         memory_order_seq_cst))
-                continue;
-            ts_fault_take(&ring->cow, k); /* before any pointer into the slot is handed out */
-            atomic_fetch_or_explicit(&ring->held[k], bit, memory_order_relaxed);
-            out->slot = k;
-            out->seq = cursor;
-            out->kind = s->kind;
-            out->epoch = s->epoch;
-            out->index = s->index;
-            out->n_leaves = s->n_leaves;
-            out->used_bytes = s->used_bytes;
-            out->meta = ts_ring_slot_data(ring, k) + s->meta_offset;
-            out->meta_bytes = s->meta_bytes;
-            uint64_t used = s->used_bytes;
-            atomic_fetch_add_explicit(&c->delivered, 1, memory_order_relaxed);
-            atomic_fetch_add_explicit(&c->delivered_bytes, used, memory_order_relaxed);
-            atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
-            /* The producer may be waiting for this consumer to drain. */
-            if (atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0 &&
-                out->kind == TS_ENTRY_END_EPOCH)
-                ts_signal(&h->free_word, &h->free_waiters);
-            return TS_OK;
+        if (awaiting || atomic_load_explicit(&h->published, memory_order_acquire) <= cursor) {
+            *seen = (ts_acquire_seen){c, cursor, awaiting};
+            return TS_E_TIMEOUT;
         }
+        uint32_t k = ts_seq_slot(h, cursor);
+        ts_slot *s = ts_ring_slot(ring, k);
+        uint64_t readers = atomic_load_explicit(&s->readers, memory_order_acquire);
+        uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
+        if (!(readers & bit) || seq != cursor) {
+            /* Only a detach (which sets the cursor flag) takes entries back. */
+            if (atomic_load_explicit(&c->cursor, memory_order_seq_cst) != cursor) continue;
+            return ts_err_set(err, TS_E_DETACHED, 0,
+                              "entry %llu was withdrawn from this consumer: "
+                              "the producer took it off the ring meanwhile",
+                              (unsigned long long)cursor);
+        }
+        if (atomic_load_explicit(&s->hole, memory_order_relaxed)) {
+            /* No entry here (ts_ring_publish): pass it, unless detached meanwhile. */
+            if (atomic_compare_exchange_strong_explicit(&c->cursor, &cursor, cursor + 1,
+                                                        memory_order_seq_cst,
+                                                        memory_order_seq_cst))
+                ts_slot_drop_as(h, s, ring->consumer, ring->incarnation);
+            continue;
+        }
+        /* A batch of a GPU ring lives in the producer's device memory (see
+         * ts_ring_pool_gone): hand none out once that memory is gone. */
+        if (s->kind == TS_ENTRY_BATCH && ts_ring_pool_gone(ring))
+            return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
+                              "the producer process (pid %d) exited while this consumer "
+                              "mapped its GPU memory: the batches it published and this "
+                              "consumer had not read were in that memory and are lost, "
+                              "and the GPU tensors of its batches still held here are "
+                              "no longer valid (see docs/gpu.md, \"When the producer's "
+                              "GPU memory is freed\")",
+                              h->producer_pid);
+        /* Claim the entry; fails only if the producer detached us meanwhile. */
+        if (!atomic_compare_exchange_strong_explicit(&c->cursor, &cursor, cursor + 1,
+                                                     memory_order_seq_cst,
+                                                     memory_order_seq_cst))
+            continue;
+        ts_acquire_hand_out(ring, c, k, cursor, out);
+        return TS_OK;
+    }
+}
+
+/* What an acquire that found nothing waits for: something published for it (or, while it
+ * skips the producer's epoch, the next epoch begun), the ring finished, or its cursor
+ * changed (a detach). */
+static int ts_acquire_news(const ts_ring *ring, const void *arg)
+{
+    const ts_acquire_seen *seen = arg;
+    const ts_header *h = ring->hdr;
+    int news = seen->awaiting
+                   ? atomic_load_explicit(&seen->c->awaiting, memory_order_seq_cst) == 0
+                   : atomic_load_explicit(&h->published, memory_order_seq_cst) > seen->cursor;
+    return news ||
+           atomic_load_explicit(&h->state, memory_order_seq_cst) == TS_RING_FINISHED ||
+           atomic_load_explicit(&seen->c->cursor, memory_order_seq_cst) != seen->cursor;
+}
+
+/* Between the slices of an acquire's wait: TS_E_PRODUCER_GONE once the producer died. */
+static ts_status ts_acquire_between(ts_ring *ring, const void *unused, ts_err *err)
+{
+    (void)unused;
+    if (ts_ring_producer_alive(ring->hdr)) return TS_OK;
+    return ts_err_set(err, TS_E_PRODUCER_GONE, 0, "the producer process (pid %d) is gone",
+                      ring->hdr->producer_pid);
+}
+
+/* Take the next entry for our consumer, waiting until deadline. */
+ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts_err *err)
+{
+    ts_status st = ts_acquire_usable(ring, err);
+    if (st != TS_OK) return st;
+    ts_header *h = ring->hdr;
+    ts_consumer *c = &h->consumers[ring->consumer];
+    for (;;) {
+        ts_acquire_seen seen;
+        if ((st = ts_acquire_try(ring, c, out, &seen, err)) != TS_E_TIMEOUT) return st;
         if (atomic_load_explicit(&h->state, memory_order_acquire) == TS_RING_FINISHED)
             return ts_err_set(err, TS_E_FINISHED, 0, "the producer has finished");
         if (deadline == TS_DEADLINE_NOW) return TS_E_TIMEOUT; /* a try: the caller waits */
-
-        uint32_t seen = atomic_load_explicit(&h->pub_word, memory_order_seq_cst);
-        atomic_fetch_add_explicit(&h->pub_waiters, 1, memory_order_seq_cst);
-        int rc = 0;
+        const ts_waiter w = {&h->pub_word, &h->pub_waiters, ts_acquire_news,
+                             ts_acquire_between, &seen, "the next batch"};
         uint64_t t0 = ts_now_ns();
-        if ((awaiting ? atomic_load_explicit(&c->awaiting, memory_order_seq_cst) != 0
-                      : atomic_load_explicit(&h->published, memory_order_seq_cst) <= cursor) &&
-            atomic_load_explicit(&h->state, memory_order_seq_cst) != TS_RING_FINISHED &&
-            atomic_load_explicit(&c->cursor, memory_order_seq_cst) == cursor)
-            rc = ts_sleep(&h->pub_word, seen, deadline);
-        atomic_fetch_sub_explicit(&h->pub_waiters, 1, memory_order_seq_cst);
+        st = ts_wait_for(ring, &w, deadline, err);
         atomic_fetch_add_explicit(&c->wait_ns, ts_now_ns() - t0, memory_order_relaxed);
-        if (rc == EINTR) return ts_err_set(err, TS_E_INTR, EINTR, "interrupted");
-        if (rc == ETIMEDOUT) {
-            if (!atomic_load_explicit(&c->awaiting, memory_order_acquire) &&
-                atomic_load_explicit(&h->published, memory_order_acquire) > cursor)
-                continue;
-            if (!ts_ring_producer_alive(h))
-                return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
-                                  "the producer process (pid %d) is gone", h->producer_pid);
-            if (ts_now_ns() >= deadline)
-                return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT,
-                                  "timed out waiting for the next batch");
-        }
+        if (st != TS_OK) return st;
     }
 }
 
@@ -1962,7 +2102,7 @@ static void ts_ring_newest(const ts_ring *ring, uint64_t published, ts_ring_info
     out->newest_epoch = out->newest_index = out->newest_bytes = 0;
     if (published == 0) return;
     uint64_t seq = published - 1;
-    const ts_slot *s = ts_ring_slot(ring, (uint32_t)(seq % ring->hdr->slot_count));
+    const ts_slot *s = ts_ring_slot(ring, ts_seq_slot(ring->hdr, seq));
     if (atomic_load_explicit(&s->seq, memory_order_acquire) != seq ||
         atomic_load_explicit(&s->hole, memory_order_relaxed))
         return;

@@ -398,11 +398,45 @@ uint64_t ts_ring_segment_bytes(const ts_geometry *g, uint64_t *ctrl_bytes);
 /* Slot descriptor i. */
 ts_slot *ts_ring_slot(const ts_ring *ring, uint32_t i);
 
+/* ---- accessors: what the binding and the export read of a handle (never its fields) */
+
+/* 1 for the producer's handle, 0 for a consumer's. */
+int ts_ring_is_producer(const ts_ring *ring);
+
+/* Slots of the ring. */
+uint32_t ts_ring_slot_count(const ts_ring *ring);
+
+/* DLDeviceType of the ring's slot data: kDLCPU for a host ring, kDLCUDA for a CUDA ring. */
+int32_t ts_ring_device_type(const ts_ring *ring);
+
+/* This handle's device state (ts_device.h; borrowed, lives as long as the ring), or NULL. */
+ts_device_state *ts_ring_device_state(const ts_ring *ring);
+
+/* Consumer handle: the table index it is bound to (UINT32_MAX before ts_ring_bind_consumer). */
+uint32_t ts_ring_consumer_index(const ts_ring *ring);
+
+/* Consumer handle: the incarnation its holds are taken as now (ts_ring_release names it). */
+uint64_t ts_ring_incarnation(const ts_ring *ring);
+
 /* Entries published so far. */
 uint64_t ts_ring_published(const ts_ring *ring);
 
 /* The reader bitmap of slot i. */
 uint64_t ts_ring_slot_readers(const ts_ring *ring, uint32_t i);
+
+/* The slot the producer must fill for its next entry, as any process reads it. */
+typedef struct ts_next_slot {
+    uint64_t published; /* entries published so far: the next one is seq `published` */
+    uint32_t slot;      /* where it goes: published % slot_count */
+    uint64_t seq;       /* the entry (or hole) last in that slot; TS_SEQ_NONE: never used */
+    uint64_t readers;   /* that slot's reader bitmap (0 for a slot never used): the producer
+                         * waits while it is not 0, unless every bit left is a hold of a
+                         * consumer that receives no more (then a hole goes there, Holes) */
+} ts_next_slot;
+
+/* Read the slot the producer fills next and its readers into out: the one answer to
+ * "which slot is reused next" for status and diagnosis (tensorsocket/data/diagnosis.py). */
+void ts_ring_next_slot(const ts_ring *ring, ts_next_slot *out);
 
 /* Read the header and this handle's state into out. */
 void ts_ring_snapshot(const ts_ring *ring, ts_ring_info *out);
@@ -582,5 +616,10 @@ DLDevice ts_ring_dl_device(const ts_ring *ring, int device);
 
 /* Live processes that still map the device pool. */
 uint32_t ts_ring_importers(const ts_ring *ring);
+
+/* Consumer of a device ring: hand the releases its dropped views queued to the device
+ * (ts_device.h, flush). *synced: 1 if the device synchronized the context to do it. A
+ * producer's handle, or a host ring's, has nothing to flush: TS_OK, *synced 0. */
+ts_status ts_ring_flush_releases(ts_ring *ring, uint32_t wait_ms, int *synced, ts_err *err);
 
 #endif /* TS_RING_H */

@@ -155,17 +155,12 @@ def process_tree_cpu(pid: int) -> float | None:
     except OSError:
         return None
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
+        stat = _core.process_stat(int(entry)) if entry.isdigit() else None
+        if stat is None:
+            continue  # not a process, or gone meanwhile
         p = int(entry)
-        parents[p] = int(fields[1])
-        cpu[p] = (int(fields[11]) + int(fields[12])) / tick
+        parents[p] = stat["ppid"]
+        cpu[p] = (stat["utime"] + stat["stime"]) / tick
     if pid not in cpu:
         return None
     children: dict[int, list[int]] = {}

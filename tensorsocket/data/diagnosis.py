@@ -35,8 +35,9 @@ def may_set_aside(ring: Any, gpu_import: bool) -> bool:
 def blocking_held_slots(ring: Any, index: int, token: int) -> int:
     """Slots consumer `index` holds (entries it took whose views are alive), if one of
     them is the slot the producer must reuse for its next entry; else 0."""
-    info = ring.info()
-    slots, published = info["slot_count"], info["published"]
+    slots = ring.info()["slot_count"]
+    nxt = ring.next_slot()
+    published = nxt["published"]
     entry = ring.consumer(index)
     if entry["token"] != token or published == 0 or entry["cursor"] is None:
         return 0  # not ours any more, nothing published, or nothing read yet
@@ -48,7 +49,7 @@ def blocking_held_slots(ring: Any, index: int, token: int) -> int:
         newest = published - 1 - (published - 1 - k) % slots  # the entry slot k holds
         if newest < entry["cursor"]:
             held.append(k)
-    return len(held) if published % slots in held else 0
+    return len(held) if nxt["slot"] in held else 0
 
 
 def kept_batches_warning(waited: float, held: int, slot_count: int) -> str:
@@ -84,24 +85,19 @@ def detach_reason(ring: Any, index: int, token: int) -> int | None:
 # -- the producer's side ---------------------------------------------------------------
 
 
-def _next_slot_readers(ring: Any, info: dict) -> int:
-    """The reader bitmap of the slot the producer must reuse for its next entry (0 while
-    it still has a slot never used)."""
-    published, slots = info["published"], info["slot_count"]
-    return ring.slot_readers()[published % slots] if published >= slots else 0
-
-
-def next_slot_holders(ring: Any, info: dict) -> list[dict]:
+def next_slot_holders(ring: Any, info: dict | None = None) -> list[dict]:
     """The consumers (table entries) that read the entry in the slot the producer must
     reuse next and still hold it (keep its batch alive); empty if the slot is free or only
     unread (a slow consumer: lag, not a kept batch). A consumer that receives no more
     (detached, left, taken off as silent) only holds: its slot may keep an older batch
     than the ring's last round (the producer put holes there), and it waits only when
-    every slot is kept so."""
-    readers = _next_slot_readers(ring, info)
+    every slot is kept so. Which slot that is, and its readers, the core says
+    (ring.next_slot()); `info` is not needed (callers that pass the ring.info() they read
+    may go on doing so)."""
+    nxt = ring.next_slot()
+    readers, entry_seq = nxt["readers"], nxt["seq"]  # entry_seq: the entry in that slot
     if readers == 0:
         return []
-    entry_seq = info["published"] - info["slot_count"]  # the entry in the slot to reuse
     return [e for e in ring.consumers() if readers >> e["index"] & 1
             and e["cursor"] is not None
             and (entry_seq < e["cursor"] or e["state"] != _core.CONSUMER_ACTIVE)]
@@ -112,10 +108,9 @@ def holding_back(ring: Any) -> list[dict]:
     entry: the slot it must reuse holds an entry they receive and have not released
     (unread, or read and kept). Empty while the producer has a free slot. Consumers that
     receive no more (left, detached) do not count: the producer passes their slots."""
-    info = ring.info()
-    if info["state"] != _core.RING_OPEN:
+    if ring.info()["state"] != _core.RING_OPEN:
         return []
-    readers = _next_slot_readers(ring, info)
+    readers = ring.next_slot()["readers"]
     return [e for e in ring.consumers()
             if readers >> e["index"] & 1 and e["state"] == _core.CONSUMER_ACTIVE]
 
