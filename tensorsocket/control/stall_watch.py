@@ -40,16 +40,15 @@ class StallWatch:
         """Warn once when the producer has not published for HELD_WARN_AFTER seconds and
         the slot it must reuse next is held by consumers that read its entry and keep it
         alive: a training script keeping batches stalls every consumer."""
-        info = ring.info()
-        published, slots = info["published"], info["slot_count"]
-        readers = ring.slot_readers()[published % slots] if published >= slots else 0
+        info, nxt = ring.info(), ring.next_slot()  # (the core says which slot is next)
+        published, readers = nxt["published"], nxt["readers"]
         last, since, warned = self._held
         if published != last or readers == 0 or info["state"] != _core.RING_OPEN:
             self._held = (published, now, False)
             return
         if warned or now - since < HELD_WARN_AFTER:
             return
-        holders = diagnosis.next_slot_holders(ring, info)
+        holders = diagnosis.next_slot_holders(ring)
         if not holders:
             return  # unread by a slow consumer: _check_lag's case
         self._held = (published, since, True)

@@ -85,15 +85,14 @@ def detach_reason(ring: Any, index: int, token: int) -> int | None:
 # -- the producer's side ---------------------------------------------------------------
 
 
-def next_slot_holders(ring: Any, info: dict | None = None) -> list[dict]:
+def next_slot_holders(ring: Any) -> list[dict]:
     """The consumers (table entries) that read the entry in the slot the producer must
     reuse next and still hold it (keep its batch alive); empty if the slot is free or only
     unread (a slow consumer: lag, not a kept batch). A consumer that receives no more
     (detached, left, taken off as silent) only holds: its slot may keep an older batch
     than the ring's last round (the producer put holes there), and it waits only when
     every slot is kept so. Which slot that is, and its readers, the core says
-    (ring.next_slot()); `info` is not needed (callers that pass the ring.info() they read
-    may go on doing so)."""
+    (ring.next_slot())."""
     nxt = ring.next_slot()
     readers, entry_seq = nxt["readers"], nxt["seq"]  # entry_seq: the entry in that slot
     if readers == 0:
