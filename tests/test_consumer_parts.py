@@ -1,5 +1,5 @@
-"""TensorConsumer stays a class with one job over parts with one job each (issue 25): its
-size, sibling parking through ParkingMember's public interface only, and share() passing
+"""The big classes stay classes with one job over parts with one job each (issue 25): their
+sizes, sibling parking through ParkingMember's public interface only, and share() passing
 what it knows to the constructor instead of setting the consumer's private state."""
 
 from __future__ import annotations
@@ -34,10 +34,14 @@ def _foreign_private(tree: ast.AST, own: set[str]) -> list[str]:
     return found
 
 
-def test_the_consumer_class_is_small():
-    """TensorConsumer under 350 lines (its docstring included) and its __init__ under 50:
-    the jobs are its parts' (tensorsocket/consumer/)."""
-    cls = _class(_tree("consumer/tensor_consumer.py"), "TensorConsumer")
+@pytest.mark.parametrize("path, name", [("consumer/tensor_consumer.py", "TensorConsumer"),
+                                        ("producer/tensor_producer.py", "TensorProducer"),
+                                        ("control/server.py", "ControlServer")])
+def test_the_big_classes_are_small(path, name):
+    """TensorConsumer, TensorProducer and ControlServer under 350 lines (docstring
+    included) and their __init__ under 50: the jobs are their parts' (the files beside
+    them)."""
+    cls = _class(_tree(path), name)
     assert cls.end_lineno - cls.lineno + 1 < CLASS_LINES
     init = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
     assert init.end_lineno - init.lineno + 1 < INIT_LINES
