@@ -11,7 +11,7 @@ import torch
 
 from conftest import shm_segments
 from roles import check_batch
-from tensorsocket import ProducerNotFound, TensorConsumer
+from tensorsocket import ProducerNotFound, TensorConsumer, TensorProducer
 
 
 def test_one_producer_three_consumers_three_epochs(procs, name):
@@ -208,3 +208,40 @@ def test_batch_timeout_set_after_construction_takes_effect(procs, name):
     c.close()
     c2.close()
     procs.result(prod)
+
+
+class _SamplerEpochs:
+    """A sampler's set_epoch, recorded."""
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+class _ConstantLoader:
+    """Two batches of `value` per epoch, with a sampler that has set_epoch."""
+
+    def __init__(self, value: int) -> None:
+        self.value, self.sampler = value, _SamplerEpochs()
+
+    def __len__(self) -> int:
+        return 2
+
+    def __iter__(self):
+        return iter([torch.full((3,), self.value)] * 2)
+
+
+def test_producer_epoch_and_data_loader_set_between_epochs(name):
+    """producer.epoch and producer.data_loader, set between epochs, are what the next epoch
+    runs: its number (the sampler's set_epoch) and its source, as before the producer was
+    split into parts."""
+    first, second = _ConstantLoader(1), _ConstantLoader(2)
+    with TensorProducer(first, name=name, min_consumers=0) as p:
+        p.epoch = 5
+        p.data_loader = second
+        assert p.data_loader is second
+        assert [int(batch[0]) for batch in p] == [2, 2]
+        assert p.epoch == 6
+        assert second.sampler.epochs == [5] and first.sampler.epochs == []

@@ -501,3 +501,39 @@ def test_stale_producer_serving_other_data_is_refused(rt, name):
     again.close()
     os.kill(pid, signal.SIGTERM)
     wait_gone(pid, 10)
+
+
+@pytest.mark.parametrize("rank_of_a_group", [True, False])
+def test_a_rank_maps_its_delivery_before_it_says_ready(procs, name, monkeypatch,
+                                                       rank_of_a_group):
+    """A consumer that share() makes for a rank of a group (SharedLoader.before_ready)
+    decides where tensors are delivered before it lets go of the election lock and says
+    ready: its group starts at one entry once every rank is ready, so the rank must not
+    create a CUDA context or page-lock the ring while it already counts as reading (and
+    sends no heartbeats yet). A lone consumer says ready first, as always."""
+    from tensorsocket.consumer.options import SharedLoader
+    from tensorsocket.control.client import ControlClient
+    from tensorsocket.data.delivery import Delivery
+
+    calls: list[str] = []
+    attach, ready = Delivery.attach, ControlClient.ready
+
+    def recording_attach(self, *args, **kwargs):
+        calls.append("attach")
+        return attach(self, *args, **kwargs)
+
+    def recording_ready(self, *args, **kwargs):
+        calls.append("ready")
+        return ready(self, *args, **kwargs)
+
+    monkeypatch.setattr(Delivery, "attach", recording_attach)
+    monkeypatch.setattr(ControlClient, "ready", recording_ready)
+    prod = procs.start("producer", "--name", name, "--batches", "3")
+    procs.wait_ready(prod)
+    before = (lambda: calls.append("before")) if rank_of_a_group else None
+    with TensorConsumer(name=name, timeout=30, shared=SharedLoader(
+            None, False, False, None, before_ready=before)) as c:
+        assert calls == (["attach", "before", "ready"] if rank_of_a_group
+                         else ["ready", "attach"])
+        assert sum(1 for _ in c) == 3
+    procs.result(prod)

@@ -10,7 +10,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -108,13 +108,23 @@ class RingPlace:
         """The token of this consumer's place (the producer's name for it)."""
         return self.client.token
 
-    def ready(self) -> None:
+    def ready(self, before: Callable[[], None] | None = None) -> None:
         """Say ready: the producer counts this consumer from its start entry
-        (start_seq); then decide where tensors are delivered, and start the heartbeats.
-        A failure closes the place."""
+        (start_seq); decide where tensors are delivered, and start the heartbeats. A rank
+        of a group that share() makes (`before`: what it does just before it says ready,
+        SharedLoader.before_ready) decides the delivery first: its group starts at one
+        entry once every rank said ready, so a rank maps the ring to its device (a CUDA
+        context, page-locking) before, not while it counts as reading. A failure closes
+        the place."""
+        grouped = self._options.world_size > 1
         try:
-            self.start_seq = self.client.ready(self.aligned, self._options.world_size > 1)
-            self.delivery.attach(self.ring)
+            if before is not None:
+                self.delivery.attach(self.ring)
+                before()
+                self.start_seq = self.client.ready(self.aligned, grouped)
+            else:
+                self.start_seq = self.client.ready(self.aligned, grouped)
+                self.delivery.attach(self.ring)
         except BaseException:
             self.close()
             raise

@@ -171,9 +171,7 @@ class TensorConsumer:
         self._place = place = RingPlace(o, InFlight())
         try:
             self._attach_parts(o, place, shared)
-            if shared is not None and shared.before_ready is not None:
-                shared.before_ready()  # (a rank of a group: see SharedLoader)
-            place.ready()
+            place.ready(None if shared is None else shared.before_ready)
         except BaseException:
             place.close()
             raise

@@ -34,6 +34,19 @@ class LoaderEpochs:
         self._used_up: Any = None  # the last iterator that yielded batches
         self._warned_cut = False  # said once that len() cut an epoch of a longer loader
 
+    @property
+    def loader(self) -> Iterable | Callable[..., Iterable]:
+        """The data loader as given (an iterable, or a callable of the epoch number)."""
+        return self._loader
+
+    @loader.setter
+    def loader(self, loader: Iterable | Callable[..., Iterable]) -> None:
+        """Another iterable for the next epochs (a callable's epochs come from the
+        callable given first, as before the producer was split into parts)."""
+        self._loader = loader
+        if self._factory is None:
+            self.current = loader
+
     def length(self) -> int | None:
         """Batches per epoch: len() of the current epoch's loader, if it has one."""
         return length_of(self.current)

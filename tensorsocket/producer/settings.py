@@ -86,8 +86,10 @@ class ProducerSettings:
 
 
 def setting(key: str, doc: str) -> Any:
-    """A property of the producer that reads and writes its settings' `key` (the parts
-    read the settings, so a value set on the producer takes effect where it is used)."""
+    """A property of the producer that reads and writes its settings' `key`. The parts
+    read the settings when they use them, so a value set on the producer counts from then
+    on, except park_hold, heartbeat_timeout and release_timeout, which the control server
+    and the finalizer take when the producer starts (as before the split)."""
 
     def read(self: Any) -> Any:
         return getattr(self._settings, key)

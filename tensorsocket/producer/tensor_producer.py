@@ -188,7 +188,6 @@ class TensorProducer:
         arguments = dict(locals())  # the parameters by name, for the settings
         epochs = self._epochs = LoaderEpochs(data_loader)
         settings = self._settings = ProducerSettings(arguments)
-        self.data_loader = data_loader
         self.producer_batch_size = producer_batch_size
         sizing = self._sizing = RingSizing(settings, epochs.length())
         files = OwnedFiles(settings.endpoint)
@@ -232,8 +231,22 @@ class TensorProducer:
 
     @property
     def epoch(self) -> int:
-        """The epoch running, or the next one between epochs."""
+        """The epoch running, or the next one between epochs (set it between epochs: the
+        number the next epoch is published under and passes to the sampler's set_epoch)."""
         return self._epochs.epoch
+
+    @epoch.setter
+    def epoch(self, number: int) -> None:
+        self._epochs.epoch = number
+
+    @property
+    def data_loader(self) -> Iterable | Callable[..., Iterable]:
+        """What yields the batches, as given (see the class docstring)."""
+        return self._epochs.loader
+
+    @data_loader.setter
+    def data_loader(self, loader: Iterable | Callable[..., Iterable]) -> None:
+        self._epochs.loader = loader
 
     def __len__(self) -> int:
         """Batches per epoch of the loader; TypeError if it has no len() (a generator,
