@@ -578,7 +578,7 @@ DRIVER_C = r"""
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "ts_cuda_api.h"
+#include "device/ts_cuda_api.h"
 
 CUresult cuInit(unsigned int);
 CUresult cuGetErrorName(CUresult, const char **);
