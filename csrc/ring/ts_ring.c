@@ -263,6 +263,17 @@ static ts_status ts_wait_for(ts_ring *ring, const ts_waiter *w, uint64_t deadlin
  * Life cycle
  * ========================================================================== */
 
+/* Map the first `ctrl` bytes of the segment (header and tables) into ring->hdr. */
+static ts_status ts_ring_map_header(ts_ring *ring, uint64_t ctrl, ts_err *err)
+{
+    void *p = mmap(NULL, ctrl, PROT_READ | PROT_WRITE, MAP_SHARED, ring->fd, 0);
+    if (p == MAP_FAILED)
+        return ts_err_set(err, TS_E_SYS, errno, "mmap of the ring header: %s", strerror(errno));
+    ring->hdr = p;
+    ring->ctrl_bytes = ctrl;
+    return TS_OK;
+}
+
 /* Allocate the process-local handle. */
 static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
 {
@@ -415,13 +426,8 @@ ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g,
     if (st != TS_OK) goto error;
     created = 1;
 
-    void *p = mmap(NULL, ctrl, PROT_READ | PROT_WRITE, MAP_SHARED, ring->fd, 0);
-    if (p == MAP_FAILED) {
-        st = ts_err_set(err, TS_E_SYS, errno, "mmap of the ring header: %s", strerror(errno));
-        goto error;
-    }
-    ring->hdr = p;
-    ring->ctrl_bytes = ctrl;
+    st = ts_ring_map_header(ring, ctrl, err);
+    if (st != TS_OK) goto error;
 
     /* The pages are fresh (zero). Fill in the geometry, then the tables. */
     ts_header *h = ring->hdr;
@@ -521,13 +527,8 @@ ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err)
         st = ts_err_set(err, TS_E_VERSION, 0, "segment %s has an inconsistent geometry", name);
         goto error;
     }
-    void *p = mmap(NULL, ctrl, PROT_READ | PROT_WRITE, MAP_SHARED, ring->fd, 0);
-    if (p == MAP_FAILED) {
-        st = ts_err_set(err, TS_E_SYS, errno, "mmap of the ring header: %s", strerror(errno));
-        goto error;
-    }
-    ring->hdr = p;
-    ring->ctrl_bytes = ctrl;
+    st = ts_ring_map_header(ring, ctrl, err);
+    if (st != TS_OK) goto error;
     ring->held = calloc(g.slot_count, sizeof *ring->held);
     ring->use = calloc(g.slot_count, sizeof *ring->use);
     if (ring->held == NULL || ring->use == NULL) {
