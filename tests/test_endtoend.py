@@ -92,6 +92,17 @@ def _cpu_seconds(pid: int) -> float:
     return t.user + t.system
 
 
+def _second_consumer_releases_the_producer(procs, prod, name, c, it) -> None:
+    """The producer waits for min_consumers=2 with 3 batches: a second consumer lets it
+    publish, and both read all 3 (c's iterator `it` after its timeout too)."""
+    c2 = TensorConsumer(name=name, timeout=30)
+    assert sum(1 for _ in c2) == 3
+    assert sum(1 for _ in it) == 3
+    c.close()
+    c2.close()
+    procs.result(prod)
+
+
 def test_idle_waiting_uses_no_cpu(procs, name):
     """A producer waiting for consumers and a consumer waiting for batches sleep."""
     prod = procs.start("producer", "--name", name, "--min-consumers", "2", "--batches", "3")
@@ -107,12 +118,7 @@ def test_idle_waiting_uses_no_cpu(procs, name):
     assert wall >= 2.9
     assert (p1 - p0) / wall < 0.05, f"producer used {p1 - p0:.3f} s CPU in {wall:.1f} s"
     assert (c1 - c0) / wall < 0.05, f"consumer used {c1 - c0:.3f} s CPU in {wall:.1f} s"
-    c2 = TensorConsumer(name=name, timeout=30)
-    assert sum(1 for _ in c2) == 3
-    assert sum(1 for _ in it) == 3
-    c.close()
-    c2.close()
-    procs.result(prod)
+    _second_consumer_releases_the_producer(procs, prod, name, c, it)
 
 
 def test_consumer_without_producer_fails_clearly(name):
@@ -202,12 +208,7 @@ def test_batch_timeout_set_after_construction_takes_effect(procs, name):
     it = iter(c)
     with pytest.raises(TimeoutError, match=r"batch_timeout=0\.5 s"):
         next(it)  # the producer waits for a second consumer: nothing comes
-    c2 = TensorConsumer(name=name, timeout=30)
-    assert sum(1 for _ in c2) == 3
-    assert sum(1 for _ in it) == 3
-    c.close()
-    c2.close()
-    procs.result(prod)
+    _second_consumer_releases_the_producer(procs, prod, name, c, it)
 
 
 class _SamplerEpochs:
