@@ -88,9 +88,15 @@ def make_image(i: int, size: int) -> bytes:
     return out.getvalue()
 
 
+def _write_image(tmp: Path, size: int, i: int) -> None:
+    (tmp / f"{i:06d}.jpg").write_bytes(make_image(i, size))
+
+
 def ensure_images(n: int = NUM_IMAGES, size: int = IMAGE_SIZE,
-                  progress: Callable[[str], None] | None = None) -> Path:
-    """The directory of the ``n`` images, generating them on first use.
+                  progress: Callable[[str], None] | None = None,
+                  processes: int = 1) -> Path:
+    """The directory of the ``n`` images, generating them on first use (in ``processes``
+    forked processes when more than 1).
 
     They are written into a temporary directory that is renamed into place when
     complete, so a crash never leaves a partial cache behind.
@@ -104,10 +110,18 @@ def ensure_images(n: int = NUM_IMAGES, size: int = IMAGE_SIZE,
     tmp.mkdir()
     try:
         t0 = time.monotonic()
-        for i in range(n):
-            (tmp / f"{i:06d}.jpg").write_bytes(make_image(i, size))
-            if progress is not None and (i + 1) % 250 == 0:
-                progress(f"generating images: {i + 1}/{n} ({time.monotonic() - t0:.0f} s)")
+        write = functools.partial(_write_image, tmp, size)
+        pool = multiprocessing.get_context("fork").Pool(processes) if processes > 1 else None
+        try:
+            done = (pool.imap_unordered(write, range(n), chunksize=8) if pool is not None
+                    else map(write, range(n)))
+            for k, _ in enumerate(done, 1):
+                if progress is not None and k % 250 == 0:
+                    progress(f"generating images: {k}/{n} ({time.monotonic() - t0:.0f} s)")
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
         (tmp / DONE_MARK).write_text(f"{n} {size}\n")
         if root.exists():  # an incomplete cache from an older layout: replace it
             shutil.rmtree(root, ignore_errors=True)

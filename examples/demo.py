@@ -1,31 +1,45 @@
-"""The demo of the README's Quickstart: one producer feeds several training consumers
-from one shared loader, and the summary says how much loader CPU time sharing saved.
+"""The demo of the README's Quickstart: the same training jobs run twice, first each
+with its own DataLoader (what they do today), then through one shared loader
+(tensorsocket), and the two runs compared, measured side by side.
 
-    python examples/demo.py                          # 3 consumers, 2 epochs of 1024 images
-    python examples/demo.py --consumers 2 --epochs 1 --images 256 --no-live
+    python examples/demo.py                     # 3 jobs, 2 epochs of 512 JPEGs: ~1 minute on 2 cores
+    python examples/demo.py --jobs 4 --epochs 3 --images 1024 --plot demo.png
     python examples/demo.py --help
 
-The parent (this script without --role) starts a producer process and N consumer
-processes, all this script again (``--role producer|consumer``) through
-tools.harness. The producer runs a DataLoader with a real per-sample CPU transform
-over a synthetic in-memory image set (``_demo_model.py``) and publishes every batch to the
-shared-memory ring; each consumer trains a tiny CNN on those batches with its own learning
-rate. Children report to the parent with one JSON object per stdout line, after ``MARK``;
-the parent prints their progress and a summary, with a live panel under it on a terminal
-(``_demo_panel.py``: the ring and each consumer's progress as ``tensorsocket status``
-reads them). Every wait has a deadline (--timeout): on any failure every child is stopped,
-nothing is left in /dev/shm or the runtime directory, and the error is one line (with
---debug: the children's output too).
+The workload is the collocated benchmark's (benchmarks/workload.py): JPEGs (generated
+once into benchmarks/.cache/, no download) decoded and augmented per sample on the CPU,
+a small ResNet trained with SGD, one thread per process; each job has its own learning
+rate, as in a sweep. Before the runs the loader's and a training step's CPU cost per batch
+are measured (one thread each), which give the best speedup these costs allow on this
+machine (``_demo_report.ideal_speedup``).
+
+- **baseline**: N job processes, each with its own ``DataLoader(num_workers=--workers)``.
+- **shared**: one producer process runs that DataLoader once
+  (``TensorProducer(loader, min_consumers=N)``, with the N jobs' workers together, at most
+  the machine's cores), and N job processes iterate ``TensorConsumer(name=...)``.
+
+Both loaders' workers keep a padded heap (the producer's ``worker_heap_pad`` default, and
+the same pad for the baseline's), so what differs is sharing alone. Each job checks by id
+that it trained on every sample exactly once per epoch. The children are this script
+again (``--role``, ``_demo_roles.py``), started through tools.harness; they report with
+one JSON object per stdout line after ``MARK``. On a terminal a live panel shows the
+shared ring (``_demo_panel.py``). Every wait has a deadline (--timeout): on any failure
+every child is stopped, nothing is left in /dev/shm or the runtime directory, and the
+error is one line (with --debug: the children's output too).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
+import json
 import math
 import os
 import queue
+import resource
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -34,24 +48,23 @@ from pathlib import Path
 from typing import Any, TextIO
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # _demo_model, _demo_panel (python examples/demo.py has it)
+sys.path.insert(0, str(HERE))  # _demo_roles, _demo_report, _demo_panel
 sys.path.append(str(HERE.parent))  # tools/: this checkout's, not installed
 
+import _demo_report as report  # noqa: E402
+import _demo_roles as roles  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from _demo_model import (  # noqa: E402
-    BATCH_SIZE, SEED, RandomCropFlipNormalize, SyntheticImages, TimedLoader, TinyCNN,
-)
+import workload  # noqa: E402  (benchmarks/, put on sys.path by _demo_roles)
 from _demo_panel import LivePanel  # noqa: E402
 
 from tensorsocket.cli.clean import remove_leftovers  # noqa: E402
 from tools import harness  # noqa: E402
 
 PROG = "demo.py"
-MARK = "@tensorsocket-demo "
-CHILD_TIMEOUT = 30.0  # library timeouts inside the children (handshake, batch, publish, join)
+MARK = roles.MARK
+CHILD_TIMEOUT = 60.0  # library timeouts inside the children (handshake, batch, publish, join)
 KILL_GRACE = 3.0  # seconds between SIGTERM and SIGKILL when stopping children
-LEARNING_RATES = (0.02, 0.05, 0.1, 0.01)  # consumer k (from 1) uses LEARNING_RATES[(k - 1) % 4]
+BATCH_SIZE = 32
 
 
 class _Terminated(BaseException):
@@ -74,76 +87,6 @@ class DemoError(Exception):
 # -- children ----------------------------------------------------------------------------
 
 
-def _emit(event: str, **fields: Any) -> None:
-    """Send one event to the parent: a marked JSON line on stdout."""
-    harness.emit({"event": event, **fields}, marker=MARK)
-
-
-def _run_producer(name: str, consumers: int, epochs: int, images: int) -> None:
-    """Producer role: run the loader `epochs` times through a TensorProducer."""
-    from tensorsocket import TensorProducer
-
-    torch.manual_seed(SEED)
-    dataset = SyntheticImages(images, transform=RandomCropFlipNormalize())
-    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True,
-                                         num_workers=0,
-                                         generator=torch.Generator().manual_seed(SEED))
-    timed = TimedLoader(loader)
-    producer = TensorProducer(timed, name=name, min_consumers=consumers,
-                              start_timeout=CHILD_TIMEOUT, publish_timeout=CHILD_TIMEOUT)
-    try:
-        _emit("listening", batches_per_epoch=len(timed))
-        for epoch in range(epochs):
-            cpu_before, batches = timed.cpu_seconds, 0
-            for _ in producer:
-                batches += 1
-            _emit("epoch", epoch=epoch + 1, batches=batches,
-                  loader_cpu_s=timed.cpu_seconds - cpu_before)
-        stats = producer.stats()
-        if not producer.join(timeout=CHILD_TIMEOUT):
-            raise TimeoutError(f"the consumers did not read every batch within {CHILD_TIMEOUT} s")
-    finally:
-        producer.close()
-    _emit("result", batches=stats["batches"], bytes_copied=stats["bytes_copied"],
-          loader_cpu_s=timed.cpu_seconds, wait_s=stats["wait_seconds"])
-
-
-def _run_consumer(name: str, rank: int, epochs: int) -> None:
-    """Consumer role: train a TinyCNN with SGD on the producer's batches for `epochs` epochs."""
-    from tensorsocket import TensorConsumer
-
-    torch.manual_seed(SEED + rank)
-    model = TinyCNN()
-    lr = LEARNING_RATES[(rank - 1) % len(LEARNING_RATES)]
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    consumer = TensorConsumer(name=name, timeout=CHILD_TIMEOUT, batch_timeout=CHILD_TIMEOUT)
-    try:
-        _emit("attached", batches_per_epoch=len(consumer), lr=lr)
-        batches = samples = 0
-        first: float | None = None
-        epoch_loss = float("nan")
-        for epoch in range(epochs):
-            total, count = 0.0, 0
-            for images, labels in consumer:
-                if first is None:
-                    first = time.perf_counter()
-                loss = F.cross_entropy(model(images), labels)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                total += loss.item() * len(labels)
-                count += len(labels)
-                batches += 1
-            samples += count
-            epoch_loss = total / count if count else float("nan")
-            _emit("epoch", epoch=epoch + 1, mean_loss=epoch_loss)
-        seconds = time.perf_counter() - first if first is not None else 0.0
-    finally:
-        consumer.close()
-    _emit("result", batches=batches, samples=samples, seconds=seconds, lr=lr,
-          samples_per_s=samples / seconds if seconds > 0 else 0.0, final_loss=epoch_loss)
-
-
 def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux for SIGTERM when the parent dies; exit now if it already has."""
     try:
@@ -164,7 +107,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def child_main(args: argparse.Namespace) -> int:
-    """A child: ``demo.py --role producer|consumer ...`` (started by the parent)."""
+    """A child: ``demo.py --role job|producer|consumer ...`` (started by the parent)."""
     # The parent handles Ctrl-C and stops us with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -172,13 +115,10 @@ def child_main(args: argparse.Namespace) -> int:
         _die_with_parent(args.parent_pid)
     torch.set_num_threads(1)
     try:
-        if args.role == "producer":
-            _run_producer(args.name, args.consumers, args.epochs, args.images)
-        else:
-            _run_consumer(args.name, args.rank, args.epochs)
+        roles.ROLES[args.role](args)
     except Exception as e:
         traceback.print_exc()
-        _emit("error", message=f"{type(e).__name__}: {e}")
+        roles.emit("error", message=f"{type(e).__name__}: {e}")
         return 1
     return 0
 
@@ -194,15 +134,16 @@ class _Child:
     proc: harness.ChildProcess
     rank: int = 0  # 0 for the producer
     result: dict | None = None
+    ready: bool = False
     closed: bool = False  # its stdout reached EOF
     exited: bool = False
 
 
 def _spawn(label: str, rank: int, args: list[str], env: dict[str, str],
            events: "queue.Queue[tuple[_Child, dict]]") -> _Child:
-    """Start one child; its events go to `events`."""
+    """Start one child; its events go to `events`; its stdin is a pipe (the start signal)."""
     proc = harness.spawn(harness.python_argv(__file__, *args), env=env, label=label,
-                         text=True, bufsize=1)
+                         text=True, bufsize=1, stdin=subprocess.PIPE)
     child = _Child(label, proc, rank)
     proc.follow(events, marker=MARK, tag=child)
     return child
@@ -227,42 +168,44 @@ def _child_output(children: list[_Child]) -> str:
     return "\n".join(parts)
 
 
-class _Demo:
-    """The parent's side of one demo run: the children, their events, the results."""
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's reaped children and theirs (whole process trees)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
-    def __init__(self, consumers: int, epochs: int, images: int, timeout: float,
-                 out: TextIO, live: bool | None = None) -> None:
-        self.consumers = consumers
-        self.epochs = epochs
-        self.images = images
-        self.timeout = timeout
-        self.out = out
-        self.name = f"demo-{os.getpid()}"
-        self.started = time.monotonic()
+
+@dataclass
+class Settings:
+    """What the user asked for."""
+
+    jobs: int = 3
+    epochs: int = 2
+    images: int = 512
+    workers: int = 1  # DataLoader workers per baseline job
+    timeout: float = 300.0
+
+    @property
+    def producer_workers(self) -> int:
+        """The shared loader's workers: the jobs' together, at most the usable cores."""
+        return max(1, min(self.jobs * self.workers, len(os.sched_getaffinity(0))))
+
+
+class _Run:
+    """One run of the jobs, "baseline" (a DataLoader each) or "shared": its children,
+    their events, their results."""
+
+    def __init__(self, demo: "_Demo", mode: str) -> None:
+        self.demo = demo
+        self.mode = mode
         self.events: "queue.Queue[tuple[_Child, dict]]" = queue.Queue()
         self.children: list[_Child] = []
-        self.producer_result: dict | None = None
-        self.consumer_results: dict[int, dict] = {}
-        if live is None:
-            live = out.isatty() and os.environ.get("TERM", "dumb") != "dumb"
-        self.panel = LivePanel(self.name, math.ceil(images / BATCH_SIZE), epochs, out) \
-            if live else None
+        self.jobs: dict[int, dict] = {}
+        self.producer: dict | None = None
+        self.panel: LivePanel | None = None
 
-    def say(self, label: str, text: str) -> None:
-        """Print one progress line (above the live panel)."""
-        if self.panel is not None:
-            self.panel.clear()
-        print(f"[{time.monotonic() - self.started:5.1f}s] {label:<11} {text}", file=self.out,
-              flush=True)
-        if self.panel is not None:
-            self.panel.draw()
-
-    def run(self) -> dict:
-        """Start the children, follow them to the end, print the summary."""
-        batches = math.ceil(self.images / BATCH_SIZE)
-        print(f"tensorsocket demo: 1 producer + {self.consumers} consumer(s), {self.images} "
-              f"images ({batches} batches of {BATCH_SIZE}), {self.epochs} epoch(s), "
-              f"producer name {self.name!r}", file=self.out, flush=True)
+    def execute(self) -> dict:
+        """Run the children to the end; the run's figures (report.measure_run)."""
+        cpu0, t0 = _children_cpu_s(), time.monotonic()
         try:
             self.start()
             self.follow()
@@ -274,37 +217,59 @@ class _Demo:
             if self.panel is not None:
                 self.panel.clear()
             _stop_children(self.children)
-            remove_leftovers(self.name)
-        return self.summary()
+            if self.mode == "shared":
+                remove_leftovers(self.demo.name)
+        figures = report.measure_run([self.jobs[k] for k in sorted(self.jobs)], self.producer,
+                                     time.monotonic() - t0, _children_cpu_s() - cpu0)
+        if not figures["every_sample_once"]:
+            found = [(rank, e + 1, c["missing"], c["repeated"])
+                     for rank, j in sorted(self.jobs.items()) for e, c in enumerate(j["epochs"])
+                     if c["missing"] or c["repeated"]]
+            raise DemoError(f"{self.mode} run: not every sample exactly once per epoch "
+                            "(job, epoch, missing, repeated): " + str(found))
+        figures["jobs"] = [self.jobs[k] for k in sorted(self.jobs)]
+        if self.producer is not None:
+            figures["producer"] = self.producer
+        self.demo.say(self.mode, f"done: {figures['samples']} samples in "
+                                 f"{figures['train_s']:.1f} s ({figures['samples_per_s']:.0f} "
+                                 f"samples/s), {figures['train_cpu_s']:.1f} CPU seconds")
+        return figures
 
     def start(self) -> None:
-        """Start the producer and the consumers."""
+        """Start the producer (shared run) and the jobs."""
+        cfg, demo = self.demo.settings, self.demo
         env = harness.child_env(threads=1)  # this tree's tensorsocket; one thread each
-        common = ["--name", self.name, "--epochs", str(self.epochs),
-                  "--parent-pid", str(os.getpid())]
+        common = ["--epochs", str(cfg.epochs), "--images-dir", demo.images_dir,
+                  "--images", str(cfg.images), "--batch", str(BATCH_SIZE),
+                  "--parent-pid", str(os.getpid()), "--child-timeout", str(CHILD_TIMEOUT)]
         try:
-            self.children.append(_spawn("producer", 0, [
-                "--role", "producer", *common, "--consumers", str(self.consumers),
-                "--images", str(self.images)], env, self.events))
-            for rank in range(1, self.consumers + 1):
-                self.children.append(_spawn(f"consumer {rank}", rank, [
-                    "--role", "consumer", *common, "--rank", str(rank)], env, self.events))
+            if self.mode == "shared":
+                self.children.append(_spawn("producer", 0, [
+                    "--role", "producer", *common, "--name", demo.name, "--jobs",
+                    str(cfg.jobs), "--workers", str(cfg.producer_workers)], env, self.events))
+            role = ["--role", "job", "--workers", str(cfg.workers)] if self.mode == "baseline" \
+                else ["--role", "consumer", "--name", demo.name]
+            for rank in range(1, cfg.jobs + 1):
+                self.children.append(_spawn(f"job {rank}", rank, [
+                    *role, *common, "--rank", str(rank)], env, self.events))
         except OSError as e:
             raise DemoError(f"cannot start a child process: {e}",
                             f"check that {sys.executable} can run") from e
-        for child in self.children:
-            self.say(child.label, f"started (pid {child.proc.pid})")
+        if self.mode == "shared" and demo.live:
+            self.panel = LivePanel(demo.name, math.ceil(cfg.images / BATCH_SIZE), cfg.epochs,
+                                   demo.out)
+            demo.panel = self.panel
 
     def follow(self) -> None:
         """Report the children's events until all have exited; DemoError on any failure."""
-        deadline = self.started + self.timeout
+        demo = self.demo
         while not all(child.exited for child in self.children):
-            remaining = deadline - time.monotonic()
+            remaining = demo.deadline - time.monotonic()
             if remaining <= 0:
                 running = ", ".join(c.label for c in self.children if not c.exited)
                 raise DemoError(
-                    f"the demo did not finish within {self.timeout:g} s "
-                    f"(still running: {running})",
+                    f"the demo did not finish within {demo.settings.timeout:g} s "
+                    f"(--timeout; still running in the {self.mode} run: {running})",
                     "the machine may be busy: try fewer --images or --epochs, or a larger "
                     "--timeout")
             closing = [c for c in self.children if c.closed and not c.exited]
@@ -323,37 +288,58 @@ class _Demo:
         """Each child's label by pid (for the live panel)."""
         return {c.proc.pid: c.label for c in self.children}
 
+    def _start_jobs(self) -> None:
+        """Every baseline job is ready: let them all start at once."""
+        for c in self.children:
+            try:
+                c.proc.stdin.write("go\n")
+                c.proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # it died meanwhile: check_exit says so
+
     def report(self, child: _Child, event: dict) -> None:
         """Print one child's event; DemoError if it reports a failure."""
-        kind = event.get("event")
-        if kind == "listening":
-            self.say(child.label, f"ready, {event['batches_per_epoch']} batches per epoch; "
-                                  f"waiting for {self.consumers} consumer(s)")
-        elif kind == "attached":
-            self.say(child.label, f"attached, training with lr {event['lr']:g}")
-        elif kind == "epoch" and child.rank == 0:
-            self.say(child.label, f"epoch {event['epoch']}/{self.epochs} published: "
-                                  f"{event['batches']} batches, "
-                                  f"loader CPU {event['loader_cpu_s']:.2f} s")
-        elif kind == "epoch":
-            self.say(child.label, f"epoch {event['epoch']}/{self.epochs} done, "
-                                  f"mean loss {event['mean_loss']:.4f}")
-        elif kind == "result":
-            child.result = event
+        kind, say = event.get("event"), self.demo.say
+        if kind == "ready":
+            child.ready = True
             if child.rank == 0:
-                self.producer_result = event
-                self.say(child.label, f"finished: {event['batches']} batches published")
+                say(child.label, f"ready, {event['batches_per_epoch']} batches per epoch, "
+                                 f"{self.demo.settings.producer_workers} loader worker(s); "
+                                 f"waiting for {self.demo.settings.jobs} jobs")
             else:
-                self.consumer_results[child.rank] = event
-                if self.panel is not None:
-                    self.panel.finished(child.proc.pid, event["batches"], self._labels())
-                self.say(child.label, f"finished: {event['batches']} batches, "
-                                      f"{event['samples_per_s']:.0f} samples/s, "
-                                      f"final loss {event['final_loss']:.4f}")
+                how = "its own DataLoader" if self.mode == "baseline" else "the shared loader"
+                say(child.label, f"ready: {how}, lr {event['lr']:g}")
+            if self.mode == "baseline" and all(c.ready for c in self.children):
+                self._start_jobs()
+        elif kind == "epoch" and child.rank == 0:
+            say(child.label, f"epoch {event['epoch']}/{self.demo.settings.epochs} published: "
+                             f"{event['batches']} batches")
+        elif kind == "epoch":
+            ok = "every sample once" if not event["missing"] and not event["repeated"] else \
+                f"{event['missing']} samples missing, {event['repeated']} repeated"
+            say(child.label, f"epoch {event['epoch']}/{self.demo.settings.epochs} done, "
+                             f"mean loss {event['mean_loss']:.4f}, {ok}")
+        elif kind == "result":
+            self._result(child, event)
         elif kind == "error":
-            raise DemoError(f"{child.label} failed: {event.get('message', '?')}")
+            raise DemoError(f"{child.label} of the {self.mode} run failed: "
+                            f"{event.get('message', '?')}")
         elif kind == "eof":
             child.closed = True
+
+    def _result(self, child: _Child, event: dict) -> None:
+        """Keep a child's final report."""
+        child.result = event
+        if child.rank == 0:
+            self.producer = event
+            self.demo.say(child.label, f"finished: {event['batches']} batches published once")
+            return
+        self.jobs[child.rank] = event
+        if self.panel is not None:
+            batches = math.ceil(event["samples"] / BATCH_SIZE)
+            self.panel.finished(child.proc.pid, batches, self._labels())
+        self.demo.say(child.label, f"finished: {event['samples']} samples, final loss "
+                                   f"{event['final_loss']:.4f}")
 
     def check_exit(self, child: _Child) -> None:
         """Note a child that has exited; DemoError if it failed or reported no result."""
@@ -363,43 +349,102 @@ class _Demo:
         child.exited = True
         if code != 0 or child.result is None:
             why = f"exit code {code}" if code >= 0 else f"signal {-code}"
-            raise DemoError(f"{child.label} (pid {child.proc.pid}) ended with {why} "
-                            "without reporting a result")
-
-    def summary(self) -> dict:
-        """Print the summary and return it."""
-        producer = self.producer_result
-        assert producer is not None
-        wall = time.monotonic() - self.started
-        loader_cpu = producer["loader_cpu_s"]
-        saved = (self.consumers - 1) * loader_cpu
-        out = self.out
-        print("\nSummary", file=out)
-        for rank, result in sorted(self.consumer_results.items()):
-            label = f"consumer {rank}"
-            print(f"  {label:<11} lr {result['lr']:<5g} {result['samples']:6d} samples  "
-                  f"{result['samples_per_s']:7.0f} samples/s  "
-                  f"final loss {result['final_loss']:.4f}", file=out)
-        print(f"  producer    {producer['batches']} batches published once "
-              f"({producer['bytes_copied'] / 2**20:.0f} MiB into shared memory), "
-              f"read by {self.consumers} consumer(s)", file=out)
-        print(f"  loader CPU time for {self.epochs} epoch(s): {loader_cpu:.2f} s "
-              f"({loader_cpu / self.epochs:.2f} s per epoch)", file=out)
-        print(f"  CPU time saved by sharing: ({self.consumers} - 1) x {loader_cpu:.2f} s = "
-              f"{saved:.2f} s (what {self.consumers} separate DataLoaders would have cost "
-              "extra)", file=out)
-        print(f"  wall time {wall:.1f} s", file=out, flush=True)
-        return {"name": self.name, "consumers": self.consumer_results, "producer": producer,
-                "loader_cpu_s": loader_cpu, "cpu_saved_s": saved, "wall_s": wall}
+            raise DemoError(f"{child.label} of the {self.mode} run (pid {child.proc.pid}) "
+                            f"ended with {why} without reporting a result")
 
 
-def run(consumers: int = 3, epochs: int = 2, images: int = 1024, timeout: float = 120.0,
-        out: TextIO | None = None, live: bool | None = None) -> dict:
-    """Run the demo, printing progress and a summary to `out`; DemoError on any failure.
+class _Demo:
+    """The parent: the images, the costs per batch, the two runs, the comparison."""
 
-    live: redraw a status panel (ring, consumer progress) under the log; default: when
-    `out` is a terminal."""
-    return _Demo(consumers, epochs, images, timeout, out or sys.stdout, live).run()
+    def __init__(self, settings: Settings, out: TextIO, live: bool | None = None) -> None:
+        self.settings = settings
+        self.out = out
+        self.name = f"demo-{os.getpid()}"
+        self.started = time.monotonic()
+        self.deadline = math.inf  # set when the runs start (--timeout is for them)
+        self.images_dir = ""
+        if live is None:
+            live = out.isatty() and os.environ.get("TERM", "dumb") != "dumb"
+        self.live = live
+        self.panel: LivePanel | None = None  # the shared run's, while it runs
+
+    def say(self, label: str, text: str) -> None:
+        """Print one progress line (above the live panel)."""
+        if self.panel is not None:
+            self.panel.clear()
+        print(f"[{time.monotonic() - self.started:5.1f}s] {label:<9} {text}", file=self.out,
+              flush=True)
+        if self.panel is not None:
+            self.panel.draw()
+
+    def run(self) -> dict:
+        """Both runs and the comparison; the whole result (also what --json writes)."""
+        cfg = self.settings
+        print(f"tensorsocket demo: {cfg.jobs} training jobs, {cfg.epochs} epoch(s) of "
+              f"{cfg.images} JPEGs ({workload.IMAGE_SIZE} px, decoded and augmented on the "
+              f"CPU), batches of {BATCH_SIZE}; producer name {self.name!r}", file=self.out,
+              flush=True)
+        self.images_dir = str(workload.ensure_images(
+            cfg.images, workload.IMAGE_SIZE, progress=lambda text: self.say("images", text),
+            processes=len(os.sched_getaffinity(0))))
+        costs = self.calibrate()
+        self.deadline = time.monotonic() + cfg.timeout
+        runs = {}
+        for mode in report.MODES:
+            self.say(mode, f"starting: {cfg.jobs} jobs, "
+                     + (f"each with its own DataLoader ({cfg.workers} worker(s))"
+                        if mode == "baseline" else
+                        f"one shared loader ({cfg.producer_workers} worker(s))"))
+            runs[mode] = _Run(self, mode).execute()
+            self.panel = None
+        ideal = report.ideal_speedup(costs["loader_s"], costs["train_s"], cfg.jobs,
+                                     len(os.sched_getaffinity(0)), cfg.workers,
+                                     cfg.producer_workers)
+        report.table(runs, ideal, cfg.jobs, cfg.epochs, self.out)
+        print(f"  ({_machine_line()}; total {time.monotonic() - self.started:.0f} s)",
+              file=self.out, flush=True)
+        return {"settings": vars(cfg) | {"producer_workers": cfg.producer_workers,
+                                         "batch_size": BATCH_SIZE,
+                                         "image_size": workload.IMAGE_SIZE},
+                "name": self.name, "costs": costs, "ideal_speedup": ideal, "runs": runs,
+                "machine": harness.machine_info(), "commit": _commit(),
+                "total_s": time.monotonic() - self.started}
+
+    def calibrate(self) -> dict:
+        """The loader's and a training step's CPU seconds per batch, one thread each."""
+        c = workload.calibrate(self.images_dir, BATCH_SIZE, batches=3)
+        costs = {"loader_s": c["loader_ms_per_batch"] / 1e3,
+                 "train_s": c["train_ms_per_batch"] / 1e3}
+        self.say("costs", f"per batch of {BATCH_SIZE}, one thread: loading "
+                          f"{c['loader_ms_per_batch']:.0f} ms, a training step "
+                          f"{c['train_ms_per_batch']:.0f} ms")
+        return costs
+
+
+def _commit() -> str | None:
+    """This checkout's commit, if it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _machine_line() -> str:
+    """Where this ran, in one line."""
+    m = harness.machine_info()
+    commit = _commit()
+    return (f"{m['cpus_usable']} cores ({m['cpu_model']}), torch {m['torch']}"
+            + (f", commit {commit}" if commit else ""))
+
+
+def run(settings: Settings | None = None, out: TextIO | None = None,
+        live: bool | None = None) -> dict:
+    """Run the demo, printing progress and the comparison to `out`; DemoError on any
+    failure. live: redraw a status panel under the log during the shared run; default:
+    when `out` is a terminal."""
+    return _Demo(settings or Settings(), out or sys.stdout, live).run()
 
 
 def _positive(kind: type):
@@ -437,34 +482,69 @@ def _check_environment() -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog=PROG, description="Start one producer process that runs a DataLoader with a CPU "
-        "transform over synthetic images, and N consumer processes that each train a tiny CNN "
-        "on the shared batches; print their throughput and the CPU time that sharing the "
-        "loader saved.")
-    ap.add_argument("--consumers", type=_positive(int), default=3, metavar="N",
-                    help="consumer processes (default: 3)")
+        prog=PROG, description="Run N training jobs twice, first each with its own "
+        "DataLoader, then through one loader shared with tensorsocket, over a loader-bound "
+        "workload (JPEG decoding and augmentation), and compare the two runs: wall time, "
+        "samples/s, CPU seconds, and the best speedup the measured costs allow.")
+    ap.add_argument("--jobs", "--consumers", dest="jobs", type=_positive(int), default=3,
+                    metavar="N", help="training jobs in each run (default: 3)")
     ap.add_argument("--epochs", type=_positive(int), default=2, metavar="N",
-                    help="epochs to run (default: 2)")
-    ap.add_argument("--images", type=_positive(int), default=1024, metavar="N",
-                    help="synthetic images in the dataset (default: 1024)")
-    ap.add_argument("--timeout", type=_positive(float), default=120.0, metavar="SECONDS",
-                    help="stop every process and fail after this long (default: 120)")
+                    help="epochs each job trains (default: 2)")
+    ap.add_argument("--images", type=_positive(int), default=512, metavar="N",
+                    help="JPEGs in the dataset, generated once (default: 512)")
+    ap.add_argument("--workers", type=_positive(int), default=1, metavar="N",
+                    help="DataLoader workers of each baseline job; the shared loader gets "
+                    "the jobs' together, at most the cores (default: 1)")
+    ap.add_argument("--plot", metavar="PNG", help="also draw the comparison into this file "
+                    "(needs matplotlib)")
+    ap.add_argument("--json", metavar="PATH", help="also write every figure to this file")
+    ap.add_argument("--timeout", type=_positive(float), default=300.0, metavar="SECONDS",
+                    help="stop every process and fail when the two runs take longer "
+                    "than this (default: 300)")
     ap.add_argument("--no-live", action="store_true",
                     help="no live status panel under the log (default: shown on a terminal)")
     ap.add_argument("--debug", action="store_true",
                     help="show tracebacks and the output of the child processes on errors")
     # The children: this script again, started by the parent.
-    ap.add_argument("--role", choices=["producer", "consumer"], help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=sorted(roles.ROLES), help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--images-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=BATCH_SIZE, help=argparse.SUPPRESS)
+    ap.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT,
+                    help=argparse.SUPPRESS)
     ap.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.role is not None:
+        return args
     from tensorsocket import _core
 
-    if args.role is None and args.consumers > _core.MAX_CONSUMERS:
-        ap.error(f"--consumers {args.consumers} is more than a ring supports "
+    if args.jobs > _core.MAX_CONSUMERS:
+        ap.error(f"--jobs {args.jobs} is more than a ring supports "
                  f"(at most {_core.MAX_CONSUMERS})")
+    if args.plot is not None and not _have_matplotlib():
+        ap.error(f"--plot {args.plot} needs matplotlib, which is not installed here: "
+                 "`pip install matplotlib`, or leave --plot out (the table says the same)")
     return args
+
+
+def _have_matplotlib() -> bool:
+    """matplotlib imports."""
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return False
+    return True
+
+
+def _write_outputs(args: argparse.Namespace, result: dict) -> None:
+    """--json and --plot."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"  figures written to {args.json}")
+    if args.plot:
+        report.plot(result["runs"], result["ideal_speedup"], args.plot)
+        print(f"  comparison drawn into {args.plot}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -474,8 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         _check_environment()
-        run(consumers=args.consumers, epochs=args.epochs, images=args.images,
-            timeout=args.timeout, live=False if args.no_live else None)
+        settings = Settings(jobs=args.jobs, epochs=args.epochs, images=args.images,
+                            workers=args.workers, timeout=args.timeout)
+        result = run(settings, live=False if args.no_live else None)
+        _write_outputs(args, result)
         return 0
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import io
+import json
 import os
 import re
 import signal
@@ -275,28 +276,90 @@ def _runtime_leftovers(runner: Runner, name: str) -> list[str]:
     return sorted(p.name for p in runtime.glob(name + ".*")) if runtime.is_dir() else []
 
 
-def test_demo_runs_and_leaves_nothing(runner):
-    """The demo of the README's Quickstart as a user runs it: consumers train, the summary
-    says what sharing saved, exit 0, nothing left in /dev/shm (the fixture) or the runtime
-    directory."""
-    out = runner.run("demo.py", "--consumers", "2", "--epochs", "1", "--images", "256",
-                     "--no-live", timeout=180)
-    assert "consumer 1  finished" in out and "consumer 2  finished" in out, out
-    assert "CPU time saved by sharing: (2 - 1) x" in out, out
+def test_demo_runs_both_and_every_job_gets_every_sample(runner, tmp_path):
+    """The demo of the README's Quickstart in a short mode: a baseline run (a DataLoader
+    per job) and a shared run both happen; in each, every job trained on every sample
+    exactly once per epoch (its ids as it trained on them); the shared jobs saw one
+    stream (the same ids in the same order), the producer published each batch once; the
+    comparison is printed; exit 0 and nothing left in /dev/shm (the fixture) or the
+    runtime directory."""
+    figures = tmp_path / "demo.json"
+    out = runner.run("demo.py", "--jobs", "2", "--epochs", "2", "--images", "64",
+                     "--no-live", "--json", str(figures), timeout=240)
+    doc = json.loads(figures.read_text())
+    for mode in ("baseline", "shared"):
+        jobs = doc["runs"][mode]["jobs"]
+        assert sorted(j["rank"] for j in jobs) == [1, 2], jobs
+        for job in jobs:
+            assert job["samples"] == 2 * 64
+            assert [sorted(e["ids"]) for e in job["epochs"]] == [list(range(64))] * 2, mode
+    shared = doc["runs"]["shared"]
+    assert shared["jobs"][0]["epochs"] == shared["jobs"][1]["epochs"]
+    assert shared["producer"]["batches"] == 2 * 2  # 64 samples in batches of 32, 2 epochs
+    assert "producer" not in doc["runs"]["baseline"]
+    for row in ("a DataLoader each", "one shared loader", "samples/s, all jobs",
+                "CPU seconds while training", "every sample once per epoch (2 jobs x 2)"):
+        assert row in out, out
+    ratio = doc["runs"]["shared"]["samples_per_s"] / doc["runs"]["baseline"]["samples_per_s"]
+    assert f"trained the 2 jobs {ratio:.2f}x as fast" in out, out
     demo_name = re.search(r"producer name '(demo-\d+)'", out).group(1)
     assert _runtime_leftovers(runner, demo_name) == []
 
 
 def test_demo_failure_is_one_line_and_cleans_up(runner):
-    """A demo that cannot finish in --timeout: one error line and a hint, no traceback,
-    exit 1, every child stopped (the fixture) and nothing left behind."""
-    code, out = runner.fail("demo.py", "--consumers", "2", "--timeout", "1", timeout=120)
+    """A demo whose runs cannot finish in --timeout: one error line and a hint, no
+    traceback, exit 1, every child stopped (the fixture) and nothing left behind."""
+    code, out = runner.fail("demo.py", "--jobs", "2", "--images", "64", "--timeout", "1",
+                            timeout=120)
     assert code == 1, out
     errors = [line for line in out.splitlines() if line.startswith(("demo.py: error", "hint"))]
     assert errors[0].startswith("demo.py: error: the demo did not finish within 1 s"), out
     assert errors[1].startswith("hint: ") and "Traceback" not in out, out
     demo_name = re.search(r"producer name '(demo-\d+)'", out).group(1)
     assert _runtime_leftovers(runner, demo_name) == []
+
+
+def test_demo_plot_without_matplotlib_says_so_first(runner, tmp_path):
+    """--plot where matplotlib does not import: a usage error naming the option, the
+    package and the way out, exit 2, before anything runs."""
+    blocker = tmp_path / "blocker" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    runner.env["PYTHONPATH"] = os.pathsep.join(
+        [str(blocker.parent)] + [p for p in [runner.env.get("PYTHONPATH")] if p])
+    code, out = runner.fail("demo.py", "--plot", str(tmp_path / "out.png"), timeout=60)
+    assert code == 2, out
+    assert "--plot" in out and "needs matplotlib" in out and "pip install matplotlib" in out
+    assert "tensorsocket demo" not in out and not (tmp_path / "out.png").exists()
+
+
+def test_demo_plot_draws_both_runs(tmp_path):
+    """The comparison drawn from a run's figures (where matplotlib is installed)."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import _demo_report
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    runs = {m: {"samples_per_s": r, "train_cpu_s": c}
+            for m, r, c in (("baseline", 100.0, 30.0), ("shared", 230.0, 12.0))}
+    _demo_report.plot(runs, 2.4, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_ideal_speedup_follows_the_bottleneck():
+    """The best ratio the demo prints: N (L + T) / (L + N T) when every core is busy, the
+    loader's workers' limit where cores are many."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from _demo_report import ideal_speedup
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    L, T = 0.13, 0.015
+    assert ideal_speedup(L, T, 3, 2, 1, 2) == pytest.approx(3 * (L + T) / (L + 3 * T))
+    # 64 cores: each baseline job runs at its one worker's pace (1/L), the shared loader's
+    # 3 workers make batches 3 times as fast, each consumer takes all of them.
+    assert ideal_speedup(L, T, 3, 64, 1, 3) == pytest.approx(3.0)
 
 
 def test_demo_checks_the_environment_first(runner, tmp_path):
