@@ -48,6 +48,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 HERE = Path(__file__).resolve().parent
+try:  # before the workload's import needs it
+    importlib.import_module("PIL.Image")
+except ImportError:
+    sys.exit("demo.py: error: the demo decodes JPEGs with Pillow, which is not installed\n"
+             "hint: pip install -e '.[demo]' (or pip install pillow)")
 sys.path.insert(0, str(HERE))  # _demo_roles, _demo_report, _demo_panel
 sys.path.append(str(HERE.parent))  # tools/: this checkout's, not installed
 

@@ -319,18 +319,33 @@ def test_demo_failure_is_one_line_and_cleans_up(runner):
     assert _runtime_leftovers(runner, demo_name) == []
 
 
+def _block_import(runner, tmp_path: Path, package: str) -> None:
+    """Make `package` fail to import in the runner's children."""
+    blocker = tmp_path / f"block-{package}" / package
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(f"raise ImportError('no {package} here')\n")
+    runner.env["PYTHONPATH"] = os.pathsep.join(
+        [str(blocker.parent)] + [p for p in [runner.env.get("PYTHONPATH")] if p])
+
+
 def test_demo_plot_without_matplotlib_says_so_first(runner, tmp_path):
     """--plot where matplotlib does not import: a usage error naming the option, the
     package and the way out, exit 2, before anything runs."""
-    blocker = tmp_path / "blocker" / "matplotlib"
-    blocker.mkdir(parents=True)
-    (blocker / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
-    runner.env["PYTHONPATH"] = os.pathsep.join(
-        [str(blocker.parent)] + [p for p in [runner.env.get("PYTHONPATH")] if p])
+    _block_import(runner, tmp_path, "matplotlib")
     code, out = runner.fail("demo.py", "--plot", str(tmp_path / "out.png"), timeout=60)
     assert code == 2, out
     assert "--plot" in out and "needs matplotlib" in out and "pip install matplotlib" in out
     assert "tensorsocket demo" not in out and not (tmp_path / "out.png").exists()
+
+
+def test_demo_without_pillow_says_what_to_install(runner, tmp_path):
+    """The demo decodes JPEGs: without Pillow, one error line and the install command."""
+    _block_import(runner, tmp_path, "PIL")
+    code, out = runner.fail("demo.py", timeout=60)
+    assert code == 1 and "Traceback" not in out, out
+    assert out.splitlines() == [
+        "demo.py: error: the demo decodes JPEGs with Pillow, which is not installed",
+        "hint: pip install -e '.[demo]' (or pip install pillow)"], out
 
 
 def test_demo_plot_draws_both_runs(tmp_path):
