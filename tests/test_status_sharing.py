@@ -253,3 +253,23 @@ def test_sharing_lines_wrap_at_80_columns():
            "the others wait 75%" in text, text
     assert "loading CPU saved so far: 244444.4 s (loader 122222.2 s for 1234567 batches, " \
            "delivered 3703701 times; publishing cost 1234.5 s)" in text, text
+
+
+def test_a_segment_of_an_older_layout_is_unreadable(name):
+    """A segment of another ring layout (an older tensorsocket: no delivery counters) is
+    shown as unreadable with the layouts named, never read with this build's offsets."""
+    from tensorsocket import _core
+
+    segment = f"tensorsocket-{os.getuid()}-{name}-{os.getpid()}"
+    ring = _core.Ring.create("/" + segment, 2, 4096, 1)
+    try:
+        with open(f"/dev/shm/{segment}", "r+b") as f:  # layout_version follows the magic
+            f.seek(8)
+            f.write((_core.LAYOUT_VERSION - 1).to_bytes(4, "little"))
+        (p,) = survey(0, name)
+        assert p.state == "unreadable" and p.batches_delivered is None
+        assert f"has ring layout {_core.LAYOUT_VERSION - 1}, this build reads layout " \
+               f"{_core.LAYOUT_VERSION}" in p.error, p.error
+    finally:
+        ring.close()
+        _core.Ring.unlink_name("/" + segment)

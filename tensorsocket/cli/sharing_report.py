@@ -114,11 +114,16 @@ def bottleneck_text(b: Bottleneck | None) -> str:
             f"{_pct(b.consumers_waiting or 0.0)})")
 
 
+def _seconds(x: float) -> str:
+    """CPU seconds: two decimals below 1 s (publishing costs little), else one."""
+    return f"{x:.2f}" if x < 1 else f"{x:.1f}"
+
+
 def saved_text(saved: float | None, loader_cpu: float | None, publish_cpu: float | None,
                batches_published: int | None, batches_delivered: int | None) -> str:
     """The status line's words for the loading CPU saved so far."""
     if saved is None:
         return "loading CPU saved so far: - (not measured)"
-    return (f"loading CPU saved so far: {saved:.1f} s (loader {loader_cpu or 0.0:.1f} s for "
-            f"{batches_published} batches, delivered {batches_delivered} times; "
-            f"publishing cost {publish_cpu or 0.0:.1f} s)")
+    return (f"loading CPU saved so far: {_seconds(saved)} s (loader "
+            f"{_seconds(loader_cpu or 0.0)} s for {batches_published} batches, delivered "
+            f"{batches_delivered} times; publishing cost {_seconds(publish_cpu or 0.0)} s)")
