@@ -9,8 +9,10 @@ looking never disturbs a producer. Rates come from two readings ``interval`` sec
 apart. Anything else in /dev/shm (where anyone may create files) is passed by.
 
 Ring entries are loader batches plus one end-of-epoch marker per epoch; the
-``batch_rate`` fields leave the markers out. Segments of other users (mode
-0600, so not readable) are listed by ``other_users()`` from their names alone.
+``batch_rate`` fields leave the markers out. What sharing does for a producer (its
+loader's CPU, the loading CPU saved, the bottleneck) is derived in sharing_report.py.
+Segments of other users (mode 0600, so not readable) are listed by ``other_users()`` from
+their names alone.
 """
 
 from __future__ import annotations
@@ -113,7 +115,6 @@ class ProducerStatus:
         "consumer", else None."""
         c = None if self.bottleneck_detail is None else self.bottleneck_detail.consumer
         return None if c is None else {"index": c.index, "pid": c.pid}
-
 
 
 @dataclass
