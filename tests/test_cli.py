@@ -495,7 +495,8 @@ def _status(**fields) -> "object":
                        rate=1001.0, batch_rate=1000.0, slot_count=4096, occupied=4095,
                        slot_bytes=512 * 2**20, batch_bytes=300 * 2**20, device="cuda:7",
                        window=16, max_lag=64, lag_detached=12, publish_wait_fraction=0.42,
-                       cpu_seconds=123456.7, cpu_rate=12.34, consumers=consumers)
+                       cpu_seconds=123456.7, cpu_rate=12.5, loader_cpu_seconds=123400.1,
+                       loader_cpu_rate=12.34, cpu_saved_rate=12.34, consumers=consumers)
     for k, v in fields.items():
         setattr(p, k, v)
     return p
@@ -525,7 +526,8 @@ def test_render_wraps_a_producer_at_80_columns():
     wide = render([p])
     assert len(wide) < len(narrow)
     assert "waiting for slots 42%" in wide[1] and "max_lag 64" in wide[1]
-    assert "loader batches/s" in wide[3] and "entries delivered" in wide[3]
+    table = next(i for i, ln in enumerate(wide) if ln.startswith("  consumer  "))
+    assert "loader batches/s" in wide[table] and "entries delivered" in wide[table]
     assert render([_status(max_lag=None)])[1].count("max_lag -") == 1
 
 

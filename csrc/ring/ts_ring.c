@@ -1256,6 +1256,13 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
     return TS_OK;
 }
 
+/* Add the producer's CPU time spent publishing to the header (see ts_ring.h). */
+void ts_ring_note_publish_cpu(ts_ring *ring, uint64_t ns)
+{
+    /* Relaxed: only the producer adds, status reads the sum alone. */
+    atomic_fetch_add_explicit(&ring->hdr->publish_cpu_ns, ns, memory_order_relaxed);
+}
+
 /* Number of active consumers. */
 static uint32_t ts_active_count(const ts_header *h)
 {
@@ -1656,6 +1663,10 @@ static void ts_acquire_hand_out(ts_ring *ring, ts_consumer *c, uint32_t k, uint6
     out->meta_bytes = s->meta_bytes;
     atomic_fetch_add_explicit(&c->delivered, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&c->delivered_bytes, s->used_bytes, memory_order_relaxed);
+    /* Relaxed: a statistic, read alone by status; nothing else is ordered by it (the entry
+     * was claimed by the cursor's compare-and-swap above, which orders the hand-out). */
+    if (out->kind == TS_ENTRY_BATCH)
+        atomic_fetch_add_explicit(&h->batches_delivered, 1, memory_order_relaxed);
     atomic_store_explicit(&c->progress_ns, ts_now_ns(), memory_order_relaxed);
     /* The producer may be waiting for this consumer to drain. */
     if (atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0 &&
@@ -2151,6 +2162,8 @@ void ts_ring_snapshot(const ts_ring *ring, ts_ring_info *out)
     out->publish_wait_ns = atomic_load_explicit(&h->publish_wait_ns, memory_order_relaxed);
     out->holes = atomic_load_explicit(&h->holes, memory_order_relaxed);
     out->late_releases = atomic_load_explicit(&h->late_releases, memory_order_relaxed);
+    out->publish_cpu_ns = atomic_load_explicit(&h->publish_cpu_ns, memory_order_relaxed);
+    out->batches_delivered = atomic_load_explicit(&h->batches_delivered, memory_order_relaxed);
     out->incarnation = ring->incarnation;
     out->host_writable = ts_ring_host_writable(ring);
     out->private_slots = ts_fault_private_slots(&ring->cow);

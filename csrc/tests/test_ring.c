@@ -1526,6 +1526,7 @@ static void test_holes_all_kept(void)
     CHECK(content_ok(B.ring, 1, 1));
     ts_ring_release(B.ring, 1, B.index, B.ring->incarnation);
     CHECK_EQ(readers_of(fx.prod, 1), 0);
+    CHECK_EQ(h->batches_delivered, 6); /* B 2, A 4: the hole A passed is not a batch */
 out:
     consumer_drop(&A), consumer_drop(&B);
     fx_destroy(&fx);
@@ -1644,6 +1645,46 @@ static int dr_check(const fixture *fx, racer *r)
     CHECK_ST(ts_ring_acquire(c->ring, deadline_ms(1000), &a, &err), TS_E_DETACHED);
     if (reason == TS_REASON_LAGGED) CHECK(strstr(err.msg, "max_lag=4") != NULL);
     return reason == TS_REASON_LAGGED;
+}
+
+
+/* batches_delivered counts batches handed out, once per consumer, not end markers (nor holes,
+ * holes_all_kept), and outlives a consumer's leaving; publish_cpu_ns sums what the producer
+ * notes. The counter has a cache line of its own. */
+static void test_batches_delivered(void)
+{
+    fixture fx = {0};
+    consumer A = {0}, B = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    ts_ring_info info;
+    CHECK_EQ(offsetof(ts_header, batches_delivered) % 64, 0);
+    CHECK_EQ(offsetof(ts_header, consumers) - offsetof(ts_header, batches_delivered), 64);
+    REQUIRE(fx_create(&fx, 4, 2, 4096) == 0);
+    REQUIRE(consumer_add(&fx, &A, 1) == 0 && consumer_add(&fx, &B, 1) == 0);
+    PUBLISH(0);
+    PUBLISH(1);
+    REQUIRE_OK(publish_end(fx.prod, 0, 2, &err));
+    TAKE(A, 0, 1);
+    TAKE(A, 1, 1);
+    CHECK_ST(ts_ring_acquire(A.ring, deadline_ms(1000), &a, &err), TS_OK);
+    CHECK_EQ(a.kind, TS_ENTRY_END_EPOCH);
+    ts_ring_release(A.ring, a.slot, A.index, A.ring->incarnation);
+    TAKE(B, 0, 1);
+    ts_ring_retire(fx.prod, B.index);
+    ts_ring_snapshot(fx.prod, &info);
+    CHECK_EQ(info.batches_delivered, 3);
+    CHECK_EQ(fx.prod->hdr->consumers[A.index].delivered, 3); /* the marker counts there */
+    CHECK_EQ(info.publish_cpu_ns, 0);
+    ts_ring_note_publish_cpu(fx.prod, 5);
+    ts_ring_note_publish_cpu(fx.prod, 7);
+    ts_ring_snapshot(A.ring, &info);
+    CHECK_EQ(info.publish_cpu_ns, 12);
+    CHECK_EQ(info.batches_delivered, 3);
+out:
+    consumer_drop(&A);
+    consumer_drop(&B);
+    fx_destroy(&fx);
 }
 
 /* Detach (for lag by the producer, or by ts_ring_detach from a third thread) races acquire.
@@ -2537,6 +2578,7 @@ static const ts_test g_tests[] = {
     {"laggard", test_laggard},           {"laggard_blocked", test_laggard_blocked},
     {"detach_api", test_detach_api},     {"evict_silent", test_evict_silent},
     {"silent_keeps_held", test_silent_keeps_held}, {"holes_all_kept", test_holes_all_kept},
+    {"batches_delivered", test_batches_delivered},
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
     {"copy_on_write", test_copy_on_write}, {"set_aside", test_set_aside},
     {"set_aside_many", test_set_aside_many},

@@ -9,8 +9,10 @@ looking never disturbs a producer. Rates come from two readings ``interval`` sec
 apart. Anything else in /dev/shm (where anyone may create files) is passed by.
 
 Ring entries are loader batches plus one end-of-epoch marker per epoch; the
-``batch_rate`` fields leave the markers out. Segments of other users (mode
-0600, so not readable) are listed by ``other_users()`` from their names alone.
+``batch_rate`` fields leave the markers out. What sharing does for a producer (its
+loader's CPU, the loading CPU saved, the bottleneck) is derived in sharing_report.py.
+Segments of other users (mode 0600, so not readable) are listed by ``other_users()`` from
+their names alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 from .. import _core
 from ..data.segments import SHM_DIR, all_segments, pid_alive, segment_producer, segments
+from . import sharing_report
+from .sharing_report import ConsumerWait
 
 _CONSUMER_STATES = {
     _core.CONSUMER_PENDING: "joining",
@@ -84,6 +88,15 @@ class ProducerStatus:
     publish_wait_fraction: float | None = None  # of the interval, waiting for a free slot
     cpu_seconds: float | None = None  # producer and its child processes (loader workers)
     cpu_rate: float | None = None  # cores the producer's process tree uses now
+    publish_cpu_seconds: float | None = None  # of cpu_seconds: the producer's publishing
+    loader_cpu_seconds: float | None = None  # of cpu_seconds: the loader (the rest)
+    loader_cpu_rate: float | None = None  # cores the loader uses now
+    batches_delivered: int | None = None  # batches handed to consumers, once per consumer
+    loader_cpu_saved_seconds: float | None = None  # loading CPU the consumers did not spend
+    cpu_saved_rate: float | None = None  # cores of loading saved now (loader_cpu_rate based)
+    # The bottleneck over the interval, with the waits it was judged from (not in the
+    # JSON document as such: its keys bottleneck and bottleneck_consumer come from it).
+    bottleneck_detail: sharing_report.Bottleneck | None = field(default=None, repr=False)
     consumers: list[ConsumerStatus] = field(default_factory=list)
 
     @property
@@ -92,12 +105,16 @@ class ProducerStatus:
         return sum(1 for c in self.consumers if c.state == "active" and c.alive)
 
     @property
-    def cpu_saved_rate(self) -> float | None:
-        """Cores sharing saves now: the loader's cores times (active consumers - 1),
-        i.e. what each consumer running its own copy of this loader would add."""
-        if self.cpu_rate is None or self.active_consumers < 2:
-            return None if self.cpu_rate is None else 0.0
-        return self.cpu_rate * (self.active_consumers - 1)
+    def bottleneck(self) -> str | None:
+        """loader / consumer / balanced over the interval (None: not measured)."""
+        return None if self.bottleneck_detail is None else self.bottleneck_detail.side
+
+    @property
+    def bottleneck_consumer(self) -> dict | None:
+        """The consumer everyone waits for ({"index", "pid"}) where bottleneck is
+        "consumer", else None."""
+        c = None if self.bottleneck_detail is None else self.bottleneck_detail.consumer
+        return None if c is None else {"index": c.index, "pid": c.pid}
 
 
 @dataclass
@@ -185,6 +202,7 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
     try:
         info, steady = _steady_info(ring)
         entries = ring.consumers()
+        next_readers = ring.next_slot()["readers"]
     finally:
         ring.close()
     alive = _core.process_alive(info["producer_pid"], info["producer_start_time"])
@@ -209,25 +227,35 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
         ))
     device = "cpu" if info["device_type"] != _core.DL_CUDA else f"cuda:{info['device_ordinal']}"
     ended = _epochs_ended(info) if steady else None
+    # Holes take a seq each too (ts_ring.h, Holes), but carry no batch.
+    batches = None if ended is None else max(0, info["published"] - ended - info["holes"])
+    cpu = process_tree_cpu(info["producer_pid"]) if alive else None
+    publish_cpu = info["publish_cpu_ns"] / 1e9
+    loader_cpu = sharing_report.loader_cpu_seconds(cpu, publish_cpu)
     status = ProducerStatus(
         name=name, segment=segment, pid=info["producer_pid"], alive=alive, state=state,
         epoch=info["newest_epoch"] if info["newest_valid"] else None,
         batch_index=info["newest_index"] if info["newest_valid"] else None,
         published=info["published"],
-        batches_published=None if ended is None else info["published"] - ended,
+        batches_published=batches,
         epochs_ended=ended, slot_count=info["slot_count"],
         occupied=info["occupied"], slot_bytes=info["slot_bytes"],
         batch_bytes=info["newest_bytes"] if info["newest_valid"] and info["newest_bytes"]
         else None,
         segment_bytes=info["segment_bytes"], device=device, window=info["window"],
         max_lag=info["max_lag"] or None, lag_detached=info["lag_detached"],
-        cpu_seconds=process_tree_cpu(info["producer_pid"]) if alive else None,
+        cpu_seconds=cpu, publish_cpu_seconds=publish_cpu, loader_cpu_seconds=loader_cpu,
+        batches_delivered=info["batches_delivered"],
+        loader_cpu_saved_seconds=sharing_report.loader_cpu_saved_seconds(
+            loader_cpu, info["batches_delivered"], batches),
         consumers=consumers,
     )
     first = info["epoch_first_seq"]
     raw = {"t": time.monotonic(), "published": info["published"], "epochs_ended": ended,
            "last_marker": first - 1 if first > 0 else None,
            "publish_wait_ns": info["publish_wait_ns"],
+           "batches": batches, "batches_delivered": info["batches_delivered"],
+           "cpu_seconds": cpu, "loader_cpu": loader_cpu, "next_readers": next_readers,
            "consumers": {c["index"]: (c["token"], c["delivered"], c["wait_ns"], c["cursor"])
                          for c in entries}}
     return status, raw
@@ -290,6 +318,24 @@ def _add_rates(now: ProducerStatus, raw: dict, before: dict) -> None:
             elif ends is not None and cursor is not None:  # it took cursor - taken .. cursor - 1
                 passed = sum(1 for m in markers if cursor - taken <= m < cursor)
                 c.batch_rate = max(0, taken - passed) / dt
+    _add_sharing_rates(now, raw, before, dt)
+
+
+def _add_sharing_rates(now: ProducerStatus, raw: dict, before: dict, dt: float) -> None:
+    """Fill the CPU rates and the bottleneck of a reading from the difference with an
+    earlier one (dt seconds before)."""
+    if raw["cpu_seconds"] is not None and before["cpu_seconds"] is not None:
+        now.cpu_rate = max(0.0, raw["cpu_seconds"] - before["cpu_seconds"]) / dt
+    if raw["loader_cpu"] is not None and before["loader_cpu"] is not None:
+        now.loader_cpu_rate = max(0.0, raw["loader_cpu"] - before["loader_cpu"]) / dt
+    if raw["batches"] is not None and before["batches"] is not None:
+        now.cpu_saved_rate = sharing_report.loader_cpu_saved_seconds(
+            now.loader_cpu_rate, raw["batches_delivered"] - before["batches_delivered"],
+            raw["batches"] - before["batches"])
+    waits = [ConsumerWait(index=c.index, pid=c.pid, waiting=c.waiting,
+                          holds_next=bool(raw["next_readers"] >> c.index & 1))
+             for c in now.consumers if c.state == "active" and c.alive and c.waiting is not None]
+    now.bottleneck_detail = sharing_report.bottleneck(now.publish_wait_fraction, waits)
 
 
 class Survey:
@@ -298,7 +344,7 @@ class Survey:
     ``interval`` > 0, which takes two readings that far apart)."""
 
     def __init__(self) -> None:
-        self._previous: dict[str, tuple[dict, float | None]] = {}
+        self._previous: dict[str, dict] = {}
 
     def take(self, interval: float = 0.0, name: str | None = None) -> list[ProducerStatus]:
         """Read every segment (only producer `name`'s if given)."""
@@ -314,12 +360,8 @@ class Survey:
             if raw is not None and status.alive:
                 previous = self._previous.get(segment)
                 if previous is not None:
-                    _add_rates(status, raw, previous[0])
-                    if status.cpu_seconds is not None and previous[1] is not None:
-                        dt = raw["t"] - previous[0]["t"]
-                        if dt > 0:
-                            status.cpu_rate = max(0.0, status.cpu_seconds - previous[1]) / dt
-                seen[segment] = (raw, status.cpu_seconds)
+                    _add_rates(status, raw, previous)
+                seen[segment] = raw
             out.append(status)
         self._previous = seen
         return out
@@ -337,8 +379,10 @@ def as_json(producers: list[ProducerStatus], interval: float,
     docs = []
     for p in producers:
         d = asdict(p)
+        del d["bottleneck_detail"]
         d["active_consumers"] = p.active_consumers
-        d["cpu_saved_rate"] = p.cpu_saved_rate
+        d["bottleneck"] = p.bottleneck
+        d["bottleneck_consumer"] = p.bottleneck_consumer
         docs.append(d)
     return {"format": 1, "interval": interval, "time": time.time(), "producers": docs,
             "other_users": [asdict(o) for o in others or []]}
@@ -436,6 +480,28 @@ def _table(rows: list[list[str]], indent: str = "", width: int | None = None) ->
     return [line for g in groups for line in best(g)]
 
 
+def _sharing_lines(p: ProducerStatus, width: int | None) -> list[str]:
+    """A producer's loader CPU, bottleneck and loading CPU saved, wrapped at width."""
+    lines = []
+    if p.loader_cpu_rate is not None:
+        lines.extend(_pack(
+            [f"loader CPU {p.loader_cpu_rate:.2f} cores now "
+             f"({_num(p.loader_cpu_seconds)} s in all)",
+             f"sharing it among {p.active_consumers} consumer(s) saves about "
+             f"{_num(p.cpu_saved_rate, '{:.2f}')} cores"], "; ", width, "  "))
+    elif p.loader_cpu_seconds is not None:
+        lines.append(f"  loader CPU {p.loader_cpu_seconds:.1f} s in all")
+    if not p.alive:
+        return lines
+    for text in (sharing_report.bottleneck_text(p.bottleneck_detail),
+                 sharing_report.saved_text(p.loader_cpu_saved_seconds, p.loader_cpu_seconds,
+                                           p.publish_cpu_seconds, p.batches_published,
+                                           p.batches_delivered)):
+        lines.extend(textwrap.wrap(text, width or 1000, initial_indent="  ",
+                                   subsequent_indent="    "))
+    return lines
+
+
 def render(producers: list[ProducerStatus], width: int | None = None,
            others: list[OtherUserSegment] | None = None) -> list[str]:
     """Lines of text showing a survey (``status`` and ``top``); a producer's fields wrap
@@ -452,7 +518,6 @@ def render(producers: list[ProducerStatus], width: int | None = None,
                                 f"segment unreadable: {p.error}"], "  ", width))
             continue
         where = "-" if p.epoch is None else f"{p.epoch}:{p.batch_index}"
-        saved = p.cpu_saved_rate
         lines.extend(_pack(
             [f"producer {p.name!r}", f"pid {p.pid}", p.state, f"device {p.device}",
              f"epoch:batch {where}", f"{_num(p.batch_rate)} loader batches/s"], "  ", width))
@@ -461,13 +526,7 @@ def render(producers: list[ProducerStatus], width: int | None = None,
              f"batch {human_bytes(p.batch_bytes)}", f"window {p.window}",
              f"max_lag {p.max_lag or '-'}", f"lag detaches {p.lag_detached}",
              f"waiting for slots {_pct(p.publish_wait_fraction)}"], "; ", width, "  "))
-        if p.cpu_rate is not None:
-            lines.extend(_pack(
-                [f"loader CPU {p.cpu_rate:.2f} cores now ({_num(p.cpu_seconds)} s in all)",
-                 f"sharing it among {p.active_consumers} consumer(s) saves about "
-                 f"{_num(saved, '{:.2f}')} cores"], "; ", width, "  "))
-        elif p.cpu_seconds is not None:
-            lines.append(f"  loader CPU {p.cpu_seconds:.1f} s in all")
+        lines.extend(_sharing_lines(p, width))
         if p.state == "dead":
             lines.extend(textwrap.wrap(
                 "the producer process is gone: `tensorsocket clean` removes what it left "
