@@ -208,6 +208,75 @@ def test_loading_cpu_saved_is_counted_per_delivered_batch(name, procs, short_tmp
     assert prod.returncode == 0, prod.stderr.read() if prod.stderr else ""
 
 
+# A producer that burns `setup_ms` of CPU before its loader begins (an expensive set-up),
+# then runs 2 epochs of a DataLoader whose 2 workers (started anew each epoch: not
+# persistent) burn `burn_ms` of CPU per sample; it waits on the FIFO before it closes.
+_WORKER_PRODUCER = r"""
+import sys, time
+import torch
+from tensorsocket import TensorProducer
+from tools.harness import emit
+name, samples, burn_ms, setup_ms, fifo = sys.argv[1:6]
+samples, burn_ns = int(samples), int(float(burn_ms) * 1e6)
+
+class Burning(torch.utils.data.Dataset):
+    def __len__(self):
+        return samples
+
+    def __getitem__(self, i):
+        t0 = time.thread_time_ns()
+        while time.thread_time_ns() - t0 < burn_ns:
+            pass
+        return torch.tensor(i)
+
+loader = torch.utils.data.DataLoader(Burning(), batch_size=4, num_workers=2)
+producer = TensorProducer(loader, name=name, min_consumers=1, start_grace=0)
+t0 = time.process_time()
+while time.process_time() - t0 < float(setup_ms) / 1e3:
+    pass
+emit({"event": "ready"})
+for epoch in range(2):
+    for _ in producer:
+        pass
+emit({"event": "epochs"})
+with open(fifo, "rb") as f:
+    f.read(1)
+producer.close()
+"""
+
+
+def test_loader_cpu_counts_exited_workers_and_leaves_out_the_set_up(name, procs, short_tmp):
+    """The loader's CPU is what its workers burned, those of the first epoch too (they
+    exited: a DataLoader without persistent workers starts new ones each epoch), and not
+    the producer's own set-up before its loader began.
+
+    Fails before status added the reaped children's CPU (cutime, cstime): the first
+    epoch's workers' CPU was lost, the loader's CPU came out below what they burned; and
+    before the producer noted its set-up CPU: the 2 s of set-up counted as loading."""
+    samples, burn_s, setup_s = 24, 0.025, 2.0
+    fifo = _fifo(short_tmp, "producer")
+    prod = procs.script(_WORKER_PRODUCER, name, str(samples), str(burn_s * 1e3),
+                        str(setup_s * 1e3), fifo)
+    assert prod.wait_ready(60)["event"] == "ready"
+    reader = procs.script(_READER2, name)
+    assert reader.wait_ready(60)["event"] == "ready"
+    assert prod.read_json(120) == {"event": "epochs"}
+    assert reader.read_json(120) == {"event": "done", "batches": 2 * samples // 4}
+    p = _reading(name)
+    burned = 2 * samples * burn_s  # both epochs' workers
+    assert p.loader_cpu_seconds is not None
+    assert burned <= p.loader_cpu_seconds < burned + setup_s * 0.75, \
+        (p.loader_cpu_seconds, burned, p.cpu_seconds)
+    _release(fifo)
+    prod.wait(60)
+    assert prod.returncode == 0, prod.stderr.read() if prod.stderr else ""
+
+
+# A consumer that reads two epochs, then prints how many batches it got.
+_READER2 = _READER.replace("n = sum(1 for _ in consumer)",
+                           "n = sum(1 for _ in consumer) + sum(1 for _ in consumer)")
+
+
 # -- the derivations and the text, on their own ---------------------------------------
 
 
@@ -228,7 +297,7 @@ def test_bottleneck_rules():
     assert sharing_report.loader_cpu_saved_seconds(2.0, 30, 10) == 4.0
     assert sharing_report.loader_cpu_saved_seconds(2.0, 5, 10) == 0.0  # never below 0
     assert sharing_report.loader_cpu_saved_seconds(2.0, 5, 0) is None
-    assert sharing_report.loader_cpu_seconds(3.0, 0.5) == 2.5
+    assert sharing_report.loader_cpu_seconds(3.0, 1.0, 0.5) == 1.5
 
 
 def test_sharing_lines_wrap_at_80_columns():

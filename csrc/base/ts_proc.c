@@ -88,6 +88,8 @@ static int ts_proc_parse_stat(const char *buf, ts_proc_stat *out)
         if (field == 4) out->ppid = (int32_t)strtol(p, NULL, 10);
         else if (field == 14) out->utime = strtoull(p, NULL, 10);
         else if (field == 15) out->stime = strtoull(p, NULL, 10);
+        else if (field == 16) out->cutime = strtoull(p, NULL, 10);
+        else if (field == 17) out->cstime = strtoull(p, NULL, 10);
         else if (field == 22) out->start_time = strtoull(p, NULL, 10);
     }
     return 0;

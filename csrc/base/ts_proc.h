@@ -11,6 +11,8 @@ typedef struct ts_proc_stat {
     int32_t ppid;        /* field 4: the parent's pid */
     uint64_t utime;      /* field 14: CPU time in user mode, clock ticks */
     uint64_t stime;      /* field 15: CPU time in kernel mode, clock ticks */
+    uint64_t cutime;     /* field 16: user CPU of its children it waited for (and theirs) */
+    uint64_t cstime;     /* field 17: kernel CPU of those children */
     uint64_t start_time; /* field 22: start, clock ticks since boot */
 } ts_proc_stat;
 

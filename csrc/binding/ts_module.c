@@ -311,9 +311,10 @@ static PyObject *ts_py_process_stat(PyObject *Py_UNUSED(module), PyObject *const
         return NULL;
     ts_proc_stat st;
     if (pid <= 0 || ts_proc_read_stat((pid_t)pid, &st) != 0) Py_RETURN_NONE;
-    return Py_BuildValue("{sCsisKsKsK}", "state", (int)(unsigned char)st.state, "ppid",
+    return Py_BuildValue("{sCsisKsKsKsKsK}", "state", (int)(unsigned char)st.state, "ppid",
                          (int)st.ppid, "utime", (unsigned long long)st.utime, "stime",
-                         (unsigned long long)st.stime, "start_time",
+                         (unsigned long long)st.stime, "cutime", (unsigned long long)st.cutime,
+                         "cstime", (unsigned long long)st.cstime, "start_time",
                          (unsigned long long)st.start_time);
 }
 
@@ -462,7 +463,7 @@ static PyMethodDef ts_module_methods[] = {
     {"process_start_time", TS_PY_FASTCALL(ts_py_process_start_time),
      "Start time of a process in clock ticks (0 if it does not exist)."},
     {"process_stat", TS_PY_FASTCALL(ts_py_process_stat),
-     "What /proc/<pid>/stat says of a process: state, ppid, utime, stime, start_time (clock "
+     "What /proc/<pid>/stat says of a process: state, ppid, utime, stime, cutime, cstime, start_time (clock "
      "ticks); None if it is gone or unreadable."},
     {"process_alive", TS_PY_FASTCALL(ts_py_process_alive),
      "True if pid exists and started at start_time."},

@@ -525,6 +525,21 @@ static PyObject *Ring_note_publish_cpu(RingObject *self, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
+/* Ring.note_setup_cpu(ns): set the header's setup_cpu_ns, this process's CPU time before
+ * its loader's first epoch began (status leaves it out of the loader's CPU). */
+static PyObject *Ring_note_setup_cpu(RingObject *self, PyObject *const *args,
+                                     Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"ns"};
+    PyObject *a[1];
+    uint64_t ns = 0;
+    if (ts_py_args("note_setup_cpu", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_u64(a[0], &ns) < 0 || ts_role_check(self, 1) < 0)
+        return NULL;
+    ts_ring_note_setup_cpu(self->ring, ns);
+    Py_RETURN_NONE;
+}
+
 /* What one publish call copies (the argument of its slices). */
 typedef struct ts_publish_args {
     uint32_t kind;
@@ -885,7 +900,7 @@ static const ts_py_field ts_ring_fields[] = {
     TS_RF(occupied, 'u'),        TS_RF(window, 'K'),             TS_RF(max_lag, 'K'),
     TS_RF(epoch_first_seq, 'K'), TS_RF(lag_detached, 'K'),       TS_RF(publish_wait_ns, 'K'),
     TS_RF(holes, 'K'),           TS_RF(late_releases, 'K'),      TS_RF(incarnation, 'K'),
-    TS_RF(publish_cpu_ns, 'K'),  TS_RF(batches_delivered, 'K'),
+    TS_RF(publish_cpu_ns, 'K'),  TS_RF(setup_cpu_ns, 'K'),  TS_RF(batches_delivered, 'K'),
     TS_RF(host_writable, 'i'),   TS_RF(private_slots, 'u'),      TS_RF(newest_valid, 'b'),
     TS_RF(newest_epoch, 'K'),    TS_RF(newest_index, 'K'),       TS_RF(newest_bytes, 'K'),
     TS_RF(device_type, 'i'),     TS_RF(device_ordinal, 'i'),     TS_RF(device_uuid, 's'),
@@ -1006,6 +1021,8 @@ static PyMethodDef Ring_methods[] = {
      "Copy a batch into the next slot and publish it."},
     {"note_publish_cpu", TS_PY_FASTCALL(Ring_note_publish_cpu),
      "Add CPU nanoseconds the producer spent publishing (status reads the sum)."},
+    {"note_setup_cpu", TS_PY_FASTCALL(Ring_note_setup_cpu),
+     "Set the producer process's CPU nanoseconds before its loader began (status)."},
     {"wait_consumers", TS_PY_FASTCALL(Ring_wait_consumers),
      "Wait until n consumers are active."},
     {"wait_drained", TS_PY_FASTCALL(Ring_wait_drained),

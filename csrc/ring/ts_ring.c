@@ -1263,6 +1263,13 @@ void ts_ring_note_publish_cpu(ts_ring *ring, uint64_t ns)
     atomic_fetch_add_explicit(&ring->hdr->publish_cpu_ns, ns, memory_order_relaxed);
 }
 
+/* Set the producer's CPU time before its loader began (see ts_ring.h). */
+void ts_ring_note_setup_cpu(ts_ring *ring, uint64_t ns)
+{
+    /* Relaxed: written once by the producer, read alone by status. */
+    atomic_store_explicit(&ring->hdr->setup_cpu_ns, ns, memory_order_relaxed);
+}
+
 /* Number of active consumers. */
 static uint32_t ts_active_count(const ts_header *h)
 {
@@ -2163,6 +2170,7 @@ void ts_ring_snapshot(const ts_ring *ring, ts_ring_info *out)
     out->holes = atomic_load_explicit(&h->holes, memory_order_relaxed);
     out->late_releases = atomic_load_explicit(&h->late_releases, memory_order_relaxed);
     out->publish_cpu_ns = atomic_load_explicit(&h->publish_cpu_ns, memory_order_relaxed);
+    out->setup_cpu_ns = atomic_load_explicit(&h->setup_cpu_ns, memory_order_relaxed);
     out->batches_delivered = atomic_load_explicit(&h->batches_delivered, memory_order_relaxed);
     out->incarnation = ring->incarnation;
     out->host_writable = ts_ring_host_writable(ring);

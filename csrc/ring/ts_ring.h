@@ -61,7 +61,7 @@
 #include "base/ts_fault.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
-#define TS_LAYOUT_VERSION 7 /* 7: publish_cpu_ns, batches_delivered */
+#define TS_LAYOUT_VERSION 7 /* 7: publish_cpu_ns, setup_cpu_ns, batches_delivered */
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_SLOTS 4096 /* most slots a ring holds */
 #define TS_MAX_NDIM 16
@@ -203,6 +203,8 @@ typedef struct ts_header {
     _Atomic uint64_t late_releases; /* releases ignored: an older incarnation's (Incarnations) */
     _Atomic uint64_t publish_cpu_ns; /* producer's thread CPU spent publishing batches (added
                                       * by the producer's own code, ts_ring_note_publish_cpu) */
+    _Atomic uint64_t setup_cpu_ns; /* producer process's CPU before its loader's first epoch
+                                    * began (imports, set-up; ts_ring_note_setup_cpu) */
 
     /* Batches (not end markers, not holes) handed to consumers, once per consumer per
      * entry: a line of its own, so that consumers' increments do not take the producer's
@@ -336,6 +338,7 @@ typedef struct ts_ring_info {
     uint64_t holes;             /* holes published (slots skipped, see Holes) */
     uint64_t late_releases;     /* releases ignored as an older incarnation's (Incarnations) */
     uint64_t publish_cpu_ns;    /* producer's thread CPU spent publishing batches */
+    uint64_t setup_cpu_ns;      /* producer process's CPU before its loader began */
     uint64_t batches_delivered; /* batches handed to consumers, once per consumer each */
     uint64_t incarnation;       /* consumer handle: the incarnation its releases name */
     int host_writable;          /* ts_ring_host_writable */
@@ -524,6 +527,10 @@ ts_status ts_ring_publish(ts_ring *ring, uint32_t kind, uint64_t epoch, uint64_t
  * measured by the caller, whose own work on the batch the ring cannot see) to
  * header.publish_cpu_ns. */
 void ts_ring_note_publish_cpu(ts_ring *ring, uint64_t ns);
+
+/* Set header.setup_cpu_ns: the producer process's CPU time before its loader's first
+ * epoch began (what status leaves out of the loader's CPU). */
+void ts_ring_note_setup_cpu(ts_ring *ring, uint64_t ns);
 
 /* Bytes a batch of these leaves and meta occupies in a slot. */
 uint64_t ts_ring_batch_bytes(const ts_src_leaf *leaves, uint32_t n_leaves, uint64_t meta_bytes);

@@ -3,9 +3,11 @@
 Every fact here is derived once, from counters the ring header keeps (docs/cli.md,
 "What sharing saves"):
 
-- the loader's CPU: the producer's process tree CPU (its DataLoader workers, pin-memory
-  thread and collation included) less the CPU the producer's own thread spent publishing
-  (encoding and copying batches into the ring, ``publish_cpu_ns``);
+- the loader's CPU: the producer's process tree CPU (its DataLoader workers, those of
+  past epochs that exited too, pin-memory thread and collation included) less the CPU the
+  producer process spent before its loader's first epoch began (imports, set-up,
+  ``setup_cpu_ns``) and the CPU its own thread spent publishing (encoding and copying
+  batches into the ring, ``publish_cpu_ns``);
 - the loading CPU sharing saved: each batch the loader made was delivered
   ``batches_delivered / batches_published`` times; every consumer that got it without
   loading it again saved what loading it cost, so the saving is the loader's CPU times
@@ -51,11 +53,13 @@ class Bottleneck:
     consumers_waiting: float | None = None  # all active consumers' least waiting
 
 
-def loader_cpu_seconds(process_cpu: float | None, publish_cpu: float | None) -> float | None:
-    """The loader's CPU: the producer's process tree less its publishing (None: unknown)."""
+def loader_cpu_seconds(process_cpu: float | None, setup_cpu: float,
+                       publish_cpu: float | None) -> float | None:
+    """The loader's CPU: the producer's process tree less its set-up before the loader
+    began and its publishing (None: unknown)."""
     if process_cpu is None or publish_cpu is None:
         return None
-    return max(0.0, process_cpu - publish_cpu)
+    return max(0.0, process_cpu - setup_cpu - publish_cpu)
 
 
 def loader_cpu_saved_seconds(loader_cpu: float | None, batches_delivered: int | None,

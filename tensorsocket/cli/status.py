@@ -89,6 +89,7 @@ class ProducerStatus:
     cpu_seconds: float | None = None  # producer and its child processes (loader workers)
     cpu_rate: float | None = None  # cores the producer's process tree uses now
     publish_cpu_seconds: float | None = None  # of cpu_seconds: the producer's publishing
+    setup_cpu_seconds: float | None = None  # of cpu_seconds: before its loader began
     loader_cpu_seconds: float | None = None  # of cpu_seconds: the loader (the rest)
     loader_cpu_rate: float | None = None  # cores the loader uses now
     batches_delivered: int | None = None  # batches handed to consumers, once per consumer
@@ -160,10 +161,12 @@ def live_producer_names() -> list[str]:
 
 
 def process_tree_cpu(pid: int) -> float | None:
-    """CPU seconds (user + system) of pid and every live descendant, None if pid is gone.
+    """CPU seconds (user + system) of pid and every live descendant, with the children
+    each of them reaped (cutime, cstime); None if pid is gone.
 
-    DataLoader workers are children of the producer, so this is what running
-    the loader costs."""
+    DataLoader workers are children of the producer, so this is what running the loader
+    costs, the workers of past epochs (a DataLoader without persistent_workers starts new
+    ones each epoch) included: a process counts once, live or in its reaper's total."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
     cpu: dict[int, float] = {}
@@ -177,7 +180,7 @@ def process_tree_cpu(pid: int) -> float | None:
             continue  # not a process, or gone meanwhile
         p = int(entry)
         parents[p] = stat["ppid"]
-        cpu[p] = (stat["utime"] + stat["stime"]) / tick
+        cpu[p] = (stat["utime"] + stat["stime"] + stat["cutime"] + stat["cstime"]) / tick
     if pid not in cpu:
         return None
     children: dict[int, list[int]] = {}
@@ -230,8 +233,8 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
     # Holes take a seq each too (ts_ring.h, Holes), but carry no batch.
     batches = None if ended is None else max(0, info["published"] - ended - info["holes"])
     cpu = process_tree_cpu(info["producer_pid"]) if alive else None
-    publish_cpu = info["publish_cpu_ns"] / 1e9
-    loader_cpu = sharing_report.loader_cpu_seconds(cpu, publish_cpu)
+    publish_cpu, setup_cpu = info["publish_cpu_ns"] / 1e9, info["setup_cpu_ns"] / 1e9
+    loader_cpu = sharing_report.loader_cpu_seconds(cpu, setup_cpu, publish_cpu)
     status = ProducerStatus(
         name=name, segment=segment, pid=info["producer_pid"], alive=alive, state=state,
         epoch=info["newest_epoch"] if info["newest_valid"] else None,
@@ -244,7 +247,8 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
         else None,
         segment_bytes=info["segment_bytes"], device=device, window=info["window"],
         max_lag=info["max_lag"] or None, lag_detached=info["lag_detached"],
-        cpu_seconds=cpu, publish_cpu_seconds=publish_cpu, loader_cpu_seconds=loader_cpu,
+        cpu_seconds=cpu, publish_cpu_seconds=publish_cpu, setup_cpu_seconds=setup_cpu,
+        loader_cpu_seconds=loader_cpu,
         batches_delivered=info["batches_delivered"],
         loader_cpu_saved_seconds=sharing_report.loader_cpu_saved_seconds(
             loader_cpu, info["batches_delivered"], batches),

@@ -34,6 +34,9 @@ class EpochPublisher:
         self.batches = 0
         self._encoder = Encoder()  # batch -> spec and leaves (keeps the last spec's bytes)
         self._sample_ids = SampleIdRecorder()  # the dataset indices of each batch
+        # This process's CPU before its loader's first epoch began (imports, set-up), noted
+        # in the ring header when the ring is made: status leaves it out of the loader's.
+        self._setup_cpu_ns: int | None = None
 
     def run_epoch(self) -> Iterator[Any]:
         """One epoch: run the loader, publishing each batch before yielding it. An error
@@ -50,6 +53,10 @@ class EpochPublisher:
 
     def _publish_epoch(self) -> Iterator[Any]:
         """run_epoch, without the failure's note."""
+        if self._setup_cpu_ns is None:  # as status counts it: this process and its reaped
+            t = os.times()  # children (/proc/<pid>/stat utime, stime, cutime, cstime)
+            self._setup_cpu_ns = int((t.user + t.system + t.children_user
+                                      + t.children_system) * 1e9)
         source, limit = self._epochs.start()
         # The sampler records the indices it draws for the whole epoch: a loader whose
         # __iter__ is a generator (a DataLoader subclass such as accelerate's
@@ -95,6 +102,7 @@ class EpochPublisher:
         meta = with_ids(meta, self._sample_ids.next_ids())
         if self._state.ring is None:
             self._state.ring = self._rings.make(meta, leaves, self._epochs.length())
+            self._state.ring.note_setup_cpu(self._setup_cpu_ns or 0)
         self._gate.wait(self._state.ring, first=self.batches == 0)
         self._publish(meta, leaves, index=index)
         self._state.ring.note_publish_cpu(time.thread_time_ns() - start)
