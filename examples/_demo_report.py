@@ -8,6 +8,7 @@ both runs; ``plot()`` draws them with matplotlib.
 
 from __future__ import annotations
 
+import textwrap
 from typing import TextIO
 
 MODES = ("baseline", "shared")
@@ -27,6 +28,11 @@ def measure_run(jobs: list[dict], producer: dict | None, wall_s: float,
     window = max(end - start, 1e-9)
     samples = sum(j["samples"] for j in jobs)
     train_cpu_s = sum(j["train_cpu_s"] for j in jobs) + (producer or {}).get("work_cpu_s", 0.0)
+    trained = sum(j["batches"] for j in jobs)  # batches trained on, all jobs together
+    if producer is None:  # each job's DataLoader workers loaded the batches it trained on
+        loading_s, loaded = sum(j["workers_cpu_s"] for j in jobs), trained
+    else:  # the producer loaded each batch once (its process: workers and publishing)
+        loading_s, loaded = producer["work_cpu_s"], producer["batches"]
     return {
         "wall_s": wall_s,
         "train_s": window,
@@ -36,10 +42,17 @@ def measure_run(jobs: list[dict], producer: dict | None, wall_s: float,
         "cpu_s": cpu_s,
         "train_cpu_s": train_cpu_s,
         "cpu_ms_per_sample": 1e3 * train_cpu_s / samples if samples else None,
+        "loader_ms_per_batch": 1e3 * loading_s / loaded if loaded else None,
+        "trainer_ms_per_batch": 1e3 * sum(j["trainer_cpu_s"] for j in jobs) / trained
+        if trained else None,
         "final_loss": [j["final_loss"] for j in jobs],
         "every_sample_once": all(e["missing"] == 0 and e["repeated"] == 0
                                  for j in jobs for e in j["epochs"]),
     }
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f} ms"
 
 
 def ideal_speedup(loader_s: float, train_s: float, jobs: int, cores: int,
@@ -61,9 +74,9 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or a == 0 else f"{b / a:.2f}x"
 
 
-def table(runs: dict[str, dict], ideal: float, jobs: int, epochs: int,
-          out: TextIO) -> None:
-    """Both runs side by side, the ratios, and one sentence that says what they mean."""
+def table(runs: dict[str, dict], ideal: float, costs: dict, jobs: int, epochs: int,
+          cores: int, out: TextIO) -> None:
+    """Both runs side by side, the ratios, and what they mean against the model."""
     b, s = runs["baseline"], runs["shared"]
     rows = [
         ("wall time, start-up included", f"{b['wall_s']:.1f} s", f"{s['wall_s']:.1f} s",
@@ -76,6 +89,10 @@ def table(runs: dict[str, dict], ideal: float, jobs: int, epochs: int,
          " ".join(f"{v:.0f}" for v in s["samples_per_s_per_job"]), ""),
         ("CPU seconds while training", f"{b['train_cpu_s']:.1f}", f"{s['train_cpu_s']:.1f}",
          _ratio(b["train_cpu_s"], s["train_cpu_s"])),
+        ("  loading, per batch loaded", _ms(b["loader_ms_per_batch"]),
+         _ms(s["loader_ms_per_batch"]), ""),
+        ("  training, per batch and job", _ms(b["trainer_ms_per_batch"]),
+         _ms(s["trainer_ms_per_batch"]), ""),
         ("CPU seconds, start-up included", f"{b['cpu_s']:.1f}", f"{s['cpu_s']:.1f}",
          _ratio(b["cpu_s"], s["cpu_s"])),
         ("CPU ms per sample, training", f"{b['cpu_ms_per_sample']:.1f}",
@@ -93,10 +110,19 @@ def table(runs: dict[str, dict], ideal: float, jobs: int, epochs: int,
             c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)), file=out)
     speedup = s["samples_per_s"] / b["samples_per_s"]
     saved = b["train_cpu_s"] - s["train_cpu_s"]
-    print(f"\n  Sharing one loader trained the {jobs} jobs {speedup:.2f}x as fast in all (the "
-          f"best these costs allow on this machine: {ideal:.2f}x) and saved {saved:.1f} CPU "
-          f"seconds while training ({100 * saved / b['train_cpu_s']:.0f}% of the baseline's).",
-          file=out, flush=True)
+    lb, ls = b["loader_ms_per_batch"], s["loader_ms_per_batch"]
+    for text in (
+            f"Sharing one loader trained the {jobs} jobs {speedup:.2f}x as fast in all and "
+            f"saved {saved:.1f} CPU seconds while training ({100 * saved / b['train_cpu_s']:.0f}%"
+            " of the baseline's).",
+            f"With L = {1e3 * costs['loader_s']:.0f} ms of loading and T = "
+            f"{1e3 * costs['train_s']:.0f} ms of training per batch, measured alone before "
+            f"the runs (one thread each), the model predicts {ideal:.2f}x on these {cores} "
+            "cores (N (L + T) / (L + N T) where every core is busy). In the runs, loading "
+            f"cost {_ms(lb)} per batch in each of the baseline's {jobs} loaders and "
+            f"{_ms(ls)} in the shared one."):
+        print("\n" + textwrap.fill(text, 96, initial_indent="  ", subsequent_indent="  "),
+              file=out, flush=True)
 
 
 def plot(runs: dict[str, dict], ideal: float, path: str) -> None:

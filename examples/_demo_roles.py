@@ -47,11 +47,22 @@ def learning_rate(rank: int) -> float:
     return LEARNING_RATES[(rank - 1) % len(LEARNING_RATES)]
 
 
-def cpu_seconds() -> float:
-    """CPU seconds of this process and its reaped children (its loader workers)."""
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process."""
     own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's reaped children (its loader workers: a DataLoader
+    without persistent workers ends them, reaped, at the end of each epoch)."""
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return kids.ru_utime + kids.ru_stime
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children."""
+    return own_cpu_seconds() + children_cpu_seconds()
 
 
 def make_loader(images: str, batch: int, workers: int, heap_pad: int):
@@ -85,8 +96,8 @@ def train(batches_of_epoch, rank: int, epochs: int, size: int) -> dict:
     the ids of each epoch; `batches_of_epoch()` gives one epoch's batches."""
     lr = learning_rate(rank)
     trainer = workload.Trainer(seed=SEED + rank, lr=lr)
-    samples, loss, checks = 0, float("nan"), []
-    cpu0 = cpu_seconds()
+    samples, batches, loss, checks = 0, 0, float("nan"), []
+    own0, kids0 = own_cpu_seconds(), children_cpu_seconds()
     first = time.monotonic()  # the first batch is asked for now (all jobs start together)
     for epoch in range(epochs):
         check, total, count = EpochCheck(size), 0.0, 0
@@ -95,13 +106,16 @@ def train(batches_of_epoch, rank: int, epochs: int, size: int) -> dict:
             check.add(ids)
             total += loss * len(labels)
             count += len(labels)
+            batches += 1
         samples += count
         checks.append(check.verdict())
         emit("epoch", epoch=epoch + 1, mean_loss=total / count if count else float("nan"),
              missing=checks[-1]["missing"], repeated=checks[-1]["repeated"])
-    return {"rank": rank, "lr": lr, "samples": samples, "final_loss": loss,
-            "first": first, "last": time.monotonic(), "train_cpu_s": cpu_seconds() - cpu0,
-            "epochs": checks}
+    own, kids = own_cpu_seconds() - own0, children_cpu_seconds() - kids0
+    return {"rank": rank, "lr": lr, "samples": samples, "batches": batches,
+            "final_loss": loss, "first": first, "last": time.monotonic(),
+            "train_cpu_s": own + kids,  # while it trained: this process and its workers
+            "trainer_cpu_s": own, "workers_cpu_s": kids, "epochs": checks}
 
 
 def wait_for_go() -> None:

@@ -2,7 +2,7 @@
 with its own DataLoader (what they do today), then through one shared loader
 (tensorsocket), and the two runs compared, measured side by side.
 
-    python examples/demo.py                     # 3 jobs, 2 epochs of 512 JPEGs: ~1 minute on 2 cores
+    python examples/demo.py                     # 3 jobs, 3 epochs of 512 JPEGs: ~1 minute on 2 cores
     python examples/demo.py --jobs 4 --epochs 3 --images 1024 --plot demo.png
     python examples/demo.py --help
 
@@ -184,7 +184,7 @@ class Settings:
     """What the user asked for."""
 
     jobs: int = 3
-    epochs: int = 2
+    epochs: int = 3
     images: int = 512
     workers: int = 1  # DataLoader workers per baseline job
     timeout: float = 300.0
@@ -405,7 +405,8 @@ class _Demo:
         ideal = report.ideal_speedup(costs["loader_s"], costs["train_s"], cfg.jobs,
                                      len(os.sched_getaffinity(0)), cfg.workers,
                                      cfg.producer_workers)
-        report.table(runs, ideal, cfg.jobs, cfg.epochs, self.out)
+        report.table(runs, ideal, costs, cfg.jobs, cfg.epochs, len(os.sched_getaffinity(0)),
+                     self.out)
         print(f"  ({_machine_line()}; total {time.monotonic() - self.started:.0f} s)",
               file=self.out, flush=True)
         return {"settings": vars(cfg) | {"producer_workers": cfg.producer_workers,
@@ -417,7 +418,7 @@ class _Demo:
 
     def calibrate(self) -> dict:
         """The loader's and a training step's CPU seconds per batch, one thread each."""
-        c = workload.calibrate(self.images_dir, BATCH_SIZE, batches=3)
+        c = workload.calibrate(self.images_dir, BATCH_SIZE, batches=6)
         costs = {"loader_s": c["loader_ms_per_batch"] / 1e3,
                  "train_s": c["train_ms_per_batch"] / 1e3}
         self.say("costs", f"per batch of {BATCH_SIZE}, one thread: loading "
@@ -493,8 +494,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "samples/s, CPU seconds, and the best speedup the measured costs allow.")
     ap.add_argument("--jobs", "--consumers", dest="jobs", type=_positive(int), default=3,
                     metavar="N", help="training jobs in each run (default: 3)")
-    ap.add_argument("--epochs", type=_positive(int), default=2, metavar="N",
-                    help="epochs each job trains (default: 2)")
+    ap.add_argument("--epochs", type=_positive(int), default=3, metavar="N",
+                    help="epochs each job trains (default: 3)")
     ap.add_argument("--images", type=_positive(int), default=512, metavar="N",
                     help="JPEGs in the dataset, generated once (default: 512)")
     ap.add_argument("--workers", type=_positive(int), default=1, metavar="N",
