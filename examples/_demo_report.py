@@ -21,9 +21,9 @@ def measure_run(jobs: list[dict], producer: dict | None, wall_s: float,
     CLOCK_MONOTONIC seconds, and train_cpu_s: its CPU and its loader workers' while it
     trained), the producer's (its loading CPU, work_cpu_s), the run's wall time and the CPU
     seconds of all its processes from start to exit. The run's training window starts when
-    its last job started (every loader is set up, every job asks for batches) and ends
-    when its last job finished."""
-    start = max(j["first"] for j in jobs)
+    its loading starts, every process set up (the producer's first, else the jobs' last
+    first: they start together), and ends when its last job finished."""
+    start = producer["first"] if producer is not None else max(j["first"] for j in jobs)
     end = max(j["last"] for j in jobs)
     window = max(end - start, 1e-9)
     samples = sum(j["samples"] for j in jobs)

@@ -3,9 +3,12 @@ baseline), the shared producer, and a training job fed by it (a consumer).
 
 Every role is this file's ``main()`` run by demo.py as ``demo.py --role ROLE ...``. A role
 reports to the parent with one JSON object per stdout line after ``MARK`` (``emit``):
-``ready`` once set up, then per epoch, then ``result``. Jobs wait for a ``go`` line on
-stdin after ``ready``, so that every job of a run starts its first batch at the same time
-(the shared producer waits for its consumers instead). The workload is the collocated
+``ready`` once set up, then per epoch, then ``result``. Jobs and the producer then wait
+for a ``go`` line on stdin, which the parent sends to all of a run's children at once, when
+every one is ready: in both runs the loading starts at that moment, with every process set
+up (its imports done). A consumer cannot finish attaching before the producer has made its
+ring, at its first batch: it says ``ready`` before it attaches, and attaches, with the
+handshake, in the shared run's measured time. The workload is the collocated
 benchmark's (benchmarks/workload.py): JPEGs decoded and augmented per sample on the CPU,
 a small ResNet trained with SGD, one thread per process.
 
@@ -91,11 +94,16 @@ class EpochCheck:
                 "repeated": int((self.counts > 1).sum()), "ids": self.order}
 
 
-def train(batches_of_epoch, rank: int, epochs: int, size: int) -> dict:
-    """Train a SmallResNet on `epochs` epochs of (images, labels, ids) batches, checking
-    the ids of each epoch; `batches_of_epoch()` gives one epoch's batches."""
-    lr = learning_rate(rank)
-    trainer = workload.Trainer(seed=SEED + rank, lr=lr)
+def make_trainer(rank: int) -> workload.Trainer:
+    """Job `rank`'s model and optimiser. Made before the job says it is ready: the first
+    optimiser of a process takes seconds (torch's lazy imports), set-up, not training."""
+    return workload.Trainer(seed=SEED + rank, lr=learning_rate(rank))
+
+
+def train(batches_of_epoch, trainer: workload.Trainer, rank: int, epochs: int,
+          size: int) -> dict:
+    """Train `trainer` on `epochs` epochs of (images, labels, ids) batches, checking the
+    ids of each epoch; `batches_of_epoch()` gives one epoch's batches."""
     samples, batches, loss, checks = 0, 0, float("nan"), []
     own0, kids0 = own_cpu_seconds(), children_cpu_seconds()
     first = time.monotonic()  # the first batch is asked for now (all jobs start together)
@@ -112,7 +120,7 @@ def train(batches_of_epoch, rank: int, epochs: int, size: int) -> dict:
         emit("epoch", epoch=epoch + 1, mean_loss=total / count if count else float("nan"),
              missing=checks[-1]["missing"], repeated=checks[-1]["repeated"])
     own, kids = own_cpu_seconds() - own0, children_cpu_seconds() - kids0
-    return {"rank": rank, "lr": lr, "samples": samples, "batches": batches,
+    return {"rank": rank, "lr": learning_rate(rank), "samples": samples, "batches": batches,
             "final_loss": loss, "first": first, "last": time.monotonic(),
             "train_cpu_s": own + kids,  # while it trained: this process and its workers
             "trainer_cpu_s": own, "workers_cpu_s": kids, "epochs": checks}
@@ -127,9 +135,10 @@ def wait_for_go() -> None:
 def run_job(args) -> None:
     """Baseline job: its own DataLoader, as each job has without sharing."""
     loader = make_loader(args.images_dir, args.batch, args.workers, HEAP_PAD)
+    trainer = make_trainer(args.rank)
     emit("ready", batches_per_epoch=len(loader), lr=learning_rate(args.rank))
     wait_for_go()
-    result = train(lambda: loader, args.rank, args.epochs, len(loader.dataset))
+    result = train(lambda: loader, trainer, args.rank, args.epochs, len(loader.dataset))
     emit("result", cpu_s=cpu_seconds(), **result)
 
 
@@ -139,12 +148,15 @@ def run_producer(args) -> None:
 
     # heap pad 0 here: the producer pads its loader's workers itself (worker_heap_pad).
     loader = make_loader(args.images_dir, args.batch, args.workers, 0)
-    producer = TensorProducer(loader, name=args.name, min_consumers=args.jobs,
+    # start_grace=0: every job of the run is counted in min_consumers, none is late.
+    producer = TensorProducer(loader, name=args.name, min_consumers=args.jobs, start_grace=0,
                               start_timeout=args.child_timeout,
                               publish_timeout=args.child_timeout)
     try:
         emit("ready", batches_per_epoch=len(loader))
-        cpu0 = cpu_seconds()  # from here on, loading: the workers start with the first epoch
+        wait_for_go()  # no loading before every process is set up, as in the baseline
+        first = time.monotonic()  # the workers start with the first epoch
+        own0, kids0 = own_cpu_seconds(), children_cpu_seconds()
         for epoch in range(args.epochs):
             batches = sum(1 for _ in producer)
             emit("epoch", epoch=epoch + 1, batches=batches)
@@ -155,19 +167,22 @@ def run_producer(args) -> None:
     finally:
         producer.close()
     emit("result", batches=stats["batches"], bytes_copied=stats["bytes_copied"],
-         cpu_s=cpu_seconds(), work_cpu_s=cpu_seconds() - cpu0)
+         cpu_s=cpu_seconds(), own_cpu_s=own_cpu_seconds() - own0,
+         workers_cpu_s=children_cpu_seconds() - kids0,
+         work_cpu_s=own_cpu_seconds() - own0 + children_cpu_seconds() - kids0, first=first)
 
 
 def run_consumer(args) -> None:
     """A job fed by the shared producer: the one line that changes is the loader's."""
     from tensorsocket import TensorConsumer
 
+    trainer = make_trainer(args.rank)
+    emit("ready", lr=learning_rate(args.rank))  # set up; attaching waits for the first batch
     consumer = TensorConsumer(name=args.name, timeout=args.child_timeout,
                               batch_timeout=args.child_timeout)
     try:
-        emit("ready", batches_per_epoch=len(consumer), lr=learning_rate(args.rank))
         size = args.images  # the dataset's samples: the producer's loader covers them all
-        result = train(lambda: consumer, args.rank, args.epochs, size)
+        result = train(lambda: consumer, trainer, args.rank, args.epochs, size)
     finally:
         consumer.close()
     emit("result", cpu_s=cpu_seconds(), **result)

@@ -294,7 +294,7 @@ class _Run:
         return {c.proc.pid: c.label for c in self.children}
 
     def _start_jobs(self) -> None:
-        """Every baseline job is ready: let them all start at once."""
+        """Every child of the run is ready: let them all start at once."""
         for c in self.children:
             try:
                 c.proc.stdin.write("go\n")
@@ -314,7 +314,7 @@ class _Run:
             else:
                 how = "its own DataLoader" if self.mode == "baseline" else "the shared loader"
                 say(child.label, f"ready: {how}, lr {event['lr']:g}")
-            if self.mode == "baseline" and all(c.ready for c in self.children):
+            if all(c.ready for c in self.children):
                 self._start_jobs()
         elif kind == "epoch" and child.rank == 0:
             say(child.label, f"epoch {event['epoch']}/{self.demo.settings.epochs} published: "
