@@ -30,8 +30,10 @@ import functools
 import io
 import math
 import multiprocessing
+import multiprocessing.pool
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -88,6 +90,14 @@ def make_image(i: int, size: int) -> bytes:
     return out.getvalue()
 
 
+def _pool(processes: int) -> "multiprocessing.pool.Pool":
+    """A pool of forked processes whose SIGTERM is the default one: the caller's handler
+    (a script's, turning SIGTERM into an exception) would make Pool.terminate() print
+    each worker's traceback."""
+    return multiprocessing.get_context("fork").Pool(
+        processes, initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_DFL))
+
+
 def _write_image(tmp: Path, size: int, i: int) -> None:
     (tmp / f"{i:06d}.jpg").write_bytes(make_image(i, size))
 
@@ -111,13 +121,15 @@ def ensure_images(n: int = NUM_IMAGES, size: int = IMAGE_SIZE,
     try:
         t0 = time.monotonic()
         write = functools.partial(_write_image, tmp, size)
-        pool = multiprocessing.get_context("fork").Pool(processes) if processes > 1 else None
+        pool = _pool(processes) if processes > 1 else None
         try:
             done = (pool.imap_unordered(write, range(n), chunksize=8) if pool is not None
                     else map(write, range(n)))
             for k, _ in enumerate(done, 1):
                 if progress is not None and k % 250 == 0:
                     progress(f"generating images: {k}/{n} ({time.monotonic() - t0:.0f} s)")
+            if pool is not None:
+                pool.close()  # every image written: the workers exit on their own
         finally:
             if pool is not None:
                 pool.terminate()
@@ -337,7 +349,7 @@ def calibrate(root: str | os.PathLike, batch_size: int, batches: int = 6,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with multiprocessing.get_context("fork").Pool(1) as pool:
+        with _pool(1) as pool:
             load_s, load_wall_s = pool.apply(
                 _loader_cpu_s, (str(root), batch_size, batches, warmup, top_pad))
         ds = JpegDataset(root, seed=0)

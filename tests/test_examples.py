@@ -286,6 +286,7 @@ def test_demo_runs_both_and_every_job_gets_every_sample(runner, tmp_path):
     figures = tmp_path / "demo.json"
     out = runner.run("demo.py", "--jobs", "2", "--epochs", "2", "--images", "64",
                      "--no-live", "--json", str(figures), timeout=240)
+    assert "Traceback" not in out, out
     doc = json.loads(figures.read_text())
     for mode in ("baseline", "shared"):
         jobs = doc["runs"][mode]["jobs"]
