@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from bench_common import vm_kb
+from bench_common import harness, vm_kb
 
 POLL_S = 0.25  # /proc/<pid>/stat and status of the run's processes
 SLOW_POLL_EVERY = 4  # PSS and shared-memory objects every 4th poll (1 s)
@@ -26,18 +26,6 @@ def _proc_cpu_s(pid: int) -> float | None:
     fields = data[data.rfind(")") + 2:].split()
     # fields[0] is field 3 (state): utime is field 14, stime field 15.
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
-def _machine_busy_s() -> float | None:
-    """CPU-seconds the whole machine spent busy since boot (all CPUs; /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-    except OSError:
-        return None
-    ticks = [int(x) for x in fields[:8]]
-    # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
-    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
 
 
 def _proc_pss_kb(pid: int) -> int:
@@ -134,7 +122,7 @@ class Poller(threading.Thread):
             if hwm:
                 self.hwm_kb[pid] = max(hwm, self.hwm_kb.get(pid, 0))
         self.series.append((now, sum(self.cpu.values())))
-        busy = _machine_busy_s()
+        busy = harness().machine_busy_seconds()
         if busy is not None:
             self.busy.append((now, busy))
         if slow:

@@ -12,6 +12,9 @@ import textwrap
 from typing import TextIO
 
 MODES = ("baseline", "shared")
+# Other processes' CPU during a run, as a fraction of the run's own, over which the
+# comparison is flagged as skewed.
+OTHER_WORK_FRACTION = 0.1
 TITLES = {"baseline": "a DataLoader each", "shared": "one shared loader"}
 
 
@@ -49,6 +52,10 @@ def measure_run(jobs: list[dict], producer: dict | None, wall_s: float,
         "every_sample_once": all(e["missing"] == 0 and e["repeated"] == 0
                                  for j in jobs for e in j["epochs"]),
     }
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def _ms(x: float | None) -> str:
@@ -95,6 +102,8 @@ def table(runs: dict[str, dict], ideal: float, costs: dict, jobs: int, epochs: i
          _ms(s["trainer_ms_per_batch"]), ""),
         ("CPU seconds, start-up included", f"{b['cpu_s']:.1f}", f"{s['cpu_s']:.1f}",
          _ratio(b["cpu_s"], s["cpu_s"])),
+        ("CPU seconds of other processes meanwhile", _num(b["other_cpu_s"]),
+         _num(s["other_cpu_s"]), ""),
         ("CPU ms per sample, training", f"{b['cpu_ms_per_sample']:.1f}",
          f"{s['cpu_ms_per_sample']:.1f}", _ratio(b["cpu_ms_per_sample"],
                                                   s["cpu_ms_per_sample"])),
@@ -111,6 +120,12 @@ def table(runs: dict[str, dict], ideal: float, costs: dict, jobs: int, epochs: i
     speedup = s["samples_per_s"] / b["samples_per_s"]
     saved = b["train_cpu_s"] - s["train_cpu_s"]
     lb, ls = b["loader_ms_per_batch"], s["loader_ms_per_batch"]
+    busy = [f"{m} run {runs[m]['other_cpu_s']:.1f} CPU seconds" for m in MODES
+            if (runs[m]["other_cpu_s"] or 0) > OTHER_WORK_FRACTION * runs[m]["cpu_s"]]
+    notes = [f"Other processes kept this machine busy ({', '.join(busy)}, against "
+             f"{b['cpu_s']:.1f} and {s['cpu_s']:.1f} of the runs' own): the runs did not "
+             "get the same machine, so the ratios above are skewed. Run the demo again on a "
+             "quiet machine."] if busy else []
     for text in (
             f"Sharing one loader trained the {jobs} jobs {speedup:.2f}x as fast in all and "
             f"saved {saved:.1f} CPU seconds while training ({100 * saved / b['train_cpu_s']:.0f}%"
@@ -120,7 +135,7 @@ def table(runs: dict[str, dict], ideal: float, costs: dict, jobs: int, epochs: i
             f"the runs (one thread each), the model predicts {ideal:.2f}x on these {cores} "
             "cores (N (L + T) / (L + N T) where every core is busy). In the runs, loading "
             f"cost {_ms(lb)} per batch in each of the baseline's {jobs} loaders and "
-            f"{_ms(ls)} in the shared one."):
+            f"{_ms(ls)} in the shared one.", *notes):
         print("\n" + textwrap.fill(text, 96, initial_indent="  ", subsequent_indent="  "),
               file=out, flush=True)
 

@@ -211,6 +211,7 @@ class _Run:
     def execute(self) -> dict:
         """Run the children to the end; the run's figures (report.measure_run)."""
         cpu0, t0 = _children_cpu_s(), time.monotonic()
+        busy0, own0 = harness.machine_busy_seconds(), time.process_time()
         try:
             self.start()
             self.follow()
@@ -226,6 +227,11 @@ class _Run:
                 remove_leftovers(self.demo.name)
         figures = report.measure_run([self.jobs[k] for k in sorted(self.jobs)], self.producer,
                                      time.monotonic() - t0, _children_cpu_s() - cpu0)
+        busy1 = harness.machine_busy_seconds()
+        # What the rest of the machine did meanwhile: all CPUs' busy time less this run's
+        # processes and this parent (a busy machine skews the comparison).
+        figures["other_cpu_s"] = None if busy0 is None or busy1 is None else max(
+            0.0, busy1 - busy0 - figures["cpu_s"] - (time.process_time() - own0))
         if not figures["every_sample_once"]:
             found = [(rank, e + 1, c["missing"], c["repeated"])
                      for rank, j in sorted(self.jobs.items()) for e, c in enumerate(j["epochs"])

@@ -298,8 +298,10 @@ def test_demo_runs_both_and_every_job_gets_every_sample(runner, tmp_path):
     assert shared["jobs"][0]["epochs"] == shared["jobs"][1]["epochs"]
     assert shared["producer"]["batches"] == 2 * 2  # 64 samples in batches of 32, 2 epochs
     assert "producer" not in doc["runs"]["baseline"]
+    assert all(doc["runs"][m]["other_cpu_s"] >= 0 for m in ("baseline", "shared"))
     for row in ("a DataLoader each", "one shared loader", "samples/s, all jobs",
-                "CPU seconds while training", "every sample once per epoch (2 jobs x 2)"):
+                "CPU seconds while training", "CPU seconds of other processes meanwhile",
+                "every sample once per epoch (2 jobs x 2)"):
         assert row in out, out
     ratio = doc["runs"]["shared"]["samples_per_s"] / doc["runs"]["baseline"]["samples_per_s"]
     assert f"trained the 2 jobs {ratio:.2f}x as fast" in out, out

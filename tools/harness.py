@@ -470,6 +470,18 @@ class Children:
 # -- the machine --------------------------------------------------------------------------
 
 
+def machine_busy_seconds() -> float | None:
+    """CPU-seconds the whole machine spent busy since boot, all CPUs (/proc/stat's first
+    line: every state but idle and iowait); None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def loadavg() -> list[float] | None:
     """The 1, 5 and 15 minute load averages."""
     try:
