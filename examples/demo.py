@@ -18,6 +18,8 @@ machine (``_demo_report.ideal_speedup``).
   (``TensorProducer(loader, min_consumers=N)``, with the N jobs' workers together, at most
   the machine's cores), and N job processes iterate ``TensorConsumer(name=...)``.
 
+The CPU that other processes used during each run is measured too (the machine's busy time
+less the runs'): where it exceeds a tenth of a run's own, the comparison says it is skewed.
 Both loaders' workers keep a padded heap (the producer's ``worker_heap_pad`` default, and
 the same pad for the baseline's), so what differs is sharing alone. Each job checks by id
 that it trained on every sample exactly once per epoch. The children are this script
