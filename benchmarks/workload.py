@@ -91,11 +91,16 @@ def make_image(i: int, size: int) -> bytes:
 
 
 def _pool(processes: int) -> "multiprocessing.pool.Pool":
-    """A pool of forked processes whose SIGTERM is the default one: the caller's handler
-    (a script's, turning SIGTERM into an exception) would make Pool.terminate() print
-    each worker's traceback."""
-    return multiprocessing.get_context("fork").Pool(
-        processes, initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_DFL))
+    """A pool of forked processes whose SIGTERM is the default one and that ignore SIGINT:
+    the caller's handlers (a script's, turning them into exceptions) would make each worker
+    print a traceback at Pool.terminate() or Ctrl-C."""
+    return multiprocessing.get_context("fork").Pool(processes, initializer=_quiet_worker)
+
+
+def _quiet_worker() -> None:
+    """A pool worker: SIGTERM ends it (Pool.terminate), Ctrl-C is its caller's to handle."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _write_image(tmp: Path, size: int, i: int) -> None:

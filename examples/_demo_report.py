@@ -1,8 +1,8 @@
 """The comparison that examples/demo.py prints (and draws, with --plot): the same jobs
 run once with a DataLoader each and once through one shared loader, measured side by side.
 
-``measure_run()`` turns one run's child reports into its figures; ``ideal_speedup()``
-says what sharing can give at best for the measured per-batch costs; ``table()`` prints
+``measure_run()`` turns one run's child reports into its figures; ``model_speedup()``
+says what a model of the measured per-batch costs predicts; ``table()`` prints
 both runs; ``plot()`` draws them with matplotlib.
 """
 
@@ -24,9 +24,10 @@ def measure_run(jobs: list[dict], producer: dict | None, wall_s: float,
     CLOCK_MONOTONIC seconds, and train_cpu_s: its CPU and its loader workers' while it
     trained), the producer's (its loading CPU, work_cpu_s), the run's wall time and the CPU
     seconds of all its processes from start to exit. The run's training window starts when
-    its loading starts, every process set up (the producer's first, else the jobs' last
-    first: they start together), and ends when its last job finished."""
-    start = producer["first"] if producer is not None else max(j["first"] for j in jobs)
+    its loading starts, every process set up (the producer's first, else the jobs' first
+    first: the start signal, all jobs got it together), and ends when its last job
+    finished."""
+    start = producer["first"] if producer is not None else min(j["first"] for j in jobs)
     end = max(j["last"] for j in jobs)
     window = max(end - start, 1e-9)
     samples = sum(j["samples"] for j in jobs)
@@ -34,8 +35,8 @@ def measure_run(jobs: list[dict], producer: dict | None, wall_s: float,
     trained = sum(j["batches"] for j in jobs)  # batches trained on, all jobs together
     if producer is None:  # each job's DataLoader workers loaded the batches it trained on
         loading_s, loaded = sum(j["workers_cpu_s"] for j in jobs), trained
-    else:  # the producer loaded each batch once (its process: workers and publishing)
-        loading_s, loaded = producer["work_cpu_s"], producer["batches"]
+    else:  # the producer's workers loaded each batch once
+        loading_s, loaded = producer["workers_cpu_s"], producer["batches"]
     return {
         "wall_s": wall_s,
         "train_s": window,
@@ -48,6 +49,9 @@ def measure_run(jobs: list[dict], producer: dict | None, wall_s: float,
         "loader_ms_per_batch": 1e3 * loading_s / loaded if loaded else None,
         "trainer_ms_per_batch": 1e3 * sum(j["trainer_cpu_s"] for j in jobs) / trained
         if trained else None,
+        # the producer process itself (receiving from its workers, publishing, the ring)
+        "producer_ms_per_batch": 1e3 * producer["own_cpu_s"] / loaded
+        if producer is not None and loaded else None,
         "final_loss": [j["final_loss"] for j in jobs],
         "every_sample_once": all(e["missing"] == 0 and e["repeated"] == 0
                                  for j in jobs for e in j["epochs"]),
@@ -62,27 +66,30 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f} ms"
 
 
-def ideal_speedup(loader_s: float, train_s: float, jobs: int, cores: int,
-                  job_workers: int, producer_workers: int) -> float:
-    """The best ratio of samples/s, shared over baseline, for a loader costing `loader_s`
-    and a training step `train_s` CPU seconds per batch: each side runs at the rate its
-    bottleneck allows, the loader's workers (L / workers per batch, pipelined with
-    training), training (T per batch), or the machine's cores (all jobs' CPU per batch
-    over `cores`). N jobs each loading for itself need N (L + T) per batch of every job;
-    one shared loader needs L + N T."""
-    baseline_per_job = min(1.0 / max(loader_s / job_workers, train_s),
-                           cores / (jobs * (loader_s + train_s)))
-    shared_per_job = min(1.0 / max(loader_s / producer_workers, train_s),
-                         cores / (loader_s + jobs * train_s))
-    return shared_per_job / baseline_per_job
+def model_speedup(loader_s: float, train_s: float, jobs: int, cores: int,
+                  job_workers: int, producer_workers: int) -> tuple[float, bool]:
+    """The model's ratio of samples/s, shared over baseline, for a loader costing `loader_s`
+    and a training step `train_s` CPU seconds per batch, and whether the cores limit both
+    sides (then it is N (L + T) / (L + N T)). Each side runs at the rate its slowest part
+    allows: the loader's workers (L / workers per batch, pipelined with training), training
+    (T per batch), or the machine's cores (all jobs' CPU per batch over `cores`). N jobs
+    each loading for itself need N (L + T) per batch of every job; one shared loader needs
+    L + N T. A prediction, not a bound: it leaves out what a DataLoader costs the job that
+    receives its batches, and what publishing costs."""
+    baseline_pace = 1.0 / max(loader_s / job_workers, train_s)
+    baseline_cores = cores / (jobs * (loader_s + train_s))
+    shared_pace = 1.0 / max(loader_s / producer_workers, train_s)
+    shared_cores = cores / (loader_s + jobs * train_s)
+    ratio = min(shared_pace, shared_cores) / min(baseline_pace, baseline_cores)
+    return ratio, baseline_cores <= baseline_pace and shared_cores <= shared_pace
 
 
 def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or a == 0 else f"{b / a:.2f}x"
 
 
-def table(runs: dict[str, dict], ideal: float, costs: dict, jobs: int, epochs: int,
-          cores: int, out: TextIO) -> None:
+def table(runs: dict[str, dict], model: tuple[float, bool], costs: dict, jobs: int,
+          epochs: int, cores: int, out: TextIO) -> None:
     """Both runs side by side, the ratios, and what they mean against the model."""
     b, s = runs["baseline"], runs["shared"]
     rows = [
@@ -96,9 +103,10 @@ def table(runs: dict[str, dict], ideal: float, costs: dict, jobs: int, epochs: i
          " ".join(f"{v:.0f}" for v in s["samples_per_s_per_job"]), ""),
         ("CPU seconds while training", f"{b['train_cpu_s']:.1f}", f"{s['train_cpu_s']:.1f}",
          _ratio(b["train_cpu_s"], s["train_cpu_s"])),
-        ("  loading, per batch loaded", _ms(b["loader_ms_per_batch"]),
+        ("  loader workers, per batch loaded", _ms(b["loader_ms_per_batch"]),
          _ms(s["loader_ms_per_batch"]), ""),
-        ("  training, per batch and job", _ms(b["trainer_ms_per_batch"]),
+        ("  producer process, per batch", "-", _ms(s["producer_ms_per_batch"]), ""),
+        ("  job processes, per batch and job", _ms(b["trainer_ms_per_batch"]),
          _ms(s["trainer_ms_per_batch"]), ""),
         ("CPU seconds, start-up included", f"{b['cpu_s']:.1f}", f"{s['cpu_s']:.1f}",
          _ratio(b["cpu_s"], s["cpu_s"])),
@@ -119,6 +127,10 @@ def table(runs: dict[str, dict], ideal: float, costs: dict, jobs: int, epochs: i
             c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)), file=out)
     speedup = s["samples_per_s"] / b["samples_per_s"]
     saved = b["train_cpu_s"] - s["train_cpu_s"]
+    ratio, cores_bound = model
+    cpu = (f"saved {saved:.1f} CPU seconds while training ({100 * saved / b['train_cpu_s']:.0f}%"
+           " of the baseline's)") if saved >= 0 else \
+        f"used {-saved:.1f} CPU seconds more while training"
     lb, ls = b["loader_ms_per_batch"], s["loader_ms_per_batch"]
     busy = [f"{m} run {runs[m]['other_cpu_s']:.1f} CPU seconds" for m in MODES
             if (runs[m]["other_cpu_s"] or 0) > OTHER_WORK_FRACTION * runs[m]["cpu_s"]]
@@ -128,20 +140,22 @@ def table(runs: dict[str, dict], ideal: float, costs: dict, jobs: int, epochs: i
              "quiet machine."] if busy else []
     for text in (
             f"Sharing one loader trained the {jobs} jobs {speedup:.2f}x as fast in all and "
-            f"saved {saved:.1f} CPU seconds while training ({100 * saved / b['train_cpu_s']:.0f}%"
-            " of the baseline's).",
+            f"{cpu}.",
             f"With L = {1e3 * costs['loader_s']:.0f} ms of loading and T = "
             f"{1e3 * costs['train_s']:.0f} ms of training per batch, measured alone before "
-            f"the runs (one thread each), the model predicts {ideal:.2f}x on these {cores} "
-            "cores (N (L + T) / (L + N T) where every core is busy). In the runs, loading "
-            f"cost {_ms(lb)} per batch in each of the baseline's {jobs} loaders and "
-            f"{_ms(ls)} in the shared one.", *notes):
+            f"the runs (one thread each), the model in examples/_demo_report.py predicts "
+            f"{ratio:.2f}x on these {cores} cores"
+            + (" (N (L + T) / (L + N T): every core busy in both runs)" if cores_bound else
+               " (limited by the loaders' workers, not the cores)")
+            + f". In the runs, the loader workers spent {_ms(lb)} per batch in the "
+            f"baseline and {_ms(ls)} in the shared run.", *notes):
         print("\n" + textwrap.fill(text, 96, initial_indent="  ", subsequent_indent="  "),
               file=out, flush=True)
 
 
 def plot(runs: dict[str, dict], ideal: float, path: str) -> None:
-    """Two bar charts, samples/s and CPU seconds, baseline against shared, into `path`."""
+    """Two bar charts, samples/s and CPU seconds, baseline against shared, into `path`;
+    `ideal`: the model's prediction, drawn as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,7 +166,7 @@ def plot(runs: dict[str, dict], ideal: float, path: str) -> None:
     rates = [runs[m]["samples_per_s"] for m in MODES]
     left.bar(labels, rates, color=["#999999", "#2a7ab9"])
     left.axhline(rates[0] * ideal, color="#2a7ab9", linestyle="--", linewidth=1,
-                 label=f"best possible ({ideal:.2f}x)")
+                 label=f"model's prediction ({ideal:.2f}x)")
     left.set_title("samples/s, all jobs (higher is better)")
     left.legend(loc="lower right", fontsize=8)
     right.bar(labels, [runs[m]["train_cpu_s"] for m in MODES], color=["#999999", "#2a7ab9"])

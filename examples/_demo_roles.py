@@ -146,10 +146,12 @@ def run_producer(args) -> None:
     """The shared producer: the same DataLoader, run once for every job."""
     from tensorsocket import TensorProducer
 
-    # heap pad 0 here: the producer pads its loader's workers itself (worker_heap_pad).
+    # heap pad 0 here: the producer pads its loader's workers itself, by the same HEAP_PAD
+    # as the baseline's (given, so that TENSORSOCKET_WORKER_HEAP_PAD cannot make the runs
+    # differ). start_grace=0: every job of the run is counted in min_consumers.
     loader = make_loader(args.images_dir, args.batch, args.workers, 0)
-    # start_grace=0: every job of the run is counted in min_consumers, none is late.
     producer = TensorProducer(loader, name=args.name, min_consumers=args.jobs, start_grace=0,
+                              worker_heap_pad=HEAP_PAD,
                               start_timeout=args.child_timeout,
                               publish_timeout=args.child_timeout)
     try:

@@ -19,6 +19,7 @@ import io
 import json
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
@@ -309,6 +310,29 @@ def test_demo_runs_both_and_every_job_gets_every_sample(runner, tmp_path):
     assert _runtime_leftovers(runner, demo_name) == []
 
 
+def test_demo_terminated_in_its_shared_run_leaves_nothing(runner):
+    """SIGTERM to the demo once its shared run is publishing: exit 143 with one line, the
+    producer and the jobs stopped (the fixture: no process, no segment) and nothing left
+    in the runtime directory."""
+    p = runner.start("demo.py", "--jobs", "2", "--images", "64", "--epochs", "30",
+                     "--no-live")
+    seen, deadline = [], time.monotonic() + 180
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    while not any("producer  epoch 1/30 published" in line for line in seen):
+        assert time.monotonic() < deadline and p.poll() is None, "".join(seen)
+        runner.note()
+        if sel.select(timeout=0.5):
+            seen.append(p.stdout.readline())
+    sel.close()
+    p.send_signal(signal.SIGTERM)
+    out = "".join(seen) + runner._wait(p, 60)
+    assert p.returncode == 143, out
+    assert out.rstrip().splitlines()[-1] == "demo.py: terminated", out
+    demo_name = re.search(r"producer name '(demo-\d+)'", out).group(1)
+    assert _runtime_leftovers(runner, demo_name) == []
+
+
 def test_demo_failure_is_one_line_and_cleans_up(runner):
     """A demo whose runs cannot finish in --timeout: one error line and a hint, no
     traceback, exit 1, every child stopped (the fixture) and nothing left behind."""
@@ -365,19 +389,21 @@ def test_demo_plot_draws_both_runs(tmp_path):
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_ideal_speedup_follows_the_bottleneck():
-    """The best ratio the demo prints: N (L + T) / (L + N T) when every core is busy, the
-    loader's workers' limit where cores are many."""
+def test_demo_model_follows_the_bottleneck():
+    """The model's ratio the demo prints: N (L + T) / (L + N T) when every core is busy, the
+    loader's workers' limit where cores are many (and it says which)."""
     sys.path.insert(0, str(EXAMPLES))
     try:
-        from _demo_report import ideal_speedup
+        from _demo_report import model_speedup
     finally:
         sys.path.remove(str(EXAMPLES))
     L, T = 0.13, 0.015
-    assert ideal_speedup(L, T, 3, 2, 1, 2) == pytest.approx(3 * (L + T) / (L + 3 * T))
+    ratio, cores_bound = model_speedup(L, T, 3, 2, 1, 2)
+    assert ratio == pytest.approx(3 * (L + T) / (L + 3 * T)) and cores_bound
     # 64 cores: each baseline job runs at its one worker's pace (1/L), the shared loader's
     # 3 workers make batches 3 times as fast, each consumer takes all of them.
-    assert ideal_speedup(L, T, 3, 64, 1, 3) == pytest.approx(3.0)
+    ratio, cores_bound = model_speedup(L, T, 3, 64, 1, 3)
+    assert ratio == pytest.approx(3.0) and not cores_bound
 
 
 def test_demo_checks_the_environment_first(runner, tmp_path):

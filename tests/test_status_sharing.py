@@ -294,6 +294,10 @@ def test_bottleneck_rules():
     # c waits least, but the producer waits for b's slot.
     assert stuck.side == "consumer" and stuck.consumer == b and stuck.others_waiting == 0.01
     assert sharing_report.bottleneck(0.9, [a, c]).consumer == c  # nobody holds it: least
+    # Nothing published in the interval: idle, unless the producer is stuck on a slot.
+    assert sharing_report.bottleneck(0.0, [a, b], published=0).side == "idle"
+    assert sharing_report.bottleneck(0.9, [a, b], published=0).side == "consumer"
+    assert sharing_report.bottleneck(0.05, [a], published=3).side == "loader"
     assert sharing_report.loader_cpu_saved_seconds(2.0, 30, 10) == 4.0
     assert sharing_report.loader_cpu_saved_seconds(2.0, 5, 10) == 0.0  # never below 0
     assert sharing_report.loader_cpu_saved_seconds(2.0, 5, 0) is None

@@ -471,15 +471,22 @@ class Children:
 
 
 def machine_busy_seconds() -> float | None:
-    """CPU-seconds the whole machine spent busy since boot, all CPUs (/proc/stat's first
-    line: every state but idle and iowait); None where it cannot be read."""
+    """CPU-seconds the CPUs this process may run on spent busy since boot (/proc/stat's
+    per-CPU lines: user, nice, system, irq, softirq; not idle, iowait, nor steal, the
+    time a hypervisor gave to other guests); None where it cannot be read. On a shared
+    host the other CPUs' work is not this machine's business."""
+    mine = {f"cpu{n}" for n in os.sched_getaffinity(0)}
     try:
         with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
+            lines = [line.split() for line in f if line.startswith("cpu")]
     except OSError:
         return None
-    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    busy = 0
+    for fields in lines:
+        if fields[0] in mine:
+            ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            busy += ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def loadavg() -> list[float] | None:

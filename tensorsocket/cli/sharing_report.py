@@ -49,7 +49,7 @@ class ConsumerWait:
 class Bottleneck:
     """Which side limits the producer's pace over an interval."""
 
-    side: str  # "loader", "consumer" or "balanced"
+    side: str  # "loader", "consumer", "balanced" or "idle"
     producer_waiting: float  # fraction of the interval the producer waited for slots
     consumer: ConsumerWait | None = None  # side "consumer": the one everyone waits for
     others_waiting: float | None = None  # the other active consumers' least waiting
@@ -74,11 +74,14 @@ def loader_cpu_saved_seconds(loader_cpu: float | None, batches_delivered: int | 
     return max(0.0, loader_cpu * (batches_delivered / batches_published - 1))
 
 
-def bottleneck(producer_waiting: float | None,
-               consumers: Sequence[ConsumerWait]) -> Bottleneck | None:
+def bottleneck(producer_waiting: float | None, consumers: Sequence[ConsumerWait],
+               published: int | None = None) -> Bottleneck | None:
     """The bottleneck over an interval; None without a measured interval or an active
     consumer with a measured wait.
 
+    "idle": no batch was published in the interval (`published` == 0) while the producer
+    did not wait for slots: it is between epochs, waiting for consumers or done, so
+    neither side is holding the other up.
     "loader": the producer waited for slots less than LOADER_BOUND_PRODUCER_WAIT and every
     consumer waited for batches at least LOADER_BOUND_CONSUMER_WAIT. "consumer": the
     producer waited for slots at least CONSUMER_BOUND_PRODUCER_WAIT; the bottleneck is,
@@ -87,6 +90,8 @@ def bottleneck(producer_waiting: float | None,
     if producer_waiting is None or not consumers:
         return None
     least = min(c.waiting for c in consumers)
+    if published == 0 and producer_waiting < CONSUMER_BOUND_PRODUCER_WAIT:
+        return Bottleneck("idle", producer_waiting, consumers_waiting=least)
     if producer_waiting < LOADER_BOUND_PRODUCER_WAIT and least >= LOADER_BOUND_CONSUMER_WAIT:
         return Bottleneck("loader", producer_waiting, consumers_waiting=least)
     if producer_waiting >= CONSUMER_BOUND_PRODUCER_WAIT:
@@ -116,6 +121,8 @@ def bottleneck_text(b: Bottleneck | None) -> str:
             f", the others wait {_pct(b.others_waiting)}"
         return (f"bottleneck: consumer {b.consumer.index} (pid {b.consumer.pid}): the "
                 f"producer waits for its slots {_pct(b.producer_waiting)}{others}")
+    if b.side == "idle":
+        return "bottleneck: none (idle: no batch published in the interval)"
     return (f"bottleneck: none (balanced: the producer waits for slots "
             f"{_pct(b.producer_waiting)}, consumers for batches at least "
             f"{_pct(b.consumers_waiting or 0.0)})")

@@ -166,10 +166,34 @@ def process_tree_cpu(pid: int) -> float | None:
 
     DataLoader workers are children of the producer, so this is what running the loader
     costs, the workers of past epochs (a DataLoader without persistent_workers starts new
-    ones each epoch) included: a process counts once, live or in its reaper's total."""
+    ones each epoch) included: a process counts once, live or in its reaper's total. A
+    child reaped during the walk, after its parent was read and before it was, would be
+    in neither: the walk is taken again (at most 3 times) while a parent's reaped total
+    moved under it."""
+    total = None
+    for _ in range(3):
+        walk = _tree_walk(pid)
+        if walk is None:
+            return None
+        total, reaped = walk
+        if all(_reaped_ticks(p) == ticks for p, ticks in reaped.items()):
+            break
+    return total
+
+
+def _reaped_ticks(pid: int) -> int | None:
+    """cutime + cstime of pid, None if it is gone."""
+    stat = _core.process_stat(pid)
+    return None if stat is None else stat["cutime"] + stat["cstime"]
+
+
+def _tree_walk(pid: int) -> tuple[float, dict[int, int]] | None:
+    """One walk of /proc: the CPU seconds of pid's tree (as process_tree_cpu counts it),
+    and the reaped ticks (cutime + cstime) of each process of the tree with children."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
     cpu: dict[int, float] = {}
+    reaped: dict[int, int] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -180,18 +204,21 @@ def process_tree_cpu(pid: int) -> float | None:
             continue  # not a process, or gone meanwhile
         p = int(entry)
         parents[p] = stat["ppid"]
-        cpu[p] = (stat["utime"] + stat["stime"] + stat["cutime"] + stat["cstime"]) / tick
+        reaped[p] = stat["cutime"] + stat["cstime"]
+        cpu[p] = (stat["utime"] + stat["stime"] + reaped[p]) / tick
     if pid not in cpu:
         return None
     children: dict[int, list[int]] = {}
     for p, parent in parents.items():
         children.setdefault(parent, []).append(p)
-    total, todo = 0.0, [pid]
+    total, todo, in_tree = 0.0, [pid], {}
     while todo:
         p = todo.pop()
         total += cpu.get(p, 0.0)
+        if p in children:
+            in_tree[p] = reaped.get(p, 0)
         todo.extend(children.get(p, ()))
-    return total
+    return total, in_tree
 
 
 def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | None]:
@@ -339,7 +366,10 @@ def _add_sharing_rates(now: ProducerStatus, raw: dict, before: dict, dt: float) 
     waits = [ConsumerWait(index=c.index, pid=c.pid, waiting=c.waiting,
                           holds_next=bool(raw["next_readers"] >> c.index & 1))
              for c in now.consumers if c.state == "active" and c.alive and c.waiting is not None]
-    now.bottleneck_detail = sharing_report.bottleneck(now.publish_wait_fraction, waits)
+    published = None if raw["batches"] is None or before["batches"] is None else \
+        raw["batches"] - before["batches"]
+    now.bottleneck_detail = sharing_report.bottleneck(now.publish_wait_fraction, waits,
+                                                      published)
 
 
 class Survey:

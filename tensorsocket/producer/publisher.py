@@ -100,9 +100,12 @@ class EpochPublisher:
             batch = self._settings.pack_fn(batch)
         meta, leaves = self._encoder.flatten(batch)
         meta = with_ids(meta, self._sample_ids.next_ids())
-        if self._state.ring is None:
+        if self._state.ring is None:  # making it (sized to its slots) is set-up too
+            made = time.thread_time_ns()
             self._state.ring = self._rings.make(meta, leaves, self._epochs.length())
-            self._state.ring.note_setup_cpu(self._setup_cpu_ns or 0)
+            making = time.thread_time_ns() - made
+            self._state.ring.note_setup_cpu((self._setup_cpu_ns or 0) + making)
+            start += making
         self._gate.wait(self._state.ring, first=self.batches == 0)
         self._publish(meta, leaves, index=index)
         self._state.ring.note_publish_cpu(time.thread_time_ns() - start)
