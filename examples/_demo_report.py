@@ -145,7 +145,7 @@ def table(runs: dict[str, dict], model: tuple[float, bool], costs: dict, jobs: i
             f"{1e3 * costs['train_s']:.0f} ms of training per batch, measured alone before "
             f"the runs (one thread each), the model in examples/_demo_report.py predicts "
             f"{ratio:.2f}x on these {cores} cores"
-            + (" (N (L + T) / (L + N T): every core busy in both runs)" if cores_bound else
+            + (" (N(L+T)/(L+NT): every core busy in both runs)" if cores_bound else
                " (limited by the loaders' workers, not the cores)")
             + f". In the runs, the loader workers spent {_ms(lb)} per batch in the "
             f"baseline and {_ms(ls)} in the shared run.", *notes):
