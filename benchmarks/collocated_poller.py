@@ -14,20 +14,6 @@ from bench_common import harness, vm_kb
 POLL_S = 0.25  # /proc/<pid>/stat and status of the run's processes
 SLOW_POLL_EVERY = 4  # PSS and shared-memory objects every 4th poll (1 s)
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _proc_cpu_s(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rfind(")") + 2:].split()
-    # fields[0] is field 3 (state): utime is field 14, stime field 15.
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
 def _proc_pss_kb(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -115,7 +101,7 @@ class Poller(threading.Thread):
         now = time.monotonic()
         pids = self.pids(discover=slow or len(self.series) < 8)
         for pid in pids:
-            c = _proc_cpu_s(pid)
+            c = harness().process_cpu_seconds(pid)
             if c is not None:
                 self.cpu[pid] = max(c, self.cpu.get(pid, 0.0))
             hwm = vm_kb(pid).get("VmHWM")

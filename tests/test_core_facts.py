@@ -162,15 +162,21 @@ def test_harness_walks_trees_without_importing_the_package():
 
 
 def test_proc_stat_is_parsed_in_one_place():
-    """Only csrc/base/ts_proc.c opens /proc/<pid>/stat."""
-    readers = []
+    """Only csrc/base/ts_proc.c opens /proc/<pid>/stat; only tools/harness.py the machine's
+    /proc/stat (machine_busy_seconds: the demo and the collocated benchmark)."""
+    readers, machine = [], []
     for path in [*ROOT.joinpath("tensorsocket").rglob("*.py"), ROOT / "tools" / "harness.py",
-                 *CSRC.rglob("*.c")]:
+                 *ROOT.joinpath("benchmarks").glob("*.py"),
+                 *ROOT.joinpath("examples").glob("*.py"), *CSRC.rglob("*.c")]:
         if path.parent.name == "tests":
             continue
-        if re.search(r'/stat["\'][,)]', path.read_text()):  # the path, as an argument
+        text = path.read_text()
+        if re.search(r'(?<!/proc)/stat["\'][,)]', text):  # a process's, as an argument
             readers.append(str(path.relative_to(ROOT)))
+        if re.search(r'["\']/proc/stat["\']', text):
+            machine.append(str(path.relative_to(ROOT)))
     assert readers == ["csrc/base/ts_proc.c"]
+    assert machine == ["tools/harness.py"]
 
 
 # -- the binding: arguments, slices, accessors ------------------------------------------------

@@ -171,6 +171,14 @@ def _process_stat() -> Any:
     return core.process_stat
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) of process pid itself, None if it is gone."""
+    stat = _process_stat()(pid)
+    if stat is None:
+        return None
+    return (stat["utime"] + stat["stime"]) / os.sysconf("SC_CLK_TCK")
+
+
 def _parents() -> dict[int, int]:
     """pid -> parent pid of every process (from /proc)."""
     process_stat = _process_stat()
