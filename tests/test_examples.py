@@ -310,6 +310,7 @@ def test_demo_runs_both_and_every_job_gets_every_sample(runner, tmp_path):
     assert _runtime_leftovers(runner, demo_name) == []
 
 
+@pytest.mark.slow  # 40 s: 30 epochs of the baseline first, so that the shared run is long
 def test_demo_terminated_in_its_shared_run_leaves_nothing(runner):
     """SIGTERM to the demo once its shared run is publishing: exit 143 with one line, the
     producer and the jobs stopped (the fixture: no process, no segment) and nothing left
