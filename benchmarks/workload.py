@@ -225,28 +225,34 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest dynamic mmap threshold (64-bit)
 CALIBRATION_TOP_PAD = 16 << 20  # tensorsocket's default worker_heap_pad
 
 
-def pad_heap(top_pad: int, worker_id: int = 0) -> None:
+def pad_heap(top_pad: int, worker_id: int = 0, strict: bool = True) -> None:
     """glibc only: keep ``top_pad`` bytes at the top of this process's heap (``mallopt
     M_TOP_PAD``) and serve blocks under 32 MiB from the heap (``M_MMAP_THRESHOLD``), so
     that freeing a decoded image never hands memory back to the kernel only for the next
     image to fault it in again. A DataLoader ``worker_init_fn``. Both are needed: setting
     either one turns off glibc's dynamic thresholds, and M_TOP_PAD alone leaves images
-    above the inherited mmap threshold to be mapped and unmapped one by one."""
+    above the inherited mmap threshold to be mapped and unmapped one by one. OSError where
+    mallopt refuses (not glibc, or a sanitizer's allocator), unless not `strict`: then the
+    heap is left as it is, as tensorsocket's producer leaves it there."""
     del worker_id
     libc = ctypes.CDLL(None)
     for option, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TOP_PAD, int(top_pad))):
         if libc.mallopt(option, value) != 1:
+            if not strict:
+                return
             raise OSError(f"mallopt({option}, {value}) failed")
 
 
 def make_loader(dataset: JpegDataset, batch_size: int, workers: int, seed: int = 0,
-                epoch: int = 0, worker_top_pad: int = 0) -> torch.utils.data.DataLoader:
+                epoch: int = 0, worker_top_pad: int = 0,
+                strict_pad: bool = True) -> torch.utils.data.DataLoader:
     """A shuffling DataLoader whose order depends only on ``seed`` and ``epoch``; with
     ``worker_top_pad`` > 0 each worker calls ``pad_heap(worker_top_pad)`` first."""
     dataset.set_epoch(epoch)
     gen = torch.Generator()
     gen.manual_seed(seed * 1000 + epoch)
-    init = functools.partial(pad_heap, worker_top_pad) if worker_top_pad > 0 else None
+    init = functools.partial(pad_heap, worker_top_pad, strict=strict_pad) \
+        if worker_top_pad > 0 else None
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True,
                                        num_workers=workers, generator=gen, worker_init_fn=init)
 
@@ -317,11 +323,11 @@ class Trainer:
 
 
 def _loader_cpu_s(root: str, batch_size: int, batches: int, warmup: int,
-                  top_pad: int) -> tuple[float, float]:
+                  top_pad: int, strict_pad: bool = True) -> tuple[float, float]:
     """CPU and wall seconds per batch of ``dataset[i]`` x batch + collate in this
     process (one thread), after ``pad_heap(top_pad)``: what one padded worker does."""
     torch.set_num_threads(1)
-    pad_heap(top_pad)
+    pad_heap(top_pad, strict=strict_pad)
     ds = JpegDataset(root, seed=0)
     order = np.random.default_rng(0).permutation(len(ds))
     collate = torch.utils.data.default_collate
@@ -339,7 +345,8 @@ def _loader_cpu_s(root: str, batch_size: int, batches: int, warmup: int,
 
 
 def calibrate(root: str | os.PathLike, batch_size: int, batches: int = 6,
-              warmup: int = 1, top_pad: int = CALIBRATION_TOP_PAD) -> dict:
+              warmup: int = 1, top_pad: int = CALIBRATION_TOP_PAD,
+              strict_pad: bool = True) -> dict:
     """Loader-only and train-only CPU cost per batch, one thread each.
 
     loader: ``dataset[i]`` for a shuffled run of indices plus ``default_collate``, what one
@@ -356,7 +363,7 @@ def calibrate(root: str | os.PathLike, batch_size: int, batches: int = 6,
     try:
         with _pool(1) as pool:
             load_s, load_wall_s = pool.apply(
-                _loader_cpu_s, (str(root), batch_size, batches, warmup, top_pad))
+                _loader_cpu_s, (str(root), batch_size, batches, warmup, top_pad, strict_pad))
         ds = JpegDataset(root, seed=0)
         collate = torch.utils.data.default_collate
         x, y, _ = collate([ds[i] for i in range(batch_size)])

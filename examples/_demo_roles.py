@@ -71,7 +71,8 @@ def cpu_seconds() -> float:
 def make_loader(images: str, batch: int, workers: int, heap_pad: int):
     """The DataLoader every mode runs: shuffled, seeded, `workers` worker processes."""
     dataset = workload.JpegDataset(images, seed=SEED)
-    return workload.make_loader(dataset, batch, workers, seed=SEED, worker_top_pad=heap_pad)
+    return workload.make_loader(dataset, batch, workers, seed=SEED, worker_top_pad=heap_pad,
+                                strict_pad=False)  # as the producer: unpadded where it cannot
 
 
 class EpochCheck:
