@@ -31,6 +31,7 @@ sys.path.append(str(HERE.parent / "benchmarks"))  # workload.py: the benchmark's
 sys.path.append(str(HERE.parent))  # tools/: this checkout's, not installed
 
 import workload  # noqa: E402
+from bench_common import children_cpu_seconds  # noqa: E402  (its loader workers)
 
 from tools import harness  # noqa: E402
 
@@ -54,13 +55,6 @@ def own_cpu_seconds() -> float:
     """CPU seconds of this process."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     return own.ru_utime + own.ru_stime
-
-
-def children_cpu_seconds() -> float:
-    """CPU seconds of this process's reaped children (its loader workers: a DataLoader
-    without persistent workers ends them, reaped, at the end of each epoch)."""
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return kids.ru_utime + kids.ru_stime
 
 
 def cpu_seconds() -> float:
@@ -169,10 +163,10 @@ def run_producer(args) -> None:
                                f"{args.child_timeout:g} s")
     finally:
         producer.close()
+    own, kids = own_cpu_seconds() - own0, children_cpu_seconds() - kids0
     emit("result", batches=stats["batches"], bytes_copied=stats["bytes_copied"],
-         cpu_s=cpu_seconds(), own_cpu_s=own_cpu_seconds() - own0,
-         workers_cpu_s=children_cpu_seconds() - kids0,
-         work_cpu_s=own_cpu_seconds() - own0 + children_cpu_seconds() - kids0, first=first)
+         cpu_s=cpu_seconds(), own_cpu_s=own, workers_cpu_s=kids, work_cpu_s=own + kids,
+         first=first)
 
 
 def run_consumer(args) -> None:

@@ -39,7 +39,6 @@ import json
 import math
 import os
 import queue
-import resource
 import signal
 import subprocess
 import sys
@@ -181,12 +180,6 @@ def _child_output(children: list[_Child]) -> str:
     return "\n".join(parts)
 
 
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's reaped children and theirs (whole process trees)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 @dataclass
 class Settings:
     """What the user asked for."""
@@ -218,7 +211,7 @@ class _Run:
 
     def execute(self) -> dict:
         """Run the children to the end; the run's figures (report.measure_run)."""
-        cpu0, t0 = _children_cpu_s(), time.monotonic()
+        cpu0, t0 = roles.children_cpu_seconds(), time.monotonic()
         busy0, own0 = harness.machine_busy_seconds(), time.process_time()
         try:
             self.start()
@@ -240,7 +233,7 @@ class _Run:
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
         figures = report.measure_run([self.jobs[k] for k in sorted(self.jobs)], self.producer,
-                                     time.monotonic() - t0, _children_cpu_s() - cpu0)
+                                     time.monotonic() - t0, roles.children_cpu_seconds() - cpu0)
         busy1 = harness.machine_busy_seconds()
         # What the rest of the machine did meanwhile: all CPUs' busy time less this run's
         # processes and this parent (a busy machine skews the comparison).
@@ -404,14 +397,14 @@ class _Demo:
 
     def run(self) -> dict:
         """Both runs and the comparison; the whole result (also what --json writes)."""
-        cfg = self.settings
+        cfg, cores = self.settings, len(os.sched_getaffinity(0))
         print(f"tensorsocket demo: {cfg.jobs} training jobs, {cfg.epochs} epoch(s) of "
               f"{cfg.images} JPEGs ({workload.IMAGE_SIZE} px, decoded and augmented on the "
               f"CPU), batches of {BATCH_SIZE}; producer name {self.name!r}", file=self.out,
               flush=True)
         self.images_dir = str(workload.ensure_images(
             cfg.images, workload.IMAGE_SIZE, progress=lambda text: self.say("images", text),
-            processes=len(os.sched_getaffinity(0))))
+            processes=cores))
         _read_all(self.images_dir)  # both runs find the files in the page cache
         costs = self.calibrate()
         self.deadline = time.monotonic() + cfg.timeout
@@ -423,18 +416,17 @@ class _Demo:
                         f"one shared loader ({cfg.producer_workers} worker(s))"))
             runs[mode] = _Run(self, mode).execute()
             self.panel = None
-        model = report.model_speedup(costs["loader_s"], costs["train_s"], cfg.jobs,
-                                     len(os.sched_getaffinity(0)), cfg.workers,
-                                     cfg.producer_workers)
-        report.table(runs, model, costs, cfg.jobs, cfg.epochs, len(os.sched_getaffinity(0)),
-                     self.out)
-        print(f"  ({_machine_line()}; total {time.monotonic() - self.started:.0f} s)",
-              file=self.out, flush=True)
+        model = report.model_speedup(costs["loader_s"], costs["train_s"], cfg.jobs, cores,
+                                     cfg.workers, cfg.producer_workers)
+        report.table(runs, model, costs, cfg.jobs, cfg.epochs, cores, self.out)
+        machine, commit = harness.machine_info(), _commit()
+        print(f"  ({_machine_line(machine, commit)}; total "
+              f"{time.monotonic() - self.started:.0f} s)", file=self.out, flush=True)
         return {"settings": vars(cfg) | {"producer_workers": cfg.producer_workers,
                                          "batch_size": BATCH_SIZE,
                                          "image_size": workload.IMAGE_SIZE},
                 "name": self.name, "costs": costs, "model_speedup": model[0], "runs": runs,
-                "machine": harness.machine_info(), "commit": _commit(),
+                "machine": machine, "commit": commit,
                 "total_s": time.monotonic() - self.started}
 
     def calibrate(self) -> dict:
@@ -464,10 +456,8 @@ def _commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def _machine_line() -> str:
-    """Where this ran, in one line."""
-    m = harness.machine_info()
-    commit = _commit()
+def _machine_line(m: dict, commit: str | None) -> str:
+    """Where this ran (harness.machine_info(), the commit), in one line."""
     return (f"{m['cpus_usable']} cores ({m['cpu_model']}), torch {m['torch']}"
             + (f", commit {commit}" if commit else ""))
 
