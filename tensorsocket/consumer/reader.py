@@ -222,11 +222,7 @@ class EpochReader:
         the next epoch's start. In a group, this rank's share of it (see EpochCursor)."""
         cursor, entry = self._state.cursor, self._state.flow.entry
         while True:
-            slot = entry[0]
-            if slot is None:
-                if cursor.source_done:
-                    raise EpochEnd
-                slot = self._acquirer.acquire()
+            slot = self._next_entry()
             step = cursor.place(slot)
             if step is Step.TAKE:
                 self._take(slot)
@@ -248,11 +244,7 @@ class EpochReader:
         from where it started (see docs/usage.md)."""
         cursor, entry = self._state.cursor, self._state.flow.entry
         while True:
-            slot = entry[0]
-            if slot is None:
-                if cursor.source_done:
-                    raise EpochEnd
-                slot = self._acquirer.acquire()
+            slot = self._next_entry()
             step = cursor.place(slot)
             if step is Step.TAKE:
                 self._take(slot)
@@ -261,6 +253,16 @@ class EpochReader:
             slot.release()
             if step is Step.END:
                 raise EpochEnd
+
+    def _next_entry(self) -> Any:
+        """The entry taken and not yet used (flow.entry), else the next one from the ring;
+        EpochEnd when there is none and the producer's epoch is over."""
+        slot = self._state.flow.entry[0]
+        if slot is None:
+            if self._state.cursor.source_done:
+                raise EpochEnd
+            slot = self._acquirer.acquire()
+        return slot
 
     def _take(self, slot: Any) -> None:
         """Make the batch of a slot of this epoch into flow.loaded, with its sample count
