@@ -149,6 +149,16 @@ class Jobs:
 
     # -- starting ----------------------------------------------------------------------
 
+    def together(self, consumers: int) -> None:
+        """The jobs started next are `consumers` consumers of each shared loader, which the
+        tests want aligned (every job's epoch k the same batches): their producer waits for
+        all of them before batch 0 (min_consumers), as a user who starts a known number of
+        jobs would ask. The default start_grace (3 s) aligns only jobs whose share() calls
+        fall within it, and on a loaded machine Lightning's imports alone spread them wider
+        (a CI run saw 5.7 s)."""
+        self.env["TENSORSOCKET_MIN_CONSUMERS"] = str(consumers)
+        self.env["TENSORSOCKET_START_GRACE"] = "0"  # no one else is coming
+
     def python(self, label: str, script: str, *args: str) -> Job:
         """Run `script` of tests/clients with --out <tmp>/<label>."""
         out = self.tmp / label
@@ -535,6 +545,7 @@ def test_lightning_three_jobs(jobs, name):
     sample exactly once per epoch, from one producer, epochs aligned."""
     pytest.importorskip("lightning")
     n = 64
+    jobs.together(3)
     started = [jobs.python(f"lightning{k}", "lightning_fit.py", "--name", name,
                            "--samples", str(n)) for k in range(3)]
     jobs.wait(timeout=120)
@@ -549,6 +560,7 @@ def test_lightning_train_and_val(jobs, name):
     also on the val loader after the sanity check took its epoch 0) warn nothing."""
     pytest.importorskip("lightning")
     n, nv = 64, 48
+    jobs.together(2)
     started = [jobs.python(f"lightning{k}", "lightning_fit.py", "--name", name, "--val-name",
                            f"{name}-val", "--samples", str(n), "--val-samples", str(nv))
                for k in range(2)]
@@ -630,6 +642,7 @@ def test_accelerate_prepare_two_jobs(jobs, name):
     yields the epoch's other len(loader) - 3 batches, all distinct samples."""
     pytest.importorskip("accelerate")
     n, skip = 64, 3
+    jobs.together(2)
     started = [jobs.python(f"accelerate{k}", "accelerate_prepare.py", "--name", name,
                            "--samples", str(n), "--skip", str(skip)) for k in range(2)]
     jobs.wait(timeout=90)
@@ -714,6 +727,7 @@ def test_hf_datasets_two_jobs(jobs, name):
     """A datasets.Dataset in torch format, dict batches: every id once per epoch."""
     pytest.importorskip("datasets")
     n = 64
+    jobs.together(2)
     started = [jobs.python(f"hf{k}", "hf_datasets.py", "--name", name, "--samples", str(n))
                for k in range(2)]
     jobs.wait(timeout=90)
@@ -733,6 +747,7 @@ def test_plain_loop_two_jobs(jobs, name):
     itertools.islice(loader, len(loader)) (no StopIteration asked for): all four epochs
     hold every sample once, in len(loader) batches."""
     n = 64
+    jobs.together(2)
     started = [jobs.python(f"plain{k}", "plain_loop.py", "--name", name, "--samples", str(n))
                for k in range(2)]
     jobs.wait(timeout=90)

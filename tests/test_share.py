@@ -399,7 +399,7 @@ def test_second_caller_own_batch_size_in_process(rt, name):
     assert_nothing_left(rt, name)
 
 
-def test_bad_arguments_name_the_knob(rt, name):
+def test_bad_arguments_name_the_knob(rt, name, monkeypatch):
     loader = DataLoader(TensorDataset(torch.arange(4)), batch_size=2)
     with pytest.raises(TypeError, match=r"producer_options=\{'max_lag'"):
         tensorsocket.share(loader, name=name, max_lag=4)
@@ -417,6 +417,15 @@ def test_bad_arguments_name_the_knob(rt, name):
         tensorsocket.share(loader, name=name, idle_timeout=0)
     with pytest.raises(ValueError, match="epochs"):
         tensorsocket.share(loader, name=name, epochs=0)
+    with pytest.raises(ValueError, match=r"^min_consumers must be an int in 1\.\.64"):
+        tensorsocket.share(loader, name=name, min_consumers=0)
+    with monkeypatch.context() as m:
+        m.setenv("TENSORSOCKET_MIN_CONSUMERS", "0")  # the producer's 0 means none for share()
+        with pytest.raises(ValueError, match=r"^\$TENSORSOCKET_MIN_CONSUMERS must be an int"):
+            tensorsocket.share(loader, name=name)
+        m.setenv("TENSORSOCKET_MIN_CONSUMERS", "three")
+        with pytest.raises(ValueError, match="TENSORSOCKET_MIN_CONSUMERS"):
+            tensorsocket.share(loader, name=name)
     assert not producer_alive(rt, name)
     assert list(rt.iterdir()) == []
 

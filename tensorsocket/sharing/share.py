@@ -110,7 +110,7 @@ def share(
     *,
     epochs: int | None = None,
     idle_timeout: float | None = UNSET,
-    min_consumers: int = 1,
+    min_consumers: int = UNSET,
     start_grace: float = UNSET,
     producer_options: dict | None = None,
     **consumer_options: Any,
@@ -135,8 +135,10 @@ def share(
     epochs: epochs the producer runs (default None: as long as it has
       consumers). A consumer asking for more gets ProducerFinished.
     min_consumers: consumers (jobs, or ranks of data-parallel jobs) that must be
-      attached before the first batch (default 1); with more, the producer waits
-      for them, within the first caller's ``timeout``.
+      attached before the first batch (default 1, ``$TENSORSOCKET_MIN_CONSUMERS``);
+      with more, the producer waits for them, within the first caller's ``timeout``.
+      A sweep that starts a known number of jobs passes it: they then all begin at
+      the first batch however far apart their share() calls fall.
     start_grace: seconds the producer waits more, once min_consumers are
       attached, before its first batch (default 3, ``$TENSORSOCKET_START_GRACE``), so
       that jobs started together all begin at the first batch.
@@ -147,7 +149,7 @@ def share(
       this finds it gone.
     producer_options: further TensorProducer keywords (``max_lag``,
       ``ring_slots``, ``rubber_band``, ``device``, ...). share() sets
-      ``name``, ``min_consumers=1`` and the pause itself.
+      ``name``, ``min_consumers`` and the pause itself.
 
     Consumer (each caller's own): the TensorConsumer keywords (``batch_size``,
     ``drop_last``, ``timeout``, ``batch_timeout``, ``copy``, ``device``,
@@ -188,9 +190,13 @@ def _check_arguments(loader: Any, name: str | None, epochs: int | None, min_cons
                      start_grace: float, producer_kw: dict, consumer_kw: dict) -> str | None:
     """Check share()'s own arguments, put the producer's into producer_kw and the
     consumer group of a data-parallel job into consumer_kw; the name to share under."""
+    given = min_consumers is not UNSET
+    min_consumers = config.get("min_consumers", min_consumers)
     if isinstance(min_consumers, bool) or not isinstance(min_consumers, int) or \
             not 1 <= min_consumers <= _core.MAX_CONSUMERS:
-        raise ValueError(f"min_consumers must be an int in 1..{_core.MAX_CONSUMERS}, got "
+        knob = "min_consumers" if given else "$TENSORSOCKET_MIN_CONSUMERS"
+        raise ValueError(f"{knob} must be an int in 1..{_core.MAX_CONSUMERS} for share() "
+                         f"(a shared producer always waits for one consumer), got "
                          f"{min_consumers!r}")
     producer_kw["min_consumers"] = min_consumers
     if start_grace is not UNSET:
