@@ -27,6 +27,7 @@ from .errors import (
     TensorSocketError,
     TensorSocketWarning,
     TooManyConsumers,
+    TransformError,
     VersionMismatch,
 )
 from .data.gpu import gpu_available, gpu_status
@@ -54,6 +55,7 @@ __all__ = [
     "TensorSocketError",
     "TensorSocketWarning",
     "TooManyConsumers",
+    "TransformError",
     "VersionMismatch",
     "__version__",
     "gpu_available",
