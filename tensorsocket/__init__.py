@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from .augment.split import split_transform
 from .consumer import TensorConsumer
 from .errors import (
     AuthenticationError,
@@ -61,6 +62,7 @@ __all__ = [
     "gpu_available",
     "gpu_status",
     "share",
+    "split_transform",
 ]
 
 logging.getLogger("tensorsocket").addHandler(logging.NullHandler())

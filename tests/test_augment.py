@@ -284,3 +284,33 @@ def test_bad_transform_options_name_the_knob():
         TensorConsumer(name="unused", transform=abs, transform_workers=-1)
     with pytest.raises(ValueError, match="transform_input must be one of"):
         TensorConsumer(name="unused", transform=abs, transform_input="jpeg")
+
+
+class Compose:
+    """A stand-in for torchvision's Compose (split_transform reads .transforms)."""
+
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+
+def _step(name):
+    return type(name, (), {})()
+
+
+def test_split_transform_cuts_before_the_first_random_or_float_step():
+    """The shared part is the leading uint8-preserving deterministic transforms; the job
+    keeps the rest, in a pipeline of the same kind; nothing to share or nothing left is
+    an error naming why."""
+    import tensorsocket
+
+    steps = [_step(n) for n in ("Resize", "PILToTensor", "RandomResizedCrop",
+                                "RandomHorizontalFlip", "ToDtype", "Normalize")]
+    shared, job = tensorsocket.split_transform(Compose(steps))
+    assert isinstance(shared, Compose) and isinstance(job, Compose)
+    assert shared.transforms == steps[:2] and job.transforms == steps[2:]
+    with pytest.raises(ValueError, match="first transform, RandomResizedCropAndInterpolation"):
+        tensorsocket.split_transform(Compose([_step("RandomResizedCropAndInterpolation")]))
+    with pytest.raises(ValueError, match="nothing is left for the job"):
+        tensorsocket.split_transform(Compose([_step("Resize"), _step("PILToTensor")]))
+    with pytest.raises(TypeError, match="takes a Compose"):
+        tensorsocket.split_transform([_step("Resize")])

@@ -11,9 +11,11 @@ One file per job:
 - ``shared_views``: a worker process's zero-copy view of a ring slot's tensor.
 - ``workers``: the worker processes (forked, as a DataLoader's).
 - ``stage``: the batches in flight between the ring and the training step.
+- ``split``: a dataset's whole transform cut into the shared part and the job's part.
 """
 
 from .options import TransformOptions
+from .split import split_transform
 from .stage import TransformStage
 
-__all__ = ["TransformOptions", "TransformStage"]
+__all__ = ["TransformOptions", "TransformStage", "split_transform"]
