@@ -314,3 +314,19 @@ def test_split_transform_cuts_before_the_first_random_or_float_step():
         tensorsocket.split_transform(Compose([_step("Resize"), _step("PILToTensor")]))
     with pytest.raises(TypeError, match="takes a Compose"):
         tensorsocket.split_transform([_step("Resize")])
+
+
+def test_a_stale_iterator_ends_and_leaves_the_new_ones_batches(name, producer):
+    """An iterator made before the current one ends at once; the current one's batches in
+    flight are not touched by it."""
+    producer(epochs=1)
+    with TensorConsumer(name=name, transform=crop_and_noise(8), seed=2,
+                        transform_workers=2) as c:
+        old = iter(c)
+        new = iter(c)
+        ids = next(new)[1].tolist()
+        with pytest.raises(StopIteration):
+            next(old)
+        for _, more in new:
+            ids += more.tolist()
+    assert sorted(ids) == list(range(SAMPLES))

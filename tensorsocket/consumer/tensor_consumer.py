@@ -464,6 +464,8 @@ class EpochIterator:
         """The next batch of this epoch; StopIteration at its end."""
         consumer = self._consumer
         if consumer._transforms is not None:
+            if self._serial != consumer._iterators:
+                raise StopIteration  # a newer iter() took over (its batches in flight stay)
             index, batch = consumer._transforms.next(self)
             return (index, batch) if consumer.with_index else batch
         if consumer.epoch != self._epoch:
