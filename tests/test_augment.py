@@ -122,6 +122,10 @@ def test_two_jobs_own_transforms_one_producer(name, producer, workers):
             outs["b"].append(got_b)
         if workers:
             assert len(a.transform_worker_pids) == workers
+            assert a.stats()["transform_seconds"] == 0.0  # all of it in the workers
+        else:
+            assert a.stats()["transform_seconds"] > 0.0
+        assert b.stats()["transform_seconds"] > 0.0 and "transform_seconds" in b.stats()
     for epoch in range(2):
         for i in range(SAMPLES):
             assert torch.equal(outs["a"][epoch][i], expected(a_t, 11, epoch, i)), (epoch, i)

@@ -81,6 +81,8 @@ class TransformStage:
         self._depth = 1
         self._tasks = 0
         self._mappings = SharedMappings()
+        self.wait_seconds = 0.0  # next() waiting for workers' outputs (stats())
+        self.transform_seconds = 0.0  # transforms run here, at next() (stats())
 
     @property
     def worker_pids(self) -> list[int]:
@@ -134,8 +136,10 @@ class TransformStage:
                 first_sample_check(o.transform, inputs, seeds[0], o.pil)
             self._checked = True
         if o.workers == 0 or devices:
+            start = time.perf_counter()
             with callers_generators_kept(devices):
                 out = transform_samples(o.transform, inputs, seeds, o.pil)
+            self.transform_seconds += time.perf_counter() - start
             return _InFlight(index, ids, rebuild, None, batch=rebuild(out))
         pool = self._pool or self._start_workers()
         task, self._tasks = self._tasks, self._tasks + 1
@@ -162,7 +166,11 @@ class TransformStage:
         if entry.task is None:
             return entry.batch
         assert self._pool is not None
-        out = self._pool.result(entry.task, deadline)
+        start = time.perf_counter()
+        try:
+            out = self._pool.result(entry.task, deadline)
+        finally:
+            self.wait_seconds += time.perf_counter() - start
         entry.inputs = None  # the ring slot goes back (the batch's other leaves are copies)
         return entry.rebuild(out)
 

@@ -414,6 +414,9 @@ class TensorConsumer:
         skipped; dropped_samples:
         samples dropped by drop_last; copied_kept_batches: batches still alive
         that were copied privately so that the consumer never waits for their slots.
+        With transform=: transform_seconds (transforms run at next(), in this thread)
+        and transform_wait_seconds (next() waiting for the workers' outputs: the
+        workers are the bottleneck where it grows).
         """
         place, flow, rebatcher = self._place, self._state.flow, self._state.rebatcher
         lag = None
@@ -431,6 +434,9 @@ class TensorConsumer:
             "rejoins": place.rejoins, "skipped_entries": place.skipped,
             "dropped_samples": rebatcher.dropped_samples if rebatcher else 0,
             "copied_kept_batches": place.set_aside_batches,
+            **({} if self._transforms is None else {
+                "transform_seconds": self._transforms.transform_seconds,
+                "transform_wait_seconds": self._transforms.wait_seconds}),
         }
 
 
