@@ -121,7 +121,7 @@ def test_two_jobs_own_transforms_one_producer(name, producer, workers):
             outs["a"].append(got_a)
             outs["b"].append(got_b)
         if workers:
-            assert len(a.transform_worker_pids) == workers
+            assert len(a.stats()["transform_workers"]) == workers
             assert a.stats()["transform_seconds"] == 0.0  # all of it in the workers
         else:
             assert a.stats()["transform_seconds"] > 0.0
@@ -166,7 +166,8 @@ def test_seed_none_follows_torch_manual_seed(name, producer):
     torch.manual_seed(7)
     b = TensorConsumer(name=name, transform=crop_and_noise(4))
     try:
-        assert a.seed == b.seed and isinstance(a.seed, int)
+        assert a.stats()["transform_seed"] == b.stats()["transform_seed"]
+        assert isinstance(a.stats()["transform_seed"], int)
         for (xa, ia), (xb, ib) in zip(a, b):
             assert torch.equal(ia, ib) and torch.equal(xa, xb)
     finally:
@@ -242,7 +243,7 @@ def test_a_killed_worker_is_an_error_not_a_hang(name, producer):
         os.write(gate[1], b"x" * BATCH)  # the first batch's samples (in the check: 1)
         os.write(gate[1], b"x")
         next(it)
-        pid = c.transform_worker_pids[0]
+        pid = c.stats()["transform_workers"][0]
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(TensorSocketError, match=f"transform worker \\(pid {pid}\\) "
                                                     "exited unexpectedly"):
