@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..data.dtypes import DLType, torch_leaf
-from ..data.structure import NUMPY, TORCH, Decoder
+from ..data.structure import TORCH, Decoder
 from ..errors import TensorSocketError
 from .settings import ProducerSettings
 
@@ -220,10 +220,13 @@ class CachedEpochs:
         cache = self._cache
         if cache is None or cache.complete or not self._cached_loader(self._source):
             return
-        why = "the loader's sample ids are no longer known" if ids is None else \
-            "a batch has another structure than the first" if structure != self._structure \
-            else cache.fits(leaves, ids)
-        if why is not None:
+        if ids is None:
+            why: str | None = "the loader's sample ids are no longer known"
+        elif structure != self._structure:
+            why = "a batch has another structure than the first"
+        else:
+            why = cache.fits(leaves, ids)
+        if why is not None or ids is None:
             self._drop(f"{why} (epoch {epoch})")
             return
         cache.fill(leaves, ids)
