@@ -5,14 +5,17 @@ and contents the consumer received, the loads, and the producer's stats and log.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from tensorsocket import TensorProducer, config
+from conftest import Producing
+from tensorsocket import TensorConsumer, TensorProducer, config
 from tensorsocket.config import ArgumentTypeError
 
 SAMPLES = 100
@@ -216,6 +219,34 @@ def test_rows_of_another_shape_drop_the_cache(procs, name, tmp_path):
     dropped = said(result["log"], "WARNING", "decoded cache dropped")
     assert len(dropped) == 1 and "rows of shape (3, 4, 8)" in dropped[0], result["log"]
     assert result["stats"]["cache_bytes"] == 0 and result["stats"]["cache_epochs"] == 0
+
+
+def test_what_cannot_be_cached_is_said_once_at_info(name, caplog):
+    """A loader the cache cannot serve (a list of batches) with cache_bytes set: one INFO
+    line says why, and the epochs run as before; a DataLoader with cache_bytes=0 (the
+    default): nothing about the cache is logged."""
+    caplog.set_level(logging.INFO, logger="tensorsocket")
+    data = TensorDataset(torch.arange(32))
+    for loader, budget in (([torch.arange(i * 4, i * 4 + 4) for i in range(8)], 1 << 20),
+                           (DataLoader(data, batch_size=4, shuffle=True), 0)):
+        caplog.clear()
+        producer = TensorProducer(loader, name=name, cache_bytes=budget)
+        producing = Producing(producer)
+        producing.start()
+        consumer = TensorConsumer(name=name, timeout=30)
+        got = [int(i) for b in consumer for i in (b if budget else b[0])]
+        producing.join(30)
+        assert producing.error is None and sorted(got) == list(range(32))
+        producer.join(30)
+        consumer.close()
+        lines = [r.getMessage() for r in caplog.records if "decoded cache" in r.getMessage()]
+        if budget:
+            assert lines == ["decoded cache off: the data loader is a 'list', not a torch "
+                             "DataLoader; every epoch runs the loader"], lines
+            assert [r.levelname for r in caplog.records
+                    if "decoded cache" in r.getMessage()] == ["INFO"]
+        else:
+            assert lines == []
 
 
 def _holders() -> tuple[list[str], list[str]]:

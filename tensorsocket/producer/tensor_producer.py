@@ -231,7 +231,8 @@ class TensorProducer:
     device_fallback = setting("device_fallback", "Whether a GPU ring may fall back to host.")
     release_timeout = setting("release_timeout", "Seconds close() waits for GPU memory.")
     worker_heap_pad = setting("worker_heap_pad", "Bytes a loader worker keeps on its heap.")
-    cache_bytes = setting("cache_bytes", "Bytes the decoded-sample cache may take (0: off).")
+    cache_bytes = setting("cache_bytes", "Bytes the decoded-sample cache may take (0: off), "
+                          "read at the first batch.")
     pack_fn = setting("pack_fn", "Applied to each batch before it is published (or None).")
 
     @property
