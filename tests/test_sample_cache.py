@@ -43,7 +43,7 @@ def bad_rows(images, labels):
 PRODUCER = COMMON + r"""
 from tensorsocket import TensorProducer
 
-name, cache_bytes, workers, epochs, hold, wide_from = sys.argv[1:7]
+name, cache_bytes, workers, epochs, hold, wide_from, drop_last = sys.argv[1:8]
 
 class LoggedDataset(Dataset):
     loaded = 0  # samples this process loaded
@@ -70,7 +70,8 @@ logger.setLevel(logging.INFO)
 logger.addHandler(Keep())
 
 torch.manual_seed(1234)
-loader = DataLoader(LoggedDataset(), batch_size=16, shuffle=True, num_workers=int(workers))
+loader = DataLoader(LoggedDataset(), batch_size=16, shuffle=True, num_workers=int(workers),
+                    drop_last=drop_last == "1")
 producer = TensorProducer(loader, name=name, cache_bytes=int(cache_bytes))
 emit({"ready": True, "pid": os.getpid()})
 yielded, bad = [], 0
@@ -116,11 +117,12 @@ emit({"done": True, "bad": bad})
 
 
 def start(procs, name: str, loads: Path, *, cache_bytes: int, workers: int = 0,
-          epochs: int = 3, hold: int = -1, wide_from: int = -1) -> tuple:
+          epochs: int = 3, hold: int = -1, wide_from: int = -1,
+          drop_last: bool = False) -> tuple:
     """The producer and consumer processes, both ready (the consumer attached)."""
     env = {"TS_TEST_LOADS": str(loads)}
     producer = procs.script(PRODUCER, name, str(cache_bytes), str(workers), str(epochs),
-                            str(hold), str(wide_from), env=env)
+                            str(hold), str(wide_from), "1" if drop_last else "0", env=env)
     assert producer.wait_ready(timeout=60)["ready"]
     consumer = procs.script(CONSUMER, name, str(epochs), "1" if wide_from < 0 else "0")
     assert consumer.wait_ready(timeout=60)["ready"]
@@ -178,6 +180,28 @@ def test_epochs_after_the_first_come_from_the_cache(procs, name, tmp_path, worke
                                "cache_epochs": 2}
     assert said(result["log"], "INFO", f"decoded cache: {SAMPLES} samples, {CACHE_NEEDS} "
                 "bytes: epoch 1 on is served from it")
+
+
+def test_the_samples_drop_last_leaves_out_are_loaded_once(procs, name, tmp_path):
+    """drop_last=True: each epoch draws 96 of the 100 samples; the 4 that epoch 1 left
+    out are loaded once at the start of epoch 2, in the producer, and epoch 2 on is
+    served from the cache, those 4 samples' rows right when later epochs draw them."""
+    loads = tmp_path / "loads"
+    producer, consumer = start(procs, name, loads, cache_bytes=CACHE_NEEDS, drop_last=True)
+    epochs = consumer_epochs(consumer, 3)
+    result = producer.result(timeout=120)
+    drawn = SAMPLES // BATCH * BATCH
+    for ids in epochs:
+        assert len(ids) == len(set(ids)) == drawn and set(ids) <= set(range(SAMPLES))
+    left_out = set(range(SAMPLES)) - set(epochs[0])
+    assert left_out & set(epochs[1] + epochs[2]), "no later epoch drew the samples topped up"
+    assert result["yielded"] == epochs and result["bad"] == 0
+    read = loads_of(loads)
+    assert sorted(i for _, i in read) == list(range(SAMPLES))
+    assert {i for _, i in read[drawn:]} == left_out and {p for p, _ in read} == {producer.pid}
+    assert result["stats"]["cache_epochs"] == 2
+    assert said(result["log"], "INFO", f"the {SAMPLES - drawn} samples the sampler had not "
+                "drawn by epoch 1 were loaded once")
 
 
 def test_a_budget_one_byte_short_caches_nothing(procs, name, tmp_path):

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..data.dtypes import DLType, torch_leaf
-from ..data.structure import TORCH, Decoder
+from ..data.structure import TORCH, Decoder, flatten
 from ..errors import TensorSocketError
 from .settings import ProducerSettings
 
@@ -124,6 +124,10 @@ class SampleCache:
         self._filled = np.zeros(n, dtype=bool)
         self.filled = 0  # samples whose rows are in
 
+    def missing(self) -> np.ndarray:
+        """The ids of the samples not in yet."""
+        return np.flatnonzero(~self._filled)
+
     @property
     def complete(self) -> bool:
         """Whether every sample's rows are in."""
@@ -203,6 +207,7 @@ class CachedEpochs:
         self._dataset: Any = None  # the cached loader's dataset and collate_fn
         self._collate: Any = None
         self._structure = b""  # the structure blob of the cached batches
+        self._batch_samples = 0  # samples in the first batch
         self._build: Any = None  # the batch from its leaves (Decoder.compile)
         self._kinds: list[int] = []
         self._said: set[str] = set()  # INFO lines said once
@@ -238,7 +243,7 @@ class CachedEpochs:
         if not budget:
             return
         why = _not_cacheable(self._source, leaves, ids, self._settings.pack_fn)
-        if why is not None:
+        if why is not None or ids is None:
             log.info("decoded cache off: %s; every epoch runs the loader", why)
             return
         layout = CacheLayout.of_batch(len(self._source.dataset), leaves)
@@ -259,6 +264,7 @@ class CachedEpochs:
             return
         self._dataset, self._collate = self._source.dataset, self._source.collate_fn
         self._structure = structure
+        self._batch_samples = int(ids.size)
         self._build, self._kinds = Decoder().compile(structure)
         log.info("decoded cache: %d bytes for the %d samples of the dataset (%s); epoch "
                  "%d fills it", layout.nbytes, layout.samples, shown, epoch)
@@ -276,23 +282,47 @@ class CachedEpochs:
     def start(self, source: Any, epoch: int) -> bool:
         """Epoch `epoch` of `source` begins: whether it is served from the cache."""
         self._source = source
-        cache = self._cache
-        if cache is None:
-            return False
-        if not cache.complete:
-            self._say_once("incomplete", "decoded cache: %d of %d samples in it at the "
-                           "start of epoch %d: epochs run the loader until every sample "
-                           "was seen", cache.filled, cache.layout.samples, epoch)
+        if self._cache is None:
             return False
         if not self._cached_loader(source):
             self._say_once("other", "decoded cache: the loader of epoch %d has another "
                            "dataset or collate_fn than the one cached: it runs the loader",
                            epoch)
             return False
+        if not self._cache.complete:
+            self._top_up(source, epoch)
+        cache = self._cache
+        if cache is None or not cache.complete:
+            if cache is not None:
+                self._say_once("incomplete", "decoded cache: %d of %d samples in it at the "
+                               "start of epoch %d: epochs run the loader until every sample "
+                               "was seen", cache.filled, cache.layout.samples, epoch)
+            return False
         self._say_once("serving", "decoded cache: %d samples, %d bytes: epoch %d on is "
                        "served from it", cache.layout.samples, cache.nbytes, epoch)
         self.epochs_served += 1
         return True
+
+    def _top_up(self, source: Any, epoch: int) -> None:
+        """Load the samples not drawn yet, if they are no more than a batch (the tail
+        that drop_last=True leaves out of each epoch): once each, in this process, as
+        the loader makes a batch of them (collate_fn([dataset[i]]))."""
+        cache = self._cache
+        assert cache is not None
+        missing = cache.missing()
+        if missing.size > self._batch_samples:
+            return
+        for i in missing:
+            ids = np.array([i], dtype=np.int64)
+            structure, leaves = flatten(source.collate_fn([source.dataset[int(i)]]))
+            why = "another structure" if structure != self._structure else \
+                cache.fits(leaves, ids)
+            if why is not None:
+                self._drop(f"sample {i}, loaded alone, has {why}")
+                return
+            cache.fill(leaves, ids)
+        log.info("decoded cache: the %d samples the sampler had not drawn by epoch %d "
+                 "were loaded once, in the producer", missing.size, epoch)
 
     def _cached_loader(self, source: Any) -> bool:
         """Whether `source` batches the samples cached: the same dataset and collate_fn,
