@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,33 @@ def test_rows_of_another_shape_drop_the_cache(procs, name, tmp_path):
     dropped = said(result["log"], "WARNING", "decoded cache dropped")
     assert len(dropped) == 1 and "rows of shape (3, 4, 8)" in dropped[0], result["log"]
     assert result["stats"]["cache_bytes"] == 0 and result["stats"]["cache_epochs"] == 0
+
+
+def test_a_cached_epoch_cut_short_ends_with_its_marker(name):
+    """A producer loop that breaks out of an epoch served from the cache: the consumer's
+    epoch ends there (the end marker), and the next epoch is whole, from the cache."""
+    data = TensorDataset(torch.arange(64) * 3)
+    producer = TensorProducer(DataLoader(data, batch_size=8, shuffle=True), name=name,
+                              cache_bytes=64 * 8)
+    counts: list[int] = []
+
+    def produce() -> None:
+        for epoch in range(3):
+            for index, _ in enumerate(producer):
+                if epoch == 1 and index == 1:
+                    break
+            counts.append(producer.stats()["cache_epochs"])
+        producer.join(30)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    consumer = TensorConsumer(name=name, timeout=30)
+    epochs = [[int(v) for b in consumer for v in b[0]] for _ in range(3)]
+    consumer.close()
+    thread.join(30)
+    assert sorted(epochs[0]) == sorted(epochs[2]) == list(range(0, 192, 3))
+    assert len(epochs[1]) == 16 and set(epochs[1]) < set(epochs[0])
+    assert counts == [0, 1, 2]
 
 
 def test_what_cannot_be_cached_is_said_once_at_info(name, caplog):

@@ -157,8 +157,9 @@ class TensorProducer:
         known) and every tensor of the batch holds one row per sample, the cache
         of the whole dataset is made when it fits in cache_bytes (else a warning
         names the bytes it needs and nothing is cached). The first epoch fills it
-        as the loader runs; once every sample is in it, each later epoch is built
-        from it: the sampler's batches of that epoch (set_epoch applied), their
+        as the loader runs (the few samples an epoch did not draw, drop_last's
+        tail, are loaded once at the next epoch's start); once every sample is
+        in it, each later epoch is built from it: the sampler's batches of that epoch (set_epoch applied), their
         rows gathered, published with their sample ids, without running the
         loader (no decoding, no workers). The memory is one memfd, which the
         kernel frees when the producer ends, SIGKILL included; a later batch of
