@@ -315,10 +315,10 @@ class CachedEpochs:
         for i in missing:
             ids = np.array([i], dtype=np.int64)
             structure, leaves = flatten(source.collate_fn([source.dataset[int(i)]]))
-            why = "another structure" if structure != self._structure else \
+            why = "its batch has another structure" if structure != self._structure else \
                 cache.fits(leaves, ids)
             if why is not None:
-                self._drop(f"sample {i}, loaded alone, has {why}")
+                self._drop(f"sample {i}, loaded alone: {why}")
                 return
             cache.fill(leaves, ids)
         log.info("decoded cache: the %d samples the sampler had not drawn by epoch %d "

@@ -346,7 +346,7 @@ class TensorProducer:
         messages, consumers of another protocol version, and hellos refused by
         tensorsocket.control.auth (another user, another pid, no or a wrong secret);
         cache_bytes: bytes of the decoded-sample cache (``cache_bytes=``) allocated now
-        (0: none, or dropped); cache_samples: samples whose rows are in it;
+        (0: none, dropped, or the producer closed); cache_samples: samples whose rows are in it;
         cache_epochs: epochs served from it.
         """
         return producer_stats(
