@@ -43,6 +43,7 @@ def bad_rows(images, labels):
 
 PRODUCER = COMMON + r"""
 from tensorsocket import TensorProducer
+from tensorsocket.config import UNSET
 
 name, cache_bytes, workers, epochs, hold, wide_from, drop_last = sys.argv[1:8]
 
@@ -73,7 +74,8 @@ logger.addHandler(Keep())
 torch.manual_seed(1234)
 loader = DataLoader(LoggedDataset(), batch_size=16, shuffle=True, num_workers=int(workers),
                     drop_last=drop_last == "1")
-producer = TensorProducer(loader, name=name, cache_bytes=int(cache_bytes))
+producer = TensorProducer(loader, name=name,  # "env": from TENSORSOCKET_CACHE_BYTES
+                          cache_bytes=UNSET if cache_bytes == "env" else int(cache_bytes))
 emit({"ready": True, "pid": os.getpid()})
 yielded, bad = [], 0
 for epoch in range(int(epochs)):
@@ -117,11 +119,12 @@ emit({"done": True, "bad": bad})
 """
 
 
-def start(procs, name: str, loads: Path, *, cache_bytes: int, workers: int = 0,
+def start(procs, name: str, loads: Path, *, cache_bytes: int | str, workers: int = 0,
           epochs: int = 3, hold: int = -1, wide_from: int = -1,
-          drop_last: bool = False) -> tuple:
-    """The producer and consumer processes, both ready (the consumer attached)."""
-    env = {"TS_TEST_LOADS": str(loads)}
+          drop_last: bool = False, env: dict | None = None) -> tuple:
+    """The producer and consumer processes, both ready (the consumer attached);
+    cache_bytes "env": the producer takes it from `env`."""
+    env = {"TS_TEST_LOADS": str(loads), **(env or {})}
     producer = procs.script(PRODUCER, name, str(cache_bytes), str(workers), str(epochs),
                             str(hold), str(wide_from), "1" if drop_last else "0", env=env)
     assert producer.wait_ready(timeout=60)["ready"]
@@ -208,11 +211,15 @@ def test_the_samples_drop_last_leaves_out_are_loaded_once(procs, name, tmp_path)
 def test_a_budget_one_byte_short_caches_nothing(procs, name, tmp_path):
     """cache_bytes one byte under what the dataset needs: a warning names the bytes,
     nothing is allocated, every epoch reads every sample; the epochs' orders are those
-    of a run with the cache (the cache draws from torch's RNG what the loader would)."""
+    of a run with the cache (the cache draws from torch's RNG what the loader would).
+    The short budget comes from TENSORSOCKET_CACHE_BYTES."""
     orders = {}
     for budget in (CACHE_NEEDS, CACHE_NEEDS - 1):
         loads = tmp_path / f"loads-{budget}"
-        producer, consumer = start(procs, f"{name}-{budget}", loads, cache_bytes=budget)
+        short = budget < CACHE_NEEDS
+        producer, consumer = start(
+            procs, f"{name}-{budget}", loads, cache_bytes="env" if short else budget,
+            env={"TENSORSOCKET_CACHE_BYTES": str(budget)} if short else None)
         orders[budget] = consumer_epochs(consumer, 3)
         result = producer.result(timeout=120)
         whole(orders[budget])
@@ -225,7 +232,7 @@ def test_a_budget_one_byte_short_caches_nothing(procs, name, tmp_path):
         warned = said(result["log"], "WARNING", "decoded cache off")
         assert len(warned) == 1, result["log"]
         for fact in (f"{SAMPLES} samples", f"need {CACHE_NEEDS} bytes",
-                     f"cache_bytes={budget}", "TENSORSOCKET_CACHE_BYTES"):
+                     f"cache_bytes={budget} (from TENSORSOCKET_CACHE_BYTES)"):
             assert fact in warned[0]
     assert orders[CACHE_NEEDS] == orders[CACHE_NEEDS - 1]
 
@@ -301,8 +308,10 @@ def test_what_cannot_be_cached_is_said_once_at_info(name, caplog):
             assert lines == []
 
 
-def _holders() -> tuple[list[str], list[str]]:
-    """(fd links, mapping lines) of this user's processes naming the cache's memfd."""
+def _holders(name: str) -> tuple[list[str], list[str]]:
+    """(fd links, mapping lines) of this user's processes naming the memfd of the cache
+    of producer `name` (other tests may run caches of their own meanwhile)."""
+    memfd = f"{MEMFD}-{name}"
     fds, maps = [], []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -310,10 +319,10 @@ def _holders() -> tuple[list[str], list[str]]:
                 continue
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if MEMFD in target:
+                if memfd in target:
                     fds.append(f"{pid}: {target}")
             with open(f"/proc/{pid}/maps") as f:
-                maps += [f"{pid}: {line.strip()}" for line in f if MEMFD in line]
+                maps += [f"{pid}: {line.strip()}" for line in f if memfd in line]
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return fds, maps
@@ -330,14 +339,13 @@ def test_nothing_is_left_after_the_producer_is_killed(procs, name, tmp_path):
     assert producer.read_json(timeout=60)["epoch"] == 0
     assert producer.read_json(timeout=60)["stats"]["cache_epochs"] == 1
     assert said(producer.read_json(timeout=60)["log"], "INFO", "epoch 1 on is served")
-    _, maps = _holders()  # the check sees the cache while it lives
-    assert [m for m in maps if m.startswith(f"{producer.pid}:")
-            and f"{MEMFD}-{name}" in m], maps
+    _, maps = _holders(name)  # the check sees the cache while it lives
+    assert [m for m in maps if m.startswith(f"{producer.pid}:")], maps
     os.kill(producer.pid, signal.SIGKILL)
     producer.wait(timeout=30)
-    fds, maps = _holders()
+    fds, maps = _holders(name)
     assert fds == [] and maps == [], (fds, maps)
-    assert [e for e in os.listdir("/dev/shm") if "cache" in e] == []
+    assert [e for e in os.listdir("/dev/shm") if "tensorsocket-cache" in e] == []
     raised = consumer.result(timeout=60)
     assert raised.get("raised") in ("ProducerGone", "ProducerFailed"), raised
 
