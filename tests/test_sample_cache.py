@@ -372,3 +372,40 @@ def test_cache_bytes_takes_sizes_and_is_off_by_default():
     assert config.get("cache_bytes", environ={env: "64M"}) == 64 << 20
     assert config.get("cache_bytes", environ={env: "off"}) == 0
     assert config.get("cache_bytes", 4096, environ={env: "64M"}) == 4096
+
+
+def test_rows_of_mixed_dtypes_are_aligned_and_come_back_whole():
+    """Leaves of 1-, 8- and 2-byte items, a row of 3 bytes among them: each leaf's block
+    begins aligned to its items, the memfd holds exactly N x the bytes of a sample, the
+    rows written come back in the order asked, and close() unmaps the memfd."""
+    import numpy as np
+
+    from tensorsocket.data.dtypes import numpy_leaf
+    from tensorsocket.producer.sample_cache import CacheLayout, SampleCache
+
+    n = 7
+    def batch(ids):  # noqa: E306 - rows that say their sample id, in three dtypes
+        ids = np.asarray(ids)
+        return [numpy_leaf(a) for a in ((ids[:, None] + np.arange(3)).astype(np.uint8),
+                                        ids * 1000, ids[:, None].astype(np.float16))]
+
+    layout = CacheLayout.of_batch(n, batch([0, 1]))
+    assert layout.nbytes == n * (3 + 8 + 2)
+    assert [leaf.dtype for leaf in layout.leaves] == [np.uint8, np.int64, np.float16]
+    assert all(leaf.offset % leaf.dtype.itemsize == 0 for leaf in layout.leaves)
+    cache = SampleCache("unit", layout)
+    maps = Path("/proc/self/maps")
+    try:
+        assert f"{MEMFD}-unit" in maps.read_text()
+        for ids in ([3, 0, 6], [1, 5], [2, 4, 4]):
+            assert cache.fits(batch(ids), np.asarray(ids)) is None
+            cache.fill(batch(ids), np.asarray(ids))
+        assert cache.complete and cache.filled == n
+        order = np.array([6, 2, 2, 0, 5])
+        for (got, dl), (want, want_dl) in zip(cache.gather(order), batch(order)):
+            assert dl == want_dl and np.array_equal(got, want)
+        assert "rows of shape (4,)" in cache.fits([(np.zeros((3, 4), np.uint8), batch([0])[0][1])]
+                                            + batch([0, 1, 2])[1:], np.arange(3))
+    finally:
+        cache.close()
+    assert f"{MEMFD}-unit" not in maps.read_text()
