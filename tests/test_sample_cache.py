@@ -409,3 +409,50 @@ def test_rows_of_mixed_dtypes_are_aligned_and_come_back_whole():
     finally:
         cache.close()
     assert f"{MEMFD}-unit" not in maps.read_text()
+
+
+def _transformed_epochs(name: str, cache_bytes: int, workers: int) -> tuple[list, int]:
+    """Three epochs of a shuffling DataLoader read by a consumer with a random per-sample
+    transform (seed 5): per epoch, sample id -> the mean of its transformed row; and the
+    epochs the producer served from its cache."""
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> tuple:
+            return torch.full((3, 8, 8), i, dtype=torch.uint8), i
+
+    def jitter(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() + torch.rand(())).flip(-1)
+
+    torch.manual_seed(0)
+    producer = TensorProducer(DataLoader(Rows(), batch_size=8, shuffle=True), name=name,
+                              cache_bytes=cache_bytes)
+
+    def produce() -> None:
+        for _ in range(3):
+            for _ in producer:
+                pass
+        producer.join(30)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    consumer = TensorConsumer(name=name, timeout=30, transform=jitter, seed=5,
+                              transform_workers=workers)
+    epochs = [{int(i): float(x.mean()) for xs, ids in consumer for x, i in zip(xs, ids)}
+              for _ in range(3)]
+    consumer.close()
+    thread.join(30)
+    return epochs, producer.stats()["cache_epochs"]
+
+
+def test_a_jobs_transform_gives_the_same_samples_from_the_cache(name):
+    """A consumer's per-sample transform (transform=, seeded by job seed, epoch and sample
+    id) gives the same output for every sample of every epoch whether the producer served
+    epochs 2 and 3 from its cache or ran its loader, with transform workers too."""
+    cached, served = _transformed_epochs(f"{name}-a", 64 * (192 + 8), 0)
+    loaded, none = _transformed_epochs(f"{name}-b", 0, 0)
+    cached_workers, served_too = _transformed_epochs(f"{name}-c", 64 * (192 + 8), 2)
+    assert (served, none, served_too) == (2, 0, 2)
+    assert all(sorted(e) == list(range(64)) for e in cached)
+    assert cached == loaded == cached_workers
