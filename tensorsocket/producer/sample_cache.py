@@ -55,9 +55,14 @@ class LeafRows:
     offset: int
 
     @property
+    def row_items(self) -> int:
+        """Items in one sample's row."""
+        return int(np.prod(self.row_shape, dtype=np.int64))
+
+    @property
     def row_bytes(self) -> int:
         """Bytes of one sample's row."""
-        return self.dtype.itemsize * int(np.prod(self.row_shape, dtype=np.int64))
+        return self.dtype.itemsize * self.row_items
 
     def matches(self, array: np.ndarray, dl: DLType) -> bool:
         """Whether a batch's leaf is rows of this kind."""
@@ -118,9 +123,8 @@ class SampleCache:
             self._map.madvise(mmap.MADV_DONTFORK)
         n = layout.samples
         self._rows: list[np.ndarray] | None = [
-            np.frombuffer(self._map, leaf.dtype, n * int(np.prod(leaf.row_shape, dtype=np.int64)),
-                          leaf.offset).reshape((n, *leaf.row_shape))
-            for leaf in layout.leaves]
+            np.frombuffer(self._map, leaf.dtype, n * leaf.row_items, leaf.offset).reshape(
+                (n, *leaf.row_shape)) for leaf in layout.leaves]
         self._filled = np.zeros(n, dtype=bool)
         self.filled = 0  # samples whose rows are in
 
