@@ -417,6 +417,8 @@ def test_bad_arguments_name_the_knob(rt, name, monkeypatch):
         tensorsocket.share(loader, name=name, idle_timeout=0)
     with pytest.raises(ValueError, match="epochs"):
         tensorsocket.share(loader, name=name, epochs=0)
+    with pytest.raises(ValueError, match="cache_bytes"):
+        tensorsocket.share(loader, name=name, cache_bytes=-1)
     with pytest.raises(ValueError, match=r"^min_consumers must be an int in 1\.\.64"):
         tensorsocket.share(loader, name=name, min_consumers=0)
     with monkeypatch.context() as m:

@@ -112,6 +112,7 @@ def share(
     idle_timeout: float | None = UNSET,
     min_consumers: int = UNSET,
     start_grace: float = UNSET,
+    cache_bytes: int | str = UNSET,
     producer_options: dict | None = None,
     **consumer_options: Any,
 ) -> TensorConsumer:
@@ -132,16 +133,15 @@ def share(
     Producer (these apply when this call starts the producer; a producer that
     is already running keeps the settings of the caller that started it):
 
-    epochs: epochs the producer runs (default None: as long as it has
-      consumers). A consumer asking for more gets ProducerFinished.
+    epochs: epochs the producer runs (default None: as long as it has consumers).
     min_consumers: consumers (jobs, or ranks of data-parallel jobs) that must be
       attached before the first batch (default 1, ``$TENSORSOCKET_MIN_CONSUMERS``);
-      with more, the producer waits for them, within the first caller's ``timeout``.
-      A sweep that starts a known number of jobs passes it: they then all begin at
-      the first batch however far apart their share() calls fall.
-    start_grace: seconds the producer waits more, once min_consumers are
-      attached, before its first batch (default 3, ``$TENSORSOCKET_START_GRACE``), so
-      that jobs started together all begin at the first batch.
+      with more, the producer waits for them, within the first caller's ``timeout``
+      (a sweep of N jobs passing N begins together however far apart they start).
+    start_grace: seconds the producer waits more, once min_consumers are attached,
+      before its first batch (default 3, ``$TENSORSOCKET_START_GRACE``).
+    cache_bytes: memory for the decoded samples, to run later epochs without the loader
+      (default 0: off, ``$TENSORSOCKET_CACHE_BYTES``; see TensorProducer).
     idle_timeout: seconds without any consumer attached after which the
       producer ends (default 60, or ``$TENSORSOCKET_IDLE_TIMEOUT``; None:
       never, it then ends only after ``epochs``). A consumer that leaves the
@@ -153,7 +153,7 @@ def share(
 
     Consumer (each caller's own): the TensorConsumer keywords (``batch_size``,
     ``drop_last``, ``timeout``, ``batch_timeout``, ``copy``, ``device``,
-    ``pin_memory``, ``with_index``, ``unpack_fn``, ...). ``batch_size`` and
+    ``pin_memory``, ``with_index``, ``unpack_fn``, ``transform``, ...). ``batch_size`` and
     ``drop_last`` default to the caller's loader's, so each caller gets the
     batches its own DataLoader would have made (``len(consumer)`` equals
     ``len(loader)``); ``batch_size=None`` takes the producer's batches as
@@ -170,8 +170,8 @@ def share(
     bad argument, naming it; RuntimeError if CUDA is initialised here.
     """
     producer_kw, consumer_kw = _check_options(producer_options, consumer_options)
-    name = _check_arguments(loader, name, epochs, min_consumers, start_grace, producer_kw,
-                            consumer_kw)
+    name = _check_arguments(loader, name, epochs, min_consumers, start_grace, cache_bytes,
+                            producer_kw, consumer_kw)
     idle_timeout = config.get("idle_timeout", idle_timeout)
     _refuse_initialised_cuda()
     endpoint = resolve(name)
@@ -187,7 +187,8 @@ def share(
 
 
 def _check_arguments(loader: Any, name: str | None, epochs: int | None, min_consumers: int,
-                     start_grace: float, producer_kw: dict, consumer_kw: dict) -> str | None:
+                     start_grace: float, cache_bytes: Any, producer_kw: dict,
+                     consumer_kw: dict) -> str | None:
     """Check share()'s own arguments, put the producer's into producer_kw and the
     consumer group of a data-parallel job into consumer_kw; the name to share under."""
     given = min_consumers is not UNSET
@@ -201,6 +202,8 @@ def _check_arguments(loader: Any, name: str | None, epochs: int | None, min_cons
     producer_kw["min_consumers"] = min_consumers
     if start_grace is not UNSET:
         producer_kw["start_grace"] = start_grace
+    if cache_bytes is not UNSET:  # checked here: a bad value raises in the caller
+        producer_kw["cache_bytes"] = config.get("cache_bytes", cache_bytes)
     name, group = _data_parallel(loader, name, consumer_kw)
     consumer_kw.update(group)
     _check_loader(loader, epochs)
