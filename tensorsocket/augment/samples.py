@@ -106,9 +106,10 @@ def transform_samples(transform: Callable[[Any], Any], inputs: torch.Tensor,
                       seeds: Sequence[int], pil: bool) -> torch.Tensor:
     """The transform of each row of `inputs`, row k seeded with seeds[k], stacked."""
     outputs = []
+    cuda_device = inputs.device.index or 0 if inputs.device.type == "cuda" else None
     for k, seed in enumerate(seeds):
         sample = inputs[k]
-        seed_everything(seed)
+        seed_everything(seed, cuda_device)
         outputs.append(transform(to_pil(sample) if pil else sample))
     return stack(outputs, transform)
 

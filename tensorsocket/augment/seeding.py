@@ -44,9 +44,13 @@ def sample_keys(ids: Sequence[int] | None, first_position: int, count: int) -> l
     return [_UNKNOWN_ID + first_position + k for k in range(count)]
 
 
-def seed_everything(seed: int) -> None:
-    """Seed torch's, random's and NumPy's process-wide generators with `seed`."""
-    torch.manual_seed(seed)
+def seed_everything(seed: int, cuda_device: int | None = None) -> None:
+    """Seed torch's CPU generator (and that of GPU `cuda_device`, for a batch on it),
+    random's and NumPy's with `seed`. (Not torch.manual_seed: it seeds every device
+    type's generators, 0.3 ms a call here, as much as a small augmentation costs.)"""
+    torch.default_generator.manual_seed(seed)
+    if cuda_device is not None:
+        torch.cuda.default_generators[cuda_device].manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed & 0xFFFFFFFF)
 
