@@ -18,6 +18,7 @@ next one on sys.path as well.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -32,7 +33,7 @@ _STUB_LIBRARIES = ("libcudart.so.13", "libc10_cuda.so", "libtorch_cuda.so")
 
 def _preload() -> None:
     """Load torch, the stubs and torchvision/_C.so (see the module's docstring)."""
-    import torch  # noqa: F401 - its libraries (libc10.so, libtorch*.so) are _C.so's NEEDED
+    importlib.import_module("torch")  # its libc10.so, libtorch*.so: _C.so's other NEEDED
 
     for name in _STUB_LIBRARIES:
         ctypes.CDLL(os.path.join(_STUBS, name), mode=os.RTLD_GLOBAL)
