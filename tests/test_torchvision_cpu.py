@@ -8,7 +8,6 @@ ImageFolder over JPEGs, timm's create_transform on a PIL image.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,16 +19,7 @@ import pytest
 from conftest import run
 from tools import torchvision_cpu
 
-CLIENTS = Path(__file__).resolve().parent / "clients"
-
-
-def load_client(name: str):
-    """tests/clients/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(f"client_{name}", CLIENTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+CLIENT = Path(__file__).resolve().parent / "clients" / "tv_augment.py"
 
 
 CHECK = r"""
@@ -82,7 +72,8 @@ def test_real_torchvision_and_timm_in_a_fresh_interpreter(torchvision_env, tmp_p
     """transforms.v2 on a uint8 CHW tensor, ImageFolder over JPEGs, timm's
     create_transform on a PIL image, torchvision's C++ ops (nms): in a fresh
     interpreter with the fixture's environment (and the real torchvision, not a stand-in)."""
-    load_client("tv_augment").write_jpeg_folder(tmp_path / "images", n=9, classes=3)
+    run([sys.executable, str(CLIENT), "--write-images", str(tmp_path / "images"), "--count", "9"],
+        check=True, timeout=120)
     done = run([sys.executable, "-c", CHECK, str(tmp_path / "images")], env={**os.environ, **torchvision_env},
                capture_output=True, text=True, timeout=180, fork=False)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -3,6 +3,7 @@
     python tv_augment.py --root DIR --name NAME --out PATH --variant A|B|C|timm
         [--seed S] [--epochs E] [--min-consumers K] [--cache-bytes N]
         [--transform-workers K]
+    python tv_augment.py --write-images DIR [--count N]
 
 The split a user makes in one line: the dataset does the shared, deterministic part
 (decode, ``v2.Resize((72, 72))``, ``v2.PILToTensor()``: a uint8 CHW sample), run once by the
@@ -24,8 +25,7 @@ Every load of a sample appends ``<pid> <index>`` to ``$TS_TEST_LOADS``, <pid> be
 process that runs the DataLoader: a DataLoader worker writes its parent's pid (the
 producer's, in a shared run).
 
-``write_jpeg_folder()`` makes the test's ImageFolder (PIL and numpy only: the test
-process imports this module without torchvision).
+``--write-images`` makes the tests' ImageFolder (write_jpeg_folder(): PIL and numpy only).
 """
 
 from __future__ import annotations
@@ -163,18 +163,35 @@ class EpochRecord:
                 "wrong_targets": self.wrong_targets}
 
 
+def read_producer_log(path: str) -> str | None:
+    """The producer's log as it is now (a producer that ends cleanly removes it: the job
+    reads it after its first epoch, while the producer still serves the next)."""
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--variant", required=True, choices=sorted(OUTPUT_SIZE))
+    parser.add_argument("--write-images", metavar="DIR", type=Path,
+                        help="write the ImageFolder of --count JPEGs to DIR, and exit")
+    parser.add_argument("--count", type=int, default=96)
+    parser.add_argument("--root")
+    parser.add_argument("--name")
+    parser.add_argument("--out")
+    parser.add_argument("--variant", choices=sorted(OUTPUT_SIZE))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--min-consumers", type=int, default=1)
     parser.add_argument("--cache-bytes", type=int, default=None)
     parser.add_argument("--transform-workers", type=int, default=0)
     args = parser.parse_args()
+    if args.write_images is not None:
+        write_jpeg_folder(args.write_images, n=args.count)
+        return
+    if None in (args.root, args.name, args.out, args.variant):
+        parser.error("--root, --name, --out and --variant are required")
 
     import tensorsocket
 
@@ -199,6 +216,8 @@ def main() -> None:
         for x, target, index in loader:
             got.add(x, target, index, dataset.targets)
         record["epochs"][str(epoch)] = got.as_dict()
+        if epoch == 0:
+            record["producer_log_text"] = read_producer_log(record["producer_log"])
         dump(args.out, 0, record)
     record["own_loads"] = own_loads()
     record["done"] = True
