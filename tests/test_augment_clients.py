@@ -71,7 +71,10 @@ class Jobs:
     def __init__(self, procs: Any, env: dict[str, str], tmp: Path, runtime: Path,
                  images: Path) -> None:
         self.procs, self.tmp, self.images = procs, tmp, images
-        self.env = harness.child_env({**env, "TENSORSOCKET_RUNTIME_DIR": str(runtime)},
+        # TENSORSOCKET_TIMEOUT: the first job's share() waits that long for the others
+        # (min_consumers), fresh interpreters that import torch and torchvision.
+        self.env = harness.child_env({**env, "TENSORSOCKET_RUNTIME_DIR": str(runtime),
+                                      "TENSORSOCKET_TIMEOUT": str(JOB_TIMEOUT // 2)},
                                      threads=1)
 
     def start(self, label: str, variant: str, name: str, *, seed: int, epochs: int,
