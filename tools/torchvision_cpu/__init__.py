@@ -163,8 +163,11 @@ def _install(base: Path, deadline: float, log: Callable[[str], None]) -> None:
 def _pip_install(pins: list[str], target: Path, deadline: float) -> None:
     """pip install --no-deps --target `target` the pinned packages (PyPI, or a local wheel
     directory where there is one)."""
+    # --timeout/--retries: without a network pip fails in about a minute, not after its
+    # configured retries (a test session waits for this before it skips).
     argv = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-input",
-            "--disable-pip-version-check", "--target", str(target), *pins]
+            "--disable-pip-version-check", "--timeout", "30", "--retries", "1",
+            "--target", str(target), *pins]
     if LOCAL_WHEELS.is_dir():
         argv += ["--find-links", str(LOCAL_WHEELS)]
     _run(argv, deadline, what="pip install " + " ".join(pins))
