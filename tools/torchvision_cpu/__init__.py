@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 __all__ = ["DEFAULT_DIR", "TIMM", "TORCHVISION", "Unavailable", "ensure", "environment",
            "why_not"]
@@ -82,24 +82,21 @@ def ensure(dir: str | os.PathLike[str] | None = None, *, timeout: float = 600,
     torch release."""
     base = Path(dir) if dir is not None else DEFAULT_DIR
     deadline = time.monotonic() + timeout
-    env = environment(base)
-    if env is not None and _ready(base) is not None:
+    if _ready(base) is not None:
         log(f"torchvision-cpu: ready in {base}")
-        return env
-    if env == {}:
+        return _site_env(base, os.environ)
+    if not _natively_missing():
         log("torchvision-cpu: torchvision and timm import natively; nothing to do")
-        return env
+        return {}
     base.mkdir(parents=True, exist_ok=True)
     with _locked(base / ".lock"):
-        if _ready(base) is not None:  # another process finished it while we waited
-            return environment(base) or {}
-        try:
-            _install(base, deadline, log)
-        except Unavailable as e:
-            (base / "error.txt").write_text(str(e) + "\n")
-            raise
-    env = environment(base)
-    assert env is not None
+        if _ready(base) is None:  # else another process made it ready while we waited
+            try:
+                _install(base, deadline, log)
+            except Unavailable as e:
+                (base / "error.txt").write_text(str(e) + "\n")
+                raise
+    env = _site_env(base, os.environ)
     log(f"torchvision-cpu: ready in {base}; the environment to use:")
     for key, value in env.items():
         log(f"  export {key}={value}")
@@ -112,13 +109,16 @@ def environment(dir: str | os.PathLike[str] | None = None,
     against base_env (default: os.environ): {"PYTHONPATH": "<dir>/site:<its PYTHONPATH>"}
     once ensure() made <dir> ready; {} where both import natively; else None."""
     base = Path(dir) if dir is not None else DEFAULT_DIR
-    env = os.environ if base_env is None else base_env
     if _ready(base) is not None:
-        parts = [str(base / "site")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                        if p and p != str(base / "site")]
-        return {"PYTHONPATH": os.pathsep.join(parts)}
-    missing = _natively_missing()
-    return {} if not missing else None
+        return _site_env(base, os.environ if base_env is None else base_env)
+    return {} if not _natively_missing() else None
+
+
+def _site_env(base: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """{"PYTHONPATH": base/site first, then env's PYTHONPATH}."""
+    site = str(base / "site")
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
+    return {"PYTHONPATH": os.pathsep.join([site, *parts])}
 
 
 def why_not(dir: str | os.PathLike[str] | None = None) -> str:
@@ -183,9 +183,7 @@ def _build_stubs(out: Path, deadline: float) -> None:
 def _check_imports(base: Path, deadline: float) -> dict[str, str]:
     """Import torchvision and timm in a fresh interpreter with the environment of base;
     their versions, or Unavailable with what failed."""
-    site = str(base / "site")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [site] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    env = {**os.environ, **_site_env(base, os.environ)}
     code = ("import json, torch, torchvision, timm\n"
             "print(json.dumps({'torch': torch.__version__, "
             "'torchvision': torchvision.__version__, 'timm': timm.__version__, "
