@@ -21,6 +21,8 @@ load writes the pid of the process running the DataLoader):
 - the same job seed gives the same output per sample id in a second run (another
   producer, another shuffle order), and another epoch gives other outputs;
 - timm's create_transform, on PIL images (transform_input="pil");
+- a transform that cannot run on the shared samples (Normalize on uint8) fails the job
+  at its first batch with a TransformError naming both sides;
 - the decoded-sample cache (cache_bytes=): with room for the dataset, 3 epochs load each
   sample once (epochs 2 and 3 are served from the cache); with too little room, every
   epoch loads again and the producer's log says why, as a WARNING. Its cleanup after a
@@ -78,9 +80,11 @@ class Jobs:
                                      threads=1)
 
     def start(self, label: str, variant: str, name: str, *, seed: int, epochs: int,
-              min_consumers: int = 1, loads: str = "loads", **options: Any) -> Job:
+              min_consumers: int = 1, loads: str = "loads", env: dict | None = None,
+              **options: Any) -> Job:
         """Start a job; `loads`: the name of its log of loads (jobs of one producer share
-        one); options: further flags (cache_bytes=..., transform_workers=...)."""
+        one); env: more variables; options: further flags (cache_bytes=...,
+        transform_workers=...)."""
         out, loads_path = self.tmp / label, self.tmp / f"{loads}.txt"
         argv = [str(CLIENT), "--root", str(self.images), "--name", name, "--out", str(out),
                 "--variant", variant, "--seed", str(seed), "--epochs", str(epochs),
@@ -88,7 +92,8 @@ class Jobs:
         for key, value in options.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
         proc = self.procs.children.spawn(harness.python_argv(*argv), label=label,
-                                         env={**self.env, "TS_TEST_LOADS": str(loads_path)})
+                                         env={**self.env, "TS_TEST_LOADS": str(loads_path),
+                                              **(env or {})})
         return Job(label, proc, out, loads_path)
 
     def finish(self, *jobs: Job) -> dict[str, dict]:
@@ -153,6 +158,13 @@ EXPECTED = {
     "C": dict(size=48, normalised=False, gray=True),
     "timm": dict(size=48, normalised=True, gray=None),
 }
+
+
+def wait_gone_after(job: Job) -> dict:
+    """A failed job's record (written once share() returned), once its producer ended."""
+    record = json.loads(Path(f"{job.out}.rank0.json").read_text())
+    wait_gone(record["producer_pid"], timeout=60)
+    return record
 
 
 def check_own_transform(record: dict) -> None:
@@ -264,3 +276,20 @@ def test_decoded_cache_hit_and_budget(jobs, name):
     assert fits_log is not None, records["fits"]["producer_log"]
     assert not [line for line in fits_log.splitlines()
                 if " WARNING " in line and "cache" in line], fits_log
+
+
+@pytest.mark.slow
+def test_transform_that_cannot_run_on_the_shared_samples(jobs, name):
+    """A job whose transform wants floats (Normalize without ToDtype) over the shared
+    uint8 samples fails at its first batch with TransformError naming the transform and
+    the samples' dtype and shape; its producer ends by itself (idle timeout)."""
+    job = jobs.start("wrong", "wrong", name, seed=1, epochs=1,
+                     env={"TENSORSOCKET_IDLE_TIMEOUT": "2"})
+    with pytest.raises(harness.ChildFailed) as failed:
+        job.proc.result(JOB_TIMEOUT)
+    said = str(failed.value)
+    # Both sides: the transform (and what it raised), the samples' dtype and shape.
+    assert "TransformError: transform=Compose" in said, said
+    assert "should be a float tensor" in said, said
+    assert "uint8" in said and "(3, 72, 72)" in said, said
+    assert wait_gone_after(job)["epochs"] == {}

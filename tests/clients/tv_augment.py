@@ -15,6 +15,8 @@ in this process. The variants (VARIANTS):
 - C: RandomResizedCrop(48), RandomGrayscale(p=1), ToDtype(float32, scale)
 - timm: ``timm.data.create_transform(48, is_training=True)``, on PIL images
   (``transform_input="pil"``)
+- wrong: RandomResizedCrop(48), Normalize: a transform that cannot run on the shared
+  uint8 samples (Normalize wants floats: ToDtype is missing)
 
 Writes ``<out>.rank0.json`` (after every epoch, see _common.dump): per epoch the ids of
 each batch, the output shapes and dtypes, a checksum of each sample's output (by id) and
@@ -47,7 +49,7 @@ from torch.utils.data import DataLoader, get_worker_info  # noqa: E402
 from _common import dump, ids_of, own_loads  # noqa: E402
 
 SHARED_SIZE = 72  # the shared prefix's Resize
-OUTPUT_SIZE = {"A": 64, "B": 56, "C": 48, "timm": 48}
+OUTPUT_SIZE = {"A": 64, "B": 56, "C": 48, "timm": 48, "wrong": 48}
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -123,6 +125,9 @@ def make_transform(variant: str) -> tuple[Callable[[Any], torch.Tensor], str]:
         import timm.data
 
         return timm.data.create_transform(OUTPUT_SIZE["timm"], is_training=True), "pil"
+    if variant == "wrong":
+        return v2.Compose([v2.RandomResizedCrop(OUTPUT_SIZE["wrong"]),
+                           v2.Normalize(MEAN, STD)]), "tensor"
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -211,6 +216,7 @@ def main() -> None:
         "producer_log": str(getattr(loader, "producer_log", None)),
         "started_producer": getattr(loader, "started_producer", None),
         "dataset_len": len(dataset), "len": len(loader), "epochs": {}}
+    dump(args.out, 0, record)  # the producer's pid, for a test whose job fails
     for epoch in range(args.epochs):
         got = EpochRecord()
         for x, target, index in loader:
