@@ -1,9 +1,10 @@
 """Issue 27's real-client test: jobs with different torchvision augmentations share one
 decode.
 
-Every job is tests/clients/tv_augment.py, a training script as a user writes it: a
-torchvision ImageFolder of generated JPEGs whose transform is the shared, deterministic
-prefix (``v2.Resize((72, 72))``, ``v2.PILToTensor()``), and
+Every job is tests/clients/tv_augment.py, a training script as a user writes it: its
+whole torchvision pipeline cut by ``tensorsocket.split_transform()`` into the shared,
+deterministic prefix (``v2.Resize((72, 72))``, ``v2.PILToTensor()``), the transform of a
+torchvision ImageFolder of generated JPEGs, and its own augmentation:
 ``share(DataLoader(ds, batch_size=8, shuffle=True, num_workers=1), name=...,
 transform=<its own v2 augmentation>, seed=...)``. The jobs are real processes (fresh
 interpreters with the real torchvision of tools/torchvision_cpu: the torchvision_env
@@ -167,8 +168,21 @@ def wait_gone_after(job: Job) -> dict:
     return record
 
 
+# The job's own steps, as split_transform() left them after the shared part.
+OWN_STEPS = {
+    "A": ["RandomResizedCrop", "RandomHorizontalFlip", "ToDtype", "Normalize"],
+    "B": ["RandomResizedCrop", "ColorJitter", "ToDtype"],
+    "C": ["RandomResizedCrop", "RandomGrayscale", "ToDtype"],
+}
+
+
 def check_own_transform(record: dict) -> None:
-    """The job's outputs carry its own transform's marks (EXPECTED)."""
+    """The job's pipeline was split after the shared prefix, and its outputs carry its
+    own transform's marks (EXPECTED)."""
+    shared, own = record["split"]
+    assert shared == ["Resize", "PILToTensor"], record["split"]
+    if record["variant"] in OWN_STEPS:
+        assert own == OWN_STEPS[record["variant"]], record["split"]
     want = EXPECTED[record["variant"]]
     for epoch, got in record["epochs"].items():
         where = (record["variant"], epoch)

@@ -5,22 +5,24 @@
         [--transform-workers K]
     python tv_augment.py --write-images DIR [--count N]
 
-The split a user makes in one line: the dataset does the shared, deterministic part
-(decode, ``v2.Resize((72, 72))``, ``v2.PILToTensor()``: a uint8 CHW sample), run once by the
-shared producer; ``share(..., transform=)`` runs the job's own random part on each sample
-in this process. The variants (VARIANTS):
+The split a user makes in one line: the job writes its whole torchvision pipeline, as for
+its own DataLoader, and ``tensorsocket.split_transform()`` cuts it: the dataset does the
+shared, deterministic part (decode, ``v2.Resize((72, 72))``, ``v2.PILToTensor()``: a uint8
+CHW sample), run once by the shared producer; ``share(..., transform=)`` runs the job's
+own random part on each sample in this process. The variants (after the shared part):
 
 - A: RandomResizedCrop(64), RandomHorizontalFlip, ToDtype(float32, scale), Normalize
 - B: RandomResizedCrop(56), ColorJitter(0.4, 0.4, 0.4), ToDtype(float32, scale)
 - C: RandomResizedCrop(48), RandomGrayscale(p=1), ToDtype(float32, scale)
 - timm: ``timm.data.create_transform(48, is_training=True)``, on PIL images
-  (``transform_input="pil"``)
+  (``transform_input="pil"``; a PIL pipeline: the dataset gets the shared part as is)
 - wrong: RandomResizedCrop(48), Normalize: a transform that cannot run on the shared
   uint8 samples (Normalize wants floats: ToDtype is missing)
 
 Writes ``<out>.rank0.json`` (after every epoch, see _common.dump): per epoch the ids of
 each batch, the output shapes and dtypes, a checksum of each sample's output (by id) and
 what the variants leave behind (value range, whether the channels are equal); the
+transforms' names on each side of the split; the
 producer's pid and log; how many samples this process loaded itself.
 
 Every load of a sample appends ``<pid> <index>`` to ``$TS_TEST_LOADS``, <pid> being the
@@ -89,11 +91,10 @@ def log_load(index: int) -> None:
         os.close(fd)
 
 
-def make_dataset(root: str) -> Any:
-    """The ImageFolder with the shared prefix as its transform, yielding (img, target,
+def make_dataset(root: str, shared: Any) -> Any:
+    """The ImageFolder with the shared part as its transform, yielding (img, target,
     index)."""
     from torchvision.datasets import ImageFolder
-    from torchvision.transforms import v2
 
     class IndexedImageFolder(ImageFolder):
         """ImageFolder whose samples also carry their index; every load is logged."""
@@ -103,32 +104,37 @@ def make_dataset(root: str) -> Any:
             log_load(index)
             return img, target, index
 
-    return IndexedImageFolder(root, transform=v2.Compose(
-        [v2.Resize((SHARED_SIZE, SHARED_SIZE)), v2.PILToTensor()]))
+    return IndexedImageFolder(root, transform=shared)
 
 
-def make_transform(variant: str) -> tuple[Callable[[Any], torch.Tensor], str]:
-    """The job's own per-sample transform, and the transform_input it takes."""
+def make_transforms(variant: str) -> tuple[Any, Callable[[Any], torch.Tensor], str]:
+    """The shared part (the dataset's transform), the job's own per-sample transform, and
+    the transform_input that takes."""
+    import tensorsocket
     from torchvision.transforms import v2
 
-    as_float = v2.ToDtype(torch.float32, scale=True)
-    if variant == "A":
-        return v2.Compose([v2.RandomResizedCrop(OUTPUT_SIZE["A"]), v2.RandomHorizontalFlip(),
-                           as_float, v2.Normalize(MEAN, STD)]), "tensor"
-    if variant == "B":
-        return v2.Compose([v2.RandomResizedCrop(OUTPUT_SIZE["B"]),
-                           v2.ColorJitter(0.4, 0.4, 0.4), as_float]), "tensor"
-    if variant == "C":
-        return v2.Compose([v2.RandomResizedCrop(OUTPUT_SIZE["C"]), v2.RandomGrayscale(p=1.0),
-                           as_float]), "tensor"
+    shared = [v2.Resize((SHARED_SIZE, SHARED_SIZE)), v2.PILToTensor()]
     if variant == "timm":
         import timm.data
 
-        return timm.data.create_transform(OUTPUT_SIZE["timm"], is_training=True), "pil"
-    if variant == "wrong":
-        return v2.Compose([v2.RandomResizedCrop(OUTPUT_SIZE["wrong"]),
-                           v2.Normalize(MEAN, STD)]), "tensor"
-    raise ValueError(f"unknown variant {variant!r}")
+        own = timm.data.create_transform(OUTPUT_SIZE["timm"], is_training=True)
+        return v2.Compose(shared), own, "pil"
+    as_float = v2.ToDtype(torch.float32, scale=True)
+    crop = v2.RandomResizedCrop(OUTPUT_SIZE[variant])
+    augment = {
+        "A": [crop, v2.RandomHorizontalFlip(), as_float, v2.Normalize(MEAN, STD)],
+        "B": [crop, v2.ColorJitter(0.4, 0.4, 0.4), as_float],
+        "C": [crop, v2.RandomGrayscale(p=1.0), as_float],
+        "wrong": [crop, v2.Normalize(MEAN, STD)],
+    }[variant]
+    # The one line: the whole pipeline, as this job would give its own DataLoader, cut.
+    dataset_part, own = tensorsocket.split_transform(v2.Compose(shared + augment))
+    return dataset_part, own, "tensor"
+
+
+def step_names(pipeline: Any) -> list[str]:
+    """The class names of a Compose's transforms."""
+    return [type(t).__name__ for t in getattr(pipeline, "transforms", [pipeline])]
 
 
 def checksum(sample: torch.Tensor) -> str:
@@ -200,8 +206,8 @@ def main() -> None:
 
     import tensorsocket
 
-    dataset = make_dataset(args.root)
-    transform, transform_input = make_transform(args.variant)
+    shared, transform, transform_input = make_transforms(args.variant)
+    dataset = make_dataset(args.root, shared)
     options: dict[str, Any] = dict(name=args.name, transform=transform, seed=args.seed,
                                    transform_input=transform_input, epochs=args.epochs,
                                    min_consumers=args.min_consumers,
@@ -215,7 +221,8 @@ def main() -> None:
         "producer_pid": getattr(loader, "producer_pid", None),
         "producer_log": str(getattr(loader, "producer_log", None)),
         "started_producer": getattr(loader, "started_producer", None),
-        "dataset_len": len(dataset), "len": len(loader), "epochs": {}}
+        "dataset_len": len(dataset), "len": len(loader),
+        "split": [step_names(shared), step_names(transform)], "epochs": {}}
     dump(args.out, 0, record)  # the producer's pid, for a test whose job fails
     for epoch in range(args.epochs):
         got = EpochRecord()
