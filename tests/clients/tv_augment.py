@@ -212,8 +212,8 @@ def main() -> None:
                                    transform_input=transform_input, epochs=args.epochs,
                                    min_consumers=args.min_consumers,
                                    transform_workers=args.transform_workers)
-    if args.cache_bytes is not None:
-        options["cache_bytes"] = args.cache_bytes
+    if args.cache_bytes is not None:  # the producer's decoded-sample cache
+        options["producer_options"] = {"cache_bytes": args.cache_bytes}
     loader = tensorsocket.share(DataLoader(dataset, batch_size=8, shuffle=True,
                                            num_workers=1), **options)
     record: dict[str, Any] = {
