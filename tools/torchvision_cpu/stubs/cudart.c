@@ -5,7 +5,8 @@
  * generated code registers each kernel with the runtime) and must behave: a handle, no
  * error. The cuda* API functions are referenced by its CUDA kernels' launchers, which
  * run only on CUDA tensors: defined so that an eager binding (LD_BIND_NOW) still finds
- * them, each answering cudaErrorNoDevice if ever called. Signatures use plain C types
+ * them, each answering cudaErrorNoDevice if ever called (declared without parameters:
+ * never called, only bound). The registration functions' signatures use plain C types
  * in place of CUDA's (same size and ABI class on x86-64 and aarch64). */
 
 #include <stddef.h>
