@@ -13,7 +13,9 @@ installed into the interpreter):
 - ``<dir>/stubs``: the three CUDA libraries as stubs, built with gcc from ``stubs/*.c``;
 - ``<dir>/site/sitecustomize.py``: preloads the stubs and _C.so before the first import
   of torchvision (see sitecustomize_template.py);
-- ``<dir>/ready.json``: written last, once a fresh interpreter imported both packages.
+- ``<dir>/ready.json``: written last, once a fresh interpreter imported both packages;
+  with the digest of the recipe (pins, stub sources, sitecustomize): a change to them
+  makes the next ensure() do it again.
 
 A process gets them with ``environment()`` in its environment (``<dir>/site`` first on
 PYTHONPATH). Where torchvision already imports natively, nothing is done. The command
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -156,8 +159,8 @@ def _install(base: Path, deadline: float, log: Callable[[str], None]) -> None:
         log(f"torchvision-cpu: building the CUDA stubs into {base / 'stubs'}")
         _replace_dir(base / "stubs", lambda tmp: _build_stubs(tmp, deadline))
         shutil.copyfile(SITECUSTOMIZE, base / "site" / "sitecustomize.py")
-    versions = _check_imports(base, deadline)
-    (base / "ready.json").write_text(json.dumps(versions, indent=1) + "\n")
+    ready = {**_check_imports(base, deadline), "recipe": _recipe()}
+    (base / "ready.json").write_text(json.dumps(ready, indent=1) + "\n")
 
 
 def _pip_install(pins: list[str], target: Path, deadline: float) -> None:
@@ -202,9 +205,20 @@ def _ready(base: Path) -> dict | None:
         return None
     if not (base / "site").is_dir():
         return None
-    if ready.get("python") != sys.version.split()[0] or ready.get("torch") != _torch_version():
+    if ready.get("python") != sys.version.split()[0] or ready.get("torch") != _torch_version() \
+            or ready.get("recipe") != _recipe():
         return None
     return ready
+
+
+@functools.lru_cache(maxsize=None)
+def _recipe() -> str:
+    """A digest of what ensure() installs and builds (the pins, the stub sources, the
+    sitecustomize): a directory made from another recipe is made again."""
+    digest = hashlib.sha256(f"{TORCHVISION} {TIMM}".encode())
+    for path in sorted(STUB_SOURCES.iterdir()) + [SITECUSTOMIZE]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=None)
