@@ -62,6 +62,24 @@ def short_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
+# Seconds the torchvision_env fixture may spend installing (pip from PyPI, gcc) once.
+TORCHVISION_SETUP_TIMEOUT = float(os.environ.get("TS_TEST_TORCHVISION_TIMEOUT", "600"))
+
+
+@pytest.fixture(scope="session")
+def torchvision_env() -> dict[str, str]:
+    """The environment variables under which a child process imports real torchvision and
+    timm (tools/torchvision_cpu: installed into .cache/ on first use, PyPI's CUDA build
+    made to load beside a CPU-only torch; {} where they import natively). Skips the test
+    with the reason where they cannot be had (no network, no gcc, another torch)."""
+    from tools import torchvision_cpu
+
+    try:
+        return torchvision_cpu.ensure(timeout=TORCHVISION_SETUP_TIMEOUT, log=lambda line: None)
+    except torchvision_cpu.Unavailable as e:
+        pytest.skip(f"real torchvision unavailable: {e}")
+
+
 def hello_message(pid: int, **fields) -> bytes:
     """A well-formed hello of the control protocol claiming `pid` (a forger's, in the tests
     of who may attach); every field not given (the secret, which another user does not
