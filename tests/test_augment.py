@@ -394,3 +394,12 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_pipeline_is_named_by_its_steps():
+    """Errors name a Compose by its steps (its repr's first line says only "Compose(")."""
+    from tensorsocket.augment.samples import describe
+
+    assert describe(Compose([_step("RandomResizedCrop"), _step("Normalize")])) == \
+        "Compose(RandomResizedCrop, Normalize)"
+    assert describe(crop_and_noise(4)).startswith("<function crop_and_noise(4)")

@@ -24,10 +24,16 @@ Rebuild = Callable[[torch.Tensor], Any]  # the batch with its inputs replaced
 
 
 def describe(transform: Any) -> str:
-    """A short name of a transform for messages (its repr's first line, at most 120
-    characters)."""
-    text = repr(transform).splitlines()[0] if repr(transform) else type(transform).__name__
-    return text if len(text) <= 120 else text[:117] + "..."
+    """A short name of a transform for messages: a pipeline (an object with a
+    ``transforms`` list, as torchvision's and timm's Compose) by its steps' class names,
+    anything else by its repr's first line; at most 160 characters."""
+    steps = getattr(transform, "transforms", None)
+    if isinstance(steps, (list, tuple)):
+        text = f"{type(transform).__name__}({', '.join(type(t).__name__ for t in steps)})"
+    else:
+        lines = repr(transform).splitlines()
+        text = lines[0] if lines else type(transform).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def split_inputs(batch: Any, key: Any) -> tuple[torch.Tensor, Rebuild]:

@@ -213,7 +213,7 @@ def main() -> None:
                                    min_consumers=args.min_consumers,
                                    transform_workers=args.transform_workers)
     if args.cache_bytes is not None:  # the producer's decoded-sample cache
-        options["producer_options"] = {"cache_bytes": args.cache_bytes}
+        options["cache_bytes"] = args.cache_bytes
     loader = tensorsocket.share(DataLoader(dataset, batch_size=8, shuffle=True,
                                            num_workers=1), **options)
     record: dict[str, Any] = {
