@@ -425,9 +425,12 @@ def _transformed_epochs(name: str, cache_bytes: int, workers: int) -> tuple[list
     def jitter(x: torch.Tensor) -> torch.Tensor:
         return (x.float() + torch.rand(())).flip(-1)
 
-    torch.manual_seed(0)
-    producer = TensorProducer(DataLoader(Rows(), batch_size=8, shuffle=True), name=name,
-                              cache_bytes=cache_bytes)
+    # The producer runs in a thread of this process: its loader draws from a generator of
+    # its own, not torch's global one, which the consumer's transform (run here, at
+    # next(), with transform_workers=0) seeds and draws from at the same time.
+    producer = TensorProducer(DataLoader(Rows(), batch_size=8, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0)),
+                              name=name, cache_bytes=cache_bytes)
 
     def produce() -> None:
         for _ in range(3):
