@@ -132,10 +132,11 @@ class _Record:
     def epoch(self, batches, trainer) -> None:
         import numpy as np
 
-        seen, label_errors, timed, n = [], 0, 0, 0
+        seen, label_errors, timed, n, done = [], 0, 0, 0, []
         t_first = t_timed = time.monotonic()
         for n, (x, y, ids) in enumerate(batches, 1):
             trainer.step(x, y)
+            done.append(time.monotonic())
             ids_l = ids.tolist()
             seen.extend(ids_l)
             label_errors += sum(1 for i, lab in zip(ids_l, y.tolist()) if lab != i % 10)
@@ -147,7 +148,7 @@ class _Record:
         counts = np.bincount(np.asarray(seen, dtype=np.int64), minlength=self.samples)
         self.epochs.append({
             "t_first": t_first, "t_timed": t_timed, "t_end": time.monotonic(),
-            "batches": n, "samples": len(seen), "timed_samples": timed,
+            "batches": n, "samples": len(seen), "timed_samples": timed, "done_times": done,
             "ok": len(seen) == self.samples and bool((counts == 1).all())
             and label_errors == 0,
             "missing": int((counts == 0).sum()), "label_errors": label_errors})
@@ -433,10 +434,20 @@ class ModeRun:
         for j in jobs:
             hwm[j["pid"]] = max(hwm.get(j["pid"], 0), j["vmhwm_kb"])
         rec["processes"] = len(hwm)
+        rec["cpu_s_polled"] = {role: sum(c for pid, c in self.poller.cpu.items()
+                                         if self.poller.roles.get(pid) == role)
+                               for role in ("job", "forked")}
         rec["peak_rss_total_mb"] = sum(hwm.values()) / 1024 if hwm else None
         rec["shm_mapped_peak_mb"] = self.poller.shm_peak[1] / MB
         rec["shmem_delta_peak_mb"] = (self.poller.shmem_peak_kb - self.poller.shmem0_kb) / 1024
         rec["run_cores"] = div(rec["cpu_s_total"], rec["wall_s"])
+        if len(jobs) == self.args.jobs:
+            rec["epoch1_window"] = _window(self.poller, jobs, self.args.batch,
+                                           lambda j: j["epochs"][0]["t_timed"],
+                                           lambda j: j["epochs"][0]["t_end"])
+            rec["later_window"] = _window(self.poller, jobs, self.args.batch,
+                                          lambda j: j["epochs"][0]["t_end"],
+                                          lambda j: j["epochs"][-1]["t_end"])
         if rec["machine_busy_cores"] is not None:
             rec["other_load_cores"] = max(0.0, rec["machine_busy_cores"] - rec["run_cores"])
         bad = [e for j in jobs for e in j["epochs"] if not e["ok"]]
@@ -444,6 +455,33 @@ class ModeRun:
             rec["error"] = (f"check failed: {len(bad)} job-epochs with missing, repeated or "
                             f"mislabelled samples (first: {bad[0]})")
         rec["ok"] = rec["error"] is None
+
+
+def _samples_by(job: dict, batch: int, t: float) -> float:
+    """Samples `job` had trained by time `t` (interpolated between its batches)."""
+    import numpy as np
+
+    times = [e["t_first"] for e in job["epochs"][:1]] + [
+        x for e in job["epochs"] for x in e["done_times"]]
+    sizes = [0] + [batch] * (len(times) - 1)  # the last batch of an epoch may be short:
+    return float(np.interp(t, times, np.cumsum(sizes)))  # within one batch of the truth
+
+
+def _window(poller: Poller, jobs: list[dict], batch: int, start, end) -> dict | None:
+    """CPU ms per sample of the mode's processes (polled), and the other load on the
+    machine, in the window where every job is between start(job) and end(job): None where
+    the jobs never overlap so (or the poller missed it)."""
+    ws, we = max(start(j) for j in jobs), min(end(j) for j in jobs)
+    c0, c1 = poller.cpu_at(ws), poller.cpu_at(we)
+    if we - ws < 1.0 or c0 is None or c1 is None:
+        return None
+    samples = sum(_samples_by(j, batch, we) - _samples_by(j, batch, ws) for j in jobs)
+    b0, b1 = poller.cpu_at(ws, poller.busy), poller.cpu_at(we, poller.busy)
+    other = (max(0.0, (b1 - b0 - (c1 - c0)) / (we - ws))
+             if b0 is not None and b1 is not None else None)
+    return {"seconds": we - ws, "samples": samples, "cpu_ms_per_sample": div(
+        (c1 - c0) * 1e3, samples), "run_cores": (c1 - c0) / (we - ws),
+        "other_load_cores": other}
 
 
 def _throughput(rec: dict, jobs: list[dict], n: int) -> None:
@@ -548,19 +586,23 @@ def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[d
     print(f"calibration (thread CPU ms per sample, median of {args.repeats}): Ld "
           f"{cal['ld_ms']:.3f}, La [{la}], T [{t}]: Ld / mean(La + T) = "
           f"{cal['ld_ms'] * len(cal['la_ms']) / sum(cal['la_ms'] + cal['t_ms']):.2f}")
-    print(f"{'mode':<13} {'epoch 1':>9} {'epochs 2+':>9} {'CPU ms':>7} {'peak RSS':>9} "
-          f"{'/dev/shm':>9} {'Shmem':>7} {'cores':>6} {'other':>6} {'wall':>6}  status")
-    print(f"{'':<13} {'samples/s':>9} {'samples/s':>9} {'/sample':>7} {'MB':>9} "
-          f"{'mapped MB':>9} {'+MB':>7} {'used':>6} {'load':>6} {'s':>6}")
+    print(f"CPU ms per sample, ideal: own {ideal['own_ms_per_sample']:.2f}, shared "
+          f"{ideal['shared_ms_per_sample']:.2f}, cached {ideal['cache_ms_per_sample']:.2f}")
+    print(f"{'mode':<13} {'epoch 1':>9} {'epochs 2+':>9} {'CPU ms/sample':^20} {'peak RSS':>9} "
+          f"{'/dev/shm':>9} {'Shmem':>7} {'other':>6} {'wall':>6}  status")
+    print(f"{'':<13} {'samples/s':>9} {'samples/s':>9} {'all':>6} {'ep. 1':>6} {'2+':>6} "
+          f"{'MB':>9} {'mapped MB':>9} {'+MB':>7} {'cores':>6} {'s':>6}")
     for r in modes:
+        ep1, later = r.get("epoch1_window") or {}, r.get("later_window") or {}
         print(f"{r['mode']:<13} {fmt(r.get('epoch1_samples_per_s'), '.1f', 9)} "
               f"{fmt(r.get('later_samples_per_s'), '.1f', 9)} "
-              f"{fmt(r.get('cpu_ms_per_sample'), '.2f', 7)} "
+              f"{fmt(r.get('cpu_ms_per_sample'), '.2f', 6)} "
+              f"{fmt(ep1.get('cpu_ms_per_sample'), '.2f', 6)} "
+              f"{fmt(later.get('cpu_ms_per_sample'), '.2f', 6)} "
               f"{fmt(r.get('peak_rss_total_mb'), '.0f', 9)} "
               f"{fmt(r.get('shm_mapped_peak_mb'), '.1f', 9)} "
               f"{fmt(r.get('shmem_delta_peak_mb'), '.1f', 7)} "
-              f"{fmt(r.get('run_cores'), '.2f', 6)} {fmt(r.get('other_load_cores'), '.2f', 6)} "
-              f"{fmt(r.get('wall_s'), '.1f', 6)}  "
+              f"{fmt(r.get('other_load_cores'), '.2f', 6)} {fmt(r.get('wall_s'), '.1f', 6)}  "
               + ("ok" if r["ok"] else f"FAILED: {(r['error'] or '')[:200]}"))
     print(f"shared/own, epoch 1:      {fmt(ratios['shared_vs_own_epoch1'], '.2f')}x, ideal "
           f"N(Ld+La+T)/(Ld+N(La+T)) = {ideal['shared_vs_own']:.2f}x: "
