@@ -42,7 +42,9 @@ epochs 2+ (from the end of its epoch 1 to the end of its last); CPU-seconds per 
 (every process of the mode, the producer and all workers included: this process is a
 child subreaper, so share()'s double-forked producer is re-parented to it and reaped here;
 ``getrusage(RUSAGE_CHILDREN)``, interpreter start-up included, over every sample trained);
-peak RSS (sum over the mode's processes of VmHWM, polled, and each job's own at its exit);
+peak RSS (sum over the mode's processes of VmHWM, polled, and each job's own at its exit;
+each epoch's loader workers are new processes, so this adds their peaks one after the
+other) and the largest sum of VmRSS seen at one poll (``peak_rss_concurrent_mb``);
 shared memory: the largest total of /dev/shm objects the mode's processes map
 (``shm_mapped_peak_mb``) and the peak of /proc/meminfo's Shmem minus its value before
 the mode (``shmem_delta_peak_mb``; other work on the machine counts in it too). Every job
@@ -54,10 +56,15 @@ their ideals. JSON (``--json PATH``, default ``benchmarks/results/<date>-shared-
 <machine>.json``), schema ``tensorsocket-shared-prefix/1``: argv, config, machine,
 calibration {ld_ms, la_ms [per job], t_ms [per job], repeats [...]}, ideal {shared_vs_own,
 cache_vs_own}, modes [{mode, ok, error, wall_s, epoch1_samples_per_s,
-later_samples_per_s, cpu_s_total, cpu_ms_per_sample, samples, peak_rss_total_mb,
-shm_mapped_peak_mb, shmem_delta_peak_mb, run_cores, other_load_cores, jobs [...]}],
+later_samples_per_s, cpu_s_total, cpu_ms_per_sample, samples, epoch1_window and
+later_window {seconds, samples, cpu_ms_per_sample, run_cores, other_load_cores: the
+polled CPU of the mode's processes while every job is in that phase}, cpu_s_polled {job,
+forked}, processes, peak_rss_total_mb, peak_rss_concurrent_mb, shm_mapped_peak_mb,
+shmem_delta_peak_mb, run_cores, other_load_cores, jobs [...]}],
 ratios {shared_vs_own_epoch1, cache_vs_own_later, cache_vs_shared_later, and each
-measured ratio over its ideal}.
+measured ratio over its ideal, and the same ratios in CPU per sample of the polled
+windows, ``cpu_*``: what the throughput ratios would be if every mode got the same cores,
+which a machine with other work on it does not give}.
 
 The script runs itself with the hidden role ``_job`` for each job.
 """
@@ -306,6 +313,7 @@ class _TreePoller(Poller):
     def __init__(self) -> None:
         super().__init__()
         self.shmem0_kb = self.shmem_peak_kb = _shmem_kb()
+        self.rss_peak_kb = 0  # the largest sum of VmRSS over the processes at one poll
 
     def pids(self, discover: bool) -> list[int]:
         if discover:
@@ -318,6 +326,10 @@ class _TreePoller(Poller):
     def sample(self, slow: bool) -> None:
         super().sample(slow)
         self.shmem_peak_kb = max(self.shmem_peak_kb, _shmem_kb())
+        with self._lock:
+            pids = list(self.roles)
+        rss = sum(vm_kb(pid).get("VmRSS", 0) for pid in pids)
+        self.rss_peak_kb = max(self.rss_peak_kb, rss)
 
 
 def _reap_orphans(deadline: float) -> list[int]:
@@ -438,6 +450,7 @@ class ModeRun:
                                          if self.poller.roles.get(pid) == role)
                                for role in ("job", "forked")}
         rec["peak_rss_total_mb"] = sum(hwm.values()) / 1024 if hwm else None
+        rec["peak_rss_concurrent_mb"] = self.poller.rss_peak_kb / 1024
         rec["shm_mapped_peak_mb"] = self.poller.shm_peak[1] / MB
         rec["shmem_delta_peak_mb"] = (self.poller.shmem_peak_kb - self.poller.shmem0_kb) / 1024
         rec["run_cores"] = div(rec["cpu_s_total"], rec["wall_s"])
@@ -576,6 +589,14 @@ def _ratios(by_mode: dict, ideal: dict) -> dict:
     }
     out["shared_epoch1_of_ideal"] = div(out["shared_vs_own_epoch1"], ideal["shared_vs_own"])
     out["cache_later_of_ideal"] = div(out["cache_vs_own_later"], ideal["cache_vs_own"])
+    # The same ratios in CPU per sample (own's over the mode's, in the polled windows):
+    # what the throughput ratio would be if every mode got the same cores, which a
+    # machine with other work on it does not give.
+    def cpu(r: dict, window: str) -> float | None:
+        return (r.get(window) or {}).get("cpu_ms_per_sample")
+    out["cpu_shared_vs_own_epoch1"] = div(cpu(own, "epoch1_window"), cpu(sh, "epoch1_window"))
+    out["cpu_cache_vs_own_later"] = div(cpu(own, "later_window"), cpu(ca, "later_window"))
+    out["cpu_cache_vs_shared_later"] = div(cpu(sh, "later_window"), cpu(ca, "later_window"))
     return out
 
 
@@ -588,10 +609,10 @@ def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[d
           f"{cal['ld_ms'] * len(cal['la_ms']) / sum(cal['la_ms'] + cal['t_ms']):.2f}")
     print(f"CPU ms per sample, ideal: own {ideal['own_ms_per_sample']:.2f}, shared "
           f"{ideal['shared_ms_per_sample']:.2f}, cached {ideal['cache_ms_per_sample']:.2f}")
-    print(f"{'mode':<13} {'epoch 1':>9} {'epochs 2+':>9} {'CPU ms/sample':^20} {'peak RSS':>9} "
-          f"{'/dev/shm':>9} {'Shmem':>7} {'other':>6} {'wall':>6}  status")
+    print(f"{'mode':<13} {'epoch 1':>9} {'epochs 2+':>9} {'CPU ms/sample':^20} "
+          f"{'peak RSS MB':^15} {'/dev/shm':>9} {'Shmem':>7} {'other':>6} {'wall':>6}  status")
     print(f"{'':<13} {'samples/s':>9} {'samples/s':>9} {'all':>6} {'ep. 1':>6} {'2+':>6} "
-          f"{'MB':>9} {'mapped MB':>9} {'+MB':>7} {'cores':>6} {'s':>6}")
+          f"{'sum HWM':>7} {'at once':>7} {'mapped MB':>9} {'+MB':>7} {'cores':>6} {'s':>6}")
     for r in modes:
         ep1, later = r.get("epoch1_window") or {}, r.get("later_window") or {}
         print(f"{r['mode']:<13} {fmt(r.get('epoch1_samples_per_s'), '.1f', 9)} "
@@ -599,19 +620,23 @@ def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[d
               f"{fmt(r.get('cpu_ms_per_sample'), '.2f', 6)} "
               f"{fmt(ep1.get('cpu_ms_per_sample'), '.2f', 6)} "
               f"{fmt(later.get('cpu_ms_per_sample'), '.2f', 6)} "
-              f"{fmt(r.get('peak_rss_total_mb'), '.0f', 9)} "
+              f"{fmt(r.get('peak_rss_total_mb'), '.0f', 7)} "
+              f"{fmt(r.get('peak_rss_concurrent_mb'), '.0f', 7)} "
               f"{fmt(r.get('shm_mapped_peak_mb'), '.1f', 9)} "
               f"{fmt(r.get('shmem_delta_peak_mb'), '.1f', 7)} "
               f"{fmt(r.get('other_load_cores'), '.2f', 6)} {fmt(r.get('wall_s'), '.1f', 6)}  "
               + ("ok" if r["ok"] else f"FAILED: {(r['error'] or '')[:200]}"))
-    print(f"shared/own, epoch 1:      {fmt(ratios['shared_vs_own_epoch1'], '.2f')}x, ideal "
+    print(f"shared/own, epoch 1:       {fmt(ratios['shared_vs_own_epoch1'], '.2f')}x samples/s "
+          f"({fmt(ratios['cpu_shared_vs_own_epoch1'], '.2f')}x in CPU per sample), ideal "
           f"N(Ld+La+T)/(Ld+N(La+T)) = {ideal['shared_vs_own']:.2f}x: "
           f"{fmt(ratios['shared_epoch1_of_ideal'], '.2f')} of ideal (target >= 0.9)")
-    print(f"cache/own, epochs 2+:     {fmt(ratios['cache_vs_own_later'], '.2f')}x, ideal "
+    print(f"cache/own, epochs 2+:      {fmt(ratios['cache_vs_own_later'], '.2f')}x samples/s "
+          f"({fmt(ratios['cpu_cache_vs_own_later'], '.2f')}x in CPU per sample), ideal "
           f"N(Ld+La+T)/(N(La+T)) = {ideal['cache_vs_own']:.2f}x: "
           f"{fmt(ratios['cache_later_of_ideal'], '.2f')} of ideal (target >= 0.9)")
-    print(f"cache/no cache, epochs 2+: {fmt(ratios['cache_vs_shared_later'], '.2f')}x "
-          f"(target >= 1)", flush=True)
+    print(f"cache/no cache, epochs 2+: {fmt(ratios['cache_vs_shared_later'], '.2f')}x samples/s "
+          f"({fmt(ratios['cpu_cache_vs_shared_later'], '.2f')}x in CPU per sample; target >= 1)",
+          flush=True)
 
 
 def _default_json(machine: dict) -> Path:
