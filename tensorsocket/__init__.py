@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from .augment.split import split_transform
 from .consumer import TensorConsumer
 from .errors import (
     AuthenticationError,
@@ -27,6 +28,7 @@ from .errors import (
     TensorSocketError,
     TensorSocketWarning,
     TooManyConsumers,
+    TransformError,
     VersionMismatch,
 )
 from .data.gpu import gpu_available, gpu_status
@@ -54,11 +56,13 @@ __all__ = [
     "TensorSocketError",
     "TensorSocketWarning",
     "TooManyConsumers",
+    "TransformError",
     "VersionMismatch",
     "__version__",
     "gpu_available",
     "gpu_status",
     "share",
+    "split_transform",
 ]
 
 logging.getLogger("tensorsocket").addHandler(logging.NullHandler())

@@ -36,6 +36,7 @@ __all__ = [
     "TensorSocketError",
     "TensorSocketWarning",
     "TooManyConsumers",
+    "TransformError",
     "VersionMismatch",
 ]
 
@@ -77,3 +78,9 @@ class GPUFallbackWarning(TensorSocketWarning):
 
 class LagWarning(TensorSocketWarning):
     """A consumer fell behind, was detached and attached again, skipping batches."""
+
+
+class TransformError(TensorSocketError, ValueError):
+    """A consumer's per-sample ``transform=`` cannot run on the shared samples (or its
+    outputs cannot make a batch); raised at the first batch, naming the transform and what
+    the producer's samples are. A worker process's error carries the worker's traceback."""

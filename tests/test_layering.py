@@ -7,7 +7,7 @@ and DLPack export), binding/ (the Python module: the only files that include Pyt
 A file includes headers of its own folder or of a lower one; no include cycle.
 
 Python (tensorsocket/), from the bottom up: the leaves (_core, errors, validation,
-config), data/, control/, loader/, the public face (producer, consumer, surface),
+config), data/, control/, loader/, augment/ (a consumer's per-sample transforms), the public face (producer, consumer, surface),
 sharing/ (share()), cli/, then __init__ and __main__. A module imports modules of its own
 layer or of a lower one (at any level: inside functions and under TYPE_CHECKING too); no
 import cycle. Long functions say why at their top.
@@ -34,6 +34,7 @@ PY_LAYERS = [
     {"data"},
     {"control"},
     {"loader"},
+    {"augment"},
     {"producer", "consumer", "surface"},
     {"sharing"},
     {"cli"},

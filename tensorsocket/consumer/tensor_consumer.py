@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from ..augment import TransformOptions, TransformStage
+from ..augment.stage import deadline_after
 from ..config import UNSET, Unset
 from ..data.epoch_cursor import InFlight
 from ..data.resume import EpochTaken
@@ -136,6 +138,33 @@ class TensorConsumer:
         where that file cannot be read. See tensorsocket.control.auth.
       shared: share()'s own (a SharedLoader: what it knows of its caller's loader);
         not for direct use.
+
+    Each job's own augmentation over shared samples (docs/usage.md, "A shared decode,
+    each job's own augmentation"):
+      transform: a function of one sample, run on every sample this consumer
+        delivers, as a dataset's ``transform=`` runs: on each row of the batch's
+        inputs (element 0 of a tuple/list batch, ``batch[transform_key]`` of a dict
+        batch, a tensor batch itself); the outputs are stacked in their place. A
+        torchvision ``transforms.v2`` pipeline, timm's, or any callable. It must
+        accept what the producer's loader makes (say uint8 CHW tensors): else the
+        first batch raises TransformError naming both.
+      seed: the job's seed. Before each sample, torch, ``random`` and NumPy are
+        seeded from (seed, epoch, the sample's dataset index), so a sample's output
+        depends on those alone: the same in every run with the same seed, whatever
+        the order or worker. None (default): drawn from torch's global generator
+        here (``torch.manual_seed`` first makes it reproducible, as a DataLoader's
+        base seed).
+      transform_workers: worker processes (forked, as a DataLoader's
+        ``num_workers``) that transform batches ahead of the training step,
+        reading their inputs in place in the ring; 0 (default): at ``next()``, in
+        this thread, leaving the caller's random generators as they were.
+      transform_prefetch: batches in flight per worker (default 2, as
+        ``prefetch_factor``), capped below the ring's slots.
+      transform_input: ``"tensor"`` (default) or ``"pil"``: each sample handed over
+        as a PIL image, for transforms written for PIL (timm's ``create_transform``).
+      transform_key: the key of the inputs in a dict batch (default ``"image"``, else
+        the first key).
+      transform_context: the workers' start method (default ``"fork"``).
     """
 
     started_producer: bool = False
@@ -155,7 +184,14 @@ class TensorConsumer:
         peer_access: bool = True, align_epochs: bool = True, rank: int | None = None,
         world_size: int | None = None, group: str | None = None,
         auth_token: str | None = None, shared: SharedLoader | None = None,
+        transform: Callable[[Any], Any] | None = None, seed: int | None = None,
+        transform_workers: int = 0, transform_input: str = "tensor",
+        transform_key: Any = None, transform_prefetch: int = 2,
+        transform_context: str | None = None,
     ) -> None:
+        transforms = TransformOptions.resolve(transform, seed, transform_workers,
+                                              transform_input, transform_key,
+                                              transform_prefetch, transform_context)
         o = ConsumerOptions.resolve(
             port=port, address=address, name=name, timeout=timeout,
             batch_timeout=batch_timeout, device=device, batch_size=batch_size,
@@ -188,6 +224,8 @@ class TensorConsumer:
                 self.dataset = shared.loader.dataset
         self._surface = LoaderSurface(self._reader, self._book, self._state, o,
                                       lambda: place.index, shared, self._sets_epoch)
+        self._transforms = None if transforms is None else \
+            TransformStage(transforms, lambda: place.ring.info()["slot_count"])
 
     @property
     def batch_timeout(self) -> float | None:
@@ -301,7 +339,14 @@ class TensorConsumer:
         taken (in a group: by the group). After a ``break``, the epoch left, until the next
         begins; right after load_state_dict(), the place loaded. JSON-serialisable
         (docs/usage.md, "Checkpoints and restarts")."""
-        return self._surface.state_dict()
+        # Batches in flight to the transform workers are taken, not delivered: the state
+        # counts them as not taken (their samples, already, as they are not delivered).
+        undelivered = 0 if self._transforms is None else self._transforms.undelivered()
+        self._state.cursor.delivered -= undelivered
+        try:
+            return self._surface.state_dict()
+        finally:
+            self._state.cursor.delivered += undelivered
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the epoch counter is restored and the next epoch
@@ -325,8 +370,22 @@ class TensorConsumer:
     # -- end ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave: the producer stops sending to us. Tensors still held stay valid."""
+        """Leave: the producer stops sending to us (and the transform workers stop).
+        Tensors still held stay valid."""
+        if self._transforms is not None:
+            self._transforms.close()
         self._place.close()
+
+    @property
+    def seed(self) -> int | None:
+        """The job seed of the transform's randomness (None without transform=)."""
+        return None if self._transforms is None else self._transforms.options.seed
+
+    @property
+    def transform_worker_pids(self) -> list[int]:
+        """The transform's worker processes (empty before the first batch, or without
+        transform_workers)."""
+        return [] if self._transforms is None else self._transforms.worker_pids
 
     def __enter__(self) -> "TensorConsumer":
         """The consumer itself; leaving the block closes it."""
@@ -355,6 +414,9 @@ class TensorConsumer:
         skipped; dropped_samples:
         samples dropped by drop_last; copied_kept_batches: batches still alive
         that were copied privately so that the consumer never waits for their slots.
+        With transform=: transform_seconds (transforms run at next(), in this thread)
+        and transform_wait_seconds (next() waiting for the workers' outputs: the
+        workers are the bottleneck where it grows).
         """
         place, flow, rebatcher = self._place, self._state.flow, self._state.rebatcher
         lag = None
@@ -372,6 +434,9 @@ class TensorConsumer:
             "rejoins": place.rejoins, "skipped_entries": place.skipped,
             "dropped_samples": rebatcher.dropped_samples if rebatcher else 0,
             "copied_kept_batches": place.set_aside_batches,
+            **({} if self._transforms is None else {
+                "transform_seconds": self._transforms.transform_seconds,
+                "transform_wait_seconds": self._transforms.wait_seconds}),
         }
 
 
@@ -380,6 +445,16 @@ class EpochIterator:
     so a batch's ring slot is released as soon as the caller drops it."""
 
     __slots__ = ("_consumer", "_epoch", "_serial")
+
+    @property
+    def serial(self) -> int:
+        """Which iter() of the consumer made this iterator."""
+        return self._serial
+
+    @property
+    def epoch(self) -> int:
+        """The consumer's epoch this iterator reads."""
+        return self._epoch
 
     def __init__(self, consumer: TensorConsumer, serial: int) -> None:
         """An iterator of `consumer`'s current epoch, made by its `serial`-th iter()."""
@@ -394,6 +469,11 @@ class EpochIterator:
     def __next__(self) -> Any:
         """The next batch of this epoch; StopIteration at its end."""
         consumer = self._consumer
+        if consumer._transforms is not None:
+            if self._serial != consumer._iterators:
+                raise StopIteration  # a newer iter() took over (its batches in flight stay)
+            index, batch = consumer._transforms.next(self)
+            return (index, batch) if consumer.with_index else batch
         if consumer.epoch != self._epoch:
             raise StopIteration
         state = consumer._state
@@ -412,6 +492,41 @@ class EpochIterator:
         state.cursor.delivered += 1
         return out
 
+    # -- for a TransformStage (augment.stage.EpochSource) --------------------------------
+
+    def take(self) -> tuple[Any, Any, int]:
+        """The next batch of this epoch, taken from the ring but not yet delivered: (batch,
+        its sample ids or None, its index in the epoch); StopIteration at the epoch's end."""
+        consumer = self._consumer
+        if consumer.epoch != self._epoch:
+            raise StopIteration
+        state = consumer._state
+        batch = consumer._reader.next_batch()
+        if consumer.unpack_fn is not None:
+            batch = consumer.unpack_fn(batch)
+        flow, cursor = state.flow, state.cursor
+        ready, index = flow.ready, cursor.delivered
+        flow.samples += ready[1]  # type: ignore[index]
+        flow.ready = None
+        flow.batches += 1
+        cursor.delivered += 1
+        return batch, ready[2], index  # type: ignore[index]
+
+    def delivered(self, ids: Any) -> None:
+        """A batch taken is delivered now: its samples count as taken (state_dict())."""
+        self._consumer._state.taken.delivered(ids)
+
+    def deadline(self) -> float | None:
+        """When a transformed batch must be there (batch_timeout), or None."""
+        return deadline_after(self._consumer.batch_timeout)
+
+    def length(self) -> int | None:
+        """Batches in this epoch (len(consumer)), or None if unknown."""
+        try:
+            return len(self._consumer)
+        except TypeError:
+            return None
+
     def close(self) -> None:
         """Leave this epoch now (as when the iterator is dropped mid-epoch)."""
         self._abandon()
@@ -427,6 +542,8 @@ class EpochIterator:
         """Leave this iterator's epoch, unless a later iterator took it over (one made
         after this one was interrupted before it returned a batch goes on with it)."""
         if self._serial == self._consumer._iterators:
+            if self._consumer._transforms is not None:
+                self._consumer._transforms.discard()
             self._consumer._book.abandon(self._epoch)
 
     def __len__(self) -> int:

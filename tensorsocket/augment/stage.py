@@ -1,0 +1,194 @@
+"""The batches between the ring and the training step of a consumer with a transform.
+
+next() keeps up to ``depth`` batches in flight: taken from the ring (counted there as
+taken, as any batch next() made), their transforms queued on the workers, delivered in
+order. Worker processes read each batch's inputs in place, in the ring slot, which the
+batch holds until its outputs are back; so ``depth`` stays below the ring's slots, leaving
+the producer room to publish. A batch counts as delivered (state_dict()'s samples taken)
+only when next() returns it. Without workers, depth is one and the transform runs here, at
+next(), with the caller's random generators left as they were.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from .options import TransformOptions
+from .samples import Rebuild, first_sample_check, split_inputs, transform_samples
+from .seeding import callers_generators_kept, sample_keys, sample_seed
+from .shared_views import SharedMappings
+from .workers import WorkerPool
+
+log = logging.getLogger("tensorsocket")
+
+
+class EpochSource(Protocol):
+    """What the stage needs of one epoch's iterator (tensor_consumer.EpochIterator)."""
+
+    @property
+    def serial(self) -> int:
+        """Which iter() of the consumer made it."""
+
+    @property
+    def epoch(self) -> int:
+        """The consumer's epoch it reads."""
+
+    def take(self) -> tuple[Any, Any, int]:
+        """The next batch of the epoch, taken but not delivered: (batch, sample ids or
+        None, its index in the epoch); StopIteration at the epoch's end."""
+
+    def delivered(self, ids: Any) -> None:
+        """Count a batch as delivered (its sample ids, or None)."""
+
+    def deadline(self) -> float | None:
+        """time.monotonic() by which a batch must come (batch_timeout), or None."""
+
+    def length(self) -> int | None:
+        """Batches in the epoch, or None if unknown."""
+
+
+@dataclass
+class _InFlight:
+    """A batch taken from the ring whose transform is under way (task) or done (batch)."""
+
+    index: int  # in the epoch
+    ids: Any
+    rebuild: Rebuild
+    task: int | None  # the worker task; None: done here
+    batch: Any = None  # the delivered batch, once made here
+    inputs: torch.Tensor | None = None  # the ring's inputs, held while a worker reads them
+
+
+class TransformStage:
+    """One consumer's transform of every sample it delivers (see the module)."""
+
+    def __init__(self, options: TransformOptions, slot_count: Callable[[], int]) -> None:
+        """No batch in flight; the workers start at the first batch. slot_count: the
+        ring's slots (read when the workers start)."""
+        self.options = options
+        self._slot_count = slot_count
+        self._pool: WorkerPool | None = None
+        self._pending: collections.deque[_InFlight] = collections.deque()
+        self._owner = -1  # serial of the iterator whose epoch is in flight
+        self._ended = False  # that epoch's last batch was taken
+        self._checked = False  # the first sample's check ran
+        self._depth = 1
+        self._tasks = 0
+        self._mappings = SharedMappings()
+        self.wait_seconds = 0.0  # next() waiting for workers' outputs (stats())
+        self.transform_seconds = 0.0  # transforms run here, at next() (stats())
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes' pids (none before the first batch, or without workers)."""
+        return list(self._pool.pids) if self._pool is not None else []
+
+    def next(self, source: EpochSource) -> tuple[int, Any]:
+        """(index in the epoch, the next transformed batch) of `source`'s epoch;
+        StopIteration at its end."""
+        if source.serial != self._owner:
+            self.discard()
+            self._owner, self._ended = source.serial, False
+        self._fill(source)
+        if not self._pending:
+            raise StopIteration
+        entry = self._pending[0]
+        batch = self._finish(entry, source.deadline())
+        # (An interrupt before here leaves the entry first, its result kept by the pool.)
+        self._pending.popleft()
+        source.delivered(entry.ids)
+        return entry.index, batch
+
+    def _fill(self, source: EpochSource) -> None:
+        """Take batches from the ring until `depth` are in flight or the epoch's last is.
+        The epoch's end is asked for only once nothing is in flight (when its length is
+        known): until then the consumer's epoch is the one its batches in flight are of."""
+        length = source.length()
+        while len(self._pending) < self._depth and not self._ended:
+            if self._pending and length is not None and self._pending[-1].index + 1 >= length:
+                return
+            try:
+                batch, ids, index = source.take()
+            except StopIteration:
+                self._ended = True
+                return
+            self._pending.append(self._start(batch, ids, index, source.epoch))
+
+    def undelivered(self) -> int:
+        """Batches taken from the ring and not yet delivered (state_dict() leaves them out)."""
+        return len(self._pending)
+
+    def _start(self, batch: Any, ids: Any, index: int, epoch: int) -> _InFlight:
+        """Begin one batch's transform: here (no workers, or a GPU batch) or on a worker."""
+        o = self.options
+        inputs, rebuild = split_inputs(batch, o.key)
+        keys = sample_keys(ids, index * inputs.shape[0], inputs.shape[0])
+        seeds = [sample_seed(o.seed, epoch, k) for k in keys]
+        devices = [inputs.device.index or 0] if inputs.device.type == "cuda" else []
+        if not self._checked:
+            with callers_generators_kept(devices):
+                first_sample_check(o.transform, inputs, seeds[0], o.pil)
+            self._checked = True
+        if o.workers == 0 or devices:
+            start = time.perf_counter()
+            with callers_generators_kept(devices):
+                out = transform_samples(o.transform, inputs, seeds, o.pil)
+            self.transform_seconds += time.perf_counter() - start
+            return _InFlight(index, ids, rebuild, None, batch=rebuild(out))
+        pool = self._pool or self._start_workers()
+        task, self._tasks = self._tasks, self._tasks + 1
+        ref = self._mappings.ref(inputs)
+        pool.submit(task, ref if ref is not None else inputs, seeds)
+        return _InFlight(index, ids, rebuild, task, inputs=inputs)
+
+    def _start_workers(self) -> WorkerPool:
+        """Start the worker processes; in flight: prefetch per worker, below the ring's
+        slots."""
+        o = self.options
+        slots = self._slot_count()
+        self._depth = max(1, min(o.workers * o.prefetch, slots - 2))
+        if self._depth < o.workers:
+            log.info("transform: %d batches in flight for %d workers (the ring has %d slots; "
+                     "TensorProducer(ring_slots=) gives more)", self._depth, o.workers, slots)
+        self._pool = WorkerPool(o.transform, o.pil, o.workers, o.context)
+        log.info("transform: %d worker processes %s, %d batches in flight", o.workers,
+                 self._pool.pids, self._depth)
+        return self._pool
+
+    def _finish(self, entry: _InFlight, deadline: float | None) -> Any:
+        """The delivered batch of `entry`, waiting for its worker if needed."""
+        if entry.task is None:
+            return entry.batch
+        assert self._pool is not None
+        start = time.perf_counter()
+        try:
+            out = self._pool.result(entry.task, deadline)
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+        entry.inputs = None  # the ring slot goes back (the batch's other leaves are copies)
+        return entry.rebuild(out)
+
+    def discard(self) -> None:
+        """Drop the batches in flight (an epoch left mid-way, a new iter()): their slots go
+        back now; results still coming are dropped."""
+        if self._pool is not None:
+            self._pool.forget([e.task for e in self._pending if e.task is not None])
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Drop what is in flight and stop the workers."""
+        self.discard()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+def deadline_after(seconds: float | None) -> float | None:
+    """time.monotonic() `seconds` from now, or None for no limit."""
+    return None if seconds is None else time.monotonic() + seconds

@@ -1,0 +1,336 @@
+"""A consumer's own per-sample transform over the producer's shared samples (issue 27):
+real producer processes, consumers here (with worker processes of their own).
+
+The producer's loader yields (images, ids): image i is a uint8 (3, 12, 12) tensor filled
+with i. The transforms here crop and add noise drawn from torch's generator, so what they
+return tells the sample (its floor is the id), the crop and the draw (the seed).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, popen
+from tensorsocket import TensorConsumer, TensorSocketError, TransformError
+from tensorsocket.augment.seeding import sample_seed, seed_everything
+
+SAMPLES = 40
+BATCH = 8
+
+PRODUCER = textwrap.dedent(r'''
+    import sys, torch
+    from torch.utils.data import DataLoader, Dataset
+    from tensorsocket import TensorProducer
+
+    name, epochs, consumers, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+
+    class Images(Dataset):
+        def __len__(self):
+            return %d
+        def __getitem__(self, i):
+            image = torch.full((3, 12, 12), i, dtype=torch.uint8)
+            return {"image": image, "id": i} if kind == "dict" else (image, i)
+
+    loader = DataLoader(Images(), batch_size=%d, shuffle=True)
+    producer = TensorProducer(loader, name=name, min_consumers=consumers, start_grace=0,
+                              ring_slots=6)
+    for _ in range(epochs):
+        for _ in producer:
+            pass
+    producer.join()
+''' % (SAMPLES, BATCH))
+
+
+def crop_and_noise(size: int):
+    """A transform: a random size x size crop of the sample, as float, plus noise in [0, 1)."""
+    def transform(x: torch.Tensor) -> torch.Tensor:
+        i, j = torch.randint(0, 12 - size + 1, (2,)).tolist()
+        return x[:, i:i + size, j:j + size].float() + torch.rand(())
+    transform.__qualname__ = f"crop_and_noise({size})"
+    return transform
+
+
+def expected(transform, seed: int, epoch: int, i: int) -> torch.Tensor:
+    """What `transform` gives sample i in `epoch` for a job seeded `seed`."""
+    seed_everything(sample_seed(seed, epoch, i))
+    return transform(torch.full((3, 12, 12), i, dtype=torch.uint8))
+
+
+@pytest.fixture
+def producer(name, tmp_path):
+    """Start a producer process: producer(epochs, consumers, kind="tuple")."""
+    started = []
+
+    def start(epochs: int = 2, consumers: int = 1, kind: str = "tuple"):
+        script = tmp_path / "producer.py"
+        script.write_text(PRODUCER)
+        p = popen([sys.executable, str(script), name, str(epochs), str(consumers), kind],
+                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started.append(p)
+        return p
+    yield start
+    for p in started:  # each ends once its epochs are read and its consumers gone
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out = p.communicate()[0]
+            pytest.fail(f"the producer did not end:\n{out[-3000:]}")
+
+
+def read_epochs(consumer, epochs: int) -> list[dict[int, torch.Tensor]]:
+    """{id: output} of each epoch, asserting every id once per epoch."""
+    seen = []
+    for _ in range(epochs):
+        got: dict[int, torch.Tensor] = {}
+        for images, ids in consumer:
+            for k, i in enumerate(ids.tolist()):
+                assert i not in got, f"sample {i} twice in one epoch"
+                got[i] = images[k].clone()
+        assert sorted(got) == list(range(SAMPLES))
+        seen.append(got)
+    return seen
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_jobs_own_transforms_one_producer(name, producer, workers):
+    """Two jobs, each with its own transform and seed, over one producer: every sample
+    once per epoch to each, each transformed by its own transform with the randomness of
+    (its seed, epoch, sample id), with or without worker processes."""
+    p = producer(epochs=2, consumers=2)
+    a_t, b_t = crop_and_noise(8), crop_and_noise(5)
+    with TensorConsumer(name=name, transform=a_t, seed=11, transform_workers=workers) as a, \
+            TensorConsumer(name=name, transform=b_t, seed=12) as b:
+        outs = {"a": [], "b": []}
+        for epoch in range(2):  # the two jobs read in turn, a batch each
+            got_a: dict[int, torch.Tensor] = {}
+            got_b: dict[int, torch.Tensor] = {}
+            for (xa, ia), (xb, ib) in zip(a, b):
+                assert xa.shape[1:] == (3, 8, 8) and xb.shape[1:] == (3, 5, 5)
+                got_a.update({i: xa[k].clone() for k, i in enumerate(ia.tolist())})
+                got_b.update({i: xb[k].clone() for k, i in enumerate(ib.tolist())})
+            assert sorted(got_a) == sorted(got_b) == list(range(SAMPLES))
+            outs["a"].append(got_a)
+            outs["b"].append(got_b)
+        if workers:
+            assert len(a.transform_worker_pids) == workers
+            assert a.stats()["transform_seconds"] == 0.0  # all of it in the workers
+        else:
+            assert a.stats()["transform_seconds"] > 0.0
+        assert b.stats()["transform_seconds"] > 0.0 and "transform_seconds" in b.stats()
+    for epoch in range(2):
+        for i in range(SAMPLES):
+            assert torch.equal(outs["a"][epoch][i], expected(a_t, 11, epoch, i)), (epoch, i)
+            assert torch.equal(outs["b"][epoch][i], expected(b_t, 12, epoch, i)), (epoch, i)
+    # Another epoch, another draw (same seed): not the same crops and noise.
+    assert any(not torch.equal(outs["a"][0][i], outs["a"][1][i]) for i in range(SAMPLES))
+    assert p.wait(60) == 0
+
+
+def test_workers_and_in_process_agree_and_leave_the_callers_rng(name, producer):
+    """The same seed gives the same outputs with workers and without; the transform run
+    in this process leaves torch's generator where the caller had it."""
+    producer(epochs=1, consumers=2)
+    t = crop_and_noise(6)
+    torch.manual_seed(3)
+    want_rand = torch.rand(4)
+    torch.manual_seed(3)
+    with TensorConsumer(name=name, transform=t, seed=5, transform_workers=0) as here, \
+            TensorConsumer(name=name, transform=t, seed=5, transform_workers=3,
+                           transform_prefetch=1) as there:
+        first = torch.rand(2)
+        got_here: dict[int, torch.Tensor] = {}
+        got_there: dict[int, torch.Tensor] = {}
+        for (x0, i0), (x1, i1) in zip(here, there):
+            got_here.update({i: x0[k] for k, i in enumerate(i0.tolist())})
+            got_there.update({i: x1[k] for k, i in enumerate(i1.tolist())})
+        rest = torch.rand(2)
+    assert torch.equal(torch.cat([first, rest]), want_rand)
+    assert sorted(got_here) == list(range(SAMPLES))
+    assert all(torch.equal(got_here[i], got_there[i]) for i in range(SAMPLES))
+
+
+def test_seed_none_follows_torch_manual_seed(name, producer):
+    """seed=None draws the job seed from torch's generator, as a DataLoader its base seed."""
+    producer(epochs=1, consumers=2)
+    torch.manual_seed(7)
+    a = TensorConsumer(name=name, transform=crop_and_noise(4))
+    torch.manual_seed(7)
+    b = TensorConsumer(name=name, transform=crop_and_noise(4))
+    try:
+        assert a.seed == b.seed and isinstance(a.seed, int)
+        for (xa, ia), (xb, ib) in zip(a, b):
+            assert torch.equal(ia, ib) and torch.equal(xa, xb)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_dict_batches_and_pil_samples(name, producer):
+    """A dict batch: the transform runs on batch["image"] (the other keys untouched); with
+    transform_input="pil" it gets PIL images."""
+    producer(epochs=1, kind="dict")
+
+    def flip_pil(img):
+        assert img.mode == "RGB" and img.size == (12, 12)
+        return torch.from_numpy(np.array(img)).permute(2, 0, 1).flip(-1).float()
+
+    with TensorConsumer(name=name, transform=flip_pil, transform_input="pil",
+                        transform_workers=1) as c:
+        seen = []
+        for batch in c:
+            assert set(batch) == {"image", "id"}
+            assert batch["image"].dtype == torch.float32
+            assert torch.equal(batch["image"][:, 0, 0, 0], batch["id"].float())
+            seen += batch["id"].tolist()
+    assert sorted(seen) == list(range(SAMPLES))
+
+
+def test_a_transform_that_cannot_run_names_both_sides(name, producer):
+    """A transform written for float input fails at the first batch with a TransformError
+    that names the transform and what the shared samples are."""
+    producer(epochs=1)
+
+    def needs_float(x):
+        return torch.nn.functional.normalize(x, dim=0)  # no uint8 kernel
+
+    with TensorConsumer(name=name, transform=needs_float, transform_workers=2) as c:
+        with pytest.raises(TransformError) as e:
+            next(iter(c))
+    text = str(e.value)
+    assert "needs_float" in text and "torch.uint8" in text and "(3, 12, 12)" in text
+    assert "transform_input='pil'" in text and isinstance(e.value, ValueError)
+
+
+def test_a_worker_error_carries_its_traceback(name, producer):
+    """A transform that fails on one sample in a worker: the consumer raises a
+    TransformError with the worker's traceback, at that batch."""
+    producer(epochs=1)
+
+    def fails_on_13(x):
+        if int(x[0, 0, 0]) == 13:
+            raise KeyError("sample 13 is cursed")
+        return x.float()
+
+    with TensorConsumer(name=name, transform=fails_on_13, transform_workers=2) as c:
+        with pytest.raises(TransformError, match="sample 13 is cursed") as e:
+            for _ in c:
+                pass
+    assert "fails_on_13" in str(e.value) and "Traceback" in str(e.value)
+
+
+def test_a_killed_worker_is_an_error_not_a_hang(name, producer):
+    """A transform worker killed (the OOM killer, say) makes next() raise, naming it."""
+    producer(epochs=1)
+    gate = os.pipe()
+
+    def slow(x):
+        os.read(gate[0], 1)  # waits until the test writes: the batch stays in flight
+        return x.float()
+
+    with TensorConsumer(name=name, transform=slow, transform_workers=1,
+                        transform_prefetch=1) as c:
+        it = iter(c)
+        os.write(gate[1], b"x" * BATCH)  # the first batch's samples (in the check: 1)
+        os.write(gate[1], b"x")
+        next(it)
+        pid = c.transform_worker_pids[0]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TensorSocketError, match=f"transform worker \\(pid {pid}\\) "
+                                                    "exited unexpectedly"):
+            next(it)
+
+
+def test_break_drops_the_batches_in_flight(name, producer):
+    """A loop that breaks with batches in flight: the next epoch is whole, every sample
+    once, and the worker results of the dropped batches are not delivered."""
+    producer(epochs=2)
+    t = crop_and_noise(8)
+    with TensorConsumer(name=name, transform=t, seed=1, transform_workers=2) as c:
+        for k, _ in enumerate(c):
+            if k == 1:
+                break
+        got = read_epochs(c, 1)[0]
+    assert all(torch.equal(got[i], expected(t, 1, 1, i)) for i in range(SAMPLES))
+
+
+def test_state_dict_counts_only_delivered_batches(name, producer, tmp_path):
+    """state_dict() mid-epoch with batches in flight names only the samples delivered: a
+    consumer resumed from it gets exactly the others (the first consumer takes all of the
+    producer's first epoch into flight: the producer runs 3 for the second to find)."""
+    producer(epochs=3)
+    with TensorConsumer(name=name, transform=crop_and_noise(8), transform_workers=2) as c:
+        it = iter(c)
+        first = [next(it)[1].tolist() for _ in range(2)]
+        state = c.state_dict()
+    taken = sorted(sum(first, []))
+    with TensorConsumer(name=name, transform=crop_and_noise(8), transform_workers=1) as c:
+        c.load_state_dict(state)
+        rest = sorted(i for _, ids in c for i in ids.tolist())
+    assert sorted(taken + rest) == list(range(SAMPLES))
+
+
+def test_bad_transform_options_name_the_knob():
+    """Options are checked before anything attaches."""
+    with pytest.raises(TypeError, match="seed, transform_workers given without transform="):
+        TensorConsumer(name="unused", seed=3, transform_workers=2)
+    with pytest.raises(TypeError, match="transform must be callable"):
+        TensorConsumer(name="unused", transform="flip")
+    with pytest.raises(ValueError, match="transform_workers must be an int >= 0"):
+        TensorConsumer(name="unused", transform=abs, transform_workers=-1)
+    with pytest.raises(ValueError, match="transform_input must be one of"):
+        TensorConsumer(name="unused", transform=abs, transform_input="jpeg")
+
+
+class Compose:
+    """A stand-in for torchvision's Compose (split_transform reads .transforms)."""
+
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+
+def _step(name):
+    return type(name, (), {})()
+
+
+def test_split_transform_cuts_before_the_first_random_or_float_step():
+    """The shared part is the leading uint8-preserving deterministic transforms; the job
+    keeps the rest, in a pipeline of the same kind; nothing to share or nothing left is
+    an error naming why."""
+    import tensorsocket
+
+    steps = [_step(n) for n in ("Resize", "PILToTensor", "RandomResizedCrop",
+                                "RandomHorizontalFlip", "ToDtype", "Normalize")]
+    shared, job = tensorsocket.split_transform(Compose(steps))
+    assert isinstance(shared, Compose) and isinstance(job, Compose)
+    assert shared.transforms == steps[:2] and job.transforms == steps[2:]
+    with pytest.raises(ValueError, match="first transform, RandomResizedCropAndInterpolation"):
+        tensorsocket.split_transform(Compose([_step("RandomResizedCropAndInterpolation")]))
+    with pytest.raises(ValueError, match="nothing is left for the job"):
+        tensorsocket.split_transform(Compose([_step("Resize"), _step("PILToTensor")]))
+    with pytest.raises(TypeError, match="takes a Compose"):
+        tensorsocket.split_transform([_step("Resize")])
+
+
+def test_a_stale_iterator_ends_and_leaves_the_new_ones_batches(name, producer):
+    """An iterator made before the current one ends at once; the current one's batches in
+    flight are not touched by it."""
+    producer(epochs=1)
+    with TensorConsumer(name=name, transform=crop_and_noise(8), seed=2,
+                        transform_workers=2) as c:
+        old = iter(c)
+        new = iter(c)
+        ids = next(new)[1].tolist()
+        with pytest.raises(StopIteration):
+            next(old)
+        for _, more in new:
+            ids += more.tolist()
+    assert sorted(ids) == list(range(SAMPLES))
