@@ -17,7 +17,8 @@ samples each, in three modes measured one after the other in the same run:
   shared        ``tensorsocket.share(loader_of_Ld, transform=<the job's La>, seed=...,
                 transform_workers=K, min_consumers=N)``: one producer decodes each sample
                 once, each job augments it in its own process;
-  shared+cache  the same with ``cache_bytes=`` large enough for the decoded dataset:
+  shared+cache  the same with the producer's ``cache_bytes=`` (``producer_options=``) large
+                enough for the decoded dataset:
                 epochs 2+ are served from the producer's cache, without decoding.
 
 Fairness: the own mode has N x ``--workers`` loader workers; the shared modes give the one
@@ -180,8 +181,9 @@ def _shared_batches(args: argparse.Namespace, wl):
     return tensorsocket.share(
         loader, name=args.name, transform=augment_of(args.index), seed=job_seed(args.index),
         transform_workers=args.transform_workers, min_consumers=args.jobs, start_grace=0,
-        epochs=args.epochs, cache_bytes=args.cache_bytes, timeout=ATTACH_TIMEOUT,
-        batch_timeout=ATTACH_TIMEOUT)
+        epochs=args.epochs, timeout=ATTACH_TIMEOUT, batch_timeout=ATTACH_TIMEOUT,
+        # shared: no cache (nor TENSORSOCKET_CACHE_BYTES: the orchestrator drops it)
+        producer_options={"cache_bytes": args.cache_bytes} if args.cache_bytes else None)
 
 
 def run_job(args: argparse.Namespace) -> int:
@@ -375,7 +377,9 @@ class ModeRun:
         for k, v in self.common.items():
             argv += [f"--{k}", str(v)]
         env = harness().child_env(threads=1)
-        env.pop("TENSORSOCKET_NAME", None)
+        for var in ("TENSORSOCKET_NAME", "TENSORSOCKET_CACHE_BYTES",
+                    "TENSORSOCKET_MIN_CONSUMERS"):
+            env.pop(var, None)
         out = open(self.tmp / f"job{index}.out", "wb")
         err = open(self.tmp / f"job{index}.err", "wb")
         with out, err:
