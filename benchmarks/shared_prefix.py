@@ -76,6 +76,7 @@ import argparse
 import ctypes
 import datetime
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,6 +90,7 @@ from bench_common import (  # noqa: E402
     machine_info, median, read_text, remove_leftovers, report, start_watchdog, stop_all,
     unwind_on_sigterm, vm_kb, write_json,
 )
+from collocated_children import _set_threads  # noqa: E402 - one thread, as there
 from collocated_poller import Poller  # noqa: E402
 
 MODES = ("own", "shared", "shared+cache")
@@ -107,6 +109,7 @@ AUGMENTS = ((64, True, 0.4), (56, False, 0.2), (48, True, 0.1))
 PR_SET_CHILD_SUBREAPER = 36
 MODE_TIMEOUT_MIN = 180.0
 REAP_TIMEOUT = 60.0  # the producer ends once its consumers read every epoch
+FAILED_REAP_TIMEOUT = 5.0  # after a failed mode, the producer is killed sooner
 ATTACH_TIMEOUT = 120.0
 MB = 1024 * 1024
 
@@ -160,16 +163,6 @@ class _Record:
             "ok": len(seen) == self.samples and bool((counts == 1).all())
             and label_errors == 0,
             "missing": int((counts == 0).sum()), "label_errors": label_errors})
-
-
-def _set_threads() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
 
 
 def _shared_batches(args: argparse.Namespace, wl):
@@ -416,7 +409,8 @@ class ModeRun:
             rec["error"] = str(e) or type(e).__name__
         finally:
             stop_all(self.procs)
-            killed = _reap_orphans(time.monotonic() + REAP_TIMEOUT)
+            killed = _reap_orphans(time.monotonic() + (
+                REAP_TIMEOUT if rec["error"] is None else FAILED_REAP_TIMEOUT))
             if killed:
                 rec["warnings"].append(f"killed {len(killed)} processes left after the "
                                        f"jobs (the producer did not end)")
@@ -436,11 +430,12 @@ class ModeRun:
         for p in self.procs:
             lines = json_reports(read_text(self.tmp / f"{p.label}.out", 10**7), "job")
             out.append(lines[-1] if lines else None)
+        shutil.rmtree(self.tmp, ignore_errors=True)
         return out
 
     def judge(self, rec: dict) -> None:
         """Throughput, CPU, memory and the samples check, from the jobs' reports."""
-        jobs = self.reports()
+        jobs = self.reports()  # (the jobs' output files are removed: read errors first)
         if rec["error"] is None and any(j is None for j in jobs):
             rec["error"] = "a job reported nothing"
         jobs = [j for j in jobs if j is not None]
