@@ -45,10 +45,13 @@ child subreaper, so share()'s double-forked producer is re-parented to it and re
 ``getrusage(RUSAGE_CHILDREN)``, interpreter start-up included, over every sample trained);
 peak RSS (sum over the mode's processes of VmHWM, polled, and each job's own at its exit;
 each epoch's loader workers are new processes, so this adds their peaks one after the
-other) and the largest sum of VmRSS seen at one poll (``peak_rss_concurrent_mb``);
+other), the largest sum of VmRSS seen at one poll (``peak_rss_concurrent_mb``) and of
+PSS (``peak_pss_total_mb``, shared pages split between the processes that map them: the
+producer is forked from a job and shares its pages);
 shared memory: the largest total of /dev/shm objects the mode's processes map
 (``shm_mapped_peak_mb``) and the peak of /proc/meminfo's Shmem minus its value before
-the mode (``shmem_delta_peak_mb``; other work on the machine counts in it too). Every job
+the mode (``shmem_delta_peak_mb``; the producer's cache is a memfd, counted there and not
+under /dev/shm; other work on the machine counts in it too). Every job
 checks that it got every sample id exactly once per epoch, with the right label; a failed
 check fails the mode.
 
@@ -60,7 +63,8 @@ cache_vs_own}, modes [{mode, ok, error, wall_s, epoch1_samples_per_s,
 later_samples_per_s, cpu_s_total, cpu_ms_per_sample, samples, epoch1_window and
 later_window {seconds, samples, cpu_ms_per_sample, run_cores, other_load_cores: the
 polled CPU of the mode's processes while every job is in that phase}, cpu_s_polled {job,
-forked}, processes, peak_rss_total_mb, peak_rss_concurrent_mb, shm_mapped_peak_mb,
+forked}, processes, peak_rss_total_mb, peak_rss_concurrent_mb, peak_pss_total_mb,
+shm_mapped_peak_mb,
 shmem_delta_peak_mb, run_cores, other_load_cores, jobs [...]}],
 ratios {shared_vs_own_epoch1, cache_vs_own_later, cache_vs_shared_later, and each
 measured ratio over its ideal, and the same ratios in CPU per sample of the polled
@@ -450,6 +454,7 @@ class ModeRun:
                                for role in ("job", "forked")}
         rec["peak_rss_total_mb"] = sum(hwm.values()) / 1024 if hwm else None
         rec["peak_rss_concurrent_mb"] = self.poller.rss_peak_kb / 1024
+        rec["peak_pss_total_mb"] = self.poller.pss_peak_kb / 1024
         rec["shm_mapped_peak_mb"] = self.poller.shm_peak[1] / MB
         rec["shmem_delta_peak_mb"] = (self.poller.shmem_peak_kb - self.poller.shmem0_kb) / 1024
         rec["run_cores"] = div(rec["cpu_s_total"], rec["wall_s"])
@@ -609,9 +614,11 @@ def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[d
     print(f"CPU ms per sample, ideal: own {ideal['own_ms_per_sample']:.2f}, shared "
           f"{ideal['shared_ms_per_sample']:.2f}, cached {ideal['cache_ms_per_sample']:.2f}")
     print(f"{'mode':<13} {'epoch 1':>9} {'epochs 2+':>9} {'CPU ms/sample':^20} "
-          f"{'peak RSS MB':^15} {'/dev/shm':>9} {'Shmem':>7} {'other':>6} {'wall':>6}  status")
+          f"{'peak RSS MB':^15} {'PSS MB':>7} {'/dev/shm':>9} {'Shmem':>7} {'other':>6} "
+          f"{'wall':>6}  status")
     print(f"{'':<13} {'samples/s':>9} {'samples/s':>9} {'all':>6} {'ep. 1':>6} {'2+':>6} "
-          f"{'sum HWM':>7} {'at once':>7} {'mapped MB':>9} {'+MB':>7} {'cores':>6} {'s':>6}")
+          f"{'sum HWM':>7} {'at once':>7} {'at once':>7} {'mapped MB':>9} {'+MB':>7} "
+          f"{'cores':>6} {'s':>6}")
     for r in modes:
         ep1, later = r.get("epoch1_window") or {}, r.get("later_window") or {}
         print(f"{r['mode']:<13} {fmt(r.get('epoch1_samples_per_s'), '.1f', 9)} "
@@ -621,6 +628,7 @@ def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[d
               f"{fmt(later.get('cpu_ms_per_sample'), '.2f', 6)} "
               f"{fmt(r.get('peak_rss_total_mb'), '.0f', 7)} "
               f"{fmt(r.get('peak_rss_concurrent_mb'), '.0f', 7)} "
+              f"{fmt(r.get('peak_pss_total_mb'), '.0f', 7)} "
               f"{fmt(r.get('shm_mapped_peak_mb'), '.1f', 9)} "
               f"{fmt(r.get('shmem_delta_peak_mb'), '.1f', 7)} "
               f"{fmt(r.get('other_load_cores'), '.2f', 6)} {fmt(r.get('wall_s'), '.1f', 6)}  "
