@@ -553,6 +553,15 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "heap (glibc), so that decoding does not fault memory in again for every sample "
             "(docs/usage.md, \"The loader's workers\")",
             Size(off=True)),
+    Setting("cache_bytes", "cache_bytes", "TENSORSOCKET_CACHE_BYTES", "producer", 0,
+            "0 (off)", _SIZE_ACCEPTS.replace("bytes > 0", "bytes >= 0") +
+            "; `0` or `off` turns it off",
+            "shared memory the producer may keep a torch DataLoader's decoded samples in: "
+            "when the whole dataset fits, they are kept during the first epoch and every "
+            "later epoch is built from them in its sampler's order, without running the "
+            "loader; when it does not fit, nothing is cached and a warning says how much "
+            "it needs",
+            Size(off=True)),
     # -- share() -----------------------------------------------------------------------
     Setting("idle_timeout", "idle_timeout", "TENSORSOCKET_IDLE_TIMEOUT", "share()", 60.0,
             "60", "seconds > 0, or `none` (never)",

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -121,7 +122,7 @@ def test_two_jobs_own_transforms_one_producer(name, producer, workers):
             outs["a"].append(got_a)
             outs["b"].append(got_b)
         if workers:
-            assert len(a.transform_worker_pids) == workers
+            assert len(a.stats()["transform_workers"]) == workers
             assert a.stats()["transform_seconds"] == 0.0  # all of it in the workers
         else:
             assert a.stats()["transform_seconds"] > 0.0
@@ -166,7 +167,8 @@ def test_seed_none_follows_torch_manual_seed(name, producer):
     torch.manual_seed(7)
     b = TensorConsumer(name=name, transform=crop_and_noise(4))
     try:
-        assert a.seed == b.seed and isinstance(a.seed, int)
+        assert a.stats()["transform_seed"] == b.stats()["transform_seed"]
+        assert isinstance(a.stats()["transform_seed"], int)
         for (xa, ia), (xb, ib) in zip(a, b):
             assert torch.equal(ia, ib) and torch.equal(xa, xb)
     finally:
@@ -242,7 +244,7 @@ def test_a_killed_worker_is_an_error_not_a_hang(name, producer):
         os.write(gate[1], b"x" * BATCH)  # the first batch's samples (in the check: 1)
         os.write(gate[1], b"x")
         next(it)
-        pid = c.transform_worker_pids[0]
+        pid = c.stats()["transform_workers"][0]
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(TensorSocketError, match=f"transform worker \\(pid {pid}\\) "
                                                     "exited unexpectedly"):
@@ -334,3 +336,59 @@ def test_a_stale_iterator_ends_and_leaves_the_new_ones_batches(name, producer):
         for _, more in new:
             ids += more.tolist()
     assert sorted(ids) == list(range(SAMPLES))
+
+
+CONSUMER = textwrap.dedent(r'''
+    import json, sys, torch
+    from tensorsocket import TensorConsumer
+
+    def crop(x):
+        i, j = torch.randint(0, 5, (2,)).tolist()
+        return x[:, i:i + 8, j:j + 8].float()
+
+    c = TensorConsumer(name=sys.argv[1], transform=crop, transform_workers=2)
+    it = iter(c)
+    next(it)
+    print(json.dumps(c.stats()["transform_workers"]), flush=True)
+    sys.stdin.read()  # until the test kills this process
+''')
+
+
+def test_a_killed_job_takes_its_workers_with_it(name, producer, tmp_path):
+    """A job SIGKILLed with its transform workers running: the workers end by themselves
+    (they watch their parent), and another job goes on reading every sample."""
+    import json
+
+    producer(epochs=2, consumers=2)
+    script = tmp_path / "consumer.py"
+    script.write_text(CONSUMER)
+    job = popen([sys.executable, str(script), name], cwd=ROOT, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with TensorConsumer(name=name, transform=crop_and_noise(8), seed=4) as c:
+            it = iter(c)
+            ids = next(it)[1].tolist()
+            workers = json.loads(job.stdout.readline())
+            assert len(workers) == 2
+            job.kill()
+            job.wait(30)
+            ids += [i for _, more in it for i in more.tolist()]
+            assert sorted(ids) == list(range(SAMPLES))
+            assert sorted(read_epochs(c, 1)[0]) == list(range(SAMPLES))
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in workers):
+            assert time.monotonic() < deadline, f"workers {workers} outlived their job"
+            time.sleep(0.1)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.communicate()
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (not a zombie waiting for its parent's wait)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

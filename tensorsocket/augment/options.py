@@ -12,10 +12,25 @@ _INPUTS = ("tensor", "pil")
 
 @dataclass(frozen=True)
 class TransformOptions:
-    """transform: run on each sample; seed: the job's seed; workers: worker processes (0:
-    in the calling thread, at next()); pil: samples handed over as PIL images; key: the
-    dict key of the inputs (None: "image", else the first); prefetch: batches in flight
-    per worker; context: the workers' multiprocessing start method (None: fork)."""
+    """The TensorConsumer / share() arguments of a job's own transform (docs/usage.md, "A
+    shared decode, each job's own augmentation"):
+
+    transform: a function of one sample, run on every sample the consumer delivers, as a
+      dataset's ``transform=``: on each row of the batch's inputs (element 0 of a tuple or
+      list batch, ``batch[transform_key]`` of a dict batch, a tensor batch itself); the
+      outputs are stacked in their place. It must accept what the producer's loader makes
+      (say uint8 CHW tensors): else the first batch raises TransformError naming both.
+    seed: the job's seed; before each sample torch, random and NumPy are seeded from
+      (seed, epoch, the sample's dataset index). None: drawn from torch's generator when
+      the consumer is made (as a DataLoader's base seed).
+    workers (transform_workers=): forked worker processes that run it ahead of the
+      training step, reading the inputs in place in the ring; 0: at next(), here, the
+      caller's generators left as they were.
+    prefetch (transform_prefetch=): batches in flight per worker (default 2), kept below
+      the ring's slots.
+    pil (transform_input="pil"): each sample handed over as a PIL image.
+    key (transform_key=): the inputs' key in a dict batch (None: "image", else the first).
+    context (transform_context=): the workers' start method (None: fork)."""
 
     transform: Callable[[Any], Any]
     seed: int

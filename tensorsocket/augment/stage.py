@@ -12,10 +12,11 @@ next(), with the caller's random generators left as they were.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -84,6 +85,12 @@ class TransformStage:
         self.wait_seconds = 0.0  # next() waiting for workers' outputs (stats())
         self.transform_seconds = 0.0  # transforms run here, at next() (stats())
 
+    @classmethod
+    def of(cls, options: TransformOptions | None,
+           slot_count: Callable[[], int]) -> "TransformStage | None":
+        """The stage of these options, or None without a transform."""
+        return None if options is None else cls(options, slot_count)
+
     @property
     def worker_pids(self) -> list[int]:
         """The worker processes' pids (none before the first batch, or without workers)."""
@@ -120,9 +127,25 @@ class TransformStage:
                 return
             self._pending.append(self._start(batch, ids, index, source.epoch))
 
-    def undelivered(self) -> int:
-        """Batches taken from the ring and not yet delivered (state_dict() leaves them out)."""
-        return len(self._pending)
+    @contextlib.contextmanager
+    def undelivered_left_out(self, cursor: Any) -> Iterator[None]:
+        """While the block runs (state_dict()), the batches in flight, taken from the ring
+        and not delivered, do not count in the epoch cursor's delivered batches (their
+        samples are not in the samples delivered either)."""
+        undelivered = len(self._pending)
+        cursor.delivered -= undelivered
+        try:
+            yield
+        finally:
+            cursor.delivered += undelivered
+
+    def stats(self) -> dict:
+        """A consumer's stats() of its transform: transform_seconds (run at next(), here),
+        transform_wait_seconds (next() waiting for the workers: they are the bottleneck
+        where it grows), transform_workers (their pids), transform_seed (the job's)."""
+        return {"transform_seconds": self.transform_seconds,
+                "transform_wait_seconds": self.wait_seconds,
+                "transform_workers": self.worker_pids, "transform_seed": self.options.seed}
 
     def _start(self, batch: Any, ids: Any, index: int, epoch: int) -> _InFlight:
         """Begin one batch's transform: here (no workers, or a GPU batch) or on a worker."""

@@ -19,6 +19,7 @@ from ..data.resume import EpochTaken
 from ..errors import TensorSocketError
 from .acquire import SlotAcquirer
 from .book import ResumeBook
+from .counters import consumer_stats
 from .epoch_state import EpochState
 from .options import ConsumerOptions, SharedLoader
 from .place import RingPlace
@@ -139,32 +140,10 @@ class TensorConsumer:
       shared: share()'s own (a SharedLoader: what it knows of its caller's loader);
         not for direct use.
 
-    Each job's own augmentation over shared samples (docs/usage.md, "A shared decode,
-    each job's own augmentation"):
-      transform: a function of one sample, run on every sample this consumer
-        delivers, as a dataset's ``transform=`` runs: on each row of the batch's
-        inputs (element 0 of a tuple/list batch, ``batch[transform_key]`` of a dict
-        batch, a tensor batch itself); the outputs are stacked in their place. A
-        torchvision ``transforms.v2`` pipeline, timm's, or any callable. It must
-        accept what the producer's loader makes (say uint8 CHW tensors): else the
-        first batch raises TransformError naming both.
-      seed: the job's seed. Before each sample, torch, ``random`` and NumPy are
-        seeded from (seed, epoch, the sample's dataset index), so a sample's output
-        depends on those alone: the same in every run with the same seed, whatever
-        the order or worker. None (default): drawn from torch's global generator
-        here (``torch.manual_seed`` first makes it reproducible, as a DataLoader's
-        base seed).
-      transform_workers: worker processes (forked, as a DataLoader's
-        ``num_workers``) that transform batches ahead of the training step,
-        reading their inputs in place in the ring; 0 (default): at ``next()``, in
-        this thread, leaving the caller's random generators as they were.
-      transform_prefetch: batches in flight per worker (default 2, as
-        ``prefetch_factor``), capped below the ring's slots.
-      transform_input: ``"tensor"`` (default) or ``"pil"``: each sample handed over
-        as a PIL image, for transforms written for PIL (timm's ``create_transform``).
-      transform_key: the key of the inputs in a dict batch (default ``"image"``, else
-        the first key).
-      transform_context: the workers' start method (default ``"fork"``).
+    transform, seed, transform_workers, transform_prefetch, transform_input,
+    transform_key, transform_context: each job's own transform of every sample it
+    receives, seeded per (seed, epoch, sample id), in worker processes or at next():
+    see tensorsocket.augment.TransformOptions and docs/usage.md ("A shared decode").
     """
 
     started_producer: bool = False
@@ -185,13 +164,11 @@ class TensorConsumer:
         world_size: int | None = None, group: str | None = None,
         auth_token: str | None = None, shared: SharedLoader | None = None,
         transform: Callable[[Any], Any] | None = None, seed: int | None = None,
-        transform_workers: int = 0, transform_input: str = "tensor",
-        transform_key: Any = None, transform_prefetch: int = 2,
-        transform_context: str | None = None,
+        transform_workers: int = 0, transform_prefetch: int = 2, transform_input: str = "tensor",
+        transform_key: Any = None, transform_context: str | None = None,
     ) -> None:
-        transforms = TransformOptions.resolve(transform, seed, transform_workers,
-                                              transform_input, transform_key,
-                                              transform_prefetch, transform_context)
+        transforms = TransformOptions.resolve(transform, seed, transform_workers, transform_input,
+                                              transform_key, transform_prefetch, transform_context)
         o = ConsumerOptions.resolve(
             port=port, address=address, name=name, timeout=timeout,
             batch_timeout=batch_timeout, device=device, batch_size=batch_size,
@@ -224,8 +201,7 @@ class TensorConsumer:
                 self.dataset = shared.loader.dataset
         self._surface = LoaderSurface(self._reader, self._book, self._state, o,
                                       lambda: place.index, shared, self._sets_epoch)
-        self._transforms = None if transforms is None else \
-            TransformStage(transforms, lambda: place.ring.info()["slot_count"])
+        self._transforms = TransformStage.of(transforms, lambda: place.ring.info()["slot_count"])
 
     @property
     def batch_timeout(self) -> float | None:
@@ -339,14 +315,10 @@ class TensorConsumer:
         taken (in a group: by the group). After a ``break``, the epoch left, until the next
         begins; right after load_state_dict(), the place loaded. JSON-serialisable
         (docs/usage.md, "Checkpoints and restarts")."""
-        # Batches in flight to the transform workers are taken, not delivered: the state
-        # counts them as not taken (their samples, already, as they are not delivered).
-        undelivered = 0 if self._transforms is None else self._transforms.undelivered()
-        self._state.cursor.delivered -= undelivered
-        try:
+        if self._transforms is None:
             return self._surface.state_dict()
-        finally:
-            self._state.cursor.delivered += undelivered
+        with self._transforms.undelivered_left_out(self._state.cursor):
+            return self._surface.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the epoch counter is restored and the next epoch
@@ -370,22 +342,10 @@ class TensorConsumer:
     # -- end ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave: the producer stops sending to us (and the transform workers stop).
-        Tensors still held stay valid."""
+        """Leave: the producer stops sending to us. Tensors still held stay valid."""
         if self._transforms is not None:
             self._transforms.close()
         self._place.close()
-
-    @property
-    def seed(self) -> int | None:
-        """The job seed of the transform's randomness (None without transform=)."""
-        return None if self._transforms is None else self._transforms.options.seed
-
-    @property
-    def transform_worker_pids(self) -> list[int]:
-        """The transform's worker processes (empty before the first batch, or without
-        transform_workers)."""
-        return [] if self._transforms is None else self._transforms.worker_pids
 
     def __enter__(self) -> "TensorConsumer":
         """The consumer itself; leaving the block closes it."""
@@ -414,30 +374,11 @@ class TensorConsumer:
         skipped; dropped_samples:
         samples dropped by drop_last; copied_kept_batches: batches still alive
         that were copied privately so that the consumer never waits for their slots.
-        With transform=: transform_seconds (transforms run at next(), in this thread)
-        and transform_wait_seconds (next() waiting for the workers' outputs: the
-        workers are the bottleneck where it grows).
+        With transform=, also transform_seconds, transform_wait_seconds, transform_workers
+        and transform_seed (see tensorsocket.augment.TransformStage.stats).
         """
-        place, flow, rebatcher = self._place, self._state.flow, self._state.rebatcher
-        lag = None
-        if not place.closed:
-            lag = place.ring.consumer(place.index)["lag"]
-            if lag > 0 and self._state.cursor.end_marker_unread and place.attached:
-                lag -= 1
-        return {
-            "epoch": self.epoch, "device": self.device,
-            "zero_copy_gpu": place.delivery.gpu_import,
-            "device_fallback_reason": self.device_fallback_reason,
-            "batches": flow.batches, "samples": flow.samples,
-            "loader_batches": flow.loader_batches, "bytes": flow.bytes,
-            "wait_seconds": self._acquirer.wait_s, "lag": lag,
-            "rejoins": place.rejoins, "skipped_entries": place.skipped,
-            "dropped_samples": rebatcher.dropped_samples if rebatcher else 0,
-            "copied_kept_batches": place.set_aside_batches,
-            **({} if self._transforms is None else {
-                "transform_seconds": self._transforms.transform_seconds,
-                "transform_wait_seconds": self._transforms.wait_seconds}),
-        }
+        return consumer_stats(self, self._place, self._state, self._acquirer,
+                              self._transforms)
 
 
 class EpochIterator:

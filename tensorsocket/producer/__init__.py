@@ -8,6 +8,8 @@
 - ``epochs``: the data loader's passes, one per epoch.
 - ``gate``: waiting for consumers before a batch (min_consumers, start_grace).
 - ``publisher``: an epoch run: each batch encoded, published, then yielded.
+- ``sample_cache``: the decoded-sample cache (cache_bytes=): a DataLoader's rows kept
+  during the first epoch, later epochs built from them.
 - ``lifecycle``: the name lock, the secret, the control server, and the teardown.
 - ``gpu_release``: a GPU ring's device memory freed once no consumer maps it.
 - ``failure``: what the consumers are told of the error that ended the producer.

@@ -1,12 +1,14 @@
 """An epoch run: the loader's batches encoded (with the dataset indices the sampler drew),
 the ring made at the first one, each published once consumers are there, then yielded;
-the epoch ends with a marker, also when it is cut short."""
+the epoch ends with a marker, also when it is cut short. An epoch of a DataLoader whose
+samples are all in the decoded-sample cache (cache_bytes=) is built from it instead
+(sample_cache.CachedEpochs)."""
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..data.sample_ids import SampleIdRecorder, with_ids
 from ..data.structure import Encoder
@@ -16,6 +18,7 @@ from .epochs import LoaderEpochs
 from .gate import ConsumerGate
 from .lifecycle import ProducerState
 from .ring_maker import RingMaker
+from .sample_cache import CachedBatch, CachedEpochs
 from .settings import ProducerSettings
 from .sizing import RingSizing
 
@@ -34,6 +37,7 @@ class EpochPublisher:
         self.batches = 0
         self._encoder = Encoder()  # batch -> spec and leaves (keeps the last spec's bytes)
         self._sample_ids = SampleIdRecorder()  # the dataset indices of each batch
+        self.cache = CachedEpochs(settings)  # the decoded samples, if cache_bytes= allows
         # This process's CPU before its loader's first epoch began (imports, set-up), noted
         # in the ring header when the ring is made: status leaves it out of the loader's.
         self._setup_cpu_ns: int | None = None
@@ -58,6 +62,10 @@ class EpochPublisher:
             self._setup_cpu_ns = int((t.user + t.system + t.children_user
                                       + t.children_system) * 1e9)
         source, limit = self._epochs.start()
+        if self.cache.start(source, self._epochs.epoch):
+            yield from self._publish_each(source, limit, self.cache.batches(source), False,
+                                          self._publish_cached)
+            return
         # The sampler records the indices it draws for the whole epoch: a loader whose
         # __iter__ is a generator (a DataLoader subclass such as accelerate's
         # DataLoaderShard) draws them only at its first next().
@@ -66,18 +74,24 @@ class EpochPublisher:
 
     def _publish_recorded_epoch(self, source: Any, limit: int | None) -> Iterator[Any]:
         """_publish_epoch, while the sampler of `source` records the indices it draws."""
+        it = self._epochs.iterate(source, self._settings.worker_heap_pad)
+        # one_shot: an iterator, which iterating again continues
+        yield from self._publish_each(source, limit, it, it is source, self._publish_batch)
+
+    def _publish_each(self, source: Any, limit: int | None, it: Iterator[Any],
+                      one_shot: bool, publish: Callable[[Any, int], Any]) -> Iterator[Any]:
+        """Publish each item of `it`, an epoch of `source` (publish(item, index) returns
+        the batch to yield), and the epoch's end marker."""
         epochs = self._epochs
-        it = epochs.iterate(source, self._settings.worker_heap_pad)
-        one_shot = it is source  # an iterator: iterating it again continues it
         index = 0
         try:
-            for batch in it:
+            for item in it:
                 if limit is not None and index >= limit:
                     # len() says the epoch is over, yet the loader goes on (a loader that
                     # never stops, as the original TensorSocket's examples have): end it.
                     epochs.warn_cut(source, limit)
                     break
-                self._publish_batch(batch, index)
+                batch = publish(item, index)
                 index += 1
                 if one_shot:
                     epochs.yielded(source)
@@ -90,16 +104,17 @@ class EpochPublisher:
             epochs.ended_empty(source, one_shot)
         self._end_epoch(index)
 
-    def _publish_batch(self, batch: Any, index: int) -> None:
+    def _publish_batch(self, batch: Any, index: int) -> Any:
         """Encode batch `index` of the epoch, make the ring at the first, wait for
-        consumers, publish; the thread's CPU time for it goes to the ring header, where
-        `tensorsocket status` tells it from the loader's (the C publish cannot see the
-        encoding done here; waits for consumers or slots sleep, costing no CPU)."""
+        consumers, publish, offer it to the cache; the thread's CPU time for it goes to
+        the ring header, where `tensorsocket status` tells it from the loader's (the C
+        publish cannot see the encoding done here; waits for consumers or slots sleep,
+        costing no CPU). Returns the batch (as the loader yielded it)."""
         start = time.thread_time_ns()
-        if self._settings.pack_fn is not None:
-            batch = self._settings.pack_fn(batch)
-        meta, leaves = self._encoder.flatten(batch)
-        meta = with_ids(meta, self._sample_ids.next_ids())
+        packed = batch if self._settings.pack_fn is None else self._settings.pack_fn(batch)
+        structure, leaves = self._encoder.flatten(packed)
+        ids = self._sample_ids.next_ids()
+        meta = with_ids(structure, ids)
         if self._state.ring is None:  # making it (sized to its slots) is set-up too
             made = time.thread_time_ns()
             self._state.ring = self._rings.make(meta, leaves, self._epochs.length())
@@ -108,7 +123,18 @@ class EpochPublisher:
             start += making
         self._gate.wait(self._state.ring, first=self.batches == 0)
         self._publish(meta, leaves, index=index)
+        self.cache.offer(structure, leaves, ids, self._epochs.epoch)
         self._state.ring.note_publish_cpu(time.thread_time_ns() - start)
+        return batch
+
+    def _publish_cached(self, cached: CachedBatch, index: int) -> Any:
+        """Publish batch `index` of an epoch served from the cache (the ring exists: the
+        first epoch made it); returns the batch for the producer's loop."""
+        start = time.thread_time_ns()
+        self._gate.wait(self._state.ring, first=False)
+        self._publish(with_ids(cached.structure, cached.ids), cached.leaves, index=index)
+        self._state.ring.note_publish_cpu(time.thread_time_ns() - start)
+        return cached.batch
 
     def _publish(self, meta: bytes, leaves: list, *, end: bool = False, index: int = 0) -> None:
         """Publish a batch (or the end marker), waiting up to publish_timeout for a slot."""

@@ -44,6 +44,7 @@ class ProducerSettings:
         self.device_fallback: bool = given.get("device_fallback", a["device_fallback"])
         self.release_timeout: float | None = given.get("release_timeout", a["release_timeout"])
         self.worker_heap_pad: int = given.get("worker_heap_pad", a["worker_heap_pad"])
+        self.cache_bytes: int = given.get("cache_bytes", a["cache_bytes"])
         self.lag_policy: str = given.get("lag_policy", a["lag_policy"])
         self.pack_fn: Callable[[Any], Any] | None = a["pack_fn"]
         self.min_consumers: int = given.get("min_consumers", a["min_consumers"])

@@ -18,9 +18,10 @@ STATE_NAMES = {
 
 def producer_stats(ring: Any, server: ControlServer, closed: bool, *, epoch: int,
                    device: str, batches: int, consumer_wait_seconds: float, window: int,
-                   max_lag: int | None) -> dict:
+                   max_lag: int | None, cache: dict) -> dict:
     """stats() of a producer whose ring is `ring` (None before the first batch) and whose
-    control server is `server`; the producer's own counters come as keywords."""
+    control server is `server`; the producer's own counters come as keywords (cache: the
+    decoded-sample cache's, CachedEpochs.stats())."""
     ring = ring if ring is not None and not ring.closed else None
     info = ring.info() if ring is not None else {}
     return {
@@ -41,6 +42,7 @@ def producer_stats(ring: Any, server: ControlServer, closed: bool, *, epoch: int
         "skipped_slots": info.get("holes", 0),
         "late_releases": info.get("late_releases", 0),
         "rejected_messages": server.rejected,
+        **cache,
         "consumer_table": consumer_table(ring, server) if ring is not None else [],
     }
 

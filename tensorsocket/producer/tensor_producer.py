@@ -151,6 +151,20 @@ class TensorProducer:
         docs/usage.md, "The loader's workers". Only the workers are changed:
         the loader's ``worker_init_fn`` is wrapped while ``iter()`` starts them,
         and put back.
+      cache_bytes: bytes of memory the producer may keep the decoded samples of
+        a torch DataLoader in (default 0: off) (env). At the first batch, if the
+        loader batches a map-style dataset with len() (a batch sampler, sample ids
+        known) and every tensor of the batch holds one row per sample, the cache
+        of the whole dataset is made when it fits in cache_bytes (else a warning
+        names the bytes it needs and nothing is cached). The first epoch fills it
+        as the loader runs (the few samples an epoch did not draw, drop_last's
+        tail, are loaded once at the next epoch's start); once every sample is
+        in it, each later epoch is built from it: the sampler's batches of that epoch (set_epoch applied), their
+        rows gathered, published with their sample ids, without running the
+        loader (no decoding, no workers). The memory is one memfd, which the
+        kernel frees when the producer ends, SIGKILL included; a later batch of
+        another shape or structure drops the cache (a warning says why). See
+        tensorsocket/producer/sample_cache.py.
     """
 
     def __init__(
@@ -184,6 +198,7 @@ class TensorProducer:
         device_fallback: bool | Unset = UNSET,
         release_timeout: float | None | Unset = UNSET,
         worker_heap_pad: int | Unset = UNSET,
+        cache_bytes: int | Unset = UNSET,
     ) -> None:
         arguments = dict(locals())  # the parameters by name, for the settings
         epochs = self._epochs = LoaderEpochs(data_loader)
@@ -217,6 +232,8 @@ class TensorProducer:
     device_fallback = setting("device_fallback", "Whether a GPU ring may fall back to host.")
     release_timeout = setting("release_timeout", "Seconds close() waits for GPU memory.")
     worker_heap_pad = setting("worker_heap_pad", "Bytes a loader worker keeps on its heap.")
+    cache_bytes = setting("cache_bytes", "Bytes the decoded-sample cache may take (0: off), "
+                          "read at the first batch.")
     pack_fn = setting("pack_fn", "Applied to each batch before it is published (or None).")
 
     @property
@@ -279,8 +296,10 @@ class TensorProducer:
         return drained
 
     def close(self) -> None:
-        """Tear down now: consumers see the ring finished; segment and sockets go."""
+        """Tear down now: consumers see the ring finished; segment, sockets and the
+        decoded-sample cache go."""
         self._lifecycle.close()
+        self._publisher.cache.close()
 
     def __enter__(self) -> "TensorProducer":
         """The producer itself."""
@@ -325,13 +344,16 @@ class TensorProducer:
         epoch) behind the producer, entries and bytes delivered, and the time
         it spent waiting for batches; rejected_messages: malformed control
         messages, consumers of another protocol version, and hellos refused by
-        tensorsocket.control.auth (another user, another pid, no or a wrong secret).
+        tensorsocket.control.auth (another user, another pid, no or a wrong secret);
+        cache_bytes: bytes of the decoded-sample cache (``cache_bytes=``) allocated now
+        (0: none, dropped, or the producer closed); cache_samples: samples whose rows are in it;
+        cache_epochs: epochs served from it.
         """
         return producer_stats(
             self.ring, self._server, self._state.closed, epoch=self.epoch,
             device=self.device, batches=self._publisher.batches,
             consumer_wait_seconds=self._gate.wait_seconds, window=self.window,
-            max_lag=self.max_lag)
+            max_lag=self.max_lag, cache=self._publisher.cache.stats())
 
 
 def _welcome(producer_ref: "weakref.ref[TensorProducer]") -> dict:
