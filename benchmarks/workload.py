@@ -33,8 +33,8 @@ The same workload split in two for a shared prefix (``shared_prefix.py``):
   strength ``jitter``, to float and normalised. Its random numbers come from torch's
   global RNG, seeded per sample by whoever calls it.
 - ``AugmentedDataset``: a ``DecodedDataset`` with one job's ``Augment`` applied per
-  sample, torch's CPU generator seeded first from ``sample_seed(seed, epoch, i)``: what one job's
-  own DataLoader workers run (Ld + La).
+  sample, torch's CPU generator seeded first from ``sample_seed(seed, epoch, i)``: what
+  one job's own DataLoader workers run (Ld + La).
 """
 
 from __future__ import annotations
