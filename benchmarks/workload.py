@@ -21,6 +21,20 @@ import this file by path (``sys.path`` holds ``benchmarks/`` when ``collocated.p
   momentum, cross-entropy).
 - ``calibrate``: the loader's and a training step's CPU cost per batch, one thread each
   (the loader in a forked process with its heap padded, as a producer's worker has it).
+
+The same workload split in two for a shared prefix (``shared_prefix.py``):
+
+- ``DecodedDataset``: the decode part Ld, deterministic: ``__getitem__(i)`` reads and
+  decodes image ``i % n`` and resizes it to ``DECODE_SIZE`` x ``DECODE_SIZE`` (bilinear),
+  a uint8 CHW tensor, with the same label and sample id as ``JpegDataset``.
+- ``Augment``: the augmentation part La of one job, on one such uint8 CHW sample, in
+  plain torch ops (no torchvision): a random resized crop to ``crop`` (slicing +
+  ``F.interpolate``), a random horizontal flip (or none), a brightness/contrast jitter of
+  strength ``jitter``, to float and normalised. Its random numbers come from torch's
+  global RNG, seeded per sample by whoever calls it.
+- ``AugmentedDataset``: a ``DecodedDataset`` with one job's ``Augment`` applied per
+  sample, torch's CPU generator seeded first from ``sample_seed(seed, epoch, i)``: what
+  one job's own DataLoader workers run (Ld + La).
 """
 
 from __future__ import annotations
@@ -56,6 +70,7 @@ RATIO = (3.0 / 4.0, 4.0 / 3.0)
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 WIDTHS = (8, 16, 32)
+DECODE_SIZE = 80  # the shared prefix's common size (DecodedDataset)
 DONE_MARK = "COMPLETE"
 
 
@@ -243,7 +258,112 @@ def pad_heap(top_pad: int, worker_id: int = 0, strict: bool = True) -> None:
             raise OSError(f"mallopt({option}, {value}) failed")
 
 
-def make_loader(dataset: JpegDataset, batch_size: int, workers: int, seed: int = 0,
+def decode(path: str, size: int = DECODE_SIZE) -> torch.Tensor:
+    """Image file ``path`` decoded to RGB and resized to ``size`` x ``size`` (bilinear), as a
+    uint8 CHW tensor."""
+    with Image.open(path) as f:
+        img = f.convert("RGB")
+    img = img.resize((size, size), Image.BILINEAR)
+    return torch.from_numpy(np.array(img)).permute(2, 0, 1).contiguous()
+
+
+class DecodedDataset(torch.utils.data.Dataset):
+    """The decode part alone: sample ``i`` is image ``i % n`` decoded and resized to
+    ``size`` x ``size``, a uint8 CHW tensor, with ``JpegDataset``'s label and id."""
+
+    def __init__(self, root: str | os.PathLike, length: int | None = None,
+                 size: int = DECODE_SIZE) -> None:
+        self.files = sorted(str(p) for p in Path(root).glob("*.jpg"))
+        if not self.files:
+            raise FileNotFoundError(f"no .jpg files in {root}")
+        self.length = len(self.files) if length is None else int(length)
+        self.size = size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing: the decoded samples are the same in every epoch."""
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
+        return decode(self.files[i % len(self.files)], self.size), i % NUM_CLASSES, i
+
+
+_MEAN_T = torch.from_numpy(MEAN * 255.0).view(3, 1, 1)
+_STD_T = torch.from_numpy(STD * 255.0).view(3, 1, 1)
+
+
+class Augment:
+    """One job's augmentation of a uint8 CHW sample (plain torch ops): a random resized
+    crop to ``crop`` (scale and ratio as ``random_resized_crop_box``; slicing, then
+    bilinear ``F.interpolate``), a horizontal flip with probability 0.5 if ``flip``,
+    brightness and contrast factors drawn from [1 - jitter, 1 + jitter], then float and
+    normalised (ImageNet mean/std). Random numbers: torch's global RNG."""
+
+    def __init__(self, crop: int, flip: bool, jitter: float) -> None:
+        self.crop, self.flip, self.jitter = int(crop), bool(flip), float(jitter)
+
+    def __repr__(self) -> str:
+        return f"Augment(crop={self.crop}, flip={self.flip}, jitter={self.jitter})"
+
+    def box(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """(left, top, w, h) of the random resized crop, from torch's RNG."""
+        area = height * width
+        log_lo, log_hi = math.log(RATIO[0]), math.log(RATIO[1])
+        for _ in range(10):
+            u = torch.rand(4).tolist()
+            target = area * (SCALE[0] + (SCALE[1] - SCALE[0]) * u[0])
+            aspect = math.exp(log_lo + (log_hi - log_lo) * u[1])
+            w = int(round(math.sqrt(target * aspect)))
+            h = int(round(math.sqrt(target / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                return int(u[3] * (width - w + 1)), int(u[2] * (height - h + 1)), w, h
+        return 0, 0, width, height
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        left, top, w, h = self.box(img.shape[-2], img.shape[-1])
+        x = img[:, top:top + h, left:left + w].unsqueeze(0).float()
+        x = F.interpolate(x, size=(self.crop, self.crop), mode="bilinear",
+                          align_corners=False)[0]
+        if self.flip and float(torch.rand(())) < 0.5:
+            x = x.flip(-1)
+        if self.jitter > 0:
+            b, c = (1.0 + self.jitter * (2.0 * torch.rand(2) - 1.0)).tolist()
+            x = (x - x.mean()) * c + x.mean() * b
+        return (x - _MEAN_T) / _STD_T
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's augmentation: a function of (seed, epoch, index) only, in
+    a microsecond (numpy's SeedSequence takes 30 us, a tenth of an augmentation)."""
+    return ((seed * 1_000_003 + epoch) * 1_000_000_007 + index) & ((1 << 63) - 1)
+
+
+class AugmentedDataset(torch.utils.data.Dataset):
+    """``base`` (a ``DecodedDataset``) with ``augment`` applied to each sample's image,
+    torch's RNG seeded first from ``sample_seed(seed, epoch, i)``: one job's Ld + La."""
+
+    def __init__(self, base: DecodedDataset, augment: Callable[[torch.Tensor], torch.Tensor],
+                 seed: int = 0) -> None:
+        self.base, self.augment, self.seed = base, augment, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
+        img, label, sample_id = self.base[i]
+        # The CPU generator only: torch.manual_seed also seeds every other device type's
+        # generators, ~0.3 ms a call here (as long as an augmentation), which a job's own
+        # DataLoader, seeded once per worker, never pays.
+        torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, i))
+        return self.augment(img), label, sample_id
+
+
+def make_loader(dataset: "JpegDataset | DecodedDataset | AugmentedDataset", batch_size: int, workers: int, seed: int = 0,
                 epoch: int = 0, worker_top_pad: int = 0,
                 strict_pad: bool = True) -> torch.utils.data.DataLoader:
     """A shuffling DataLoader whose order depends only on ``seed`` and ``epoch``; with
@@ -304,9 +424,10 @@ def num_params(model: nn.Module) -> int:
 class Trainer:
     """A SmallResNet and its optimiser; ``step(x, y)`` is one SGD step, returning the loss."""
 
-    def __init__(self, seed: int = 0, lr: float = 0.05) -> None:
+    def __init__(self, seed: int = 0, lr: float = 0.05,
+                 widths: tuple[int, int, int] = WIDTHS) -> None:
         torch.manual_seed(seed)
-        self.model = SmallResNet()
+        self.model = SmallResNet(widths)
         self.model.train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9,
                                    weight_decay=5e-4)
