@@ -17,7 +17,7 @@ samples each, in three modes measured one after the other in the same run:
   shared        ``tensorsocket.share(loader_of_Ld, transform=<the job's La>, seed=...,
                 transform_workers=K, min_consumers=N)``: one producer decodes each sample
                 once, each job augments it in its own process;
-  shared+cache  the same with the producer's ``cache_bytes=`` (``producer_options=``) large
+  shared+cache  the same with share()'s ``cache_bytes=`` large
                 enough for the decoded dataset:
                 epochs 2+ are served from the producer's cache, without decoding.
 
@@ -180,7 +180,7 @@ def _shared_batches(args: argparse.Namespace, wl):
         transform_workers=args.transform_workers, min_consumers=args.jobs, start_grace=0,
         epochs=args.epochs, timeout=ATTACH_TIMEOUT, batch_timeout=ATTACH_TIMEOUT,
         # shared: no cache (nor TENSORSOCKET_CACHE_BYTES: the orchestrator drops it)
-        producer_options={"cache_bytes": args.cache_bytes} if args.cache_bytes else None)
+        cache_bytes=args.cache_bytes or 0)
 
 
 def run_job(args: argparse.Namespace) -> int:
