@@ -27,9 +27,11 @@ SAMPLES = 40
 BATCH = 8
 
 PRODUCER = textwrap.dedent(r'''
-    import sys, torch
+    import faulthandler, signal, sys, torch
     from torch.utils.data import DataLoader, Dataset
     from tensorsocket import TensorProducer
+
+    faulthandler.register(signal.SIGUSR1)  # a test that waits too long asks where it is
 
     name, epochs, consumers, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 
@@ -82,8 +84,12 @@ def producer(name, tmp_path):
         try:
             p.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            p.kill()
-            out = p.communicate()[0]
+            p.send_signal(signal.SIGUSR1)
+            try:
+                out = p.communicate(timeout=5)[0]
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out = p.communicate()[0]
             pytest.fail(f"the producer did not end:\n{out[-3000:]}")
 
 
@@ -403,3 +409,19 @@ def test_a_pipeline_is_named_by_its_steps():
     assert describe(Compose([_step("RandomResizedCrop"), _step("Normalize")])) == \
         "Compose(RandomResizedCrop, Normalize)"
     assert describe(crop_and_noise(4)).startswith("<function crop_and_noise(4)")
+
+
+def test_a_failed_batch_holds_no_ring_slot(name, producer):
+    """The error of a transform that fails (here, at the first sample's check) does not
+    keep the batch's views alive: its ring slot goes back while the exception is kept."""
+    producer(epochs=1)
+
+    def needs_float(x):
+        return torch.nn.functional.normalize(x, dim=0)
+
+    with TensorConsumer(name=name, transform=needs_float) as c:
+        with pytest.raises(TransformError) as e:
+            next(iter(c))
+        assert e.value.__traceback__ is not None
+        c._place.flush_releases()
+        assert c.ring.held_slots() == 0

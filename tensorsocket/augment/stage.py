@@ -15,11 +15,13 @@ import collections
 import contextlib
 import logging
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from ..errors import TensorSocketError
 from .options import TransformOptions
 from .samples import Rebuild, first_sample_check, split_inputs, transform_samples
 from .seeding import callers_generators_kept, sample_keys, sample_seed
@@ -106,8 +108,15 @@ class TransformStage:
         if not self._pending:
             raise StopIteration
         entry = self._pending[0]
-        batch = self._finish(entry, source.deadline())
-        # (An interrupt before here leaves the entry first, its result kept by the pool.)
+        try:
+            batch = self._finish(entry, source.deadline())
+        except TensorSocketError as e:  # a worker's error, or a dead worker: the batch is
+            self._pending.popleft()  # lost, as a DataLoader's whose worker raised
+            entry.inputs = None
+            _clear_frames(e)
+            raise
+        # (An interrupt or a batch_timeout before here leaves the entry first, its
+        # result kept by the pool, for the next call.)
         self._pending.popleft()
         source.delivered(entry.ids)
         return entry.index, batch
@@ -125,7 +134,16 @@ class TransformStage:
             except StopIteration:
                 self._ended = True
                 return
-            self._pending.append(self._start(batch, ids, index, source.epoch))
+            try:
+                started = self._start(batch, ids, index, source.epoch)
+            except BaseException as e:
+                # The batch is lost, as a DataLoader's whose fetch raised; the error's
+                # frames must not keep its views alive (and its ring slot held) for as
+                # long as the caller keeps the exception.
+                del batch
+                _clear_frames(e)
+                raise
+            self._pending.append(started)
 
     @contextlib.contextmanager
     def undelivered_left_out(self, cursor: Any) -> Iterator[None]:
@@ -210,6 +228,21 @@ class TransformStage:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+
+
+def _clear_frames(error: BaseException) -> None:
+    """Drop the local variables of the finished frames in `error`'s tracebacks, and those
+    of the errors it was raised from (a traceback keeps the frames it passed through, and
+    with them the batch's tensors, for as long as the exception lives)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def deadline_after(seconds: float | None) -> float | None:
