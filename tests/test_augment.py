@@ -425,3 +425,53 @@ def test_a_failed_batch_holds_no_ring_slot(name, producer):
         assert e.value.__traceback__ is not None
         c._place.flush_releases()
         assert c.ring.held_slots() == 0
+
+
+def test_a_transform_that_writes_into_its_input_sees_fresh_samples(name, producer):
+    """A transform that writes into its input (in place, as RandomErasing(inplace=True)
+    does) in a worker changes only that worker's copy: every later batch in the same
+    ring slot is still the producer's."""
+    producer(epochs=3)
+
+    def scribble(x):
+        x[0, 0, 0] = 255  # a write into the ring's sample, in the worker
+        return x[1:].float()
+
+    with TensorConsumer(name=name, transform=scribble, transform_workers=1) as c:
+        for _ in range(3):
+            for x, ids in c:
+                assert torch.equal(x[:, 0, 0, 0], ids.float()), "a stale sample"
+
+
+def test_workers_stop_when_the_consumer_is_dropped(name, producer):
+    """A consumer dropped without close() stops its transform workers (as a DataLoader
+    iterator's workers stop when it is collected)."""
+    import gc
+
+    producer(epochs=1)
+    c = TensorConsumer(name=name, transform=crop_and_noise(8), transform_workers=2)
+    assert sorted(read_epochs(c, 1)[0]) == list(range(SAMPLES))
+    workers = c.stats()["transform_workers"]
+    del c
+    gc.collect()
+    for pid in workers:
+        assert not _alive(pid), f"worker {pid} outlived its consumer"
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_spawned_workers_stay_while_the_job_pauses(name, producer, context):
+    """Workers started by spawn or forkserver (their parent is not the job's process)
+    stay through a pause longer than their parent check, and end with the consumer."""
+    producer(epochs=1)
+    with TensorConsumer(name=name, transform=_spawnable, transform_workers=1,
+                        transform_context=context) as c:
+        it = iter(c)
+        ids = next(it)[1].tolist()
+        time.sleep(2.5)  # longer than a worker's parent check (1 s): it must stay
+        ids += [i for _, more in it for i in more.tolist()]
+    assert sorted(ids) == list(range(SAMPLES))
+
+
+def _spawnable(x):
+    """A transform a spawned worker can unpickle (a module-level function)."""
+    return x.float()

@@ -63,9 +63,10 @@ class _InFlight:
     index: int  # in the epoch
     ids: Any
     rebuild: Rebuild
-    task: int | None  # the worker task; None: done here
-    batch: Any = None  # the delivered batch, once made here
+    task: int | None  # the worker task; None: done (batch made)
+    batch: Any = None  # the delivered batch, once made
     inputs: torch.Tensor | None = None  # the ring's inputs, held while a worker reads them
+    seeds: list[int] | None = None  # of its samples, for a task sent again
 
 
 class TransformStage:
@@ -83,6 +84,7 @@ class TransformStage:
         self._checked = False  # the first sample's check ran
         self._depth = 1
         self._tasks = 0
+        self._position = 0  # samples of the epoch taken so far (the seeds' positions)
         self._mappings = SharedMappings()
         self.wait_seconds = 0.0  # next() waiting for workers' outputs (stats())
         self.transform_seconds = 0.0  # transforms run here, at next() (stats())
@@ -103,7 +105,7 @@ class TransformStage:
         StopIteration at its end."""
         if source.serial != self._owner:
             self.discard()
-            self._owner, self._ended = source.serial, False
+            self._owner, self._ended, self._position = source.serial, False, 0
         self._fill(source)
         if not self._pending:
             raise StopIteration
@@ -169,7 +171,8 @@ class TransformStage:
         """Begin one batch's transform: here (no workers, or a GPU batch) or on a worker."""
         o = self.options
         inputs, rebuild = split_inputs(batch, o.key)
-        keys = sample_keys(ids, index * inputs.shape[0], inputs.shape[0])
+        keys = sample_keys(ids, self._position, inputs.shape[0])
+        self._position += inputs.shape[0]
         seeds = [sample_seed(o.seed, epoch, k) for k in keys]
         devices = [inputs.device.index or 0] if inputs.device.type == "cuda" else []
         if not self._checked:
@@ -186,7 +189,7 @@ class TransformStage:
         task, self._tasks = self._tasks, self._tasks + 1
         ref = self._mappings.ref(inputs)
         pool.submit(task, ref if ref is not None else inputs, seeds)
-        return _InFlight(index, ids, rebuild, task, inputs=inputs)
+        return _InFlight(index, ids, rebuild, task, inputs=inputs, seeds=seeds)
 
     def _start_workers(self) -> WorkerPool:
         """Start the worker processes; in flight: prefetch per worker, below the ring's
@@ -206,14 +209,21 @@ class TransformStage:
         """The delivered batch of `entry`, waiting for its worker if needed."""
         if entry.task is None:
             return entry.batch
-        assert self._pool is not None
+        pool = self._pool
+        assert pool is not None
         start = time.perf_counter()
         try:
-            out = self._pool.result(entry.task, deadline)
+            out = pool.result(entry.task, deadline)
+            while out is None:  # the worker could not map the ring's file: send the inputs
+                entry.task, self._tasks = self._tasks, self._tasks + 1
+                pool.submit(entry.task, entry.inputs, entry.seeds or [])
+                out = pool.result(entry.task, deadline)
         finally:
             self.wait_seconds += time.perf_counter() - start
-        entry.inputs = None  # the ring slot goes back (the batch's other leaves are copies)
-        return entry.rebuild(out)
+        # One step: the batch made, the entry done (an interrupt after it loses nothing),
+        # its ring slot going back (the batch's other leaves are copies).
+        entry.batch, entry.task, entry.inputs = entry.rebuild(out), None, None
+        return entry.batch
 
     def discard(self) -> None:
         """Drop the batches in flight (an epoch left mid-way, a new iter()): their slots go

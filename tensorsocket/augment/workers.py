@@ -12,7 +12,8 @@ theirs). A worker ends when told (None), when its parent is gone, or with its pa
 from __future__ import annotations
 
 import logging
-import os
+import multiprocessing
+import weakref
 import queue
 import signal
 import time
@@ -25,7 +26,7 @@ import torch.multiprocessing as tmp
 
 from ..errors import TensorSocketError, TransformError
 from .samples import describe, transform_samples
-from .shared_views import WorkerMappings, materialise
+from .shared_views import materialise
 
 log = logging.getLogger("tensorsocket")
 
@@ -42,28 +43,39 @@ class WorkerFailure:
     worker: int
 
 
+class SendTensor:
+    """A worker's answer to a task whose inputs it could not map (the ring's file lost its
+    name: the producer ended): send the tensor itself."""
+
+
 def _worker_main(transform: Callable[[Any], Any], pil: bool, tasks: Any, results: Any,
-                 worker: int, parent: int) -> None:
-    """A worker's loop: transform the batches it is given until told to stop or orphaned."""
+                 worker: int) -> None:
+    """A worker's loop: transform the batches it is given until told to stop or orphaned
+    (its parent gone, whatever the start method: the parent's sentinel)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch.set_num_threads(1)  # as DataLoader workers: the job's cores are for training
-    mappings = WorkerMappings()
+    parent = multiprocessing.parent_process()
     while True:
         try:
             task = tasks.get(timeout=_PARENT_CHECK_S)
         except queue.Empty:
-            if os.getppid() != parent:
+            if parent is not None and not parent.is_alive():
                 return
             continue
         if task is None:
-            mappings.close()
             return
         task_id, source, seeds = task
+        out: Any
         try:
-            inputs = materialise(source, mappings)
-            out: Any = transform_samples(transform, inputs, seeds, pil)
-        except Exception as e:  # told to the consumer, which raises it
-            out = WorkerFailure(type(e).__name__, str(e), traceback.format_exc(), worker)
+            inputs = materialise(source)
+        except OSError:
+            out = SendTensor()
+        else:
+            try:
+                out = transform_samples(transform, inputs, seeds, pil)
+            except Exception as e:  # told to the consumer, which raises it
+                out = WorkerFailure(type(e).__name__, str(e), traceback.format_exc(), worker)
+            del inputs
         del source
         results.put((task_id, out))
 
@@ -84,20 +96,25 @@ class WorkerPool:
         self._procs = []
         for k in range(count):
             p = ctx.Process(target=_worker_main, name=f"tensorsocket-transform-{k}",
-                            args=(transform, pil, self._tasks, self._results, k, os.getpid()),
+                            args=(transform, pil, self._tasks, self._results, k),
                             daemon=True)
             p.start()
             self._procs.append(p)
         self.pids: list[int] = [int(p.pid or 0) for p in self._procs]
+        # A consumer dropped without close() stops its workers (as a DataLoader iterator's
+        # __del__ does); the finalizer holds the processes and queues, not the pool.
+        self._stop = weakref.finalize(self, _stop_workers, self._procs, self._tasks,
+                                      self._results)
 
     def submit(self, task_id: int, source: Any, seeds: Sequence[int]) -> None:
         """Queue one batch's transform."""
         self._tasks.put((task_id, source, list(seeds)))
 
-    def result(self, task_id: int, deadline: float | None) -> torch.Tensor:
+    def result(self, task_id: int, deadline: float | None) -> torch.Tensor | None:
         """The outputs of task `task_id`, waiting for them (until `deadline`, a
-        time.monotonic(); TimeoutError after); a worker's error raised here as a
-        TransformError with its traceback, a dead worker as a TensorSocketError."""
+        time.monotonic(); TimeoutError after); None if the worker could not map its inputs
+        (send the tensor itself); a worker's error raised here as a TransformError with
+        its traceback, a dead worker as a TensorSocketError."""
         while task_id not in self._done:
             wait = _PARENT_CHECK_S if deadline is None else \
                 min(_PARENT_CHECK_S, deadline - time.monotonic())
@@ -114,6 +131,8 @@ class WorkerPool:
             else:
                 self._done[got[0]] = got[1]
         out = self._done.pop(task_id)
+        if isinstance(out, SendTensor):
+            return None
         if isinstance(out, WorkerFailure):
             raise TransformError(
                 f"transform={describe(self._transform)} raised {out.kind} in transform "
@@ -137,19 +156,23 @@ class WorkerPool:
                     f"{p.exitcode}; its batch is lost (restart the job's epoch)")
 
     def close(self) -> None:
-        """Stop the workers: told to end, then terminated if they do not within 5 s."""
-        for _ in self._procs:
-            try:
-                self._tasks.put(None)
-            except (OSError, ValueError):
-                break
-        end = time.monotonic() + 5.0
-        for p in self._procs:
-            p.join(max(0.0, end - time.monotonic()))
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-        for q in (self._tasks, self._results):
-            q.close()
-            q.cancel_join_thread()
-        self._procs = []
+        """Stop the workers (see _stop_workers)."""
+        self._stop()
+
+
+def _stop_workers(procs: list, tasks: Any, results: Any) -> None:
+    """Stop worker processes: told to end, then terminated if they do not within 5 s."""
+    for _ in procs:
+        try:
+            tasks.put(None)
+        except (OSError, ValueError):
+            break
+    end = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+            p.join(1.0)
+    for q in (tasks, results):
+        q.close()
+        q.cancel_join_thread()
