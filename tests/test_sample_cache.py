@@ -11,6 +11,7 @@ import signal
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -459,3 +460,31 @@ def test_a_jobs_transform_gives_the_same_samples_from_the_cache(name):
     assert (served, none, served_too) == (2, 0, 2)
     assert all(sorted(e) == list(range(64)) for e in cached)
     assert cached == loaded == cached_workers
+
+
+def test_a_dataset_with_random_transforms_is_not_cached(name, caplog):
+    """A dataset whose transform draws random numbers (a RandomResizedCrop left in the
+    shared part) is not cached: every epoch would replay the first's crops."""
+    from tensorsocket.producer.sample_cache import _not_cacheable
+
+    class RandomResizedCrop:
+        def __call__(self, x):
+            return x
+
+    class Compose:
+        def __init__(self, transforms):
+            self.transforms = transforms
+
+    class Crops(torch.utils.data.Dataset):
+        transform = Compose([RandomResizedCrop()])
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.full((2,), i)
+
+    loader = DataLoader(Crops(), batch_size=4)
+    leaves = [(np.zeros((4, 2), np.int64), None)]
+    why = _not_cacheable(loader, leaves, np.arange(4), None)
+    assert why is not None and "RandomResizedCrop" in why and "transform=" in why

@@ -21,6 +21,29 @@ SHAREABLE = frozenset({
 })
 
 
+# Transforms (by class name) that draw random numbers beyond those named Random*.
+_RANDOM = frozenset({"ColorJitter", "AutoAugment", "RandAugment", "TrivialAugmentWide",
+                     "AugMix", "GaussianBlur", "ElasticTransform", "MixUp", "CutMix",
+                     "ScaleJitter", "GaussianNoise", "JPEG"})
+
+
+def random_steps(transform: Any) -> list[str]:
+    """The class names of the steps of `transform` (a Compose, or one transform) that draw
+    random numbers, as far as their names tell (Random*, ColorJitter, RandAugment, ...)."""
+    steps = getattr(transform, "transforms", None)
+    steps = steps if isinstance(steps, (list, tuple)) else [transform]
+    found = []
+    for step in steps:
+        inner = getattr(step, "transforms", None)
+        if isinstance(inner, (list, tuple)):
+            found += random_steps(step)
+            continue
+        kind = type(step).__name__
+        if kind.startswith("Random") or kind in _RANDOM:
+            found.append(kind)
+    return found
+
+
 def split_transform(pipeline: Any) -> tuple[Any, Any]:
     """(shared, per_job): `pipeline`'s leading shareable transforms (see SHAREABLE) and the
     rest, each a pipeline of the same kind. The shared part goes in the dataset the

@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..augment.split import random_steps
 from ..data.dtypes import DLType, torch_leaf
 from ..data.structure import TORCH, Decoder, flatten
 from ..errors import TensorSocketError
@@ -295,7 +296,15 @@ class CachedEpochs:
             return False
         if not self._cache.complete:
             self._top_up(source, epoch)
-        cache = self._cache
+        cache: SampleCache | None = self._cache
+        if cache is not None and not cache.complete:
+            # A whole epoch ran since the cache was made: a sampler that leaves more than a
+            # batch's worth out each epoch (a subset, sampling with replacement) may never
+            # complete it, and filling it would cost a copy per sample for nothing.
+            self._drop(f"epoch {epoch - 1} left {cache.missing().size} of "
+                       f"{cache.layout.samples} samples undrawn (its sampler does not "
+                       "cover the dataset each epoch)")
+            cache = None
         if cache is None or not cache.complete:
             if cache is not None:
                 self._say_once("incomplete", "decoded cache: %d of %d samples in it at the "
@@ -318,7 +327,12 @@ class CachedEpochs:
             return
         for i in missing:
             ids = np.array([i], dtype=np.int64)
-            structure, leaves = flatten(source.collate_fn([source.dataset[int(i)]]))
+            try:
+                structure, leaves = flatten(source.collate_fn([source.dataset[int(i)]]))
+            except Exception as e:  # a dataset that loads only in its workers, say
+                self._drop(f"sample {i}, loaded alone in the producer, raised "
+                           f"{type(e).__name__}: {e}")
+                return
             why = "its batch has another structure" if structure != self._structure else \
                 cache.fits(leaves, ids)
             if why is not None:
@@ -389,6 +403,12 @@ def _not_cacheable(source: Any, leaves: list, ids: np.ndarray | None,
         return "the DataLoader does not batch samples itself (batch_size=None)"
     if pack_fn is not None:
         return "pack_fn= changes the loader's batches"
+    drawn = random_steps(getattr(source.dataset, "transform", None)) + \
+        random_steps(getattr(source.dataset, "transforms", None))
+    if drawn:
+        return (f"the dataset's transform draws random numbers ({', '.join(drawn)}): every "
+                "epoch would repeat the first's draws; move them to each job's transform= "
+                "(tensorsocket.split_transform)")
     if ids is None:
         return "the sample ids of the loader's batches are not known"
     if not leaves:
