@@ -96,6 +96,15 @@ def hello_message(pid: int, **fields) -> bytes:
     return protocol.encode("hello", **msg)
 
 
+def alive(pid: int) -> bool:
+    """Whether process pid exists and is not a zombie (waiting for its parent's wait)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def shm_segments(name: str | None = None) -> list[str]:
     """tensorsocket segments in /dev/shm (of producer `name` if given)."""
     prefix = f"tensorsocket-{os.getuid()}-" + (f"{name}-" if name else "")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, popen
+from conftest import ROOT, alive as _alive, popen
 from tensorsocket import TensorConsumer, TensorSocketError, TransformError
 from tensorsocket.augment.seeding import sample_seed, seed_everything
 
@@ -391,15 +391,6 @@ def test_a_killed_job_takes_its_workers_with_it(name, producer, tmp_path):
         if job.poll() is None:
             job.kill()
         job.communicate()
-
-
-def _alive(pid: int) -> bool:
-    """Whether pid runs (not a zombie waiting for its parent's wait)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_pipeline_is_named_by_its_steps():

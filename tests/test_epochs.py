@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import tensorsocket
-from conftest import ROOT, popen
+from conftest import ROOT, alive as _alive, popen
 from tensorsocket import TensorConsumer, TensorProducer
 from tensorsocket.control.endpoints import runtime_dir
 from tensorsocket.errors import TensorSocketError, TensorSocketWarning
@@ -82,15 +82,6 @@ def jobs(name):
             os.kill(pid, signal.SIGKILL)
             lingering.append(pid)
     assert not lingering, f"shared producers {lingering} did not end after their jobs"
-
-
-def _alive(pid: int) -> bool:
-    """Whether process pid exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_jobs_started_together_get_whole_epochs(name, jobs):

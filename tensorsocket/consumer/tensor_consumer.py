@@ -415,12 +415,8 @@ class EpochIterator:
                 raise StopIteration  # a newer iter() took over (its batches in flight stay)
             index, batch = consumer._transforms.next(self)
             return (index, batch) if consumer.with_index else batch
-        if consumer.epoch != self._epoch:
-            raise StopIteration
         state = consumer._state
-        batch = consumer._reader.next_batch()
-        if consumer.unpack_fn is not None:
-            batch = consumer.unpack_fn(batch)
+        batch = self._ready_batch()
         out = (state.cursor.delivered, batch) if consumer.with_index else batch
         # Delivered: counted in one step with the return (no call in between, where a
         # KeyboardInterrupt could land: until here the batch stays for the next next()).
@@ -433,18 +429,24 @@ class EpochIterator:
         state.cursor.delivered += 1
         return out
 
+    def _ready_batch(self) -> Any:
+        """The next batch of this epoch made ready (flow.ready), unpacked; StopIteration
+        at the epoch's end, or if the consumer is in another epoch than this iterator."""
+        consumer = self._consumer
+        if consumer.epoch != self._epoch:
+            raise StopIteration
+        batch = consumer._reader.next_batch()
+        if consumer.unpack_fn is not None:
+            batch = consumer.unpack_fn(batch)
+        return batch
+
     # -- for a TransformStage (augment.stage.EpochSource) --------------------------------
 
     def take(self) -> tuple[Any, Any, int]:
         """The next batch of this epoch, taken from the ring but not yet delivered: (batch,
         its sample ids or None, its index in the epoch); StopIteration at the epoch's end."""
-        consumer = self._consumer
-        if consumer.epoch != self._epoch:
-            raise StopIteration
-        state = consumer._state
-        batch = consumer._reader.next_batch()
-        if consumer.unpack_fn is not None:
-            batch = consumer.unpack_fn(batch)
+        state = self._consumer._state
+        batch = self._ready_batch()
         flow, cursor = state.flow, state.cursor
         ready, index = flow.ready, cursor.delivered
         flow.samples += ready[1]  # type: ignore[index]
