@@ -206,6 +206,17 @@ def check_decoded_by(loads: Path, producer: int, records: dict[str, dict],
     assert all(r["own_loads"] == 0 for r in records.values()), records
 
 
+def check_shared_jobs(started: list, records: dict, epochs: int) -> int:
+    """The jobs of one shared loader: one producer (its pid returned), every sample once
+    per job and epoch, each job's own transform, every decode in the producer."""
+    producer = check_one_producer(records)
+    for record in records.values():
+        check_every_sample_once(record, epochs=epochs)
+        check_own_transform(record)
+    check_decoded_by(started[0].loads, producer, records, decodes=epochs * N_IMAGES)
+    return producer
+
+
 def test_two_jobs_one_epoch(jobs, name):
     """The short run: jobs A and C (crop 64 + flip + normalise; crop 48 + grayscale) over
     one producer, one epoch: one decode of each sample for both, each job its own
@@ -213,11 +224,7 @@ def test_two_jobs_one_epoch(jobs, name):
     started = [jobs.start("A", "A", name, seed=11, epochs=1, min_consumers=2),
                jobs.start("C", "C", name, seed=33, epochs=1, min_consumers=2)]
     records = jobs.finish(*started)
-    producer = check_one_producer(records)
-    for record in records.values():
-        check_every_sample_once(record, epochs=1)
-        check_own_transform(record)
-    check_decoded_by(started[0].loads, producer, records, decodes=N_IMAGES)
+    check_shared_jobs(started, records, epochs=1)
 
 
 @pytest.mark.slow
@@ -231,11 +238,7 @@ def test_three_jobs_three_augmentations(jobs, name):
                           transform_workers=1),
                jobs.start("C", "C", name, seed=33, epochs=2, min_consumers=3)]
     records = jobs.finish(*started)
-    producer = check_one_producer(records)
-    for record in records.values():
-        check_every_sample_once(record, epochs=2)
-        check_own_transform(record)
-    check_decoded_by(started[0].loads, producer, records, decodes=2 * N_IMAGES)
+    producer = check_shared_jobs(started, records, epochs=2)
 
     again = jobs.finish(jobs.start("A2", "A", f"{name}-again", seed=11, epochs=2,
                                    loads="loads-again"))["A2"]
