@@ -47,6 +47,7 @@ from tensorsocket import TensorProducer
 from tensorsocket.config import UNSET
 
 name, cache_bytes, workers, epochs, hold, wide_from, drop_last = sys.argv[1:8]
+workers_only = sys.argv[8:9] == ["workers-only"]  # loads only in a loader worker
 
 class LoggedDataset(Dataset):
     loaded = 0  # samples this process loaded
@@ -55,6 +56,8 @@ class LoggedDataset(Dataset):
         return 100
 
     def __getitem__(self, i):
+        if workers_only and torch.utils.data.get_worker_info() is None:
+            raise RuntimeError("this dataset opens its files in its loader workers only")
         fd = os.open(os.environ["TS_TEST_LOADS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.write(fd, b"%d %d\n" % (os.getpid(), i))
         os.close(fd)
@@ -122,12 +125,14 @@ emit({"done": True, "bad": bad})
 
 def start(procs, name: str, loads: Path, *, cache_bytes: int | str, workers: int = 0,
           epochs: int = 3, hold: int = -1, wide_from: int = -1,
-          drop_last: bool = False, env: dict | None = None) -> tuple:
+          drop_last: bool = False, env: dict | None = None,
+          workers_only: bool = False) -> tuple:
     """The producer and consumer processes, both ready (the consumer attached);
     cache_bytes "env": the producer takes it from `env`."""
     env = {"TS_TEST_LOADS": str(loads), **(env or {})}
     producer = procs.script(PRODUCER, name, str(cache_bytes), str(workers), str(epochs),
-                            str(hold), str(wide_from), "1" if drop_last else "0", env=env)
+                            str(hold), str(wide_from), "1" if drop_last else "0",
+                            *(["workers-only"] if workers_only else []), env=env)
     assert producer.wait_ready(timeout=60)["ready"]
     consumer = procs.script(CONSUMER, name, str(epochs), "1" if wide_from < 0 else "0")
     assert consumer.wait_ready(timeout=60)["ready"]
@@ -207,6 +212,22 @@ def test_the_samples_drop_last_leaves_out_are_loaded_once(procs, name, tmp_path)
     assert result["stats"]["cache_epochs"] == 2
     assert said(result["log"], "INFO", f"the {SAMPLES - drawn} samples the sampler had not "
                 "drawn by epoch 1 were loaded once")
+
+
+def test_a_top_up_that_cannot_load_drops_the_cache(procs, name, tmp_path):
+    """A dataset that loads only in its loader workers (per-worker file handles, say):
+    the drop_last tail loaded alone in the producer raises, the cache is dropped with a
+    warning saying why, and every epoch runs the loader; the producer does not fail."""
+    loads = tmp_path / "loads"
+    producer, consumer = start(procs, name, loads, cache_bytes=CACHE_NEEDS, drop_last=True,
+                               workers=2, workers_only=True)
+    epochs = consumer_epochs(consumer, 3)
+    result = producer.result(timeout=120)
+    drawn = SAMPLES // BATCH * BATCH
+    assert all(len(ids) == len(set(ids)) == drawn for ids in epochs)
+    assert result["stats"]["cache_epochs"] == 0 and result["stats"]["cache_bytes"] == 0
+    assert len(loads_of(loads)) == 3 * drawn
+    assert said(result["log"], "WARNING", "loaded alone in the producer, raised RuntimeError")
 
 
 def test_a_budget_one_byte_short_caches_nothing(procs, name, tmp_path):
