@@ -33,22 +33,19 @@ class SharedTensorRef:
     dtype: torch.dtype
 
 
-class SharedMappings:
-    """Where a tensor of this process lies in a file under /dev/shm: /proc/self/maps, read
-    afresh for every batch (a ring mapped again, or a private allocation at an address a
-    ring had, must never be taken for what was there before; one read is ~0.1 ms)."""
-
-    def ref(self, tensor: torch.Tensor) -> SharedTensorRef | None:
-        """Where `tensor` lies in a shared file that still has its name, or None (not in
-        one: send the tensor). The tensor's memory stays mapped while it lives."""
-        if tensor.device.type != "cpu":
-            return None
-        found = _shared_file_at(tensor.data_ptr())
-        if found is None:
-            return None
-        path, offset = found
-        return SharedTensorRef(path, offset, tuple(tensor.shape), tuple(tensor.stride()),
-                               tensor.dtype)
+def shared_ref(tensor: torch.Tensor) -> SharedTensorRef | None:
+    """Where `tensor` lies in a shared file that still has its name, or None (not in one:
+    send the tensor). /proc/self/maps is read afresh for every call: a ring mapped again,
+    or a private allocation at an address a ring had, must never be taken for what was
+    there before (one read is ~0.1 ms). The tensor's memory stays mapped while it lives."""
+    if tensor.device.type != "cpu":
+        return None
+    found = _shared_file_at(tensor.data_ptr())
+    if found is None:
+        return None
+    path, offset = found
+    return SharedTensorRef(path, offset, tuple(tensor.shape), tuple(tensor.stride()),
+                           tensor.dtype)
 
 
 def _shared_file_at(address: int) -> tuple[str, int] | None:

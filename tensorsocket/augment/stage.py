@@ -25,7 +25,7 @@ from ..errors import TensorSocketError
 from .options import TransformOptions
 from .samples import Rebuild, first_sample_check, split_inputs, transform_samples
 from .seeding import callers_generators_kept, sample_keys, sample_seed
-from .shared_views import SharedMappings
+from .shared_views import shared_ref
 from .workers import WorkerPool
 
 log = logging.getLogger("tensorsocket")
@@ -85,7 +85,6 @@ class TransformStage:
         self._depth = 1
         self._tasks = 0
         self._position = 0  # samples of the epoch taken so far (the seeds' positions)
-        self._mappings = SharedMappings()
         self.wait_seconds = 0.0  # next() waiting for workers' outputs (stats())
         self.transform_seconds = 0.0  # transforms run here, at next() (stats())
 
@@ -187,7 +186,7 @@ class TransformStage:
             return _InFlight(index, ids, rebuild, None, batch=rebuild(out))
         pool = self._pool or self._start_workers()
         task, self._tasks = self._tasks, self._tasks + 1
-        ref = self._mappings.ref(inputs)
+        ref = shared_ref(inputs)
         pool.submit(task, ref if ref is not None else inputs, seeds)
         return _InFlight(index, ids, rebuild, task, inputs=inputs, seeds=seeds)
 
