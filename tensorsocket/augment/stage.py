@@ -253,7 +253,3 @@ def _clear_frames(error: BaseException) -> None:
         traceback.clear_frames(e.__traceback__)
         todo += [e.__cause__, e.__context__]
 
-
-def deadline_after(seconds: float | None) -> float | None:
-    """time.monotonic() `seconds` from now, or None for no limit."""
-    return None if seconds is None else time.monotonic() + seconds

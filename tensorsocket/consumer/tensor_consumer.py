@@ -9,10 +9,10 @@ consumers of other producers (siblings), and the DataLoader surface (surface).""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 from ..augment import TransformOptions, TransformStage
-from ..augment.stage import deadline_after
 from ..config import UNSET, Unset
 from ..data.epoch_cursor import InFlight
 from ..data.resume import EpochTaken
@@ -461,7 +461,8 @@ class EpochIterator:
 
     def deadline(self) -> float | None:
         """When a transformed batch must be there (batch_timeout), or None."""
-        return deadline_after(self._consumer.batch_timeout)
+        wait = self._consumer.batch_timeout
+        return None if wait is None else time.monotonic() + wait
 
     def length(self) -> int | None:
         """Batches in this epoch (len(consumer)), or None if unknown."""
