@@ -29,8 +29,9 @@ changes little). Every loader's workers pad their heap the same way
 (``make_loader(worker_top_pad=16 MiB)``, workload.pad_heap).
 
 Calibration (in one forked process, one thread, heap padded as the workers'): Ld, each
-job's La and each job's T per sample, thread CPU time, the median of ``--repeats``
-repeats. On a CPU-bound machine the throughput ratios are ratios of CPU costs: N jobs on
+job's La and each job's T per sample (T over 4 different batches in turn), thread CPU
+time; ``--repeats`` repeats before every mode and after the last, and the median of them
+all, since a shared host's speed drifts over the minutes of a run. On a CPU-bound machine the throughput ratios are ratios of CPU costs: N jobs on
 their own cost sum_j (Ld + La_j + T_j) per N samples (one for each job), sharing the
 prefix costs Ld + sum_j (La_j + T_j), and serving it from the cache sum_j (La_j + T_j).
 Hence the ideal ratios shared/own = sum_j (Ld + La_j + T_j) / (Ld + sum_j (La_j + T_j))
@@ -43,6 +44,8 @@ epochs 2+ (from the end of its epoch 1 to the end of its last); CPU-seconds per 
 (every process of the mode, the producer and all workers included: this process is a
 child subreaper, so share()'s double-forked producer is re-parented to it and reaped here;
 ``getrusage(RUSAGE_CHILDREN)``, interpreter start-up included, over every sample trained);
+the jobs' training processes' own CPU per sample split into the training step (T as it
+runs there, against its calibration) and the rest (``job_process_cpu``);
 peak RSS (sum over the mode's processes of VmHWM, polled, and each job's own at its exit;
 each epoch's loader workers are new processes, so this adds their peaks one after the
 other), the largest sum of VmRSS seen at one poll (``peak_rss_concurrent_mb``) and of
@@ -58,14 +61,15 @@ check fails the mode.
 Console: progress on stderr; on stdout the calibration, a table and the ratios against
 their ideals. JSON (``--json PATH``, default ``benchmarks/results/<date>-shared-prefix-
 <machine>.json``), schema ``tensorsocket-shared-prefix/1``: argv, config, machine,
-calibration {ld_ms, la_ms [per job], t_ms [per job], repeats [...]}, ideal {shared_vs_own,
+calibration {ld_ms, la_ms [per job], t_ms [per job], phases, repeats [...]}, ideal {shared_vs_own,
 cache_vs_own}, modes [{mode, ok, error, wall_s, epoch1_samples_per_s,
 later_samples_per_s, cpu_s_total, cpu_ms_per_sample, samples, epoch1_window and
 later_window {seconds, samples, cpu_ms_per_sample, run_cores, other_load_cores: the
 polled CPU of the mode's processes while every job is in that phase}, cpu_s_polled {job,
 forked}, processes, peak_rss_total_mb, peak_rss_concurrent_mb, peak_pss_total_mb,
 shm_mapped_peak_mb,
-shmem_delta_peak_mb, run_cores, other_load_cores, jobs [...]}],
+shmem_delta_peak_mb, run_cores, other_load_cores, job_process_cpu {epoch1, later:
+{step_ms, rest_ms}}, jobs [...]}],
 ratios {shared_vs_own_epoch1, cache_vs_own_later, cache_vs_shared_later, and each
 measured ratio over its ideal, and the same ratios in CPU per sample of the polled
 windows, ``cpu_*``: what the throughput ratios would be if every mode got the same cores,
@@ -104,7 +108,8 @@ IMAGES = 2000
 IMAGE_SIZE = 512
 BATCH = 32
 WARMUP = 2  # batches of epoch 1 not timed (the processes' and the producer's start)
-REPEATS = 5
+REPEATS = 2  # calibration repeats before every mode and after the last
+CAL_BATCHES = 4  # different batches T is calibrated over
 QUICK = dict(images=96, epochs=2, warmup=1, repeats=1, image_size=128)
 SEED = 0
 HEAP_PAD = 16 << 20  # every loader worker's (workload.make_loader), as tensorsocket's
@@ -147,10 +152,13 @@ class _Record:
     def epoch(self, batches, trainer) -> None:
         import numpy as np
 
-        seen, label_errors, timed, n, done = [], 0, 0, 0, []
+        seen, label_errors, timed, n, done, step_cpu = [], 0, 0, 0, [], 0.0
         t_first = t_timed = time.monotonic()
+        cpu0 = time.process_time()
         for n, (x, y, ids) in enumerate(batches, 1):
+            s0 = time.thread_time()
             trainer.step(x, y)
+            step_cpu += time.thread_time() - s0
             done.append(time.monotonic())
             ids_l = ids.tolist()
             seen.extend(ids_l)
@@ -163,6 +171,7 @@ class _Record:
         counts = np.bincount(np.asarray(seen, dtype=np.int64), minlength=self.samples)
         self.epochs.append({
             "t_first": t_first, "t_timed": t_timed, "t_end": time.monotonic(),
+            "cpu_s": time.process_time() - cpu0, "step_cpu_s": step_cpu,
             "batches": n, "samples": len(seen), "timed_samples": timed, "done_times": done,
             "ok": len(seen) == self.samples and bool((counts == 1).all())
             and label_errors == 0,
@@ -235,25 +244,28 @@ def _per_sample_ms(fn, n: int) -> float:
     return (time.thread_time() - c0) / n * 1e3
 
 
-def _calibrate_once(image_dir: str, jobs: int, batch: int, samples: int) -> dict:
-    """Ld, each job's La and T per sample (thread CPU ms), once."""
+def _calibrate_once(image_dir: str, jobs: int, batch: int, samples: int,
+                    images: list) -> dict:
+    """Ld, each job's La and T per sample (thread CPU ms), once. La and T run over
+    `images` (decoded samples), T over CAL_BATCHES different batches in turn, as a job
+    trains on a new batch every step."""
     import torch
 
     wl = _workload()
     ds = wl.DecodedDataset(image_dir)
     ld = _per_sample_ms(lambda i: ds[i % len(ds)], samples)
-    img = ds[0][0]
     la, t = [], []
+    y = torch.arange(batch) % wl.NUM_CLASSES
     for j in range(jobs):
         aug = augment_of(j)
         torch.manual_seed(j)
-        la.append(_per_sample_ms(lambda i: aug(img), 4 * samples))
+        la.append(_per_sample_ms(lambda i: aug(images[i % len(images)]), 4 * samples))
         trainer = wl.Trainer(seed=j)
-        x = torch.stack([aug(img) for _ in range(batch)])
-        y = torch.arange(batch) % wl.NUM_CLASSES
-        trainer.step(x, y)  # warm-up
-        t.append(_per_sample_ms(lambda i: trainer.step(x, y), max(2, samples // batch))
-                 / batch)
+        xs = [torch.stack([aug(images[(k * batch + i) % len(images)]) for i in range(batch)])
+              for k in range(CAL_BATCHES)]
+        trainer.step(xs[-1], y)  # warm-up
+        t.append(_per_sample_ms(lambda i: trainer.step(xs[i % len(xs)], y),
+                                max(2, samples // batch)) / batch)
     return {"ld_ms": ld, "la_ms": la, "t_ms": t}
 
 
@@ -264,21 +276,32 @@ def _calibrate_in_child(image_dir: str, jobs: int, batch: int, samples: int,
     wl = _workload()
     _set_threads()
     wl.pad_heap(HEAP_PAD)
-    _calibrate_once(image_dir, jobs, batch, max(4, samples // 4))  # warm-up
-    return [_calibrate_once(image_dir, jobs, batch, samples) for _ in range(repeats)]
+    ds = wl.DecodedDataset(image_dir)
+    images = [ds[i][0] for i in range(min(len(ds), CAL_BATCHES * batch))]
+    _calibrate_once(image_dir, jobs, batch, max(4, samples // 4), images)  # warm-up
+    return [_calibrate_once(image_dir, jobs, batch, samples, images)
+            for _ in range(repeats)]
 
 
-def calibrate(image_dir: str, jobs: int, batch: int, samples: int, repeats: int) -> dict:
-    """The medians over `repeats` of Ld, La_j and T_j per sample (thread CPU ms), measured
-    in one forked process (workload._pool)."""
+def calibrate(image_dir: str, jobs: int, batch: int, samples: int, repeats: int,
+              phase: str) -> list[dict]:
+    """`repeats` calibrations (Ld, La_j, T_j per sample, thread CPU ms) in one forked
+    process (workload._pool), each marked with the `phase` of the run it was taken in."""
     with _workload()._pool(1) as pool:
         reps = pool.apply(_calibrate_in_child, (image_dir, jobs, batch, samples, repeats))
+    return [dict(r, phase=phase) for r in reps]
+
+
+def calibration_medians(reps: list[dict], samples: int) -> dict:
+    """The medians over every repeat of every phase: the costs the ideals are made of."""
+    jobs = len(reps[0]["la_ms"])
     return {
         "clock": "thread CPU time, ms per sample",
         "ld_ms": median(r["ld_ms"] for r in reps),
         "la_ms": [median(r["la_ms"][j] for r in reps) for j in range(jobs)],
         "t_ms": [median(r["t_ms"][j] for r in reps) for j in range(jobs)],
         "samples_per_repeat": samples,
+        "phases": list(dict.fromkeys(r["phase"] for r in reps)),
         "repeats": reps,
     }
 
@@ -445,6 +468,7 @@ class ModeRun:
         jobs = [j for j in jobs if j is not None]
         rec["jobs"] = jobs
         _throughput(rec, jobs, self.args.jobs)
+        rec["job_process_cpu"] = _job_process_cpu(jobs)
         hwm = dict(self.poller.hwm_kb)
         for j in jobs:
             hwm[j["pid"]] = max(hwm.get(j["pid"], 0), j["vmhwm_kb"])
@@ -501,6 +525,22 @@ def _window(poller: Poller, jobs: list[dict], batch: int, start, end) -> dict | 
         "other_load_cores": other}
 
 
+def _job_process_cpu(jobs: list[dict]) -> dict:
+    """Where the jobs' training processes spend their CPU, ms per sample over all jobs, in
+    epoch 1 and in epochs 2+: the training step (T, in place) and the rest (own mode:
+    taking batches from its loader's workers; shared modes: taking them from the ring and
+    La); the loader's and the producer's processes are not in it."""
+    def part(epochs: list[dict]) -> dict | None:
+        samples = sum(e["samples"] for e in epochs)
+        if not samples:
+            return None
+        step = sum(e["step_cpu_s"] for e in epochs)
+        return {"step_ms": step * 1e3 / samples,
+                "rest_ms": (sum(e["cpu_s"] for e in epochs) - step) * 1e3 / samples}
+    return {"epoch1": part([j["epochs"][0] for j in jobs if j["epochs"]]),
+            "later": part([e for j in jobs for e in j["epochs"][1:]])}
+
+
 def _throughput(rec: dict, jobs: list[dict], n: int) -> None:
     """Aggregate samples/s in epoch 1 and in epochs 2+, CPU ms per sample."""
     complete = len(jobs) == n and jobs
@@ -537,7 +577,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed batches of epoch 1 (default {WARMUP})")
     parser.add_argument("--repeats", type=int, default=None,
-                        help=f"calibration repeats (default {REPEATS})")
+                        help="calibration repeats before every mode and after the last "
+                        f"(default {REPEATS})")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: 96 small images, 2 epochs, 1 calibration repeat")
@@ -608,7 +649,8 @@ def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[d
                  ratios: dict) -> None:
     la = ", ".join(f"{a:.3f}" for a in cal["la_ms"])
     t = ", ".join(f"{x:.3f}" for x in cal["t_ms"])
-    print(f"calibration (thread CPU ms per sample, median of {args.repeats}): Ld "
+    print(f"calibration (thread CPU ms per sample, median of {len(cal['repeats'])} repeats: "
+          f"{args.repeats} before each mode and after the last): Ld "
           f"{cal['ld_ms']:.3f}, La [{la}], T [{t}]: Ld / mean(La + T) = "
           f"{cal['ld_ms'] * len(cal['la_ms']) / sum(cal['la_ms'] + cal['t_ms']):.2f}")
     print(f"CPU ms per sample, ideal: own {ideal['own_ms_per_sample']:.2f}, shared "
@@ -633,6 +675,17 @@ def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[d
               f"{fmt(r.get('shmem_delta_peak_mb'), '.1f', 7)} "
               f"{fmt(r.get('other_load_cores'), '.2f', 6)} {fmt(r.get('wall_s'), '.1f', 6)}  "
               + ("ok" if r["ok"] else f"FAILED: {(r['error'] or '')[:200]}"))
+    t_mean = sum(cal["t_ms"]) / len(cal["t_ms"])
+    la_mean = sum(cal["la_ms"]) / len(cal["la_ms"])
+    print(f"jobs' training processes, CPU ms per sample (calibrated: T {t_mean:.2f}, "
+          f"La {la_mean:.2f}):")
+    print(f"{'mode':<13} {'step (T)':^15} {'the rest':^15}   the rest: the batches in, and")
+    print(f"{'':<13} {'ep. 1':>7} {'2+':>7} {'ep. 1':>7} {'2+':>7}   La where the job runs it")
+    for r in modes:
+        e1, e2 = ((r.get("job_process_cpu") or {}).get(k) or {} for k in ("epoch1", "later"))
+        print(f"{r['mode']:<13} {fmt(e1.get('step_ms'), '.2f', 7)} "
+              f"{fmt(e2.get('step_ms'), '.2f', 7)} {fmt(e1.get('rest_ms'), '.2f', 7)} "
+              f"{fmt(e2.get('rest_ms'), '.2f', 7)}")
     print(f"shared/own, epoch 1:       {fmt(ratios['shared_vs_own_epoch1'], '.2f')}x samples/s "
           f"({fmt(ratios['cpu_shared_vs_own_epoch1'], '.2f')}x in CPU per sample), ideal "
           f"N(Ld+La+T)/(Ld+N(La+T)) = {ideal['shared_vs_own']:.2f}x: "
@@ -668,11 +721,17 @@ def main(argv: list[str] | None = None) -> int:
     machine = _machine()
     wl = _workload()
     image_dir = str(wl.ensure_images(args.images, args.image_size, progress=log))
-    log(f"calibrating (Ld, La, T per sample; {args.repeats} repeats) ...")
-    cal = calibrate(image_dir, args.jobs, args.batch, 64 if args.quick else 256,
-                    args.repeats)
-    ideal = ideal_ratios(cal)
-    timeout = _mode_timeout(args, cal, machine.get("cpus_usable") or 1)
+    samples = 64 if args.quick else 256
+    reps: list[dict] = []
+
+    def calibrate_now(phase: str) -> None:
+        log(f"calibrating {phase} (Ld, La, T per sample; {args.repeats} repeats) ...")
+        reps.extend(calibrate(image_dir, args.jobs, args.batch, samples, args.repeats,
+                              phase))
+
+    calibrate_now("before " + args.modes[0])
+    timeout = _mode_timeout(args, calibration_medians(reps, samples),
+                            machine.get("cpus_usable") or 1)
     print(f"shared prefix benchmark: {machine['cpu_model']}, {machine['cpus_usable']} "
           f"usable cores; {args.jobs} jobs x {args.epochs} epochs x {args.images} samples "
           f"({args.image_size}px JPEGs -> 80x80 uint8), batch {args.batch}; own: "
@@ -680,11 +739,16 @@ def main(argv: list[str] | None = None) -> int:
           f"workers, transform_workers={args.transform_workers}; cache_bytes="
           f"{args.cache_bytes}", flush=True)
     modes = []
-    for mode in args.modes:
+    for k, mode in enumerate(args.modes):
+        if k:
+            calibrate_now("before " + mode)
         log(f"{mode}: {args.jobs} jobs ...")
         modes.append(ModeRun(args, mode, image_dir, timeout).run())
         log(f"{mode}: {modes[-1]['wall_s']:.1f} s, "
             + ("ok" if modes[-1]["ok"] else f"FAILED: {modes[-1]['error']}"))
+    calibrate_now("after " + args.modes[-1])
+    cal = calibration_medians(reps, samples)
+    ideal = ideal_ratios(cal)
     ratios = _ratios({r["mode"]: r for r in modes}, ideal)
     print_report(args, cal, ideal, modes, ratios)
     machine["loadavg_end"] = harness().loadavg()

@@ -50,6 +50,9 @@ def test_shared_prefix_quick(short_tmp, tmp_path):
     cal = doc["calibration"]
     assert cal["ld_ms"] > 0 and len(cal["la_ms"]) == len(cal["t_ms"]) == 3
     assert all(x > 0 for x in cal["la_ms"] + cal["t_ms"])
+    # calibrated before every mode and after the last (--quick: one repeat each)
+    assert [r["phase"] for r in cal["repeats"]] == [f"before {m}" for m in MODES] + [
+        f"after {MODES[-1]}"]
     assert doc["ideal"]["cache_vs_own"] > doc["ideal"]["shared_vs_own"] > 1
     assert [m["mode"] for m in doc["modes"]] == MODES
     for m in doc["modes"]:
@@ -61,6 +64,9 @@ def test_shared_prefix_quick(short_tmp, tmp_path):
         assert m["samples"] == 3 * 2 * 96
         assert m["epoch1_samples_per_s"] > 0 and m["later_samples_per_s"] > 0
         assert m["cpu_ms_per_sample"] > 0 and m["peak_rss_total_mb"] > 0
+        for part in ("epoch1", "later"):  # the jobs' own CPU: the step, and the rest
+            assert m["job_process_cpu"][part]["step_ms"] > 0
+            assert m["job_process_cpu"][part]["rest_ms"] > 0
     shared = {m["mode"]: m for m in doc["modes"]}
     # The producer (re-parented to the benchmark, a subreaper) is one of the mode's
     # processes: more than the 3 jobs and their own forks of the own mode's count.
