@@ -42,14 +42,19 @@ PRODUCER = textwrap.dedent(r'''
             image = torch.full((3, 12, 12), i, dtype=torch.uint8)
             return {"image": image, "id": i} if kind == "dict" else (image, i)
 
-    loader = DataLoader(Images(), batch_size=%d, shuffle=True)
+    class Stream(torch.utils.data.IterableDataset):  # no len(): an epoch of unknown length
+        def __iter__(self):
+            return ((torch.full((3, 12, 12), i, dtype=torch.uint8), i) for i in range(%d))
+
+    loader = (DataLoader(Stream(), batch_size=%d) if kind == "stream" else
+              DataLoader(Images(), batch_size=%d, shuffle=True))
     producer = TensorProducer(loader, name=name, min_consumers=consumers, start_grace=0,
                               ring_slots=6)
     for _ in range(epochs):
         for _ in producer:
             pass
     producer.join()
-''' % (SAMPLES, BATCH))
+''' % (SAMPLES, SAMPLES, BATCH, BATCH))
 
 
 def crop_and_noise(size: int):
@@ -400,6 +405,59 @@ def test_a_pipeline_is_named_by_its_steps():
     assert describe(Compose([_step("RandomResizedCrop"), _step("Normalize")])) == \
         "Compose(RandomResizedCrop, Normalize)"
     assert describe(crop_and_noise(4)).startswith("<function crop_and_noise(4)")
+
+
+def test_an_epoch_of_unknown_length_ends_after_its_batches_in_flight(name, producer):
+    """A loader without len(): the batches in flight when its end is read are still the
+    epoch's. A state_dict() then names them as not delivered (a consumer resumed from it
+    is owed them), and the epoch ends after them."""
+    producer(epochs=1, kind="stream")
+    with TensorConsumer(name=name, transform=crop_and_noise(8), transform_workers=2,
+                        transform_prefetch=2) as c:
+        it = iter(c)
+        # 4 batches in flight (2 workers x 2): the third next() reads the epoch's end,
+        # with its last 2 batches (of 5) still in flight
+        first = [i for _ in range(3) for i in next(it)[1].tolist()]
+        state = c.state_dict()
+        assert c.epoch == 0
+        more = [i for _, ids in it for i in ids.tolist()]
+        assert c.epoch == 1  # ended once its last batch was delivered
+    assert first == list(range(3 * BATCH)) and more == list(range(3 * BATCH, SAMPLES))
+    assert (state["epoch"], state["batches_in_epoch"]) == (0, 3)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_whose_transform_raised_is_passed(name, producer, workers):
+    """A transform that raises on one batch: next() raises, the loop can go on (as a
+    DataLoader's after its dataset raised), and the lost batch counts as passed in
+    state_dict(), its place and its samples alike: a consumer resumed from it gets exactly
+    the samples neither delivered nor lost."""
+    producer(epochs=3)
+    parent = os.getpid()
+
+    def fails_on_13(x):
+        if int(x[0, 0, 0]) == 13 and (workers == 0 or os.getpid() != parent):
+            raise KeyError("sample 13 is cursed")
+        return x.float()
+
+    def as_float(x):
+        return x.float()
+
+    delivered: list[int] = []
+    with TensorConsumer(name=name, transform=fails_on_13, transform_workers=workers) as c:
+        it = iter(c)
+        # (in the process: the transform's own error, as a DataLoader's dataset's)
+        with pytest.raises(TransformError if workers else KeyError, match="sample 13"):
+            while True:
+                delivered += next(it)[1].tolist()
+        if len(delivered) < SAMPLES - BATCH:  # the loop goes on after the error
+            delivered += next(it)[1].tolist()
+        state = c.state_dict()
+    with TensorConsumer(name=name, transform=as_float, transform_workers=workers) as c:
+        c.load_state_dict(state)
+        rest = [i for _, ids in c for i in ids.tolist()]
+    assert 13 not in delivered + rest
+    assert len(set(delivered + rest)) == len(delivered + rest) == SAMPLES - BATCH
 
 
 def test_a_failed_batch_holds_no_ring_slot(name, producer):

@@ -5,7 +5,8 @@ taken, as any batch next() made), their transforms queued on the workers, delive
 order. Worker processes read each batch's inputs in place, in the ring slot, which the
 batch holds until its outputs are back; so ``depth`` stays below the ring's slots, leaving
 the producer room to publish. A batch counts as delivered (state_dict()'s samples taken)
-only when next() returns it. Without workers, depth is one and the transform runs here, at
+only when next() returns it, or when its transform raised there (it is lost then, as a
+DataLoader's batch whose worker raised: passed, not delivered again on resume). Without workers, depth is one and the transform runs here, at
 next(), with the caller's random generators left as they were.
 """
 
@@ -42,9 +43,10 @@ class EpochSource(Protocol):
     def epoch(self) -> int:
         """The consumer's epoch it reads."""
 
-    def take(self) -> tuple[Any, Any, int]:
+    def take(self, end_epoch: bool = True) -> tuple[Any, Any, int]:
         """The next batch of the epoch, taken but not delivered: (batch, sample ids or
-        None, its index in the epoch); StopIteration at the epoch's end."""
+        None, its index in the epoch); StopIteration at the epoch's end, which ends the
+        consumer's epoch unless end_epoch is False."""
 
     def delivered(self, ids: Any) -> None:
         """Count a batch as delivered (its sample ids, or None)."""
@@ -114,6 +116,7 @@ class TransformStage:
         except TensorSocketError as e:  # a worker's error, or a dead worker: the batch is
             self._pending.popleft()  # lost, as a DataLoader's whose worker raised
             entry.inputs = None
+            source.delivered(entry.ids)  # passed: not delivered again on resume
             _clear_frames(e)
             raise
         # (An interrupt or a batch_timeout before here leaves the entry first, its
@@ -124,24 +127,27 @@ class TransformStage:
 
     def _fill(self, source: EpochSource) -> None:
         """Take batches from the ring until `depth` are in flight or the epoch's last is.
-        The epoch's end is asked for only once nothing is in flight (when its length is
-        known): until then the consumer's epoch is the one its batches in flight are of."""
+        The consumer's epoch ends only once nothing is in flight: until then it is the one
+        its batches in flight are of (state_dict() names them as not delivered). With the
+        epoch's length known, its end is not even asked for before."""
         length = source.length()
         while len(self._pending) < self._depth and not self._ended:
             if self._pending and length is not None and self._pending[-1].index + 1 >= length:
                 return
             try:
-                batch, ids, index = source.take()
+                batch, ids, index = source.take(end_epoch=not self._pending)
             except StopIteration:
-                self._ended = True
+                self._ended = not self._pending  # else asked again once they are delivered
                 return
             try:
                 started = self._start(batch, ids, index, source.epoch)
             except BaseException as e:
-                # The batch is lost, as a DataLoader's whose fetch raised; the error's
-                # frames must not keep its views alive (and its ring slot held) for as
-                # long as the caller keeps the exception.
+                # The batch is lost, as a DataLoader's whose fetch raised: passed (its
+                # samples count as taken with its place, not delivered again on resume).
+                # The error's frames must not keep its views alive (and its ring slot
+                # held) for as long as the caller keeps the exception.
                 del batch
+                source.delivered(ids)
                 _clear_frames(e)
                 raise
             self._pending.append(started)

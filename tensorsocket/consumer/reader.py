@@ -84,9 +84,11 @@ class EpochReader:
         except TypeError:
             return float("inf")
 
-    def next_batch(self) -> Any:
+    def next_batch(self, end_epoch: bool = True) -> Any:
         """The batch next() returns next, made into ``flow.ready`` (where it stays until
-        EpochIterator.__next__ counts it as delivered); StopIteration at the epoch's end.
+        EpochIterator.__next__ counts it as delivered); StopIteration at the epoch's end,
+        which ends the epoch unless end_epoch is False (a transform stage whose batches of
+        the epoch are still in flight: it asks again, ending it, once they are delivered).
 
         A KeyboardInterrupt (Ctrl-C caught by the loop, which goes on) may land anywhere
         here; the next call goes on from the state it left: a ring entry taken stays in
@@ -107,6 +109,8 @@ class EpochReader:
             try:
                 self.make_ready()
             except EpochEnd:
+                if not end_epoch:  # (make_ready() says so again: source_done)
+                    raise StopIteration from None
                 if state.batcher is not None:
                     state.batcher.reset()
                 self._take_end_marker()

@@ -429,24 +429,26 @@ class EpochIterator:
         state.cursor.delivered += 1
         return out
 
-    def _ready_batch(self) -> Any:
+    def _ready_batch(self, end_epoch: bool = True) -> Any:
         """The next batch of this epoch made ready (flow.ready), unpacked; StopIteration
-        at the epoch's end, or if the consumer is in another epoch than this iterator."""
+        at the epoch's end (ending it unless end_epoch is False), or if the consumer is in
+        another epoch than this iterator."""
         consumer = self._consumer
         if consumer.epoch != self._epoch:
             raise StopIteration
-        batch = consumer._reader.next_batch()
+        batch = consumer._reader.next_batch(end_epoch)
         if consumer.unpack_fn is not None:
             batch = consumer.unpack_fn(batch)
         return batch
 
     # -- for a TransformStage (augment.stage.EpochSource) --------------------------------
 
-    def take(self) -> tuple[Any, Any, int]:
+    def take(self, end_epoch: bool = True) -> tuple[Any, Any, int]:
         """The next batch of this epoch, taken from the ring but not yet delivered: (batch,
-        its sample ids or None, its index in the epoch); StopIteration at the epoch's end."""
+        its sample ids or None, its index in the epoch); StopIteration at the epoch's end
+        (ending it unless end_epoch is False)."""
         state = self._consumer._state
-        batch = self._ready_batch()
+        batch = self._ready_batch(end_epoch)
         flow, cursor = state.flow, state.cursor
         ready, index = flow.ready, cursor.delivered
         flow.samples += ready[1]  # type: ignore[index]
