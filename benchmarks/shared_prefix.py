@@ -1,7 +1,7 @@
 """A shared decoded prefix, each job its own augmentation: N jobs, three ways, one run.
 
     python benchmarks/shared_prefix.py [--jobs 3] [--epochs 3] [--images 2000]
-                                       [--workers 1] [--quick] [--json PATH]
+                                       [--workers 1] [--rounds 3] [--quick] [--json PATH]
 
 The collocated benchmark's workload (``workload.py``) split in two: the decode part Ld
 (``workload.DecodedDataset``: read a 512x512 JPEG, decode, resize to 80x80, uint8 CHW:
@@ -10,7 +10,8 @@ sample, plain torch ops: a random resized crop to 64, 56 or 48, flip on or off, 
 brightness/contrast jitter of strength 0.4, 0.2 or 0.1, to float and normalised), then
 the training step T (each job its own ``workload.SmallResNet``, one thread per process).
 N jobs (real processes, started together) train ``--epochs`` epochs of ``--images``
-samples each, in three modes measured one after the other in the same run:
+samples each, in three modes measured one after the other in the same run, all three
+``--rounds`` times in turn (the ratios are the medians over the rounds):
 
   own           each job its own DataLoader (``--workers`` workers) running Ld + La
                 (``workload.AugmentedDataset``): N x Ld per sample;
@@ -61,19 +62,18 @@ check fails the mode.
 Console: progress on stderr; on stdout the calibration, a table and the ratios against
 their ideals. JSON (``--json PATH``, default ``benchmarks/results/<date>-shared-prefix-
 <machine>.json``), schema ``tensorsocket-shared-prefix/1``: argv, config, machine,
-calibration {ld_ms, la_ms [per job], t_ms [per job], phases, repeats [...]}, ideal {shared_vs_own,
-cache_vs_own}, modes [{mode, ok, error, wall_s, epoch1_samples_per_s,
-later_samples_per_s, cpu_s_total, cpu_ms_per_sample, samples, epoch1_window and
-later_window {seconds, samples, cpu_ms_per_sample, run_cores, other_load_cores: the
-polled CPU of the mode's processes while every job is in that phase}, cpu_s_polled {job,
-forked}, processes, peak_rss_total_mb, peak_rss_concurrent_mb, peak_pss_total_mb,
-shm_mapped_peak_mb,
-shmem_delta_peak_mb, run_cores, other_load_cores, job_process_cpu {epoch1, later:
-{step_ms, rest_ms}}, jobs [...]}],
-ratios {shared_vs_own_epoch1, cache_vs_own_later, cache_vs_shared_later, and each
-measured ratio over its ideal, and the same ratios in CPU per sample of the polled
-windows, ``cpu_*``: what the throughput ratios would be if every mode got the same cores,
-which a machine with other work on it does not give}.
+calibration {ld_ms, la_ms [per job], t_ms [per job], phases, repeats [...]}, ideal
+{shared_vs_own, cache_vs_own}, modes [{mode, round, ok, error, wall_s,
+epoch1_samples_per_s, later_samples_per_s, cpu_s_total, cpu_ms_per_sample, samples,
+epoch1_window and later_window {seconds, samples, cpu_ms_per_sample, run_cores,
+other_load_cores: the polled CPU of the mode's processes while every job is in that
+phase}, cpu_s_polled {job, forked}, processes, peak_rss_total_mb, peak_rss_concurrent_mb,
+peak_pss_total_mb, shm_mapped_peak_mb, shmem_delta_peak_mb, run_cores, other_load_cores,
+job_process_cpu {epoch1, later: {step_ms, rest_ms}}, jobs [...]}], ratios
+{shared_vs_own_epoch1, cache_vs_own_later, cache_vs_shared_later (medians over the
+rounds), each over its ideal, and the same ratios in CPU per sample of the polled windows,
+``cpu_*``: what the throughput ratios would be if every mode got the same cores, which a
+machine with other work on it does not give; rounds [each round's ratios]}.
 
 The script runs itself with the hidden role ``_job`` for each job.
 """
@@ -110,7 +110,8 @@ BATCH = 32
 WARMUP = 2  # batches of epoch 1 not timed (the processes' and the producer's start)
 REPEATS = 2  # calibration repeats before every mode and after the last
 CAL_BATCHES = 4  # different batches T is calibrated over
-QUICK = dict(images=96, epochs=2, warmup=1, repeats=1, image_size=128)
+ROUNDS = 3
+QUICK = dict(images=96, epochs=2, warmup=1, repeats=1, image_size=128, rounds=1)
 SEED = 0
 HEAP_PAD = 16 << 20  # every loader worker's (workload.make_loader), as tensorsocket's
 # Each job's augmentation: (crop, flip, jitter); job i takes AUGMENTS[i % 3].
@@ -579,9 +580,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None,
                         help="calibration repeats before every mode and after the last "
                         f"(default {REPEATS})")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"the modes run this many times in turn; the ratios are the "
+                        f"medians over the rounds (default {ROUNDS})")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: 96 small images, 2 epochs, 1 calibration repeat")
+                        help="a smoke test: 96 small images, 2 epochs, 1 calibration repeat, "
+                        "1 round")
     parser.add_argument("--json", metavar="PATH", help="where the results go (default "
                         "benchmarks/results/<date>-shared-prefix-<machine>.json)")
     a = parser.parse_args(argv)
@@ -591,11 +596,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.image_size = a.image_size or quick.get("image_size", IMAGE_SIZE)
     a.warmup = a.warmup if a.warmup is not None else quick.get("warmup", WARMUP)
     a.repeats = a.repeats or quick.get("repeats", REPEATS)
+    a.rounds = a.rounds or quick.get("rounds", ROUNDS)
     a.producer_workers = (a.producer_workers if a.producer_workers is not None
                           else a.jobs * a.workers)
     a.modes = [m for m in a.modes.split(",") if m]
-    if any(m not in MODES for m in a.modes) or a.jobs < 1 or a.epochs < 1:
-        parser.error(f"need --modes within {','.join(MODES)}, --jobs >= 1, --epochs >= 1")
+    if any(m not in MODES for m in a.modes) or min(a.jobs, a.epochs, a.rounds) < 1:
+        parser.error(f"need --modes within {','.join(MODES)}, --jobs, --epochs and --rounds "
+                     ">= 1")
     if a.images < a.batch * (a.warmup + 2):
         parser.error("--images must hold at least --warmup + 2 batches")
     a.cache_bytes = 2 * a.images * 3 * 80 * 80 + (64 << 20)  # the decoded set, twice, + 64 MiB
@@ -645,6 +652,19 @@ def _ratios(by_mode: dict, ideal: dict) -> dict:
     return out
 
 
+def _round_ratios(modes: list[dict], ideal: dict, rounds: int) -> dict:
+    """Each round's ratios (``rounds``), and the medians over the rounds of the measured
+    ratios, each over its ideal."""
+    per_round = [_ratios({r["mode"]: r for r in modes if r["round"] == k}, ideal)
+                 for k in range(1, rounds + 1)]
+    out = {key: median(r[key] for r in per_round) for key in per_round[0]
+           if not key.endswith("_of_ideal")}
+    out["shared_epoch1_of_ideal"] = div(out["shared_vs_own_epoch1"], ideal["shared_vs_own"])
+    out["cache_later_of_ideal"] = div(out["cache_vs_own_later"], ideal["cache_vs_own"])
+    out["rounds"] = per_round
+    return out
+
+
 def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[dict],
                  ratios: dict) -> None:
     la = ", ".join(f"{a:.3f}" for a in cal["la_ms"])
@@ -655,15 +675,18 @@ def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[d
           f"{cal['ld_ms'] * len(cal['la_ms']) / sum(cal['la_ms'] + cal['t_ms']):.2f}")
     print(f"CPU ms per sample, ideal: own {ideal['own_ms_per_sample']:.2f}, shared "
           f"{ideal['shared_ms_per_sample']:.2f}, cached {ideal['cache_ms_per_sample']:.2f}")
-    print(f"{'mode':<13} {'epoch 1':>9} {'epochs 2+':>9} {'CPU ms/sample':^20} "
+    def name(r: dict) -> str:
+        return f"{r['mode']} {r['round']}" if args.rounds > 1 else r["mode"]
+
+    print(f"{'mode':<15} {'epoch 1':>9} {'epochs 2+':>9} {'CPU ms/sample':^20} "
           f"{'peak RSS MB':^15} {'PSS MB':>7} {'/dev/shm':>9} {'Shmem':>7} {'other':>6} "
           f"{'wall':>6}  status")
-    print(f"{'':<13} {'samples/s':>9} {'samples/s':>9} {'all':>6} {'ep. 1':>6} {'2+':>6} "
+    print(f"{'':<15} {'samples/s':>9} {'samples/s':>9} {'all':>6} {'ep. 1':>6} {'2+':>6} "
           f"{'sum HWM':>7} {'at once':>7} {'at once':>7} {'mapped MB':>9} {'+MB':>7} "
           f"{'cores':>6} {'s':>6}")
     for r in modes:
         ep1, later = r.get("epoch1_window") or {}, r.get("later_window") or {}
-        print(f"{r['mode']:<13} {fmt(r.get('epoch1_samples_per_s'), '.1f', 9)} "
+        print(f"{name(r):<15} {fmt(r.get('epoch1_samples_per_s'), '.1f', 9)} "
               f"{fmt(r.get('later_samples_per_s'), '.1f', 9)} "
               f"{fmt(r.get('cpu_ms_per_sample'), '.2f', 6)} "
               f"{fmt(ep1.get('cpu_ms_per_sample'), '.2f', 6)} "
@@ -679,13 +702,21 @@ def print_report(args: argparse.Namespace, cal: dict, ideal: dict, modes: list[d
     la_mean = sum(cal["la_ms"]) / len(cal["la_ms"])
     print(f"jobs' training processes, CPU ms per sample (calibrated: T {t_mean:.2f}, "
           f"La {la_mean:.2f}):")
-    print(f"{'mode':<13} {'step (T)':^15} {'the rest':^15}   the rest: the batches in, and")
-    print(f"{'':<13} {'ep. 1':>7} {'2+':>7} {'ep. 1':>7} {'2+':>7}   La where the job runs it")
+    print(f"{'mode':<15} {'step (T)':^15} {'the rest':^15}   the rest: the batches in, and")
+    print(f"{'':<15} {'ep. 1':>7} {'2+':>7} {'ep. 1':>7} {'2+':>7}   La where the job runs it")
     for r in modes:
         e1, e2 = ((r.get("job_process_cpu") or {}).get(k) or {} for k in ("epoch1", "later"))
-        print(f"{r['mode']:<13} {fmt(e1.get('step_ms'), '.2f', 7)} "
+        print(f"{name(r):<15} {fmt(e1.get('step_ms'), '.2f', 7)} "
               f"{fmt(e2.get('step_ms'), '.2f', 7)} {fmt(e1.get('rest_ms'), '.2f', 7)} "
               f"{fmt(e2.get('rest_ms'), '.2f', 7)}")
+    if args.rounds > 1:
+        for k, r in enumerate(ratios["rounds"], 1):
+            print(f"round {k}: shared/own, epoch 1 {fmt(r['shared_vs_own_epoch1'], '.2f')}x "
+                  f"({fmt(r['shared_epoch1_of_ideal'], '.2f')} of ideal); cache/own, epochs "
+                  f"2+ {fmt(r['cache_vs_own_later'], '.2f')}x "
+                  f"({fmt(r['cache_later_of_ideal'], '.2f')} of ideal); cache/no cache "
+                  f"{fmt(r['cache_vs_shared_later'], '.2f')}x")
+        print(f"the medians over the {args.rounds} rounds:")
     print(f"shared/own, epoch 1:       {fmt(ratios['shared_vs_own_epoch1'], '.2f')}x samples/s "
           f"({fmt(ratios['cpu_shared_vs_own_epoch1'], '.2f')}x in CPU per sample), ideal "
           f"N(Ld+La+T)/(Ld+N(La+T)) = {ideal['shared_vs_own']:.2f}x: "
@@ -729,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         reps.extend(calibrate(image_dir, args.jobs, args.batch, samples, args.repeats,
                               phase))
 
-    calibrate_now("before " + args.modes[0])
+    calibrate_now("before " + args.modes[0] + (", round 1" if args.rounds > 1 else ""))
     timeout = _mode_timeout(args, calibration_medians(reps, samples),
                             machine.get("cpus_usable") or 1)
     print(f"shared prefix benchmark: {machine['cpu_model']}, {machine['cpus_usable']} "
@@ -738,18 +769,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.workers} worker(s) per job; shared: {args.producer_workers} producer "
           f"workers, transform_workers={args.transform_workers}; cache_bytes="
           f"{args.cache_bytes}", flush=True)
-    modes = []
-    for k, mode in enumerate(args.modes):
-        if k:
-            calibrate_now("before " + mode)
-        log(f"{mode}: {args.jobs} jobs ...")
-        modes.append(ModeRun(args, mode, image_dir, timeout).run())
-        log(f"{mode}: {modes[-1]['wall_s']:.1f} s, "
-            + ("ok" if modes[-1]["ok"] else f"FAILED: {modes[-1]['error']}"))
-    calibrate_now("after " + args.modes[-1])
+    modes: list[dict] = []
+    for rnd in range(1, args.rounds + 1):
+        for mode in args.modes:
+            label = f"{mode}, round {rnd}" if args.rounds > 1 else mode
+            if modes:
+                calibrate_now("before " + label)
+            log(f"{label}: {args.jobs} jobs ...")
+            modes.append(dict(ModeRun(args, mode, image_dir, timeout).run(), round=rnd))
+            log(f"{label}: {modes[-1]['wall_s']:.1f} s, "
+                + ("ok" if modes[-1]["ok"] else f"FAILED: {modes[-1]['error']}"))
+    calibrate_now("after the last mode")
     cal = calibration_medians(reps, samples)
     ideal = ideal_ratios(cal)
-    ratios = _ratios({r["mode"]: r for r in modes}, ideal)
+    ratios = _round_ratios(modes, ideal, args.rounds)
     print_report(args, cal, ideal, modes, ratios)
     machine["loadavg_end"] = harness().loadavg()
     doc = {"schema": "tensorsocket-shared-prefix/1", "started": started,

@@ -54,7 +54,8 @@ def test_shared_prefix_quick(short_tmp, tmp_path):
     assert [r["phase"] for r in cal["repeats"]] == [f"before {m}" for m in MODES] + [
         f"after {MODES[-1]}"]
     assert doc["ideal"]["cache_vs_own"] > doc["ideal"]["shared_vs_own"] > 1
-    assert [m["mode"] for m in doc["modes"]] == MODES
+    assert [(m["mode"], m["round"]) for m in doc["modes"]] == [(m, 1) for m in MODES]
+    assert len(doc["ratios"]["rounds"]) == 1  # --quick: one round
     for m in doc["modes"]:
         assert m["ok"], m["error"]
         assert m["warnings"] == [], m["warnings"]
