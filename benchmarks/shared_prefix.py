@@ -22,22 +22,27 @@ samples each, in three modes measured one after the other in the same run, all t
                 enough for the decoded dataset:
                 epochs 2+ are served from the producer's cache, without decoding.
 
-Fairness: the own mode has N x ``--workers`` loader workers; the shared modes give the one
-loader as many (``--producer-workers``, default N x ``--workers``) and each job
+Fairness: the own mode has N x ``--workers`` loader workers; the shared modes give the
+one loader as many (``--producer-workers``, default N x ``--workers``) and each job
 ``--transform-workers`` (default 0: La runs in the training process, as a DataLoader
 with num_workers=0 would; CPU is the bottleneck on a 2-core machine, so where La runs
-changes little). Every loader's workers pad their heap the same way
-(``make_loader(worker_top_pad=16 MiB)``, workload.pad_heap).
+changes little). Every process pads its heap the same way, the jobs' training processes
+(hence share()'s producer, forked from one), every loader's workers
+(``make_loader(worker_top_pad=16 MiB)``) and the calibration's (workload.pad_heap): an
+unpadded training process gives memory back to the kernel after a step and faults it in
+again in the next (on the 2-core machine: 137-2763 page faults and 1.2-1.4x the CPU a
+step), so a calibration padded and jobs not would compare two different costs.
 
-Calibration (in one forked process, one thread, heap padded as the workers'): Ld, each
+Calibration (in one forked process, one thread, heap padded as the jobs'): Ld, each
 job's La and each job's T per sample (T over 4 different batches in turn), thread CPU
 time; ``--repeats`` repeats before every mode and after the last, and the median of them
-all, since a shared host's speed drifts over the minutes of a run. On a CPU-bound machine the throughput ratios are ratios of CPU costs: N jobs on
-their own cost sum_j (Ld + La_j + T_j) per N samples (one for each job), sharing the
-prefix costs Ld + sum_j (La_j + T_j), and serving it from the cache sum_j (La_j + T_j).
-Hence the ideal ratios shared/own = sum_j (Ld + La_j + T_j) / (Ld + sum_j (La_j + T_j))
-(with equal jobs N(Ld+La+T)/(Ld+N(La+T))) in epoch 1, and cache/own =
-sum_j (Ld + La_j + T_j) / sum_j (La_j + T_j) from epoch 2 on.
+all, since a shared host's speed drifts over the minutes of a run. On a CPU-bound
+machine the throughput ratios are ratios of CPU costs: N jobs on their own cost sum_j
+(Ld + La_j + T_j) per N samples (one for each job), sharing the prefix costs Ld + sum_j
+(La_j + T_j), and serving it from the cache sum_j (La_j + T_j). Hence the ideal ratios
+shared/own = sum_j (Ld + La_j + T_j) / (Ld + sum_j (La_j + T_j)) (with equal jobs
+N(Ld+La+T)/(Ld+N(La+T))) in epoch 1, and cache/own = sum_j (Ld + La_j + T_j) / sum_j
+(La_j + T_j) from epoch 2 on.
 
 Measured per mode: aggregate samples/s (the sum over jobs of each job's samples / its
 time) in epoch 1 (after ``--warmup`` batches, which hold the processes' start) and in
@@ -197,6 +202,7 @@ def run_job(args: argparse.Namespace) -> int:
     """One job: train --epochs epochs from its own loader (own) or from share()."""
     _set_threads()
     wl = _workload()
+    wl.pad_heap(HEAP_PAD)  # as the calibration's process and every loader worker's
     crop = AUGMENTS[args.index % len(AUGMENTS)][0]
     trainer = wl.Trainer(seed=args.index)
     record = _Record(args.images, args.warmup)
