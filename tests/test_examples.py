@@ -199,6 +199,7 @@ def test_train_alone(runner, tmp_path):
     assert "done: 2 epochs" in out
 
 
+@pytest.mark.slow  # 30 s: three trainings; the swap itself: test_train_files_differ_by_one_line
 def test_train_shared_three_trainings_one_producer(runner, tmp_path):
     data = str(tmp_path / "jpegs")
     runner.env["TENSORSOCKET_IDLE_TIMEOUT"] = "2"  # the producer ends 2 s after the last
@@ -259,6 +260,7 @@ def test_not_a_dataloader(runner):
     assert "a generator object asked for a 2nd epoch: TypeError:" in out
 
 
+@pytest.mark.slow  # 18 s: the same API as test_endtoend's, run from the example
 def test_shared_producer_and_consumers(runner):
     producer = runner.start("shared_producer.py")
     consumers = [runner.start("shared_consumer.py", "--lr", lr) for lr in ("0.1", "0.01")]
@@ -277,6 +279,7 @@ def _runtime_leftovers(runner: Runner, name: str) -> list[str]:
     return sorted(p.name for p in runtime.glob(name + ".*")) if runtime.is_dir() else []
 
 
+@pytest.mark.slow  # 45 s: the Quickstart's demo, which fresh-clone-check runs too
 def test_demo_runs_both_and_every_job_gets_every_sample(runner, tmp_path):
     """The demo of the README's Quickstart in a short mode: a baseline run (a DataLoader
     per job) and a shared run both happen; in each, every job trained on every sample

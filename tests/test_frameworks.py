@@ -552,6 +552,7 @@ def test_lightning_three_jobs(jobs, name):
     assert_trained_together(jobs, started, n)
 
 
+@pytest.mark.slow  # 29 s: two Lightning jobs; plain loops, HF and accelerate stay in the default suite
 def test_lightning_train_and_val(jobs, name):
     """Two jobs with a shared train and a shared val loader: every train and val epoch
     exactly once; the val loader does not shuffle, so each val epoch is its batches in

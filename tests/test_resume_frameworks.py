@@ -138,6 +138,7 @@ def lightning_warned(job: Job) -> list[str]:
             if NOT_RESUMABLE in w]
 
 
+@pytest.mark.slow  # 30 s: two Lightning interpreters; resume itself: test_resume*
 def test_lightning_fit_resumes_mid_epoch(jobs, name):
     """Trainer.fit stopped after 3 of 8 steps with a checkpoint, then trainer.fit(model,
     ckpt_path=...) in a new process over the same shared shuffling loader: the two runs
@@ -218,6 +219,7 @@ def rank_batches(samples: int, batch_size: int, rank: int, world: int) -> list[l
     return batches[rank:len(batches) // world * world:world]
 
 
+@pytest.mark.slow  # 24 s: two accelerate launches of two processes
 def test_accelerate_skip_first_batches_per_rank(jobs, name):
     """accelerate launch, 2 processes, a shared unshuffled loader of 256 samples in
     batches of 32: skip_first_batches(loader, 2) gives each rank the rest of its own part

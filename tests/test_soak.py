@@ -478,6 +478,7 @@ def _report(r: dict) -> None:
           f"KiB, consumer rss {(end['consumer_rss'] - base['consumer_rss']) / 2**10:+.0f} KiB")
 
 
+@pytest.mark.slow  # 15 s: a soak; kills and churn in short: test_faults, test_churn
 def test_soak_short(procs, name):
     """20,000 batches (1000 x 20 epochs) with churn, three consumers SIGKILLed."""
     batches, epochs = 1000, 20

@@ -68,6 +68,7 @@ def _snapshot(base: Path) -> dict[str, tuple[int, int]]:
     return {str(p): (p.stat().st_ino, p.stat().st_mtime_ns) for p in paths if p.exists()}
 
 
+@pytest.mark.slow  # 30 s: installs and imports torchvision and timm; used by test_augment_clients
 def test_real_torchvision_and_timm_in_a_fresh_interpreter(torchvision_env, tmp_path):
     """transforms.v2 on a uint8 CHW tensor, ImageFolder over JPEGs, timm's
     create_transform on a PIL image, torchvision's C++ ops (nms): in a fresh
