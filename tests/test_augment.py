@@ -21,7 +21,7 @@ import torch
 
 from conftest import ROOT, alive as _alive, popen
 from tensorsocket import TensorConsumer, TensorSocketError, TransformError
-from tensorsocket.augment.seeding import sample_seed, seed_everything
+from tensorsocket.augment.seeding import _UNKNOWN_ID as UNKNOWN_ID, sample_seed, seed_everything
 
 SAMPLES = 40
 BATCH = 8
@@ -405,6 +405,25 @@ def test_a_pipeline_is_named_by_its_steps():
     assert describe(Compose([_step("RandomResizedCrop"), _step("Normalize")])) == \
         "Compose(RandomResizedCrop, Normalize)"
     assert describe(crop_and_noise(4)).startswith("<function crop_and_noise(4)")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_without_sample_ids_a_samples_position_seeds_it(name, producer, workers):
+    """A loader that does not tell its samples' dataset indices (an IterableDataset): each
+    sample's position in the epoch, counted across its batches from 0 at every epoch, seeds
+    it in the indices' stead (kept apart from any index)."""
+    producer(epochs=2, kind="stream")
+    t = crop_and_noise(6)
+    with TensorConsumer(name=name, transform=t, seed=5, transform_workers=workers) as c:
+        for epoch in range(2):
+            position = 0
+            for images, labels in c:
+                for image, i in zip(images, labels.tolist()):
+                    seed_everything(sample_seed(5, epoch, UNKNOWN_ID + position))
+                    want = t(torch.full((3, 12, 12), i, dtype=torch.uint8))
+                    assert torch.equal(image, want), (epoch, position)
+                    position += 1
+            assert position == SAMPLES
 
 
 def test_an_epoch_of_unknown_length_ends_after_its_batches_in_flight(name, producer):
