@@ -5,8 +5,10 @@ taken, as any batch next() made), their transforms queued on the workers, delive
 order. Worker processes read each batch's inputs in place, in the ring slot, which the
 batch holds until its outputs are back; so ``depth`` stays below the ring's slots, leaving
 the producer room to publish. A batch counts as delivered (state_dict()'s samples taken)
-only when next() returns it, or when its transform raised there (it is lost then, as a
-DataLoader's batch whose worker raised: passed, not delivered again on resume). Without workers, depth is one and the transform runs here, at
+only when next() returns it, or when its transform raised (it is lost then, as a
+DataLoader's batch whose worker raised: passed, not delivered again on resume). A Ctrl-C
+in a transform run at next() keeps the batch for the next call; a dead worker stops the
+workers, the batches in flight staying undelivered, until a new iter() starts new ones. Without workers, depth is one and the transform runs here, at
 next(), with the caller's random generators left as they were.
 """
 
@@ -22,7 +24,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from ..errors import TensorSocketError
+from ..errors import TensorSocketError, TransformError
 from .options import TransformOptions
 from .samples import Rebuild, first_sample_check, split_inputs, transform_samples
 from .seeding import callers_generators_kept, sample_keys, sample_seed
@@ -87,6 +89,9 @@ class TransformStage:
         self._depth = 1
         self._tasks = 0
         self._position = 0  # samples of the epoch taken so far (the seeds' positions)
+        self._interrupted: tuple[Any, Any, int] | None = None  # a batch taken whose start a
+        # KeyboardInterrupt cut: (batch, ids, index), started again at the next next()
+        self._broken: str | None = None  # a worker died: why next() raises until discard()
         self.wait_seconds = 0.0  # next() waiting for workers' outputs (stats())
         self.transform_seconds = 0.0  # transforms run here, at next() (stats())
 
@@ -110,13 +115,20 @@ class TransformStage:
         self._fill(source)
         if not self._pending:
             raise StopIteration
+        if self._broken is not None:
+            raise TensorSocketError(self._broken)
         entry = self._pending[0]
         try:
             batch = self._finish(entry, source.deadline())
-        except TensorSocketError as e:  # a worker's error, or a dead worker: the batch is
-            self._pending.popleft()  # lost, as a DataLoader's whose worker raised
+        except TransformError as e:  # its transform raised in a worker: the batch is lost,
+            self._pending.popleft()  # as a DataLoader's whose worker raised, and passed
             entry.inputs = None
-            source.delivered(entry.ids)  # passed: not delivered again on resume
+            source.delivered(entry.ids)
+            _clear_frames(e)
+            raise
+        except TensorSocketError as e:  # a worker died: the workers stop, the batches in
+            self._broken = f"{e} (a new iter() starts new transform workers)"  # flight
+            self._stop_pool()  # stay undelivered (state_dict() leaves them out)
             _clear_frames(e)
             raise
         # (An interrupt or a batch_timeout before here leaves the entry first, its
@@ -134,14 +146,18 @@ class TransformStage:
         while len(self._pending) < self._depth and not self._ended:
             if self._pending and length is not None and self._pending[-1].index + 1 >= length:
                 return
-            try:
-                batch, ids, index = source.take(end_epoch=not self._pending)
-            except StopIteration:
-                self._ended = not self._pending  # else asked again once they are delivered
-                return
+            if self._interrupted is not None:
+                (batch, ids, index), self._interrupted = self._interrupted, None
+            else:
+                try:
+                    batch, ids, index = source.take(end_epoch=not self._pending)
+                except StopIteration:
+                    self._ended = not self._pending  # else asked again once they are
+                    return  # delivered
+            position = self._position
             try:
                 started = self._start(batch, ids, index, source.epoch)
-            except BaseException as e:
+            except Exception as e:
                 # The batch is lost, as a DataLoader's whose fetch raised: passed (its
                 # samples count as taken with its place, not delivered again on resume).
                 # The error's frames must not keep its views alive (and its ring slot
@@ -150,6 +166,9 @@ class TransformStage:
                 source.delivered(ids)
                 _clear_frames(e)
                 raise
+            except BaseException:  # Ctrl-C: the batch is started again at the next next()
+                self._interrupted, self._position = (batch, ids, index), position
+                raise
             self._pending.append(started)
 
     @contextlib.contextmanager
@@ -157,7 +176,7 @@ class TransformStage:
         """While the block runs (state_dict()), the batches in flight, taken from the ring
         and not delivered, do not count in the epoch cursor's delivered batches (their
         samples are not in the samples delivered either)."""
-        undelivered = len(self._pending)
+        undelivered = len(self._pending) + (self._interrupted is not None)
         cursor.delivered -= undelivered
         try:
             yield
@@ -232,10 +251,21 @@ class TransformStage:
 
     def discard(self) -> None:
         """Drop the batches in flight (an epoch left mid-way, a new iter()): their slots go
-        back now; results still coming are dropped."""
+        back now; results still coming are dropped. After a worker died, the next batch
+        starts new workers (as a DataLoader's next iterator does)."""
         if self._pool is not None:
             self._pool.forget([e.task for e in self._pending if e.task is not None])
         self._pending.clear()
+        self._interrupted, self._broken = None, None
+
+    def _stop_pool(self) -> None:
+        """Stop the workers (one died): the batches in flight stay, undelivered, their
+        ring slots given back."""
+        for entry in self._pending:
+            entry.inputs = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def close(self) -> None:
         """Drop what is in flight and stop the workers."""

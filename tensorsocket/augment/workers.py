@@ -153,7 +153,7 @@ class WorkerPool:
             if not p.is_alive():
                 raise TensorSocketError(
                     f"transform worker (pid {p.pid}) exited unexpectedly with exit code "
-                    f"{p.exitcode}; its batch is lost (restart the job's epoch)")
+                    f"{p.exitcode}; the batches in flight are not delivered")
 
     def close(self) -> None:
         """Stop the workers (see _stop_workers)."""
