@@ -67,8 +67,8 @@ check fails the mode.
 Console: progress on stderr; on stdout the calibration, a table and the ratios against
 their ideals. JSON (``--json PATH``, default ``benchmarks/results/<date>-shared-prefix-
 <machine>.json``), schema ``tensorsocket-shared-prefix/1``: argv, config, machine,
-calibration {ld_ms, la_ms [per job], t_ms [per job], phases, repeats [...]}, ideal
-{shared_vs_own, cache_vs_own}, modes [{mode, round, ok, error, wall_s,
+calibration {ld_ms, la_ms [per job], t_ms [per job], repeats [... each with its phase]},
+ideal {shared_vs_own, cache_vs_own}, modes [{mode, round, ok, error, wall_s,
 epoch1_samples_per_s, later_samples_per_s, cpu_s_total, cpu_ms_per_sample, samples,
 epoch1_window and later_window {seconds, samples, cpu_ms_per_sample, run_cores,
 other_load_cores: the polled CPU of the mode's processes while every job is in that
@@ -308,7 +308,6 @@ def calibration_medians(reps: list[dict], samples: int) -> dict:
         "la_ms": [median(r["la_ms"][j] for r in reps) for j in range(jobs)],
         "t_ms": [median(r["t_ms"][j] for r in reps) for j in range(jobs)],
         "samples_per_repeat": samples,
-        "phases": list(dict.fromkeys(r["phase"] for r in reps)),
         "repeats": reps,
     }
 
@@ -645,8 +644,7 @@ def _ratios(by_mode: dict, ideal: dict) -> dict:
         "cache_vs_own_epoch1": div(ca.get("epoch1_samples_per_s"),
                                    own.get("epoch1_samples_per_s")),
     }
-    out["shared_epoch1_of_ideal"] = div(out["shared_vs_own_epoch1"], ideal["shared_vs_own"])
-    out["cache_later_of_ideal"] = div(out["cache_vs_own_later"], ideal["cache_vs_own"])
+    _over_ideal(out, ideal)
     # The same ratios in CPU per sample (own's over the mode's, in the polled windows):
     # what the throughput ratio would be if every mode got the same cores, which a
     # machine with other work on it does not give.
@@ -658,6 +656,13 @@ def _ratios(by_mode: dict, ideal: dict) -> dict:
     return out
 
 
+def _over_ideal(ratios: dict, ideal: dict) -> None:
+    """Add to `ratios` each measured throughput ratio over its ideal."""
+    ratios["shared_epoch1_of_ideal"] = div(ratios["shared_vs_own_epoch1"],
+                                           ideal["shared_vs_own"])
+    ratios["cache_later_of_ideal"] = div(ratios["cache_vs_own_later"], ideal["cache_vs_own"])
+
+
 def _round_ratios(modes: list[dict], ideal: dict, rounds: int) -> dict:
     """Each round's ratios (``rounds``), and the medians over the rounds of the measured
     ratios, each over its ideal."""
@@ -665,8 +670,7 @@ def _round_ratios(modes: list[dict], ideal: dict, rounds: int) -> dict:
                  for k in range(1, rounds + 1)]
     out = {key: median(r[key] for r in per_round) for key in per_round[0]
            if not key.endswith("_of_ideal")}
-    out["shared_epoch1_of_ideal"] = div(out["shared_vs_own_epoch1"], ideal["shared_vs_own"])
-    out["cache_later_of_ideal"] = div(out["cache_vs_own_later"], ideal["cache_vs_own"])
+    _over_ideal(out, ideal)
     out["rounds"] = per_round
     return out
 
@@ -766,7 +770,10 @@ def main(argv: list[str] | None = None) -> int:
         reps.extend(calibrate(image_dir, args.jobs, args.batch, samples, args.repeats,
                               phase))
 
-    calibrate_now("before " + args.modes[0] + (", round 1" if args.rounds > 1 else ""))
+    def label(mode: str, rnd: int) -> str:
+        return f"{mode}, round {rnd}" if args.rounds > 1 else mode
+
+    calibrate_now("before " + label(args.modes[0], 1))
     timeout = _mode_timeout(args, calibration_medians(reps, samples),
                             machine.get("cpus_usable") or 1)
     print(f"shared prefix benchmark: {machine['cpu_model']}, {machine['cpus_usable']} "
@@ -778,12 +785,11 @@ def main(argv: list[str] | None = None) -> int:
     modes: list[dict] = []
     for rnd in range(1, args.rounds + 1):
         for mode in args.modes:
-            label = f"{mode}, round {rnd}" if args.rounds > 1 else mode
             if modes:
-                calibrate_now("before " + label)
-            log(f"{label}: {args.jobs} jobs ...")
+                calibrate_now("before " + label(mode, rnd))
+            log(f"{label(mode, rnd)}: {args.jobs} jobs ...")
             modes.append(dict(ModeRun(args, mode, image_dir, timeout).run(), round=rnd))
-            log(f"{label}: {modes[-1]['wall_s']:.1f} s, "
+            log(f"{label(mode, rnd)}: {modes[-1]['wall_s']:.1f} s, "
                 + ("ok" if modes[-1]["ok"] else f"FAILED: {modes[-1]['error']}"))
     calibrate_now("after the last mode")
     cal = calibration_medians(reps, samples)

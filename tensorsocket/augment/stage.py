@@ -8,8 +8,9 @@ the producer room to publish. A batch counts as delivered (state_dict()'s sample
 only when next() returns it, or when its transform raised (it is lost then, as a
 DataLoader's batch whose worker raised: passed, not delivered again on resume). A Ctrl-C
 in a transform run at next() keeps the batch for the next call; a dead worker stops the
-workers, the batches in flight staying undelivered, until a new iter() starts new ones. Without workers, depth is one and the transform runs here, at
-next(), with the caller's random generators left as they were.
+workers, the batches in flight staying undelivered, until a new iter() starts new ones.
+Without workers, depth is one and the transform runs here, at next(), with the caller's
+random generators left as they were.
 """
 
 from __future__ import annotations
@@ -112,11 +113,11 @@ class TransformStage:
         if source.serial != self._owner:
             self.discard()
             self._owner, self._ended, self._position = source.serial, False, 0
+        if self._broken is not None:  # (before _fill: it would start new workers)
+            raise TensorSocketError(self._broken)
         self._fill(source)
         if not self._pending:
             raise StopIteration
-        if self._broken is not None:
-            raise TensorSocketError(self._broken)
         entry = self._pending[0]
         try:
             batch = self._finish(entry, source.deadline())
@@ -270,9 +271,7 @@ class TransformStage:
     def close(self) -> None:
         """Drop what is in flight and stop the workers."""
         self.discard()
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self._stop_pool()
 
 
 def _clear_frames(error: BaseException) -> None:
@@ -288,4 +287,3 @@ def _clear_frames(error: BaseException) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
         todo += [e.__cause__, e.__context__]
-

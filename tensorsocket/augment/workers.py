@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import weakref
 import queue
 import signal
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
