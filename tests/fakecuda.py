@@ -53,6 +53,7 @@ CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_DEINITIALIZED = 4
 CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_INVALID_DEVICE = 101
 CUDA_ERROR_INVALID_CONTEXT = 201
@@ -67,6 +68,9 @@ CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_ERROR_UNKNOWN = 999
 CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
 CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
+CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905
+CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906
+CUDA_ERROR_CAPTURED_EVENT = 907
 
 ERROR_NAMES = {
     value: name for name, value in globals().items()
@@ -85,6 +89,10 @@ CU_MEMHOSTREGISTER_READ_ONLY = 0x8
 CU_STREAM_CAPTURE_MODE_GLOBAL = 0
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 CU_STREAM_CAPTURE_MODE_RELAXED = 2
+CU_STREAM_CAPTURE_STATUS_NONE = 0
+CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
+CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2
+CU_EVENT_WAIT_EXTERNAL = 0x1
 STREAM_LEGACY = 0x1
 STREAM_PER_THREAD = 0x2
 IPC_EVENT_FLAGS = CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING
@@ -103,13 +111,15 @@ DRIVER_FUNCTIONS = (
     "cuDeviceGetUuid_v2",
     # optional in the core (ts_cuda_api.c): CUDA 12.5 and 10.1
     "cuCtxRecordEvent", "cuThreadExchangeStreamCaptureMode",
+    "cuStreamIsCapturing",
 )
 # Driver functions a driver may lack; OLD_DRIVER_FLAGS builds the double without them (a
 # driver older than CUDA 11.4).
 OPTIONAL_FUNCTIONS = ("cuDeviceGetUuid_v2",)
 OLD_DRIVER_FLAGS = ("-DFAKECUDA_NO_UUID_V2",)
 TEST_FUNCTIONS = ("fakecuda_launch_read", "fakecuda_counter", "fakecuda_launch_sleep",
-                  "fakecuda_begin_capture", "fakecuda_end_capture", "fakecuda_launch_gate")
+                  "fakecuda_begin_capture", "fakecuda_end_capture", "fakecuda_launch_gate",
+                  "fakecuda_teardown")
 
 
 # ---- building --------------------------------------------------------------------------
@@ -344,6 +354,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "fakecuda_begin_capture": [_VP, _c.c_int],
     "fakecuda_end_capture": [_VP],
     "fakecuda_launch_gate": [_VP, _P(_c.c_int)],
+    "cuStreamIsCapturing": [_VP, _P(_c.c_int)],
+    "fakecuda_teardown": [],
 }
 
 HostSrc = int | bytes | bytearray | memoryview
@@ -606,6 +618,16 @@ class FakeCuda:
         if rc not in (CUDA_SUCCESS, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED):
             raise CudaError(rc, "fakecuda_end_capture")
         return rc == CUDA_SUCCESS
+
+    def stream_is_capturing(self, stream: int) -> int:
+        """The stream's CUstreamCaptureStatus (CudaError with
+        CUDA_ERROR_STREAM_CAPTURE_IMPLICIT for the legacy stream during a blocking capture)."""
+        v = ctypes.c_int(-1)
+        self._ok("cuStreamIsCapturing", stream, ctypes.byref(v))
+        return v.value
+
+    def ctx_record_event(self, ctx: int, event: int) -> None:
+        self._ok("cuCtxRecordEvent", ctx, event)
 
     def exchange_capture_mode(self, mode: int) -> int:
         """Set this thread's capture mode; return the previous one."""

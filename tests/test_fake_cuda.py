@@ -426,6 +426,184 @@ def test_stream_waits_for_work_recorded_by_another_process(agent, log):
     assert wait["gen"] == "1"
 
 
+# ---- what the real driver refuses (issue 34; docs/gpu.md, "The driver double") ----------
+
+
+def test_ipc_handle_opens_in_one_context_per_device_per_process(agent, log):
+    """cuIpcOpenMemHandle: handles "may only be opened by one CUcontext per CUdevice per
+    other process"; the same context again gets the same pointer (reference counted)."""
+    prod = agent(FAKECUDA_DEVICES="2")
+    cons = agent(FAKECUDA_DEVICES="2")
+    h = prod("p = fc.mem_alloc(4096); fc.ipc_get_mem_handle(p)")
+    q = cons(f"q = fc.ipc_open_mem_handle({h!r}); q")
+    assert cons(f"fc.ipc_open_mem_handle({h!r})") == q
+    cons("ctx1 = fc.primary_ctx_retain(1); fc.ctx_push(ctx1)")
+    assert cons.rc(f"fc.ipc_open_mem_handle({h!r})") == CUDA_ERROR_INVALID_CONTEXT
+    cons("fc.ctx_pop(); fc.ipc_close_mem_handle(q); fc.ipc_close_mem_handle(q)")
+    prod("fc.mem_free(p)")
+    assert select(parse_log(log), "fail", why="already_open_in_another_context_of_this_process")
+
+
+def test_context_wide_calls_cover_their_context_only(agent):
+    """cuCtxSynchronize waits for the current context, cuCtxRecordEvent for the given one:
+    work held on another device's stream does not hold them."""
+    a = agent(FAKECUDA_DEVICES="2")
+    a("ctx1 = fc.primary_ctx_retain(1); fc.ctx_push(ctx1); s1 = fc.stream_create();"
+      "gate = fc.launch_gate(s1); fc.ctx_pop()")
+    a("s0 = fc.stream_create(); fc.launch_sleep(s0, 1000)")
+    a("fc.ctx_synchronize()")  # returns: device 1's gate is not this context's work
+    a("ev = fc.event_create(); fc.ctx_record_event(ctx, ev); fc.event_synchronize(ev)")
+    a("fc.ctx_push(ctx1); ev1 = fc.event_create(); fc.ctx_record_event(ctx1, ev1)")
+    assert a("fc.event_query(ev1)") is False  # device 1's context: held by the gate
+    a("gate.value = 1; fc.event_synchronize(ev1); fc.ctx_pop()")
+
+
+def test_an_event_of_another_context_is_an_invalid_handle(agent):
+    """cuEventRecord: "hEvent and hStream must be from the same context otherwise
+    CUDA_ERROR_INVALID_HANDLE is returned"; cuCtxRecordEvent: "hEvent and hCtx must be from
+    the same CUDA context"."""
+    a = agent(FAKECUDA_DEVICES="2")
+    a("ev0 = fc.event_create(); ctx1 = fc.primary_ctx_retain(1); fc.ctx_push(ctx1)")
+    assert a.rc("fc.ctx_record_event(ctx1, ev0)") == CUDA_ERROR_INVALID_HANDLE
+    assert a.rc("fc.event_record(ev0, 0)") == CUDA_ERROR_INVALID_HANDLE  # device 1's legacy
+    a("ev1 = fc.event_create(); fc.event_record(ev1, 0); fc.ctx_record_event(ctx1, ev1)")
+    a("s1 = fc.stream_create(); fc.ctx_pop()")
+    assert a.rc("fc.ctx_record_event(ctx, ev1)") == CUDA_ERROR_INVALID_HANDLE
+    a("fc.stream_wait_event(0, ev1)")  # a wait may use an event of another context
+
+
+def test_context_wide_calls_during_a_capture_on_any_thread_invalidate_it(agent, log):
+    """cuCtxRecordEvent "will return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED if the specified
+    context hCtx has a stream in the capture mode. In such a case, the call will invalidate
+    all the conflicting captures"; so does cuCtxSynchronize, whatever thread calls it and
+    whatever the capture's mode; another device's context is no concern."""
+    for mode in (fakecuda.CU_STREAM_CAPTURE_MODE_GLOBAL,
+                 fakecuda.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                 fakecuda.CU_STREAM_CAPTURE_MODE_RELAXED):
+        a = agent(FAKECUDA_DEVICES="2")
+        a(f"s = fc.stream_create(1); ev = fc.event_create(); fc.begin_capture(s, {mode})")
+        other = "fakecuda.in_thread(lambda: (fc.ctx_push(ctx), {}, fc.ctx_pop()))"
+        assert a(other.format("fc.ctx_record_event(ctx, ev)")) == \
+            fakecuda.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        assert a("fc.end_capture(s)") is False
+        a(f"fc.begin_capture(s, {mode})")
+        assert a(other.format("fc.ctx_synchronize()")) == \
+            fakecuda.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        assert a("fc.end_capture(s)") is False
+        a(f"fc.begin_capture(s, {mode})")
+        a("ctx1 = fc.primary_ctx_retain(1); fc.ctx_push(ctx1); ev1 = fc.event_create();"
+          "fc.ctx_record_event(ctx1, ev1); fc.ctx_synchronize(); fc.ctx_pop()")
+        assert a("fc.end_capture(s)") is True
+    assert len(select(parse_log(log), "capture_invalidated")) == 6
+
+
+def test_a_capturing_stream_waits_on_outside_events_only_as_external(agent):
+    """A capturing stream may not wait on an event recorded outside the capture without
+    CU_EVENT_WAIT_EXTERNAL (isolation error, capture invalidated); with it, the wait is
+    taken; outside a capture the flag is invalid."""
+    a = agent()
+    a("s = fc.stream_create(1); t = fc.stream_create(1); ev = fc.event_create();"
+      "fc.event_record(ev, t)")
+    assert a.rc("fc.stream_wait_event(s, ev, fakecuda.CU_EVENT_WAIT_EXTERNAL)") == \
+        CUDA_ERROR_INVALID_VALUE
+    a("fc.begin_capture(s)")
+    assert a.rc("fc.stream_wait_event(s, ev)") == fakecuda.CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+    assert a("fc.end_capture(s)") is False
+    a("fc.begin_capture(s); fc.stream_wait_event(s, ev, fakecuda.CU_EVENT_WAIT_EXTERNAL)")
+    a("inner = fc.event_create(); fc.event_record(inner, s); fc.stream_wait_event(s, inner)")
+    a("fc.stream_wait_event(t, ev)")  # a stream not capturing waits as before
+    assert a("fc.end_capture(s)") is True
+
+
+def test_the_legacy_stream_during_a_blocking_capture(agent):
+    """While a blocking stream captures, the legacy stream is unusable (IMPLICIT, capture
+    invalidated) and cuStreamIsCapturing of it says so without invalidating; a non-blocking
+    capture leaves it alone. Capture statuses: NONE, ACTIVE, INVALIDATED."""
+    a = agent()
+    a("b = fc.stream_create(0); nb = fc.stream_create(fakecuda.CU_STREAM_NON_BLOCKING);"
+      "ev = fc.event_create()")
+    assert a("fc.stream_is_capturing(b), fc.stream_is_capturing(0)") == [0, 0]
+    a("fc.begin_capture(b)")
+    assert a("fc.stream_is_capturing(b), fc.stream_is_capturing(nb)") == [1, 0]
+    assert a.rc("fc.stream_is_capturing(1)") == fakecuda.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+    assert a("fc.stream_is_capturing(b)") == 1  # the query invalidated nothing
+    assert a.rc("fc.event_record(ev, 1)") == fakecuda.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+    assert a("fc.stream_is_capturing(b)") == 2
+    assert a("fc.end_capture(b)") is False
+    a("fc.begin_capture(nb); fc.event_record(ev, 0); fc.event_synchronize(ev)")
+    assert a("fc.stream_is_capturing(0)") == 0
+    assert a("fc.end_capture(nb)") is True
+    assert a.rc("fc.begin_capture(0)") == fakecuda.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+
+
+def test_an_event_recorded_in_a_capture_cannot_be_waited_for_on_the_host(agent):
+    a = agent()
+    a("s = fc.stream_create(1); ev = fc.event_create(); fc.begin_capture(s);"
+      "fc.event_record(ev, s)")
+    assert a.rc("fc.event_synchronize(ev)") == fakecuda.CUDA_ERROR_CAPTURED_EVENT
+    assert a("fc.end_capture(s)") is False
+
+
+def test_rejected_attributes_and_reported_version(agent):
+    """An 11.x driver refuses CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED (125, new in 12.0)
+    with CUDA_ERROR_INVALID_VALUE; cuDriverGetVersion reports FAKECUDA_DRIVER_VERSION."""
+    a = agent(FAKECUDA_REJECT_ATTRIBUTES="125", FAKECUDA_DRIVER_VERSION="11080")
+    assert a.rc("fc.device_attribute(125)") == CUDA_ERROR_INVALID_VALUE
+    assert a("fc.device_attribute(41), fc.driver_version()") == [1, 11080]
+
+
+def test_the_driver_tears_down_at_exit(agent, log):
+    """exit() runs the driver's teardown (registered by cuInit, logged "teardown"); from
+    then on calls return CUDA_ERROR_DEINITIALIZED ("the CUDA driver is in the process of
+    shutting down") and are logged as after_teardown, and a wait in progress returns it.
+    fakecuda_teardown() does now what exit() does, so that the test sees the calls after."""
+    a = agent()
+    a("s = fc.stream_create(1); gate = fc.launch_gate(s); ev = fc.event_create();"
+      "fc.event_record(ev, s); rcs = []; started = threading.Event()")
+    a("def wait():\n"
+      "    fc.ctx_push(ctx); started.set(); rcs.append(fc.call('cuEventSynchronize', ev))\n"
+      "t = threading.Thread(target=wait); t.start(); started.wait()")
+    a("fc.lib.fakecuda_teardown(); t.join(30)")
+    assert a("t.is_alive(), rcs") == [False, [fakecuda.CUDA_ERROR_DEINITIALIZED]]
+    assert a.rc("fc.device_count()") == fakecuda.CUDA_ERROR_DEINITIALIZED
+    assert a.rc("fc.init()") == fakecuda.CUDA_ERROR_DEINITIALIZED
+    a("gate.value = 1")
+    b = agent()
+    b("fc.mem_alloc(4096)")
+    b.close()  # a normal exit: exit() tears the driver down, its memory goes
+    lines = parse_log(log)
+    assert {ln["op"] for ln in select(lines, "after_teardown", pid=a.pid)} >= \
+        {"event_sync", "device_count", "init"}
+    assert select(lines, "teardown", pid=b.pid) and not select(lines, "after_teardown", pid=b.pid)
+    assert fakecuda.shm_objects(b.pid) == []
+
+
+UNLOAD_SCRIPT = r"""
+import _ctypes, ctypes, sys
+lib = ctypes.CDLL({lib!r})
+if {init}:
+    assert lib.cuInit(0) == 0
+_ctypes.dlclose(lib._handle)
+print("unloaded", flush=True)
+"""
+
+
+@pytest.mark.parametrize("init", [False, True])
+def test_dlclose_really_unloads_the_driver(lib, log, tmp_path, init):
+    """Nothing pins the library: a dlclose unloads it. After cuInit that is fatal (the real
+    driver's exit handlers and threads would run unmapped code): the double aborts at once,
+    naming it; before cuInit it is harmless."""
+    script = tmp_path / "unload.py"
+    script.write_text(UNLOAD_SCRIPT.format(lib=str(lib), init=init))
+    proc = subprocess.run([os.sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "FAKECUDA_LOG": str(log)})
+    if init:
+        assert proc.returncode == -6 and "unloaded (dlclose) after cuInit" in proc.stderr
+        assert select(parse_log(log), "unloaded_after_init")
+    else:
+        assert proc.returncode == 0 and "unloaded" in proc.stdout, proc.stderr
+
+
 # ---- the log -------------------------------------------------------------------------------
 
 

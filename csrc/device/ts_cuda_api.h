@@ -41,6 +41,7 @@ typedef struct CUipcEventHandle_st {
 #define CUDA_ERROR_INVALID_VALUE 1
 #define CUDA_ERROR_OUT_OF_MEMORY 2
 #define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_DEINITIALIZED 4
 #define CUDA_ERROR_NO_DEVICE 100
 #define CUDA_ERROR_INVALID_DEVICE 101
 #define CUDA_ERROR_INVALID_CONTEXT 201
@@ -53,6 +54,9 @@ typedef struct CUipcEventHandle_st {
 #define CUDA_ERROR_NOT_SUPPORTED 801
 #define CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
 #define CUDA_ERROR_STREAM_CAPTURE_INVALIDATED 901
+#define CUDA_ERROR_STREAM_CAPTURE_ISOLATION 905
+#define CUDA_ERROR_STREAM_CAPTURE_IMPLICIT 906
+#define CUDA_ERROR_CAPTURED_EVENT 907
 
 #define CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING 41
 #define CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED 125
@@ -72,9 +76,15 @@ typedef struct CUipcEventHandle_st {
 /* CUstreamCaptureMode (cuda.h): RELAXED lets a thread make calls that are unsafe during
  * another thread's stream capture without invalidating it. */
 #define CU_STREAM_CAPTURE_MODE_GLOBAL 0
+#define CU_STREAM_CAPTURE_MODE_THREAD_LOCAL 1
 #define CU_STREAM_CAPTURE_MODE_RELAXED 2
-/* The first driver with cuCtxRecordEvent (CUDA 12.5). */
-#define TS_CUDA_CTX_RECORD_EVENT_VERSION 12050
+/* CUstreamCaptureStatus (cuda.h), as cuStreamIsCapturing reports it. */
+#define CU_STREAM_CAPTURE_STATUS_NONE 0
+#define CU_STREAM_CAPTURE_STATUS_ACTIVE 1
+#define CU_STREAM_CAPTURE_STATUS_INVALIDATED 2
+/* CUevent_wait_flags (cuda.h): "Event is captured in the graph as an external event node when
+ * performing stream capture. This flag is invalid outside of stream capture." */
+#define CU_EVENT_WAIT_EXTERNAL 0x1
 
 /* The DLPack stream numbers 1 and 2 are these handles (cuda.h). */
 #define TS_CU_STREAM_LEGACY ((CUstream)0x1)

@@ -23,26 +23,46 @@
  * FAKECUDA_NO_IPC_EVENTS, FAKECUDA_MIG, FAKECUDA_MEM_LIMIT,
  * FAKECUDA_OP_DELAY_US, FAKECUDA_COMPUTE_MODE (the value of that attribute),
  * FAKECUDA_NO_PEER and FAKECUDA_MIG_GPUS (see "Two GPUs and MIG" below),
- * FAKECUDA_FAIL_OP (an op name, as in the log: every call of it fails after
+ * FAKECUDA_REJECT_ATTRIBUTES, FAKECUDA_FAIL_OP (an op name, as in the log: every call of it fails after
  * cuInit) with FAKECUDA_FAIL_CODE (default 801, CUDA_ERROR_NOT_SUPPORTED)
  * (read by cuInit) and FAKECUDA_LOG (a file every call appends one line to:
  * "<pid> <op> key=value ..."). FAKECUDA_DRIVER_VERSION (default 12080) is what
  * cuDriverGetVersion reports: below 12050 the core does not use cuCtxRecordEvent.
  *
+ * Contexts: one primary context per visible device. Streams, events and the legacy default
+ * stream (handles 0, 1 and 2) belong to the context current when they were made (or used,
+ * for the default stream): cuCtxSynchronize and cuCtxRecordEvent cover the streams of that
+ * one context, an event recorded on a stream of another context, or given to
+ * cuCtxRecordEvent with another context, is CUDA_ERROR_INVALID_HANDLE, and a process may
+ * open an IPC memory handle in one context per device only (docs/gpu.md, "The driver
+ * double", cites the driver's sentence for each of these).
+ *
  * Stream capture (CUDA graphs) is simulated, not recorded: fakecuda_begin_capture marks
  * a stream as capturing (its operations still run); while it is, the calls the driver
- * documents as invalidating a capture fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
- * invalidate it (counter "capture_invalidated"): cuCtxSynchronize and cuCtxRecordEvent
- * from any thread, cuStreamSynchronize of the capturing stream, a sync or query of an
- * event recorded on it, and cuMemFree from a thread whose capture mode
- * (cuThreadExchangeStreamCaptureMode) the capture's mode does not allow.
+ * documents as invalid during a capture fail and invalidate it (counter
+ * "capture_invalidated"): cuCtxSynchronize and cuCtxRecordEvent on its context from any
+ * thread (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), cuStreamSynchronize of the capturing
+ * stream, a sync or query of an event recorded on it (CUDA_ERROR_CAPTURED_EVENT), a wait
+ * of the capturing stream on an event recorded outside the capture without
+ * CU_EVENT_WAIT_EXTERNAL (CUDA_ERROR_STREAM_CAPTURE_ISOLATION), any use of the legacy
+ * stream while a blocking stream of its context captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+ * cuStreamIsCapturing of it says so without invalidating), and cuMemFree from a thread
+ * whose capture mode (cuThreadExchangeStreamCaptureMode) the capture's mode does not allow.
+ *
+ * Process exit: the first cuInit registers an exit handler (with a NULL DSO handle, so that
+ * only exit() runs it, as a driver's own teardown): from then on every call returns
+ * CUDA_ERROR_DEINITIALIZED and is logged as "after_teardown op=<op>", and waits in progress
+ * return it too. The library is not pinned in memory: a dlclose that unloads it after
+ * cuInit (its exit handler and threads would then run unmapped code) is logged as
+ * "unloaded_after_init" and aborts the process at once, where the real driver would crash
+ * later. FAKECUDA_REJECT_ATTRIBUTES ("125,...") makes cuDeviceGetAttribute refuse those
+ * attributes with CUDA_ERROR_INVALID_VALUE, as a driver older than the attribute does.
  *
  * Build (from the repository root):
  *   cc -std=c11 -Wall -Wextra -Werror -O1 -g -shared -fPIC -pthread -fvisibility=default \
  *      -Icsrc csrc/tests/fake_cuda.c -o libfakecuda.so -lrt
  * tests/fakecuda.py builds it and wraps it for Python tests. */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -63,7 +83,6 @@
 /* Error codes ts_cuda_api.h does not need but the double returns or names. */
 #define CUDA_ERROR_ILLEGAL_STATE 401
 #define CUDA_ERROR_UNKNOWN 999
-#define FC_CAPTURE_MODE_THREAD_LOCAL 1
 
 /* Host registration flags the real driver accepts (PORTABLE|DEVICEMAP|IOMEMORY|READ_ONLY). */
 #define FC_HOSTREGISTER_ALL 0xfu
@@ -129,10 +148,12 @@ static void fc_peer_uuid(int phys, int v2, char out[16]);
 static int fc_peer_possible(int phys, int peer_phys);
 FC_API CUresult cuCtxRecordEvent(CUcontext hctx, CUevent event);
 FC_API CUresult cuThreadExchangeStreamCaptureMode(int *mode);
+FC_API CUresult cuStreamIsCapturing(CUstream stream, int *status);
 FC_API CUresult fakecuda_launch_sleep(CUstream s, unsigned delay_us);
 FC_API CUresult fakecuda_begin_capture(CUstream s, int mode);
 FC_API CUresult fakecuda_end_capture(CUstream s);
 FC_API CUresult fakecuda_launch_gate(CUstream s, const int *open);
+FC_API void fakecuda_teardown(void);
 
 /* ==========================================================================
  * State
@@ -226,9 +247,11 @@ typedef struct fc_stream {
     int running;
     int stop;
     int refs;                /* under g_lock: the table's + callers' in flight */
-    int is_default;
-    int ordinal, phys;
-    char id[32];             /* <pid>-<n> or "default" */
+    int is_default;          /* the legacy default stream of its context */
+    int nonblocking;         /* created with CU_STREAM_NON_BLOCKING (the legacy stream does
+                              * not wait for it, nor it for the legacy stream) */
+    int ordinal, phys;       /* its context's device */
+    char id[32];             /* <pid>-<n>, or "default" (device 0) / "default<d>" */
 } fc_stream;
 
 /* Settings read from the environment by cuInit. */
@@ -243,6 +266,8 @@ static struct {
     int compute_mode;   /* CU_DEVICE_ATTRIBUTE_COMPUTE_MODE of every device */
     int fail_op;        /* an fc_opcode that always fails, or -1 */
     CUresult fail_code; /* what it fails with */
+    int rejected[8];    /* FAKECUDA_REJECT_ATTRIBUTES: attributes this driver predates */
+    int n_rejected;
 } g_cfg;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* guards everything below */
@@ -252,9 +277,9 @@ static fc_region *g_regions;
 static fc_host *g_hosts;
 static fc_event *g_events;
 static fc_stream *g_streams;
-static fc_stream *g_default_stream;
+static fc_stream *g_default_stream[FC_MAX_DEV]; /* per context, made on first use */
 static unsigned long long g_mem_used;
-static void *g_self;      /* a NODELETE reference on this library */
+static _Atomic int g_deinit; /* exit() has begun: the driver is torn down */
 static _Atomic unsigned g_seq;  /* names of shm objects */
 static _Atomic unsigned g_sseq; /* stream ids */
 static _Atomic unsigned g_eseq; /* local event ids */
@@ -282,6 +307,7 @@ typedef enum {
     FC_OP_USE_AFTER_FREE, FC_OP_CTX_RECORD_EVENT, FC_OP_EXCHANGE_CAPTURE_MODE,
     FC_OP_LAUNCH_SLEEP, FC_OP_EXEC_JOIN, FC_OP_EXEC_SLEEP, FC_OP_BEGIN_CAPTURE,
     FC_OP_END_CAPTURE, FC_OP_CAPTURE_INVALIDATED, FC_OP_LAUNCH_GATE, FC_OP_EXEC_GATE,
+    FC_OP_STREAM_IS_CAPTURING, FC_OP_TEARDOWN, FC_OP_AFTER_TEARDOWN, FC_OP_UNLOADED,
     FC_OP_COUNT
 } fc_opcode;
 
@@ -299,6 +325,7 @@ static const char *const fc_op_names[FC_OP_COUNT] = {
     "ctx_record_event", "exchange_capture_mode", "launch_sleep",
     "exec_join", "exec_sleep", "begin_capture", "end_capture",
     "capture_invalidated", "launch_gate", "exec_gate",
+    "stream_is_capturing", "teardown", "after_teardown", "unloaded_after_init",
 };
 
 static _Atomic int g_counts[FC_OP_COUNT];
@@ -353,6 +380,7 @@ static const fc_errdesc fc_errors[] = {
     {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
     {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
     {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
     {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
@@ -373,6 +401,12 @@ static const fc_errdesc fc_errors[] = {
      "operation not permitted when stream is capturing"},
     {CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
      "operation failed due to a previous error during capture"},
+    {CUDA_ERROR_STREAM_CAPTURE_ISOLATION, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+     "dependency created on uncaptured work in another stream"},
+    {CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+     "operation would make the legacy stream depend on a capturing blocking stream"},
+    {CUDA_ERROR_CAPTURED_EVENT, "CUDA_ERROR_CAPTURED_EVENT",
+     "operation not permitted on an event last recorded in a capturing stream"},
 };
 
 /* The description of code, or NULL if the double does not know it. */
@@ -405,14 +439,17 @@ static void fc_sleep_us(unsigned long long us)
     }
 }
 
-/* Poll until *done reaches target (sleeps grow from 20 us to 1 ms). */
-static void fc_wait_done(_Atomic uint64_t *done, uint64_t target)
+/* Poll until *done reaches target (sleeps grow from 20 us to 1 ms); 0, or -1 if the driver
+ * was torn down meanwhile (exit() began: a wait in progress then fails). */
+static int fc_wait_done(_Atomic uint64_t *done, uint64_t target)
 {
     unsigned long long nap = 20;
     while (atomic_load_explicit(done, memory_order_acquire) < target) {
+        if (atomic_load_explicit(&g_deinit, memory_order_acquire)) return -1;
         fc_sleep_us(nap);
         if (nap < 1000) nap *= 2;
     }
+    return 0;
 }
 
 /* Raise *done to gen unless it is already higher (records may complete out of order). */
@@ -478,22 +515,26 @@ static int fc_shm_create(char name[FC_NAME], const char *prefix, size_t bytes)
     return -1;
 }
 
-/* Pin this library in memory: the core dlcloses the driver while stream
- * workers may still sleep inside it. */
-static void fc_pin_library(void)
-{
-    Dl_info info;
-    if (g_self == NULL && dladdr((void *)cuInit, &info) != 0 && info.dli_fname != NULL)
-        g_self = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
-}
-
 /* ==========================================================================
  * Contexts
  * ========================================================================== */
 
-/* CUDA_SUCCESS if cuInit succeeded, else log op's failure. */
+/* CUDA_SUCCESS unless the driver was torn down at exit: then log "after_teardown op=<op>"
+ * and return CUDA_ERROR_DEINITIALIZED, "This indicates that the CUDA driver is in the
+ * process of shutting down" (CUresult, cuda.h). */
+static CUresult fc_alive(fc_opcode op)
+{
+    if (!atomic_load_explicit(&g_deinit, memory_order_acquire)) return CUDA_SUCCESS;
+    fc_log(FC_OP_AFTER_TEARDOWN, "op=%s", fc_op_names[op]);
+    return fc_fail(op, CUDA_ERROR_DEINITIALIZED, "driver_torn_down_at_exit");
+}
+
+/* CUDA_SUCCESS if cuInit succeeded (and the driver is not torn down), else log op's
+ * failure. */
 static CUresult fc_need_init(fc_opcode op)
 {
+    CUresult alive = fc_alive(op);
+    if (alive != CUDA_SUCCESS) return alive;
     if (!atomic_load_explicit(&g_inited, memory_order_acquire))
         return fc_fail(op, CUDA_ERROR_NOT_INITIALIZED, "cuInit_not_called");
     if ((int)op == g_cfg.fail_op) return fc_fail(op, g_cfg.fail_code, "FAKECUDA_FAIL_OP");
@@ -796,9 +837,12 @@ static CUresult fc_event_map(const char *name, int create, fc_evstate **out)
 
 /* Capture simulation hooks (defined in the "Stream capture" section below). */
 static void fc_join_part_done(struct fc_join *j);
-static CUresult fc_capture_forbids_ctx(fc_opcode op);
+static CUresult fc_capture_forbids_ctx(fc_opcode op, int ordinal);
 static CUresult fc_capture_forbids_stream(fc_opcode op, const fc_stream *s);
+static CUresult fc_capture_forbids_legacy(fc_opcode op, const fc_stream *s);
 static CUresult fc_capture_forbids_event(fc_opcode op, fc_event *e);
+static CUresult fc_capture_forbids_wait(fc_opcode op, const fc_stream *s, const fc_event *e,
+                                        unsigned flags);
 static CUresult fc_capture_forbids_unsafe(fc_opcode op);
 static void fc_capture_note_record(fc_event *e, const fc_stream *s);
 
@@ -837,7 +881,7 @@ static void fc_execute(fc_stream *s, fc_op *op)
                (unsigned long long)op->gen, s->id);
         break;
     case FC_EX_WAIT:
-        fc_wait_done(&op->ev->st->done, op->gen);
+        (void)fc_wait_done(&op->ev->st->done, op->gen); /* at teardown the wait ends */
         fc_log(FC_OP_EXEC_WAIT, "ev=%s gen=%llu stream=%s", op->ev->id,
                (unsigned long long)op->gen, s->id);
         break;
@@ -896,7 +940,7 @@ static void *fc_worker(void *arg)
 }
 
 /* Allocate a stream on ctx's device and start its worker (signals blocked there). */
-static fc_stream *fc_stream_new(const fc_ctx *ctx, int is_default)
+static fc_stream *fc_stream_new(const fc_ctx *ctx, int is_default, int nonblocking)
 {
     fc_stream *s = calloc(1, sizeof *s);
     if (s == NULL) return NULL;
@@ -905,10 +949,13 @@ static fc_stream *fc_stream_new(const fc_ctx *ctx, int is_default)
     pthread_cond_init(&s->idle_cv, NULL);
     s->refs = 1;
     s->is_default = is_default;
+    s->nonblocking = nonblocking;
     s->ordinal = ctx->ordinal;
     s->phys = ctx->phys;
-    if (is_default)
+    if (is_default && ctx->ordinal == 0)
         snprintf(s->id, sizeof s->id, "default");
+    else if (is_default)
+        snprintf(s->id, sizeof s->id, "default%d", ctx->ordinal);
     else
         snprintf(s->id, sizeof s->id, "%d-%u", (int)getpid(), atomic_fetch_add(&g_sseq, 1) + 1);
     sigset_t all, old;
@@ -926,21 +973,23 @@ static fc_stream *fc_stream_new(const fc_ctx *ctx, int is_default)
     return s;
 }
 
-/* The stream of handle h (0, 1 and 2: the per-process default stream, created
- * on first use) with a reference taken; NULL if h is not one. */
+/* The stream of handle h (0, 1 and 2: the legacy default stream of the current context,
+ * created on first use; the double has no per-thread default streams) with a reference
+ * taken; NULL if h is not one. */
 static fc_stream *fc_stream_get(CUstream h, const fc_ctx *ctx)
 {
     fc_stream *found = NULL;
     pthread_mutex_lock(&g_lock);
     if (h == NULL || h == TS_CU_STREAM_LEGACY || h == TS_CU_STREAM_PER_THREAD) {
-        if (g_default_stream == NULL) {
-            g_default_stream = fc_stream_new(ctx, 1);
-            if (g_default_stream != NULL) {
-                g_default_stream->next = g_streams;
-                g_streams = g_default_stream;
+        fc_stream **d = &g_default_stream[ctx->ordinal];
+        if (*d == NULL) {
+            *d = fc_stream_new(ctx, 1, 0);
+            if (*d != NULL) {
+                (*d)->next = g_streams;
+                g_streams = *d;
             }
         }
-        found = g_default_stream;
+        found = *d;
     } else {
         for (fc_stream *s = g_streams; s != NULL; s = s->next)
             if ((CUstream)s == h) found = s;
@@ -990,12 +1039,18 @@ static void fc_stream_drain(fc_stream *s)
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Look up stream h for op; fail with CUDA_ERROR_INVALID_HANDLE if it is not one. */
+/* Look up stream h for op; fail with CUDA_ERROR_INVALID_HANDLE if it is not one, or with
+ * CUDA_ERROR_STREAM_CAPTURE_IMPLICIT for the legacy stream during a blocking capture. */
 static CUresult fc_stream_for(fc_opcode op, CUstream h, const fc_ctx *ctx, fc_stream **out)
 {
     *out = fc_stream_get(h, ctx);
     if (*out == NULL) return fc_fail(op, CUDA_ERROR_INVALID_HANDLE, "unknown_stream");
-    return CUDA_SUCCESS;
+    CUresult rc = fc_capture_forbids_legacy(op, *out);
+    if (rc != CUDA_SUCCESS) {
+        fc_stream_put(*out);
+        *out = NULL;
+    }
+    return rc;
 }
 
 /* Queue op on s for API call code; on failure free op and return the logged error. */
@@ -1051,13 +1106,28 @@ static int fc_configure(void)
     for (int op = 0; fail != NULL && op < FC_OP_COUNT; op++)
         if (strcmp(fail, fc_op_names[op]) == 0) g_cfg.fail_op = op;
     g_cfg.fail_code = (CUresult)fc_env_ull("FAKECUDA_FAIL_CODE", CUDA_ERROR_NOT_SUPPORTED);
+    g_cfg.n_rejected = 0;
+    const char *rej = getenv("FAKECUDA_REJECT_ATTRIBUTES");
+    for (const char *q = rej; q != NULL && *q != '\0' && g_cfg.n_rejected < 8;) {
+        char *end;
+        long a = strtol(q, &end, 10);
+        if (end == q) break;
+        g_cfg.rejected[g_cfg.n_rejected++] = (int)a;
+        q = *end == ',' ? end + 1 : end;
+    }
     if (fc_peer_configure() != NULL) return -2;
     return g_cfg.nvis > 0 ? 0 : -1;
 }
 
-/* Initialize the driver: reads the environment once; FAKECUDA_FAIL_INIT=1 fails it. */
+static void fc_teardown(void *unused);
+int __cxa_atexit(void (*fn)(void *), void *arg, void *dso); /* glibc, C++ ABI */
+
+/* Initialize the driver: reads the environment once; FAKECUDA_FAIL_INIT=1 fails it. The
+ * first success registers the driver's teardown at exit (fc_teardown). */
 FC_API CUresult cuInit(unsigned int flags)
 {
+    CUresult alive = fc_alive(FC_OP_INIT);
+    if (alive != CUDA_SUCCESS) return alive;
     if (flags != 0) return fc_fail(FC_OP_INIT, CUDA_ERROR_INVALID_VALUE, "flags_not_zero");
     if (fc_env_flag("FAKECUDA_FAIL_INIT"))
         return fc_fail(FC_OP_INIT, CUDA_ERROR_NO_DEVICE, "FAKECUDA_FAIL_INIT");
@@ -1066,7 +1136,8 @@ FC_API CUresult cuInit(unsigned int flags)
     if (!atomic_load(&g_inited)) {
         bad = fc_configure();
         if (!bad) {
-            fc_pin_library();
+            /* A NULL DSO handle: exit() runs it, a dlclose of this library does not. */
+            __cxa_atexit(fc_teardown, NULL, NULL);
             atomic_store_explicit(&g_inited, 1, memory_order_release);
         }
     }
@@ -1080,6 +1151,8 @@ FC_API CUresult cuInit(unsigned int flags)
 /* The driver version: 12040 (CUDA 12.4); works before cuInit, like the real one. */
 FC_API CUresult cuDriverGetVersion(int *version)
 {
+    CUresult alive = fc_alive(FC_OP_DRIVER_VERSION);
+    if (alive != CUDA_SUCCESS) return alive;
     if (version == NULL) return fc_fail(FC_OP_DRIVER_VERSION, CUDA_ERROR_INVALID_VALUE, "null");
     *version = (int)fc_env_ull("FAKECUDA_DRIVER_VERSION", 12080);
     fc_log(FC_OP_DRIVER_VERSION, "version=%d", *version);
@@ -1089,6 +1162,8 @@ FC_API CUresult cuDriverGetVersion(int *version)
 /* The name of an error code; unknown codes leave *name NULL and fail. */
 FC_API CUresult cuGetErrorName(CUresult error, const char **name)
 {
+    CUresult alive = fc_alive(FC_OP_ERROR_NAME);
+    if (alive != CUDA_SUCCESS) return alive;
     if (name == NULL) return fc_fail(FC_OP_ERROR_NAME, CUDA_ERROR_INVALID_VALUE, "null");
     const fc_errdesc *d = fc_error(error);
     *name = d != NULL ? d->name : NULL;
@@ -1100,6 +1175,8 @@ FC_API CUresult cuGetErrorName(CUresult error, const char **name)
 /* The description of an error code; unknown codes leave *text NULL and fail. */
 FC_API CUresult cuGetErrorString(CUresult error, const char **text)
 {
+    CUresult alive = fc_alive(FC_OP_ERROR_STRING);
+    if (alive != CUDA_SUCCESS) return alive;
     if (text == NULL) return fc_fail(FC_OP_ERROR_STRING, CUDA_ERROR_INVALID_VALUE, "null");
     const fc_errdesc *d = fc_error(error);
     *text = d != NULL ? d->text : NULL;
@@ -1133,7 +1210,8 @@ FC_API CUresult cuDeviceGet(CUdevice *device, int ordinal)
 }
 
 /* Attributes: unified addressing 1, IPC events 1 (0 with FAKECUDA_NO_IPC_EVENTS), read-only
- * host registration 1, compute mode FAKECUDA_COMPUTE_MODE (0: default), others 0. */
+ * host registration 1, compute mode FAKECUDA_COMPUTE_MODE (0: default), others 0; those in
+ * FAKECUDA_REJECT_ATTRIBUTES are refused. */
 FC_API CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device)
 {
     CUresult rc = fc_need_init(FC_OP_DEVICE_ATTR);
@@ -1141,6 +1219,13 @@ FC_API CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device)
     if (value == NULL) return fc_fail(FC_OP_DEVICE_ATTR, CUDA_ERROR_INVALID_VALUE, "null");
     if (fc_device(device) == NULL)
         return fc_fail(FC_OP_DEVICE_ATTR, CUDA_ERROR_INVALID_DEVICE, "bad_ordinal");
+    /* A driver older than an attribute refuses it: CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED
+     * (125) came with CUDA 12.0, and an 11.x driver's enum ends before it (its MAX is 125);
+     * such a query returns CUDA_ERROR_INVALID_VALUE (FAKECUDA_REJECT_ATTRIBUTES). */
+    for (int i = 0; i < g_cfg.n_rejected; i++)
+        if (g_cfg.rejected[i] == attribute)
+            return fc_fail(FC_OP_DEVICE_ATTR, CUDA_ERROR_INVALID_VALUE,
+                           "attribute_unknown_to_this_driver");
     int v = 0;
     if (attribute == CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) v = 1;
     if (attribute == CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED) v = !g_cfg.no_ipc_events;
@@ -1243,19 +1328,22 @@ FC_API CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
     return CUDA_SUCCESS;
 }
 
-/* Wait until every stream of this process is idle. */
+/* Wait until every stream of the current context is idle: "Blocks until the current
+ * context has completed all preceding requested tasks" (cuCtxSynchronize); streams of other
+ * devices' contexts are not waited for. */
 FC_API CUresult cuCtxSynchronize(void)
 {
     fc_ctx *ctx;
     CUresult rc = fc_current(FC_OP_CTX_SYNC, &ctx);
     if (rc != CUDA_SUCCESS) return rc;
-    if ((rc = fc_capture_forbids_ctx(FC_OP_CTX_SYNC)) != CUDA_SUCCESS) return rc;
+    if ((rc = fc_capture_forbids_ctx(FC_OP_CTX_SYNC, ctx->ordinal)) != CUDA_SUCCESS) return rc;
     size_t n = 0, cap = 0;
     fc_stream **all = NULL;
     pthread_mutex_lock(&g_lock);
     for (fc_stream *s = g_streams; s != NULL; s = s->next) cap++;
     all = cap > 0 ? calloc(cap, sizeof *all) : NULL;
     for (fc_stream *s = g_streams; s != NULL && all != NULL; s = s->next) {
+        if (s->ordinal != ctx->ordinal) continue;
         s->refs++;
         all[n++] = s;
     }
@@ -1266,7 +1354,7 @@ FC_API CUresult cuCtxSynchronize(void)
         fc_stream_put(all[i]);
     }
     free(all);
-    fc_log(FC_OP_CTX_SYNC, "streams=%zu", n);
+    fc_log(FC_OP_CTX_SYNC, "streams=%zu dev=%d", n, ctx->ordinal);
     return CUDA_SUCCESS;
 }
 
@@ -1520,7 +1608,7 @@ FC_API CUresult cuStreamCreate(CUstream *stream, unsigned int flags)
     if (rc != CUDA_SUCCESS) return rc;
     if (stream == NULL || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING) != 0)
         return fc_fail(FC_OP_STREAM_CREATE, CUDA_ERROR_INVALID_VALUE, "bad_argument");
-    fc_stream *s = fc_stream_new(ctx, 0);
+    fc_stream *s = fc_stream_new(ctx, 0, (flags & CU_STREAM_NON_BLOCKING) != 0);
     if (s == NULL) return fc_fail(FC_OP_STREAM_CREATE, CUDA_ERROR_OUT_OF_MEMORY, "thread");
     pthread_mutex_lock(&g_lock);
     s->next = g_streams;
@@ -1580,15 +1668,17 @@ FC_API CUresult cuStreamSynchronize(CUstream stream)
     return CUDA_SUCCESS;
 }
 
-/* Make a stream wait for the event's latest record; an event never recorded is
- * CUDA_ERROR_ILLEGAL_STATE (stricter than the driver, which would not wait). */
+/* Make a stream wait for the event's latest record ("hEvent may be from a different context
+ * or device than hStream"); an event never recorded is CUDA_ERROR_ILLEGAL_STATE (stricter
+ * than the driver, which would not wait). flags: 0, or CU_EVENT_WAIT_EXTERNAL during a
+ * capture of the stream (fc_capture_forbids_wait). */
 FC_API CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags)
 {
     fc_ctx *ctx;
     CUresult rc = fc_current(FC_OP_STREAM_WAIT_EVENT, &ctx);
     if (rc != CUDA_SUCCESS) return rc;
-    if (flags != 0)
-        return fc_fail(FC_OP_STREAM_WAIT_EVENT, CUDA_ERROR_INVALID_VALUE, "flags_not_zero");
+    if (flags != 0 && flags != CU_EVENT_WAIT_EXTERNAL)
+        return fc_fail(FC_OP_STREAM_WAIT_EVENT, CUDA_ERROR_INVALID_VALUE, "unknown_flags");
     fc_stream *st;
     rc = fc_stream_for(FC_OP_STREAM_WAIT_EVENT, stream, ctx, &st);
     if (rc != CUDA_SUCCESS) return rc;
@@ -1596,6 +1686,11 @@ FC_API CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int f
     if (e == NULL) {
         fc_stream_put(st);
         return fc_fail(FC_OP_STREAM_WAIT_EVENT, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    }
+    if ((rc = fc_capture_forbids_wait(FC_OP_STREAM_WAIT_EVENT, st, e, flags)) != CUDA_SUCCESS) {
+        fc_event_put(e);
+        fc_stream_put(st);
+        return rc;
     }
     uint64_t gen = atomic_load_explicit(&e->st->gen, memory_order_acquire);
     fc_op *op = gen != 0 ? calloc(1, sizeof *op) : NULL;
@@ -1708,9 +1803,9 @@ FC_API CUresult cuEventRecord(CUevent event, CUstream stream)
     if (rc != CUDA_SUCCESS) return rc;
     fc_event *e = fc_event_get(event);
     const char *why = e == NULL ? "unknown_event" : NULL;
-    /* The driver: event and stream must belong to the same context. */
-    if (e != NULL && !st->is_default && e->phys != st->phys)
-        why = "event_and_stream_devices_differ";
+    /* "hEvent and hStream must be from the same context otherwise CUDA_ERROR_INVALID_HANDLE
+     * is returned" (cuEventRecord). */
+    if (e != NULL && e->ordinal != st->ordinal) why = "event_and_stream_contexts_differ";
     fc_op *op = why == NULL ? calloc(1, sizeof *op) : NULL;
     if (op == NULL) {
         fc_event_put(e);
@@ -1782,9 +1877,10 @@ FC_API CUresult cuEventSynchronize(CUevent event)
         return rc;
     }
     uint64_t gen = atomic_load_explicit(&e->st->gen, memory_order_acquire);
-    fc_wait_done(&e->st->done, gen);
-    fc_log(FC_OP_EVENT_SYNC, "ev=%s gen=%llu", e->id, (unsigned long long)gen);
+    int torn = fc_wait_done(&e->st->done, gen) != 0;
+    if (!torn) fc_log(FC_OP_EVENT_SYNC, "ev=%s gen=%llu", e->id, (unsigned long long)gen);
     fc_event_put(e);
+    if (torn) return fc_alive(FC_OP_EVENT_SYNC); /* exit() began while it waited */
     return CUDA_SUCCESS;
 }
 
@@ -1866,16 +1962,28 @@ FC_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle, 
     int peer = h.phys != ctx->phys;
     if (peer && !fc_peer_possible(ctx->phys, h.phys))
         return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_PEER_ACCESS_UNSUPPORTED, "no_peer_access");
-    /* Already open here: the same mapping, one more open. */
+    /* Already open here: in the same context, the same mapping, one more open ("If the memory
+     * handle has already been opened by the current context, the reference count on the
+     * handle is incremented by 1 and the existing device pointer is returned"); in another
+     * context, refused: handles "may only be opened by one CUcontext per CUdevice per other
+     * process" (cuIpcOpenMemHandle; the error is not documented: INVALID_CONTEXT here). */
     uint8_t *base = NULL;
+    int other_ctx = -1;
     pthread_mutex_lock(&g_lock);
     for (fc_region *r = g_regions; r != NULL && base == NULL; r = r->next) {
         if (r->ipc && strcmp(r->name, h.name) == 0) {
+            if (r->ordinal != ctx->ordinal) {
+                other_ctx = r->ordinal;
+                break;
+            }
             r->opens++;
             base = r->base;
         }
     }
     pthread_mutex_unlock(&g_lock);
+    if (other_ctx >= 0)
+        return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_CONTEXT,
+                       "already_open_in_another_context_of_this_process");
     if (base != NULL) {
         *dptr = (CUdeviceptr)(uintptr_t)base;
         fc_log(FC_OP_IPC_OPEN_MEM, "name=%s ptr=%p cached=1 peer=%d bytes=%llu", h.name,
@@ -1909,7 +2017,7 @@ FC_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle, 
     pthread_mutex_lock(&g_lock);
     for (fc_region *o = g_regions; o != NULL && dup == NULL; o = o->next) {
         if (o->ipc && strcmp(o->name, h.name) == 0) {
-            o->opens++;
+            if (o->ordinal == ctx->ordinal) o->opens++;
             dup = o;
         }
     }
@@ -1918,10 +2026,14 @@ FC_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle, 
         g_regions = r;
     }
     base = dup != NULL ? dup->base : r->base;
+    int dup_elsewhere = dup != NULL && dup->ordinal != ctx->ordinal;
     pthread_mutex_unlock(&g_lock);
     if (dup != NULL) {
         munmap(p, h.size);
         free(r);
+        if (dup_elsewhere)
+            return fc_fail(FC_OP_IPC_OPEN_MEM, CUDA_ERROR_INVALID_CONTEXT,
+                           "already_open_in_another_context_of_this_process");
     } else {
         fc_imports_add(h.name);
     }
@@ -2227,62 +2339,118 @@ static void fc_join_part_done(fc_join *j)
     free(j);
 }
 
-/* Invalidate the capture (caller holds g_lock) and return op's logged failure. */
-static CUresult fc_capture_invalidate_locked(fc_opcode op, const char *why)
+/* Invalidate the capture (caller holds g_lock) and return op's logged failure rc.
+ * "When an invalid operation is attempted during stream capture, any associated capture
+ * graphs are invalidated" (CUDA Programming Guide, stream capture, Invalidation). */
+static CUresult fc_capture_invalidate_locked(fc_opcode op, CUresult rc, const char *why)
 {
     g_capture_invalid = 1;
     pthread_mutex_unlock(&g_lock);
     fc_log(FC_OP_CAPTURE_INVALIDATED, "op=%s why=%s", fc_op_names[op], why);
-    CUresult rc = fc_fail(op, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, why);
+    rc = fc_fail(op, rc, why);
     pthread_mutex_lock(&g_lock);
     return rc;
 }
 
-/* cuCtxSynchronize, cuCtxRecordEvent: not while any stream captures (they would wait for
- * or include the capturing stream); the capture is invalidated. */
-static CUresult fc_capture_forbids_ctx(fc_opcode op)
+/* cuCtxSynchronize, cuCtxRecordEvent on the context of device ordinal: not while a stream
+ * of that context captures, from any thread ("It is also invalid to query the execution
+ * status of or synchronize a broader handle which encompasses an active stream capture,
+ * such as a device or context handle when any associated stream is in capture mode",
+ * Programming Guide; cuCtxRecordEvent: "will return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+ * if the specified context hCtx has a stream in the capture mode. In such a case, the call
+ * will invalidate all the conflicting captures"). Another context's capture is no concern. */
+static CUresult fc_capture_forbids_ctx(fc_opcode op, int ordinal)
 {
     CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&g_lock);
-    if (g_capture != NULL) rc = fc_capture_invalidate_locked(op, "context_call_during_capture");
+    if (g_capture != NULL && g_capture->ordinal == ordinal)
+        rc = fc_capture_invalidate_locked(op, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                                          "context_call_during_capture");
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
 
-/* A synchronize of the capturing stream itself. */
+/* A synchronize of the capturing stream itself ("It is invalid to synchronize or query the
+ * execution status of a stream which is being captured"). */
 static CUresult fc_capture_forbids_stream(fc_opcode op, const fc_stream *s)
 {
     CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&g_lock);
-    if (g_capture != NULL && (g_capture == s || s->is_default))
-        rc = fc_capture_invalidate_locked(op, "sync_of_capturing_stream");
+    if (g_capture != NULL && g_capture == s)
+        rc = fc_capture_invalidate_locked(op, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                                          "sync_of_capturing_stream");
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
 
-/* A sync or query of an event recorded on the capturing stream during the capture. */
+/* Any use of the legacy stream s while a blocking stream of its context captures: "When a
+ * blocking stream is capturing, the legacy stream is in an unusable state until the
+ * blocking stream capture is terminated. The legacy stream is not supported for stream
+ * capture, but attempted use would have an implicit dependency on the capturing stream(s)"
+ * (cuStreamIsCapturing); CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: "a disallowed implicit
+ * dependency on a current capture sequence from cudaStreamLegacy". */
+static CUresult fc_capture_forbids_legacy(fc_opcode op, const fc_stream *s)
+{
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    if (s->is_default && g_capture != NULL && g_capture->ordinal == s->ordinal &&
+        !g_capture->nonblocking)
+        rc = fc_capture_invalidate_locked(op, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+                                          "legacy_stream_during_blocking_capture");
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* A sync or query of an event recorded on the capturing stream during the capture:
+ * CUDA_ERROR_CAPTURED_EVENT, "the operation is not permitted on an event which was last
+ * recorded in a capturing stream". */
 static CUresult fc_capture_forbids_event(fc_opcode op, fc_event *e)
 {
     CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&g_lock);
     if (g_capture != NULL && e->captured)
-        rc = fc_capture_invalidate_locked(op, "sync_of_captured_event");
+        rc = fc_capture_invalidate_locked(op, CUDA_ERROR_CAPTURED_EVENT,
+                                          "sync_of_captured_event");
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* A wait of stream s on event e with flags: CU_EVENT_WAIT_EXTERNAL only during s's capture
+ * ("This flag is invalid outside of stream capture"), and a capturing stream may not wait
+ * without it on an event recorded outside the capture ("It is invalid to wait on a
+ * non-captured event from a stream which is being captured without specifying the
+ * cudaEventWaitExternal flag", Programming Guide): CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+ * "a dependency would have been created which crosses the capture sequence boundary". */
+static CUresult fc_capture_forbids_wait(fc_opcode op, const fc_stream *s, const fc_event *e,
+                                        unsigned flags)
+{
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    int capturing = g_capture != NULL && g_capture == s;
+    if (flags == CU_EVENT_WAIT_EXTERNAL && !capturing) {
+        pthread_mutex_unlock(&g_lock);
+        return fc_fail(op, CUDA_ERROR_INVALID_VALUE, "WAIT_EXTERNAL_outside_capture");
+    }
+    if (capturing && !e->captured && flags != CU_EVENT_WAIT_EXTERNAL)
+        rc = fc_capture_invalidate_locked(op, CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+                                          "wait_on_event_from_outside_the_capture");
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
 
 /* A call unsafe during capture (cuMemFree): refused unless the modes allow it. GLOBAL
  * capture: any thread not RELAXED; THREAD_LOCAL: the capturing thread, unless RELAXED;
- * RELAXED capture: none. */
+ * RELAXED capture: none (cuThreadExchangeStreamCaptureMode's description of the modes). */
 static CUresult fc_capture_forbids_unsafe(fc_opcode op)
 {
     CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&g_lock);
     if (g_capture != NULL && t_capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED &&
         (g_capture_mode == CU_STREAM_CAPTURE_MODE_GLOBAL ||
-         (g_capture_mode == FC_CAPTURE_MODE_THREAD_LOCAL &&
+         (g_capture_mode == CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
           pthread_equal(g_capture_thread, pthread_self()))))
-        rc = fc_capture_invalidate_locked(op, "unsafe_call_during_capture");
+        rc = fc_capture_invalidate_locked(op, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                                          "unsafe_call_during_capture");
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
@@ -2291,12 +2459,12 @@ static CUresult fc_capture_forbids_unsafe(fc_opcode op)
 static void fc_capture_note_record(fc_event *e, const fc_stream *s)
 {
     pthread_mutex_lock(&g_lock);
-    e->captured = g_capture != NULL && (g_capture == s || s->is_default);
+    e->captured = g_capture != NULL && g_capture == s;
     pthread_mutex_unlock(&g_lock);
 }
 
-/* Record in event the completion of all work queued so far on every stream of this
- * process (the double has one context per device, and its streams are the process's). */
+/* Record in event the completion of all work queued so far on every stream of the context
+ * hctx in this process (the double has one context per device). */
 FC_API CUresult cuCtxRecordEvent(CUcontext hctx, CUevent event)
 {
     CUresult rc = fc_need_init(FC_OP_CTX_RECORD_EVENT);
@@ -2307,10 +2475,20 @@ FC_API CUresult cuCtxRecordEvent(CUcontext hctx, CUevent event)
     if (!known || atomic_load(&c->refs) <= 0)
         return fc_fail(FC_OP_CTX_RECORD_EVENT, CUDA_ERROR_INVALID_CONTEXT,
                        "not_a_retained_context");
-    if ((rc = fc_capture_forbids_ctx(FC_OP_CTX_RECORD_EVENT)) != CUDA_SUCCESS) return rc;
     fc_event *e = fc_event_get(event);
     if (e == NULL)
         return fc_fail(FC_OP_CTX_RECORD_EVENT, CUDA_ERROR_INVALID_HANDLE, "unknown_event");
+    /* "hEvent and hCtx must be from the same CUDA context, otherwise
+     * CUDA_ERROR_INVALID_HANDLE will be returned." */
+    if (e->ordinal != c->ordinal) {
+        fc_event_put(e);
+        return fc_fail(FC_OP_CTX_RECORD_EVENT, CUDA_ERROR_INVALID_HANDLE,
+                       "event_of_another_context");
+    }
+    if ((rc = fc_capture_forbids_ctx(FC_OP_CTX_RECORD_EVENT, c->ordinal)) != CUDA_SUCCESS) {
+        fc_event_put(e);
+        return rc;
+    }
     fc_join *j = calloc(1, sizeof *j);
     size_t n = 0, cap = 0;
     fc_stream **all = NULL;
@@ -2318,6 +2496,7 @@ FC_API CUresult cuCtxRecordEvent(CUcontext hctx, CUevent event)
     for (fc_stream *s = g_streams; s != NULL; s = s->next) cap++;
     all = cap > 0 ? calloc(cap, sizeof *all) : NULL;
     for (fc_stream *s = g_streams; s != NULL && all != NULL; s = s->next) {
+        if (s->ordinal != c->ordinal) continue; /* the given context's streams only */
         s->refs++;
         all[n++] = s;
     }
@@ -2344,15 +2523,54 @@ FC_API CUresult cuCtxRecordEvent(CUcontext hctx, CUevent event)
         fc_stream_put(all[i]);
     }
     free(all);
-    fc_log(FC_OP_CTX_RECORD_EVENT, "ev=%s gen=%llu streams=%zu", e->id,
-           (unsigned long long)j->gen, n);
+    fc_log(FC_OP_CTX_RECORD_EVENT, "ev=%s gen=%llu streams=%zu dev=%d", e->id,
+           (unsigned long long)j->gen, n, c->ordinal);
     fc_join_part_done(j);
+    return CUDA_SUCCESS;
+}
+
+/* The capture status of a stream: ACTIVE (INVALIDATED once invalidated) for the capturing
+ * stream, NONE for others; for the legacy stream while a blocking stream of its context
+ * captures, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT without invalidating anything: "if this is
+ * called on CU_STREAM_LEGACY (the "null stream") while a blocking stream in the same
+ * context is capturing, it will return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT and
+ * *captureStatus is unspecified after the call. The blocking stream capture is not
+ * invalidated." (cuStreamIsCapturing). */
+FC_API CUresult cuStreamIsCapturing(CUstream stream, int *status)
+{
+    fc_ctx *ctx;
+    CUresult rc = fc_current(FC_OP_STREAM_IS_CAPTURING, &ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (status == NULL)
+        return fc_fail(FC_OP_STREAM_IS_CAPTURING, CUDA_ERROR_INVALID_VALUE, "null");
+    fc_stream *st = fc_stream_get(stream, ctx);
+    if (st == NULL)
+        return fc_fail(FC_OP_STREAM_IS_CAPTURING, CUDA_ERROR_INVALID_HANDLE, "unknown_stream");
+    int implicit = 0, v = CU_STREAM_CAPTURE_STATUS_NONE;
+    pthread_mutex_lock(&g_lock);
+    if (g_capture != NULL && g_capture == st)
+        v = g_capture_invalid ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                              : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    else if (st->is_default && g_capture != NULL && g_capture->ordinal == st->ordinal &&
+             !g_capture->nonblocking)
+        implicit = 1;
+    pthread_mutex_unlock(&g_lock);
+    char id[sizeof st->id];
+    memcpy(id, st->id, sizeof id);
+    fc_stream_put(st);
+    if (implicit)
+        return fc_fail(FC_OP_STREAM_IS_CAPTURING, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+                       "legacy_stream_during_blocking_capture");
+    *status = v;
+    fc_log(FC_OP_STREAM_IS_CAPTURING, "stream=%s status=%d", id, v);
     return CUDA_SUCCESS;
 }
 
 /* Swap the calling thread's capture mode. */
 FC_API CUresult cuThreadExchangeStreamCaptureMode(int *mode)
 {
+    CUresult alive = fc_alive(FC_OP_EXCHANGE_CAPTURE_MODE);
+    if (alive != CUDA_SUCCESS) return alive;
     if (mode == NULL)
         return fc_fail(FC_OP_EXCHANGE_CAPTURE_MODE, CUDA_ERROR_INVALID_VALUE, "null");
     int old = t_capture_mode;
@@ -2418,6 +2636,11 @@ FC_API CUresult fakecuda_begin_capture(CUstream s, int mode)
     fc_stream *st;
     rc = fc_stream_for(FC_OP_BEGIN_CAPTURE, s, ctx, &st);
     if (rc != CUDA_SUCCESS) return rc;
+    if (st->is_default) { /* "Capture may not be initiated if stream is CU_STREAM_LEGACY" */
+        fc_stream_put(st);
+        return fc_fail(FC_OP_BEGIN_CAPTURE, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                       "legacy_stream");
+    }
     pthread_mutex_lock(&g_lock);
     int busy = g_capture != NULL;
     if (!busy) {
@@ -2438,6 +2661,8 @@ FC_API CUresult fakecuda_begin_capture(CUstream s, int mode)
 /* End the capture of s: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED if something invalidated it. */
 FC_API CUresult fakecuda_end_capture(CUstream s)
 {
+    CUresult alive = fc_alive(FC_OP_END_CAPTURE);
+    if (alive != CUDA_SUCCESS) return alive;
     fc_stream *st = NULL;
     int invalid = 0;
     pthread_mutex_lock(&g_lock);
@@ -2458,10 +2683,16 @@ FC_API CUresult fakecuda_end_capture(CUstream s)
  * Process exit
  * ========================================================================== */
 
-/* At exit, unlink the shm objects this process still owns: device memory of a
- * process that ends is gone, as on a real GPU (a killed process leaves them). */
-__attribute__((destructor)) static void fc_at_exit(void)
+/* The driver's teardown, run by exit() (registered by the first cuInit): from here on every
+ * call returns CUDA_ERROR_DEINITIALIZED (fc_alive), as the real driver's do once "the CUDA
+ * driver is in the process of shutting down"; the shm objects this process still owns are
+ * unlinked: the device memory of a process that ends is gone, as on a real GPU (a killed
+ * process leaves them). */
+static void fc_teardown(void *unused)
 {
+    (void)unused;
+    if (atomic_exchange(&g_deinit, 1)) return;
+    fc_log(FC_OP_TEARDOWN, "pid=%d", (int)getpid());
     pid_t me = getpid();
     pthread_mutex_lock(&g_lock);
     for (fc_region *r = g_regions; r != NULL; r = r->next)
@@ -2472,4 +2703,25 @@ __attribute__((destructor)) static void fc_at_exit(void)
     for (fc_event *e = g_events; e != NULL; e = e->next)
         if (e->ipc && !e->opened && e->creator == me) shm_unlink(e->id);
     pthread_mutex_unlock(&g_lock);
+}
+
+/* Test-only: what exit() does to the driver, now (a test then sees the calls after it). */
+FC_API void fakecuda_teardown(void)
+{
+    fc_teardown(NULL);
+}
+
+/* The library is unmapped (dlclose) or the process ends (after fc_teardown). Unloaded after
+ * cuInit while the process lives, the real driver's exit handlers and threads would run
+ * unmapped code: a crash, later (JuliaGPU/CUDA.jl#1848). The double makes it immediate and
+ * named. */
+__attribute__((destructor)) static void fc_unloaded(void)
+{
+    if (!atomic_load(&g_inited) || atomic_load(&g_deinit)) return;
+    fc_log(FC_OP_UNLOADED, "pid=%d", (int)getpid());
+    static const char msg[] = "fakecuda: the driver library was unloaded (dlclose) after cuInit "
+                              "in a living process: its exit handler would run unmapped code\n";
+    ssize_t w = write(2, msg, sizeof msg - 1);
+    (void)w;
+    abort();
 }
