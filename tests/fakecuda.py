@@ -245,12 +245,14 @@ class DeviceTensor:
 
 def deliver_device_tensors(delivery: Any, stream: Any) -> None:
     """Make tensorsocket.data.delivery (the module) export each batch's device leaves as
-    DeviceTensors, made to wait for the producer's copy on stream."""
+    DeviceTensors on stream, and report stream as this thread's current one (what torch's
+    current stream is to a consumer on a GPU)."""
     def device_tensors(slot: Any, device: Any) -> list:
         caps = slot.capsules(versioned=True, device=True, stream=stream)
         return [DeviceTensor(c, v) for c, v in zip(caps, slot.views(device=True))]
 
     delivery._device_tensors = device_tensors
+    delivery.current_stream = lambda device: stream
 
 
 @contextlib.contextmanager

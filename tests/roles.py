@@ -354,6 +354,7 @@ def _consume(a: argparse.Namespace) -> dict:
         fake_gpu = FakeGpu(a.kernel_delay_us)
         tensorsocket.data.delivery._device_tensor = fake_gpu.tensor
         tensorsocket.data.delivery._device_tensors = fake_gpu.tensors
+        tensorsocket.data.delivery.current_stream = lambda device: fake_gpu.stream
     c = _open(a)
     info = c.ring.info()
     lo, hi = info["data_address"], info["data_address"] + info["data_bytes"]

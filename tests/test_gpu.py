@@ -57,8 +57,9 @@ def _expected(epochs=EPOCHS):
 
 
 def test_gpu_ring_protocol(procs, name, gpu_env):
-    """One copy per batch for all consumers; handles exported and opened once per slot;
-    consumers ordered after the copy; no slot reused under a consumer's kernel."""
+    """One copy per batch for all consumers; memory handles exported and opened once per
+    slot; each copy waited for before its slot is published (so a consumer waits on no
+    event of the producer's); no slot reused under a consumer's kernel."""
     prod, (slow, fast) = _run(
         procs, name, gpu_env, producer=("--device", "cuda:0"),
         consumers=(("--gpu-double", "--kernel-delay-us", "3000"), ("--gpu-double",)))
@@ -75,8 +76,8 @@ def test_gpu_ring_protocol(procs, name, gpu_env):
     log = fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
     ppid = int(prod_pid(log, "ipc_get_mem"))
     ops = Counter((line.pid == ppid, line.op) for line in log)
-    # Exported once per slot, by the producer.
-    assert ops[(True, "ipc_get_mem")] == SLOTS and ops[(True, "ipc_get_event")] == SLOTS
+    # Exported once per slot, by the producer; no interprocess event at all.
+    assert ops[(True, "ipc_get_mem")] == SLOTS and ops[(True, "ipc_get_event")] == 0
     # One host-to-device copy per batch, whatever the number of consumers.
     assert ops[(True, "htod")] == BATCHES * EPOCHS
     assert ops[(False, "htod")] == 0
@@ -85,26 +86,23 @@ def test_gpu_ring_protocol(procs, name, gpu_env):
     per_consumer = Counter(line.pid for line in opens)
     assert sorted(per_consumer.values()) == [SLOTS, SLOTS]
     assert all(line["cached"] == "0" for line in opens)
-    ev_opens = Counter(line.pid for line in log if line.op == "ipc_open_event")
-    assert sorted(ev_opens.values()) == [SLOTS, SLOTS]
-    # Publish order: each consumer wait is on a generation the producer recorded earlier.
-    recorded = set()
-    waits = 0
-    for line in log:
-        if line.op == "event_record" and line.pid == ppid:
-            recorded.add((line["ev"], line["gen"]))
-        elif line.op == "stream_wait_event" and line.pid != ppid:
-            waits += 1
-            assert (line["ev"], line["gen"]) in recorded, line
-    # One wait per batch and consumer: both tensors of a batch share the slot's lease and
-    # the consumer's stream, and a stream that already waits for the copy needs no more.
-    assert waits == 2 * BATCHES * EPOCHS
+    assert [line for line in log if line.op in ("ipc_open_event", "stream_wait_event")] == []
+    # Publish order: every copy's event is waited for by the producer before the next
+    # operation of its (a publish returns only once the batch is on the device).
+    records = [line for line in log if line.op == "event_record" and line.pid == ppid]
+    syncs = {(line["ev"], line["gen"]) for line in log
+             if line.op == "event_sync" and line.pid == ppid}
+    assert len(records) == (BATCHES + 1) * EPOCHS  # the batches and the ends of epochs
+    assert all((line["ev"], line["gen"]) in syncs for line in records)
+    # The consumers' releases: events recorded on their own stream, no context-wide call.
+    assert [line for line in log if line.op in ("ctx_record_event", "ctx_sync")] == []
     assert [line for line in log if line.op == "fail"] == []
 
 
 def test_all_tensor_batches_are_exported_in_one_call(procs, name, gpu_env):
     """A batch of torch tensors only is exported with one Slot.capsules call on the
-    consumer's stream: one wait per batch, and still no slot reused under a kernel."""
+    consumer's stream, which makes no driver call (no wait: the batch was whole before it
+    was published), and still no slot is reused under a kernel."""
     prod, (c,) = _run(
         procs, name, gpu_env, producer=("--device", "cuda:0", "--kind", "tuple"),
         consumers=(("--gpu-double", "--kernel-delay-us", "3000", "--kind", "tuple"),))
@@ -114,9 +112,7 @@ def test_all_tensor_batches_are_exported_in_one_call(procs, name, gpu_env):
     assert c["batch_exports"] == BATCHES * EPOCHS
     assert c["kernel_reads"] == BATCHES * EPOCHS * 2 and c["kernel_mismatches"] == 0
     log = fakecuda.parse_log(gpu_env["FAKECUDA_LOG"])
-    ppid = int(prod_pid(log, "ipc_get_mem"))
-    waits = [line for line in log if line.op == "stream_wait_event" and line.pid != ppid]
-    assert len(waits) == BATCHES * EPOCHS
+    assert [line for line in log if line.op == "stream_wait_event"] == []
     assert [line for line in log if line.op == "fail"] == []
 
 
@@ -129,7 +125,6 @@ def prod_pid(log, op):
 
 @pytest.mark.parametrize("fault,expect", [
     ({"FAKECUDA_MIG": "1"}, "CUDA IPC is not supported on GPU 0"),
-    ({"FAKECUDA_NO_IPC_EVENTS": "1"}, "does not support CUDA IPC events"),
     ({"TENSORSOCKET_LIBCUDA": "/nonexistent/libcuda.so.1"}, "could not be loaded"),
     ({"FAKECUDA_FAIL_INIT": "1"}, "cuInit failed"),
     ({"FAKECUDA_COMPUTE_MODE": "3"}, "compute mode EXCLUSIVE_PROCESS"),
@@ -165,8 +160,6 @@ def test_producer_without_fallback_raises(procs, name, gpu_env):
 @pytest.mark.parametrize("fault,expect", [
     ({"FAKECUDA_FAIL_INIT": "1"}, "cuInit failed"),
     # any driver call that fails while the consumer opens the ring
-    ({"FAKECUDA_FAIL_OP": "ipc_open_event"}, "cuIpcOpenEventHandle of a ring slot: "
-                                             "CUDA_ERROR_NOT_SUPPORTED"),
     ({"FAKECUDA_FAIL_OP": "ipc_open_mem", "FAKECUDA_FAIL_CODE": "999"},
      "cuIpcOpenMemHandle of a ring slot: CUDA_ERROR_UNKNOWN"),
     ({"FAKECUDA_FAIL_OP": "ctx_retain"}, "cuDevicePrimaryCtxRetain: CUDA_ERROR_NOT_SUPPORTED"),

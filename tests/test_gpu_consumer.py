@@ -35,7 +35,11 @@ def test_pinned_for_the_current_gpu(procs, name, gpu_env):  # noqa: F811
     retained = {line["dev"] for line in fakecuda.select(log, "ctx_retain")}
     assert retained == {"1"}, f"pinned through GPU(s) {sorted(retained)}, not the current 1"
     assert len(fakecuda.select(log, "host_register")) == 1
-    assert fakecuda.select(log, "ctx_record_event"), "no release was ordered on a GPU"
+    # Torch never used CUDA in this consumer (no current stream to name): the releases
+    # wait for GPU 1's legacy default stream.
+    assert fakecuda.select(log, "event_record", stream="default1"), \
+        "no release was ordered on GPU 1"
+    assert fakecuda.select(log, "ctx_record_event") == []
 
 
 PREFETCH = r'''
@@ -128,7 +132,7 @@ class _HostRing:
 
     def __init__(self) -> None:
         self.pinned_on: list = []
-        self.flushes = 0
+        self.flushes: list = []  # (wait_ms, stream) of each flush
 
     def info(self) -> dict:
         from tensorsocket import _core
@@ -138,37 +142,30 @@ class _HostRing:
     def pin_host(self, device: int) -> None:
         self.pinned_on.append(device)
 
-    def flush_releases(self, wait_ms: int = 0) -> bool:
-        self.flushes += 1
-        return False
+    def flush_releases(self, wait_ms: int = 0, stream: int | None = None) -> None:
+        self.flushes.append((wait_ms, stream))
 
 
-def test_capture_checked_on_the_pinned_gpu(monkeypatch):
-    """The capture check before a flush looks at the GPU the host ring was page-locked
-    for (torch's current device here, device="cpu"): while a graph is captured there,
-    releases are not flushed (a context-wide event would break the capture)."""
-    import contextlib
-
+def test_releases_follow_the_current_stream_of_the_pinned_gpu(monkeypatch):
+    """A flush names torch's current stream on the GPU the host ring was page-locked for
+    (torch's current device here, device="cpu"): the releases wait for the copies queued
+    there (x.cuda(non_blocking=True) queues on the current stream); nothing is asked of the
+    whole context, so a capture on any thread is left alone (issue 34)."""
     import torch
 
+    from tensorsocket.data import delivery as delivery_module
     from tensorsocket.data.delivery import Delivery
-
-    checked_on = []
-
-    @contextlib.contextmanager
-    def on(device):
-        checked_on.append(torch.device(device))
-        yield
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device", on)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(delivery_module, "_raw_stream", lambda index: 0x7000 + index)
     ring = _HostRing()
     delivery = Delivery("cpu", copy=False, pin_memory=True, peer_access=True)
     delivery.attach(ring)
     assert ring.pinned_on == [1] and delivery.device == "cpu"
     delivery.flush_releases(ring)
-    assert checked_on == [torch.device("cuda", 1)]
-    assert ring.flushes == 0, "flushed during a capture on the pinned GPU"
+    assert ring.flushes == [(0, 0x7001)]
+    monkeypatch.setattr(delivery_module, "_raw_stream", lambda index: 0)  # legacy stream
+    delivery.flush_releases(ring, 30)
+    assert ring.flushes[-1] == (30, 1)

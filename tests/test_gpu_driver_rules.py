@@ -208,9 +208,14 @@ elif scenario == "pidfd":
         b = next(it)
         del b
     print("MARK-END", flush=True)
-for _ in it:
-    pass
+for batch in it:
+    del batch
 c.close()
+# The ring handle (and its pidfd) goes once the last batch's deferred release is done (the
+# release thread flushes by itself after close).
+deadline = time.monotonic() + 30
+while pidfds() and time.monotonic() < deadline:
+    time.sleep(0.01)
 out["pidfds_after_close"] = pidfds()
 emit(out)
 '''

@@ -218,11 +218,11 @@ def test_late_gpu_release_leaves_the_new_consumers_hold(fake_lib, tmp_path):
     env = {"TENSORSOCKET_LIBCUDA": str(fake_lib), "FAKECUDA_LOG": str(log),
            "FAKECUDA_OP_DELAY_US": "200", "FAKECUDA_TESTS": str(Path(__file__).parent)}
     old = _late_release(env, "device")
-    # A's release went the deferred way: after the slow kernel, an event recorded for the
-    # whole context at the flush and waited for by the release thread.
+    # A's release went the deferred way: after the slow kernel, an event recorded on its
+    # stream at the flush and waited for by the release thread.
     ops = [line.op for line in fakecuda.select(fakecuda.parse_log(log), pid=old)]
     after = ops[len(ops) - ops[::-1].index("launch_read"):]
-    assert "ctx_record_event" in after and "event_sync" in after, after
+    assert "event_record" in after and "event_sync" in after, after
     pids = {line.pid for line in fakecuda.parse_log(log)}
     left = [o for o in fakecuda.shm_objects() if int(o.rsplit("-", 2)[1]) in pids]
     assert left == [], f"device memory or events left behind: {left}"

@@ -126,10 +126,12 @@ def test_ring_and_export_reach_the_gpu_only_through_ts_device(name):
 
 def test_only_the_cuda_backend_includes_the_driver_table():
     """device/ts_cuda_api.h (the CUDA driver API, dlopen'ed) is included by the CUDA
-    backend (ts_device_cuda.c) and the table itself (ts_cuda_api.c) only."""
+    backend (ts_device_cuda.c and its release queue, ts_cuda_release.[ch]) and the table
+    itself (ts_cuda_api.c) only."""
     users = {name for name, local in _header_graph().items()
              if "device/ts_cuda_api.h" in local}
-    assert users == {"device/ts_cuda_api.c", "device/ts_device_cuda.c"}, users
+    assert users == {"device/ts_cuda_api.c", "device/ts_device_cuda.c",
+                     "device/ts_cuda_release.h"}, users
 
 
 def test_no_include_cycle_between_modules():

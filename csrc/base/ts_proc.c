@@ -4,6 +4,9 @@
 
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+
+#include <poll.h>
 
 #include <errno.h>
 #include <fcntl.h>
@@ -130,6 +133,45 @@ ts_proc_state ts_proc_check(pid_t pid, uint64_t start_time)
 int ts_proc_alive(pid_t pid, uint64_t start_time)
 {
     return ts_proc_check(pid, start_time) != TS_PROC_DEAD;
+}
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434 /* the same number on every architecture (Linux 5.3) */
+#endif
+
+/* A pidfd of pid, checked against start_time (see ts_proc.h). */
+int ts_proc_pidfd(pid_t pid, uint64_t start_time)
+{
+    if (pid <= 0) return -1;
+    int fd = (int)syscall(SYS_pidfd_open, pid, 0); /* close-on-exec, by the kernel */
+    if (fd < 0) return -1;
+    /* Opened first, checked second: a process that still has pid and the start time it
+     * had before the open is the one the fd names. */
+    if (ts_proc_check(pid, start_time) != TS_PROC_ALIVE) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Whether the process of a pidfd still runs (see ts_proc.h). */
+int ts_proc_pidfd_alive(int fd)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int n;
+    do {
+        n = poll(&p, 1, 0);
+    } while (n < 0 && errno == EINTR);
+    return n <= 0 || !(p.revents & (POLLIN | POLLHUP));
+}
+
+/* Whether pid exists and is no zombie, whatever its start time (see ts_proc.h). */
+int ts_proc_pid_alive(pid_t pid)
+{
+    ts_proc_stat st;
+    if (pid <= 0) return 0;
+    if (ts_proc_read_stat(pid, &st) == 0) return st.state != 'Z' && st.state != 'X';
+    return !(kill(pid, 0) != 0 && errno == ESRCH);
 }
 
 /* Inode of this process's PID namespace, or 0. */

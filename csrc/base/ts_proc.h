@@ -41,6 +41,22 @@ ts_proc_state ts_proc_check(pid_t pid, uint64_t start_time);
  * ring, or another process under a reused pid), else 1: unknown counts as alive. */
 int ts_proc_alive(pid_t pid, uint64_t start_time);
 
+/* A pidfd of the process pid that started at start_time (pidfd_open(2), its start time
+ * checked after the open, so that the fd names that process and not a later one under a
+ * reused pid): the fd (close-on-exec), or -1 where there is none (a kernel or sandbox
+ * without pidfd_open, no fd left, or the process gone): callers fall back to ts_proc_alive.
+ * A pidfd "is a stable reference" and "becomes readable when the process exits"
+ * (pidfd_open(2)): one poll per check, no /proc read. */
+int ts_proc_pidfd(pid_t pid, uint64_t start_time);
+
+/* Whether the process of a ts_proc_pidfd fd still runs: 0 once it exited (a zombie
+ * included), 1 otherwise (an error of poll says nothing of the process: alive). */
+int ts_proc_pidfd_alive(int fd);
+
+/* Whether process pid exists and is no zombie, whatever its start time (for a record whose
+ * start time is not written yet): 1, or 0 if it is known to be gone. */
+int ts_proc_pid_alive(pid_t pid);
+
 /* Inode of this process's PID namespace (/proc/self/ns/pid), or 0. Two
  * processes with different values cannot share CUDA IPC handles. */
 uint64_t ts_proc_pid_ns(void);

@@ -366,8 +366,9 @@ static PyObject *ts_py_cuda_status(PyObject *module, PyObject *Py_UNUSED(ignored
     for (int i = 0; devices != NULL && i < count; i++) {
         ts_device_desc desc;
         if (device->describe(driver, i, &desc) != 0) continue;
+        PyObject *ipc = desc.ipc_events < 0 ? Py_None : desc.ipc_events ? Py_True : Py_False;
         PyObject *d = Py_BuildValue("{sisssssO}", "ordinal", i, "name", desc.name, "uuid",
-                                    desc.uuid, "ipc_events", desc.ipc_events ? Py_True : Py_False);
+                                    desc.uuid, "ipc_events", ipc);
         if (d == NULL || PyList_Append(devices, d) < 0) Py_CLEAR(devices);
         Py_XDECREF(d);
     }

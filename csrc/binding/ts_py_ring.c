@@ -238,34 +238,57 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-/* Ring.flush_releases(wait_ms=0) -> bool: hand the GPU releases queued by dropped views to
- * the release thread, after all work queued so far on this process's GPU context (never
- * call it during a CUDA-graph capture); with wait_ms, also wait for them to finish. True if
- * the driver has no cuCtxRecordEvent and the context was synchronized instead. A failed
- * release of an earlier flush raises here; a flush refused by a capture on another thread
- * leaves the releases queued for the next call, and does not raise. */
+/* Ring.flush_releases(wait_ms=0, stream=None): hand the GPU releases queued by dropped
+ * views to the release thread, each after the work queued so far on the streams its views
+ * were used on and on `stream` (the DLPack number of the calling thread's current stream on
+ * the consumer's GPU; None if unknown); with wait_ms, also wait for them to finish. A failed
+ * release of an earlier flush raises here; a release whose stream is being captured (CUDA
+ * graphs) stays queued for a later call, and nothing is raised. */
 static PyObject *Ring_flush_releases(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
                                      PyObject *kwnames)
 {
-    static const char *const names[] = {"wait_ms"};
-    PyObject *a[1];
+    static const char *const names[] = {"wait_ms", "stream"};
+    PyObject *a[2];
     uint32_t wait_ms = 0;
-    if (ts_py_args("flush_releases", args, nargs, kwnames, names, 1, 1, 0, a) < 0 ||
+    long long stream = 0;
+    if (ts_py_args("flush_releases", args, nargs, kwnames, names, 2, 2, 0, a) < 0 ||
         ts_py_u32(a[0], &wait_ms) < 0 || ts_ring_check(self) < 0)
         return NULL;
+    if (a[1] != NULL && a[1] != Py_None) {
+        stream = PyLong_AsLongLong(a[1]);
+        if (stream == -1 && PyErr_Occurred()) return NULL;
+        if (stream == 0 || stream < -1) {
+            PyErr_Format(PyExc_ValueError,
+                         "stream=%lld is not a DLPack CUDA stream (1: legacy default, 2: "
+                         "per-thread default, a cudaStream_t, or -1)",
+                         stream);
+            return NULL;
+        }
+    }
     ts_ring *ring = self->ring;
-    int synced = 0;
     ts_err err = {0};
     ts_status st;
     /* Our own reference while the GIL is released: another thread's close() may drop the
      * handle's meanwhile, and the ring's last reference frees dev (as Ring_acquire does). */
     ts_ring_ref(ring);
     Py_BEGIN_ALLOW_THREADS
-    st = ts_ring_flush_releases(ring, wait_ms, &synced, &err);
+    st = ts_ring_flush_releases(ring, (int64_t)stream, wait_ms, &err);
     ts_ring_unref(ring);
     Py_END_ALLOW_THREADS
-    if (st != TS_OK) return ts_py_raise(ts_py_state((PyObject *)self), &err);
-    return PyBool_FromLong(synced);
+    return ts_done(self, st, &err);
+}
+
+/* Ring.seal_pool() -> int: producer of a GPU ring: no import begins from now on, and the
+ * live processes that map the pool, once the imports under way settled (ts_ring_seal_pool):
+ * the pool may be freed (close()) once this is 0. */
+static PyObject *Ring_seal_pool(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_role_check(self, 1) < 0) return NULL;
+    uint32_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = ts_ring_seal_pool(self->ring);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(n);
 }
 
 /* Ring.closed */
@@ -1049,7 +1072,9 @@ static PyMethodDef Ring_methods[] = {
     {"pin_host", TS_PY_FASTCALL(Ring_pin_host),
      "Page-lock this process's mapping of the host slot data."},
     {"flush_releases", TS_PY_FASTCALL(Ring_flush_releases),
-     "Order the releases of dropped GPU views after this process's queued GPU work."},
+     "Order the releases of dropped GPU views after the GPU work queued on their streams."},
+    {"seal_pool", (PyCFunction)Ring_seal_pool, METH_NOARGS,
+     "Producer of a GPU ring: stop new imports; the processes that map the pool."},
     {"wait_released", TS_PY_FASTCALL(Ring_wait_released),
      "Wait until no consumer holds any slot."},
     {NULL, NULL, 0, NULL},

@@ -55,6 +55,18 @@ static PyObject *ts_make_capsule(ts_state *state, ts_lease *lease, uint32_t i,
     return cap;
 }
 
+/* BufferError for copy=True of a device view: the array API's answer of a producer that
+ * cannot copy. Device memory of its own (cuMemAlloc) would compete with the consumer
+ * framework's caching allocator, which cannot lend what it keeps reserved. */
+static PyObject *ts_device_copy_refused(void)
+{
+    PyErr_SetString(PyExc_BufferError,
+                    "tensorsocket does not allocate GPU memory for copies: export the view "
+                    "and copy it with your framework's allocator (torch: "
+                    "torch.from_dlpack(view).clone()), or use TensorConsumer(copy=True)");
+    return NULL;
+}
+
 /* Parse a DLPack stream argument (NULL: None). Host tensors take None or -1. Device
  * tensors: None is the legacy default stream (1), 2 the per-thread default stream, a
  * larger int a CUstream, -1 "do not synchronize"; 0 is invalid. */
@@ -122,6 +134,7 @@ static PyObject *SlotView_dlpack(SlotViewObject *self, PyObject *const *args, Py
         }
     }
     if ((opts.copy = ts_py_bool(a[3])) < 0) return NULL;
+    if (opts.copy && self->device) return ts_device_copy_refused();
     if (ts_parse_max_version(a[1], &opts) < 0) return NULL;
     return ts_make_capsule(ts_py_state((PyObject *)self), self->lease, self->leaf, &opts);
 }
@@ -163,13 +176,17 @@ static PyObject *SlotView_get_nbytes(SlotViewObject *self, void *Py_UNUSED(closu
     return PyLong_FromUnsignedLongLong(ts_lease_leaf(self->lease, self->leaf)->nbytes);
 }
 
-/* SlotView.data_ptr: address of the first element in this process. */
+/* SlotView.data_ptr: address of the first element in this process. A device address read
+ * so is used by work on a stream nobody names (CuPy, Triton, a kernel of one's own): the
+ * slot's release then also waits for the legacy default stream (ts_lease_use_raw). */
 static PyObject *SlotView_get_data_ptr(SlotViewObject *self, void *Py_UNUSED(closure))
 {
     const ts_leaf *leaf = ts_lease_leaf(self->lease, self->leaf);
-    if (self->device)
+    if (self->device) {
+        ts_lease_use_raw(self->lease);
         return PyLong_FromUnsignedLongLong(
             ts_ring_device_ptr(self->lease->ring, self->lease->slot) + leaf->offset);
+    }
     uint8_t *base = ts_ring_slot_data(self->lease->ring, self->lease->slot);
     return PyLong_FromVoidPtr(base + leaf->offset);
 }
@@ -276,6 +293,7 @@ static PyObject *Slot_views(SlotObject *self, PyObject *const *args, Py_ssize_t 
     if (device < 0 || ts_slot_check(self, device) < 0) return NULL;
     PyObject *out = PyTuple_New(self->n_leaves);
     if (out == NULL) return NULL;
+    if (device) ts_lease_use_device(self->lease); /* handed out: its release waits */
     for (uint32_t i = 0; i < self->n_leaves; i++) {
         SlotViewObject *v = PyObject_New(SlotViewObject, state->SlotView_type);
         if (v == NULL) {
@@ -304,6 +322,7 @@ static PyObject *Slot_capsules(SlotObject *self, PyObject *const *args, Py_ssize
     if ((opts.versioned = ts_py_bool(a[0])) < 0 || (opts.copy = ts_py_bool(a[1])) < 0 ||
         (opts.device = ts_py_bool(a[2])) < 0)
         return NULL;
+    if (opts.copy && opts.device) return ts_device_copy_refused();
     if (ts_slot_check(self, opts.device) < 0) return NULL;
     if (ts_parse_stream(a[3], opts.device, &opts.stream) < 0) return NULL;
     PyObject *out = PyTuple_New(self->n_leaves);

@@ -4,9 +4,13 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "base/ts_clock.h"
+#include "base/ts_futex.h"
 
 #define TS_LIBCUDA_DEFAULT "libcuda.so.1"
 #define TS_LIBCUDA_ENV "TENSORSOCKET_LIBCUDA"
@@ -19,7 +23,9 @@ typedef struct ts_cuda_sym {
 
 #define TS_SYM(field, symbol) {symbol, offsetof(ts_cuda_api, field)}
 
-/* The exported names are the ones cuda.h #defines the API names to. */
+/* The exported names are the ones cuda.h #defines the API names to. The newest of them,
+ * cuIpcOpenMemHandle_v2 and cuDevicePrimaryCtxRelease_v2, came with CUDA 11.0
+ * (cudaTypedefs.h: PFN_..._v11000): the oldest driver the GPU path can load. */
 static const ts_cuda_sym ts_cuda_syms[] = {
     TS_SYM(Init, "cuInit"),
     TS_SYM(DriverGetVersion, "cuDriverGetVersion"),
@@ -34,27 +40,22 @@ static const ts_cuda_sym ts_cuda_syms[] = {
     TS_SYM(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2"),
     TS_SYM(CtxPushCurrent, "cuCtxPushCurrent_v2"),
     TS_SYM(CtxPopCurrent, "cuCtxPopCurrent_v2"),
-    TS_SYM(CtxSynchronize, "cuCtxSynchronize"),
     TS_SYM(MemAlloc, "cuMemAlloc_v2"),
     TS_SYM(MemFree, "cuMemFree_v2"),
     TS_SYM(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"),
-    TS_SYM(MemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2"),
     TS_SYM(MemHostRegister, "cuMemHostRegister_v2"),
     TS_SYM(MemHostUnregister, "cuMemHostUnregister"),
     TS_SYM(StreamCreate, "cuStreamCreate"),
     TS_SYM(StreamDestroy, "cuStreamDestroy_v2"),
     TS_SYM(StreamSynchronize, "cuStreamSynchronize"),
-    TS_SYM(StreamWaitEvent, "cuStreamWaitEvent"),
+    TS_SYM(StreamIsCapturing, "cuStreamIsCapturing"),
     TS_SYM(EventCreate, "cuEventCreate"),
     TS_SYM(EventDestroy, "cuEventDestroy_v2"),
     TS_SYM(EventRecord, "cuEventRecord"),
-    TS_SYM(EventQuery, "cuEventQuery"),
     TS_SYM(EventSynchronize, "cuEventSynchronize"),
     TS_SYM(IpcGetMemHandle, "cuIpcGetMemHandle"),
     TS_SYM(IpcOpenMemHandle, "cuIpcOpenMemHandle_v2"),
     TS_SYM(IpcCloseMemHandle, "cuIpcCloseMemHandle"),
-    TS_SYM(IpcGetEventHandle, "cuIpcGetEventHandle"),
-    TS_SYM(IpcOpenEventHandle, "cuIpcOpenEventHandle"),
     TS_SYM(DeviceCanAccessPeer, "cuDeviceCanAccessPeer"),
 };
 
@@ -62,12 +63,98 @@ static const ts_cuda_sym ts_cuda_syms[] = {
  * CUDA 11.4: "If the device is in MIG mode, returns its MIG UUID which uniquely identifies
  * the subscribed MIG compute instance" (CUDA driver API, Device Management), where
  * cuDeviceGetUuid (v1) gives a MIG instance its parent GPU's UUID;
- * cuCtxRecordEvent came with CUDA 12.5, cuThreadExchangeStreamCaptureMode with 10.1. */
+ * cuThreadExchangeStreamCaptureMode came with CUDA 10.1. */
 static const ts_cuda_sym ts_cuda_optional_syms[] = {
     TS_SYM(DeviceGetUuid_v2, "cuDeviceGetUuid_v2"),
-    TS_SYM(CtxRecordEvent, "cuCtxRecordEvent"),
     TS_SYM(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode"),
 };
+
+/* ==========================================================================
+ * Process exit (see ts_cuda_api.h)
+ * ========================================================================== */
+
+/* How long the exit handler waits for the driver calls under way (a release thread's wait
+ * for GPU work) before it lets the exit go on. */
+#define TS_CUDA_EXIT_WAIT_NS (10ULL * 1000000000ULL)
+
+/* Process-wide by nature, as exit() is: sections of driver calls under way, and whether
+ * exit has begun. */
+static _Atomic uint32_t ts_cuda_in_flight;
+static _Atomic int ts_cuda_exit_begun;
+static pthread_once_t ts_cuda_exit_once = PTHREAD_ONCE_INIT;
+
+/* Begin a section of driver calls, unless exit has begun (see ts_cuda_api.h). seq_cst with
+ * ts_cuda_at_exit: either the handler sees this section, or this sees the exit. */
+int ts_cuda_calls_begin(void)
+{
+    atomic_fetch_add_explicit(&ts_cuda_in_flight, 1, memory_order_seq_cst);
+    if (!atomic_load_explicit(&ts_cuda_exit_begun, memory_order_seq_cst)) return 0;
+    ts_cuda_calls_end();
+    return -1;
+}
+
+/* End a section of driver calls; the last one out wakes the exit handler. */
+void ts_cuda_calls_end(void)
+{
+    if (atomic_fetch_sub_explicit(&ts_cuda_in_flight, 1, memory_order_seq_cst) == 1 &&
+        atomic_load_explicit(&ts_cuda_exit_begun, memory_order_seq_cst))
+        ts_futex_wake_all(&ts_cuda_in_flight);
+}
+
+/* 1 once the process's exit has begun. */
+int ts_cuda_exiting(void)
+{
+    return atomic_load_explicit(&ts_cuda_exit_begun, memory_order_seq_cst);
+}
+
+/* Begin a section and make ctx current on this thread (see ts_cuda_api.h). */
+ts_status ts_cuda_enter(const ts_cuda_api *api, CUcontext ctx, ts_err *err)
+{
+    if (ts_cuda_calls_begin() != 0)
+        return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                          "this process is exiting: the CUDA driver is shutting down");
+    CUresult rc = api->CtxPushCurrent(ctx);
+    if (rc == CUDA_SUCCESS) return TS_OK;
+    ts_cuda_calls_end();
+    return ts_cuda_fail(api, err, rc, "cuCtxPushCurrent");
+}
+
+/* Undo ts_cuda_enter. */
+void ts_cuda_leave(const ts_cuda_api *api)
+{
+    CUcontext ignored;
+    api->CtxPopCurrent(&ignored);
+    ts_cuda_calls_end();
+}
+
+/* The exit handler: no driver call starts from now on, and the ones under way (a release
+ * thread waiting for GPU work) end before the driver's own teardown, which runs after this
+ * (registered before it) - up to TS_CUDA_EXIT_WAIT_NS. */
+static void ts_cuda_at_exit(void)
+{
+    atomic_store_explicit(&ts_cuda_exit_begun, 1, memory_order_seq_cst);
+    uint64_t deadline = ts_now_ns() + TS_CUDA_EXIT_WAIT_NS;
+    for (;;) {
+        uint32_t n = atomic_load_explicit(&ts_cuda_in_flight, memory_order_seq_cst);
+        if (n == 0 || ts_now_ns() >= deadline) return;
+        ts_futex_wait(&ts_cuda_in_flight, n, deadline);
+    }
+}
+
+/* A forked child starts with no section under way (the parent's threads are not in it). */
+static void ts_cuda_forked_child(void)
+{
+    atomic_store_explicit(&ts_cuda_in_flight, 0, memory_order_relaxed);
+}
+
+/* Once per process, after the first cuInit: exit() runs ts_cuda_at_exit before the
+ * driver's own exit handlers, which were registered earlier (atexit's last-in first-out
+ * order; a driver's library destructors run later still, in _dl_fini). */
+static void ts_cuda_register_exit(void)
+{
+    atexit(ts_cuda_at_exit);
+    pthread_atfork(NULL, NULL, ts_cuda_forked_child);
+}
 
 /* Load the driver (dlopen, symbols, cuInit). */
 ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
@@ -82,7 +169,8 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
     atomic_init(&api->base.refs, 1);
     snprintf(api->base.path, sizeof api->base.path, "%s", path);
 
-    api->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    /* RTLD_NODELETE: never unloaded, not even by someone else's dlclose (see the header). */
+    api->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     if (api->lib == NULL) {
         const char *why = dlerror();
         st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
@@ -96,8 +184,8 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
         void *fn = dlsym(api->lib, ts_cuda_syms[i].name);
         if (fn == NULL) {
             st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
-                            "the CUDA driver %s lacks %s: the driver is too old (CUDA 11.3 "
-                            "or newer is needed)",
+                            "the CUDA driver %s lacks %s: the driver is too old (the GPU "
+                            "path needs a driver for CUDA 11.0 or newer)",
                             path, ts_cuda_syms[i].name);
             goto error;
         }
@@ -116,14 +204,12 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
         goto error;
     }
     api->DriverGetVersion(&api->base.version);
-    /* The driver API reference documents cuCtxRecordEvent from CUDA 12.5 on: an older
-     * driver's answer (the version it reports) is trusted over a stray symbol. */
-    if (api->base.version < TS_CUDA_CTX_RECORD_EVENT_VERSION) api->CtxRecordEvent = NULL;
+    pthread_once(&ts_cuda_exit_once, ts_cuda_register_exit);
     *out = api;
     return TS_OK;
 
 error:
-    if (api->lib != NULL) dlclose(api->lib);
+    /* The handle stays open (RTLD_NODELETE, and cuInit may have run): only the table goes. */
     free(api);
     return st;
 }
@@ -134,7 +220,7 @@ void ts_cuda_ref(ts_cuda_api *api)
     ts_device_driver_ref(&api->base);
 }
 
-/* Drop a reference; the library is closed at zero (ts_cuda_unload). */
+/* Drop a reference; the table is freed at zero (ts_cuda_unload). */
 void ts_cuda_unref(ts_cuda_api *api)
 {
     if (api != NULL) ts_device_driver_unref(&api->base);
@@ -146,20 +232,21 @@ ts_cuda_api *ts_cuda_of(ts_device_driver *driver)
     return (ts_cuda_api *)driver;
 }
 
-/* Close the library and free the table. */
+/* Free the table; the library stays loaded (never dlclose a driver after cuInit). */
 void ts_cuda_unload(ts_device_driver *driver)
 {
-    ts_cuda_api *api = ts_cuda_of(driver);
-    dlclose(api->lib);
-    free(api);
+    free(ts_cuda_of(driver));
 }
 
 /* Record a failed driver call in err: "<what>: CUDA_ERROR_X (text)". */
 ts_status ts_cuda_fail(const ts_cuda_api *api, ts_err *err, CUresult rc, const char *what)
 {
     const char *name = NULL, *text = NULL;
-    if (api != NULL && api->GetErrorName != NULL) api->GetErrorName(rc, &name);
-    if (api != NULL && api->GetErrorString != NULL) api->GetErrorString(rc, &text);
+    if (api != NULL && api->GetErrorName != NULL && ts_cuda_calls_begin() == 0) {
+        api->GetErrorName(rc, &name);
+        api->GetErrorString(rc, &text);
+        ts_cuda_calls_end();
+    }
     return ts_err_set(err, TS_E_CUDA, 0, "%s: %s (%s)", what, name ? name : "CUDA error",
                       text ? text : "no description");
 }

@@ -8,7 +8,16 @@
  * (the tests use it to load a test double of the driver).
  *
  * The table is a ts_device_driver (ts_device.h): reference counted, and known to the
- * ring only as the driver of the CUDA backend (ts_device_cuda.c), never by its functions. */
+ * ring only as the driver of the CUDA backend (ts_device_cuda.c), never by its functions.
+ *
+ * Process exit: the driver tears itself down from exit handlers, after which its calls fail
+ * with CUDA_ERROR_DEINITIALIZED ("the CUDA driver is in the process of shutting down"), and
+ * unloading it after cuInit in a process that lives on is a known crash (its handlers and
+ * threads would run unmapped code). So the library is opened with RTLD_NODELETE and never
+ * closed, and every section of driver calls is bracketed by ts_cuda_calls_begin/_end: the
+ * exit handler registered after the first cuInit (so that it runs before the driver's own)
+ * marks exit as begun, after which no section begins, and waits for the sections under way
+ * to end (docs/gpu.md, "At close and exit"). */
 #ifndef TS_CUDA_H
 #define TS_CUDA_H
 
@@ -94,7 +103,7 @@ typedef struct CUipcEventHandle_st {
 
 typedef struct ts_cuda_api {
     ts_device_driver base; /* refs, version (cuDriverGetVersion), path; first member */
-    void *lib;             /* owns: dlopen handle */
+    void *lib;             /* the dlopen handle (RTLD_NODELETE: never closed) */
 
     CUresult (*Init)(unsigned int flags);
     CUresult (*DriverGetVersion)(int *version);
@@ -109,35 +118,27 @@ typedef struct ts_cuda_api {
     CUresult (*DevicePrimaryCtxRelease)(CUdevice device);
     CUresult (*CtxPushCurrent)(CUcontext ctx);
     CUresult (*CtxPopCurrent)(CUcontext *ctx);
-    CUresult (*CtxSynchronize)(void);
     CUresult (*MemAlloc)(CUdeviceptr *dptr, size_t bytes);
     CUresult (*MemFree)(CUdeviceptr dptr);
     CUresult (*MemcpyHtoDAsync)(CUdeviceptr dst, const void *src, size_t bytes, CUstream s);
-    CUresult (*MemcpyDtoDAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s);
     CUresult (*MemHostRegister)(void *p, size_t bytes, unsigned int flags);
     CUresult (*MemHostUnregister)(void *p);
     CUresult (*StreamCreate)(CUstream *stream, unsigned int flags);
     CUresult (*StreamDestroy)(CUstream stream);
     CUresult (*StreamSynchronize)(CUstream stream);
-    CUresult (*StreamWaitEvent)(CUstream stream, CUevent event, unsigned int flags);
+    CUresult (*StreamIsCapturing)(CUstream stream, int *status);
     CUresult (*EventCreate)(CUevent *event, unsigned int flags);
     CUresult (*EventDestroy)(CUevent event);
     CUresult (*EventRecord)(CUevent event, CUstream stream);
-    CUresult (*EventQuery)(CUevent event);
     CUresult (*EventSynchronize)(CUevent event);
     CUresult (*IpcGetMemHandle)(CUipcMemHandle *handle, CUdeviceptr dptr);
     CUresult (*IpcOpenMemHandle)(CUdeviceptr *dptr, CUipcMemHandle handle, unsigned int flags);
     CUresult (*IpcCloseMemHandle)(CUdeviceptr dptr);
-    CUresult (*IpcGetEventHandle)(CUipcEventHandle *handle, CUevent event);
-    CUresult (*IpcOpenEventHandle)(CUevent *event, CUipcEventHandle handle);
     CUresult (*DeviceCanAccessPeer)(int *can_access, CUdevice dev, CUdevice peer_dev);
 
     /* Optional: NULL where the driver lacks them (ts_cuda_optional_syms). */
     /* cuDeviceGetUuid_v2 (CUDA 11.4): a MIG instance's own UUID (ts_cuda_device_uuid). */
     CUresult (*DeviceGetUuid_v2)(CUuuid *uuid, CUdevice device);
-    /* cuCtxRecordEvent (CUDA 12.5): records in the event all work of the context queued
-     * at the call; NULL below TS_CUDA_CTX_RECORD_EVENT_VERSION. */
-    CUresult (*CtxRecordEvent)(CUcontext ctx, CUevent event);
     /* cuThreadExchangeStreamCaptureMode (CUDA 10.1): swaps the calling thread's mode. */
     CUresult (*ThreadExchangeStreamCaptureMode)(int *mode);
 } ts_cuda_api;
@@ -149,17 +150,36 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err);
 /* Take a reference on the table. */
 void ts_cuda_ref(ts_cuda_api *api);
 
-/* Drop a reference (NULL is fine); the library is closed at zero. */
+/* Drop a reference (NULL is fine); the table is freed at zero (the library stays). */
 void ts_cuda_unref(ts_cuda_api *api);
 
 /* The table of a driver the CUDA backend loaded. */
 ts_cuda_api *ts_cuda_of(ts_device_driver *driver);
 
-/* Close the library and free the table (its last reference went). */
+/* Free the table (its last reference went); the library stays loaded. */
 void ts_cuda_unload(ts_device_driver *driver);
 
 /* Record a failed driver call in err: "<what>: CUDA_ERROR_X (text)". */
 ts_status ts_cuda_fail(const ts_cuda_api *api, ts_err *err, CUresult rc, const char *what);
+
+/* Begin a section of driver calls: 0, or -1 once the process's exit has begun (then make
+ * none: the driver tears down from its own exit handler). Every 0 is paired with one
+ * ts_cuda_calls_end. Any thread, no lock. */
+int ts_cuda_calls_begin(void);
+
+/* End a section begun by ts_cuda_calls_begin. */
+void ts_cuda_calls_end(void);
+
+/* 1 once the process's exit has begun (no driver call may start any more). */
+int ts_cuda_exiting(void);
+
+/* Begin a section of driver calls (ts_cuda_calls_begin) and make ctx current on this
+ * thread. TS_E_GPU_UNAVAILABLE once the process's exit has begun, TS_E_CUDA if the push
+ * failed. */
+ts_status ts_cuda_enter(const ts_cuda_api *api, CUcontext ctx, ts_err *err);
+
+/* Undo ts_cuda_enter. */
+void ts_cuda_leave(const ts_cuda_api *api);
 
 /* The UUID that identifies device: cuDeviceGetUuid_v2's (a MIG instance's own UUID), or
  * cuDeviceGetUuid's where the driver is too old for _v2. */

@@ -9,11 +9,11 @@
  * ts_cuda_api.c) and one file implementing this table (ts_device_cuda.c). Host rings have no device
  * state at all.
  *
- * Threads: every function may run on any thread; release_after, free_copy and close also
- * without the GIL, from DLPack deleters (a backend makes its own context current).
- * release_after and free_copy make no driver call: they queue, and flush, on the
- * consumer's own thread, orders what they queued after the work of the consumer's context
- * (docs/gpu.md, "Orderings on the GPU path"). */
+ * Threads: every function may run on any thread; release_after and close also without the
+ * GIL, from DLPack deleters (a backend makes its own context current). release_after makes
+ * no driver call: it queues, and flush, on the consumer's own thread, orders what it queued
+ * after the work queued on the streams the views were used on (docs/gpu.md, "Orderings on
+ * the GPU path"). No function calls the driver once the process's exit has begun. */
 #ifndef TS_DEVICE_H
 #define TS_DEVICE_H
 
@@ -24,17 +24,14 @@
 #include "base/ts_dlpack.h"
 #include "base/ts_error.h"
 
-/* Longest list of streams a lease follows; beyond it a release waits for the whole device. */
-#define TS_DEVICE_STREAMS 4
-
 /* A backend's stream handle (CUstream) as an integer. */
 typedef uintptr_t ts_device_stream;
 
-/* One slot's IPC handles as the segment stores them: opaque bytes to everyone but the
- * backend (CUDA: a CUipcMemHandle and a CUipcEventHandle). Written once by the producer. */
+/* One slot's IPC handle as the segment stores it: opaque bytes to everyone but the backend
+ * (CUDA: a CUipcMemHandle). Written once by the producer. No event crosses processes: the
+ * producer's copy is complete before the slot is published (ts_device.publish). */
 typedef struct ts_device_ipc {
-    char mem[64];   /* the handle of the slot's device memory */
-    char event[64]; /* the handle of the slot's interprocess event */
+    char mem[64]; /* the handle of the slot's device memory */
 } ts_device_ipc;
 
 /* A loaded driver. A backend's own driver table starts with this (ts_cuda_api.base).
@@ -72,13 +69,14 @@ typedef struct ts_device_ring {
 typedef struct ts_device_desc {
     char name[128];
     char uuid[33];  /* hex, "" if unknown */
-    int ipc_events; /* 1 if it supports interprocess events (the device ring needs them) */
+    int ipc_events; /* 1 if it supports interprocess events, 0 if not, -1 if the driver
+                     * cannot say (older than the attribute): for status displays only */
 } ts_device_desc;
 
-/* A queued release (or free) is over. ok: the work queued before it finished, the
- * consumer's hold on slot (taken by incarnation token of entry consumer) ends. !ok: waiting
- * for that work failed; the slot must stay held (only what the release itself owns, such
- * as a ring reference, may go). */
+/* A queued release is over. ok: the work queued before it finished, the consumer's hold on
+ * slot (taken by incarnation token of entry consumer) ends. !ok: waiting for that work
+ * failed; the slot must stay held (only what the release itself owns, such as a ring
+ * reference, may go). */
 typedef void (*ts_device_done_fn)(void *arg, uint32_t slot, uint32_t consumer, uint64_t token,
                                   int ok);
 
@@ -107,8 +105,9 @@ typedef struct ts_device {
     /* The slot's host data may be rewritten once this returns (earlier copies out of it
      * have finished). */
     ts_status (*prepare)(ts_device_state *state, uint32_t slot, ts_err *err);
-    /* Start the copy of the slot's first `bytes` (at host) to the device and mark the
-     * slot's content (its event) for consumers to wait on. */
+    /* Copy the slot's first `bytes` (at host) to the device and wait until the copy is
+     * done: the ring publishes the slot once this returns, and a consumer may then read
+     * it on any stream without waiting for anything. */
     ts_status (*publish)(ts_device_state *state, uint32_t slot, const void *host,
                          uint64_t bytes, ts_err *err);
 
@@ -116,43 +115,42 @@ typedef struct ts_device {
     /* A consumer's state on device ordinal, opening nothing yet. */
     ts_status (*open)(ts_device_driver *driver, int ordinal, uint32_t slot_count,
                       ts_device_state **out, ts_err *err);
-    /* Open every slot's memory and event handle (not in the exporting process). */
+    /* Open every slot's memory handle (not in the exporting process). */
     ts_status (*import)(ts_device_state *state, const ts_device_ring *r, ts_err *err);
     /* Page-lock this process's (read-only) mapping of the host slot data. */
     ts_status (*pin_host)(ts_device_state *state, const ts_device_ring *r, ts_err *err);
     /* Device address of the slot's data in this process (0 if not imported). */
     uint64_t (*slot_ptr)(const ts_device_state *state, uint32_t slot);
-    /* The stream a DLPack stream number names (-1: "do not synchronize"), and whether
-     * it names one stream (not -1 or 2). TS_E_INVALID if none. */
+    /* The stream a DLPack stream number names, and whether it names one stream the caller
+     * queues its work on (not -1, "the consumer orders its own work", nor 2, the calling
+     * thread's per-thread stream, which no other thread can name). TS_E_INVALID if none. */
     ts_status (*dlpack_stream)(int64_t number, ts_device_stream *out, int *followable,
                                ts_err *err);
-    /* Make stream wait for the slot's content. */
-    ts_status (*stream_wait)(ts_device_state *state, uint32_t slot, ts_device_stream stream,
-                             ts_err *err);
     /* Queue the release of slot (no driver call): done(arg, slot, consumer, token, ok) is
-     * called on a thread of the backend once a later flush recorded the work queued on the
-     * consumer's context and that work finished (ok), or waiting for it failed (!ok).
-     * token is the lease's incarnation, carried as is (the handle may be bound again
-     * before done runs). */
+     * called on a thread of the backend once a later flush recorded the work queued on
+     * each of the n streams (the lease's), on the stream current at that flush, and, if
+     * unnamed (a view read through its raw pointer, or exported with a stream number
+     * that names none) or if no stream is known at all, on the legacy default stream, and
+     * that work finished (ok), or waiting for it failed (!ok). token is the lease's
+     * incarnation, carried as is (the handle may be bound again before done runs). */
     void (*release_after)(ts_device_state *state, uint32_t slot, uint32_t consumer,
-                          uint64_t token, ts_device_done_fn done, void *arg);
-    /* A private device copy of n bytes at src, made on stream. */
-    ts_status (*copy)(ts_device_state *state, uint64_t src, uint64_t n,
-                      ts_device_stream stream, uint64_t *out, ts_err *err);
-    /* Queue the free of a copy made by copy, like a release: done(arg, 0, 0, 0, ok) after. */
-    void (*free_copy)(ts_device_state *state, uint64_t p, ts_device_done_fn done, void *arg);
-    /* Hand what release_after and free_copy queued to the backend's thread, ordered after
-     * all work of the consumer's context queued before this call. Never while a stream of
-     * that context is being captured (CUDA graphs): the caller checks. *synced: 1 if the
-     * driver has no context-wide event and this call synchronized the context instead.
-     * A release whose wait failed earlier is reported here (TS_E_CUDA), on every call.
-     * wait_ms > 0: then wait up to that long until the backend's thread has finished
-     * every release flushed so far (TS_E_TIMEOUT if it has not; close and exit). */
-    ts_status (*flush)(ts_device_state *state, uint32_t wait_ms, int *synced, ts_err *err);
+                          uint64_t token, const ts_device_stream *streams, uint32_t n,
+                          int unnamed, ts_device_done_fn done, void *arg);
+    /* Hand what release_after queued to the backend's thread, ordered after the work
+     * queued so far on the streams each release names (see release_after; current: the
+     * stream current on the calling thread, 0 if unknown). No call of it concerns the
+     * whole context (cuCtxRecordEvent or cuCtxSynchronize would invalidate a CUDA-graph
+     * capture on any thread of the process): a release whose stream is being captured
+     * waits for a later flush. A release whose wait failed earlier is reported here
+     * (TS_E_CUDA), on every call. wait_ms > 0: then wait up to that long until the
+     * backend's thread has finished every release flushed so far (TS_E_TIMEOUT if it has
+     * not; close). */
+    ts_status (*flush)(ts_device_state *state, ts_device_stream current, uint32_t wait_ms,
+                       ts_err *err);
 
     /* ---- both */
     /* Free the state: close what it opened (a consumer's cuIpcCloseMemHandle of each
-     * slot), free what it allocated. A producer's state goes only once no importer maps
+     * slot), free what it allocated (driver calls only while the process is not exiting). A producer's state goes only once no importer maps
      * the pool any more: the ring leaves it open while one does (ts_ring_free), and the
      * producer keeps the ring until then (tensorsocket/producer.py, _PoolKeeper), or its
      * process's exit takes the memory. */
@@ -160,8 +158,8 @@ typedef struct ts_device {
 
     /* ---- consumer, appended */
     /* The consumer's handle is closed: no flush will come any more. What release_after
-     * and free_copy queue from now on is flushed by the backend's thread itself, as flush
-     * does (a flush refused by a stream capture on another thread is retried later). */
+     * queues from now on is flushed by the backend's thread itself, as flush does (with no
+     * current stream; a release whose stream is being captured is retried later). */
     void (*orphan)(ts_device_state *state);
 
     /* ---- producer, appended */

@@ -14,6 +14,8 @@ ts_lease *ts_lease_new(ts_ring *ring, uint32_t slot, uint64_t seq)
 {
     ts_lease *lease = calloc(1, sizeof *lease); /* no streams yet */
     if (lease == NULL) return NULL;
+    lease->streams = lease->inline_streams;
+    lease->cap_streams = sizeof lease->inline_streams / sizeof lease->inline_streams[0];
     if (ts_ring_use_begin(ring, slot) != 0) {
         free(lease);
         return NULL;
@@ -47,9 +49,10 @@ static void ts_lease_released(void *ring, uint32_t slot, uint32_t consumer, uint
 }
 
 /* Drop a reference that used leaf; at zero the slot is released and the lease freed. A
- * slot that GPU work may read (exported to the device, or a page-locked host mapping read
- * by asynchronous copies) is released through the device: queued until the consumer's
- * next flush, then after all work of its context queued before that (ts_device.h). */
+ * slot that GPU work may read (a device view or export was handed out, or a page-locked
+ * host mapping read by asynchronous copies) is released through the device: queued until
+ * the consumer's next flush, then after the work queued before it on the streams the
+ * views were used on (ts_device.h, release_after). */
 void ts_lease_unref(ts_lease *lease, uint32_t leaf)
 {
     ts_ring *ring = lease->ring;
@@ -57,38 +60,49 @@ void ts_lease_unref(ts_lease *lease, uint32_t leaf)
     if (atomic_fetch_sub_explicit(&lease->refs, 1, memory_order_acq_rel) != 1) return;
     ts_ring_use_end(ring, lease->slot);
     ts_device_state *dev = ts_ring_device_state(ring);
-    if (dev != NULL && !ts_ring_is_producer(ring) &&
-        (lease->n_streams > 0 || lease->all_streams || dev->host_pinned)) {
+    if (dev != NULL && !ts_ring_is_producer(ring) && (lease->device_used || dev->host_pinned)) {
         ts_ring_ref(ring); /* until done: the device calls it later, on its thread */
         dev->device->release_after(dev, lease->slot, lease->consumer, lease->token,
+                                   lease->streams, lease->n_streams, lease->unnamed,
                                    ts_lease_released, ring);
     } else {
         ts_ring_release(ring, lease->slot, lease->consumer, lease->token);
     }
     ts_ring_unref(ring);
+    if (lease->streams != lease->inline_streams) free(lease->streams);
     free(lease);
 }
 
-/* Remember that the slot's device copy is used on stream; returns its index in
- * lease->streams, or -1 when they are full (then the whole device is waited for). */
+/* Remember that the slot's device copy is used on stream; 0, or -1 out of memory (then the
+ * lease counts as read on streams nobody named). */
 static int ts_lease_add_stream(ts_lease *lease, ts_device_stream stream)
 {
     for (uint32_t i = 0; i < lease->n_streams; i++)
-        if (lease->streams[i] == stream) return (int)i;
-    if (lease->n_streams < TS_DEVICE_STREAMS) {
-        lease->streams[lease->n_streams] = stream;
-        return (int)lease->n_streams++;
+        if (lease->streams[i] == stream) return 0;
+    if (lease->n_streams == lease->cap_streams) {
+        uint32_t cap = lease->cap_streams * 2;
+        ts_device_stream *p = malloc(cap * sizeof *p);
+        if (p == NULL) return -1;
+        memcpy(p, lease->streams, lease->n_streams * sizeof *p);
+        if (lease->streams != lease->inline_streams) free(lease->streams);
+        lease->streams = p;
+        lease->cap_streams = cap;
     }
-    lease->all_streams = 1;
-    return -1;
+    lease->streams[lease->n_streams++] = stream;
+    return 0;
 }
 
-/* True if stream already waits for the slot's device copy (an earlier leaf's export). */
-static int ts_lease_stream_waits(const ts_lease *lease, ts_device_stream stream)
+/* A device view of the lease was handed out (see ts_export.h). */
+void ts_lease_use_device(ts_lease *lease)
 {
-    for (uint32_t i = 0; i < lease->n_streams; i++)
-        if (lease->streams[i] == stream) return (lease->waited >> i) & 1u;
-    return 0;
+    lease->device_used = 1;
+}
+
+/* A device view's raw address was read (see ts_export.h). */
+void ts_lease_use_raw(ts_lease *lease)
+{
+    lease->device_used = 1;
+    lease->unnamed = 1;
 }
 
 /* The leaf descriptor i of the leased slot (NULL when out of range). */
@@ -112,34 +126,15 @@ typedef struct ts_export_ctx {
     ts_lease *lease; /* owns one lease reference, using leaf; NULL for a copy */
     uint32_t leaf;
     void *copy;      /* owns: private host copy of the data, or NULL */
-    ts_ring *device_copy_ring; /* owns one ring reference while device_copy lives */
-    uint64_t device_copy;      /* owns: private device copy, or 0 */
     int64_t shape[TS_MAX_NDIM];
     int64_t strides[TS_MAX_NDIM];
 } ts_export_ctx;
-
-/* A private device copy was freed (or not, its wait having failed): drop its ring
- * reference. */
-static void ts_copy_freed(void *ring, uint32_t slot, uint32_t consumer, uint64_t token,
-                          int ok)
-{
-    (void)slot;
-    (void)consumer;
-    (void)token;
-    (void)ok;
-    ts_ring_unref(ring);
-}
 
 /* Free the context and drop what it owns. */
 static void ts_export_ctx_free(ts_export_ctx *ctx)
 {
     if (ctx->lease != NULL) ts_lease_unref(ctx->lease, ctx->leaf);
     free(ctx->copy);
-    if (ctx->device_copy_ring != NULL) {
-        /* Freed after the consumer's next flush; the ring reference goes with it. */
-        ts_device_state *dev = ts_ring_device_state(ctx->device_copy_ring);
-        dev->device->free_copy(dev, ctx->device_copy, ts_copy_freed, ctx->device_copy_ring);
-    }
     free(ctx);
 }
 
@@ -155,11 +150,12 @@ static void ts_deleter_versioned(DLManagedTensorVersioned *self)
     ts_export_ctx_free(self->manager_ctx);
 }
 
-/* Where leaf i's data is: a host address, or a device address with the stream made to
- * wait for it (*stream: the stream, for a copy). Records the stream in the lease. */
+/* Where leaf i's data is: a host address, or a device address whose stream is recorded in
+ * the lease (the release waits for the work queued there; no driver call now: the
+ * producer's copy finished before the slot was published, so a stream being captured
+ * needs no wait on an event from outside the capture). */
 static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
-                                  const ts_export_opts *o, void **data,
-                                  ts_device_stream *stream, ts_err *err)
+                                  const ts_export_opts *o, void **data, ts_err *err)
 {
     ts_ring *ring = lease->ring;
     if (!o->device) {
@@ -174,20 +170,11 @@ static ts_status ts_export_locate(ts_lease *lease, const ts_leaf *leaf,
                           "this consumer has not opened the ring's GPU memory");
     ts_device_state *dev = ts_ring_device_state(ring);
     int followable = 0;
-    /* -1: the caller orders its own work. A copy is our own work on the stream -1 names
-     * (the legacy one), so it waits for the producer's copy. */
-    ts_status st = dev->device->dlpack_stream(o->stream, stream, &followable, err);
+    ts_device_stream stream = 0;
+    ts_status st = dev->device->dlpack_stream(o->stream, &stream, &followable, err);
     if (st != TS_OK) return st;
-    /* One wait per stream and lease: the slot's event stays as it is while it is held,
-     * so the other leaves of a batch exported to the same stream need none. */
-    int wait = (o->stream != -1 || o->copy) && !ts_lease_stream_waits(lease, *stream);
-    if (wait && (st = dev->device->stream_wait(dev, lease->slot, *stream, err)) != TS_OK)
-        return st;
-    int k = ts_lease_add_stream(lease, *stream);
-    if (wait && k >= 0) lease->waited |= 1u << k;
-    /* Every device export's release waits for all work of the consumer's context
-     * (ts_lease_unref); all_streams only records that -1 or 2 named no one stream. */
-    if (!followable) lease->all_streams = 1;
+    lease->device_used = 1;
+    if (!followable || ts_lease_add_stream(lease, stream) != 0) lease->unnamed = 1;
     *data = (void *)(uintptr_t)(base + leaf->offset);
     return TS_OK;
 }
@@ -200,25 +187,24 @@ void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *o, ts_er
         ts_err_set(err, TS_E_INVALID, 0, "tensor %u is not in this slot", i);
         return NULL;
     }
+    if (o->copy && o->device) {
+        /* Device memory of our own (cuMemAlloc) would compete with the framework's caching
+         * allocator, which cannot lend it what it keeps reserved, and its cuMemFree stalls
+         * the device: the copy is the framework's to make. */
+        ts_err_set(err, TS_E_INVALID, 0,
+                   "tensorsocket does not allocate GPU memory for copies: export the view "
+                   "and copy it with your framework's allocator (torch: "
+                   "torch.from_dlpack(view).clone()), or use TensorConsumer(copy=True)");
+        return NULL;
+    }
     void *data = NULL;
-    ts_device_stream stream = 0;
-    if (ts_export_locate(lease, leaf, o, &data, &stream, err) != TS_OK) return NULL;
+    if (ts_export_locate(lease, leaf, o, &data, err) != TS_OK) return NULL;
     ts_export_ctx *ctx = calloc(1, sizeof *ctx);
     if (ctx == NULL) {
         ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
         return NULL;
     }
-    if (o->copy && o->device) {
-        ts_device_state *dev = ts_ring_device_state(lease->ring);
-        if (dev->device->copy(dev, (uint64_t)(uintptr_t)data, leaf->nbytes, stream,
-                              &ctx->device_copy, err) != TS_OK) {
-            free(ctx);
-            return NULL;
-        }
-        ts_ring_ref(lease->ring);
-        ctx->device_copy_ring = lease->ring;
-        data = (void *)(uintptr_t)ctx->device_copy;
-    } else if (o->copy) {
+    if (o->copy) {
         ctx->copy = malloc(leaf->nbytes > 0 ? leaf->nbytes : 1);
         if (ctx->copy == NULL) {
             free(ctx);

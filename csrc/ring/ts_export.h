@@ -23,22 +23,23 @@ typedef struct ts_lease {
     uint32_t consumer;
     uint64_t token;    /* the consumer's incarnation that took the hold (ts_ring_release) */
     uint64_t seq;
-    /* Device streams the slot's device copy was exported to (each made to wait for
-     * the producer's copy once). Any of them makes the final unref defer the release
-     * until after all work of the consumer's context (ts_device.h flush). Written
-     * under the GIL by exports, read by the final unref. */
-    uint32_t n_streams;
-    int all_streams; /* wait for the whole device: more streams than fit, or one the
-                      * release cannot follow (DLPack -1 or 2) */
-    ts_device_stream streams[TS_DEVICE_STREAMS];
-    uint32_t waited; /* bit i: streams[i] already waits for the slot's device copy */
+    /* What GPU work may read the slot, for the release (ts_device.h release_after).
+     * Written under the GIL by exports and views, read by the final unref. */
+    int device_used;  /* a device view or export was handed out: the release is deferred */
+    int unnamed;      /* read on streams nobody named: a raw pointer (data_ptr), or DLPack
+                       * stream -1 or 2 (the release also waits for the legacy stream) */
+    uint32_t n_streams;           /* streams the device copy was exported to */
+    uint32_t cap_streams;
+    ts_device_stream *streams;    /* owns when it is not inline_streams */
+    ts_device_stream inline_streams[4];
 } ts_lease;
 
 /* How to export one tensor of a slot. */
 typedef struct ts_export_opts {
     int versioned;  /* DLManagedTensorVersioned rather than the legacy DLManagedTensor */
     uint32_t minor; /* versioned: the minor version to report */
-    int copy;       /* a private copy instead of a view */
+    int copy;       /* a private copy instead of a view (host memory only: a device copy is
+                     * the consumer framework's to make, with its allocator) */
     int device;     /* the slot's device copy (a pool imported with ts_ring_import_device) */
     int64_t stream; /* device: DLPack stream (1 legacy, 2 per-thread, >2 handle, -1 none) */
 } ts_export_opts;
@@ -58,8 +59,15 @@ void ts_lease_unref(ts_lease *lease, uint32_t leaf);
 /* The leaf descriptor i of the leased slot (NULL when out of range). */
 const ts_leaf *ts_lease_leaf(const ts_lease *lease, uint32_t i);
 
-/* Export leaf i as DLPack (see ts_export_opts). A device export first makes
- * the stream wait for the producer's copy of the slot. Returns the managed
+/* A device view of the lease was handed out: its release waits for GPU work. */
+void ts_lease_use_device(ts_lease *lease);
+
+/* The address of leaf i's device copy was read (SlotView.data_ptr): the work that reads it
+ * is on a stream nobody names. */
+void ts_lease_use_raw(ts_lease *lease);
+
+/* Export leaf i as DLPack (see ts_export_opts). A device export records its stream in the
+ * lease (no driver call: the slot was whole before it was published). Returns the managed
  * tensor (to be put in a capsule) or NULL with err set. */
 void *ts_export_leaf(ts_lease *lease, uint32_t i, const ts_export_opts *opts, ts_err *err);
 

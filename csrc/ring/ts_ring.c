@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/ts_clock.h"
@@ -289,6 +290,7 @@ static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
     atomic_init(&ring->refs, 1);
     ring->is_producer = is_producer;
     ring->fd = -1;
+    ring->producer_pidfd = -1;
     ring->importer = -1;
     ring->consumer = UINT32_MAX;
     ring->stream_min = UINT64_MAX;
@@ -308,15 +310,7 @@ static void ts_ring_free(ts_ring *ring)
     /* Device state first: it page-locked and mirrors the host slot data. A producer's pool
      * goes only once no process maps it (ts_device.h, close): a handle freed before (the
      * interpreter exits while a consumer still maps it) leaves it to the process's exit. */
-    int kept = 0;
-    if (ring->dev != NULL && ring->is_producer) {
-        /* No import begins from here on; one that claimed its entry before is counted:
-         * seq_cst on both sides, so one of the two sees the other (a consumer that sees
-         * the flag backs out, ts_ring_import_device). */
-        atomic_store_explicit(&ring->hdr->pool_closing, 1, memory_order_seq_cst);
-        atomic_thread_fence(memory_order_seq_cst);
-        kept = ts_ring_importers(ring) > 0;
-    }
+    int kept = ring->dev != NULL && ring->is_producer && ts_ring_seal_pool(ring) > 0;
     if (kept) {
         if (ring->dev->device->unpin_host != NULL)
             ring->dev->device->unpin_host(ring->dev); /* the data mapping goes below */
@@ -339,6 +333,7 @@ static void ts_ring_free(ts_ring *ring)
     free(ring->use);
     if (ring->hdr != NULL) munmap(ring->hdr, ring->ctrl_bytes);
     if (ring->fd >= 0) close(ring->fd);
+    if (ring->producer_pidfd >= 0) close(ring->producer_pidfd);
     pthread_mutex_destroy(&ring->lock);
     pthread_mutex_destroy(&ring->hold_lock);
     free(ring->held);
@@ -537,6 +532,7 @@ ts_status ts_ring_open(const char *name, ts_ring **out, ts_err *err)
     }
     st = ts_ring_map_data(ring, err);
     if (st != TS_OK) goto error;
+    ring->producer_pidfd = ts_proc_pidfd(ring->hdr->producer_pid, ring->hdr->producer_start_time);
     *out = ring;
     return TS_OK;
 
@@ -1324,58 +1320,105 @@ ts_status ts_ring_wait_drained(ts_ring *ring, uint64_t deadline, ts_err *err)
     return ts_wait_for(ring, &w, deadline, err);
 }
 
-/* Record that this process maps the device pool; its importer entry, or -1 (table full). */
-static int ts_ring_add_importer(ts_ring *ring)
+/* The claim word of an importer entry of this process in state (TS_IMPORTER_*). */
+static uint64_t ts_importer_claim(uint32_t state)
+{
+    return (uint64_t)ts_proc_self() << 2 | state;
+}
+
+/* Claim an importer entry for this process (CLAIMED, pid and start time written); its
+ * index, or -1 (table full). */
+static int ts_ring_claim_importer(ts_ring *ring)
 {
     ts_header *h = ring->hdr;
     for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
-        uint32_t want = TS_IMPORTER_FREE;
-        /* seq_cst: against the producer's pool_closing (ts_ring_free). */
-        if (!atomic_compare_exchange_strong_explicit(&h->importers[i].state, &want,
-                                                     TS_IMPORTER_CLAIMED, memory_order_seq_cst,
+        uint64_t want = 0;
+        /* seq_cst: against the producer's pool_closing (ts_ring_seal_pool). */
+        if (!atomic_compare_exchange_strong_explicit(&h->importers[i].claim, &want,
+                                                     ts_importer_claim(TS_IMPORTER_CLAIMED),
+                                                     memory_order_seq_cst,
                                                      memory_order_relaxed))
             continue;
-        h->importers[i].pid = (int32_t)getpid();
-        h->importers[i].start_time = ts_proc_start_time(getpid());
-        atomic_store_explicit(&h->importers[i].state, TS_IMPORTER_MAPPED, memory_order_release);
+        atomic_store_explicit(&h->importers[i].start_time, ts_proc_start_time(ts_proc_self()),
+                              memory_order_release);
         return i;
     }
     return -1;
 }
 
-/* This process closed its mapping of the device pool (entry from add). */
+/* This process closed its mapping of the device pool, or backed out (entry from claim). */
 static void ts_ring_drop_importer(ts_header *h, int entry)
 {
     if (entry < 0 || entry >= TS_MAX_CONSUMERS) return;
-    atomic_store_explicit(&h->importers[entry].state, TS_IMPORTER_FREE, memory_order_release);
+    atomic_store_explicit(&h->importers[entry].start_time, 0, memory_order_relaxed);
+    atomic_store_explicit(&h->importers[entry].claim, 0, memory_order_release);
     ts_signal(&h->free_word, &h->free_waiters);
 }
 
-/* Live processes that still map the device pool (dead ones' entries are freed). */
+/* Whether the process of importer entry e lives; a dead one's entry is freed (the driver
+ * unmapped a dead process's imports), whether it died mapped or still claiming. */
+static int ts_importer_alive(ts_importer *e, uint64_t claim)
+{
+    pid_t pid = (pid_t)(claim >> 2);
+    uint64_t start = atomic_load_explicit(&e->start_time, memory_order_acquire);
+    if (start != 0 ? ts_proc_alive(pid, start) : ts_proc_pid_alive(pid)) return 1;
+    atomic_compare_exchange_strong_explicit(&e->claim, &claim, 0, memory_order_acq_rel,
+                                            memory_order_relaxed);
+    return 0;
+}
+
+/* Live processes that still map the device pool, or claimed an entry (dead ones' entries
+ * are freed). */
 uint32_t ts_ring_importers(const ts_ring *ring)
 {
     ts_header *h = ring->hdr;
     uint32_t n = 0;
     for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
         ts_importer *e = &h->importers[i];
-        uint32_t st = atomic_load_explicit(&e->state, memory_order_acquire);
-        if (st == TS_IMPORTER_FREE) continue;
-        if (st == TS_IMPORTER_MAPPED && !ts_proc_alive(e->pid, e->start_time)) {
-            /* The driver unmapped a dead process's imports. */
-            uint32_t want = TS_IMPORTER_MAPPED;
-            atomic_compare_exchange_strong_explicit(&e->state, &want, TS_IMPORTER_FREE,
-                                                    memory_order_acq_rel, memory_order_relaxed);
-            continue;
-        }
-        n++;
+        uint64_t claim = atomic_load_explicit(&e->claim, memory_order_acquire);
+        if (claim != 0 && ts_importer_alive(e, claim)) n++;
     }
     return n;
 }
 
-/* The producer's process still runs (its pid with the start time it had: not a reuse). */
-static int ts_ring_producer_alive(const ts_header *h)
+/* How long ts_ring_seal_pool waits for the imports under way to settle: a claimer checks
+ * pool_closing right after its claim, so this bounds only a claimer that stopped there
+ * (SIGSTOP): it then counts as an importer. */
+#define TS_SEAL_SETTLE_NS TS_SLICE_NS
+
+/* Seal the pool and count the importers once settled (see ts_ring.h). */
+uint32_t ts_ring_seal_pool(ts_ring *ring)
 {
-    return ts_proc_alive(h->producer_pid, h->producer_start_time);
+    ts_header *h = ring->hdr;
+    if (!ring->is_producer || h->device_type == kDLCPU) return 0;
+    /* No import begins from here on; one that claimed its entry before is counted: seq_cst
+     * on both sides, so one of the two sees the other (a consumer that sees the flag backs
+     * out, ts_ring_import_device). */
+    atomic_store_explicit(&h->pool_closing, 1, memory_order_seq_cst);
+    atomic_thread_fence(memory_order_seq_cst);
+    uint64_t deadline = ts_now_ns() + TS_SEAL_SETTLE_NS;
+    for (;;) {
+        uint32_t mapped = 0, claiming = 0;
+        for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
+            ts_importer *e = &h->importers[i];
+            uint64_t claim = atomic_load_explicit(&e->claim, memory_order_seq_cst);
+            if (claim == 0 || !ts_importer_alive(e, claim)) continue;
+            if ((claim & 3) == TS_IMPORTER_MAPPED) mapped++;
+            else claiming++;
+        }
+        if (claiming == 0 || ts_now_ns() >= deadline) return mapped + claiming;
+        /* It sees the seal and backs out, or it had passed the check and maps: soon. */
+        struct timespec nap = {0, 100000};
+        nanosleep(&nap, NULL);
+    }
+}
+
+/* The producer's process still runs (its pid with the start time it had: not a reuse). A
+ * consumer handle asks its pidfd when it has one: one poll, no /proc read (ts_proc.h). */
+static int ts_ring_producer_alive(const ts_ring *ring)
+{
+    if (ring->producer_pidfd >= 0) return ts_proc_pidfd_alive(ring->producer_pidfd);
+    return ts_proc_alive(ring->hdr->producer_pid, ring->hdr->producer_start_time);
 }
 
 /* This handle maps the producer's device pool and the producer's process is gone. The
@@ -1385,7 +1428,7 @@ static int ts_ring_producer_alive(const ts_header *h)
  * cuIpcOpenMemHandle): a batch in that memory must not be handed out. */
 static int ts_ring_pool_gone(const ts_ring *ring)
 {
-    return ring->dev != NULL && ring->dev->imported && !ts_ring_producer_alive(ring->hdr);
+    return ring->dev != NULL && ring->dev->imported && !ts_ring_producer_alive(ring);
 }
 
 /* ==========================================================================
@@ -1429,17 +1472,26 @@ ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ord
                           "the producer's GPU is not visible to this process (check "
                           "CUDA_VISIBLE_DEVICES), pass device='cuda:N' to read the ring from "
                           "another GPU");
-    if (!ts_ring_producer_alive(h))
+    if (!ts_ring_producer_alive(ring))
         return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
                           "the producer process (pid %d) is gone, and its GPU memory with it",
+                          h->producer_pid);
+    /* "CUipcMemHandles from each CUdevice in a given process may only be opened by one
+     * CUcontext per CUdevice per other process" (cuIpcOpenMemHandle): never in the
+     * exporting one, where the driver says "invalid device context". */
+    if (h->producer_pid == ts_proc_self())
+        return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                          "this consumer runs in the producer's own process (pid %d), where "
+                          "the CUDA driver does not open the producer's IPC handles: run it "
+                          "in another process to read the GPU ring in place",
                           h->producer_pid);
     ts_status st = ts_ring_open_device(ring, driver, ordinal, err);
     if (st != TS_OK || ring->dev->imported) return st;
     /* Announce the mapping before it exists: the producer never frees under it. */
-    int entry = ts_ring_add_importer(ring);
+    int entry = ts_ring_claim_importer(ring);
     if (entry < 0) return ts_err_set(err, TS_E_FULL, 0, "too many processes map this GPU ring");
-    /* The producer may have counted the importers before our claim and be freeing the
-     * pool: it said so first (ts_ring_free). */
+    /* The producer may have sealed the pool before our claim, and be freeing it: it said so
+     * first (ts_ring_seal_pool); if not, it counts us from here on. */
     if (atomic_load_explicit(&ring->hdr->pool_closing, memory_order_seq_cst)) {
         ts_ring_drop_importer(ring->hdr, entry);
         return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
@@ -1447,6 +1499,8 @@ ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ord
                           "memory",
                           h->producer_pid);
     }
+    atomic_store_explicit(&ring->hdr->importers[entry].claim,
+                          ts_importer_claim(TS_IMPORTER_MAPPED), memory_order_release);
     ts_device_ring view = ts_ring_device_view(ring);
     st = ring->dev->device->import(ring->dev, &view, err);
     if (st != TS_OK) {
@@ -1490,11 +1544,15 @@ uint64_t ts_ring_device_ptr(const ts_ring *ring, uint32_t slot)
 }
 
 /* Hand a consumer's queued device releases to the device (see ts_ring.h). */
-ts_status ts_ring_flush_releases(ts_ring *ring, uint32_t wait_ms, int *synced, ts_err *err)
+ts_status ts_ring_flush_releases(ts_ring *ring, int64_t current, uint32_t wait_ms, ts_err *err)
 {
-    *synced = 0;
     if (ring->dev == NULL || ring->is_producer) return TS_OK;
-    return ring->dev->device->flush(ring->dev, wait_ms, synced, err);
+    ts_device_stream stream = 0;
+    int followable = 0;
+    if (current != 0 &&
+        ring->dev->device->dlpack_stream(current, &stream, &followable, err) != TS_OK)
+        return err != NULL ? err->code : TS_E_INVALID;
+    return ring->dev->device->flush(ring->dev, stream, wait_ms, err);
 }
 
 /* The DLDevice of this handle's views (see ts_ring.h). */
@@ -1766,7 +1824,7 @@ static int ts_acquire_news(const ts_ring *ring, const void *arg)
 static ts_status ts_acquire_between(ts_ring *ring, const void *unused, ts_err *err)
 {
     (void)unused;
-    if (ts_ring_producer_alive(ring->hdr)) return TS_OK;
+    if (ts_ring_producer_alive(ring)) return TS_OK;
     return ts_err_set(err, TS_E_PRODUCER_GONE, 0, "the producer process (pid %d) is gone",
                       ring->hdr->producer_pid);
 }
@@ -2046,6 +2104,9 @@ static void ts_ring_trim_aside(ts_ring *ring, const uint8_t *was_held)
         munmap(ring->data + slots_end, ring->data_bytes - (size_t)slots_end);
     if (ring->fd >= 0) close(ring->fd);
     ring->fd = ring->cow.fd = -1;
+    /* It reads no more: the liveness of the producer is the new handle's to check. */
+    if (ring->producer_pidfd >= 0) close(ring->producer_pidfd);
+    ring->producer_pidfd = -1;
 }
 
 /* Copy what the held slots' leases use and hand the slots back (see ts_ring.h). */

@@ -61,7 +61,7 @@
 #include "base/ts_fault.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
-#define TS_LAYOUT_VERSION 7 /* 7: publish_cpu_ns, setup_cpu_ns, batches_delivered */
+#define TS_LAYOUT_VERSION 8 /* 8: importer claims carry the pid; no IPC events */
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_SLOTS 4096 /* most slots a ring holds */
 #define TS_MAX_NDIM 16
@@ -151,14 +151,17 @@ typedef struct ts_consumer {
 
 /* A process that maps a device ring's pool (ts_ring_import_device). The producer
  * frees the pool only once every importer has closed its mapping or died:
- * freeing exported memory still open elsewhere is undefined behaviour. */
+ * freeing exported memory still open elsewhere is undefined behaviour. The claim carries
+ * the pid from the first store on, so that an entry whose process died at any point is
+ * seen as dead (ts_ring_importers). */
 typedef struct ts_importer {
-    _Atomic uint32_t state; /* TS_IMPORTER_* */
-    int32_t pid;
-    uint64_t start_time;
+    _Atomic uint64_t claim;      /* 0: free; else pid << 2 | TS_IMPORTER_CLAIMED or _MAPPED */
+    _Atomic uint64_t start_time; /* the claimer's, once written (0 before) */
 } ts_importer;
 
-enum { TS_IMPORTER_FREE = 0, TS_IMPORTER_CLAIMED = 1, TS_IMPORTER_MAPPED = 2 };
+/* CLAIMED: the entry is taken, the claimer checks pool_closing next; MAPPED: it found the
+ * pool open and maps it (or is about to). */
+enum { TS_IMPORTER_CLAIMED = 1, TS_IMPORTER_MAPPED = 2 };
 
 /* The header at offset 0 of the segment. */
 typedef struct ts_header {
@@ -267,6 +270,8 @@ typedef struct ts_ring {
                               * while mapped; borrows fd, owns its state array) */
     uint64_t stream_min;     /* copies of runs this long or longer stream (ts_copy.h) */
     ts_device_state *dev;    /* owns: this process's device state (ts_device.h), or NULL */
+    int producer_pidfd;      /* owns (consumer): a pidfd of the producer, or -1 (see
+                              * ts_proc_pidfd; the start-time check is used then) */
     int importer;            /* consumer: our importer table entry while the pool is
                               * imported, or -1 */
     pthread_mutex_t lock;    /* producer: publish vs roster changes */
@@ -639,9 +644,16 @@ DLDevice ts_ring_dl_device(const ts_ring *ring, int device);
 /* Live processes that still map the device pool. */
 uint32_t ts_ring_importers(const ts_ring *ring);
 
+/* Producer of a device ring: from now on no import begins (pool_closing), and the live
+ * processes that map the pool are counted once the imports under way have settled (mapped,
+ * or backed out on seeing the seal). The count can only go down after this, so the pool
+ * may be freed once it is 0 (ts_ring_free frees it then). 0 for a host ring. */
+uint32_t ts_ring_seal_pool(ts_ring *ring);
+
 /* Consumer of a device ring: hand the releases its dropped views queued to the device
- * (ts_device.h, flush). *synced: 1 if the device synchronized the context to do it. A
- * producer's handle, or a host ring's, has nothing to flush: TS_OK, *synced 0. */
-ts_status ts_ring_flush_releases(ts_ring *ring, uint32_t wait_ms, int *synced, ts_err *err);
+ * (ts_device.h, flush), current being the DLPack number of the calling thread's current
+ * stream on the ring's device (0: unknown). A producer's handle, or a host ring's, has
+ * nothing to flush: TS_OK. */
+ts_status ts_ring_flush_releases(ts_ring *ring, int64_t current, uint32_t wait_ms, ts_err *err);
 
 #endif /* TS_RING_H */

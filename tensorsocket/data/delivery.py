@@ -56,24 +56,14 @@ class Delivery:
         return self.gpu_import or self.pin_memory
 
     def flush_releases(self, ring: Any, wait_ms: int = 0) -> None:
-        """Order the releases of the views dropped since the last call after all GPU work
-        this process has queued so far on the consumer's GPU (Ring.flush_releases: the
-        work of that GPU's context), unless a CUDA graph is being captured on it (a
-        context-wide event or synchronize would break the capture: the releases wait for
-        the next call). Only where releases are deferred (defers_releases)."""
-        if not self.defers_releases or self._capturing():
-            return
-        if ring.flush_releases(wait_ms):
-            _log_context_sync_once()
-
-    def _capturing(self) -> bool:
-        """True while this thread's current stream on the consumer's GPU (the one its
-        releases are ordered on) is capturing."""
-        device = self._cuda or self._pinned
-        if device is None or not torch.cuda.is_initialized():
-            return False  # torch never used CUDA here: nothing of it can be capturing
-        with torch.cuda.device(device):
-            return bool(torch.cuda.is_current_stream_capturing())
+        """Order the releases of the views dropped since the last call after the GPU work
+        queued so far on the streams their views were used on and on this thread's current
+        stream (Ring.flush_releases; docs/gpu.md, "Orderings on the GPU path"). A release
+        whose stream is being captured (CUDA graphs) waits for a later call: nothing here
+        touches a capture, on this thread or another. Only where releases are deferred
+        (defers_releases)."""
+        if self.defers_releases:
+            ring.flush_releases(wait_ms, current_stream(self._cuda or self._pinned))
 
     def finish(self) -> None:
         """Wait for the asynchronous copies out of ring slots (before the ring goes)."""
@@ -231,27 +221,21 @@ def _stream_of(device: torch.device) -> int:
     return handle if handle != 0 else 1
 
 
+def current_stream(device: torch.device | None) -> int | None:
+    """The DLPack number of this thread's current stream on ``device`` in torch, the stream
+    a training step queues its work on; None where torch has not used CUDA here (then no
+    work of torch's can be queued either)."""
+    if device is None or not torch.cuda.is_initialized():
+        return None
+    return _stream_of(device)
+
+
 def _current_gpu() -> int:
     """This thread's current CUDA device in torch (torch.cuda.current_device()); 0 where
     this torch has no CUDA (nothing of torch can then queue work on a GPU)."""
     if not torch.cuda.is_available():
         return 0
     return torch.cuda.current_device()
-
-
-_context_sync_logged = False
-
-
-def _log_context_sync_once() -> None:
-    """Say once per process that this driver makes each release flush a synchronize."""
-    global _context_sync_logged
-    if _context_sync_logged:
-        return
-    _context_sync_logged = True
-    version = _core.cuda_status()["driver_version"]
-    log.warning("the CUDA driver %d.%d has no cuCtxRecordEvent (CUDA 12.5 or newer): the "
-                "releases of GPU batches wait for all of this process's GPU work with a "
-                "context synchronize at each next()", version // 1000, version % 1000 // 10)
 
 
 def _same_gpu(info: dict, index: int | None) -> bool:

@@ -35,12 +35,14 @@ def wait_gpu_released(ring: Any, timeout: float | None) -> None:
 
 
 def gpu_mapped(ring: Any) -> bool:
-    """Whether consumer processes still map the ring's device memory."""
+    """Whether consumer processes still map the ring's device memory, asked once no import
+    can begin any more (Ring.seal_pool): a consumer that imports between this answer and
+    the ring's close would otherwise leave the pool with nobody to free it. After the
+    first call the answer can only go from True to False."""
     try:
-        info = ring.info()
+        return ring.info()["device_type"] == _core.DL_CUDA and ring.seal_pool() > 0
     except Exception:  # a ring that cannot say keeps nothing
         return False
-    return info["device_type"] == _core.DL_CUDA and info["gpu_importers"] > 0
 
 
 KEEP_CHECK = 1.0  # seconds: how often the keeper looks again for importers that died
@@ -99,7 +101,7 @@ class PoolKeeper:
                     return
             for ring in rings:
                 try:
-                    unmapped = ring.info()["gpu_importers"] == 0
+                    unmapped = ring.seal_pool() == 0  # sealed already: it only goes down
                 except Exception:  # the thread must never die with rings kept
                     log.exception("tensorsocket GPU keeper failed to look at a ring")
                     unmapped = False
