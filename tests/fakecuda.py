@@ -646,6 +646,25 @@ def fnv1a(data: bytes) -> int:
     return h
 
 
+def tuple_leaf_sum(v: int) -> int:
+    """FNV-1a of leaf 0 of the "tuple" batch that encodes v (tests/roles.py make_batch): a
+    float32 (4, 8) tensor filled with v, as fakecuda_launch_read sums it."""
+    import numpy as np
+
+    return fnv1a(np.full((4, 8), v, np.float32).tobytes())
+
+
+def open_gate_when_published(ring: Any, gate: Any, seq: int, timeout: float) -> None:
+    """Open gate (launch_gate's cell) once the producer of ring published entry seq, which
+    reuses the slot of an entry that many slots earlier (the bug a test looks for: that
+    slot was handed back under the gated work), or after timeout seconds if it cannot
+    (the fix: the slot stayed held)."""
+    deadline = time.monotonic() + timeout
+    while ring.info()["published"] <= seq and time.monotonic() < deadline:
+        time.sleep(0.005)
+    gate.value = 1
+
+
 # ---- host memory with chosen protection (via libc) -----------------------------------------
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -41,7 +41,6 @@ GATE_S = 5.0  # a gate that the bug would open early opens after this at the lat
 CONSUMER = r'''
 import os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
-import numpy as np
 import fakecuda
 import tensorsocket.data.delivery as delivery
 from tensorsocket import TensorConsumer
@@ -56,11 +55,6 @@ fakecuda.deliver_device_tensors(delivery, cur)
 out = {"scenario": scenario}
 KEEP = []
 KERNEL_US = 1000000  # still running when the interpreter exits
-
-
-def x_sum(v):
-    """FNV-1a of leaf 0 of batch v (make_batch("tuple", v))."""
-    return fakecuda.fnv1a(np.full((4, 8), v, np.float32).tobytes())
 
 
 class RawView:
@@ -81,15 +75,6 @@ def pidfds():
         except OSError:  # the fd of the listing itself, closed meanwhile
             pass
     return n
-
-
-def open_when_round(ring, gate, seq):
-    """Open the gate once the producer published batch seq (it reuses the slot of batch
-    seq - SLOTS), or after GATE_S seconds if it cannot."""
-    deadline = time.monotonic() + GATE_S
-    while ring.info()["published"] <= seq and time.monotonic() < deadline:
-        time.sleep(0.005)
-    gate.value = 1
 
 
 c = TensorConsumer(name=name, timeout=60, batch_timeout=60)
@@ -178,12 +163,13 @@ elif scenario == "raw_pointer":
     gate = fc.launch_gate(0)
     res = fc.launch_read(0, b0[0].ptr, b0[0].nbytes)
     del b0
-    opener = threading.Thread(target=open_when_round, args=(c.ring, gate, SLOTS))
+    opener = threading.Thread(target=fakecuda.open_gate_when_published,
+                              args=(c.ring, gate, SLOTS, GATE_S))
     opener.start()
     kept = [next(it) for _ in range(SLOTS)]
     opener.join()
     fc.stream_synchronize(0)
-    out["read_ok"] = res.value == x_sum(0)
+    out["read_ok"] = res.value == fakecuda.tuple_leaf_sum(0)
     del kept
 elif scenario == "copy_true":
     # __dlpack__(copy=True) of a device view: no raw cuMemAlloc copy (torch's allocator

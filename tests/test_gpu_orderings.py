@@ -32,7 +32,6 @@ TESTS = str(Path(__file__).resolve().parent)
 CONSUMER = r'''
 import logging, os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
-import numpy as np
 import fakecuda
 import tensorsocket.data.delivery as delivery
 from tensorsocket import TensorConsumer
@@ -55,20 +54,6 @@ class Keep(logging.Handler):
 
 
 logging.getLogger("tensorsocket").addHandler(Keep())
-
-
-def x_sum(v):
-    """FNV-1a of leaf 0 of batch v (make_batch("tuple", v))."""
-    return fakecuda.fnv1a(np.full((4, 8), v, np.float32).tobytes())
-
-
-def open_when_round(ring, gate, seq):
-    """Open the gate once the producer published batch seq (it reuses the slot of batch
-    seq - SLOTS), or after GATE_S seconds if it cannot."""
-    deadline = time.monotonic() + GATE_S
-    while ring.info()["published"] <= seq and time.monotonic() < deadline:
-        time.sleep(0.005)
-    gate.value = 1
 
 
 def flush(c, wait_ms=0):
@@ -96,12 +81,13 @@ if scenario == "pinned":
     b0 = next(it)
     x = b0[0]
     want = fakecuda.fnv1a(x.numpy().tobytes())
-    out["original"] = want == x_sum(0)
+    out["original"] = want == fakecuda.tuple_leaf_sum(0)
     dst = fc.mem_alloc(x.numel() * 4)
     gate = fc.launch_gate(cur)
     fc.memcpy_htod_async(dst, x.data_ptr(), x.numel() * 4, cur)
     del b0, x
-    opener = threading.Thread(target=open_when_round, args=(c.ring, gate, SLOTS))
+    opener = threading.Thread(target=fakecuda.open_gate_when_published,
+                              args=(c.ring, gate, SLOTS, GATE_S))
     opener.start()
     kept = [next(it) for _ in range(SLOTS)]  # the last one is in the first one's slot
     opener.join()
@@ -117,7 +103,7 @@ elif scenario == "side_read":
         b = next(it)
         res = fc.launch_read(side, b[0].ptr, b[0].nbytes)
         fc.stream_synchronize(side)
-        out["reads"].append(res.value == x_sum(v))
+        out["reads"].append(res.value == fakecuda.tuple_leaf_sum(v))
         del b
 elif scenario == "side_release":
     # Item 2b: a slow read queued on another stream and joined into the current one (as
@@ -128,12 +114,13 @@ elif scenario == "side_release":
     res = fc.launch_read(side, b0[0].ptr, b0[0].nbytes)
     join(cur, side)
     del b0
-    opener = threading.Thread(target=open_when_round, args=(c.ring, gate, SLOTS))
+    opener = threading.Thread(target=fakecuda.open_gate_when_published,
+                              args=(c.ring, gate, SLOTS, GATE_S))
     opener.start()
     kept = [next(it) for _ in range(SLOTS)]
     opener.join()
     fc.stream_synchronize(side)
-    out["read_ok"] = res.value == x_sum(0)
+    out["read_ok"] = res.value == fakecuda.tuple_leaf_sum(0)
     out["ctx_record_event"] = fc.counter("ctx_record_event")
     out["ctx_sync"] = fc.counter("ctx_sync")
     del kept

@@ -1926,7 +1926,7 @@ void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer, uint64_t i
     }
     if (ring->held != NULL)
         atomic_fetch_and_explicit(&ring->held[slot], ~bit, memory_order_relaxed);
-    /* Every consumer hold ends here (the last lease, the GPU reaper, an acquire given back
+    /* Every consumer hold ends here (the last lease, the GPU release thread, an acquire given back
      * at once), so this is where a private slot gets its shared view back: before the bit
      * is cleared, since from then on the producer may refill the slot, and the next batch
      * in it must not be read through stale private pages. The slot stays locked against

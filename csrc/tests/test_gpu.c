@@ -468,7 +468,7 @@ static int cons_open(cons *c, int in)
 /* Undo cons_open (ring, stream, context, driver); no device memory or event may be left. */
 static void cons_close(cons *c)
 {
-    if (c->ring != NULL) ts_ring_unref(c->ring); /* joins the reaper, closes the mappings */
+    if (c->ring != NULL) ts_ring_unref(c->ring); /* joins the release thread, closes the mappings */
     c->ring = NULL;
     if (c->stream != NULL) CHECK_CU(c->api->StreamDestroy(c->stream));
     c->stream = NULL;
@@ -963,12 +963,12 @@ out:
 }
 
 /* ==========================================================================
- * 5. The reaper drops the last ring reference (it frees the GPU state itself)
+ * 5. The release thread drops the last ring reference (it frees the GPU state itself)
  * ========================================================================== */
 
 #define LAST_REF_KERNEL_US 300000
 
-/* Consumer: drop the ring while a release is pending; the reaper then tears the GPU state down. */
+/* Consumer: drop the ring while a release is pending; the release thread then tears the GPU state down. */
 static void last_ref_consumer(int in, int out)
 {
     cons c;
@@ -983,16 +983,16 @@ static void last_ref_consumer(int in, int out)
     REQUIRE_OK(ts_ring_acquire(c.ring, deadline_ms(5000), &a, &err));
     REQUIRE(launch_and_drop(&c, launch, &a, n, &sum, LAST_REF_KERNEL_US, NULL) == 0);
     CHECK_EQ(atomic_load(&c.ring->refs), 2);
-    int threads = thread_count(); /* with the reaper */
+    int threads = thread_count(); /* with the release thread */
     /* Our reference goes: the pending release now holds the last one. */
     ts_ring_unref(c.ring);
     c.ring = NULL;
     CHECK_EQ(thread_count(), threads);
     SEND(out, M_DONE, a.slot, 0);
-    /* The producer sees the release and the pool unmapped (by the reaper). */
+    /* The producer sees the release and the pool unmapped (by the release thread). */
     RECV(in, M_GO, m);
     CHECK_EQ(sum, fnv1a(want, n));
-    /* The reaper exits once it has torn the state down. */
+    /* The release thread exits once it has torn the state down. */
     uint64_t dl = deadline_ms(5000);
     while (thread_count() != threads - 1 && ts_now_ns() < dl) sleep_us(500);
     CHECK_EQ(thread_count(), threads - 1);
@@ -1006,8 +1006,8 @@ out:
     cons_close(&c); /* then exit(): LeakSanitizer checks the freed state */
 }
 
-/* The reaper drops the last ring reference: slot and pool are released, the consumer lives on. */
-static void test_reaper_last_ref(void)
+/* The release thread drops the last ring reference: slot and pool are released, the consumer lives on. */
+static void test_release_thread_last_ref(void)
 {
     prod p = {0};
     peer c = {0};
@@ -1026,7 +1026,7 @@ static void test_reaper_last_ref(void)
     CHECK(ts_now_ns() - t0 < 5000 * MS);
     CHECK_EQ(readers_of(p.ring, slot), 0);
     CHECK_EQ(ts_ring_importers(p.ring), 0);
-    CHECK(kill(c.pid, 0) == 0); /* it is the reaper's doing, not an exit */
+    CHECK(kill(c.pid, 0) == 0); /* it is the release thread's doing, not an exit */
     SEND(c.to, M_GO, 0, 0);
     RECV(c.from, M_DONE, m);
     SEND(c.to, M_BYE, 0, 0);
@@ -1687,7 +1687,7 @@ static const ts_test g_tests[] = {
     {"deferred_release", test_deferred_release},
     {"unfollowed_streams", test_unfollowed_streams},
     {"export_variants", test_export_variants},
-    {"reaper_last_ref", test_reaper_last_ref},
+    {"release_thread_last_ref", test_release_thread_last_ref},
     {"wait_released", test_wait_released},
     {"mig", test_mig},
     {"no_ipc_events", test_no_ipc_events},
