@@ -100,9 +100,11 @@ def producer(name, tmp_path):
             pytest.fail(f"the producer did not end:\n{out[-3000:]}")
 
 
-def read_out(consumer, epochs: int) -> None:
-    """Read on through the producer's last epoch, until it finishes (ProducerFinished);
-    batches whose transform fails count as read (the loop goes on after a TransformError).
+def read_out(consumer, epochs: int, it=None) -> None:
+    """Read on (from `it`, an iterator of the consumer's epoch under way, if given) until
+    this consumer has taken the producer's last entry (the end marker of its epoch
+    `epochs` - 1); a batch whose transform fails counts as read (the loop goes on after a
+    TransformError; a new iter() would skip the rest of the epoch instead).
 
     A producer whose consumers have all left pauses before its next batch until one
     attaches (min_consumers, start_timeout=None: tensorsocket/producer/gate.py), so the
@@ -110,11 +112,16 @@ def read_out(consumer, epochs: int) -> None:
     consumers stop earlier (a consumer resumed from state_dict() reads only what it needs,
     one whose transform fails stops at the error) has its last consumer read out the rest,
     without which the producer ends only if it published its last batch before that
-    consumer left (a race it loses when the machine is busy)."""
+    consumer left (a race it loses when the machine is busy). It stops at the last entry
+    rather than iterating on to ProducerFinished: the producer ends then, and an iter() that
+    unparks while it closes waits for an answer that never comes."""
+    entries = epochs * (SAMPLES // BATCH + 1)  # each epoch's batches and its end marker
     with warnings.catch_warnings():  # (a late joiner's epoch may span two of the producer's)
         warnings.simplefilter("ignore", TensorSocketWarning)
         for _ in range(epochs + 1):
-            it = iter(consumer)
+            if consumer.ring.info()["published"] == entries and consumer.stats()["lag"] == 0:
+                return
+            it = iter(consumer) if it is None else it
             while True:
                 try:
                     next(it)
@@ -124,7 +131,8 @@ def read_out(consumer, epochs: int) -> None:
                     break
                 except ProducerFinished:
                     return
-    pytest.fail(f"the producer did not finish within {epochs + 1} more epochs")
+            it = None
+    pytest.fail(f"the producer's {entries} entries were not read within {epochs + 1} epochs")
 
 
 def read_epochs(consumer, epochs: int) -> list[dict[int, torch.Tensor]]:
@@ -245,9 +253,10 @@ def test_a_transform_that_cannot_run_names_both_sides(name, producer):
         return torch.nn.functional.normalize(x, dim=0)  # no uint8 kernel
 
     with TensorConsumer(name=name, transform=needs_float, transform_workers=2) as c:
+        it = iter(c)
         with pytest.raises(TransformError) as e:
-            next(iter(c))
-        read_out(c, 1)
+            next(it)
+        read_out(c, 1, it)
     text = str(e.value)
     assert "needs_float" in text and "torch.uint8" in text and "(3, 12, 12)" in text
     assert "transform_input='pil'" in text and isinstance(e.value, ValueError)
@@ -565,12 +574,13 @@ def test_a_failed_batch_holds_no_ring_slot(name, producer):
         return torch.nn.functional.normalize(x, dim=0)
 
     with TensorConsumer(name=name, transform=needs_float) as c:
+        it = iter(c)
         with pytest.raises(TransformError) as e:
-            next(iter(c))
+            next(it)
         assert e.value.__traceback__ is not None
         c._place.flush_releases()
         assert c.ring.held_slots() == 0
-        read_out(c, 1)
+        read_out(c, 1, it)
 
 
 def test_a_transform_that_writes_into_its_input_sees_fresh_samples(name, producer):
