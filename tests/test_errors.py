@@ -11,6 +11,7 @@ import torch
 
 from tensorsocket import (
     BatchTooLarge,
+    ProducerFinished,
     SharedMemoryTooSmall,
     TensorConsumer,
     TensorProducer,
@@ -336,3 +337,42 @@ def test_write_into_a_released_batch_names_the_cause(procs, name, faulthandler):
         values = [int(x[0, 0]) for x, _ in c]
     assert values[-1] == 5 and all(v == i + (6 - len(values)) for i, v in enumerate(values))
     procs.result(p)
+
+
+ONE_EPOCH_PRODUCER = r"""
+import sys, torch
+from tensorsocket import TensorProducer
+from tools.harness import emit
+
+batches = [(torch.full((4, 8), float(i)), torch.full((4,), i)) for i in range(4)]
+p = TensorProducer(batches, name=sys.argv[1], min_consumers=1, start_timeout=60)
+emit({"ready": True})
+for _ in p:
+    pass
+p.join(timeout=0.5)  # its consumer stays attached: finish without waiting for it
+p.close()
+emit({"closed": True})
+"""
+
+
+def test_a_place_lost_to_a_finished_producer_says_it_finished(procs, name):
+    """A consumer parked between epochs with its place kept asks the producer for it again
+    (unpark) at its next batch. A producer that finished and closed meanwhile sends no
+    answer: the consumer says the producer finished, not that it stopped answering
+    (ProducerNotFound, after 10 s), as an attach after the end does."""
+    from tensorsocket import ProducerNotFound
+
+    p = procs.script(ONE_EPOCH_PRODUCER, name)
+    procs.wait_ready(p)
+    with TensorConsumer(name=name, timeout=30) as c:
+        assert len(list(c)) == 4
+        procs.result(p)  # it finished and closed its control socket
+        place = c._place
+        place.attached, place.held_place = False, True  # as park(hold=True) leaves it
+
+        def lost_reply() -> bool:
+            raise ProducerNotFound("the producer stopped answering")
+
+        place.client.unpark = lost_reply
+        with pytest.raises(ProducerFinished):
+            next(iter(c))

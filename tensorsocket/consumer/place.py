@@ -21,7 +21,7 @@ from ..data import diagnosis
 from ..data.delivery import Delivery
 from ..data.epoch_cursor import EpochCursor, InFlight
 from ..errors import ConsumerDetached, LagWarning, ProducerFailed, ProducerFinished, \
-    TensorSocketError
+    ProducerNotFound, TensorSocketError
 from .options import ConsumerOptions
 
 log = logging.getLogger("tensorsocket")
@@ -197,10 +197,25 @@ class RingPlace:
             return
         if self.held_place:
             self.held_place = False
-            if self.client.unpark():
+            if self._unpark():
                 self.attached = True
                 return
         self.attach_again()
+
+    def _unpark(self) -> bool:
+        """Whether the producer kept our place (ControlClient.unpark). A producer that
+        finished, failed or died meanwhile may close without answering: then the place is
+        gone, and attach_again() says why (ProducerFinished or ProducerFailed), instead of
+        the lost reply's ProducerNotFound."""
+        try:
+            return self.client.unpark()
+        except ProducerNotFound:
+            ring = self.ring
+            info = ring.info()
+            if info["state"] == _core.RING_FINISHED or ring.failure() is not None or \
+                    not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
+                return False
+            raise
 
     def drop_entry(self) -> None:
         """Release the ring entry taken and not used (kept for the next epoch)."""
@@ -216,15 +231,18 @@ class RingPlace:
         ring, options = self.ring, self._options
         info = ring.info()
         failure = ring.failure()
-        if failure is not None or \
-                not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
-            self.cursor.in_epoch = False
-            raise producer_failed(ring, options.endpoint.address, failure)
-        if info["state"] == _core.RING_FINISHED:
+        # A producer that finished (whether its process has ended since or not) has no
+        # more batches for a new place; one that failed, or died before it finished, says
+        # so.
+        if failure is None and info["state"] == _core.RING_FINISHED:
             self.cursor.in_epoch = False
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
+        if failure is not None or \
+                not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
+            self.cursor.in_epoch = False
+            raise producer_failed(ring, options.endpoint.address, failure)
         # An entry kept from the place given up (also when an interrupt cut unpark short:
         # a new place may start at that very entry, which would then come twice).
         self.drop_entry()
