@@ -3,20 +3,30 @@
     python benchmarks/gpu_check.py [--consumers 3] [--batches 200]
         [--batch-shape 256,3,224,224] [--json out.json] [--require-gpu]
     python benchmarks/gpu_check.py --quick [--checks a,b] [--json out.json]
+    python benchmarks/gpu_check.py --fake LIBFAKECUDA|build [--checks a,b] [--json out.json]
     python benchmarks/gpu_check.py --smoke
 
 ``--quick`` runs only the correctness checks of benchmarks/gpu_checks.py (the same
-functions tests/test_gpu_real.py runs; under 4 minutes on one H100): the orderings of
-issue 23 (pinned views under ``non_blocking`` copies, reads on other streams, a
+functions tests/test_gpu_real.py runs): the orderings of issue 23 (pinned views under
+``non_blocking`` copies, reads on other streams joined into the current one, a
 non-default current stream, ``__dlpack__(stream=-1)`` on several streams, releases during
 a CUDA graph capture, a consumer idle past ``release_timeout``), a DataLoader with
 non-persistent workers over 3 epochs, device memory back to its baseline after several
 producer and consumer cycles, and where the hardware allows, peer import,
 ``peer_access=False``, ``CUDA_VISIBLE_DEVICES`` reordering and MIG (skipped with the
 reason otherwise); then the consumer's own cost per batch (step 3 below, 60 batches;
-``--no-overhead`` leaves it out). It prints a table of check / result / seconds / figure
-and exits 1 if any check failed. ``--smoke`` runs the checks' own machinery on a host ring (no GPU
-needed).
+``--no-overhead`` leaves it out); then the checks of issue 34 in
+benchmarks/gpu_driver_checks.py (30 exits with a kept batch and a queued 200 ms kernel,
+20 producers that never touch torch's CUDA, a capture on another thread, the step time
+with and without a context synchronize per ``next()``, two consumers in one process, a
+consumer in the producer's process, a raw-pointer copy, ``copy=True`` with torch's cache
+at 95%); sized to take under 5 minutes on one GPU (issue 34's checks have not run on one
+yet). It prints a table of check / result / seconds /
+figure and exits 1 if any check failed. ``--fake`` runs only the issue-34 checks, in
+their quick form, on the CUDA driver test double (csrc/tests/fake_cuda.c; ``build``
+compiles it with tests/fakecuda.py into a temporary directory), with no GPU: the same
+table (tests/test_gpu_driver_script.py runs it in CI). ``--smoke`` runs the checks' own
+machinery on a host ring (no GPU needed).
 
 Without ``--quick``:
 
@@ -58,6 +68,7 @@ import os
 import platform
 import re
 import selectors
+import shutil
 import signal
 import statistics
 import subprocess
@@ -71,6 +82,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = ("verify", "overhead", "throughput")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_checks  # noqa: E402  (the checks of --quick, shared with tests/test_gpu_real.py)
+import gpu_driver_checks  # noqa: E402  (issue 34's, after them; --fake runs them alone)
 from bench_common import (  # noqa: E402
     children_cpu_seconds, dispatch, harness, import_tensorsocket, machine_info,
     remove_leftovers, report, write_json,
@@ -812,24 +824,65 @@ def quick_overhead(args: argparse.Namespace) -> gpu_checks.CheckResult:
                                   seconds=time.monotonic() - t0, data=o)
 
 
+def _progress(r: gpu_checks.CheckResult) -> None:
+    """One line per finished check, as the run goes."""
+    shown = "SKIP" if r.ok is None else ("OK" if r.ok else "FAIL")
+    print(f"  {r.name}: {shown} ({r.seconds:.1f} s)", flush=True)
+
+
 def run_quick(args: argparse.Namespace) -> int:
-    """--quick: the checks of gpu_checks.py, a table, exit 1 on a failure."""
+    """--quick: the checks of gpu_checks.py, then gpu_driver_checks.py's; a table, exit 1
+    on a failure."""
     args.work_iters = 0  # no throughput step here
     env = environment(args)
     print(f"GPU checks on {env['gpu']} ({args.device}), driver {env['driver_version']}, "
           f"torch {env['torch']} (CUDA {env['torch_cuda']}), {env['cpus']} CPUs", flush=True)
-    opts = gpu_checks.default_options(int(args.device.partition(":")[2]))
+    device = int(args.device.partition(":")[2])
+    opts = gpu_checks.default_options(device)
     opts.cycles = args.cycles
     t0 = time.monotonic()
-
-    def progress(r: gpu_checks.CheckResult) -> None:
-        verdict = "SKIP" if r.ok is None else ("OK" if r.ok else "FAIL")
-        print(f"  {r.name}: {verdict} ({r.seconds:.1f} s)", flush=True)
-
-    results = gpu_checks.run_checks(args.checks, opts, progress)
+    names = [c for c in args.checks if c in gpu_checks.CHECKS]
+    results = gpu_checks.run_checks(names, opts, _progress) if names else []
     if not args.no_overhead and opts.gpu_ring:
         results.append(quick_overhead(args))
-        progress(results[-1])
+        _progress(results[-1])
+    names = [c for c in args.checks if c in gpu_driver_checks.CHECKS]
+    if names:
+        results += gpu_driver_checks.run_checks(names, gpu_driver_checks.torch_options(device),
+                                                _progress)
+    return _report(args, env, results, t0)
+
+
+def run_fake(args: argparse.Namespace) -> int:
+    """--fake: the issue-34 checks, quick form, on the CUDA driver double; a table, exit 1
+    on a failure."""
+    t0 = time.monotonic()
+    lib, built_in = args.fake, None
+    if lib == "build":
+        sys.path.insert(0, str(ROOT / "tests"))
+        import fakecuda
+
+        built_in = tempfile.mkdtemp(prefix="fakecuda-")
+        lib = str(fakecuda.build(Path(built_in)))
+    if not Path(lib).is_file():
+        print(f"--fake {lib}: no such file (build it with tests/fakecuda.py, or pass build)",
+              file=sys.stderr)
+        return 2
+    env = {"backend": "the CUDA driver double", "lib": lib, "cpus": os.cpu_count(),
+           "python": platform.python_version()}
+    print(f"issue-34 checks on the CUDA driver double {lib}, {env['cpus']} CPUs", flush=True)
+    names = [c for c in args.checks if c in gpu_driver_checks.CHECKS]
+    try:
+        results = gpu_driver_checks.run_checks(names, gpu_driver_checks.fake_options(lib),
+                                               _progress)
+    finally:
+        if built_in is not None:
+            shutil.rmtree(built_in, ignore_errors=True)
+    return _report(args, env, results, t0)
+
+
+def _report(args: argparse.Namespace, env: dict, results: list, t0: float) -> int:
+    """Print the table of results and the verdict (and write --json); the exit status."""
     print()
     print(gpu_checks.format_table(results))
     failed = [r for r in results if r.ok is False]
@@ -865,22 +918,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", default=",".join(STEPS),
                     help=f"comma-separated subset of {','.join(STEPS)}")
     ap.add_argument("--quick", action="store_true",
-                    help="run only the correctness checks of gpu_checks.py (under 4 "
-                         "minutes on an H100) and print their table")
-    ap.add_argument("--checks", default=",".join(gpu_checks.CHECKS),
-                    help="with --quick: comma-separated subset of "
-                         f"{','.join(gpu_checks.CHECKS)}")
+                    help="run only the correctness checks, gpu_checks.py's (issue 23) then "
+                         "gpu_driver_checks.py's (issue 34), sized for under 5 minutes on "
+                         "one GPU, and print their table")
+    known = [*gpu_checks.CHECKS, *gpu_driver_checks.CHECKS]
+    ap.add_argument("--checks", default=None,
+                    help=f"with --quick or --fake: comma-separated subset of {','.join(known)}")
     ap.add_argument("--cycles", type=int, default=3,
                     help="with --quick: producer + consumer cycles of memory_cycles")
     ap.add_argument("--no-overhead", action="store_true",
                     help="with --quick: skip the per-batch cost of next() (60 batches)")
+    ap.add_argument("--fake", metavar="LIBFAKECUDA",
+                    help="run only the issue-34 checks of gpu_driver_checks.py, quick form, "
+                         "on the CUDA driver double at this path (build: compile it first); "
+                         "no GPU needed")
     ap.add_argument("--smoke", action="store_true",
                     help="run the checks' machinery on a host ring (no GPU needed) and exit")
     args = ap.parse_args(argv)
-    args.checks = [c for c in args.checks.split(",") if c]
+    args.checks = [c for c in (args.checks or ",".join(known)).split(",") if c]
     for c in args.checks:
-        if c not in gpu_checks.CHECKS:
-            ap.error(f"--checks: unknown check {c!r} (known: {', '.join(gpu_checks.CHECKS)})")
+        if c not in known:
+            ap.error(f"--checks: unknown check {c!r} (known: {', '.join(known)})")
     if args.cycles < 2:
         ap.error("--cycles >= 2 (a leak shows as the difference between cycles)")
     args.steps = [s for s in args.steps.split(",") if s]
@@ -908,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
         if not res.ok:
             print(res.detail)
         return 0 if res.ok else 1
+    if args.fake:
+        return run_fake(args)
     if args.quick:  # runs on a MIG instance too (the GPU-ring checks say they skip)
         reason = gpu_checks.skip_reason(int(args.device.partition(":")[2]))
     else:

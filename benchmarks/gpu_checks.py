@@ -12,8 +12,12 @@ The semantics checked (docs/gpu.md):
 
 - once next() returns, a batch is readable from any stream of the consumer's device;
 - a released view's slot (a device view, or a page-locked host view with
-  ``pin_memory=True``) is not reused until all work the consumer's context queued before
-  the release has finished, whatever the stream;
+  ``pin_memory=True``) is not reused until the work queued on the streams its views were
+  used on has finished: the stream it was exported to (torch's current stream at next()),
+  the stream current at the consumer's next call, and the legacy default stream for
+  views exported with DLPack stream -1; work on another stream is covered once it is
+  joined into the current one before the next call
+  (``torch.cuda.current_stream().wait_stream(side)``, as timm's PrefetchLoader does);
 - a release while a CUDA graph is being captured does not invalidate the capture;
 - the producer keeps its device memory until every importer has closed or died; device
   memory is back to its baseline once producers and consumers are gone;
@@ -98,9 +102,10 @@ def default_options(device: int = 0) -> Options:
     return Options(device=device, gpu_ring=ipc)
 
 
-def _no_gpu_ring(name: str, opts: Options) -> CheckResult | None:
+def no_gpu_ring(name: str, opts: Any) -> CheckResult | None:
     """A skipped result where GPU rings cannot work on the device (no CUDA IPC events:
-    a MIG instance); the mig check covers that case."""
+    a MIG instance); the mig check covers that case. opts: Options, or any options with
+    its device and gpu_ring (gpu_driver_checks.DriverOptions)."""
     if opts.gpu_ring:
         return None
     return CheckResult(name, None, skipped=f"GPU {opts.device} has no CUDA IPC events (a MIG "
@@ -110,10 +115,15 @@ def _no_gpu_ring(name: str, opts: Options) -> CheckResult | None:
 CHECKS: dict[str, Callable[[Options], CheckResult]] = {}
 
 
-def check(fn: Callable[[Options], CheckResult]) -> Callable[[Options], CheckResult]:
-    """Register a check under its name (check_<name>)."""
-    CHECKS[fn.__name__.removeprefix("check_")] = fn
-    return fn
+def register(registry: dict[str, Callable]) -> Callable[[Callable], Callable]:
+    """A decorator that registers a check in `registry` under its name (check_<name>)."""
+    def add(fn: Callable) -> Callable:
+        registry[fn.__name__.removeprefix("check_")] = fn
+        return fn
+    return add
+
+
+check = register(CHECKS)  # this file's checks (issue 23)
 
 
 # -- where the checks can run -------------------------------------------------------------
@@ -211,10 +221,12 @@ def settle_memory(baseline: int | None, device: int) -> tuple[int | None, str]:
 
 
 class Procs:
-    """Role processes of one check: started, read, and always reaped (with timeouts)."""
+    """Role processes of one check: started, read, and always reaped (with timeouts).
+    A role is `script` (default: this file) run as ``_role <role> '<json args>'``."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, script: Path | None = None) -> None:
         self.name = name
+        self.script = script or Path(__file__).resolve()
         self.procs: list[subprocess.Popen] = []
         self._err: dict[int, Any] = {}  # pid -> stderr file
         self._out: dict[int, bytes] = {}  # pid -> stdout read but not yet consumed
@@ -224,7 +236,7 @@ class Procs:
         err = tempfile.TemporaryFile()
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         p = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "_role", role, json.dumps(args)],
+            [sys.executable, str(self.script), "_role", role, json.dumps(args)],
             stdout=subprocess.PIPE, stderr=err, stdin=subprocess.PIPE, cwd=ROOT,
             env={**os.environ, "PYTHONPATH": path, **(env or {})},
         )
@@ -320,12 +332,15 @@ class Procs:
 
 
 def _unique(check_name: str) -> str:
+    """A producer name for one run of a check (unique, short enough for socket paths)."""
     return f"gc-{check_name[:12]}-{uuid.uuid4().hex[:8]}"
 
 
-def _run_check(name: str, fn: Callable[[Procs], CheckResult]) -> CheckResult:
-    """Run fn with a fresh Procs, timing it; an exception is a failed check."""
-    procs = Procs(_unique(name))
+def run_check(name: str, fn: Callable[[Procs], CheckResult],
+              script: Path | None = None) -> CheckResult:
+    """Run fn with a fresh Procs (roles of `script`, default this file), timing it; an
+    exception is a failed check."""
+    procs = Procs(_unique(name), script)
     t0 = time.monotonic()
     try:
         res = fn(procs)
@@ -342,7 +357,7 @@ def _run_check(name: str, fn: Callable[[Procs], CheckResult]) -> CheckResult:
 # -- the checks ---------------------------------------------------------------------------
 
 
-def _errors(*reports: dict) -> list[str]:
+def role_errors(*reports: dict) -> list[str]:
     """The errors the roles reported (content, exceptions, driver errors on stderr)."""
     out: list[str] = []
     for r in reports:
@@ -360,7 +375,8 @@ def _line_with(text: str, word: str) -> str:
     return next((ln for ln in text.splitlines() if word in ln), "")[:300]
 
 
-def _verdict(name: str, errors: list[str], figure: str, data: dict) -> CheckResult:
+def verdict(name: str, errors: list[str], figure: str, data: dict) -> CheckResult:
+    """The result of check `name`: passed if `errors` is empty (they are its detail)."""
     return CheckResult(name, not errors, figure=figure, detail="\n".join(errors[:20]),
                        data=data)
 
@@ -380,13 +396,14 @@ def _pair(procs: Procs, producer: dict, consumer: dict,
 @check
 def check_pinned_nonblocking(opts: Options) -> CheckResult:
     """Item 1: pin_memory=True on a host ring; each page-locked view is copied with
-    x.cuda(non_blocking=True) on a side stream behind a slow kernel, then dropped at once;
-    with 2 slots the producer comes round to each slot. Every copy holds its own batch."""
+    x.cuda(non_blocking=True) on the current stream (where torch queues it) behind a slow
+    kernel, then dropped at once; with 2 slots the producer comes round to each slot.
+    Every copy holds its own batch (the release waits for the current stream)."""
     def run(procs: Procs) -> CheckResult:
         pr, cr = _pair(procs, {"device": "host", "batches": opts.batches, "slots": 2},
                        {"mode": "pinned", "sleep_cycles": opts.sleep_cycles,
                         "device": "cpu", "pin_memory": True, "gpu": opts.device})
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         if cr.get("checked") != opts.batches:
             errors.append(f"checked {cr.get('checked')} batches, expected {opts.batches}")
         if cr.get("pending_at_drop", 0) < opts.batches // 2:
@@ -398,8 +415,8 @@ def check_pinned_nonblocking(opts: Options) -> CheckResult:
         fig = (f"{cr.get('checked')} copies, {cr.get('bad', '?')} wrong, "
                f"{cr.get('pending_at_drop')} queued at drop, pinned views "
                f"{cr.get('pinned_views')}")
-        return _verdict("pinned_nonblocking", errors, fig, {"producer": pr, "consumer": cr})
-    return _run_check("pinned_nonblocking", run)
+        return verdict("pinned_nonblocking", errors, fig, {"producer": pr, "consumer": cr})
+    return run_check("pinned_nonblocking", run)
 
 
 def _stream_check(name: str, opts: Options, consumer: dict, producer: dict | None = None
@@ -407,7 +424,7 @@ def _stream_check(name: str, opts: Options, consumer: dict, producer: dict | Non
     """A GPU ring; the consumer reads each batch (sums) on the streams `consumer` says,
     right after next() and behind a slow kernel, drops it at once; sums checked at the end
     (the producer came round to every slot: 2 slots)."""
-    skipped = _no_gpu_ring(name, opts)
+    skipped = no_gpu_ring(name, opts)
     if skipped:
         return skipped
 
@@ -416,7 +433,7 @@ def _stream_check(name: str, opts: Options, consumer: dict, producer: dict | Non
                 "shape": [64, 3, 224, 224], **(producer or {})}
         pr, cr = _pair(procs, prod, {"mode": "streams", "sleep_cycles": opts.sleep_cycles,
                                      "expect": f"cuda:{opts.device}", **consumer})
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         if cr.get("checked") != opts.batches:
             errors.append(f"checked {cr.get('checked')} batches, expected {opts.batches}")
         if cr.get("pending_at_drop", 0) < opts.batches // 2:
@@ -428,17 +445,21 @@ def _stream_check(name: str, opts: Options, consumer: dict, producer: dict | Non
         fig = (f"{cr.get('checked')} batches, early reads wrong {cr.get('bad_early', '?')}, "
                f"late reads wrong {cr.get('bad_late', '?')}, {cr.get('pending_at_drop')} "
                f"queued at drop; next() median {cr.get('next_us_median', 0):.0f} us")
-        return _verdict(name, errors, fig, {"producer": pr, "consumer": cr})
-    return _run_check(name, run)
+        return verdict(name, errors, fig, {"producer": pr, "consumer": cr})
+    return run_check(name, run)
 
 
 @check
 def check_side_stream(opts: Options) -> CheckResult:
     """Item 2: next() on the default stream, the batch read inside
     torch.cuda.stream(side) right after it (must see the whole batch) and again behind a
-    slow kernel queued on the side stream before the batch is dropped (the slot must not be
-    reused under it). No join back to the default stream (timm's PrefetchLoader)."""
-    return _stream_check("side_stream", opts, {"current": "default", "read": "side"})
+    slow kernel queued on the side stream; the side stream is then joined into the
+    current one (current_stream().wait_stream(side), as timm's PrefetchLoader does) and
+    the batch dropped: the slot must not be reused under the side stream's reads. Since
+    issue 34 a release waits for the current stream, not the whole context: work on a
+    side stream that is never joined is not covered (docs/gpu.md)."""
+    return _stream_check("side_stream", opts, {"current": "default", "read": "side",
+                                               "join": True})
 
 
 @check
@@ -451,20 +472,25 @@ def check_nondefault_current_stream(opts: Options) -> CheckResult:
 @check
 def check_dlpack_stream_minus1(opts: Options) -> CheckResult:
     """Views exported with __dlpack__(stream=-1) (no ordering asked of the export), read
-    on three streams in turn: the batch is readable once next() returns and the slot is
-    not reused under any of them. Patches tensorsocket.data.delivery._device_tensors (the
-    consumer's export hook) to pass stream=-1."""
+    on three side streams in turn: read right after next(), the batch is whole on each;
+    each side stream is joined into the current one before the drop, and the slot is not
+    reused under the reads queued behind a slow kernel there. Since issue 34 a -1 export's
+    release waits for the legacy default stream and the stream current at the next call
+    (no longer the whole context), so reads on a stream joined into neither are not
+    covered. Patches tensorsocket.data.delivery._device_tensors (the consumer's export
+    hook) to pass stream=-1."""
     return _stream_check("dlpack_stream_minus1", opts,
                          {"current": "default", "read": "rotate", "streams": 3,
-                          "dlpack_minus1": True})
+                          "dlpack_minus1": True, "join": True})
 
 
 @check
 def check_graph_capture(opts: Options) -> CheckResult:
     """Item 3: batches released while a CUDA graph is captured (torch.cuda.graph, global
     capture mode; from the capturing thread and from another thread): the capture is not
-    invalidated, the graph replays correctly on the following batches."""
-    skipped = _no_gpu_ring("graph_capture", opts)
+    invalidated (a deleter makes no driver call; the releases are flushed at the next
+    next(), after the capture), the graph replays correctly on the following batches."""
+    skipped = no_gpu_ring("graph_capture", opts)
     if skipped:
         return skipped
 
@@ -472,7 +498,7 @@ def check_graph_capture(opts: Options) -> CheckResult:
         pr, cr = _pair(procs, {"device": f"cuda:{opts.device}", "batches": opts.batches,
                                "slots": 4},
                        {"mode": "graph", "expect": f"cuda:{opts.device}"})
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         if cr.get("capture_error"):
             errors.append(f"the capture failed: {cr['capture_error']}")
         if cr.get("replays", 0) < opts.batches - 3:
@@ -480,8 +506,8 @@ def check_graph_capture(opts: Options) -> CheckResult:
         fig = (f"capture {'failed' if cr.get('capture_error') else 'ok'}, "
                f"{cr.get('replays')} replays, {cr.get('bad_replays', '?')} wrong, "
                f"{cr.get('released_in_capture', 0)} releases during the capture")
-        return _verdict("graph_capture", errors, fig, {"producer": pr, "consumer": cr})
-    return _run_check("graph_capture", run)
+        return verdict("graph_capture", errors, fig, {"producer": pr, "consumer": cr})
+    return run_check("graph_capture", run)
 
 
 @check
@@ -491,7 +517,7 @@ def check_idle_past_release_timeout(opts: Options) -> CheckResult:
     next access ends the epoch or raises a clear tensorsocket error (never a driver
     error), nothing on stderr says device memory was freed under it, and device memory
     is back to its baseline once both are gone."""
-    skipped = _no_gpu_ring("idle_past_release_timeout", opts)
+    skipped = no_gpu_ring("idle_past_release_timeout", opts)
     if skipped:
         return skipped
 
@@ -516,7 +542,7 @@ def check_idle_past_release_timeout(opts: Options) -> CheckResult:
         cr = procs.result(c)
         pr = procs.result(p)
         above, how = settle_memory(baseline, opts.device)
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         if not cr.get("held_ok"):
             errors.append(f"the batch held across the producer's close read wrong: "
                           f"{cr.get('held')}")
@@ -533,9 +559,9 @@ def check_idle_past_release_timeout(opts: Options) -> CheckResult:
         fig = (f"producer {'exited' if exited else 'still closing'} after {rt + 3.0:.0f} s; "
                f"next(): {after}; memory "
                + ("n/a (" + how + ")" if above is None else f"{above / 2**20:+.0f} MiB"))
-        return _verdict("idle_past_release_timeout", errors, fig,
+        return verdict("idle_past_release_timeout", errors, fig,
                         {"producer": pr, "consumer": cr, "memory_above": above})
-    return _run_check("idle_past_release_timeout", run)
+    return run_check("idle_past_release_timeout", run)
 
 
 @check
@@ -546,7 +572,7 @@ def check_producer_killed(opts: Options) -> CheckResult:
     batch_timeout, never a hang or a driver error; what the held batch reads afterwards
     is reported (the driver's rule for an exited exporter's memory); device memory is
     back to its baseline once the consumer is gone."""
-    skipped = _no_gpu_ring("producer_killed", opts)
+    skipped = no_gpu_ring("producer_killed", opts)
     if skipped:
         return skipped
 
@@ -564,7 +590,7 @@ def check_producer_killed(opts: Options) -> CheckResult:
         procs.go(c)
         cr = procs.result(c)
         above, how = settle_memory(baseline, opts.device)
-        errors = _errors(cr)
+        errors = role_errors(cr)
         after = cr.get("after", "")
         if not (after == "StopIteration" or cr.get("after_clear")):
             errors.append(f"after the producer's death: {after} (expected a clear "
@@ -576,8 +602,8 @@ def check_producer_killed(opts: Options) -> CheckResult:
                f"held batch: {'right' if cr.get('held_ok') else cr.get('held', '')[:60]}; "
                "memory " + ("n/a (" + how + ")" if above is None
                             else f"{above / 2**20:+.0f} MiB"))
-        return _verdict("producer_killed", errors, fig, {"consumer": cr})
-    return _run_check("producer_killed", run)
+        return verdict("producer_killed", errors, fig, {"consumer": cr})
+    return run_check("producer_killed", run)
 
 
 @check
@@ -585,7 +611,7 @@ def check_dataloader_workers_epochs(opts: Options) -> CheckResult:
     """A GPU ring whose producer runs a DataLoader with non-persistent workers
     (num_workers=2) over 3 epochs: the workers are forked each epoch after the producer
     initialised CUDA; every batch arrives right."""
-    skipped = _no_gpu_ring("dataloader_workers_epochs", opts)
+    skipped = no_gpu_ring("dataloader_workers_epochs", opts)
     if skipped:
         return skipped
 
@@ -595,16 +621,16 @@ def check_dataloader_workers_epochs(opts: Options) -> CheckResult:
                                "epochs": epochs, "loader": "dataloader", "workers": 2},
                        {"mode": "check", "epochs": epochs, "values": "index",
                         "expect": f"cuda:{opts.device}"})
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         want = [list(range(batches))] * epochs
         if cr.get("values") != want:
             errors.append(f"values {cr.get('values')}, expected {want}")
         if pr.get("stats", {}).get("batches") != epochs * batches:
             errors.append(f"the producer published {pr.get('stats', {}).get('batches')}")
         fig = f"{epochs} epochs x {batches} batches, {len(cr.get('errors', []))} wrong"
-        return _verdict("dataloader_workers_epochs", errors, fig,
+        return verdict("dataloader_workers_epochs", errors, fig,
                         {"producer": pr, "consumer": cr})
-    return _run_check("dataloader_workers_epochs", run)
+    return run_check("dataloader_workers_epochs", run)
 
 
 @check
@@ -613,7 +639,7 @@ def check_memory_cycles(opts: Options) -> CheckResult:
     closed each time, in two processes that live on): after each, device-wide free memory
     comes back to the level before the first; after both exit, memory in use is back to
     the machine's baseline."""
-    skipped = _no_gpu_ring("memory_cycles", opts)
+    skipped = no_gpu_ring("memory_cycles", opts)
     if skipped:
         return skipped
 
@@ -632,7 +658,7 @@ def check_memory_cycles(opts: Options) -> CheckResult:
         cr = procs.result(c)
         pr = procs.result(p)
         above, how = settle_memory(baseline, opts.device)
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         deficits = pr.get("deficits", [])
         if len(deficits) != opts.cycles:
             errors.append(f"{len(deficits)} cycles measured, expected {opts.cycles}")
@@ -646,8 +672,8 @@ def check_memory_cycles(opts: Options) -> CheckResult:
         fig = ("deficit per cycle " + ", ".join(f"{d / 2**20:.0f}" for d in deficits)
                + " MiB; after exit " + ("n/a (" + how + ")" if above is None
                                         else f"{above / 2**20:+.0f} MiB"))
-        return _verdict("memory_cycles", errors, fig, {"producer": pr, "consumer": cr})
-    return _run_check("memory_cycles", run)
+        return verdict("memory_cycles", errors, fig, {"producer": pr, "consumer": cr})
+    return run_check("memory_cycles", run)
 
 
 def _two_gpus(opts: Options) -> str | None:
@@ -672,7 +698,7 @@ def check_peer_import(opts: Options) -> CheckResult:
     def run(procs: Procs) -> CheckResult:
         pr, cr = _pair(procs, {"device": "cuda:0", "batches": 8},
                        {"mode": "check", "device": "cuda:1", "expect": "cuda:1"})
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         can = cr.get("can_access_peer")
         zero = cr.get("stats", {}).get("zero_copy_gpu")
         fell = any("GPUFallbackWarning" in w for w in cr.get("warnings", []))
@@ -682,8 +708,8 @@ def check_peer_import(opts: Options) -> CheckResult:
             errors.append(f"peer access impossible: expected the fallback warning, got "
                           f"zero_copy_gpu={zero}, warnings {cr.get('warnings')}")
         fig = f"can_access_peer {can}, zero_copy_gpu {zero}, fallback warning {fell}"
-        return _verdict("peer_import", errors, fig, {"producer": pr, "consumer": cr})
-    return _run_check("peer_import", run)
+        return verdict("peer_import", errors, fig, {"producer": pr, "consumer": cr})
+    return run_check("peer_import", run)
 
 
 @check
@@ -698,15 +724,15 @@ def check_peer_access_false(opts: Options) -> CheckResult:
         pr, cr = _pair(procs, {"device": "cuda:0", "batches": 8},
                        {"mode": "check", "device": "cuda:1", "expect": "cuda:1",
                         "peer_access": False})
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         if cr.get("stats", {}).get("zero_copy_gpu") is not False:
             errors.append("peer_access=False still read the ring in place")
         if cr.get("warnings"):
             errors.append(f"warnings: {cr['warnings']}")
         fig = f"zero_copy_gpu {cr.get('stats', {}).get('zero_copy_gpu')}, " \
               f"device {cr.get('stats', {}).get('device')}"
-        return _verdict("peer_access_false", errors, fig, {"producer": pr, "consumer": cr})
-    return _run_check("peer_access_false", run)
+        return verdict("peer_access_false", errors, fig, {"producer": pr, "consumer": cr})
+    return run_check("peer_access_false", run)
 
 
 @check
@@ -723,16 +749,16 @@ def check_visible_devices_reordered(opts: Options) -> CheckResult:
                        {"mode": "check", "expect": "cuda:0"},
                        consumer_env={"CUDA_VISIBLE_DEVICES": "1,0"},
                        producer_env={"CUDA_VISIBLE_DEVICES": "0,1"})
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         if cr.get("stats", {}).get("zero_copy_gpu") is not True:
             errors.append(f"not read in place: {cr.get('stats', {}).get('device_fallback_reason')}")
         if cr.get("devices") != ["cuda:0"]:
             errors.append(f"tensors on {cr.get('devices')}, expected cuda:0")
         fig = f"consumer devices {cr.get('devices')}, zero_copy_gpu " \
               f"{cr.get('stats', {}).get('zero_copy_gpu')}"
-        return _verdict("visible_devices_reordered", errors, fig,
+        return verdict("visible_devices_reordered", errors, fig,
                         {"producer": pr, "consumer": cr})
-    return _run_check("visible_devices_reordered", run)
+    return run_check("visible_devices_reordered", run)
 
 
 @check
@@ -749,14 +775,14 @@ def check_mig(opts: Options) -> CheckResult:
         pr, cr = _pair(procs, {"device": "cuda:0", "batches": 8, "fallback": True},
                        {"mode": "check", "expect": "any"}, consumer_env=env,
                        producer_env=env)
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         gpu_ring = pr.get("stats", {}).get("device") == "cuda:0"
         fell = any("GPUFallbackWarning" in w for w in pr.get("warnings", []))
         if not gpu_ring and not fell:
             errors.append("a host ring without the fallback warning")
         fig = f"ring on {pr.get('stats', {}).get('device')}, fallback warning {fell}"
-        return _verdict("mig", errors, fig, {"producer": pr, "consumer": cr})
-    return _run_check("mig", run)
+        return verdict("mig", errors, fig, {"producer": pr, "consumer": cr})
+    return run_check("mig", run)
 
 
 def smoke_host_ring() -> CheckResult:
@@ -767,21 +793,24 @@ def smoke_host_ring() -> CheckResult:
         pr, cr = _pair(procs, {"device": "host", "batches": 4, "epochs": 2,
                                "loader": "dataloader", "workers": 2},
                        {"mode": "check", "epochs": 2, "values": "index", "expect": "cpu"})
-        errors = _errors(pr, cr)
+        errors = role_errors(pr, cr)
         if cr.get("values") != [[0, 1, 2, 3]] * 2:
             errors.append(f"values {cr.get('values')}")
-        return _verdict("smoke_host_ring", errors, f"values {cr.get('values')}",
+        return verdict("smoke_host_ring", errors, f"values {cr.get('values')}",
                         {"producer": pr, "consumer": cr})
-    return _run_check("smoke_host_ring", run)
+    return run_check("smoke_host_ring", run)
 
 
-def run_checks(names: list[str] | None = None, opts: Options | None = None,
-               progress: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
-    """Run the named checks (all by default) in order; their results."""
+def run_checks(names: list[str] | None = None, opts: Any = None,
+               progress: Callable[[CheckResult], None] | None = None,
+               checks: dict[str, Callable] | None = None) -> list[CheckResult]:
+    """Run the named checks of `checks` (default: this file's; all of them by default) in
+    order, with `opts` (default Options()); their results."""
+    checks = CHECKS if checks is None else checks
     opts = opts or Options()
     out = []
-    for n in names or list(CHECKS):
-        res = CHECKS[n](opts)
+    for n in names or list(checks):
+        res = checks[n](opts)
         out.append(res)
         if progress is not None:
             progress(res)
@@ -792,9 +821,9 @@ def format_table(results: list[CheckResult]) -> str:
     """check / result / seconds / figure, one row each."""
     rows = [f"{'check':<28} {'result':<7} {'s':>5}  figure", "-" * 100]
     for r in results:
-        verdict = "SKIP" if r.ok is None else ("OK" if r.ok else "FAIL")
+        shown = "SKIP" if r.ok is None else ("OK" if r.ok else "FAIL")
         fig = r.skipped if r.ok is None else r.figure
-        rows.append(f"{r.name:<28} {verdict:<7} {r.seconds:5.1f}  {fig}")
+        rows.append(f"{r.name:<28} {shown:<7} {r.seconds:5.1f}  {fig}")
     return "\n".join(rows)
 
 
@@ -805,7 +834,7 @@ def results_json(results: list[CheckResult]) -> list[dict]:
 # -- roles (run in child processes) ---------------------------------------------------------
 
 
-def _wait_stdin(word: str = "go", timeout: float = LINE_TIMEOUT) -> None:
+def wait_stdin(word: str = "go", timeout: float = LINE_TIMEOUT) -> None:
     """Wait for `word` on stdin (the orchestrator's handshake)."""
     with selectors.DefaultSelector() as sel:
         sel.register(sys.stdin, selectors.EVENT_READ)
@@ -873,7 +902,8 @@ def role_producer(a: dict) -> dict:
     """Publish a["epochs"] epochs, a["cycles"] times (a fresh producer each, named
     <name>-<i> when cycles > 1). measure: device-wide free memory before the first
     producer (after the orchestrator's go) and, after each close, how far below it it
-    stayed once settled."""
+    stayed once settled. min_consumers (default 1): 0 publishes with nobody attached.
+    The result says whether torch initialised CUDA in this process (torch_cuda)."""
     import warnings
 
     from tensorsocket import TensorProducer
@@ -894,14 +924,15 @@ def role_producer(a: dict) -> dict:
         torch.cuda.init()
         torch.cuda.mem_get_info(a["device"])
         report({"cuda_ready": True})
-        _wait_stdin()
+        wait_stdin()
         ref = torch.cuda.mem_get_info(a["device"])[0]
     deficits, stats, drained, close_s = [], None, None, None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for cycle in range(cycles):
             name = a["name"] if cycles == 1 else f"{a['name']}-{cycle}"
-            producer = TensorProducer(_loader(a), name=name, min_consumers=1,
+            producer = TensorProducer(_loader(a), name=name,
+                                      min_consumers=a.get("min_consumers", 1),
                                       start_grace=0, start_timeout=START_TIMEOUT, **kw)
             try:
                 report({"ready": cycle})
@@ -918,8 +949,9 @@ def role_producer(a: dict) -> dict:
                 close_s = time.monotonic() - t0
             if measure:
                 deficits.append(_settled_deficit(a["device"], ref))
+    torch_cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
     return {"role": "producer", "stats": stats, "drained": drained, "close_s": close_s,
-            "deficits": deficits, "errors": [],
+            "deficits": deficits, "errors": [], "torch_cuda": torch_cuda,
             "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
 
 
@@ -1010,11 +1042,13 @@ def _patch_export_stream(stream: int) -> None:
     delivery._device_tensors = export  # type: ignore[attr-defined]
 
 
-def _value(a: dict, e: int, b: int) -> int:
+def batch_value(a: dict, e: int, b: int) -> int:
+    """The value batch b of epoch e carries (ValueLoader or IndexDataset, a["values"])."""
     return b if a.get("values") == "index" else e * 1000 + b
 
 
-def _sums_ok(xs: Any, ys: Any, v: int, numel_x: int, n: int) -> bool:
+def sums_ok(xs: Any, ys: Any, v: int, numel_x: int, n: int) -> bool:
+    """Whether the sums of x (numel_x elements) and y (n) are those of a batch of v."""
     return float(xs.item()) == float(v) * numel_x and int(ys.item()) == v * n
 
 
@@ -1032,9 +1066,9 @@ def _mode_check(consumer: Any, a: dict) -> dict:
             devices.update((str(x.device), str(y.device)))
             v = int(y[0].item())
             seen.append(v)
-            if v != _value(a, e, b):
-                errors.append(f"epoch {e} batch {b}: value {v}, expected {_value(a, e, b)}")
-            if not _sums_ok(x.sum(dtype=torch.float64), y.sum(), v, x.numel(), y.numel()):
+            if v != batch_value(a, e, b):
+                errors.append(f"epoch {e} batch {b}: value {v}, expected {batch_value(a, e, b)}")
+            if not sums_ok(x.sum(dtype=torch.float64), y.sum(), v, x.numel(), y.numel()):
                 errors.append(f"epoch {e} batch {b}: content is not {v}")
             if a.get("expect") not in (None, "any") and str(x.device) != a["expect"]:
                 errors.append(f"epoch {e} batch {b}: on {x.device}, expected {a['expect']}")
@@ -1046,7 +1080,8 @@ def _mode_check(consumer: Any, a: dict) -> dict:
 def _mode_streams(consumer: Any, a: dict) -> dict:
     """Per batch: next() with the "current" stream current (default or a side stream);
     on the "read" stream(s) (current, side, or rotate over "streams" streams) sums read
-    right after next() (early), a slow kernel, sums again (late); the batch dropped at
+    right after next() (early), a slow kernel, sums again (late); with "join", the read
+    stream joined into the current one (current.wait_stream(read)); the batch dropped at
     once, the reads still queued. Checked after the end (the producer came round)."""
     import torch
 
@@ -1073,19 +1108,21 @@ def _mode_streams(consumer: Any, a: dict) -> dict:
                 late = (x.sum(dtype=torch.float64), y.sum())
                 done = torch.cuda.Event()
                 done.record(s)
+            if a.get("join") and s is not cur:
+                cur.wait_stream(s)  # the release waits for the current stream
             numel, n = x.numel(), y.numel()
             del batch, x, y  # the slot goes back while the reads are queued
             pending += not done.query()
-            reads.append((_value(a, 0, b), early, late, numel, n))
+            reads.append((batch_value(a, 0, b), early, late, numel, n))
             b += 1
     torch.cuda.synchronize(dev)
     errors, bad_early, bad_late = [], 0, 0
     for v, early, late, numel, n in reads:
-        if not _sums_ok(*early, v, numel, n):
+        if not sums_ok(*early, v, numel, n):
             bad_early += 1
             errors.append(f"batch {v}: read right after next() saw sums {early[0].item()}, "
                           f"{early[1].item()} (not the whole batch: read before its copy?)")
-        if not _sums_ok(*late, v, numel, n):
+        if not sums_ok(*late, v, numel, n):
             bad_late += 1
             errors.append(f"batch {v}: read behind the slow kernel saw sums {late[0].item()}, "
                           f"{late[1].item()} (the slot was reused under it)")
@@ -1096,31 +1133,30 @@ def _mode_streams(consumer: Any, a: dict) -> dict:
 
 
 def _mode_pinned(consumer: Any, a: dict) -> dict:
-    """Host ring, pin_memory=True: per batch, on a side stream, a slow kernel and then
-    x.cuda(non_blocking=True), y likewise; the views dropped at once. The copies are
-    checked at the end."""
+    """Host ring, pin_memory=True: per batch, on the current stream (where torch queues
+    x.cuda(non_blocking=True)), a slow kernel and then x.cuda(non_blocking=True), y
+    likewise; the views dropped at once. The copies are checked at the end."""
     import torch
 
     dev = torch.device("cuda", a.get("gpu", 0))
     torch.cuda.set_device(dev)
-    side = torch.cuda.Stream(dev)
+    current = torch.cuda.current_stream(dev)
     copies, pending, pinned = [], 0, 0
     for b, batch in enumerate(consumer):
         x, y = batch["x"], batch["y"]
         pinned += bool(x.is_pinned())
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(a["sleep_cycles"])
-            xg = x.cuda(dev, non_blocking=True)
-            yg = y.cuda(dev, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
+        torch.cuda._sleep(a["sleep_cycles"])
+        xg = x.cuda(dev, non_blocking=True)
+        yg = y.cuda(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(current)
         del batch, x, y  # the slot goes back while the copies are queued
         pending += not done.query()
-        copies.append((_value(a, 0, b), xg, yg))
+        copies.append((batch_value(a, 0, b), xg, yg))
     torch.cuda.synchronize(dev)
     errors = []
     for v, xg, yg in copies:
-        if not _sums_ok(xg.sum(dtype=torch.float64), yg.sum(), v, xg.numel(), yg.numel()):
+        if not sums_ok(xg.sum(dtype=torch.float64), yg.sum(), v, xg.numel(), yg.numel()):
             errors.append(f"batch {v}: its copy holds sums {xg.sum(dtype=torch.float64).item()}"
                           f", {yg.sum().item()} (the slot was refilled under the copy)")
     return {"checked": len(copies), "errors": errors[:20], "bad": len(errors),
@@ -1210,13 +1246,13 @@ def _mode_idle(consumer: Any, a: dict) -> dict:
         batch = next(it)
         if b == hold_at:
             held = batch
-        if not _sums_ok(batch["x"].sum(dtype=torch.float64), batch["y"].sum(), b,
+        if not sums_ok(batch["x"].sum(dtype=torch.float64), batch["y"].sum(), b,
                         batch["x"].numel(), batch["y"].numel()):
             errors.append(f"batch {b}: content is not {b}")
         del batch
     torch.cuda.synchronize(a["expect"])
     report({"holding": True})
-    _wait_stdin(timeout=LINE_TIMEOUT)
+    wait_stdin(timeout=LINE_TIMEOUT)
     # What the next accesses give: batches (each must be right), then the end or an error.
     after_clear, after_batches, after = False, 0, "no end within 64 batches"
     for b in range(hold_at + 1, hold_at + 65):
@@ -1236,7 +1272,7 @@ def _mode_idle(consumer: Any, a: dict) -> dict:
             break
         after_batches += 1
         try:
-            ok = _sums_ok(batch["x"].sum(dtype=torch.float64), batch["y"].sum(), b,
+            ok = sums_ok(batch["x"].sum(dtype=torch.float64), batch["y"].sum(), b,
                           batch["x"].numel(), batch["y"].numel())
         except Exception as e:  # a batch delivered that cannot be read
             ok = False
@@ -1249,7 +1285,7 @@ def _mode_idle(consumer: Any, a: dict) -> dict:
     if held is not None:
         try:
             xs, ys = held["x"].sum(dtype=torch.float64), held["y"].sum()
-            held_ok = _sums_ok(xs, ys, hold_at, held["x"].numel(), held["y"].numel())
+            held_ok = sums_ok(xs, ys, hold_at, held["x"].numel(), held["y"].numel())
             held_text = f"sums {xs.item()}, {ys.item()}"
         except Exception as e:  # the driver's rule for memory of an exited exporter
             held_text = f"{type(e).__name__}: {e}"[:500]
@@ -1258,15 +1294,16 @@ def _mode_idle(consumer: Any, a: dict) -> dict:
             "after_clear": after_clear, "after_batches": after_batches, "errors": errors}
 
 
-def role_main(argv: list[str]) -> int:
-    """Entry point of a role process: ``_role producer|consumer '<json args>'``."""
+def role_main(argv: list[str], roles: dict[str, Callable[[dict], dict]] | None = None) -> int:
+    """Entry point of a role process: ``_role <role> '<json args>'``, a role of `roles`
+    (default: producer and consumer of this file)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     # The library's warnings (a pool freed under an importer, a fallback) go to stderr,
     # which the checks read: this is the application, so it may configure logging.
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     role, args = argv[0], json.loads(argv[1])
     try:
-        res = {"producer": role_producer, "consumer": role_consumer}[role](args)
+        res = (roles or {"producer": role_producer, "consumer": role_consumer})[role](args)
     except BaseException as e:
         import traceback
 

@@ -14,7 +14,11 @@ The checks of issue 23 (orderings across streams, pinned views under non_blockin
 copies, releases during a CUDA graph capture, a consumer idle past release_timeout,
 DataLoader workers, device memory, two GPUs, MIG) live in benchmarks/gpu_checks.py, one
 function each, shared with ``benchmarks/gpu_check.py --quick``; test_issue23_check runs
-each of them here.
+each of them here. Those of issue 34 (exits with kept batches, producers that never touch
+torch's CUDA, a capture on another thread, the step time, two consumers in one process, a
+consumer in the producer's process, a raw-pointer copy, copy=True with torch's cache at
+95%) live in benchmarks/gpu_driver_checks.py; test_issue34_check runs them here (with the
+real driver; tests/test_gpu_driver_script.py runs them on the driver double).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_checks  # noqa: E402  (imports no torch, needs no GPU)
+import gpu_driver_checks  # noqa: E402  (the same)
 ROLE_ENV = "TENSORSOCKET_GPU_REAL_ROLE"  # set in role processes: never skip there
 
 BATCH = 64
@@ -474,6 +479,20 @@ def test_issue23_check(check_name):
     """One check of benchmarks/gpu_checks.py (its docstring says what it proves); a check
     whose hardware is missing (a second GPU, MIG) is skipped with its reason."""
     res = gpu_checks.CHECKS[check_name](gpu_checks.default_options())
+    if res.ok is None:
+        pytest.skip(res.skipped or "skipped")
+    assert res.ok, f"{res.name}: {res.figure}\n{res.detail}"
+
+
+# -- issue 34: the checks shared with benchmarks/gpu_check.py --quick --------------------
+
+
+@pytest.mark.parametrize("check_name", list(gpu_driver_checks.CHECKS))
+def test_issue34_check(check_name):
+    """One check of benchmarks/gpu_driver_checks.py on this GPU, with the issue's counts
+    (its docstring says what it proves); a check the GPU cannot run is skipped with its
+    reason."""
+    res = gpu_driver_checks.CHECKS[check_name](gpu_driver_checks.torch_options())
     if res.ok is None:
         pytest.skip(res.skipped or "skipped")
     assert res.ok, f"{res.name}: {res.figure}\n{res.detail}"
