@@ -229,16 +229,15 @@ def test_the_binding_parses_arguments_one_way():
 
 def test_one_slice_and_one_wait():
     """The slice is defined once (base/ts_clock.h), and the ring sleeps in one place (its
-    ts_wait_for): the binding slices with ts_slice_end, not a constant of its own. The
-    one other futex sleep is the CUDA driver table's exit handler, which waits for the
-    driver calls under way before the driver tears down (ts_cuda_at_exit)."""
+    ts_wait_for): the binding slices with ts_slice_end, not a constant of its own. (The
+    exit handler's waits for work under way use ts_futex_wait_zero of base/ts_futex.c.)"""
     defined = {p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*.[ch]")
                if p.parent.name != "tests" and "100000000ULL" in p.read_text()}
     assert defined == {"base/ts_clock.h"}
-    sleeps = sorted(p.name for p in CSRC.rglob("*.c") if p.parent.name != "tests"
-                    for _ in re.finditer(r"\bts_futex_wait\(", p.read_text())
-                    if p.name != "ts_futex.c")
-    assert sleeps == ["ts_cuda_api.c", "ts_ring.c"]
+    sleeps = [p.name for p in CSRC.rglob("*.c") if p.parent.name != "tests"
+              for _ in re.finditer(r"\bts_futex_wait\(", p.read_text())
+              if p.name != "ts_futex.c"]
+    assert sleeps == ["ts_ring.c"]
     assert "ts_slice_end(deadline)" in _binding_sources()["ts_py_ring.c"]
 
 

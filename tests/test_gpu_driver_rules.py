@@ -236,7 +236,7 @@ def _after_teardown(env: dict, pid: int) -> list[str]:
 
 def _finish(procs, name, env, p) -> dict:
     """A second consumer reads what is left, so that the producer ends; its report."""
-    rest = procs.start("consumer", "--name", name, "--kind", "tuple", env=env)
+    rest = procs.start("consumer", "--name", name, "--kind", "tuple", "--gpu-double", env=env)
     procs.result(rest)
     return procs.result(p)
 

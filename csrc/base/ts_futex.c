@@ -60,3 +60,14 @@ void ts_futex_wake_all(_Atomic uint32_t *word)
 {
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
 }
+
+/* Sleep until *word is 0 or the deadline passes (see ts_futex.h). */
+int ts_futex_wait_zero(_Atomic uint32_t *word, uint64_t deadline_ns)
+{
+    for (;;) {
+        uint32_t n = atomic_load_explicit(word, memory_order_acquire);
+        if (n == 0) return 1;
+        if (ts_now_ns() >= deadline_ns) return 0;
+        ts_futex_wait(word, n, deadline_ns);
+    }
+}

@@ -17,4 +17,8 @@ int ts_futex_wait(_Atomic uint32_t *word, uint32_t expected, uint64_t deadline_n
 /* Wake every waiter sleeping on word. */
 void ts_futex_wake_all(_Atomic uint32_t *word);
 
+/* Sleep until the counter *word is 0 or the absolute deadline passes (signals do not cut it
+ * short): 1 if it is 0. For counters of work under way whose last one wakes the word. */
+int ts_futex_wait_zero(_Atomic uint32_t *word, uint64_t deadline_ns);
+
 #endif /* TS_FUTEX_H */

@@ -284,9 +284,12 @@ static PyObject *Ring_flush_releases(RingObject *self, PyObject *const *args, Py
 static PyObject *Ring_seal_pool(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (ts_role_check(self, 1) < 0) return NULL;
+    ts_ring *ring = self->ring;
     uint32_t n;
+    ts_ring_ref(ring); /* another thread's close() may drop the handle's meanwhile */
     Py_BEGIN_ALLOW_THREADS
-    n = ts_ring_seal_pool(self->ring);
+    n = ts_ring_seal_pool(ring);
+    ts_ring_unref(ring);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(n);
 }

@@ -107,24 +107,50 @@ int ts_cuda_exiting(void)
     return atomic_load_explicit(&ts_cuda_exit_begun, memory_order_seq_cst);
 }
 
-/* Begin a section and make ctx current on this thread (see ts_cuda_api.h). */
+/* This thread's sections (ts_cuda_enter) under way, and its capture mode before the
+ * first of them (-1: unchanged, the driver lacks cuThreadExchangeStreamCaptureMode). */
+static _Thread_local int ts_cuda_sections;
+static _Thread_local int ts_cuda_outer_mode = -1;
+
+/* Begin a section, make ctx current, capture mode RELAXED (see ts_cuda_api.h). */
 ts_status ts_cuda_enter(const ts_cuda_api *api, CUcontext ctx, ts_err *err)
 {
     if (ts_cuda_calls_begin() != 0)
         return ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
                           "this process is exiting: the CUDA driver is shutting down");
     CUresult rc = api->CtxPushCurrent(ctx);
-    if (rc == CUDA_SUCCESS) return TS_OK;
-    ts_cuda_calls_end();
-    return ts_cuda_fail(api, err, rc, "cuCtxPushCurrent");
+    if (rc != CUDA_SUCCESS) {
+        ts_cuda_calls_end();
+        return ts_cuda_fail(api, err, rc, "cuCtxPushCurrent");
+    }
+    if (ts_cuda_sections++ == 0 && api->ThreadExchangeStreamCaptureMode != NULL) {
+        int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        ts_cuda_outer_mode =
+            api->ThreadExchangeStreamCaptureMode(&mode) == CUDA_SUCCESS ? mode : -1;
+    }
+    return TS_OK;
 }
 
 /* Undo ts_cuda_enter. */
 void ts_cuda_leave(const ts_cuda_api *api)
 {
+    if (--ts_cuda_sections == 0 && ts_cuda_outer_mode >= 0) {
+        int mode = ts_cuda_outer_mode;
+        api->ThreadExchangeStreamCaptureMode(&mode);
+        ts_cuda_outer_mode = -1;
+    }
     CUcontext ignored;
     api->CtxPopCurrent(&ignored);
     ts_cuda_calls_end();
+}
+
+/* The exit hook (ts_cuda_on_exit), or NULL. */
+static void (*_Atomic ts_cuda_exit_hook)(uint64_t deadline_ns);
+
+/* Set the exit hook (see ts_cuda_api.h). */
+void ts_cuda_on_exit(void (*fn)(uint64_t deadline_ns))
+{
+    atomic_store_explicit(&ts_cuda_exit_hook, fn, memory_order_release);
 }
 
 /* The exit handler: no driver call starts from now on, and the ones under way (a release
@@ -134,11 +160,9 @@ static void ts_cuda_at_exit(void)
 {
     atomic_store_explicit(&ts_cuda_exit_begun, 1, memory_order_seq_cst);
     uint64_t deadline = ts_now_ns() + TS_CUDA_EXIT_WAIT_NS;
-    for (;;) {
-        uint32_t n = atomic_load_explicit(&ts_cuda_in_flight, memory_order_seq_cst);
-        if (n == 0 || ts_now_ns() >= deadline) return;
-        ts_futex_wait(&ts_cuda_in_flight, n, deadline);
-    }
+    void (*hook)(uint64_t) = atomic_load_explicit(&ts_cuda_exit_hook, memory_order_acquire);
+    if (hook != NULL) hook(deadline); /* the release threads stop, and are waited for */
+    ts_futex_wait_zero(&ts_cuda_in_flight, deadline);
 }
 
 /* A forked child starts with no section under way (the parent's threads are not in it). */
@@ -196,14 +220,20 @@ ts_status ts_cuda_load(ts_cuda_api **out, ts_err *err)
         void *fn = dlsym(api->lib, ts_cuda_optional_syms[i].name);
         if (fn != NULL) memcpy((char *)api + ts_cuda_optional_syms[i].offset, &fn, sizeof fn);
     }
+    if (ts_cuda_calls_begin() != 0) {
+        st = ts_err_set(err, TS_E_GPU_UNAVAILABLE, 0,
+                        "this process is exiting: the CUDA driver is shutting down");
+        goto error;
+    }
     CUresult rc = api->Init(0);
+    if (rc == CUDA_SUCCESS) api->DriverGetVersion(&api->base.version);
+    ts_cuda_calls_end();
     if (rc != CUDA_SUCCESS) {
         ts_cuda_fail(api, err, rc, "cuInit failed, no usable GPU");
         if (err != NULL) err->code = TS_E_GPU_UNAVAILABLE;
         st = TS_E_GPU_UNAVAILABLE;
         goto error;
     }
-    api->DriverGetVersion(&api->base.version);
     pthread_once(&ts_cuda_exit_once, ts_cuda_register_exit);
     *out = api;
     return TS_OK;

@@ -173,13 +173,23 @@ void ts_cuda_calls_end(void);
 /* 1 once the process's exit has begun (no driver call may start any more). */
 int ts_cuda_exiting(void);
 
-/* Begin a section of driver calls (ts_cuda_calls_begin) and make ctx current on this
- * thread. TS_E_GPU_UNAVAILABLE once the process's exit has begun, TS_E_CUDA if the push
- * failed. */
+/* Begin a section of driver calls (ts_cuda_calls_begin), make ctx current on this thread,
+ * and set the thread's stream capture mode to RELAXED for the section: no call of ours may
+ * invalidate a CUDA-graph capture of another thread ("CU_STREAM_CAPTURE_MODE_RELAXED: The
+ * local thread is not prohibited from potentially unsafe API calls", whereas in the
+ * default GLOBAL mode "if any other thread has a concurrent capture sequence initiated
+ * with CU_STREAM_CAPTURE_MODE_GLOBAL, this thread is prohibited from potentially unsafe
+ * API calls", cuThreadExchangeStreamCaptureMode). TS_E_GPU_UNAVAILABLE once the process's
+ * exit has begun, TS_E_CUDA if the push failed. Sections may nest. */
 ts_status ts_cuda_enter(const ts_cuda_api *api, CUcontext ctx, ts_err *err);
 
-/* Undo ts_cuda_enter. */
+/* Undo ts_cuda_enter (the capture mode goes back to what it was). */
 void ts_cuda_leave(const ts_cuda_api *api);
+
+/* Run fn(deadline_ns) from the exit handler, once no driver call can start any more and
+ * before it waits for the calls under way (the release queues stop their threads there,
+ * ts_cuda_release.c). One hook; set once. */
+void ts_cuda_on_exit(void (*fn)(uint64_t deadline_ns));
 
 /* The UUID that identifies device: cuDeviceGetUuid_v2's (a MIG instance's own UUID), or
  * cuDeviceGetUuid's where the driver is too old for _v2. */

@@ -10,6 +10,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/ts_futex.h"
+#include "base/ts_proc.h"
+
 /* A queued release: what it waits for, and whom it calls back. */
 typedef struct ts_pending {
     struct ts_pending *next;
@@ -44,6 +47,9 @@ struct ts_cuda_releases {
     ts_cuda_api *api; /* owns one reference */
     CUcontext ctx;    /* borrowed: the consumer's retain of the primary context, which ends
                        * only after ts_cuda_releases_free destroyed the events */
+    pid_t owner;      /* the process of the thread: a forked child's copy only leaks */
+    struct ts_cuda_releases *reg_next, *reg_prev; /* under ts_registry_lock: the queues with
+                                                   * a thread, for the exit handler */
     pthread_mutex_t lock;
     pthread_cond_t cond; /* a flush or a release was queued, stop, or the queue drained */
     pthread_t thread;
@@ -64,6 +70,75 @@ struct ts_cuda_releases {
 static void *ts_releases_main(void *arg);
 
 /* ==========================================================================
+ * The process's release threads, for exit (process-wide by nature, as exit() is)
+ * ========================================================================== */
+
+static pthread_mutex_t ts_registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static ts_cuda_releases *ts_registry;     /* under ts_registry_lock */
+static _Atomic uint32_t ts_release_threads; /* release threads that have not ended */
+static pthread_once_t ts_registry_once = PTHREAD_ONCE_INIT;
+
+/* The exit handler's hook (ts_cuda_on_exit): wake every release thread (each ends at once,
+ * making no driver call: ts_cuda_exiting), and wait until they have ended, or deadline. */
+static void ts_releases_stop_all(uint64_t deadline)
+{
+    pthread_mutex_lock(&ts_registry_lock);
+    for (ts_cuda_releases *r = ts_registry; r != NULL; r = r->reg_next) {
+        pthread_mutex_lock(&r->lock);
+        pthread_cond_broadcast(&r->cond);
+        pthread_mutex_unlock(&r->lock);
+    }
+    pthread_mutex_unlock(&ts_registry_lock);
+    ts_futex_wait_zero(&ts_release_threads, deadline);
+}
+
+/* A forked child has none of its parent's release threads (their queues are left). */
+static void ts_releases_forked_child(void)
+{
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    ts_registry_lock = fresh;
+    ts_registry = NULL;
+    atomic_store_explicit(&ts_release_threads, 0, memory_order_relaxed);
+}
+
+/* Once per process: the exit hook and the fork reset. */
+static void ts_releases_register_exit(void)
+{
+    ts_cuda_on_exit(ts_releases_stop_all);
+    pthread_atfork(NULL, NULL, ts_releases_forked_child);
+}
+
+/* Add r to the registry (its thread is about to start). */
+static void ts_registry_add(ts_cuda_releases *r)
+{
+    pthread_once(&ts_registry_once, ts_releases_register_exit);
+    pthread_mutex_lock(&ts_registry_lock);
+    r->reg_prev = NULL;
+    r->reg_next = ts_registry;
+    if (ts_registry != NULL) ts_registry->reg_prev = r;
+    ts_registry = r;
+    pthread_mutex_unlock(&ts_registry_lock);
+}
+
+/* Take r out of the registry (its thread is ending or gone; not r->lock held). */
+static void ts_registry_remove(ts_cuda_releases *r)
+{
+    pthread_mutex_lock(&ts_registry_lock);
+    if (r->reg_prev != NULL) r->reg_prev->reg_next = r->reg_next;
+    else if (ts_registry == r) ts_registry = r->reg_next;
+    if (r->reg_next != NULL) r->reg_next->reg_prev = r->reg_prev;
+    r->reg_next = r->reg_prev = NULL;
+    pthread_mutex_unlock(&ts_registry_lock);
+}
+
+/* A release thread has ended (its last step); the exit handler may be waiting for that. */
+static void ts_release_thread_ended(void)
+{
+    atomic_fetch_sub_explicit(&ts_release_threads, 1, memory_order_acq_rel);
+    if (ts_cuda_exiting()) ts_futex_wake_all(&ts_release_threads);
+}
+
+/* ==========================================================================
  * The queue and its thread
  * ========================================================================== */
 
@@ -79,14 +154,22 @@ ts_cuda_releases *ts_cuda_releases_new(const ts_cuda_api *api, CUcontext ctx, ts
     pthread_cond_init(&r->cond, NULL);
     r->api = (ts_cuda_api *)api;
     r->ctx = ctx;
+    r->owner = ts_proc_self();
     ts_cuda_ref(r->api);
-    /* Signals stay with the Python threads (Ctrl-C reaches the interpreter, not this). */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
+    /* Asynchronous signals stay with the Python threads (Ctrl-C reaches the interpreter,
+     * not this thread); a fault of this thread's own still goes to its handlers. */
+    sigset_t async, old;
+    sigfillset(&async);
+    const int faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSYS, SIGABRT};
+    for (size_t i = 0; i < sizeof faults / sizeof faults[0]; i++) sigdelset(&async, faults[i]);
+    ts_registry_add(r);
+    atomic_fetch_add_explicit(&ts_release_threads, 1, memory_order_acq_rel);
+    pthread_sigmask(SIG_SETMASK, &async, &old);
     int rc = pthread_create(&r->thread, NULL, ts_releases_main, r);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
+        ts_release_thread_ended();
+        ts_registry_remove(r);
         ts_cuda_unref(r->api);
         pthread_cond_destroy(&r->cond);
         pthread_mutex_destroy(&r->lock);
@@ -120,7 +203,7 @@ static void ts_releases_destroy_events(ts_cuda_releases *r)
 /* Stop the thread and free (see the header). */
 void ts_cuda_releases_free(ts_cuda_releases *r)
 {
-    if (r == NULL) return;
+    if (r == NULL || ts_proc_self() != r->owner) return; /* a forked child's copy: left */
     pthread_mutex_lock(&r->lock);
     r->stop = 1;
     if (pthread_equal(pthread_self(), r->thread)) {
@@ -129,12 +212,14 @@ void ts_cuda_releases_free(ts_cuda_releases *r)
         r->self_free = 1;
         ts_releases_destroy_events(r);
         pthread_mutex_unlock(&r->lock);
+        ts_registry_remove(r);
         pthread_detach(r->thread);
         return;
     }
     pthread_cond_broadcast(&r->cond);
     pthread_mutex_unlock(&r->lock);
     pthread_join(r->thread, NULL);
+    ts_registry_remove(r);
     ts_releases_destroy_events(r);
     ts_releases_free_struct(r);
 }
@@ -144,6 +229,12 @@ void ts_cuda_releases_queue(ts_cuda_releases *r, uint32_t slot, uint32_t consume
                             uint64_t token, const ts_device_stream *streams, uint32_t n,
                             int unnamed, ts_device_done_fn done, void *arg)
 {
+    if (ts_proc_self() != r->owner) {
+        /* A forked child dropped a view it inherited: its parent's queue and thread are
+         * not here; the slot stays held (the parent's hold), only the reference goes. */
+        done(arg, slot, consumer, token, 0);
+        return;
+    }
     ts_pending *p = calloc(1, sizeof *p + (size_t)n * sizeof p->streams[0]);
     if (p == NULL) {
         /* Nothing orders this release after the GPU work: keep the slot held (!ok) and
@@ -197,33 +288,28 @@ static CUevent ts_releases_take_event(ts_cuda_releases *r)
     return ev;
 }
 
-/* Give an event back to the pool (caller holds the lock, inside the context). */
+/* Give an event back to the pool (caller holds the lock). */
 static void ts_releases_give_event(ts_cuda_releases *r, CUevent ev)
 {
     if (r->pool_n == r->pool_cap) {
         uint32_t cap = r->pool_cap ? r->pool_cap * 2 : 16;
         CUevent *p = realloc(r->pool, cap * sizeof *p);
-        if (p == NULL) {
-            r->api->EventDestroy(ev);
-            return;
-        }
+        if (p == NULL) return; /* out of memory: the event is left (no driver call here) */
         r->pool = p;
         r->pool_cap = cap;
     }
     r->pool[r->pool_n++] = ev;
 }
 
-/* Record that a release's wait failed (sticky: every later flush reports it). */
-static void ts_releases_failed(ts_cuda_releases *r, CUresult rc, const char *what)
+/* Record that a release's wait failed, said by e (sticky: every later flush reports it). */
+static void ts_releases_failed(ts_cuda_releases *r, const ts_err *e)
 {
-    ts_err e = {0};
-    ts_cuda_fail(r->api, &e, rc, what);
     pthread_mutex_lock(&r->lock);
     if (!r->failed)
         snprintf(r->failure, sizeof r->failure,
                  "a GPU release of this consumer failed (%.300s): its slot stays held until the "
                  "producer evicts this consumer",
-                 e.msg);
+                 e->msg);
     r->failed = 1;
     pthread_mutex_unlock(&r->lock);
 }
@@ -329,6 +415,17 @@ static ts_status ts_record_on(ts_cuda_releases *r, ts_flush_stream *fs, ts_err *
             if (ev == NULL) return ts_err_set(err, TS_E_CUDA, ENOMEM, "cuEventCreate failed");
             rc = api->EventRecord(ev, fs->stream);
             if (rc == CUDA_SUCCESS) {
+                /* A capture that began on the stream between the question and the record
+                 * took the record into its graph: asked again, the event is not used. */
+                CUresult again = api->StreamIsCapturing(fs->stream, &status);
+                if (ts_capture_refused(again) ||
+                    (again == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE)) {
+                    pthread_mutex_lock(&r->lock);
+                    ts_releases_give_event(r, ev);
+                    pthread_mutex_unlock(&r->lock);
+                    fs->blocked = 1;
+                    return TS_OK;
+                }
                 fs->event = ev;
                 return TS_OK;
             }
@@ -501,74 +598,91 @@ static void ts_releases_orphan_flush(ts_cuda_releases *r)
     }
 }
 
-/* Wait for a flush's events (outside the lock): 1 if all completed, 0 if a wait failed
- * (recorded), -1 if the process is exiting (make no more driver calls). */
+/* What waiting for a flush's events came to. */
+enum { TS_WAIT_FAILED = 0, TS_WAIT_DONE = 1, TS_WAIT_EXITING = 2, TS_WAIT_AGAIN = 3 };
+
+/* Wait for a flush's events (outside the lock): DONE, FAILED (recorded: the slots stay
+ * held), EXITING (the process's exit began: no more driver calls), or AGAIN (an event was
+ * taken into a capture that began as it was recorded, "CUDA_ERROR_CAPTURED_EVENT: ... not
+ * permitted on an event which was last recorded in a capturing stream": the releases go
+ * back to the queue, for a later flush). */
 static int ts_releases_wait(ts_cuda_releases *r, const ts_flush *f)
 {
     ts_err e = {0};
     if (ts_cuda_enter(r->api, r->ctx, &e) != TS_OK) {
-        if (ts_cuda_exiting()) return -1;
-        ts_releases_failed(r, CUDA_ERROR_INVALID_CONTEXT, "cuCtxPushCurrent");
-        return 0;
+        if (ts_cuda_exiting()) return TS_WAIT_EXITING;
+        ts_releases_failed(r, &e);
+        return TS_WAIT_FAILED;
     }
-    int ok = 1;
-    for (uint32_t i = 0; i < f->n_events && ok == 1; i++) {
+    int outcome = TS_WAIT_DONE;
+    for (uint32_t i = 0; i < f->n_events && outcome == TS_WAIT_DONE; i++) {
         CUresult rc = r->api->EventSynchronize(f->events[i]);
         if (rc == CUDA_SUCCESS) continue;
-        ok = ts_cuda_exiting() ? -1 : 0;
-        if (ok == 0) ts_releases_failed(r, rc, "cuEventSynchronize of the GPU work");
+        if (ts_cuda_exiting()) {
+            outcome = TS_WAIT_EXITING;
+        } else if (rc == CUDA_ERROR_CAPTURED_EVENT) {
+            outcome = TS_WAIT_AGAIN;
+        } else {
+            ts_cuda_fail(r->api, &e, rc, "cuEventSynchronize of the GPU work");
+            ts_releases_failed(r, &e);
+            outcome = TS_WAIT_FAILED;
+        }
     }
     pthread_mutex_lock(&r->lock);
     for (uint32_t i = 0; i < f->n_events; i++) ts_releases_give_event(r, f->events[i]);
     pthread_mutex_unlock(&r->lock);
     ts_cuda_leave(r->api);
-    return ok;
+    return outcome;
 }
 
-/* The release thread: waits for each flush's events, then calls its releases back. */
+/* The release thread: waits for each flush's events, then calls its releases back. From
+ * the process's exit on it makes no driver call and ends (ts_releases_stop_all). */
 static void *ts_releases_main(void *arg)
 {
     ts_cuda_releases *r = arg;
-    /* RELAXED: nothing this thread does may invalidate a CUDA-graph capture that the
-     * training code runs on another thread. The mode is the calling thread's own
-     * (cuThreadExchangeStreamCaptureMode). */
-    if (r->api->ThreadExchangeStreamCaptureMode != NULL && ts_cuda_calls_begin() == 0) {
-        int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
-        r->api->ThreadExchangeStreamCaptureMode(&mode);
-        ts_cuda_calls_end();
-    }
     pthread_mutex_lock(&r->lock);
     for (;;) {
-        while (r->head == NULL && !r->stop) {
-            if (r->orphaned && r->unflushed != NULL && !r->failed && !ts_cuda_exiting()) {
+        while (r->head == NULL && !r->stop && !ts_cuda_exiting()) {
+            if (r->orphaned && r->unflushed != NULL && !r->failed) {
                 ts_releases_orphan_flush(r);
                 continue;
             }
             pthread_cond_wait(&r->cond, &r->lock);
         }
         ts_flush *f = r->head;
-        if (f == NULL) break; /* stopped and nothing left */
+        if (f == NULL || ts_cuda_exiting()) break; /* stopped and nothing left, or exit */
         r->head = f->next;
         if (r->head == NULL) r->tail = NULL;
         r->busy = 1;
         pthread_mutex_unlock(&r->lock);
 
-        int ok = ts_releases_wait(r, f);
-        if (ok < 0) { /* exit() has begun: no more driver calls, the process ends */
+        int outcome = ts_releases_wait(r, f);
+        if (outcome == TS_WAIT_EXITING) { /* no more driver calls: the process ends */
             pthread_mutex_lock(&r->lock);
             r->busy = 0;
             break;
         }
-        /* A callback may drop the ring's last reference: ts_cuda_releases_free then runs
-         * on this thread (only with the last item: every item holds a reference). */
         ts_pending *p = f->items;
         free(f->events);
         free(f);
+        if (outcome == TS_WAIT_AGAIN) {
+            ts_releases_requeue(r, p);
+            pthread_mutex_lock(&r->lock);
+            r->busy = 0;
+            if (r->head == NULL) pthread_cond_broadcast(&r->cond);
+            if (r->orphaned) { /* nobody flushes: try again after a while */
+                struct timespec dl = ts_realtime_in(ORPHAN_RETRY_MS);
+                pthread_cond_timedwait(&r->cond, &r->lock, &dl);
+            }
+            continue;
+        }
+        /* A callback may drop the ring's last reference: ts_cuda_releases_free then runs
+         * on this thread (only with the last item: every item holds a reference). */
         while (p != NULL) {
             ts_pending *next = p->next;
             ts_pending fin = *p;
             free(p);
-            fin.done(fin.arg, fin.slot, fin.consumer, fin.token, ok);
+            fin.done(fin.arg, fin.slot, fin.consumer, fin.token, outcome == TS_WAIT_DONE);
             p = next;
         }
         pthread_mutex_lock(&r->lock);
@@ -578,5 +692,6 @@ static void *ts_releases_main(void *arg)
     int self_free = r->self_free;
     pthread_mutex_unlock(&r->lock);
     if (self_free) ts_releases_free_struct(r);
+    ts_release_thread_ended();
     return NULL;
 }

@@ -301,7 +301,7 @@ static ts_ring *ts_ring_alloc(const char *name, int is_producer, ts_err *err)
     return ring;
 }
 
-static void ts_ring_drop_importer(ts_header *h, int entry);
+static void ts_ring_drop_importer(ts_header *h, int entry, uint32_t state);
 static void ts_ring_unmap_kept(ts_ring *ring, uint32_t k);
 
 /* Release everything the handle owns. */
@@ -310,8 +310,13 @@ static void ts_ring_free(ts_ring *ring)
     /* Device state first: it page-locked and mirrors the host slot data. A producer's pool
      * goes only once no process maps it (ts_device.h, close): a handle freed before (the
      * interpreter exits while a consumer still maps it) leaves it to the process's exit. */
-    int kept = ring->dev != NULL && ring->is_producer && ts_ring_seal_pool(ring) > 0;
-    if (kept) {
+    /* A forked child's copy of the handle: the pool, its seal and the importer entry are
+     * the parent's, and the child has no driver state (its copy is left, not freed). */
+    int child = ts_proc_self() != ring->pid;
+    int kept = !child && ring->dev != NULL && ring->is_producer && ts_ring_seal_pool(ring) > 0;
+    if (child) {
+        /* nothing of the device */
+    } else if (kept) {
         if (ring->dev->device->unpin_host != NULL)
             ring->dev->device->unpin_host(ring->dev); /* the data mapping goes below */
     } else if (ring->dev != NULL) {
@@ -319,7 +324,8 @@ static void ts_ring_free(ts_ring *ring)
     }
     ring->dev = NULL;
     /* Our mappings of the pool are closed: the producer may free it. */
-    if (ring->importer >= 0) ts_ring_drop_importer(ring->hdr, ring->importer);
+    if (ring->importer >= 0 && !child)
+        ts_ring_drop_importer(ring->hdr, ring->importer, TS_IMPORTER_MAPPED);
     ring->importer = -1;
     if (ring->data != NULL) {
         if (!ring->is_producer) ts_fault_unwatch(&ring->cow);
@@ -1333,38 +1339,58 @@ static int ts_ring_claim_importer(ts_ring *ring)
     ts_header *h = ring->hdr;
     for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
         uint64_t want = 0;
-        /* seq_cst: against the producer's pool_closing (ts_ring_seal_pool). */
+        /* seq_cst: against the producer's pool_closing (ts_ring_seal_pool); and a free
+         * entry's start time was cleared before it became 0 (ts_importer_free). */
         if (!atomic_compare_exchange_strong_explicit(&h->importers[i].claim, &want,
                                                      ts_importer_claim(TS_IMPORTER_CLAIMED),
                                                      memory_order_seq_cst,
                                                      memory_order_relaxed))
             continue;
         atomic_store_explicit(&h->importers[i].start_time, ts_proc_start_time(ts_proc_self()),
-                              memory_order_release);
+                              memory_order_seq_cst);
         return i;
     }
     return -1;
 }
 
-/* This process closed its mapping of the device pool, or backed out (entry from claim). */
-static void ts_ring_drop_importer(ts_header *h, int entry)
+/* Free entry e whose claim word is claim (any process: its owner, or a reader that found
+ * it dead); nothing if the word changed meanwhile. Through REAPING: the start time is
+ * cleared before the entry is free, so a next claimer is never judged by it. */
+static int ts_importer_free(ts_importer *e, uint64_t claim)
 {
-    if (entry < 0 || entry >= TS_MAX_CONSUMERS) return;
-    atomic_store_explicit(&h->importers[entry].start_time, 0, memory_order_relaxed);
-    atomic_store_explicit(&h->importers[entry].claim, 0, memory_order_release);
-    ts_signal(&h->free_word, &h->free_waiters);
+    if (!atomic_compare_exchange_strong_explicit(&e->claim, &claim, TS_IMPORTER_REAPING,
+                                                 memory_order_acq_rel, memory_order_relaxed))
+        return 0;
+    atomic_store_explicit(&e->start_time, 0, memory_order_relaxed);
+    atomic_store_explicit(&e->claim, 0, memory_order_release);
+    return 1;
 }
 
-/* Whether the process of importer entry e lives; a dead one's entry is freed (the driver
- * unmapped a dead process's imports), whether it died mapped or still claiming. */
+/* This process closed its mapping of the device pool, or backed out (entry from claim, in
+ * state: CLAIMED or MAPPED). */
+static void ts_ring_drop_importer(ts_header *h, int entry, uint32_t state)
+{
+    if (entry < 0 || entry >= TS_MAX_CONSUMERS) return;
+    if (ts_importer_free(&h->importers[entry], ts_importer_claim(state)))
+        ts_signal(&h->free_word, &h->free_waiters);
+}
+
+/* Whether the process of importer entry e (claim word claim) lives; a dead one's entry is
+ * freed (the driver unmapped a dead process's imports), whether it died mapped or still
+ * claiming. */
 static int ts_importer_alive(ts_importer *e, uint64_t claim)
 {
     pid_t pid = (pid_t)(claim >> 2);
-    uint64_t start = atomic_load_explicit(&e->start_time, memory_order_acquire);
+    uint64_t start = atomic_load_explicit(&e->start_time, memory_order_seq_cst);
     if (start != 0 ? ts_proc_alive(pid, start) : ts_proc_pid_alive(pid)) return 1;
-    atomic_compare_exchange_strong_explicit(&e->claim, &claim, 0, memory_order_acq_rel,
-                                            memory_order_relaxed);
+    ts_importer_free(e, claim);
     return 0;
+}
+
+/* Whether claim names a process (an entry taken, not free nor being freed). */
+static int ts_importer_taken(uint64_t claim)
+{
+    return claim != 0 && claim != TS_IMPORTER_REAPING;
 }
 
 /* Live processes that still map the device pool, or claimed an entry (dead ones' entries
@@ -1375,8 +1401,8 @@ uint32_t ts_ring_importers(const ts_ring *ring)
     uint32_t n = 0;
     for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
         ts_importer *e = &h->importers[i];
-        uint64_t claim = atomic_load_explicit(&e->claim, memory_order_acquire);
-        if (claim != 0 && ts_importer_alive(e, claim)) n++;
+        uint64_t claim = atomic_load_explicit(&e->claim, memory_order_seq_cst);
+        if (ts_importer_taken(claim) && ts_importer_alive(e, claim)) n++;
     }
     return n;
 }
@@ -1402,13 +1428,13 @@ uint32_t ts_ring_seal_pool(ts_ring *ring)
         for (int i = 0; i < TS_MAX_CONSUMERS; i++) {
             ts_importer *e = &h->importers[i];
             uint64_t claim = atomic_load_explicit(&e->claim, memory_order_seq_cst);
-            if (claim == 0 || !ts_importer_alive(e, claim)) continue;
+            if (!ts_importer_taken(claim) || !ts_importer_alive(e, claim)) continue;
             if ((claim & 3) == TS_IMPORTER_MAPPED) mapped++;
             else claiming++;
         }
         if (claiming == 0 || ts_now_ns() >= deadline) return mapped + claiming;
         /* It sees the seal and backs out, or it had passed the check and maps: soon. */
-        struct timespec nap = {0, 100000};
+        struct timespec nap = {0, 1000000};
         nanosleep(&nap, NULL);
     }
 }
@@ -1493,18 +1519,23 @@ ts_status ts_ring_import_device(ts_ring *ring, ts_device_driver *driver, int ord
     /* The producer may have sealed the pool before our claim, and be freeing it: it said so
      * first (ts_ring_seal_pool); if not, it counts us from here on. */
     if (atomic_load_explicit(&ring->hdr->pool_closing, memory_order_seq_cst)) {
-        ts_ring_drop_importer(ring->hdr, entry);
+        ts_ring_drop_importer(ring->hdr, entry, TS_IMPORTER_CLAIMED);
         return ts_err_set(err, TS_E_PRODUCER_GONE, 0,
                           "the producer (pid %d) closed its GPU ring and is freeing its GPU "
                           "memory",
                           h->producer_pid);
     }
-    atomic_store_explicit(&ring->hdr->importers[entry].claim,
-                          ts_importer_claim(TS_IMPORTER_MAPPED), memory_order_release);
+    uint64_t claimed = ts_importer_claim(TS_IMPORTER_CLAIMED);
+    if (!atomic_compare_exchange_strong_explicit(&ring->hdr->importers[entry].claim, &claimed,
+                                                 ts_importer_claim(TS_IMPORTER_MAPPED),
+                                                 memory_order_seq_cst, memory_order_relaxed))
+        return ts_err_set(err, TS_E_SYS, EAGAIN,
+                          "this process's entry in the GPU ring's importer table was taken "
+                          "back (was it judged dead?): not mapping the producer's memory");
     ts_device_ring view = ts_ring_device_view(ring);
     st = ring->dev->device->import(ring->dev, &view, err);
     if (st != TS_OK) {
-        ts_ring_drop_importer(ring->hdr, entry);
+        ts_ring_drop_importer(ring->hdr, entry, TS_IMPORTER_MAPPED);
         return st;
     }
     ring->importer = entry;

@@ -155,13 +155,17 @@ typedef struct ts_consumer {
  * the pid from the first store on, so that an entry whose process died at any point is
  * seen as dead (ts_ring_importers). */
 typedef struct ts_importer {
-    _Atomic uint64_t claim;      /* 0: free; else pid << 2 | TS_IMPORTER_CLAIMED or _MAPPED */
-    _Atomic uint64_t start_time; /* the claimer's, once written (0 before) */
+    _Atomic uint64_t claim;      /* 0: free; TS_IMPORTER_REAPING; else pid << 2 |
+                                  * TS_IMPORTER_CLAIMED or _MAPPED */
+    _Atomic uint64_t start_time; /* the claimer's, once written; 0 while free or before */
 } ts_importer;
 
 /* CLAIMED: the entry is taken, the claimer checks pool_closing next; MAPPED: it found the
- * pool open and maps it (or is about to). */
-enum { TS_IMPORTER_CLAIMED = 1, TS_IMPORTER_MAPPED = 2 };
+ * pool open and maps it (or is about to); REAPING (the whole claim word, no pid): being
+ * freed (its start time cleared before it is free again, so that the next claimer's
+ * process is never judged by the last one's start time). A claimer takes an entry only
+ * from 0, and changes its own word only by compare-and-swap. */
+enum { TS_IMPORTER_CLAIMED = 1, TS_IMPORTER_MAPPED = 2, TS_IMPORTER_REAPING = 3 };
 
 /* The header at offset 0 of the segment. */
 typedef struct ts_header {

@@ -339,7 +339,6 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, deliv
         client.close(say_bye=False, wait=0.2)
         context.term()
         return
-    delivery.finish()  # asynchronous copies out of ring slots finish first
     if ring.closed:  # the handle was closed under us (c.ring.close()): say bye, no more
         client.close(say_bye=True)
         context.term()

@@ -46,7 +46,6 @@ class Delivery:
         self._cuda: torch.device | None = None  # the GPU they are on, when they do
         self._move_to: torch.device | None = None  # host tensors are copied here
         self._pinned: torch.device | None = None  # the GPU the host ring was page-locked for
-        self.inflight: list = []  # (cuda event, host tensors) of copies not yet done
         self._decoder = Decoder()
 
     @property
@@ -64,12 +63,6 @@ class Delivery:
         (defers_releases)."""
         if self.defers_releases:
             ring.flush_releases(wait_ms, current_stream(self._cuda or self._pinned))
-
-    def finish(self) -> None:
-        """Wait for the asynchronous copies out of ring slots (before the ring goes)."""
-        for event, _ in self.inflight:
-            event.synchronize()
-        self.inflight.clear()
 
     def attach(self, ring: Any) -> None:
         """Decide where tensors are delivered from `ring` and open what that needs."""
@@ -121,20 +114,12 @@ class Delivery:
         log.warning("GPU ring unavailable to this consumer: %s", reason)
 
     def _to_device(self, leaves: list, kinds: list) -> list:
-        """Copy the torch leaves to self._move_to; hold the host views until the copies
-        are done (the ring slot must not be reused under an asynchronous copy)."""
-        moved, held = [], []
-        for kind, leaf in zip(kinds, leaves, strict=True):
-            if kind == TORCH:
-                held.append(leaf)
-                leaf = leaf.to(self._move_to, non_blocking=self.pin_memory)
-            moved.append(leaf)
-        if self.pin_memory and held:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._move_to))
-            self.inflight.append((event, held))
-        self.inflight[:] = [(e, h) for e, h in self.inflight if not e.query()]
-        return moved
+        """Copy the torch leaves to self._move_to. With pin_memory=True the copies are
+        asynchronous, on the current stream: the host views' slot goes back only after the
+        work queued there (their releases are deferred, defers_releases), with no event
+        query of ours (one during another thread's CUDA-graph capture would break it)."""
+        return [leaf.to(self._move_to, non_blocking=self.pin_memory) if kind == TORCH else leaf
+                for kind, leaf in zip(kinds, leaves, strict=True)]
 
     def build(self, slot: Any, count: bool = False) -> tuple[Any, int | None, Any]:
         """Turn a slot into the loader's batch structure of tensors and values. With count,
