@@ -665,6 +665,19 @@ def open_gate_when_published(ring: Any, gate: Any, seq: int, timeout: float) -> 
     gate.value = 1
 
 
+def take_a_round(it: Iterator, ring: Any, gate: Any, slots: int, timeout: float) -> list:
+    """Take `slots` more batches of the consumer iterator it, the last of them in the slot
+    of the one taken before them, while a thread opens gate once the producer published
+    that entry (open_gate_when_published); the batches taken."""
+    opener = threading.Thread(target=open_gate_when_published,
+                              args=(ring, gate, slots, timeout))
+    opener.start()
+    try:
+        return [next(it) for _ in range(slots)]
+    finally:
+        opener.join()
+
+
 # ---- host memory with chosen protection (via libc) -----------------------------------------
 
 _libc = ctypes.CDLL(None, use_errno=True)

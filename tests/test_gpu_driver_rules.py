@@ -163,11 +163,7 @@ elif scenario == "raw_pointer":
     gate = fc.launch_gate(0)
     res = fc.launch_read(0, b0[0].ptr, b0[0].nbytes)
     del b0
-    opener = threading.Thread(target=fakecuda.open_gate_when_published,
-                              args=(c.ring, gate, SLOTS, GATE_S))
-    opener.start()
-    kept = [next(it) for _ in range(SLOTS)]
-    opener.join()
+    kept = fakecuda.take_a_round(it, c.ring, gate, SLOTS, GATE_S)
     fc.stream_synchronize(0)
     out["read_ok"] = res.value == fakecuda.tuple_leaf_sum(0)
     del kept

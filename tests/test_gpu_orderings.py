@@ -30,7 +30,7 @@ SLOTS = 4
 TESTS = str(Path(__file__).resolve().parent)
 
 CONSUMER = r'''
-import logging, os, sys, threading, time
+import logging, os, sys, time
 sys.path.insert(0, sys.argv[1])
 import fakecuda
 import tensorsocket.data.delivery as delivery
@@ -86,11 +86,7 @@ if scenario == "pinned":
     gate = fc.launch_gate(cur)
     fc.memcpy_htod_async(dst, x.data_ptr(), x.numel() * 4, cur)
     del b0, x
-    opener = threading.Thread(target=fakecuda.open_gate_when_published,
-                              args=(c.ring, gate, SLOTS, GATE_S))
-    opener.start()
-    kept = [next(it) for _ in range(SLOTS)]  # the last one is in the first one's slot
-    opener.join()
+    kept = fakecuda.take_a_round(it, c.ring, gate, SLOTS, GATE_S)
     fc.stream_synchronize(cur)
     out["copy_ok"] = fakecuda.fnv1a(fc.read(dst, 128)) == want
     out["came_round"] = int(kept[-1][1][0]) == SLOTS
@@ -114,11 +110,7 @@ elif scenario == "side_release":
     res = fc.launch_read(side, b0[0].ptr, b0[0].nbytes)
     join(cur, side)
     del b0
-    opener = threading.Thread(target=fakecuda.open_gate_when_published,
-                              args=(c.ring, gate, SLOTS, GATE_S))
-    opener.start()
-    kept = [next(it) for _ in range(SLOTS)]
-    opener.join()
+    kept = fakecuda.take_a_round(it, c.ring, gate, SLOTS, GATE_S)
     fc.stream_synchronize(side)
     out["read_ok"] = res.value == fakecuda.tuple_leaf_sum(0)
     out["ctx_record_event"] = fc.counter("ctx_record_event")
