@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from tensorsocket.data.resume import SavedPlace, decode, encode
+from tensorsocket.data.resume import EpochShape, SavedPlace, decode, encode
 from tensorsocket.data.sample_ids import IdMask
 
 
@@ -25,6 +25,7 @@ def main() -> None:
     n = ap.parse_args().samples
     rng = np.random.default_rng(0)
     order = rng.permutation(n)
+    shape = EpochShape(dataset_len=n)  # (no batch size: the counts are not checked)
     print(f"state_dict() size for {n} samples (bitmap bound: {(n + 7) // 8} bytes raw, "
           f"{(n + 7) // 8 * 4 // 3} base64)")
     print(f"{'taken':>6} {'shuffled bytes':>15} {'in order bytes':>15} {'encode ms':>10} "
@@ -35,11 +36,11 @@ def main() -> None:
         shuffled.add(order[:k])
         ordered.add(np.arange(k))
         t0 = time.perf_counter()
-        text = json.dumps(encode(SavedPlace(3, k // 256, shuffled, n), None, 1))
+        text = json.dumps(encode(SavedPlace(3, k // 256, shuffled, n), shape))
         t1 = time.perf_counter()
-        decode(json.loads(text), None, 1)
+        decode(json.loads(text), shape)
         t2 = time.perf_counter()
-        in_order = json.dumps(encode(SavedPlace(3, k // 256, ordered, n), None, 1))
+        in_order = json.dumps(encode(SavedPlace(3, k // 256, ordered, n), shape))
         print(f"{fraction:>6.1%} {len(text):>15,} {len(in_order):>15,} "
               f"{(t1 - t0) * 1e3:>10.1f} {(t2 - t1) * 1e3:>10.1f}")
 

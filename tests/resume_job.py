@@ -9,6 +9,9 @@ python tests/resume_job.py NAME [--state-in F] [--take K] [--state-out F] [--epo
 
 --state-in F: load_state_dict(json of F) before iterating; the state right after it is
   printed as ``state_after_load``.
+--bad-state F (repeatable): then load_state_dict(json of F) too, each expected to be
+  refused; printed as ``bad_states``, each {"refused": "<error type>: <message>"} or
+  {"accepted": state_dict() after it}.
 --take K: take K batches of the first epoch, break, save state_dict() to --state-out
   (the state after the break; with --save-inside, the state taken in the loop after the
   K-th batch), exit. Without it: iterate --epochs whole epochs.
@@ -62,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
     ap.add_argument("--state-in")
+    ap.add_argument("--bad-state", action="append", default=[])
     ap.add_argument("--state-out")
     ap.add_argument("--take", type=int)
     ap.add_argument("--epochs", type=int, default=1)
@@ -112,6 +116,17 @@ def main() -> None:
         if a.state_in:
             with open(a.state_in) as f:
                 loader.load_state_dict(json.load(f))
+        out["bad_states"] = []
+        for path in a.bad_state:
+            with open(path) as f:
+                bad = json.load(f)
+            try:
+                loader.load_state_dict(bad)
+            except Exception as e:  # (what the test checks: its type and message)
+                out["bad_states"].append({"refused": f"{type(e).__name__}: {e}"})
+            else:
+                out["bad_states"].append({"accepted": loader.state_dict()})
+        if a.state_in or a.bad_state:
             out["state_after_load"] = loader.state_dict()
         for _ in range(a.warm_epochs):  # whole epochs before the one interrupted
             out["epochs"].append([[int(v) for v in batch[0]] for batch in loader])

@@ -138,6 +138,39 @@ def test_transforms_are_found_through_a_subset(pipeline):
     assert fields["transform"] == f"{pipeline.__name__}.Scale(factor=5)"
 
 
+def test_wrappers_are_looked_through_one_way(pipeline):
+    """dataset_layers: a ConcatDataset's datasets and wrappers' .dataset, nested, each
+    once (a dataset in a ConcatDataset twice, a cycle); the
+    fingerprint's transform is the first layer's that has one, and dataset_transforms
+    (what the decoded cache checks) gives every layer's."""
+    from torch.utils.data import ConcatDataset
+
+    from tensorsocket.loader.fingerprint import dataset_layers, dataset_transforms
+
+    class Loop(Dataset):
+        def __init__(self, inner):
+            self.dataset = inner
+
+        def __len__(self):
+            return len(self.dataset)
+
+        def __getitem__(self, i):
+            return self.dataset[i]
+
+    inner = pipeline.Images(pipeline.Scale(3))
+    subset = Subset(inner, [0, 1])
+    concat = ConcatDataset([subset, inner, subset])
+    loop = Loop(concat)
+    concat.datasets.append(loop)  # a cycle: walked once
+    assert dataset_layers(loop) == [loop, concat, subset, inner]
+    fields = json.loads(describe(DataLoader(loop)))
+    assert fields["transform"] == f"{pipeline.__name__}.Scale(factor=3)"
+    outer = pipeline.Images(pipeline.Scale(7))
+    outer.dataset = concat  # a dataset with a transform of its own that wraps another
+    assert [v.factor for _, v in dataset_transforms(outer)] == [7, 3]
+    assert json.loads(describe(DataLoader(outer)))["transform"].endswith("Scale(factor=7)")
+
+
 class Counted(TensorDataset):
     """Counts its loads."""
 

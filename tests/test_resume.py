@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ROOT, popen
 from tensorsocket.control.endpoints import runtime_dir
-from tensorsocket.data.resume import EpochTaken, SavedPlace, decode, encode
+from tensorsocket.data.resume import EpochShape, EpochTaken, SavedPlace, decode, encode
 from tensorsocket.data.sample_ids import IdMask, split, with_ids
 
 JOB = ROOT / "tests" / "resume_job.py"
@@ -186,7 +186,7 @@ def test_state_after_a_break_is_the_place_left(name, tmp_path, producers_end):
     (the old main recorded {'epoch': 1, 'batches_in_epoch': 0})."""
     state = tmp_path / "state.json"
     first = run_job(name, "--take", "2", state_out=state)
-    saved = decode(first["state"], None, 1)
+    saved = decode(first["state"], EpochShape())
     assert (saved.epoch, saved.batches) == (0, 2)
     assert saved.taken is not None
     assert sorted(np.flatnonzero(saved.taken.bits).tolist()) == sorted(flat(first["epochs"][0]))
@@ -375,28 +375,28 @@ def test_state_is_small_and_json_at_imagenet_scale():
     rng = np.random.default_rng(0)
     taken = IdMask(n)
     taken.add(rng.permutation(n)[: n * 3 // 8])
-    state = encode(SavedPlace(4, 1876, taken, n), None, 1)
+    state = encode(SavedPlace(4, 1876, taken, n), EpochShape())
     text = json.dumps(state)
     assert len(text) < (n + 7) // 8 * 4 / 3 + 400
-    back = decode(json.loads(text), None, 1)
+    back = decode(json.loads(text), EpochShape())
     assert np.array_equal(back.taken.bits, taken.bits)
     ordered = IdMask(n)
     ordered.add(np.arange(n * 3 // 8))
-    assert len(json.dumps(encode(SavedPlace(4, 1876, ordered, n), None, 1))) < 2000
+    assert len(json.dumps(encode(SavedPlace(4, 1876, ordered, n), EpochShape()))) < 2000
 
 
 def test_bad_states_are_refused_with_the_field_named():
-    good = encode(SavedPlace(0, 3, None, 256), None, 1)
+    good = encode(SavedPlace(0, 3, None, 256), EpochShape())
     with pytest.raises(ValueError, match="batch_size=20"):
-        decode(good, 20, 1)
+        decode(good, EpochShape(batch_size=20))
     with pytest.raises(ValueError, match="world_size=1"):
-        decode(good, None, 2)
+        decode(good, EpochShape(world_size=2))
     with pytest.raises(ValueError, match="'taken' field"):
-        decode({**good, "taken": "not base64!"}, None, 1)
+        decode({**good, "taken": "not base64!"}, EpochShape())
     with pytest.raises(ValueError, match="not a tensorsocket consumer state"):
-        decode({"epoch": 1}, None, 1)
+        decode({"epoch": 1}, EpochShape())
     with pytest.raises(ValueError, match="dataset of 256 samples it must hold 256"):
-        decode({**good, "taken": IdMask(8).to_text(8)}, None, 1)
+        decode({**good, "taken": IdMask(8).to_text(8)}, EpochShape())
 
 
 def test_group_state_needs_every_rank_batch_seen():

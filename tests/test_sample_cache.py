@@ -161,6 +161,14 @@ def whole(epochs: list[list[int]]) -> None:
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {e} is not a whole pass"
 
 
+def checks(*epochs: int) -> list[int]:
+    """The sample ids the producer loads again, in order, to check the cache before each
+    of these epochs (served from it)."""
+    from tensorsocket.producer.sample_cache import checked_samples
+
+    return [int(i) for e in epochs for i in checked_samples(e, SAMPLES)]
+
+
 def said(log: list, level: str, text: str) -> list[str]:
     """The log lines of `level` holding `text`."""
     return [m for lv, m in log if lv == level and text in m]
@@ -169,8 +177,10 @@ def said(log: list, level: str, text: str) -> list[str]:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_epochs_after_the_first_come_from_the_cache(procs, name, tmp_path, workers):
     """cache_bytes large enough: every sample once per epoch by id, the dataset read N
-    times in all (epoch 1 only), epoch 2 in the sampler's new order, every batch's rows
-    the dataset's samples of its ids (in the consumer and in the producer's loop)."""
+    times by the loader in all (epoch 1 only) and, by the producer, the few samples that
+    check the cache before each cached epoch; epoch 2 in the sampler's new order, every
+    batch's rows the dataset's samples of its ids (in the consumer and in the producer's
+    loop)."""
     loads = tmp_path / "loads"
     producer, consumer = start(procs, name, loads, cache_bytes=10 * CACHE_NEEDS,
                                workers=workers)
@@ -180,14 +190,16 @@ def test_epochs_after_the_first_come_from_the_cache(procs, name, tmp_path, worke
     assert result["yielded"] == epochs and result["bad"] == 0
     assert epochs[1] != epochs[0] and epochs[2] != epochs[1], "the epochs were not reshuffled"
     read = loads_of(loads)
-    assert sorted(i for _, i in read) == list(range(SAMPLES)), "each sample read once"
-    readers = {pid for pid, _ in read}
+    by_loader, checked = read[:SAMPLES], read[SAMPLES:]
+    assert sorted(i for _, i in by_loader) == list(range(SAMPLES)), "each sample read once"
+    readers = {pid for pid, _ in by_loader}
     if workers:
         assert producer.pid not in readers and len(readers) == workers
     else:
         assert readers == {producer.pid}
+    assert checked == [(producer.pid, i) for i in checks(1, 2)]
     assert result["stats"] == {"cache_bytes": CACHE_NEEDS, "cache_samples": SAMPLES,
-                               "cache_epochs": 2}
+                               "cache_epochs": 2, "cache_off": None}
     assert said(result["log"], "INFO", f"decoded cache: {SAMPLES} samples, {CACHE_NEEDS} "
                 "bytes: epoch 1 on is served from it")
 
@@ -207,8 +219,10 @@ def test_the_samples_drop_last_leaves_out_are_loaded_once(procs, name, tmp_path)
     assert left_out & set(epochs[1] + epochs[2]), "no later epoch drew the samples topped up"
     assert result["yielded"] == epochs and result["bad"] == 0
     read = loads_of(loads)
-    assert sorted(i for _, i in read) == list(range(SAMPLES))
-    assert {i for _, i in read[drawn:]} == left_out and {p for p, _ in read} == {producer.pid}
+    topped_up, checked = read[drawn:SAMPLES], read[SAMPLES:]
+    assert sorted(i for _, i in read[:SAMPLES]) == list(range(SAMPLES))
+    assert {i for _, i in topped_up} == left_out and {p for p, _ in read} == {producer.pid}
+    assert [i for _, i in checked] == checks(1, 2)
     assert result["stats"]["cache_epochs"] == 2
     assert said(result["log"], "INFO", f"the {SAMPLES - drawn} samples the sampler had not "
                 "drawn by epoch 1 were loaded once")
@@ -247,15 +261,17 @@ def test_a_budget_one_byte_short_caches_nothing(procs, name, tmp_path):
         whole(orders[budget])
         reads = len(loads_of(loads))
         if budget == CACHE_NEEDS:
-            assert reads == SAMPLES and result["stats"]["cache_epochs"] == 2
+            assert reads == SAMPLES + len(checks(1, 2))
+            assert result["stats"]["cache_epochs"] == 2
             continue
         assert reads == 3 * SAMPLES
+        off = result["stats"].pop("cache_off")
         assert result["stats"] == {"cache_bytes": 0, "cache_samples": 0, "cache_epochs": 0}
         warned = said(result["log"], "WARNING", "decoded cache off")
         assert len(warned) == 1, result["log"]
         for fact in (f"{SAMPLES} samples", f"need {CACHE_NEEDS} bytes",
                      f"cache_bytes={budget} (from TENSORSOCKET_CACHE_BYTES)"):
-            assert fact in warned[0]
+            assert fact in warned[0] and fact in off
     assert orders[CACHE_NEEDS] == orders[CACHE_NEEDS - 1]
 
 
@@ -509,3 +525,276 @@ def test_a_dataset_with_random_transforms_is_not_cached(name, caplog):
     leaves = [(np.zeros((4, 2), np.int64), None)]
     why = _not_cacheable(loader, leaves, np.arange(4), None)
     assert why is not None and "RandomResizedCrop" in why and "transform=" in why
+
+
+# -- the machine's room (issue 35, item 5) --------------------------------------------------
+
+GIB, MIB = 1 << 30, 1 << 20
+UNLIMITED_V1 = "9223372036854771712"  # what cgroup v1 writes for no limit
+
+
+def _tree(root: Path, files: dict[str, str]) -> str:
+    """Files under `root` (path -> text); returns the root as memory_room() takes it."""
+    for path, text in files.items():
+        target = root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return str(root)
+
+
+MEMINFO = (f"MemTotal:       {16 * GIB >> 10} kB\nMemFree:  1 kB\n"
+           f"MemAvailable:   {10 * GIB >> 10} kB\n")
+
+
+def test_the_room_is_the_tightest_of_the_machine_and_each_cgroup_level(tmp_path):
+    """Fake /proc and cgroup files: the machine (MemAvailable of MemTotal), a cgroup v2
+    whose own level has no limit ("max") but whose parent has one (its working set: usage
+    less inactive_file), and a v1 memory hierarchy mounted at a container's cgroup (mount
+    root /batch, under a mount point with a space in its name) whose mount-root level is
+    the tightest; each bound's usable bytes are what is left less 1/8 of its total less
+    64 MiB, and a refusal names the tightest."""
+    from tensorsocket.producer.memory_room import margin, memory_room
+
+    root = _tree(tmp_path, {
+        "/proc/meminfo": MEMINFO,
+        "/proc/self/cgroup": "4:memory:/batch/b1\n1:cpu:/x\n0::/jobs/job1\n",
+        "/proc/self/mountinfo":
+            "30 23 0:26 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw\n"
+            "35 31 0:32 /batch /sys/fs/cgroup/my\\040memory rw - cgroup cgroup rw,memory\n"
+            "36 31 0:33 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n",
+        "/sys/fs/cgroup/unified/memory.stat": "inactive_file 0\n",  # the root: no limit
+        "/sys/fs/cgroup/unified/jobs/memory.max": f"{2 * GIB}\n",
+        "/sys/fs/cgroup/unified/jobs/memory.current": f"{3 * GIB // 2}\n",
+        "/sys/fs/cgroup/unified/jobs/memory.stat": f"anon 1\ninactive_file {GIB}\n",
+        "/sys/fs/cgroup/unified/jobs/job1/memory.max": "max\n",
+        "/sys/fs/cgroup/unified/jobs/job1/memory.current": f"{100 * MIB}\n",
+        "/sys/fs/cgroup/my memory/memory.limit_in_bytes": f"{4 * GIB}\n",
+        "/sys/fs/cgroup/my memory/memory.usage_in_bytes": f"{3 * GIB + GIB // 2}\n",
+        "/sys/fs/cgroup/my memory/memory.stat": "inactive_file 5\ntotal_inactive_file 0\n",
+        "/sys/fs/cgroup/my memory/b1/memory.limit_in_bytes": UNLIMITED_V1,
+        "/sys/fs/cgroup/my memory/b1/memory.usage_in_bytes": f"{GIB}\n",
+    })
+    room = memory_room(root)
+    found = {(b.what.split(" (")[0], b.total, b.left) for b in room.bounds}
+    assert found == {("the machine", 16 * GIB, 10 * GIB),
+                     ("memory cgroup v2 /jobs", 2 * GIB, 2 * GIB - GIB // 2),
+                     ("memory cgroup v1 /batch", 4 * GIB, GIB // 2)}
+    assert margin(2 * GIB) == 2 * GIB // 8 + 64 * MIB
+    assert room.tightest.what.startswith("memory cgroup v1 /batch")
+    assert room.usable == 0  # 512 MiB left, less a margin of 576 MiB
+    assert room.refusal(0) is None
+    refusal = room.refusal(1)
+    assert refusal is not None and "memory cgroup v1 /batch (memory.limit_in_bytes" in refusal
+    assert "512.0 MiB of 4.0 GiB left" in refusal
+
+    # The v1 hierarchy without its limits: the v2 parent is the tightest.
+    (tmp_path / "sys/fs/cgroup/my memory/memory.limit_in_bytes").write_text(UNLIMITED_V1)
+    room = memory_room(root)
+    assert room.usable == 2 * GIB - GIB // 2 - margin(2 * GIB)
+    assert room.refusal(room.usable) is None and room.refusal(room.usable + 1) is not None
+
+
+def test_the_room_without_cgroups_or_without_anything(tmp_path):
+    """No cgroup files (and no mountinfo): the machine's bound alone; nothing readable at
+    all: no bound, and nothing is refused (the allocation then says what it says)."""
+    from tensorsocket.producer.memory_room import margin, memory_room
+
+    room = memory_room(_tree(tmp_path / "a", {"/proc/meminfo": MEMINFO}))
+    assert room.usable == 10 * GIB - margin(16 * GIB)
+    assert "the machine (MemAvailable of MemTotal)" in room.refusal(10 * GIB)
+    empty = memory_room(str(tmp_path / "b"))
+    assert empty.bounds == () and empty.usable is None and empty.refusal(1 << 50) is None
+    # A cgroup outside the one mounted here (a process moved out of a container's cgroup
+    # namespace sees "/../..."): the limit of what is mounted is what is read.
+    outside = memory_room(_tree(tmp_path / "c", {
+        "/proc/self/cgroup": "0::/../other\n",
+        "/proc/self/mountinfo": "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+        "/sys/fs/cgroup/memory.max": f"{GIB}", "/sys/fs/cgroup/memory.current": "0",
+        "/sys/fs/other/memory.max": "1", "/sys/fs/other/memory.current": "0"}))
+    assert [(b.what, b.left) for b in outside.bounds] == [
+        ("memory cgroup v2 / (memory.max less the working set)", GIB)]
+
+
+def test_a_cache_over_the_room_is_refused_with_a_warning(name, tmp_path, monkeypatch, caplog):
+    """The room (fake files: 1 GiB of MemAvailable, a cgroup of 300 MiB) leaves less than
+    the cache needs, though cache_bytes= allows it: nothing is allocated (no memfd is
+    made), a WARNING and a TensorSocketWarning say "could not be allocated" and name the
+    cgroup, stats' cache_off says it, and the epochs run the loader."""
+    from tensorsocket import TensorSocketWarning
+    from tensorsocket.producer import memory_room as room_module
+    from tensorsocket.producer import sample_cache
+
+    root = _tree(tmp_path, {
+        "/proc/meminfo": f"MemTotal: {2 * GIB >> 10} kB\nMemAvailable: {GIB >> 10} kB\n",
+        "/proc/self/cgroup": "0::/job\n",
+        "/proc/self/mountinfo": "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+        "/sys/fs/cgroup/job/memory.max": f"{300 * MIB}",
+        "/sys/fs/cgroup/job/memory.current": f"{200 * MIB}",
+    })
+    monkeypatch.setattr(sample_cache, "memory_room", lambda: room_module.memory_room(root))
+    caplog.set_level(logging.INFO, logger="tensorsocket")
+    data = TensorDataset(torch.zeros(64, 1 << 20, dtype=torch.uint8))  # 64 MiB to cache
+    producer = TensorProducer(DataLoader(data, batch_size=8, shuffle=True), name=name,
+                              cache_bytes=1 << 40)
+    stats: list[dict] = []
+
+    def produce() -> None:
+        for _ in range(2):
+            for _ in producer:
+                pass
+            stats.append(producer.stats())
+        producer.join(30)
+
+    with pytest.warns(TensorSocketWarning, match="could not be allocated") as caught:
+        thread = threading.Thread(target=produce, daemon=True)
+        thread.start()
+        consumer = TensorConsumer(name=name, timeout=30)
+        counts = [sum(len(b[0]) for b in consumer) for _ in range(2)]
+        consumer.close()
+        thread.join(30)
+    assert counts == [64, 64]
+    assert f"{MEMFD}-{name}" not in Path("/proc/self/maps").read_text()
+    off = stats[-1]["cache_off"]
+    assert stats[-1]["cache_bytes"] == 0 and stats[-1]["cache_epochs"] == 0
+    assert off.startswith("not made: 67108864 bytes for 64 samples could not be allocated")
+    assert "memory cgroup v2 /job (memory.max less the working set): 100.0 MiB of 300.0 " \
+        "MiB left" in off
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+              and "decoded cache off" in r.getMessage()]
+    assert warned == [f"decoded cache off: {off.removeprefix('not made: ')}"]
+    assert [str(w.message) for w in caught if "decoded cache" in str(w.message)] == warned
+
+
+def test_a_sample_cache_over_the_room_maps_nothing():
+    """SampleCache refuses (OSError ENOMEM, naming the bound) before it makes the memfd."""
+    import errno
+
+    from tensorsocket.data.dtypes import numpy_leaf
+    from tensorsocket.producer.memory_room import Bound, MemoryRoom
+    from tensorsocket.producer.sample_cache import CacheLayout, SampleCache
+
+    layout = CacheLayout.of_batch(1000, [numpy_leaf(np.zeros((2, 1024), np.uint8))])
+    assert layout.nbytes == 1000 * 1024
+    # A bound of 1 GiB keeps 128 MiB + 64 MiB free: it leaves room for the cache or not.
+    room = MemoryRoom((Bound("a test bound", GIB, 192 * MIB + layout.nbytes - 1),))
+    with pytest.raises(OSError) as raised:
+        SampleCache("over", layout, room)
+    assert raised.value.errno == errno.ENOMEM and "a test bound" in str(raised.value)
+    assert f"{MEMFD}-over" not in Path("/proc/self/maps").read_text()
+    room = MemoryRoom((Bound("a test bound", GIB, 192 * MIB + layout.nbytes),))
+    SampleCache("fits", layout, room).close()
+
+
+# -- what the cache checks (issue 35, item 6) -------------------------------------------------
+
+
+class _Crop:
+    """A transform named like a random one (RandomResizedCrop)."""
+
+    def __call__(self, x):
+        return x
+
+
+_Crop.__name__ = _Crop.__qualname__ = "RandomResizedCrop"
+
+
+class _Compose:
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+
+class _Crops(torch.utils.data.Dataset):
+    transform = _Compose([_Crop()])
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2,), i)
+
+
+class _Wrapper(torch.utils.data.Dataset):
+    """A library's wrapper: holds the dataset it wraps as .dataset, and a transform of its
+    own that draws nothing."""
+
+    def __init__(self, dataset):
+        self.dataset, self.transform = dataset, (lambda x: x)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.dataset[i]
+
+
+@pytest.mark.parametrize("wrap", ["subset", "concat", "wrapper of a subset"])
+def test_a_random_transform_behind_a_wrapper_is_seen(wrap):
+    """A dataset whose transform is named as random, behind a Subset, in a ConcatDataset,
+    behind a wrapper (with a transform of its own) of a Subset: not cached, the reason
+    names the transform, as the fingerprint describes it (the same look-through)."""
+    import json
+
+    from torch.utils.data import ConcatDataset, Subset
+
+    from tensorsocket.loader.fingerprint import describe
+    from tensorsocket.producer.sample_cache import _not_cacheable
+
+    dataset = {"subset": lambda: Subset(_Crops(), range(6)),
+               "concat": lambda: ConcatDataset([_Crops(), _Crops()]),
+               "wrapper of a subset": lambda: _Wrapper(Subset(_Crops(), range(6)))}[wrap]()
+    loader = DataLoader(dataset, batch_size=4)
+    leaves = [(np.zeros((4, 2), np.int64), None)]
+    why = _not_cacheable(loader, leaves, np.arange(4), None)
+    assert why is not None and "RandomResizedCrop" in why and "transform=" in why
+    if wrap != "wrapper of a subset":  # (the wrapper's own transform is the one described)
+        assert "_Compose" in json.loads(describe(loader))["transform"]
+
+
+def test_a_dataset_that_cannot_be_checked_drops_the_cache(procs, name, tmp_path):
+    """A dataset that loads only in its loader workers, drop_last=False (epoch 1 fills the
+    cache whole): the check before epoch 2 cannot load a sample in the producer, so the
+    cache is dropped with a warning saying why, and every epoch runs the loader."""
+    loads = tmp_path / "loads"
+    producer, consumer = start(procs, name, loads, cache_bytes=CACHE_NEEDS, workers=2,
+                               workers_only=True)
+    epochs = consumer_epochs(consumer, 3)
+    result = producer.result(timeout=120)
+    whole(epochs)
+    assert (result["stats"]["cache_epochs"], result["stats"]["cache_bytes"]) == (0, 0)
+    assert result["stats"]["cache_off"].startswith("dropped: sample ")
+    assert len(loads_of(loads)) == 3 * SAMPLES
+    assert said(result["log"], "WARNING", "loaded alone in the producer to check the cache, "
+                "raised RuntimeError")
+
+
+def test_a_collate_fn_that_mixes_a_batch_drops_the_cache(name):
+    """A collate_fn whose rows depend on the batch (each row less the batch's mean): the
+    rows cached in epoch 1 are not what sample i gives alone, the check drops the cache
+    before epoch 2, and epoch 2's batches are the loader's (each row's batch mean 0)."""
+    def centred(samples):
+        rows = torch.stack([s[0] for s in samples]).float()
+        return rows - rows.mean(dim=0), torch.stack([s[1] for s in samples])
+
+    data = TensorDataset(torch.arange(32 * 4).reshape(32, 4), torch.arange(32))
+    producer = TensorProducer(DataLoader(data, batch_size=8, shuffle=True, collate_fn=centred),
+                              name=name, cache_bytes=1 << 20)
+    stats: list[dict] = []
+
+    def produce() -> None:
+        for _ in range(2):
+            for _ in producer:
+                pass
+            stats.append(producer.stats())
+        producer.join(30)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    with pytest.warns(Warning, match="is not what the cache holds"):
+        thread.start()
+        consumer = TensorConsumer(name=name, timeout=30)
+        means = [[float(rows.mean(dim=0).abs().max()) for rows, _ in consumer]
+                 for _ in range(2)]
+        consumer.close()
+        thread.join(30)
+    assert [len(m) for m in means] == [4, 4] and max(means[0] + means[1]) < 1e-4
+    assert stats[0]["cache_samples"] == 32 and stats[1]["cache_epochs"] == 0
+    assert stats[1]["cache_off"].startswith("dropped: sample ")

@@ -13,8 +13,8 @@ import numpy as np
 
 from ..data import resume, sample_ids
 from ..data.epoch_cursor import Abandon
-from ..data.rebatch import Rebatcher
-from ..data.resume import SavedPlace
+from ..data.rebatch import Rebatcher, consumer_len
+from ..data.resume import EpochShape, SavedPlace
 from ..data.sample_ids import IdMask
 from ..errors import TensorSocketError, TensorSocketWarning
 from .acquire import SlotAcquirer
@@ -116,18 +116,36 @@ class ResumeBook:
             place = self._left_place_now(self._left_place)
         else:
             place = self.place_now(look_ahead=True)
-        return resume.encode(place, self._options.batch_size, self._options.world_size)
+        return resume.encode(place, self.shape())
+
+    def shape(self) -> EpochShape:
+        """What this consumer's epochs are made of (what its state depends on). Its
+        epoch_batches is the most batches an epoch of any rank of its group has (len():
+        with batch_size=, the ranks' parts of a loader epoch may differ), so that it is the
+        same for every rank: any rank's state resumes every rank."""
+        options, reader = self._options, self._reader
+        world, own = options.world_size, options.batch_size
+        try:
+            length: int | None = reader.length()
+        except TypeError:
+            length = None
+        if length is not None and own is not None and world > 1:
+            length = max(consumer_len(reader.shape.rank_samples(rank, world), own,
+                                      options.drop_last) for rank in range(world))
+        return EpochShape(own, world, reader.loader_batch_size, length, reader.dataset_len)
 
     def load_state_dict(self, state: dict) -> None:
         """TensorConsumer.load_state_dict(), for a state that is not empty (LoaderSurface
-        ignores an empty one)."""
-        options, dataset_len = self._options, self._reader.dataset_len
-        place = resume.decode(state, options.batch_size, options.world_size)
+        ignores an empty one). A state that does not fit this consumer is refused
+        (ValueError naming the field, resume.decode) before anything changes: the consumer
+        stays as it was."""
+        shape = self.shape()
+        place = resume.decode(state, shape)
         exact = place.taken is not None
-        if exact and place.dataset_len != dataset_len and dataset_len is not None:
-            raise ValueError(
-                f"the state was saved over a dataset of {place.dataset_len} samples, the "
-                f"producer's has {dataset_len}: the samples taken would not match")
+        unchecked = resume.unchecked(place, shape)
+        if unchecked is not None:
+            log.warning("%s", unchecked)
+            warnings.warn(unchecked, TensorSocketWarning, stacklevel=4)
         if not exact and place.batches:
             message = (
                 "this state does not say which samples were taken (the producer's loader "
@@ -137,7 +155,14 @@ class ResumeBook:
                 "of the epoch may come twice and others not at all")
             log.warning("%s", message)
             warnings.warn(message, TensorSocketWarning, stacklevel=4)
-        self._state.cursor.resume(place.epoch, place.batches, exact)
+        cursor = self._state.cursor
+        # The epoch count is the job's (as a training loop's): carried as it is. It names
+        # this consumer's epochs and selects no samples, and no producer's epoch bounds
+        # it (a producer started after the job's restart counts from 0).
+        log.info("consumer %d resumes after %d epochs (the state's count; the producer was "
+                 "at its epoch %d when the consumer attached), %d batches of the next taken",
+                 self._place.index, place.epoch, self._place.welcome.epoch, place.batches)
+        cursor.resume(place.epoch, place.batches, exact)
         self._resume_place = place  # (what state_dict() says until the epoch begins)
         self._left_place = None
 
@@ -154,16 +179,18 @@ class ResumeBook:
         if world > 1 and taken_by.known and size is not None and state.epoch_complete():
             # Every rank's batches of the epoch were delivered (ranks step together): all
             # of it is taken, what no rank takes (the tail a group leaves) included.
-            return SavedPlace(cursor.epoch, batches, IdMask.whole(size), size)
-        taken = taken_by.taken(batches)
-        if taken is None and look_ahead and world > 1 and taken_by.known:
+            return SavedPlace(cursor.epoch, batches, IdMask.whole(size), size, size)
+        part = taken_by.part(batches)
+        if part is None and look_ahead and world > 1 and taken_by.known:
             self._reader.read_to_next_batch()
-            taken = taken_by.taken(batches)
-            if taken is None and taken_by.known:
+            part = taken_by.part(batches)
+            if part is None and taken_by.known:
                 log.warning("consumer %d (rank %d of %d): the group's batches before its "
                             "own next one did not all come; its state counts batches only",
                             self._place.index, self._options.rank, world)
-        return SavedPlace(cursor.epoch, batches, taken, size)
+        if part is None:
+            return SavedPlace(cursor.epoch, batches, None, size)
+        return SavedPlace(cursor.epoch, batches, part[0], size, part[1])
 
     def _left_place_now(self, place: SavedPlace) -> SavedPlace:
         """The place of the epoch left mid-way (`place`, as left), for state_dict(). A
@@ -182,8 +209,10 @@ class ResumeBook:
                 if read is None:
                     break
                 taken.group_batch(*read)
-        self._left_place = place = SavedPlace(place.epoch, place.batches,
-                                              taken.taken(place.batches), place.dataset_len)
+        part = taken.part(place.batches)
+        self._left_place = place = SavedPlace(
+            place.epoch, place.batches, None if part is None else part[0],
+            place.dataset_len, None if part is None else part[1])
         return place
 
     def _read_on_in_left_epoch(self) -> tuple[int, Any] | None:

@@ -8,7 +8,9 @@ identifies a loader's pipeline without running it:
 
 - the loader's type, its dataset's type and length;
 - the dataset's ``transform``, ``target_transform`` and ``transforms`` (looked
-  for through wrappers such as ``Subset``): a function by its qualified name, an
+  for through wrappers such as ``Subset`` and ``ConcatDataset``, as
+  ``dataset_layers`` looks through them: the first dataset of the chain that has
+  any): a function by its qualified name, an
   object by its class and repr (with memory addresses removed, so that the same
   code describes the same in two processes; an object without a repr of its own
   by its plain attributes);
@@ -55,7 +57,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..data.sample_ids import recorded_sampler
 
-__all__ = ["describe", "differences", "records_first_sample"]
+__all__ = ["dataset_layers", "dataset_transforms", "describe", "differences",
+           "records_first_sample"]
 
 FORMAT = 1  # version of the description's fields
 MAX_CHARS = 3000  # a description is shorter than this
@@ -67,6 +70,7 @@ _KEYS = 32  # keys of a mapping written in a sample's structure
 _DEPTH = 6  # nesting of a sample's structure written out
 _ATTRIBUTES = 20  # plain attributes that describe an object without a repr of its own
 _TRANSFORM_ATTRIBUTES = ("transform", "target_transform", "transforms")
+_LAYERS = 16  # datasets looked at in a wrapper's chain (dataset_layers)
 _TORCH_COLLATES = frozenset({"default_collate", "default_convert"})
 _ADDRESS = re.compile(r"\s+at\s+0x[0-9a-fA-F]+|0x[0-9a-fA-F]{8,}")
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
@@ -190,16 +194,46 @@ def _dataset_fields(dataset: Any, first_sample: bool) -> dict:
 
 
 def _transform_holder(dataset: Any) -> Any:
-    """The dataset itself, or the one it wraps (a Subset's) that holds the transforms."""
-    holder = dataset
-    for _ in range(4):
-        if any(_attribute(holder, a) is not _MISSING for a in _TRANSFORM_ATTRIBUTES):
-            return holder
-        inner = _attribute(holder, "dataset")
-        if inner is _MISSING or inner is None:
-            break
-        holder = inner
+    """The first of the dataset and those it wraps (dataset_layers) that holds a
+    transform attribute; the dataset itself if none does."""
+    for layer in dataset_layers(dataset):
+        if any(_attribute(layer, a) is not _MISSING for a in _TRANSFORM_ATTRIBUTES):
+            return layer
     return dataset
+
+
+def dataset_layers(dataset: Any) -> list[Any]:
+    """The dataset and the datasets it wraps, outermost first, breadth first: the
+    ``dataset`` a wrapper holds (torch's Subset, torchvision's and most libraries'
+    wrappers) and the ``datasets`` list of a ConcatDataset or ChainDataset; each once,
+    _LAYERS at most. The one way wrappers are looked through: the fingerprint's
+    transforms and the decoded-sample cache's check of them (dataset_transforms)."""
+    layers: list[Any] = []
+    seen: set[int] = set()
+    todo = [dataset]
+    while todo and len(layers) < _LAYERS:
+        layer = todo.pop(0)
+        if layer is None or layer is _MISSING or id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        layers.append(layer)
+        todo.append(_attribute(layer, "dataset"))
+        inner = _attribute(layer, "datasets")
+        if isinstance(inner, (list, tuple)):
+            todo.extend(inner[:_LAYERS])
+    return layers
+
+
+def dataset_transforms(dataset: Any) -> list[tuple[str, Any]]:
+    """(attribute, value) of each ``transform``, ``target_transform`` and ``transforms``
+    (not None) of the dataset and of every dataset it wraps (dataset_layers)."""
+    found = []
+    for layer in dataset_layers(dataset):
+        for attr in _TRANSFORM_ATTRIBUTES:
+            value = _attribute(layer, attr)
+            if value is not _MISSING and value is not None:
+                found.append((attr, value))
+    return found
 
 
 def _first_sample_structure(dataset: Any) -> str | None:

@@ -10,6 +10,8 @@
 - ``publisher``: an epoch run: each batch encoded, published, then yielded.
 - ``sample_cache``: the decoded-sample cache (cache_bytes=): a DataLoader's rows kept
   during the first epoch, later epochs built from them.
+- ``memory_room``: what the machine and the producer's memory cgroups leave (read
+  before the cache is allocated).
 - ``lifecycle``: the name lock, the secret, the control server, and the teardown.
 - ``gpu_release``: a GPU ring's device memory freed once no consumer maps it.
 - ``failure``: what the consumers are told of the error that ended the producer.

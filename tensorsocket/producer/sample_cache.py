@@ -4,18 +4,28 @@ kept in memory during the first epoch, and every later epoch built from them.
 What a DataLoader over a map-style dataset yields is, per batch, the collated rows of
 the samples its batch sampler drew. Where every tensor of a batch holds one row per
 sample (dim 0 = the batch's sample ids), the rows of sample i are the same in every
-epoch (the decode before collation is deterministic: random augmentation belongs in the
-consumers' ``transform=``), so once every sample was seen, an epoch is only a new order:
-its batch sampler's index lists, each made into a batch by gathering rows.
+epoch (where the decode before collation is deterministic, as it must be: random
+augmentation belongs in the consumers' ``transform=``; checked, see below), so once
+every sample was seen, an epoch is only a new order: its batch sampler's index lists,
+each made into a batch by gathering rows.
 
 - ``SampleCache``: the rows, one array per leaf of the batch, (N, *row shape), in one
   memfd mapped shared, and the bitmap of the samples filled.
 - ``CachedEpochs``: the publisher's hook. At the first batch it decides (``offer``):
-  the cache is made if the loader is such a DataLoader and the whole dataset fits
-  ``cache_bytes``; else one line in the log says why not. Each batch the loader yields
-  fills rows; a batch of another structure drops the cache. At the start of an epoch
-  (``start``) it says whether the epoch is served from the cache, and ``batches`` gives
-  that epoch's batches.
+  the cache is made if the loader is such a DataLoader, no transform of its dataset (or
+  of a dataset it wraps: Subset, ConcatDataset, see loader.fingerprint.dataset_layers)
+  is named as a random one, and the whole dataset fits ``cache_bytes`` and what the
+  machine and the producer's memory cgroups have left (memory_room: shmem is not
+  refused, the OOM killer comes instead); else one line in the log says why not (a
+  WARNING and a TensorSocketWarning when cache_bytes or the machine is too small). Each
+  batch the loader yields fills rows; a batch of another structure drops the cache. At
+  the start of an epoch (``start``) it says whether the epoch is served from the cache,
+  and ``batches`` gives that epoch's batches. Before each epoch served from the cache,
+  CHECKED_SAMPLES samples drawn at random are loaded again in the producer and compared
+  with the bytes cached: a dataset that draws random numbers in ``__getitem__`` (which
+  no name tells) gives other bytes, and the cache is dropped (a WARNING and a
+  TensorSocketWarning) before it replays anything. stats()' ``cache_off`` says why
+  there is no cache.
 
 The memory is an anonymous memfd (``memfd:tensorsocket-cache-<name>``): it has no name
 in /dev/shm or anywhere else and its descriptor is closed once it is mapped, so only the
@@ -26,6 +36,7 @@ producer unmaps it or ends, however it ends (SIGKILL too): nothing is left to cl
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import mmap
@@ -40,10 +51,14 @@ import torch
 from ..augment.split import random_steps
 from ..data.dtypes import DLType, torch_leaf
 from ..data.structure import TORCH, Decoder, flatten
-from ..errors import TensorSocketError
+from ..errors import TensorSocketError, TensorSocketWarning
+from ..loader.fingerprint import dataset_transforms
+from .memory_room import MemoryRoom, memory_room
 from .settings import ProducerSettings
 
 log = logging.getLogger("tensorsocket")
+
+CHECKED_SAMPLES = 8  # samples loaded again at the start of each cached epoch (_check)
 
 @dataclass(frozen=True)
 class LeafRows:
@@ -107,11 +122,17 @@ class SampleCache:
     """The rows of every sample, one array per leaf, in one shared memfd mapping (see the
     module docstring), and which samples are filled."""
 
-    def __init__(self, name: str, layout: CacheLayout) -> None:
+    def __init__(self, name: str, layout: CacheLayout, room: MemoryRoom | None = None) -> None:
         """Allocate the memory (all of it, now: OSError if the machine cannot give it,
-        rather than SIGBUS at a later write)."""
+        rather than SIGBUS at a later write). OSError (ENOMEM) before anything is
+        allocated if it is more than `room` (default: memory_room(), the machine's and
+        this process's cgroups') leaves: shmem is not refused when it does not fit,
+        posix_fallocate charges it page by page until the OOM killer SIGKILLs."""
         self.layout = layout
         self.nbytes = layout.nbytes
+        refusal = (room if room is not None else memory_room()).refusal(self.nbytes)
+        if refusal is not None:
+            raise OSError(errno.ENOMEM, refusal)
         fd = os.memfd_create(f"tensorsocket-cache-{name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, self.nbytes)
@@ -217,6 +238,7 @@ class CachedEpochs:
         self._kinds: list[int] = []
         self._said: set[str] = set()  # INFO lines said once
         self.epochs_served = 0
+        self.off: str | None = None  # why there is no cache (not made, or dropped)
 
     # -- the loader's epochs -------------------------------------------------------------
 
@@ -249,23 +271,23 @@ class CachedEpochs:
             return
         why = _not_cacheable(self._source, leaves, ids, self._settings.pack_fn)
         if why is not None or ids is None:
+            self.off = f"not made: {why}"
             log.info("decoded cache off: %s; every epoch runs the loader", why)
             return
         layout = CacheLayout.of_batch(len(self._source.dataset), leaves)
         shown = self._settings.show("cache_bytes", budget)
         if layout.nbytes > budget:
-            log.warning(
-                "decoded cache off: the %d samples of the dataset need %d bytes (%d per "
-                "sample), over %s: every epoch runs the loader. Set cache_bytes= (or "
-                "TENSORSOCKET_CACHE_BYTES) to %d or more to cache them",
-                layout.samples, layout.nbytes, layout.sample_bytes, shown, layout.nbytes)
+            self._warn_off(
+                f"the {layout.samples} samples of the dataset need {layout.nbytes} bytes "
+                f"({layout.sample_bytes} per sample), over {shown}: every epoch runs the "
+                "loader. Set cache_bytes= (or TENSORSOCKET_CACHE_BYTES) to "
+                f"{layout.nbytes} or more to cache them")
             return
         try:
             self._cache = SampleCache(self._settings.endpoint.name, layout)
         except OSError as e:
-            log.warning("decoded cache off: %d bytes for %d samples could not be "
-                        "allocated (%s): every epoch runs the loader",
-                        layout.nbytes, layout.samples, e)
+            self._warn_off(f"{layout.nbytes} bytes for {layout.samples} samples could not "
+                           f"be allocated ({e.strerror or e}): every epoch runs the loader")
             return
         self._dataset, self._collate = self._source.dataset, self._source.collate_fn
         self._structure = structure
@@ -274,13 +296,25 @@ class CachedEpochs:
         log.info("decoded cache: %d bytes for the %d samples of the dataset (%s); epoch "
                  "%d fills it", layout.nbytes, layout.samples, shown, epoch)
 
+    def _warn_off(self, why: str) -> None:
+        """No cache, for a reason the user must hear of (a WARNING in the log and a
+        TensorSocketWarning here, in the producer's process; stats()' cache_off)."""
+        self.off = f"not made: {why}"
+        message = f"decoded cache off: {why}"
+        log.warning("%s", message)
+        warnings.warn(message, TensorSocketWarning, stacklevel=2)
+
     def _drop(self, why: str) -> None:
-        """Free the cache: the loader runs every epoch from now on."""
+        """Free the cache: the loader runs every epoch from now on (said as _warn_off
+        says it)."""
         cache, self._cache = self._cache, None
         if cache is not None:
             cache.close()
-            log.warning("decoded cache dropped (%d bytes freed): %s; every epoch runs the "
-                        "loader from now on", cache.nbytes, why)
+            self.off = f"dropped: {why}"
+            message = (f"decoded cache dropped ({cache.nbytes} bytes freed): {why}; every "
+                       "epoch runs the loader from now on")
+            log.warning("%s", message)
+            warnings.warn(message, TensorSocketWarning, stacklevel=2)
 
     # -- epochs served from the cache ----------------------------------------------------
 
@@ -311,6 +345,10 @@ class CachedEpochs:
                                "start of epoch %d: epochs run the loader until every sample "
                                "was seen", cache.filled, cache.layout.samples, epoch)
             return False
+        why = self._check(source, epoch)
+        if why is not None:
+            self._drop(why)
+            return False
         self._say_once("serving", "decoded cache: %d samples, %d bytes: epoch %d on is "
                        "served from it", cache.layout.samples, cache.nbytes, epoch)
         self.epochs_served += 1
@@ -327,20 +365,52 @@ class CachedEpochs:
             return
         for i in missing:
             ids = np.array([i], dtype=np.int64)
-            try:
-                structure, leaves = flatten(source.collate_fn([source.dataset[int(i)]]))
-            except Exception as e:  # a dataset that loads only in its workers, say
-                self._drop(f"sample {i}, loaded alone in the producer, raised "
-                           f"{type(e).__name__}: {e}")
-                return
-            why = "its batch has another structure" if structure != self._structure else \
-                cache.fits(leaves, ids)
+            leaves, why = self._load_alone(source, int(i))
             if why is not None:
-                self._drop(f"sample {i}, loaded alone: {why}")
+                self._drop(why)
                 return
             cache.fill(leaves, ids)
         log.info("decoded cache: the %d samples the sampler had not drawn by epoch %d "
                  "were loaded once, in the producer", missing.size, epoch)
+
+    def _check(self, source: Any, epoch: int) -> str | None:
+        """Why the cache must not serve epoch `epoch` (None if it may): CHECKED_SAMPLES
+        of its samples, drawn at random (a generator of its own: torch's, random's and
+        NumPy's are not touched), loaded again in this process as the top-up loads, must
+        be the bytes cached. A dataset whose __getitem__ draws random numbers (or a
+        collate_fn that mixes the samples of a batch, or data that changes) gives other
+        bytes: each cached epoch would replay the first epoch's."""
+        cache = self._cache
+        assert cache is not None
+        for i in checked_samples(epoch, cache.layout.samples):
+            leaves, why = self._load_alone(source, int(i), "to check the cache")
+            if why is not None:
+                return why
+            cached = cache.gather(np.array([i], dtype=np.int64))
+            for k, ((got, dl), (kept, kept_dl)) in enumerate(zip(leaves, cached)):
+                if dl != kept_dl or np.ascontiguousarray(got).tobytes() != kept.tobytes():
+                    return (f"sample {i}, loaded again in the producer at the start of "
+                            f"epoch {epoch}, is not what the cache holds of it (tensor {k} "
+                            "differs): the dataset's __getitem__ (or the collate_fn) gives "
+                            "other bytes each time, so a cached epoch would replay the "
+                            "first epoch's (random augmentation there? move it to each "
+                            "job's transform=, see tensorsocket.split_transform)")
+        return None
+
+    def _load_alone(self, source: Any, i: int, purpose: str = "") -> tuple[list, str | None]:
+        """(leaves, None) of sample `i` loaded in this process as the loader makes a
+        batch of it (collate_fn([dataset[i]])), checked to fit the cache; ([], why) if it
+        raises or does not fit."""
+        cache = self._cache
+        assert cache is not None
+        alone = f"sample {i}, loaded alone in the producer{' ' + purpose if purpose else ''}"
+        try:
+            structure, leaves = flatten(source.collate_fn([source.dataset[i]]))
+        except Exception as e:  # a dataset that loads only in its workers, say
+            return [], f"{alone}, raised {type(e).__name__}: {e}"
+        why = "its batch has another structure" if structure != self._structure else \
+            cache.fits(leaves, np.array([i], dtype=np.int64))
+        return (leaves, None) if why is None else ([], f"{alone}: {why}")
 
     def _cached_loader(self, source: Any) -> bool:
         """Whether `source` batches the samples cached: the same dataset and collate_fn,
@@ -376,17 +446,29 @@ class CachedEpochs:
     # -- the rest --------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """cache_bytes (allocated now), cache_samples (filled), cache_epochs (served)."""
+        """cache_bytes (allocated now), cache_samples (filled), cache_epochs (served),
+        cache_off (why there is no cache: "not made: ..." or "dropped: ..."; None while
+        there is one, before the first batch, or with cache_bytes=0)."""
         cache = self._cache
         return {"cache_bytes": cache.nbytes if cache is not None else 0,
                 "cache_samples": cache.filled if cache is not None else 0,
-                "cache_epochs": self.epochs_served}
+                "cache_epochs": self.epochs_served,
+                "cache_off": self.off}
 
     def close(self) -> None:
         """Free the cache (the producer closes)."""
         cache, self._cache = self._cache, None
         if cache is not None:
             cache.close()
+
+
+def checked_samples(epoch: int, samples: int) -> np.ndarray:
+    """The ids of the samples CachedEpochs._check loads again before epoch `epoch` of a
+    dataset of `samples` samples, in order: CHECKED_SAMPLES of them (all, if fewer),
+    drawn by a generator of their own seeded by both numbers."""
+    chosen = np.random.default_rng([epoch, samples]).choice(
+        samples, min(CHECKED_SAMPLES, samples), replace=False)
+    return np.sort(chosen)
 
 
 def _not_cacheable(source: Any, leaves: list, ids: np.ndarray | None,
@@ -403,8 +485,8 @@ def _not_cacheable(source: Any, leaves: list, ids: np.ndarray | None,
         return "the DataLoader does not batch samples itself (batch_size=None)"
     if pack_fn is not None:
         return "pack_fn= changes the loader's batches"
-    drawn = random_steps(getattr(source.dataset, "transform", None)) + \
-        random_steps(getattr(source.dataset, "transforms", None))
+    drawn = [step for _, value in dataset_transforms(source.dataset)
+             for step in random_steps(value)]
     if drawn:
         return (f"the dataset's transform draws random numbers ({', '.join(drawn)}): every "
                 "epoch would repeat the first's draws; move them to each job's transform= "

@@ -155,16 +155,19 @@ class TensorProducer:
         a torch DataLoader in (default 0: off) (env). At the first batch, if the
         loader batches a map-style dataset with len() (a batch sampler, sample ids
         known) and every tensor of the batch holds one row per sample, the cache
-        of the whole dataset is made when it fits in cache_bytes (else a warning
-        names the bytes it needs and nothing is cached). The first epoch fills it
-        as the loader runs (the few samples an epoch did not draw, drop_last's
+        of the whole dataset is made when it fits in cache_bytes and in what the
+        machine and the producer's memory cgroups leave, less a margin (else a
+        warning names the bytes it needs and nothing is cached). The first epoch
+        fills it as the loader runs (the few samples an epoch did not draw, drop_last's
         tail, are loaded once at the next epoch's start); once every sample is
         in it, each later epoch is built from it: the sampler's batches of that epoch (set_epoch applied), their
         rows gathered, published with their sample ids, without running the
         loader (no decoding, no workers). The memory is one memfd, which the
         kernel frees when the producer ends, SIGKILL included; a later batch of
-        another shape or structure drops the cache (a warning says why). See
-        tensorsocket/producer/sample_cache.py.
+        another shape or structure drops the cache (a warning says why), and so
+        do a few samples loaded again in the producer before each cached epoch
+        that are not the bytes cached (a dataset drawing random numbers in
+        __getitem__). See tensorsocket/producer/sample_cache.py.
     """
 
     def __init__(
@@ -347,7 +350,9 @@ class TensorProducer:
         tensorsocket.control.auth (another user, another pid, no or a wrong secret);
         cache_bytes: bytes of the decoded-sample cache (``cache_bytes=``) allocated now
         (0: none, dropped, or the producer closed); cache_samples: samples whose rows are in it;
-        cache_epochs: epochs served from it.
+        cache_epochs: epochs served from it; cache_off: why there is no cache
+        ("not made: ..." or "dropped: ...", as the warning said; None while there is one,
+        before the first batch, or with cache_bytes=0).
         """
         return producer_stats(
             self.ring, self._server, self._state.closed, epoch=self.epoch,
