@@ -44,6 +44,7 @@ import psutil
 import pytest
 
 from conftest import run
+from tensorsocket.producer.sample_cache import CHECKED_SAMPLES
 from tools import harness
 
 CLIENT = Path(__file__).resolve().parent / "clients" / "tv_augment.py"
@@ -271,14 +272,16 @@ def test_timm_transform_on_pil_images(jobs, name):
 def test_decoded_cache_hit_and_budget(jobs, name):
     """Two producers at once, 3 epochs each: with cache_bytes= room for the dataset (96 x
     (3x72x72 + two int64) bytes = 1.5 MB), each sample is loaded once, epochs 2 and 3
-    come from the cache; with 100 kB, the cache is off, every epoch loads every sample,
+    come from the cache, less the CHECKED_SAMPLES loaded again before each cached epoch
+    (the content check); with 100 kB, the cache is off, every epoch loads every sample,
     and the producer's log says so as a WARNING."""
     fits = jobs.start("fits", "A", f"{name}-fits", seed=1, epochs=3, loads="loads-fits",
                       cache_bytes=8 << 20)
     small = jobs.start("small", "C", f"{name}-small", seed=2, epochs=3, loads="loads-small",
                        cache_bytes=100_000)
     records = jobs.finish(fits, small)
-    for label, job, decodes in (("fits", fits, N_IMAGES), ("small", small, 3 * N_IMAGES)):
+    cached = N_IMAGES + 2 * CHECKED_SAMPLES
+    for label, job, decodes in (("fits", fits, cached), ("small", small, 3 * N_IMAGES)):
         record = records[label]
         check_every_sample_once(record, epochs=3)
         check_own_transform(record)
