@@ -283,7 +283,9 @@ class Producing(threading.Thread):
 
 # The test files that add rows to the fault table (docs/faults.md).
 FAULT_TABLE_FILES = ("tests/test_faults.py", "tests/test_fork.py", "tests/test_kept_batches.py",
-                     "tests/test_interrupted_pulls.py", "tests/test_hostile_tcp.py")
+                     "tests/test_interrupted_pulls.py", "tests/test_hostile_tcp.py",
+                     "tests/test_tcp_flood.py", "tests/test_transform_faults.py",
+                     "tests/test_cache_faults.py")
 
 
 class FaultTable:

@@ -426,3 +426,107 @@ def test_heartbeats_go_on_when_the_queue_to_the_producer_is_full(monkeypatch):
         client._thread.join(DEADLINE)
     kinds = client._sock.sent
     assert kinds[0] == "park" and kinds.count("park") == 1 and "heartbeat" in kinds, kinds
+
+
+# -- a hello on a connection that answered no challenge (issue 35) --------------------------
+
+
+def _challenge(nonce: str) -> bytes:
+    return protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION, nonce=nonce)
+
+
+def test_a_hello_that_answers_no_challenge_on_its_connection_is_asked_to_challenge_again(
+        name, rig):
+    """A producer whose table of unproven connections is full may close the connection a
+    consumer's challenge was answered on; the consumer's zmq socket then sends its hello
+    on a new connection, which answered no challenge. That hello was refused like a
+    forgery (code "auth": AuthenticationError "answers no challenge"); now it is answered
+    "rechallenge", which reveals nothing either and is no refusal, and the consumer's
+    challenge on the new connection lets its hello in."""
+    port = _free_port()
+    p, _ = rig.serve(3, port, name=name, publish_timeout=DEADLINE)
+    key = auth.derive_key(p.auth_token)
+    address = f"tcp://127.0.0.1:{port}"
+    closed, fresh = rig.peer(address), rig.peer(address)
+    nonce = auth.new_nonce()
+    proof = _ask(closed, _challenge(nonce))  # answered on one connection ...
+    assert proof["type"] == "proof", proof
+    answer = auth.mac(key, "consumer", nonce, proof["nonce"])
+    reply = _ask(fresh, hello_message(os.getpid(), proof=answer))  # ... the hello on another
+    assert reply["type"] == "error" and reply["code"] == "rechallenge", reply
+    assert set(reply) == {"type", "code", "message"} and "answers no challenge" in \
+        reply["message"], reply
+    for secret in (p._rings.segment, "tensorsocket-", "builtins.list"):
+        assert secret not in reply["message"], reply["message"]
+    assert p._server.present_count() == 0
+    nonce = auth.new_nonce()
+    proof = _ask(fresh, _challenge(nonce))
+    reply = _ask(fresh, hello_message(os.getpid(),
+                                      proof=auth.mac(key, "consumer", nonce, proof["nonce"])))
+    assert reply["type"] == "welcome", reply
+    assert p._server._admission.refused == 0 and p._server._admission.rechallenged == 1
+
+
+def test_a_consumer_asked_to_challenge_again_does(monkeypatch):
+    """The consumer's side: a producer (here a stand-in that knows the secret) asks for a
+    challenge again at the first hello (info, here); the consumer challenges again with a
+    new nonce, and its second proof fits that exchange. Before issue 35 the consumer
+    raised TensorSocketError ("producer refused")."""
+    from tensorsocket.control.client import ControlClient
+    from tensorsocket.control.endpoints import resolve
+
+    token = "s" * 48
+    monkeypatch.setenv("TENSORSOCKET_AUTH_TOKEN", token)
+    key = auth.derive_key(token)
+    port = _free_port()
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    got: list[dict] = []
+    errors: list = []
+
+    def stand_in() -> None:
+        exchanges: dict[bytes, tuple[str, str]] = {}
+        try:
+            while router.poll(int(DEADLINE * 1000)):
+                ident, payload = router.recv_multipart()
+                msg = protocol.decode(payload)
+                got.append(msg)
+                if msg["type"] == "challenge":
+                    mine = auth.new_nonce()
+                    exchanges[ident] = (msg["nonce"], mine)
+                    router.send_multipart([ident, protocol.encode(
+                        "proof", nonce=mine, mac=auth.mac(key, "producer", msg["nonce"], mine))])
+                    continue
+                theirs, mine = exchanges.pop(ident)
+                assert msg["proof"] == auth.mac(key, "consumer", theirs, mine), msg
+                if sum(m["type"] == "info" for m in got) == 1:
+                    router.send_multipart([ident, protocol.encode(
+                        "error", code="rechallenge",
+                        message="the info answers no challenge of this producer on its "
+                                "connection")])
+                    continue
+                router.send_multipart([ident, protocol.LoaderInfo(
+                    protocol=protocol.PROTOCOL_VERSION, producer_pid=1, length=3,
+                    loader_batch_size=4, samples=10, samples_exact=True, dataset=None,
+                    dataset_len=None, fingerprint=None).encode()])
+                return
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=stand_in, daemon=True)
+    thread.start()
+    endpoint = resolve(None, port, None)
+    client = ControlClient(context, endpoint.address, DEADLINE, auth.ClientSecret(endpoint))
+    try:
+        reply = client.info()
+    finally:
+        client.close(say_bye=False)
+        thread.join(DEADLINE)
+        router.close(0)
+        context.term()
+    assert errors == [], errors
+    assert reply.length == 3 and client.rechallenges == 1
+    assert [m["type"] for m in got] == ["challenge", "info", "challenge", "info"], got
+    assert got[0]["nonce"] != got[2]["nonce"]

@@ -140,13 +140,13 @@ def small_cgroup(procs):
 
 
 BIG_PRODUCER = r"""
-import json, logging, os, sys, warnings
+import json, os, sys
 cgroup = os.environ["TS_TEST_CGROUP"]
 with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:  # before anything is allocated
     f.write(str(os.getpid()))
 import torch
 from torch.utils.data import DataLoader, Dataset
-from tools.harness import emit
+from tools.harness import emit, keep_log_and_warnings
 from tensorsocket import TensorProducer
 
 name, samples, sample_bytes, batch, batches = sys.argv[1], *map(int, sys.argv[2:6])
@@ -158,15 +158,7 @@ class Big(Dataset):
     def __getitem__(self, i):
         return torch.full((sample_bytes,), i % 251, dtype=torch.uint8), i
 
-records, caught = [], []
-class Keep(logging.Handler):
-    def emit(self, record):
-        records.append([record.levelname, record.getMessage()])
-logging.getLogger("tensorsocket").setLevel(logging.INFO)
-logging.getLogger("tensorsocket").addHandler(Keep())
-warnings.simplefilter("always")
-warnings.showwarning = lambda message, category, *a, **k: caught.append(
-    [category.__name__, str(message)])
+records, caught = keep_log_and_warnings()
 
 producer = TensorProducer(DataLoader(Big(), batch_size=batch), name=name,
                           cache_bytes=1 << 40)  # 1 TiB: trusting it needs the room check
@@ -254,10 +246,10 @@ RANDOM_BATCH = 50
 EPOCHS = 3
 
 RANDOM_PRODUCER = r"""
-import logging, sys, warnings
+import sys
 import torch
 from torch.utils.data import DataLoader, Dataset
-from tools.harness import emit
+from tools.harness import emit, keep_log_and_warnings
 from tensorsocket import TensorProducer
 
 name, samples, batch, workers, epochs = sys.argv[1], *map(int, sys.argv[2:6])
@@ -270,15 +262,7 @@ class Noisy(Dataset):
     def __getitem__(self, i):
         return torch.full((16,), float(i)) + torch.randn(16), i
 
-records, caught = [], []
-class Keep(logging.Handler):
-    def emit(self, record):
-        records.append([record.levelname, record.getMessage()])
-logging.getLogger("tensorsocket").setLevel(logging.INFO)
-logging.getLogger("tensorsocket").addHandler(Keep())
-warnings.simplefilter("always")
-warnings.showwarning = lambda message, category, *a, **k: caught.append(
-    [category.__name__, str(message)])
+records, caught = keep_log_and_warnings()
 
 torch.manual_seed(7)
 producer = TensorProducer(DataLoader(Noisy(), batch_size=batch, shuffle=True,

@@ -160,6 +160,27 @@ def test_port_binds_loopback_only(name):
         p.close()
 
 
+def test_a_producer_that_cannot_listen_leaves_no_files_and_names_the_holder():
+    """Something listens on the port already (here this process: a plain socket): the
+    producer cannot bind it. It left port<N>.lock behind in the runtime directory (issue
+    35); now its lock, secret and socket files all go, and the error names who listens
+    there (from the kernel's table of listening sockets)."""
+    from tensorsocket.control.endpoints import runtime_dir
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(TensorSocketError) as raised:
+            TensorProducer(_loader(), port=port)
+    left = sorted(p.name for p in runtime_dir().glob(f"port{port}.*"))
+    assert left == [], left
+    message = str(raised.value)
+    assert f"cannot listen on tcp://127.0.0.1:{port}" in message, message
+    assert f"a process of this user (uid {os.getuid()}" in message, message
+    assert "listens there" in message and "another name= or port=" in message, message
+
+
 def test_non_loopback_address_warns(name):
     port = _free_port()
     with pytest.warns(UserWarning, match="reachable from other machines"):

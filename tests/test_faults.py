@@ -383,6 +383,7 @@ def test_producer_sigkilled_while_a_consumer_waits(procs, name, fault_table):
     r, took = _kill_producer_after_first_delivery(procs, name, settle=0.2)
     assert r["outcome"].startswith("ProducerFailed") and took < 5.0
     assert "is gone without finishing" in r["outcome"]
+    assert "SIGKILL" in r["outcome"] and "(out of memory?)" not in r["outcome"], r["outcome"]
     assert r["epochs"] == [] or r["epochs"][0][:1] == [0]
     # A new producer of the same name starts at once.
     t1 = time.monotonic()
@@ -506,12 +507,17 @@ def test_producer_sigtermed_while_a_consumer_waits(procs, name, fault_table):
     and lock before it dies of the signal; its consumer sees it gone as after SIGKILL."""
     r, took = _kill_producer_after_first_delivery(procs, name, settle=0.2, sig=signal.SIGTERM)
     assert r["outcome"].startswith("ProducerFailed") and took < 5.0  # a ProducerGone
+    # It says so (the producer wrote it in the ring's header as it died), and guesses no
+    # out-of-memory kill (before issue 35: "killed (out of memory?) or crashed").
+    assert "stopped by SIGTERM before it finished" in r["outcome"], r["outcome"]
+    assert "out of memory" not in r["outcome"] and "out-of-memory" not in r["outcome"]
     left = _left_behind(name)
     assert left == "nothing"
     fault_table.add("producer (a plain script) SIGTERMed while a consumer waits for a batch",
                     f"{took:.2f} s (ProducerFailed raised)",
-                    "ProducerFailed (a ProducerGone); the producer removed its files, then "
-                    "died of SIGTERM", left)
+                    "ProducerFailed (a ProducerGone) saying that SIGTERM stopped the "
+                    "producer (it wrote so in the ring's header, removed its files, then "
+                    "died of SIGTERM)", left)
 
 
 def test_shm_too_small_fails_at_start_naming_the_knob(name, fault_table):

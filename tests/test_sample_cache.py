@@ -499,32 +499,54 @@ def test_a_jobs_transform_gives_the_same_samples_from_the_cache(name):
     assert cached == loaded == cached_workers
 
 
+class _Crop:
+    """A transform named like a random one (RandomResizedCrop)."""
+
+    def __call__(self, x):
+        return x
+
+
+_Crop.__name__ = _Crop.__qualname__ = "RandomResizedCrop"
+
+
+class _Compose:
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+
+class _Crops(torch.utils.data.Dataset):
+    transform = _Compose([_Crop()])
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2,), i)
+
+
 def test_a_dataset_with_random_transforms_is_not_cached(name, caplog):
     """A dataset whose transform draws random numbers (a RandomResizedCrop left in the
     shared part) is not cached: every epoch would replay the first's crops."""
     from tensorsocket.producer.sample_cache import _not_cacheable
 
-    class RandomResizedCrop:
-        def __call__(self, x):
-            return x
-
-    class Compose:
-        def __init__(self, transforms):
-            self.transforms = transforms
-
-    class Crops(torch.utils.data.Dataset):
-        transform = Compose([RandomResizedCrop()])
-
-        def __len__(self) -> int:
-            return 8
-
-        def __getitem__(self, i: int) -> torch.Tensor:
-            return torch.full((2,), i)
-
-    loader = DataLoader(Crops(), batch_size=4)
+    loader = DataLoader(_Crops(), batch_size=4)
     leaves = [(np.zeros((4, 2), np.int64), None)]
     why = _not_cacheable(loader, leaves, np.arange(4), None)
     assert why is not None and "RandomResizedCrop" in why and "transform=" in why
+
+
+def _producing(producer, epochs: int, stats: list) -> threading.Thread:
+    """A thread (not started) that runs `epochs` epochs of `producer`, appending its
+    stats() after each to `stats`, then joins its consumers."""
+
+    def produce() -> None:
+        for _ in range(epochs):
+            for _ in producer:
+                pass
+            stats.append(producer.stats())
+        producer.join(30)
+
+    return threading.Thread(target=produce, daemon=True)
 
 
 # -- the machine's room (issue 35, item 5) --------------------------------------------------
@@ -637,16 +659,8 @@ def test_a_cache_over_the_room_is_refused_with_a_warning(name, tmp_path, monkeyp
     producer = TensorProducer(DataLoader(data, batch_size=8, shuffle=True), name=name,
                               cache_bytes=1 << 40)
     stats: list[dict] = []
-
-    def produce() -> None:
-        for _ in range(2):
-            for _ in producer:
-                pass
-            stats.append(producer.stats())
-        producer.join(30)
-
+    thread = _producing(producer, 2, stats)
     with pytest.warns(TensorSocketWarning, match="could not be allocated") as caught:
-        thread = threading.Thread(target=produce, daemon=True)
         thread.start()
         consumer = TensorConsumer(name=name, timeout=30)
         counts = [sum(len(b[0]) for b in consumer) for _ in range(2)]
@@ -686,31 +700,6 @@ def test_a_sample_cache_over_the_room_maps_nothing():
 
 
 # -- what the cache checks (issue 35, item 6) -------------------------------------------------
-
-
-class _Crop:
-    """A transform named like a random one (RandomResizedCrop)."""
-
-    def __call__(self, x):
-        return x
-
-
-_Crop.__name__ = _Crop.__qualname__ = "RandomResizedCrop"
-
-
-class _Compose:
-    def __init__(self, transforms):
-        self.transforms = transforms
-
-
-class _Crops(torch.utils.data.Dataset):
-    transform = _Compose([_Crop()])
-
-    def __len__(self) -> int:
-        return 8
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.full((2,), i)
 
 
 class _Wrapper(torch.utils.data.Dataset):
@@ -779,15 +768,7 @@ def test_a_collate_fn_that_mixes_a_batch_drops_the_cache(name):
     producer = TensorProducer(DataLoader(data, batch_size=8, shuffle=True, collate_fn=centred),
                               name=name, cache_bytes=1 << 20)
     stats: list[dict] = []
-
-    def produce() -> None:
-        for _ in range(2):
-            for _ in producer:
-                pass
-            stats.append(producer.stats())
-        producer.join(30)
-
-    thread = threading.Thread(target=produce, daemon=True)
+    thread = _producing(producer, 2, stats)
     with pytest.warns(Warning, match="is not what the cache holds"):
         thread.start()
         consumer = TensorConsumer(name=name, timeout=30)

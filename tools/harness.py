@@ -110,6 +110,28 @@ def emit(obj: dict, marker: str = "", file: Any = None) -> None:
     out.flush()
 
 
+def keep_log_and_warnings(logger: str = "tensorsocket") -> tuple[list, list]:
+    """In a child: from now on, every record of `logger` (INFO and up) as [level, message]
+    and every warning as [category, message], in the two lists returned (for emit())."""
+    import logging
+    import warnings
+
+    records: list = []
+    caught: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append([record.levelname, record.getMessage()])
+
+    log = logging.getLogger(logger)
+    log.setLevel(logging.INFO)
+    log.addHandler(Keep())
+    warnings.simplefilter("always")
+    warnings.showwarning = lambda message, category, *a, **k: caught.append(
+        [category.__name__, str(message)])
+    return records, caught
+
+
 def json_lines(text: str, marker: str = "") -> list[dict]:
     """The JSON objects among the lines of `text` (those after `marker`, if given)."""
     out = []

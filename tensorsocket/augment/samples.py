@@ -59,7 +59,8 @@ def split_inputs(batch: Any, key: Any) -> tuple[torch.Tensor, Rebuild]:
     if isinstance(batch, (tuple, list)) and batch:
         rest_items = [_private(v) for v in batch[1:]]
         if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-            return _checked(batch[0], "batch[0]"), lambda out: type(batch)(out, *rest_items)
+            kind_nt = type(batch)  # (not the batch: its views would hold its ring slot)
+            return _checked(batch[0], "batch[0]"), lambda out: kind_nt(out, *rest_items)
         kind_seq = type(batch)
         return _checked(batch[0], "batch[0]"), \
             lambda out: kind_seq([out, *rest_items])  # type: ignore[call-arg]
@@ -109,14 +110,26 @@ def to_pil(sample: torch.Tensor) -> Any:
 
 
 def transform_samples(transform: Callable[[Any], Any], inputs: torch.Tensor,
-                      seeds: Sequence[int], pil: bool) -> torch.Tensor:
-    """The transform of each row of `inputs`, row k seeded with seeds[k], stacked."""
-    outputs = []
+                      seeds: Sequence[int], pil: bool, outputs: list | None = None,
+                      fresh: bool = False) -> torch.Tensor:
+    """The transform of each row of `inputs`, row k seeded with seeds[k], stacked.
+
+    outputs: the outputs of the first rows, made by a run that was cut short (a
+    KeyboardInterrupt): the run goes on from the next row, appending to it (each output is
+    appended in the step that ends the row's call). fresh: each row is handed over as a
+    copy, so that a transform that writes into its input (in place) leaves `inputs` as
+    they were: a row run again after an interrupt starts from the same sample. (Rows made
+    into PIL images are copies already.)"""
+    outputs = [] if outputs is None else outputs
     cuda_device = inputs.device.index or 0 if inputs.device.type == "cuda" else None
-    for k, seed in enumerate(seeds):
+    while len(outputs) < len(seeds):
+        k = len(outputs)
         sample = inputs[k]
-        seed_everything(seed, cuda_device)
-        outputs.append(transform(to_pil(sample) if pil else sample))
+        seed_everything(seeds[k], cuda_device)
+        if pil:
+            outputs.append(transform(to_pil(sample)))
+        else:
+            outputs.append(transform(sample.clone() if fresh else sample))
     return stack(outputs, transform)
 
 
@@ -140,11 +153,12 @@ def stack(outputs: list, transform: Any) -> torch.Tensor:
 
 def first_sample_check(transform: Callable[[Any], Any], inputs: torch.Tensor, seed: int,
                        pil: bool) -> None:
-    """Run the transform on the batch's first sample, here, before anything else: a
-    transform that cannot run on the shared samples raises TransformError naming the
-    transform and what the samples are."""
+    """Run the transform on a copy of the batch's first sample, here, before anything
+    else (a transform that writes into its input changes the copy): a transform that
+    cannot run on the shared samples raises TransformError naming the transform and what
+    the samples are."""
     try:
-        transform_samples(transform, inputs[:1], [seed], pil)
+        transform_samples(transform, inputs[:1], [seed], pil, fresh=True)
     except TransformError:
         raise
     except Exception as e:

@@ -4,13 +4,29 @@ next() keeps up to ``depth`` batches in flight: taken from the ring (counted the
 taken, as any batch next() made), their transforms queued on the workers, delivered in
 order. Worker processes read each batch's inputs in place, in the ring slot, which the
 batch holds until its outputs are back; so ``depth`` stays below the ring's slots, leaving
-the producer room to publish. A batch counts as delivered (state_dict()'s samples taken)
-only when next() returns it, or when its transform raised (it is lost then, as a
-DataLoader's batch whose worker raised: passed, not delivered again on resume). A Ctrl-C
-in a transform run at next() keeps the batch for the next call; a dead worker stops the
-workers, the batches in flight staying undelivered, until a new iter() starts new ones.
-Without workers, depth is one and the transform runs here, at next(), with the caller's
-random generators left as they were.
+the producer room to publish. A hold lasts only while the consumer reads through the ring
+handle the batch was taken through: when the consumer sets its held batches aside (copies
+them privately and hands their slots back, so as not to wait for itself: more batches are
+alive than in flight, say in the tracebacks of interrupts), the producer may refill those
+slots, and a worker that read one afresh would have read the next batch; the inputs then
+go to the workers as a tensor (the private copy), and a result made before is made again.
+
+A batch counts as delivered (state_dict()'s samples taken) only when next() returns it, or
+when its transform raised (it is lost then, as a DataLoader's batch whose worker raised:
+passed, not delivered again on resume; a result a worker cannot send, an output that
+requires grad say, is such an error). A dead worker, or a result lost with its worker,
+stops the workers, the batches in flight staying undelivered, until a new iter() starts
+new ones. Without workers, depth is one and the transform runs here, at next(), with the
+caller's random generators left as they were.
+
+A KeyboardInterrupt (Ctrl-C caught by a loop that goes on) may land anywhere in next();
+nothing is lost or done twice. A batch leaves the batches in flight in one step with the
+return that delivers it (no call in between), after the steps that may be repeated;
+until then the next call finds it where it was. The workers' results are received by a
+thread of the pool (workers.py), where no interrupt lands, and a transform run here that
+was cut short goes on at the next call from the row it was on, each row transformed from
+a copy of the sample (a transform that writes into its input is applied once to each
+sample, whatever interrupts it).
 """
 
 from __future__ import annotations
@@ -72,16 +88,20 @@ class _InFlight:
     batch: Any = None  # the delivered batch, once made
     inputs: torch.Tensor | None = None  # the ring's inputs, held while a worker reads them
     seeds: list[int] | None = None  # of its samples, for a task sent again
+    sent: bool = True  # its task was handed to the pool (False: to send at the next wait)
+    via: Any = None  # the ring handle the worker reads its inputs through in the ring's
+    # file (None: they went as a tensor); valid while it is the consumer's handle
 
 
 class TransformStage:
     """One consumer's transform of every sample it delivers (see the module)."""
 
-    def __init__(self, options: TransformOptions, slot_count: Callable[[], int]) -> None:
-        """No batch in flight; the workers start at the first batch. slot_count: the
-        ring's slots (read when the workers start)."""
+    def __init__(self, options: TransformOptions, ring: Callable[[], Any]) -> None:
+        """No batch in flight; the workers start at the first batch. ring: the handle the
+        consumer reads through now (another one after a set-aside: see the module; its
+        slot count is read when the workers start)."""
         self.options = options
-        self._slot_count = slot_count
+        self._ring = ring
         self._pool: WorkerPool | None = None
         self._pending: collections.deque[_InFlight] = collections.deque()
         self._owner = -1  # serial of the iterator whose epoch is in flight
@@ -90,17 +110,19 @@ class TransformStage:
         self._depth = 1
         self._tasks = 0
         self._position = 0  # samples of the epoch taken so far (the seeds' positions)
-        self._interrupted: tuple[Any, Any, int] | None = None  # a batch taken whose start a
-        # KeyboardInterrupt cut: (batch, ids, index), started again at the next next()
+        self._interrupted: tuple[Any, Any, int, Any, list] | None = None  # a batch taken
+        # whose start a KeyboardInterrupt cut: (batch, ids, index, the ring handle it was
+        # taken through, the outputs of the rows transformed here so far), started again
+        # at the next next()
         self._broken: str | None = None  # a worker died: why next() raises until discard()
         self.wait_seconds = 0.0  # next() waiting for workers' outputs (stats())
         self.transform_seconds = 0.0  # transforms run here, at next() (stats())
 
     @classmethod
     def of(cls, options: TransformOptions | None,
-           slot_count: Callable[[], int]) -> "TransformStage | None":
+           ring: Callable[[], Any]) -> "TransformStage | None":
         """The stage of these options, or None without a transform."""
-        return None if options is None else cls(options, slot_count)
+        return None if options is None else cls(options, ring)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -115,16 +137,21 @@ class TransformStage:
             self._owner, self._ended, self._position = source.serial, False, 0
         if self._broken is not None:  # (before _fill: it would start new workers)
             raise TensorSocketError(self._broken)
+        if self._pool is not None:  # results no batch in flight waits for any more
+            self._pool.prune({e.task for e in self._pending if e.task is not None})
         self._fill(source)
         if not self._pending:
             raise StopIteration
         entry = self._pending[0]
         try:
             batch = self._finish(entry, source.deadline())
-        except TransformError as e:  # its transform raised in a worker: the batch is lost,
-            self._pending.popleft()  # as a DataLoader's whose worker raised, and passed
-            entry.inputs = None
+        except TransformError as e:  # its transform raised in a worker (or its result
+            # cannot be sent): the batch is lost, as a DataLoader's whose worker raised,
+            # and passed (counted again after an interrupt: no change); it leaves in one
+            # step, its ring slot going back
             source.delivered(entry.ids)
+            entry.inputs = None
+            del self._pending[0]
             _clear_frames(e)
             raise
         except TensorSocketError as e:  # a worker died: the workers stop, the batches in
@@ -133,9 +160,11 @@ class TransformStage:
             _clear_frames(e)
             raise
         # (An interrupt or a batch_timeout before here leaves the entry first, its
-        # result kept by the pool, for the next call.)
-        self._pending.popleft()
+        # result kept, for the next call.) Counted as delivered (again after an interrupt
+        # before the next step: no change); then delivered: the entry leaves in one step
+        # with the return (no call in between, where a KeyboardInterrupt could land).
         source.delivered(entry.ids)
+        del self._pending[0]
         return entry.index, batch
 
     def _fill(self, source: EpochSource) -> None:
@@ -148,16 +177,19 @@ class TransformStage:
             if self._pending and length is not None and self._pending[-1].index + 1 >= length:
                 return
             if self._interrupted is not None:
-                (batch, ids, index), self._interrupted = self._interrupted, None
+                (batch, ids, index, via, outputs), self._interrupted = self._interrupted, None
             else:
+                via = self._ring()  # (before: a take that sets batches aside reads on
+                # through a new handle, and its batch is then sent as a tensor)
                 try:
                     batch, ids, index = source.take(end_epoch=not self._pending)
                 except StopIteration:
                     self._ended = not self._pending  # else asked again once they are
                     return  # delivered
+                outputs = []
             position = self._position
             try:
-                started = self._start(batch, ids, index, source.epoch)
+                started = self._start(batch, ids, index, source.epoch, via, outputs)
             except Exception as e:
                 # The batch is lost, as a DataLoader's whose fetch raised: passed (its
                 # samples count as taken with its place, not delivered again on resume).
@@ -167,8 +199,10 @@ class TransformStage:
                 source.delivered(ids)
                 _clear_frames(e)
                 raise
-            except BaseException:  # Ctrl-C: the batch is started again at the next next()
-                self._interrupted, self._position = (batch, ids, index), position
+            except BaseException:  # Ctrl-C: the batch is started again at the next next(),
+                # from the row it was on
+                self._interrupted, self._position = (batch, ids, index, via, outputs), \
+                    position
                 raise
             self._pending.append(started)
 
@@ -192,8 +226,12 @@ class TransformStage:
                 "transform_wait_seconds": self.wait_seconds,
                 "transform_workers": self.worker_pids, "transform_seed": self.options.seed}
 
-    def _start(self, batch: Any, ids: Any, index: int, epoch: int) -> _InFlight:
-        """Begin one batch's transform: here (no workers, or a GPU batch) or on a worker."""
+    def _start(self, batch: Any, ids: Any, index: int, epoch: int, via: Any,
+               outputs: list) -> _InFlight:
+        """Begin one batch's transform: here (no workers, or a GPU batch; `outputs`: those
+        of its first rows, made by a start an interrupt cut) or on a worker (reading the
+        inputs in the ring's file while `via`, the handle the batch was taken through, is
+        the consumer's). The first sample's check runs on a copy."""
         o = self.options
         inputs, rebuild = split_inputs(batch, o.key)
         keys = sample_keys(ids, self._position, inputs.shape[0])
@@ -206,21 +244,25 @@ class TransformStage:
             self._checked = True
         if o.workers == 0 or devices:
             start = time.perf_counter()
-            with callers_generators_kept(devices):
-                out = transform_samples(o.transform, inputs, seeds, o.pil)
-            self.transform_seconds += time.perf_counter() - start
+            try:
+                with callers_generators_kept(devices):
+                    out = transform_samples(o.transform, inputs, seeds, o.pil, outputs,
+                                            fresh=True)
+            finally:
+                self.transform_seconds += time.perf_counter() - start
             return _InFlight(index, ids, rebuild, None, batch=rebuild(out))
         pool = self._pool or self._start_workers()
         task, self._tasks = self._tasks, self._tasks + 1
-        ref = shared_ref(inputs)
+        ref = shared_ref(inputs) if via is self._ring() else None
         pool.submit(task, ref if ref is not None else inputs, seeds)
-        return _InFlight(index, ids, rebuild, task, inputs=inputs, seeds=seeds)
+        return _InFlight(index, ids, rebuild, task, inputs=inputs, seeds=seeds,
+                         via=via if ref is not None else None)
 
     def _start_workers(self) -> WorkerPool:
         """Start the worker processes; in flight: prefetch per worker, below the ring's
         slots."""
         o = self.options
-        slots = self._slot_count()
+        slots = self._ring().info()["slot_count"]
         self._depth = max(1, min(o.workers * o.prefetch, slots - 2))
         if self._depth < o.workers:
             log.info("transform: %d batches in flight for %d workers (the ring has %d slots; "
@@ -238,35 +280,46 @@ class TransformStage:
         assert pool is not None
         start = time.perf_counter()
         try:
-            out = pool.result(entry.task, deadline)
-            while out is None:  # the worker could not map the ring's file: send the inputs
-                entry.task, self._tasks = self._tasks, self._tasks + 1
-                pool.submit(entry.task, entry.inputs, entry.seeds or [])
+            while True:
+                if not entry.sent:  # (sent again after an interrupt: its first result counts)
+                    assert entry.inputs is not None
+                    pool.submit(entry.task, entry.inputs.clone(), entry.seeds or [])
+                    entry.sent = True
                 out = pool.result(entry.task, deadline)
+                if out is not None and (entry.via is None or entry.via is self._ring()):
+                    break
+                # The worker could not map the ring's file, or it may have read a slot the
+                # consumer set aside meanwhile (see the module): the inputs go, as a new
+                # task (in one step: an interrupt leaves it to send at the next call).
+                entry.task, entry.sent, entry.via, self._tasks = \
+                    self._tasks, False, None, self._tasks + 1
         finally:
             self.wait_seconds += time.perf_counter() - start
+        task, batch = entry.task, entry.rebuild(out)
         # One step: the batch made, the entry done (an interrupt after it loses nothing),
         # its ring slot going back (the batch's other leaves are copies).
-        entry.batch, entry.task, entry.inputs = entry.rebuild(out), None, None
-        return entry.batch
+        entry.batch, entry.task, entry.inputs = batch, None, None
+        pool.drop(task)  # (else pruned at the next call)
+        return batch
 
     def discard(self) -> None:
         """Drop the batches in flight (an epoch left mid-way, a new iter()): their slots go
         back now; results still coming are dropped. After a worker died, the next batch
         starts new workers (as a DataLoader's next iterator does)."""
-        if self._pool is not None:
-            self._pool.forget([e.task for e in self._pending if e.task is not None])
         self._pending.clear()
         self._interrupted, self._broken = None, None
+        if self._pool is not None:
+            self._pool.prune(set())
 
     def _stop_pool(self) -> None:
         """Stop the workers (one died): the batches in flight stay, undelivered, their
         ring slots given back."""
         for entry in self._pending:
             entry.inputs = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        # (Let go of first: an interrupt in close() leaves no half-stopped pool in use.)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def close(self) -> None:
         """Drop what is in flight and stop the workers."""

@@ -358,19 +358,25 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, deliv
 
 def producer_failed(ring: Any, address: str, cause: str | None,
                     gone: str | None = None) -> ProducerFailed:
-    """The error for a producer that failed (cause: its error, from the ring) or whose
-    process is gone without finishing the ring (cause None), or, with the ring's own words
-    (gone), whose process exited after finishing it while batches of its GPU memory were
-    still unread here."""
+    """The error for a producer that failed (cause: its error, from the ring; a producer
+    that SIGTERM ended writes that there too) or whose process is gone without finishing
+    the ring (cause None), or, with the ring's own words (gone), whose process exited after
+    finishing it while batches of its GPU memory were still unread here. A process gone
+    without a word was killed by a signal it cannot catch or crashed: which one is not
+    known here, so none is guessed."""
     info = ring.info()
     pid = info["producer_pid"]
+    if cause is None:
+        cause = ring.failure()  # the process may be seen gone after it wrote why
     if cause is not None:
         what = f"the producer (pid {pid}) failed: {cause}"
     elif gone is not None and info["state"] == _core.RING_FINISHED:
         what = gone
     else:
-        what = (f"the producer process (pid {pid}) is gone without finishing: it was killed "
-                "(out of memory?) or crashed; its own output says why")
+        what = (f"the producer process (pid {pid}) is gone without finishing, and left no "
+                "reason: it was killed by a signal it cannot catch (SIGKILL: kill -9, or the "
+                "kernel's out-of-memory killer, which the kernel log names) or it crashed; "
+                "its own output says which")
     return ProducerFailed(
         f"{what}. No more batches will come from {address}: this consumer is done; create a "
         "new TensorConsumer once a producer runs there again", cause=cause)

@@ -201,7 +201,7 @@ class TensorConsumer:
                 self.dataset = shared.loader.dataset
         self._surface = LoaderSurface(self._reader, self._book, self._state, o,
                                       lambda: place.index, shared, self._sets_epoch)
-        self._transforms = TransformStage.of(transforms, lambda: place.ring.info()["slot_count"])
+        self._transforms = TransformStage.of(transforms, lambda: place.ring)
 
     @property
     def batch_timeout(self) -> float | None:

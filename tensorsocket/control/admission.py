@@ -17,7 +17,7 @@ from collections import OrderedDict
 import zmq
 
 from . import protocol
-from .auth import Gate, is_nonce
+from .auth import RECHALLENGE, Gate, is_nonce
 
 log = logging.getLogger("tensorsocket")
 
@@ -42,6 +42,7 @@ class Admission:
     def __init__(self, gate: Gate) -> None:
         self._gate = gate
         self.refused = 0  # hellos not admitted (tensorsocket.control.auth)
+        self.rechallenged = 0  # hellos whose proof answered no challenge on their connection
 
     def challenge(self, ident: bytes, msg: protocol.Challenge) -> protocol.Proof | protocol.Error:
         """A consumer's challenge on connection `ident`, before its hello: answered with
@@ -63,15 +64,21 @@ class Admission:
             log.warning("consumer pid %s speaks protocol %s, this producer %s",
                         msg.pid, msg.protocol, protocol.PROTOCOL_VERSION)
             return protocol.Error("version", version_message(msg.protocol))
-        refusal = self._gate.refusal(ident, frame, msg)
-        if refusal is None:
+        refused = self._gate.refusal(ident, frame, msg)
+        if refused is None:
             return None
+        code, refusal = refused
+        if code == RECHALLENGE:  # no refusal of the consumer: it challenges again
+            self.rechallenged += 1
+            log.debug("a %s (claiming pid %d) answers no challenge on its connection: "
+                      "asked to challenge again", msg.kind, msg.pid)
+            return protocol.Error(code, refusal)
         self.refused += 1
         log.log(logging.WARNING if self.refused <= REFUSAL_WARNINGS else logging.DEBUG,
                 "refused a %s (claiming pid %d)%s: %s", msg.kind, msg.pid,
                 " (later refusals are logged at debug level)"
                 if self.refused == REFUSAL_WARNINGS else "", refusal)
-        return protocol.Error("auth", refusal)
+        return protocol.Error(code, refusal)
 
     def forget(self, now: float) -> None:
         """Forget the challenges no hello followed in time (see auth.Gate.forget)."""

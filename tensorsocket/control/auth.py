@@ -32,14 +32,20 @@ hello, carrying its MAC of both nonces labelled "consumer". A squatter thus gets
 random nonce and nothing from which the secret could be found; a replayed or
 reflected MAC does not fit another connection's nonces or the other role. The
 producer keeps the nonces it sent per connection (MAX_CHALLENGES, for
-CHALLENGE_TIMEOUT seconds). This is authentication, not encryption: the control
-messages after it carry no secret, and batches never cross the socket.
+CHALLENGE_TIMEOUT seconds). A hello whose proof answers no challenge on its connection
+(the producer closed the one its challenge was answered on, and the consumer's zmq socket
+connected again) is answered RECHALLENGE, and the consumer challenges again on the new
+connection: every exchange has fresh nonces, so nothing more is revealed. This is
+authentication, not encryption: the control messages after it carry no secret, and
+batches never cross the socket.
 
 A hello refused so is answered with an ``auth`` error that says what to do, and
 nothing of the producer (no segment name, loader or dataset): the ``welcome`` that
-carries those goes to an accepted consumer only. An ipc producer whose peers come
-without credentials (not on Linux) falls back to the secret when it has one, else
-to the runtime directory's permissions.
+carries those goes to an accepted consumer only. The consumer shows the text of an error
+from a peer that has not proved that it is the producer (a squatter's) as that peer's
+words, quoted, escaped and cut to a few hundred characters (tensorsocket.control.client).
+An ipc producer whose peers come without credentials (not on Linux) falls back to the
+secret when it has one, else to the runtime directory's permissions.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ _KEY_SALT = b"tensorsocket control plane v7"
 NONCE_BYTES = 32  # a challenge's random bytes (sent as hex)
 MAX_CHALLENGES = 4096  # challenges a producer keeps unanswered (the oldest go first)
 CHALLENGE_TIMEOUT = 10.0  # seconds a challenge may wait for its hello
+AUTH = "auth"  # the error code of a refused hello or info
+RECHALLENGE = "rechallenge"  # ... of one whose proof answers no challenge on its connection
 _ADVICE = (
     "run the consumer as the producer's user with the same runtime directory "
     "(TENSORSOCKET_RUNTIME_DIR) and name=/port=, so that it reads the producer's secret "
@@ -166,6 +174,7 @@ class ClientSecret:
         self._source = "the auth_token= argument" if source == "argument" else \
             f"${config.SETTINGS['auth_token'].env}"
         self._path = secret_path(endpoint)
+        self.lock_path = endpoint.lock_path  # held by the name's producer while it runs
         self.tcp = not endpoint.address.startswith("ipc://")
         self._note = ""
 
@@ -257,36 +266,43 @@ class Gate:
             return nonce, None
         return nonce, mac(self._key, "producer", consumer_nonce, nonce)
 
-    def refusal(self, ident: bytes, frame: zmq.Frame, hello: Hello | Info) -> str | None:
-        """None if this hello (or info) from connection `ident` may be answered, else why
-        not (for the error reply)."""
+    def refusal(self, ident: bytes, frame: zmq.Frame,
+                hello: Hello | Info) -> tuple[str, str] | None:
+        """None if this hello (or info) from connection `ident` may be answered, else the
+        error reply's code and text: "auth", or RECHALLENGE for a proof that answers no
+        challenge on its connection (its consumer challenges again on it: the connection
+        the challenge was answered on may have been closed, and its zmq socket sent the
+        hello on a new one)."""
         challenge = self._challenges.pop(ident, None)
         creds = peer_credentials(frame) if self._ipc else None
         if creds is not None:
             uid, _, pid = creds
             if uid != os.getuid():
-                return (f"this producer takes consumers of its own user (uid {os.getuid()}) "
-                        f"only, and the process that connected (pid {pid}) runs as uid {uid}: "
-                        "run the consumer as the same user as the producer")
+                return AUTH, (
+                    f"this producer takes consumers of its own user (uid {os.getuid()}) "
+                    f"only, and the process that connected (pid {pid}) runs as uid {uid}: "
+                    "run the consumer as the same user as the producer")
             if pid != hello.pid:
-                return (f"the {hello.kind} claims pid {hello.pid} but comes from pid {pid}: a "
-                        "consumer speaks for its own process only (a consumer in another "
-                        "PID namespace, another container, cannot attach over ipc://; run "
-                        "both in the same one)")
+                return AUTH, (
+                    f"the {hello.kind} claims pid {hello.pid} but comes from pid {pid}: a "
+                    "consumer speaks for its own process only (a consumer in another "
+                    "PID namespace, another container, cannot attach over ipc://; run "
+                    "both in the same one)")
             return None
         if self._key is None:
             return None  # an ipc peer without credentials: the 0700 directory decides
         if hello.proof is None:
-            return (f"this producer requires proof of its secret, and the {hello.kind} has "
-                    f"none: {_ADVICE}")
+            return AUTH, (f"this producer requires proof of its secret, and the {hello.kind} "
+                          f"has none: {_ADVICE}")
         if challenge is None or time.monotonic() - challenge[2] > CHALLENGE_TIMEOUT:
-            return (f"the {hello.kind} answers no challenge of this producer on its "
-                    "connection (or one older than "
-                    f"{CHALLENGE_TIMEOUT:g} s): send a challenge first")
+            return RECHALLENGE, (
+                f"the {hello.kind} answers no challenge of this producer on its connection "
+                f"(or one older than {CHALLENGE_TIMEOUT:g} s): send a challenge first, on "
+                "this connection (the one a challenge was answered on may have been closed)")
         expected = mac(self._key, "consumer", challenge[0], challenge[1])
         if not hmac.compare_digest(hello.proof.encode("utf-8", "replace"),
                                    expected.encode("ascii")):
-            return f"the {hello.kind}'s proof is not of this producer's secret: {_ADVICE}"
+            return AUTH, f"the {hello.kind}'s proof is not of this producer's secret: {_ADVICE}"
         return None
 
     def forget(self, now: float) -> None:

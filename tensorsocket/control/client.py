@@ -12,14 +12,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import zmq
 
 from .. import _core
 from . import protocol
-from .auth import ClientSecret, new_nonce
+from .auth import RECHALLENGE, ClientSecret, derive_key, new_nonce
 from .channel import GROUP_TIMEOUT, HEARTBEAT_INTERVAL, PENDING_TIMEOUT, control_socket
+from .endpoints import listener_note
 from ..errors import (
     AuthenticationError,
     ProducerFailed,
@@ -32,7 +33,32 @@ from ..errors import (
 
 _M = TypeVar("_M", bound=protocol.Message)  # the message type a consumer waits for
 
-CHALLENGE_AGAIN = 1.0  # seconds a consumer waits for the proof before it challenges again
+# Seconds a consumer waits for the proof before it sends its challenge again: a connection
+# the producer closed (its table of unproven connections full) may have taken it along.
+CHALLENGE_AGAIN = 0.25
+RECONNECT_MS = 10  # ms before a consumer's closed connection to the producer is tried again
+RECONNECT_MAX_MS = 100  # ... at most, refused connects backing off (libzmq's default)
+PEER_TEXT_CHARS = 300  # of an error text from a peer that has not proved it is the producer
+PRODUCER_TEXT_CHARS = 1000  # ... from the producer (its own limit: server.MAX_ERROR_CHARS)
+
+
+class _Rechallenge(TensorSocketError):
+    """The producer asks this consumer to challenge again (see ControlClient._admitted)."""
+
+
+def peer_text(text: str, proven: bool) -> str:
+    """An error text received from a peer, as shown to the user: at most PEER_TEXT_CHARS
+    (PRODUCER_TEXT_CHARS once the peer proved that it is the producer), its control
+    characters escaped (a terminal's escape sequences included: newlines and tabs
+    stay in the producer's own texts), and quoted when the peer is not proven."""
+    limit = PRODUCER_TEXT_CHARS if proven else PEER_TEXT_CHARS
+    cut = len(text) > limit
+    text = text[:limit]
+    keep = "\n\t" if proven else ""
+    text = "".join(ch if ch.isprintable() or ch in keep else ascii(ch)[1:-1] for ch in text)
+    if cut:
+        text += f" [... {limit} characters shown]"
+    return text if proven else f"'{text}'"
 
 
 class ControlClient:
@@ -43,6 +69,12 @@ class ControlClient:
         self.address = address
         self._secret = secret  # the producer's secret, which this consumer proves it knows
         self._sock = control_socket(context, zmq.DEALER)
+        # A connection the producer closed at once (its table of connections that have not
+        # proved the secret is full: tensorsocket.control.listener) is tried again after
+        # RECONNECT_MS, not libzmq's 100 ms: under another user's flood of connections,
+        # each try has a small chance of a place; refused connects back off to 100 ms.
+        self._sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
         self._sock.connect(address)
         self._timeout = timeout
         self._stop = threading.Event()
@@ -55,6 +87,11 @@ class ControlClient:
         self.consumer = -1
         self.token = 0
         self.left = False  # bye sent for the current consumer entry
+        # The peer proved that it knows the secret (an ipc:// peer lies in this user's
+        # private directory): its error texts are the producer's (see _refusal).
+        self._proven = address.startswith("ipc://")
+        self._challenging = False  # waiting for the proof (see _refusal)
+        self.rechallenges = 0  # hellos the producer asked to challenge again (see _admitted)
 
     def hello(self, batch_size: int | None, group: str | None = None, rank: int = 0,
               world_size: int = 1, watch: Any = None) -> protocol.Welcome:
@@ -64,12 +101,10 @@ class ControlClient:
         producer that started after the consumer wrote a new one). watch: a
         ProducerWatch, which raises while we wait if the producer died."""
         pid, start_time = self._identity()
-        deadline = self._deadline()
-        proof = self._proof(deadline, watch)
-        msg = self._admission(protocol.Hello(
+        msg = self._admitted(lambda proof: protocol.Hello(
             protocol=protocol.PROTOCOL_VERSION, pid=pid, start_time=start_time,
             batch_size=batch_size, group=group, rank=rank, world_size=world_size,
-            proof=proof), protocol.Welcome, deadline, watch)
+            proof=proof), protocol.Welcome, watch)
         self.consumer, self.token = msg.consumer, msg.token
         self.left = False
         return msg
@@ -78,11 +113,9 @@ class ControlClient:
         """What the producer's loader is (its loader_info reply), asked as a hello is but
         taking no place in its ring: nothing to say bye for."""
         pid, start_time = self._identity()
-        deadline = self._deadline()
-        proof = self._proof(deadline, watch)
-        return self._admission(protocol.Info(protocol=protocol.PROTOCOL_VERSION, pid=pid,
-                                             start_time=start_time, proof=proof),
-                               protocol.LoaderInfo, deadline, watch)
+        return self._admitted(lambda proof: protocol.Info(
+            protocol=protocol.PROTOCOL_VERSION, pid=pid, start_time=start_time, proof=proof),
+            protocol.LoaderInfo, watch)
 
     @staticmethod
     def _identity() -> tuple[int, int]:
@@ -93,6 +126,27 @@ class ControlClient:
     def _deadline(self) -> float | None:
         """When a producer must have answered (None: no timeout)."""
         return None if self._timeout is None else time.monotonic() + self._timeout
+
+    def _admitted(self, make: Callable[[str | None], protocol.Hello | protocol.Info],
+                  want: type[_M], watch: Any) -> _M:
+        """The producer's reply of type `want` to the hello (or info) that make(proof)
+        builds, waiting until the timeout: the challenge first (_proof), then the hello
+        with this consumer's proof. A producer whose table of unproven connections was
+        full may close the connection its challenge was answered on, and the zmq socket
+        then sends the hello on a new one, which answered no challenge: the producer asks
+        for one there (RECHALLENGE), and this consumer challenges again, until the
+        timeout."""
+        deadline = self._deadline()
+        while True:
+            self._proven = self.address.startswith("ipc://")  # each connection proves anew
+            proof = self._proof(deadline, watch)
+            try:
+                return self._admission(make(proof), want, deadline, watch)
+            except _Rechallenge:
+                self.rechallenges += 1
+                self._drop_replies()  # stale answers of the closed connection's exchange
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self._not_found(watch) from None
 
     def _admission(self, msg: protocol.Hello | protocol.Info, want: type[_M],
                    deadline: float | None, watch: Any) -> _M:
@@ -106,6 +160,11 @@ class ControlClient:
             raise self._not_found(watch)
         return reply
 
+    def _drop_replies(self) -> None:
+        """Drop the replies that wait unread."""
+        while self._sock.poll(0):
+            self._sock.recv()
+
     def _proof(self, deadline: float | None, watch: Any) -> str | None:
         """Challenge the producer, check its proof that it knows the secret, and return
         this consumer's answer for the hello (tensorsocket.control.auth); nothing of the secret
@@ -117,8 +176,13 @@ class ControlClient:
         known = secret.current()
         if known is None and not secret.tcp:
             return None
+        if known is not None:
+            # The key (PBKDF2: ~50 ms, seconds on a loaded machine) before the challenge,
+            # so that the hello follows the producer's proof at once, on its connection.
+            derive_key(known)
         nonce = new_nonce()
         challenge = protocol.Challenge(protocol=protocol.PROTOCOL_VERSION, nonce=nonce).encode()
+        self._challenging = True
         try:
             while True:
                 # Sent again while no answer comes: a connection the producer closed (its
@@ -129,24 +193,33 @@ class ControlClient:
                 reply = self._receive(step, protocol.Proof, watch)
                 if reply is not None or (left is not None and step >= left):
                     break
-        except VersionMismatch:
-            raise
-        except TensorSocketError as e:
-            if "challenge" not in str(e):
-                raise
-            raise VersionMismatch(
-                f"the producer at {self.address} does not know this consumer's challenge: it "
-                "speaks an older protocol; install the same tensorsocket version on both "
-                "sides") from None
+        finally:
+            self._challenging = False
         if reply is None:
             raise self._not_found(watch)
-        return secret.answer(self.address, nonce, reply, known)
+        answer = secret.answer(self.address, nonce, reply, known)
+        self._proven = True  # the peer proved it knows the secret (or ipc: see __init__)
+        return answer
 
     def _not_found(self, watch: Any) -> ProducerNotFound:
-        """The error for a producer that did not answer within the timeout."""
+        """The error for a producer that did not answer within the timeout: with what is
+        known of challenges whose connections the producer closed, of whatever listens on
+        a TCP port where no producer proved itself (tensorsocket.control.endpoints: a
+        squatter holds the port, or nothing listens), and of the name's producer
+        (watch.note())."""
+        rechallenged = ""
+        if self.rechallenges:
+            rechallenged = (
+                f" The producer answered, but closed the connection its answer went on "
+                f"before this consumer's hello could follow, {self.rechallenges} time(s): "
+                "its table of connections that have not proved the secret was kept full, "
+                "as another local user flooding the port with connections would.")
         return ProducerNotFound(
             f"no tensorsocket producer answered at {self.address} within {self._timeout} s; "
-            "start the producer (same name=/port=) or raise the consumer's timeout="
+            "start the producer (same name=/port=) or raise the consumer's timeout=."
+            + rechallenged
+            + ("" if self._proven else listener_note(
+                self.address, self._secret.lock_path if self._secret is not None else None))
             + (watch.note() if watch is not None else ""))
 
     def ready(self, align: bool = False, group: bool = False) -> int:
@@ -179,32 +252,69 @@ class ControlClient:
             try:
                 msg = protocol.read(self._sock.recv())
             except ProtocolError as e:
-                raise ProtocolError(f"bad reply from the producer at {self.address}: {e}") from None
+                raise ProtocolError(
+                    f"bad reply from {self._speaker()}: {peer_text(str(e), self._proven)}"
+                ) from None
             if isinstance(msg, protocol.Error):
                 raise self._refusal(msg.code, msg.message)
             if isinstance(msg, want):
                 return msg
 
+    def _speaker(self) -> str:
+        """Who sent the replies read now: the producer once it proved that it knows the
+        secret (or on ipc://, in this user's private directory), else whatever listens
+        at the address, which may be another user's process."""
+        if self._proven:
+            return f"the producer at {self.address}"
+        return (f"the process listening at {self.address} (it has not proved that it is the "
+                "producer: it may be another user's process holding the port)")
+
     def _refusal(self, code: str, message: str) -> Exception:
-        """The exception for an error reply of the producer."""
+        """The exception for an error reply. Its text is the peer's, bounded and with its
+        control characters escaped (peer_text); before the peer proved that it knows the
+        secret, it is quoted as what that peer said, never as the producer's word."""
+        text = peer_text(message, self._proven)
+        if code == RECHALLENGE and self._proven and not self._challenging:
+            return _Rechallenge(text)
+        if not self._proven:
+            if code == "protocol" and self._challenging and "challenge" in message:
+                # A producer of protocol 6 or older does not know the challenge.
+                return VersionMismatch(
+                    f"{self._speaker()} does not know this consumer's challenge, saying "
+                    f"{text}: if it is the producer, it speaks an older protocol; install "
+                    "the same tensorsocket version on both sides")
+            said = f"{self._speaker()} refused this consumer, saying {text}"
+            if code == "version":
+                return VersionMismatch(said)
+            if code == "auth":
+                why = ("; a producer answers a challenge with its proof, never with this "
+                       "error, so these are not the producer's words") \
+                    if self._challenging else ""
+                return AuthenticationError(
+                    f"{said}{why} (choose another port= if another user's process holds "
+                    f"it){self._note()}")
+            return TensorSocketError(said)
         if code == "version":
-            return VersionMismatch(message)
+            return VersionMismatch(text)
         if code == "auth":
-            note = self._secret.note() if self._secret is not None else ""
             return AuthenticationError(
-                f"the producer at {self.address} refused this consumer: {message}"
-                + (f" ({note})" if note else ""))
+                f"the producer at {self.address} refused this consumer: {text}{self._note()}")
         if code == "unsupported":
-            return NotImplementedError(message)
+            return NotImplementedError(text)
         if code == "failed":
             return ProducerFailed(
-                f"the producer at {self.address} failed before its first batch: {message}. "
+                f"the producer at {self.address} failed before its first batch: {text}. "
                 "Fix it and start it again, then create the TensorConsumer again",
-                cause=message)
+                cause=text)
         if code == "finished":
             return ProducerFinished(
-                f"the producer at {self.address} {message}; no batches will come from it")
-        return TensorSocketError(f"producer refused: {message}")
+                f"the producer at {self.address} {text}; no batches will come from it")
+        return TensorSocketError(f"producer refused: {text}")
+
+    def _note(self) -> str:
+        """Where the secret used came from, in parentheses (or nothing)."""
+        note = self._secret.note() if self._secret is not None else ""
+        return f" ({note})" if note else ""
 
     def start_heartbeats(self) -> None:
         """Hand the socket to a thread that sends heartbeats until stopped."""

@@ -7,14 +7,24 @@ directory of mode 0700 (``$TENSORSOCKET_RUNTIME_DIR``, else
 ``port`` gives a loopback TCP endpoint instead; an explicit ``address`` (or
 ``$TENSORSOCKET_ADDRESS`` when neither ``port`` nor ``address`` is passed) is
 used as given. See tensorsocket.config for the settings and their variables.
+
+Who listens on a TCP port (tcp_listeners, holder_note, listener_note): for the errors of a
+producer that cannot bind its port and of a consumer that no producer answered, when
+another process holds the port (a port squatter, or another program). The kernel lists
+every listening TCP socket of this network namespace, with the uid of its owner, in
+/proc/net/tcp and /proc/net/tcp6, which any user may read: enough to tell "nothing listens
+there" from "a process of uid N listens there", without connecting to the port.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import ipaddress
 import os
+import pwd
 import stat
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,3 +221,116 @@ def lock_held(path: Path) -> bool:
     finally:
         os.close(fd)  # drops the shared lock at once
     return False
+
+
+# -- who listens on a TCP port (see the module docstring) ---------------------------
+
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
+
+
+def tcp_listeners(host: str, port: int) -> list[int] | None:
+    """The uids of the sockets listening on `host`:`port` (or on a wildcard address that
+    covers it; any address if `host` is a name); None where /proc/net/tcp cannot be
+    read."""
+    try:
+        wanted = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        wanted = None
+    uids: list[int] = []
+    read = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 8 or fields[3] != _LISTEN:
+                continue
+            address, _, port_hex = fields[1].partition(":")
+            try:
+                if int(port_hex, 16) != port:
+                    continue
+                bound = _address(address)
+                uid = int(fields[7])
+            except ValueError:
+                continue
+            if wanted is None or _covers(bound, wanted):
+                uids.append(uid)
+    return uids if read else None
+
+
+def _address(hexed: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp prints it: 32-bit words in host byte order."""
+    words = [int(hexed[i:i + 8], 16) for i in range(0, len(hexed), 8)]
+    raw = b"".join(struct.pack("=I", w) for w in words)
+    return ipaddress.ip_address(raw)
+
+
+def _covers(bound: ipaddress.IPv4Address | ipaddress.IPv6Address,
+            wanted: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether a socket bound to `bound` takes connections to `wanted`."""
+    if bound.is_unspecified or bound == wanted:
+        return True
+    mapped = getattr(bound, "ipv4_mapped", None)
+    return mapped is not None and mapped == wanted
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a tcp:// address; None for another transport or a port not given."""
+    if not address.startswith("tcp://"):
+        return None
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        return host, int(port)
+    except ValueError:
+        return None
+
+
+def _who(uid: int) -> str:
+    """A listener's owner, for a message."""
+    try:
+        name = f" ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, OSError):
+        name = ""
+    if uid == os.getuid():
+        return f"a process of this user (uid {uid}{name})"
+    return f"another user's process (uid {uid}{name})"
+
+
+def holder_note(address: str) -> str:
+    """For a producer that cannot bind `address`: a sentence on who listens there, or ''."""
+    where = _host_port(address)
+    uids = tcp_listeners(*where) if where is not None else None
+    if not uids:
+        return ""
+    return f" {_who(uids[0])} listens there (a producer of another name, or no producer)."
+
+
+def listener_note(address: str, lock_path: Path | None) -> str:
+    """For a consumer that no producer answered at `address` in time: a sentence on what
+    listens on its TCP port (''; for ipc://, or where that is not known). Something that
+    listens there while no producer of the name holds its lock (`lock_path`) is not the
+    producer: it holds the port (a squatter, or another program), and no producer can
+    listen there while it does."""
+    where = _host_port(address)
+    uids = tcp_listeners(*where) if where is not None else None
+    if uids is None or where is None:
+        return ""
+    port = where[1]
+    if not uids:
+        return f" Nothing listens on port {port} now."
+    uid = uids[0]
+    producer = lock_path is not None and lock_held(lock_path)
+    if producer and uid == os.getuid():
+        return (f" A producer of the name runs (it holds {lock_path.name}) and a process of "
+                f"this user listens on port {port}, but it did not answer: it may be "
+                "stopped (SIGSTOP) or starved of CPU.")
+    alone = ""
+    if lock_path is not None and not producer:
+        alone = f" while no producer of the name runs (none holds {lock_path.name})"
+    return (f" Something else holds port {port}: {_who(uid)} listens there{alone}, and it "
+            "did not answer as a tensorsocket producer; no producer can listen on that "
+            "port while it does: choose another port= for the producer and its consumers.")

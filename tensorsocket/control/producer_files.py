@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .. import _core
 from . import auth
@@ -41,6 +41,9 @@ class OwnedFiles:
         self.paths = [p for p in (auth.secret_path(endpoint), endpoint.lock_path,
                                   endpoint.socket_path) if p is not None]
         self.held = True  # the name lock is still ours
+        # Called with the signal's number as SIGTERM ends the process, before the files go
+        # (the producer's lifecycle writes why in the ring's header for its consumers).
+        self.on_signal: Callable[[int], None] | None = None
 
     def remove(self) -> None:
         """Unlink the segment, the secret, socket and lock files (missing ones are fine)."""
@@ -87,9 +90,15 @@ def forget_on_sigterm(files: OwnedFiles) -> None:
 
 
 def on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM: remove the files of this process's producers (not one of their forked
+    """SIGTERM: tell the consumers of this process's producers why in their rings'
+    headers (OwnedFiles.on_signal), remove their files (not one of their forked
     children's), then die of the signal, with the status the default action gives."""
     for files in list(_LIVE.values()):
+        try:
+            if files.on_signal is not None and os.getpid() == files.pid:
+                files.on_signal(signum)
+        except Exception:  # the signal must still end the process
+            pass
         try:
             files.remove()
         except Exception:  # the signal must still end the process

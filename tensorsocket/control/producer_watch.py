@@ -62,8 +62,9 @@ class ProducerWatch:
         if holder is not None and (holder.pid == self._seen or self._recent(holder.age)):
             raise ProducerFailed(
                 f"the producer {where} (pid {holder.pid}) died before publishing its first "
-                f"batch, without closing: it was killed (out of memory?) or crashed; its "
-                f"own output says why. {again}")
+                "batch, without closing: it was killed by a signal it cannot catch "
+                "(SIGKILL: kill -9, or the kernel's out-of-memory killer, which the kernel "
+                f"log names) or it crashed; its own output says which. {again}")
         if holder is None and self._seen is not None and not _alive(self._seen):
             # It removed its lock file: it closed, yet this consumer had no answer.
             raise ProducerGone(

@@ -192,7 +192,7 @@ class ByeOk(Message):
 
 @dataclass(frozen=True)
 class Error(Message):
-    """A refusal or failure (code: protocol, version, auth, unknown, full, ...)."""
+    """A refusal or failure (code: protocol, version, auth, rechallenge, unknown, full, ...)."""
     kind: ClassVar[str] = "error"
     code: str
     message: str

@@ -105,8 +105,10 @@ class ControlServer:
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(100))
-                if connections is not None and connections.monitor in ready:
-                    connections.watch()
+                if connections is not None:
+                    if connections.monitor in ready:
+                        connections.watch()
+                    connections.cut_overflow(time.monotonic())
                 if self._sock in ready and self._drain(MESSAGES_PER_TURN):
                     self._stop.wait(FLOOD_PAUSE)  # more are waiting: a flood (see above)
                 now = time.monotonic()
@@ -200,6 +202,8 @@ class ControlServer:
                 self._reject(ident, reply)
             else:
                 self._send(ident, reply)
+                if self._connections is not None:
+                    self._connections.answered(frame)  # spared: its hello must come on it
             return
         handler = self._handlers.get(msg.kind)
         if handler is None and not isinstance(msg, (protocol.Hello, protocol.Info)):

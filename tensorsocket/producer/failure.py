@@ -4,6 +4,7 @@ the control plane carry it to them as ProducerFailed's cause)."""
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 
 FAILURE_CHARS = 800  # the text of a failure the consumers are told (ring header, control)
@@ -30,6 +31,18 @@ def failure_text(exc: BaseException) -> str | None:
         head = FAILURE_CHARS // 4
         text = text[:head] + " [...] " + text[-(FAILURE_CHARS - head - 7):]
     return text
+
+
+def signal_failure(signum: int) -> str:
+    """What the consumers are told of a producer that a signal (SIGTERM) ends before it
+    finished: the process removes its files and writes this in the ring's header as it
+    dies of the signal (tensorsocket.control.producer_files.on_sigterm)."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return (f"stopped by {name} before it finished (sent by kill, a job scheduler or a "
+            "container's stop; the process removed its files and died of it)")
 
 
 def raised_at(exc: BaseException) -> traceback.FrameSummary | None:

@@ -5,6 +5,7 @@ its files also on SIGTERM."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -13,6 +14,7 @@ from typing import Any, Callable
 
 import zmq
 
+from .. import _core
 from ..control import auth
 from ..control.producer_files import (
     OwnedFiles,
@@ -22,7 +24,7 @@ from ..control.producer_files import (
     take_name_lock,
 )
 from ..control.server import ControlServer
-from .failure import failure_text
+from .failure import failure_text, signal_failure
 from .gpu_release import POOL_KEEPER, gpu_mapped, wait_gpu_released
 from .settings import ProducerSettings
 
@@ -70,12 +72,16 @@ class ProducerLifecycle:
                                         secret=self.secret,
                                         heartbeat_timeout=settings.heartbeat_timeout)
         except BaseException:
+            # Nothing started: the files of the name go with the lock, which is still ours
+            # (the lock file too: before issue 35 a failed bind left port<N>.lock behind).
             auth.secret_path(endpoint).unlink(missing_ok=True)
+            endpoint.lock_path.unlink(missing_ok=True)
             os.close(lock_fd)
             raise
         self._state = state
         self._finalizer = weakref.finalize(owner, _teardown, self.server, context, files,
                                            lock_fd, state, settings.release_timeout)
+        files.on_signal = functools.partial(_signalled, state)
         remove_on_sigterm(files)
         log.info("producer %r listening on %s", endpoint.name, endpoint.address)
         if settings.resolver.origins:
@@ -88,6 +94,18 @@ class ProducerLifecycle:
             return
         self._state.closed = True
         self._finalizer()
+
+
+def _signalled(state: ProducerState, signum: int) -> None:
+    """The process dies of `signum` (SIGTERM, see producer_files.on_sigterm) now: its
+    consumers read why in the ring's header, as they read a loader's error, rather than
+    find a producer gone without a word (which reads as SIGKILL or a crash). Not over a
+    ring finished already (the producer ended well, and is joining its consumers)."""
+    ring = state.ring
+    if ring is None or state.closed or ring.closed or \
+            ring.info()["state"] == _core.RING_FINISHED:
+        return
+    ring.finish(signal_failure(signum))
 
 
 def _teardown(server: ControlServer, context: zmq.Context, files: OwnedFiles,
