@@ -467,6 +467,32 @@ def test_a_hello_that_answers_no_challenge_on_its_connection_is_asked_to_challen
     assert p._server._admission.refused == 0 and p._server._admission.rechallenged == 1
 
 
+def test_a_hello_made_of_an_answer_on_another_connection_is_asked_to_challenge_again(
+        name, rig):
+    """A consumer's challenge sent again on a new connection (the first closed once
+    answered) gets another nonce there; a hello made of the first answer and sent on the
+    new connection is asked to challenge again (it was refused as a wrong secret: fatal),
+    while a proof of another secret, or the same answer replayed by another peer that
+    sent its own challenge, is still refused or asked again, never let in."""
+    port = _free_port()
+    p, _ = rig.serve(3, port, name=name, publish_timeout=DEADLINE)
+    key = auth.derive_key(p.auth_token)
+    address = f"tcp://127.0.0.1:{port}"
+    first, second = rig.peer(address), rig.peer(address)
+    nonce = auth.new_nonce()
+    one, two = _ask(first, _challenge(nonce)), _ask(second, _challenge(nonce))
+    assert one["nonce"] != two["nonce"], (one, two)  # a nonce per connection
+    answer = auth.mac(key, "consumer", nonce, one["nonce"])
+    reply = _ask(second, hello_message(os.getpid(), proof=answer))
+    assert reply["type"] == "error" and reply["code"] == "rechallenge", reply
+    assert "another connection" in reply["message"], reply
+    three = _ask(second, _challenge(nonce))  # (the hello took the challenge: a new one)
+    wrong = auth.mac(auth.derive_key(p.auth_token + "0"), "consumer", nonce, three["nonce"])
+    _refusal_reveals_nothing(_ask(second, hello_message(os.getpid(), proof=wrong)), p)
+    assert p._server.present_count() == 0
+    assert p._server._admission.refused == 1 and p._server._admission.rechallenged == 1
+
+
 def test_a_consumer_asked_to_challenge_again_does(monkeypatch):
     """The consumer's side: a producer (here a stand-in that knows the secret) asks for a
     challenge again at the first hello (info, here); the consumer challenges again with a

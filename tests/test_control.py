@@ -304,3 +304,28 @@ def test_info_tells_the_loader_without_attaching(name):
         producing.join(30)
     finally:
         p.close()
+
+
+def test_a_name_lock_taken_on_a_removed_lock_file_is_taken_again(monkeypatch, tmp_path):
+    """A producer that ends (or fails to bind) removes its lock file while it holds it;
+    another that opened the file before and locks it after holds a removed file, no lock
+    of the name: it opens and locks the file at the path now (the review of issue 35:
+    two producers both held "the" name, and the first to end removed the other's file)."""
+    from tensorsocket.control import producer_files
+    from tensorsocket.control.endpoints import file_is_at, open_lock_file
+
+    monkeypatch.setenv("TENSORSOCKET_RUNTIME_DIR", str(tmp_path / "rt"))
+    endpoint = resolve("locked", for_producer=True)
+    first = producer_files.take_name_lock(endpoint)
+    stale = open_lock_file(endpoint.lock_path)  # the second producer opened it, then ...
+    endpoint.lock_path.unlink()  # ... the first removed it and let go
+    os.close(first)
+    opened = iter([stale])
+    monkeypatch.setattr(producer_files, "open_lock_file",
+                        lambda path: next(opened, None) or open_lock_file(path))
+    fd = producer_files.take_name_lock(endpoint)
+    try:
+        assert file_is_at(fd, endpoint.lock_path)
+        assert endpoint.lock_path.read_text() == str(os.getpid())
+    finally:
+        os.close(fd)

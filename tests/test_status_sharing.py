@@ -193,7 +193,11 @@ def test_loading_cpu_saved_is_counted_per_delivered_batch(name, procs, short_tmp
     assert p.batches_published == batches and p.epochs_ended == 1
     assert p.batches_delivered == 3 * batches
     assert p.publish_cpu_seconds is not None and p.publish_cpu_seconds > 0
-    assert p.loader_cpu_seconds is not None and p.loader_cpu_seconds >= burned["loader_cpu"]
+    # /proc/<pid>/stat gives utime and stime in whole clock ticks, each cut down: the
+    # process's CPU reads up to 2 ticks short (seen: 6 ms short on a loaded machine).
+    short = 2 / os.sysconf("SC_CLK_TCK")
+    assert p.loader_cpu_seconds is not None and \
+        p.loader_cpu_seconds >= burned["loader_cpu"] - short, (p.loader_cpu_seconds, burned)
     assert p.loader_cpu_saved_seconds == pytest.approx(p.loader_cpu_seconds * (3 - 1))
     text = "\n".join(render([p]))
     assert f"for {batches} batches, delivered {3 * batches} times" in text, text

@@ -255,6 +255,7 @@ from tensorsocket import TensorConsumer
 
 name, epochs, batches, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 in_place, period = sys.argv[5] == "in_place", int(sys.argv[6])
+batch_size = int(sys.argv[7]) or None  # (12: batches made of two of the producer's, copies)
 seen = torch.zeros(epochs * batches * 8, dtype=torch.int32)
 wrong = torch.zeros((), dtype=torch.int64)
 
@@ -291,7 +292,7 @@ class Interrupter:
 hook = Interrupter()
 interrupts = 0
 c = TensorConsumer(name=name, timeout=60, batch_timeout=20, transform=add,
-                   transform_workers=workers)
+                   transform_workers=workers, batch_size=batch_size)
 print(json.dumps({"ready": True}), flush=True)
 for _ in range(epochs):
     it = iter(c)
@@ -320,10 +321,11 @@ print(json.dumps({"interrupts": interrupts, "calls": hook.calls,
 """
 
 
-@pytest.mark.parametrize("workers, transform, period",
-                         [(0, "pure", 300), (0, "in_place", 300), (2, "in_place", 800)])
+@pytest.mark.parametrize("workers, transform, period, batch_size",
+                         [(0, "pure", 300, 0), (0, "in_place", 300, 0),
+                          (2, "in_place", 800, 0), (2, "in_place", 300, 12)])
 def test_an_interrupt_at_any_point_of_next_loses_nothing(procs, name, workers, transform,
-                                                         period):
+                                                         period, batch_size):
     """Items 2 and 3: a KeyboardInterrupt at each point of next() where one can land (and
     a second one in the call made again), with the transform run at next() and by 2
     workers: every sample comes exactly once, transformed once (an in-place transform's
@@ -331,11 +333,14 @@ def test_an_interrupt_at_any_point_of_next_loses_nothing(procs, name, workers, t
     next(), batches lost (an interrupt between the pop of the batch and its count as
     delivered) and samples transformed twice; with workers, a result lost (an interrupt in
     the queue's get while it unpickled the result) or the queue's lock left held, and the
-    job waited for ever."""
+    job waited for ever. With batch_size=12 (batches of the producer's rows copied
+    together, sent to the workers as tensors): each task's inputs a copy of its own, so
+    that one sent again after an interrupt is not what a worker's in-place transform
+    wrote (the review of issue 35)."""
     epochs, batches = 3, period // 2
     prod = _producer(procs, name, epochs, batches)
     job = procs.script(SWEEP_JOB, name, str(epochs), str(batches), str(workers), transform,
-                       str(period))
+                       str(period), str(batch_size))
     job.wait_ready()
     r = procs.result(job, timeout=150)
     print(r)  # (the figures, with -s)
@@ -343,7 +348,8 @@ def test_an_interrupt_at_any_point_of_next_loses_nothing(procs, name, workers, t
     assert (r["n_missing"], r["n_twice"], r["wrong"]) == (0, 0, 0), \
         f"{r['n_missing']} samples lost ({r['missing']}...), {r['n_twice']} twice, " \
         f"{r['wrong']} elements wrong under {r['interrupts']} interrupts"
-    assert (r["batches"], r["samples"]) == (epochs * batches, epochs * batches * BS)
+    per_epoch = batches if not batch_size else -(-batches * BS // batch_size)
+    assert (r["batches"], r["samples"]) == (epochs * per_epoch, epochs * batches * BS)
     assert procs.result(prod, timeout=60)["done"]
 
 
@@ -520,3 +526,47 @@ def test_an_in_place_transform_runs_once_on_each_sample(procs, name):
                 got[i] = row[0]
     assert interrupts == 1
     assert got == {i: i + 1000 for i in range(3 * BS)}
+
+
+# -- the review of issue 35: a process with many files open --------------------------------
+
+# A job that holds 1100 files open (its soft fd limit raised, as training scripts and
+# launchers often do) before its transform workers start: their pipes get fds above 1023.
+MANY_FDS_JOB = r"""
+import json, os, resource, sys, torch
+from tensorsocket import TensorConsumer
+
+name, epochs, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+want = 2048 if hard == resource.RLIM_INFINITY else min(hard, 2048)
+resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+c = TensorConsumer(name=name, timeout=60, batch_timeout=20, transform=lambda row: row + 1000,
+                   transform_workers=1)
+print(json.dumps({"ready": True, "limit": want}), flush=True)
+seen = torch.zeros(epochs * batches * 8, dtype=torch.int32)
+wrong = 0
+for _ in range(epochs):
+    for batch in c:
+        seen[batch["id"]] += 1
+        wrong += int((batch["x"] != batch["id"][:, None] + 1000).sum())
+c.close()
+print(json.dumps({"once": int((seen == 1).sum()), "samples": seen.numel(), "wrong": wrong,
+                  "top_fd": max(held)}), flush=True)
+"""
+
+
+def test_transform_workers_in_a_process_with_many_files_open(procs, name):
+    """A job whose fds run past 1023 when its workers start: every sample once, each
+    transformed. (The stage waited on select(), which refuses fds of 1024 and up: every
+    next() raised ValueError "filedescriptor out of range".)"""
+    epochs, batches = 1, 6
+    prod = _producer(procs, name, epochs, batches)
+    job = procs.script(MANY_FDS_JOB, name, str(epochs), str(batches))
+    ready = job.wait_ready()
+    if ready["limit"] < 1200:
+        pytest.skip(f"the hard fd limit here is {ready['limit']}: no fd above 1023")
+    r = procs.result(job, timeout=120)
+    assert r["top_fd"] >= 1024, r
+    assert (r["once"], r["samples"], r["wrong"]) == (epochs * batches * BS,) * 2 + (0,), r
+    assert procs.result(prod, timeout=60)["done"]

@@ -254,7 +254,10 @@ class TransformStage:
         pool = self._pool or self._start_workers()
         task, self._tasks = self._tasks, self._tasks + 1
         ref = shared_ref(inputs) if via is self._ring() else None
-        pool.submit(task, ref if ref is not None else inputs, seeds)
+        # (Not in the ring's file: a copy goes, since pickling moves a tensor's storage
+        # into shared memory in place, where a transform that writes into its input would
+        # change what a task sent again after an interrupt reads.)
+        pool.submit(task, ref if ref is not None else inputs.clone(), seeds)
         return _InFlight(index, ids, rebuild, task, inputs=inputs, seeds=seeds,
                          via=via if ref is not None else None)
 
@@ -285,8 +288,14 @@ class TransformStage:
                     assert entry.inputs is not None
                     pool.submit(entry.task, entry.inputs.clone(), entry.seeds or [])
                     entry.sent = True
-                out = pool.result(entry.task, deadline)
-                if out is not None and (entry.via is None or entry.via is self._ring()):
+                stale = entry.via is not None and entry.via is not self._ring()
+                try:
+                    out = pool.result(entry.task, deadline)
+                except TransformError:
+                    if not stale:
+                        raise
+                    out = None  # (its transform raised on what may be another batch)
+                if out is not None and not stale:
                     break
                 # The worker could not map the ring's file, or it may have read a slot the
                 # consumer set aside meanwhile (see the module): the inputs go, as a new

@@ -29,7 +29,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
-import select
 import signal
 import threading
 import time
@@ -204,7 +203,8 @@ class WorkerPool:
             if wait <= 0:
                 raise TimeoutError(f"no transformed batch within batch_timeout (transform "
                                    f"workers {self.pids})")
-            ready = select.select([self._woken, *self._sentinels], [], [], wait)[0]
+            # (connection.wait polls: select() refuses fds of 1024 and up)
+            ready = multiprocessing.connection.wait([self._woken, *self._sentinels], wait)
             _drain(self._woken)
             if task_id not in self._done and (ready != [self._woken] or self._failed):
                 self._check_alive()  # (a worker's end, the courier's, or a quiet wait)
@@ -348,30 +348,37 @@ def _drain(fd: int) -> None:
 
 def _stop_workers(owner: int, procs: list, tasks: Any, courier: threading.Thread,
                   stopping: threading.Event, readers: list, fds: tuple) -> None:
-    """Stop the courier, then the worker processes: told to end, then terminated if they
-    do not within 5 s. Nothing in a forked child of the pool's process (its workers are
-    not the child's)."""
+    """Stop the courier and the worker processes: told to end, then terminated if they do
+    not within 5 s; a KeyboardInterrupt in the waits kills the workers left (a finalizer
+    runs once: none may outlive it). Then the courier, which a worker stopped in the
+    middle of a message may still hold in recv() until the last worker is gone. Nothing
+    in a forked child of the pool's process (its workers are not the child's)."""
     if os.getpid() != owner:
         return
     stopping.set()
     _poke(fds[1])
-    if courier.ident is not None:  # (started)
-        courier.join(5.0)
-    for _ in procs:
-        try:
-            tasks.put(None)
-        except (OSError, ValueError):
-            break
-    end = time.monotonic() + 5.0
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-        if p.is_alive():
-            p.terminate()
-            p.join(1.0)
-    tasks.close()
-    tasks.cancel_join_thread()
-    if courier.is_alive():  # (stuck receiving from a stopped worker: its fds stay)
-        return
+    try:
+        for _ in procs:
+            try:
+                tasks.put(None)
+            except (OSError, ValueError):
+                break
+        end = time.monotonic() + 5.0
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+        if courier.ident is not None:  # (started)
+            courier.join(5.0)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        tasks.close()
+        tasks.cancel_join_thread()
+    if courier.is_alive():  # (still in recv() from a worker that will not end: its fds
+        return  # stay, for it)
     for r in readers:
         r.close()
     for fd in fds:

@@ -76,6 +76,7 @@ _KEY_SALT = b"tensorsocket control plane v7"
 NONCE_BYTES = 32  # a challenge's random bytes (sent as hex)
 MAX_CHALLENGES = 4096  # challenges a producer keeps unanswered (the oldest go first)
 CHALLENGE_TIMEOUT = 10.0  # seconds a challenge may wait for its hello
+ANSWERS_KEPT = 4  # producer nonces kept per consumer nonce (a challenge sent again)
 AUTH = "auth"  # the error code of a refused hello or info
 RECHALLENGE = "rechallenge"  # ... of one whose proof answers no challenge on its connection
 _ADVICE = (
@@ -251,6 +252,10 @@ class Gate:
         self._ipc = address.startswith("ipc://")
         self._key = derive_key(secret) if secret is not None else None
         self._challenges: OrderedDict[bytes, tuple[str, str, float]] = OrderedDict()
+        # consumer nonce -> (the producer nonces answered for it, on any connection, the
+        # last few; when last answered): a hello whose proof answers one of them on
+        # another connection (closed since) is asked to challenge again, not refused.
+        self._answered: OrderedDict[str, tuple[list[str], float]] = OrderedDict()
 
     def challenge(self, ident: bytes, consumer_nonce: str) -> tuple[str, str | None]:
         """(this producer's nonce, its proof) for a consumer's challenge on connection
@@ -259,9 +264,16 @@ class Gate:
         # gets the same answer, so that a hello made from either answer is let in.
         prior = self._challenges.pop(ident, None)
         nonce = prior[1] if prior is not None and prior[0] == consumer_nonce else new_nonce()
-        self._challenges[ident] = (consumer_nonce, nonce, time.monotonic())
+        now = time.monotonic()
+        self._challenges[ident] = (consumer_nonce, nonce, now)
         while len(self._challenges) > MAX_CHALLENGES:
             self._challenges.popitem(last=False)
+        answered = self._answered.pop(consumer_nonce, ([], now))[0]
+        if nonce not in answered:
+            answered = [*answered, nonce][-ANSWERS_KEPT:]
+        self._answered[consumer_nonce] = (answered, now)
+        while len(self._answered) > MAX_CHALLENGES:
+            self._answered.popitem(last=False)
         if self._key is None:
             return nonce, None
         return nonce, mac(self._key, "producer", consumer_nonce, nonce)
@@ -299,14 +311,32 @@ class Gate:
                 f"the {hello.kind} answers no challenge of this producer on its connection "
                 f"(or one older than {CHALLENGE_TIMEOUT:g} s): send a challenge first, on "
                 "this connection (the one a challenge was answered on may have been closed)")
-        expected = mac(self._key, "consumer", challenge[0], challenge[1])
-        if not hmac.compare_digest(hello.proof.encode("utf-8", "replace"),
-                                   expected.encode("ascii")):
-            return AUTH, f"the {hello.kind}'s proof is not of this producer's secret: {_ADVICE}"
-        return None
+        proof = hello.proof.encode("utf-8", "replace")
+        if self._answers(proof, challenge[0], challenge[1]):
+            return None
+        # The consumer sent its challenge again on a new connection (the first one closed
+        # once answered) and made its hello of the first answer: no refusal of it.
+        for other in self._answered.get(challenge[0], ([], 0.0))[0]:
+            if other != challenge[1] and self._answers(proof, challenge[0], other):
+                return RECHALLENGE, (
+                    f"the {hello.kind} answers this producer's challenge on another "
+                    "connection, closed since: send a challenge again, on this connection")
+        return AUTH, f"the {hello.kind}'s proof is not of this producer's secret: {_ADVICE}"
+
+    def _answers(self, proof: bytes, consumer_nonce: str, nonce: str) -> bool:
+        """Whether `proof` is the consumer's MAC of these nonces with this secret."""
+        assert self._key is not None
+        expected = mac(self._key, "consumer", consumer_nonce, nonce)
+        return hmac.compare_digest(proof, expected.encode("ascii"))
 
     def forget(self, now: float) -> None:
-        """Drop challenges older than CHALLENGE_TIMEOUT."""
+        """Drop challenges (and the answers kept per consumer nonce) older than
+        CHALLENGE_TIMEOUT."""
+        while self._answered:
+            consumer_nonce, (_, since) = next(iter(self._answered.items()))
+            if now - since <= CHALLENGE_TIMEOUT:
+                break
+            del self._answered[consumer_nonce]
         while self._challenges:
             ident, (_, _, since) = next(iter(self._challenges.items()))
             if now - since <= CHALLENGE_TIMEOUT:

@@ -47,18 +47,30 @@ class _Rechallenge(TensorSocketError):
 
 
 def peer_text(text: str, proven: bool) -> str:
-    """An error text received from a peer, as shown to the user: at most PEER_TEXT_CHARS
-    (PRODUCER_TEXT_CHARS once the peer proved that it is the producer), its control
-    characters escaped (a terminal's escape sequences included: newlines and tabs
-    stay in the producer's own texts), and quoted when the peer is not proven."""
+    """An error text received from a peer, as shown to the user: its control characters
+    escaped (a terminal's escape sequences included: newlines and tabs stay in the
+    producer's own texts), at most PEER_TEXT_CHARS shown (PRODUCER_TEXT_CHARS once the
+    peer proved that it is the producer), and, from a peer not proven, quoted, with its
+    quotes and backslashes escaped, so that nothing it says reads as outside the quote."""
     limit = PRODUCER_TEXT_CHARS if proven else PEER_TEXT_CHARS
-    cut = len(text) > limit
-    text = text[:limit]
     keep = "\n\t" if proven else ""
-    text = "".join(ch if ch.isprintable() or ch in keep else ascii(ch)[1:-1] for ch in text)
-    if cut:
-        text += f" [... {limit} characters shown]"
-    return text if proven else f"'{text}'"
+    special = "" if proven else "'\\"
+    shown: list[str] = []
+    size = 0
+    for ch in text:
+        if ch in special:
+            piece = "\\" + ch
+        elif ch.isprintable() or ch in keep:
+            piece = ch
+        else:
+            piece = ascii(ch)[1:-1]
+        if size + len(piece) > limit:
+            shown.append(f" [... {size} characters shown, the rest cut]")
+            break
+        shown.append(piece)
+        size += len(piece)
+    out = "".join(shown)
+    return out if proven else f"'{out}'"
 
 
 class ControlClient:

@@ -203,6 +203,17 @@ def open_lock_file(path: Path) -> int:
     return fd
 
 
+def file_is_at(fd: int, path: Path) -> bool:
+    """Whether open file `fd` is the file at `path` now, not one removed (or replaced)
+    since it was opened: a lock taken on a removed lock file is no lock of the name."""
+    try:
+        there = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    here = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def lock_held(path: Path) -> bool:
     """True while some process holds an flock on `path` (a live producer holds its name's
     lock for its whole life). A missing file is not held; a file that cannot be opened

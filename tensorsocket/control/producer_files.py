@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from .. import _core
 from . import auth
-from .endpoints import Endpoint, open_lock_file
+from .endpoints import Endpoint, file_is_at, open_lock_file
 from ..errors import TensorSocketError
 from ..data.segments import stale_segments
 
@@ -108,31 +108,38 @@ def on_sigterm(signum: int, frame: Any) -> None:
 
 
 def take_name_lock(endpoint: Endpoint) -> int:
-    """flock the name's lock file; the kernel drops it if we die."""
-    fd = open_lock_file(endpoint.lock_path)
-    try:
-        # A few tries: `tensorsocket status/clean` and share() probe the lock with a
-        # shared flock that lasts an instant; only a holder that stays is a producer.
-        for attempt in range(NAME_LOCK_TRIES):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if attempt == NAME_LOCK_TRIES - 1:
-                    raise
-                time.sleep(0.02)
-    except BlockingIOError:
+    """flock the name's lock file; the kernel drops it if we die. A lock taken on a file
+    that its holder removed meanwhile (a producer that ends, or fails to bind, unlinks it
+    while it still holds it) is no lock of the name: the file now at the path is opened
+    and locked instead, or two producers would both hold "the" name."""
+    for attempt in range(NAME_LOCK_TRIES):
+        fd = open_lock_file(endpoint.lock_path)
         try:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        finally:
-            os.close(fd)
-        raise TensorSocketError(
-            f"a producer named {endpoint.name!r} is already running (pid {owner}); "
-            "give this one another name= or port="
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+            # `tensorsocket status/clean` and share() probe the lock with a shared flock
+            # that lasts an instant; only a holder that stays is a producer.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if attempt < NAME_LOCK_TRIES - 1:
+                os.close(fd)
+                time.sleep(0.02)
+                continue
+            try:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise TensorSocketError(
+                f"a producer named {endpoint.name!r} is already running (pid {owner}); "
+                "give this one another name= or port="
+            ) from None
+        if file_is_at(fd, endpoint.lock_path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            return fd
+        os.close(fd)  # (removed under us: the next try opens the file there now)
+    raise TensorSocketError(
+        f"the lock file {endpoint.lock_path} of the name {endpoint.name!r} was removed "
+        f"{NAME_LOCK_TRIES} times as this producer locked it: another process removes it "
+        "(tensorsocket clean, or producers of the name starting and failing); try again")
 
 
 def sweep_stale_segments(name: str) -> None:

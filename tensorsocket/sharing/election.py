@@ -17,7 +17,7 @@ import re
 import time
 from pathlib import Path
 
-from ..control.endpoints import Endpoint, lock_held, open_lock_file
+from ..control.endpoints import Endpoint, file_is_at, lock_held, open_lock_file
 
 SHARE_LOCK_SUFFIX = ".share-lock"  # no producer's file ends so: it ends in .lock or .sock
 LOG_SUFFIX = ".producer.log"  # <name>.producer.log: the output of share()'s producer
@@ -104,12 +104,7 @@ def take_lock(path: Path, deadline: float | None) -> int | None:
                         os.close(fd)
                         return None
                     time.sleep(0.02)
-            mine = os.fstat(fd)
-            try:
-                now = os.stat(path)
-                same = (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
-            except FileNotFoundError:
-                same = False
+            same = file_is_at(fd, path)
         except BaseException:
             os.close(fd)
             raise
