@@ -606,3 +606,39 @@ def test_a_consumer_made_long_before_its_loop_starts_late_with_whole_epochs(name
         producer.close()
         thread.join(DEADLINE)
     assert errors == [], errors
+
+
+def test_an_old_zmtp_greeting_is_refused_at_once():
+    """A peer that speaks ZMTP 1.0 (or sends bytes that read as it: another user's random
+    bytes) is refused in the handshake, its connection closed at once, and a consumer
+    then attaches as before. libzmq's ROUTER took such a peer's first frame as its routing
+    id and asserted that its session took it, which aborted the producer when the cap
+    closed that session meanwhile (about 1 flood in 8 of test_tcp_flood's, libzmq 4.3.5);
+    before the fix the connection stayed open until the cap or its timeout closed it."""
+    port = _free_port()
+    producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(3)], str(port),
+                              min_consumers=1, start_timeout=DEADLINE,
+                              publish_timeout=DEADLINE)
+    producing = Producing(producer)
+    producing.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as old:
+            old.sendall(b"\x01\x00")  # ZMTP 1.0: a frame of 0 bytes, the routing id
+            old.settimeout(3.0)
+            got, t0 = b"", time.monotonic()
+            try:
+                while True:
+                    chunk = old.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
+            except (ConnectionResetError, TimeoutError):
+                pass
+            took = time.monotonic() - t0
+        assert took < 3.0, f"the ZMTP 1.0 peer's connection stayed open ({got!r})"
+        with TensorConsumer(port=port, timeout=DEADLINE, batch_timeout=DEADLINE) as c:
+            assert [float(b[0][0]) for b in c] == [0.0, 1.0, 2.0]
+    finally:
+        producer.close()
+        producing.join(DEADLINE)
+    assert producing.error is None, producing.error
