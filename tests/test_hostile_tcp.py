@@ -12,6 +12,7 @@ second process of this user. Every wait has a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -44,6 +45,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _tcp_producer(port: int, batches: int):
+    """A producer on TCP `port` of `batches` batches (batch i: [i, i]), publishing in a
+    thread: (the producer, its Producing thread), closed and joined at the end."""
+    producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(batches)],
+                              str(port), min_consumers=1, start_timeout=DEADLINE,
+                              publish_timeout=DEADLINE)
+    producing = Producing(producer)
+    producing.start()
+    try:
+        yield producer, producing
+    finally:
+        producer.close()
+        producing.join(DEADLINE)
 
 
 def _wait_until(predicate, timeout: float, what: str) -> float:
@@ -194,12 +211,7 @@ def test_a_full_table_of_unproven_connections_keeps_no_new_consumer_out(procs, m
     monkeypatch.setattr(listener, "UNPROVEN_MAX", 8)
     monkeypatch.setattr(listener, "UNPROVEN_GRACE", 0.2)
     port = _free_port()
-    producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(20)], str(port),
-                              min_consumers=1, start_timeout=DEADLINE,
-                              publish_timeout=DEADLINE)
-    producing = Producing(producer)
-    producing.start()
-    try:
+    with _tcp_producer(port, 20) as (producer, producing):
         hog = procs.script(_HOG, str(port), "40")
         procs.wait_ready(hog)
         deadline = time.monotonic() + DEADLINE
@@ -210,9 +222,6 @@ def test_a_full_table_of_unproven_connections_keeps_no_new_consumer_out(procs, m
             seen = [float(b[0][0]) for b in c]
         assert seen == [float(i) for i in range(20)]
         assert producer._server._connections.cut > 0
-    finally:
-        producer.close()
-        producing.join(DEADLINE)
     assert producing.error is None, producing.error
 
 
@@ -227,45 +236,39 @@ def test_a_connection_whose_challenge_was_answered_is_spared_by_a_full_table(pro
     monkeypatch.setattr(listener, "UNPROVEN_MAX", 8)
     monkeypatch.setattr(listener, "UNPROVEN_GRACE", 0.2)
     port = _free_port()
-    producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(3)], str(port),
-                              min_consumers=1, start_timeout=DEADLINE,
-                              publish_timeout=DEADLINE)
-    producing = Producing(producer)
-    producing.start()
-    peer = zmq.Context.instance().socket(zmq.DEALER)
-    peer.setsockopt(zmq.LINGER, 0)
-    try:
-        hog = procs.script(_HOG, str(port), "40")
-        procs.wait_ready(hog)
-        table = producer._server._connections
-        _wait_until(lambda: table.count >= 8, DEADLINE, "the hog to fill the table")
-        peer.connect(f"tcp://127.0.0.1:{port}")
-        nonce = auth.new_nonce()
-        challenge = protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
-                                    nonce=nonce)
-        deadline = time.monotonic() + DEADLINE
-        while True:  # as a consumer does: a connection closed before its answer took it
-            assert time.monotonic() < deadline, "the challenge was never answered"
-            peer.send(challenge)
-            if peer.poll(250):
-                proof = protocol.decode(peer.recv())
-                break
-        assert proof["type"] == "proof", proof
-        cut = table.cut
-        time.sleep(1.5)
-        assert table.cut >= cut + 8, "the table did not turn over meanwhile"
-        answer = auth.mac(auth.derive_key(producer.auth_token), "consumer", nonce,
-                          proof["nonce"])
-        peer.send(hello_message(os.getpid(), proof=answer))
-        reply = proof
-        while reply["type"] == "proof":  # the answers to challenges sent again come first
-            assert peer.poll(20_000), "no answer to the hello"
-            reply = protocol.decode(peer.recv())
-        assert reply["type"] == "welcome", reply
-    finally:
-        peer.close(0)
-        producer.close()
-        producing.join(DEADLINE)
+    with _tcp_producer(port, 3) as (producer, _):
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        try:
+            hog = procs.script(_HOG, str(port), "40")
+            procs.wait_ready(hog)
+            table = producer._server._connections
+            _wait_until(lambda: table.count >= 8, DEADLINE, "the hog to fill the table")
+            peer.connect(f"tcp://127.0.0.1:{port}")
+            nonce = auth.new_nonce()
+            challenge = protocol.encode("challenge", protocol=protocol.PROTOCOL_VERSION,
+                                        nonce=nonce)
+            deadline = time.monotonic() + DEADLINE
+            while True:  # as a consumer does: a connection closed before its answer took it
+                assert time.monotonic() < deadline, "the challenge was never answered"
+                peer.send(challenge)
+                if peer.poll(250):
+                    proof = protocol.decode(peer.recv())
+                    break
+            assert proof["type"] == "proof", proof
+            cut = table.cut
+            time.sleep(1.5)
+            assert table.cut >= cut + 8, "the table did not turn over meanwhile"
+            answer = auth.mac(auth.derive_key(producer.auth_token), "consumer", nonce,
+                              proof["nonce"])
+            peer.send(hello_message(os.getpid(), proof=answer))
+            reply = proof
+            while reply["type"] == "proof":  # the answers to challenges sent again come first
+                assert peer.poll(20_000), "no answer to the hello"
+                reply = protocol.decode(peer.recv())
+            assert reply["type"] == "welcome", reply
+        finally:
+            peer.close(0)
 
 
 # -- a hello flood ---------------------------------------------------------------------
@@ -616,12 +619,7 @@ def test_an_old_zmtp_greeting_is_refused_at_once():
     closed that session meanwhile (about 1 flood in 8 of test_tcp_flood's, libzmq 4.3.5);
     before the fix the connection stayed open until the cap or its timeout closed it."""
     port = _free_port()
-    producer = TensorProducer([(torch.full((2,), float(i)),) for i in range(3)], str(port),
-                              min_consumers=1, start_timeout=DEADLINE,
-                              publish_timeout=DEADLINE)
-    producing = Producing(producer)
-    producing.start()
-    try:
+    with _tcp_producer(port, 3) as (_, producing):
         with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as old:
             old.sendall(b"\x01\x00")  # ZMTP 1.0: a frame of 0 bytes, the routing id
             old.settimeout(3.0)
@@ -638,7 +636,4 @@ def test_an_old_zmtp_greeting_is_refused_at_once():
         assert took < 3.0, f"the ZMTP 1.0 peer's connection stayed open ({got!r})"
         with TensorConsumer(port=port, timeout=DEADLINE, batch_timeout=DEADLINE) as c:
             assert [float(b[0][0]) for b in c] == [0.0, 1.0, 2.0]
-    finally:
-        producer.close()
-        producing.join(DEADLINE)
     assert producing.error is None, producing.error

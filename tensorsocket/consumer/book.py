@@ -188,9 +188,7 @@ class ResumeBook:
                 log.warning("consumer %d (rank %d of %d): the group's batches before its "
                             "own next one did not all come; its state counts batches only",
                             self._place.index, self._options.rank, world)
-        if part is None:
-            return SavedPlace(cursor.epoch, batches, None, size)
-        return SavedPlace(cursor.epoch, batches, part[0], size, part[1])
+        return resume.place_of(cursor.epoch, batches, part, size)
 
     def _left_place_now(self, place: SavedPlace) -> SavedPlace:
         """The place of the epoch left mid-way (`place`, as left), for state_dict(). A
@@ -209,10 +207,8 @@ class ResumeBook:
                 if read is None:
                     break
                 taken.group_batch(*read)
-        part = taken.part(place.batches)
-        self._left_place = place = SavedPlace(
-            place.epoch, place.batches, None if part is None else part[0],
-            place.dataset_len, None if part is None else part[1])
+        self._left_place = place = resume.place_of(
+            place.epoch, place.batches, taken.part(place.batches), place.dataset_len)
         return place
 
     def _read_on_in_left_epoch(self) -> tuple[int, Any] | None:

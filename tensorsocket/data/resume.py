@@ -50,6 +50,15 @@ class SavedPlace:
     version: int = STATE_VERSION  # of the state it was read from
 
 
+def place_of(epoch: int, batches: int, part: tuple[IdMask, int | None] | None,
+             dataset_len: int | None) -> SavedPlace:
+    """The place of `batches` delivered of epoch `epoch`, with `part` (EpochTaken.part():
+    the samples taken and the samples their batches held; None: unknown)."""
+    if part is None:
+        return SavedPlace(epoch, batches, None, dataset_len)
+    return SavedPlace(epoch, batches, part[0], dataset_len, part[1])
+
+
 @dataclass(frozen=True)
 class EpochShape:
     """What a consumer's epochs are made of, which its state depends on: batch_size= (None:

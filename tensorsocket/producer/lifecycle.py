@@ -74,8 +74,7 @@ class ProducerLifecycle:
         except BaseException:
             # Nothing started: the files of the name go with the lock, which is still ours
             # (the lock file too: before issue 35 a failed bind left port<N>.lock behind).
-            auth.secret_path(endpoint).unlink(missing_ok=True)
-            endpoint.lock_path.unlink(missing_ok=True)
+            files.remove()
             os.close(lock_fd)
             raise
         self._state = state

@@ -297,12 +297,16 @@ class CachedEpochs:
                  "%d fills it", layout.nbytes, layout.samples, shown, epoch)
 
     def _warn_off(self, why: str) -> None:
-        """No cache, for a reason the user must hear of (a WARNING in the log and a
-        TensorSocketWarning here, in the producer's process; stats()' cache_off)."""
-        self.off = f"not made: {why}"
-        message = f"decoded cache off: {why}"
+        """No cache, for a reason the user must hear of (see _tell)."""
+        self._tell(f"not made: {why}", f"decoded cache off: {why}")
+
+    def _tell(self, off: str, message: str) -> None:
+        """There is no cache now, for a reason the user must hear of: stats()' cache_off
+        says `off`, and `message` goes to the log as a WARNING and, here in the producer's
+        process, as a TensorSocketWarning."""
+        self.off = off
         log.warning("%s", message)
-        warnings.warn(message, TensorSocketWarning, stacklevel=2)
+        warnings.warn(message, TensorSocketWarning, stacklevel=3)
 
     def _drop(self, why: str) -> None:
         """Free the cache: the loader runs every epoch from now on (said as _warn_off
@@ -310,11 +314,8 @@ class CachedEpochs:
         cache, self._cache = self._cache, None
         if cache is not None:
             cache.close()
-            self.off = f"dropped: {why}"
-            message = (f"decoded cache dropped ({cache.nbytes} bytes freed): {why}; every "
-                       "epoch runs the loader from now on")
-            log.warning("%s", message)
-            warnings.warn(message, TensorSocketWarning, stacklevel=2)
+            self._tell(f"dropped: {why}", f"decoded cache dropped ({cache.nbytes} bytes "
+                       f"freed): {why}; every epoch runs the loader from now on")
 
     # -- epochs served from the cache ----------------------------------------------------
 
