@@ -121,7 +121,7 @@ def name():
     # the same name reuses them); test_nothing_left_behind checks a clean exit does.
     from tensorsocket.control.endpoints import runtime_dir
 
-    for path in runtime_dir().glob(n + ".*"):
+    for path in runtime_dir().glob(n + "[.-]*"):  # (the test's names, and n-<suffix>)
         path.unlink()
     for seg in leaked:
         os.unlink(f"/dev/shm/{seg}")
