@@ -245,35 +245,63 @@ def _whole(value: Any, takes: str) -> int:
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
                "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+# The text forms of a size, for errors: what parse_size() reads.
+SIZE_FORMS = ("a whole number with an optional suffix K, M, G, T (or KiB, MiB, GiB, TiB: "
+              "the same powers of 1024), e.g. '65536', '64M', '2G'")
+
+
+def parse_size(text: str) -> int:
+    """The bytes of a size's text (stripped): SIZE_FORMS, units case-insensitive, a space
+    allowed before the unit. A fraction ('1.5G') is refused rather than rounded: bytes
+    are whole, and the same number in a smaller unit says it exactly ('1536M')."""
+    m = re.match(r"^(-?)(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)$", text)
+    if m is None:
+        raise ValueError("not a size in bytes")
+    sign, number, unit = m.group(1), m.group(2), m.group(3).lower()
+    if sign:
+        raise ValueError("negative")
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"unknown unit {m.group(3)!r}")
+    if not number.isdigit():
+        raise ValueError(f"{number} is not a whole number: give the size in a smaller "
+                         "unit, 1536M for 1.5G")
+    return int(number) * _SIZE_UNITS[unit]
 
 
 @dataclass(frozen=True)
 class Size(Kind):
-    """A number of bytes > 0, with an optional unit suffix in a variable (`64M`); with
-    off, 0 too (variable: also `off` and the other false words), which turns it off."""
+    """A number of bytes > 0, with an optional unit suffix in a variable (`64M`, see
+    parse_size); with off, 0 too (variable: also `off` and the other false words), which
+    turns it off. With text, an argument may be such text too, read by the same parser
+    as the variable (cache_bytes: share()'s signature takes ``int | str``)."""
 
     off: bool = False
+    text: bool = False
 
     @property
     def takes(self) -> str:
         """What an argument takes."""
-        return "a number of bytes >= 0 (0 turns it off)" if self.off else \
+        number = "a number of bytes >= 0 (0 turns it off)" if self.off else \
             "a number of bytes > 0"
+        if not self.text:
+            return number
+        off = ", or 'off'" if self.off else ""
+        return f"{number}: an int, or text: {SIZE_FORMS}{off}"
 
     def parse(self, text: str) -> Any:
         """The bytes of a variable's text."""
         if self.off and text.lower() in _FALSE_WORDS:
             return 0
-        m = re.match(r"^(\d+)\s*([A-Za-z]*)$", text)
-        if m is None or m.group(2).lower() not in _SIZE_UNITS:
-            raise ValueError("not a size in bytes")
-        value = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+        value = parse_size(text)
         if value <= 0:
             raise ValueError("not positive")
         return value
 
     def check(self, value: Any) -> Any:
-        """A bytes argument: a whole number (not a bool) in range."""
+        """A bytes argument: a whole number (not a bool) in range, or, where text is taken,
+        a str read as the variable's text is."""
+        if self.text and isinstance(value, str):
+            return self.parse(value.strip())
         value = _whole(value, self.takes)
         if value < 0 or (value == 0 and not self.off):
             raise ValueError("negative" if value < 0 else "not positive")
@@ -429,7 +457,8 @@ def _parse_dir(text: str) -> str:
 
 _TIMEOUT = Seconds(none="wait forever")
 _TIMEOUT_ACCEPTS = "seconds >= 0, or `none` (wait forever)"
-_SIZE_ACCEPTS = "bytes > 0, optionally with a suffix `K`, `M`, `G` (powers of 1024), e.g. `64M`"
+_SIZE_ACCEPTS = ("bytes > 0, a whole number, optionally with a suffix `K`, `M`, `G`, `T` "
+                 "or `KiB` .. `TiB` (powers of 1024), e.g. `64M`")
 
 SETTINGS: dict[str, Setting] = {s.key: s for s in (
     # -- both sides --------------------------------------------------------------------
@@ -555,13 +584,13 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             Size(off=True)),
     Setting("cache_bytes", "cache_bytes", "TENSORSOCKET_CACHE_BYTES", "producer", 0,
             "0 (off)", _SIZE_ACCEPTS.replace("bytes > 0", "bytes >= 0") +
-            "; `0` or `off` turns it off",
+            "; `0` or `off` turns it off; the argument takes the same text",
             "shared memory the producer may keep a torch DataLoader's decoded samples in: "
             "when the whole dataset fits, they are kept during the first epoch and every "
             "later epoch is built from them in its sampler's order, without running the "
             "loader; when it does not fit, nothing is cached and a warning says how much "
             "it needs",
-            Size(off=True)),
+            Size(off=True, text=True)),
     # -- share() -----------------------------------------------------------------------
     Setting("idle_timeout", "idle_timeout", "TENSORSOCKET_IDLE_TIMEOUT", "share()", 60.0,
             "60", "seconds > 0, or `none` (never)",

@@ -156,7 +156,8 @@ def first_sample_check(transform: Callable[[Any], Any], inputs: torch.Tensor, se
     """Run the transform on a copy of the batch's first sample, here, before anything
     else (a transform that writes into its input changes the copy): a transform that
     cannot run on the shared samples raises TransformError naming the transform and what
-    the samples are."""
+    the samples are (a transform_error(): also of the class of what the transform raised,
+    which is its __cause__)."""
     try:
         transform_samples(transform, inputs[:1], [seed], pil, fresh=True)
     except TransformError:
@@ -166,10 +167,71 @@ def first_sample_check(transform: Callable[[Any], Any], inputs: torch.Tensor, se
         hint = ("" if pil else "; a transform written for PIL images (timm's "
                 "create_transform, torchvision.transforms.ToTensor) takes "
                 "transform_input='pil'")
-        raise TransformError(
+        raise transform_error(
+            type(e),
             f"transform={describe(transform)} cannot run on the shared samples: the "
             f"producer's loader makes them {inputs.dtype} of shape {tuple(inputs.shape[1:])} "
             f"per sample (given to the transform as {given}), and the transform raised "
             f"{type(e).__name__}: {e}. Make the two sides agree: the shared part (the "
             f"producer's dataset) decides dtype and size, the transform must accept them"
             f"{hint}") from e
+
+
+def raised_here(transform: Any, error: Exception) -> TransformError:
+    """The TransformError of `error`, raised by `transform` run here, at next() (no
+    workers): a transform_error() of the same message as a worker's, less the worker;
+    raised `from error`, whose traceback is the transform's."""
+    return transform_error(type(error), f"transform={describe(transform)} raised "
+                           f"{type(error).__name__} at next(): {error}")
+
+
+def transform_error(raised: type | None, message: str) -> TransformError:
+    """The TransformError of a transform that raised an exception of class `raised` (None:
+    not the transform's own error): also an instance of `raised` where a class can derive
+    from both, as a DataLoader re-raises its worker's exception type. So ``except
+    TransformError`` and ``except KeyError`` alike catch a transform's KeyError, whatever
+    transform_workers is, at the first sample's check or at any later batch."""
+    kind = _error_class(raised)
+    try:
+        return kind(message)
+    except Exception:  # (a class whose __new__ wants other arguments)
+        return TransformError(message)
+
+
+# TransformError subclasses made so far, by the exception class they also derive from.
+_ERROR_CLASSES: dict[type, type] = {}
+
+
+def _error_class(raised: type | None) -> type:
+    """TransformError, or a subclass of it and of `raised` (made once per class). Never a
+    StopIteration (next() raising one would end the caller's loop silently), nor a class
+    Python cannot derive from both (TransformError then)."""
+    if not isinstance(raised, type) or not issubclass(raised, Exception) or \
+            issubclass(raised, (TransformError, StopIteration, StopAsyncIteration)):
+        return TransformError
+    made = _ERROR_CLASSES.get(raised)
+    if made is None:
+        name = f"TransformError({raised.__name__})"
+        try:
+            made = type(name, (TransformError, raised), {
+                "__init__": _message_only, "__str__": BaseException.__str__,
+                "__reduce__": _reduced, "__module__": "tensorsocket", "__qualname__": name,
+                "__doc__": f"A TransformError that is also a {raised.__qualname__}: what the "
+                           "transform raised."})
+        except Exception:  # (layouts or metaclasses that do not mix)
+            made = TransformError
+        _ERROR_CLASSES[raised] = made
+    return made
+
+
+def _message_only(self: BaseException, message: str) -> None:
+    """__init__ of a transform_error() class: the message only (the transform's class's
+    own __init__ may want other arguments)."""
+    BaseException.__init__(self, message)
+
+
+def _reduced(self: BaseException) -> tuple:
+    """__reduce__ of a transform_error() class (made at run time: pickled as how to make
+    it again, from the transform's class and the message)."""
+    raised = next(c for c in type(self).__bases__ if c is not TransformError)
+    return transform_error, (raised, str(self))

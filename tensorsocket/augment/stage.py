@@ -11,10 +11,20 @@ alive than in flight, say in the tracebacks of interrupts), the producer may ref
 slots, and a worker that read one afresh would have read the next batch; the inputs then
 go to the workers as a tensor (the private copy), and a result made before is made again.
 
+A transform's error is raised as one TransformError whatever transform_workers is (at
+the first sample's check, at next(), or in a worker): also an instance of the class the
+transform raised, where Python can make a class of both (samples.transform_error), as a
+DataLoader re-raises its worker's exception type; run here, the transform's own error is
+its __cause__, and a worker's traceback is in its message.
+
 A batch counts as delivered (state_dict()'s samples taken) only when next() returns it, or
-when its transform raised (it is lost then, as a DataLoader's batch whose worker raised:
-passed, not delivered again on resume; a result a worker cannot send, an output that
-requires grad say, is such an error). A dead worker, or a result lost with its worker,
+when its transform raised at a batch after the first sample's check passed (it is lost
+then, as a DataLoader's batch whose worker raised: passed, not delivered again on resume;
+a result a worker cannot send, an output that requires grad say, is such an error). A
+batch that fails before the check ever passed (the transform does not fit the shared
+samples: a job stopped, fixed and resumed) is not counted until the loop goes on: a
+state_dict() taken before the next next() call (in the error handler) leaves it out, and
+a job resumed from it gets it again; the next next() call passes it. A dead worker, or a result lost with its worker,
 stops the workers, the batches in flight staying undelivered, until a new iter() starts
 new ones. Without workers, depth is one and the transform runs here, at next(), with the
 caller's random generators left as they were.
@@ -43,7 +53,8 @@ import torch
 
 from ..errors import TensorSocketError, TransformError
 from .options import TransformOptions
-from .samples import Rebuild, first_sample_check, split_inputs, transform_samples
+from .samples import Rebuild, first_sample_check, raised_here, split_inputs, \
+    transform_samples
 from .seeding import callers_generators_kept, sample_keys, sample_seed
 from .shared_views import shared_ref
 from .workers import WorkerPool
@@ -115,6 +126,8 @@ class TransformStage:
         # taken through, the outputs of the rows transformed here so far), started again
         # at the next next()
         self._broken: str | None = None  # a worker died: why next() raises until discard()
+        self._unpassed: Any = None  # (sample ids,) of a batch that failed before the first
+        # sample's check ever passed: taken, not counted until the next next() call
         self.wait_seconds = 0.0  # next() waiting for workers' outputs (stats())
         self.transform_seconds = 0.0  # transforms run here, at next() (stats())
 
@@ -135,6 +148,7 @@ class TransformStage:
         if source.serial != self._owner:
             self.discard()
             self._owner, self._ended, self._position = source.serial, False, 0
+        self._pass_failed(source)
         if self._broken is not None:  # (before _fill: it would start new workers)
             raise TensorSocketError(self._broken)
         if self._pool is not None:  # results no batch in flight waits for any more
@@ -192,11 +206,15 @@ class TransformStage:
                 started = self._start(batch, ids, index, source.epoch, via, outputs)
             except Exception as e:
                 # The batch is lost, as a DataLoader's whose fetch raised: passed (its
-                # samples count as taken with its place, not delivered again on resume).
-                # The error's frames must not keep its views alive (and its ring slot
-                # held) for as long as the caller keeps the exception.
+                # samples count as taken with its place, not delivered again on resume);
+                # before the first sample's check ever passed, only at the next call (see
+                # the module). The error's frames must not keep its views alive (and its
+                # ring slot held) for as long as the caller keeps the exception.
                 del batch
-                source.delivered(ids)
+                if self._checked:
+                    source.delivered(ids)
+                else:
+                    self._unpassed = (ids,)
                 _clear_frames(e)
                 raise
             except BaseException:  # Ctrl-C: the batch is started again at the next next(),
@@ -211,12 +229,29 @@ class TransformStage:
         """While the block runs (state_dict()), the batches in flight, taken from the ring
         and not delivered, do not count in the epoch cursor's delivered batches (their
         samples are not in the samples delivered either)."""
-        undelivered = len(self._pending) + (self._interrupted is not None)
+        undelivered = self._undelivered()
         cursor.delivered -= undelivered
         try:
             yield
         finally:
             cursor.delivered += undelivered
+
+    def leave(self, cursor: Any) -> int:
+        """The epoch is left before its end (break, the iterator dropped): the batches in
+        flight leave the epoch cursor's delivered batches for good (the place the consumer
+        keeps counts what next() returned: a resumed job gets them), then are dropped.
+        Returns how many there were (an epoch whose last batches were in flight is not
+        complete)."""
+        undelivered = self._undelivered()
+        cursor.delivered -= undelivered
+        self.discard()
+        return undelivered
+
+    def _undelivered(self) -> int:
+        """Batches taken from the ring that next() has not returned, nor passed: in
+        flight, cut by an interrupt, or failed before the first sample's check passed."""
+        return len(self._pending) + (self._interrupted is not None) + \
+            (self._unpassed is not None)
 
     def stats(self) -> dict:
         """A consumer's stats() of its transform: transform_seconds (run at next(), here),
@@ -248,6 +283,10 @@ class TransformStage:
                 with callers_generators_kept(devices):
                     out = transform_samples(o.transform, inputs, seeds, o.pil, outputs,
                                             fresh=True)
+            except TransformError:
+                raise
+            except Exception as e:  # (the same error as a worker's: see the module)
+                raise raised_here(o.transform, e) from e
             finally:
                 self.transform_seconds += time.perf_counter() - start
             return _InFlight(index, ids, rebuild, None, batch=rebuild(out))
@@ -260,6 +299,13 @@ class TransformStage:
         pool.submit(task, ref if ref is not None else inputs.clone(), seeds)
         return _InFlight(index, ids, rebuild, task, inputs=inputs, seeds=seeds,
                          via=via if ref is not None else None)
+
+    def _pass_failed(self, source: EpochSource) -> None:
+        """The loop went on after a batch that failed before the first sample's check
+        passed: it counts as passed now (again after an interrupt: no change)."""
+        if self._unpassed is not None:
+            source.delivered(self._unpassed[0])
+            self._unpassed = None
 
     def _start_workers(self) -> WorkerPool:
         """Start the worker processes; in flight: prefetch per worker, below the ring's
@@ -316,7 +362,7 @@ class TransformStage:
         back now; results still coming are dropped. After a worker died, the next batch
         starts new workers (as a DataLoader's next iterator does)."""
         self._pending.clear()
-        self._interrupted, self._broken = None, None
+        self._interrupted, self._broken, self._unpassed = None, None, None
         if self._pool is not None:
             self._pool.prune(set())
 

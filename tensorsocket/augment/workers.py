@@ -30,6 +30,7 @@ import multiprocessing.connection
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -42,7 +43,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from ..errors import TensorSocketError, TransformError
-from .samples import describe, transform_samples
+from .samples import describe, transform_error, transform_samples
 from .shared_views import materialise
 
 _PARENT_CHECK_S = 1.0  # a worker waiting for a task checks this often that its parent lives
@@ -52,13 +53,16 @@ _COURIER_WAIT_S = 0.5  # the courier looks at its deque of tasks at least this o
 @dataclass
 class WorkerFailure:
     """A transform's error in a worker: its type, message and the worker's traceback.
-    sending: the transform ran, but its output could not be pickled to be sent."""
+    sending: the transform ran, but its output could not be pickled to be sent. origin:
+    (module, qualified name) of the class the transform raised (None: not the
+    transform's own error), which the training process raises too where it finds it."""
 
     kind: str
     message: str
     trace: str
     worker: int
     sending: bool = False
+    origin: tuple[str, str] | None = None
 
 
 class SendTensor:
@@ -123,7 +127,8 @@ def _run_task(transform: Callable[[Any], Any], pil: bool, message: bytes,
     try:
         return transform_samples(transform, inputs, seeds, pil)
     except Exception as e:  # told to the consumer, which raises it
-        return WorkerFailure(type(e).__name__, str(e), traceback.format_exc(), worker)
+        return WorkerFailure(type(e).__name__, str(e), traceback.format_exc(), worker,
+                             origin=(type(e).__module__, type(e).__qualname__))
 
 
 def _encoded(out: Any, worker: int) -> bytes:
@@ -212,7 +217,7 @@ class WorkerPool:
         if isinstance(out, SendTensor):
             return None
         if isinstance(out, WorkerFailure):
-            raise TransformError(self._failure_text(out))
+            raise transform_error(_class_named(out.origin), self._failure_text(out))
         if isinstance(out, _Lost):
             raise TensorSocketError(self._lost_text(out))
         if isinstance(out, _Unsent):
@@ -319,6 +324,19 @@ def _courier_main(tasks: Any, outbox: collections.deque, readers: list, done: di
         if not stopping.is_set():
             failed.append(f"{type(e).__name__}: {e}")
             _poke(woken)
+
+
+def _class_named(origin: tuple[str, str] | None) -> type | None:
+    """The class a worker's transform raised, found here by its (module, qualified name)
+    among the modules imported (a spawned worker's __main__ is named __mp_main__); None if
+    it is not there (a class made inside a function), or `origin` is None."""
+    if origin is None:
+        return None
+    module, qualname = origin
+    found: Any = sys.modules.get("__main__" if module == "__mp_main__" else module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) and issubclass(found, BaseException) else None
 
 
 def _wake_pipe() -> tuple[int, int]:

@@ -82,12 +82,13 @@ class SlotAcquirer:
             return TimeoutError(
                 f"no batch within batch_timeout={self._options.batch_wait} s from {address}")
         if isinstance(e, ProducerGone):
-            cursor.in_epoch = False
+            place.cut_short()
             return producer_failed(place.ring, address, None, str(e))
         failure = place.ring.failure()
         if failure is not None:
-            cursor.in_epoch = False
+            place.cut_short()
             return producer_failed(place.ring, address, failure)
+        in_epoch = cursor.in_epoch  # (finished_between_windows ends it, or goes on with it)
         if cursor.finished_between_windows():
             # A late joiner's epoch spans two producer epochs, and the producer
             # stopped after the first of them. End the epoch with what came.
@@ -97,6 +98,7 @@ class SlotAcquirer:
                 f"producer's); the epoch ends after {cursor.pulled} loader batches",
                 TensorSocketWarning, stacklevel=6)
             return EpochEnd()
+        place.mark_cut(in_epoch)
         if cursor.pulled > 0:
             return ProducerFinished(
                 f"the producer stopped in the middle of its epoch, after this "

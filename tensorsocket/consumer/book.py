@@ -44,13 +44,18 @@ class ResumeBook:
         self._resume_place: SavedPlace | None = None  # loaded, not yet resumed from
         self._left_place: SavedPlace | None = None  # of an epoch left mid-way (break)
         self._left_source: int | None = None  # the producer epoch it was left in
+        self._cut_place: SavedPlace | None = None  # of an epoch the producer's end cut
         # A resumed group epoch left: the sample ids read and not yet dealt, in order.
         self._left_stream: list | None = None
 
     def begin(self) -> None:
-        """An epoch begins: what it takes is recorded from nothing, or from the place
-        loaded by load_state_dict() (a resumed epoch)."""
+        """An epoch begins (the cursor's and the book's): what it takes is recorded from
+        nothing, or from the place loaded by load_state_dict() (a resumed epoch). The
+        place of an epoch the producer's end cut short is read first, as it is reset
+        here (see cut_place)."""
         state, world = self._state, self._options.world_size
+        self.cut_place()
+        state.cursor.begin()
         place, self._resume_place = self._resume_place, None
         if not state.cursor.resuming:
             place = None  # (none loaded, or one that resumes by count)
@@ -70,7 +75,7 @@ class ResumeBook:
             taken.deal_total = int(min(size - place.taken.count(),
                                        owed * world * (self._reader.batch_size or 1)))
 
-    def abandon(self, epoch: int) -> None:
+    def abandon(self, epoch: int, batches_dropped: bool = False) -> None:
         """The epoch's iterator was dropped or replaced before StopIteration (see
         EpochCursor.abandon). Left mid-way (break), the consumer parks, and its next
         batch comes from the start of the producer's next epoch. Aligned, it keeps its
@@ -90,7 +95,7 @@ class ResumeBook:
         if cursor.resuming and self._options.world_size > 1 and batcher is not None:
             loaded = state.flow.loaded
             stream = batcher.held_ids() + ([loaded[2]] if loaded is not None else [])
-        outcome = cursor.abandon(epoch, state.holding())
+        outcome = cursor.abandon(epoch, state.holding(), batches_dropped)
         if outcome in (Abandon.COMPLETE, Abandon.LEFT):
             state.flow.drop()
             if batcher is not None:
@@ -109,14 +114,29 @@ class ResumeBook:
 
     def state_dict(self) -> dict:
         """TensorConsumer.state_dict(): the place loaded until its epoch begins, the
-        epoch left mid-way until the next begins, else the current place."""
+        epoch left mid-way until the next begins, the epoch the producer's end cut short
+        (for good), else the current place."""
         if self._resume_place is not None and not self._state.cursor.in_epoch:
             place = self._resume_place
         elif self._left_place is not None:
             place = self._left_place_now(self._left_place)
         else:
-            place = self.place_now(look_ahead=True)
+            place = self.cut_place() or self.place_now(look_ahead=True)
         return resume.encode(place, self.shape())
+
+    def cut_place(self) -> SavedPlace | None:
+        """The place of the epoch that the producer's end (ProducerFailed, ProducerGone,
+        a ProducerFinished mid-epoch) cut short, see RingPlace.mark_cut; None if none was.
+        It is what state_dict() said just before the end (without reading on: nothing
+        more comes), so that a checkpoint written where the error is caught resumes
+        exactly. Read once and kept until load_state_dict(): a consumer whose producer
+        ended reads nothing more (a new iter() raises again), and that new epoch, which
+        resets the cursor and the samples taken, must not make the job forget them."""
+        cursor = self._state.cursor
+        if self._cut_place is None and not cursor.in_epoch and \
+                self._place.cut_epoch == cursor.epoch:
+            self._cut_place = self._place_in_epoch(look_ahead=False)
+        return self._cut_place
 
     def shape(self) -> EpochShape:
         """What this consumer's epochs are made of (what its state depends on). Its
@@ -164,17 +184,23 @@ class ResumeBook:
                  self._place.index, place.epoch, self._place.welcome.epoch, place.batches)
         cursor.resume(place.epoch, place.batches, exact)
         self._resume_place = place  # (what state_dict() says until the epoch begins)
-        self._left_place = None
+        self._left_place = self._cut_place = self._place.cut_epoch = None
 
     def place_now(self, look_ahead: bool = False) -> SavedPlace:
         """Where this consumer is in its epochs, for state_dict(): epochs completed, batches
         delivered of the current one and the samples of it taken (by the group). In a
         group, look_ahead reads on to this rank's next batch when the group's batches
         taken are not all seen yet (the ranks ahead of it in the deal)."""
+        cursor = self._state.cursor
+        if not cursor.in_epoch:
+            return SavedPlace(cursor.epoch, 0, None, self._reader.dataset_len)
+        return self._place_in_epoch(look_ahead)
+
+    def _place_in_epoch(self, look_ahead: bool) -> SavedPlace:
+        """place_now() of the epoch the cursor counts in (iterated, or cut short by the
+        producer's end): the batches delivered of it and the samples they took."""
         state, world, size = self._state, self._options.world_size, self._reader.dataset_len
         cursor, taken_by = state.cursor, state.taken
-        if not cursor.in_epoch:
-            return SavedPlace(cursor.epoch, 0, None, size)
         batches = cursor.delivered
         if world > 1 and taken_by.known and size is not None and state.epoch_complete():
             # Every rank's batches of the epoch were delivered (ranks step together): all
@@ -269,7 +295,7 @@ class ResumeBook:
         if self._resume_place is not None and not self._state.cursor.in_epoch:
             place, mine = self._resume_place, None
         else:
-            place = self._left_place or self.place_now()
+            place = self._left_place or self.cut_place() or self.place_now()
             mine = self._state.taken.mine
         size, batch_size = place.dataset_len, self._reader.batch_size
         if place.taken is None or size is None or not batch_size:

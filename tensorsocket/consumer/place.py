@@ -53,8 +53,9 @@ class RingPlace:
     Public state: ``attached`` (False after a park, until the next read attaches
     again), ``held_place`` (parked between epochs, the producer keeping the place),
     ``closed``, ``lock`` (iter() against parking from another thread), ``cursor`` (the
-    epoch cursor, made on attach: whole epochs need the loader's length), and the
-    counters ``rejoins``, ``skipped``, ``set_aside_batches``."""
+    epoch cursor, made on attach: whole epochs need the loader's length), ``cut_epoch``
+    (the epoch the producer's end cut short, see cut_short), and the counters
+    ``rejoins``, ``skipped``, ``set_aside_batches``."""
 
     def __init__(self, options: ConsumerOptions, flow: InFlight) -> None:
         """Attach to the producer at options.endpoint (hello, then the ring); not ready
@@ -70,6 +71,7 @@ class RingPlace:
         self.rejoins = self.skipped = 0
         self.set_aside_batches = 0  # kept batches copied privately (see set_aside_held)
         self.start_seq = -1
+        self.cut_epoch: int | None = None  # the epoch the producer's end cut (cut_short)
         context = zmq.Context()
         self.client = ControlClient(context, options.endpoint.address, options.answer_wait,
                                     options.secret)
@@ -217,6 +219,22 @@ class RingPlace:
                 return False
             raise
 
+    def cut_short(self) -> None:
+        """The producer ended (failed, died, finished) before this consumer's epoch did:
+        no more of it is read (its iterator raises). See mark_cut for what is kept."""
+        self.mark_cut(self.cursor.in_epoch)
+        self.cursor.in_epoch = False
+
+    def mark_cut(self, in_epoch: bool) -> None:
+        """The epoch being read, if `in_epoch`, is over because the producer ended. It is
+        not counted as done, and its batches and samples taken stay where they are (the
+        cursor and the samples taken are reset only when the next epoch begins): keeping
+        its number here lets state_dict() still say what it took (ResumeBook.cut_place),
+        since a checkpoint is usually written where the producer's error is caught, and
+        one that forgot the epoch would train its samples again."""
+        if in_epoch:
+            self.cut_epoch = self.cursor.epoch
+
     def drop_entry(self) -> None:
         """Release the ring entry taken and not used (kept for the next epoch)."""
         entry = self.flow.entry
@@ -235,13 +253,13 @@ class RingPlace:
         # more batches for a new place; one that failed, or died before it finished, says
         # so.
         if failure is None and info["state"] == _core.RING_FINISHED:
-            self.cursor.in_epoch = False
+            self.cut_short()
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
         if failure is not None or \
                 not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
-            self.cursor.in_epoch = False
+            self.cut_short()
             raise producer_failed(ring, options.endpoint.address, failure)
         # An entry kept from the place given up (also when an interrupt cut unpark short:
         # a new place may start at that very entry, which would then come twice).

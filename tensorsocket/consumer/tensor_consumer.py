@@ -275,9 +275,9 @@ class TensorConsumer:
             raise TensorSocketError("this consumer is closed")
         with place.lock:
             if cursor.in_epoch:  # an earlier iterator is still mid-epoch: it ends here
-                self._book.abandon(self.epoch)
+                self._book.abandon(self.epoch, _drop_in_flight(self))
             if not cursor.in_epoch:  # (else its first next() was interrupted: go on)
-                cursor.begin()
+                _drop_in_flight(self)  # (of an epoch the producer's end cut short)
                 self._book.begin()
             self._iterators += 1
             return EpochIterator(self, self._iterators)
@@ -379,6 +379,13 @@ class TensorConsumer:
         """
         return consumer_stats(self, self._place, self._state, self._acquirer,
                               self._transforms)
+
+
+def _drop_in_flight(consumer: TensorConsumer) -> bool:
+    """Drop the consumer's transform's batches in flight, no longer counted as delivered
+    (see TransformStage.leave): whether there were any."""
+    stage = consumer._transforms
+    return stage is not None and stage.leave(consumer._state.cursor) > 0
 
 
 class EpochIterator:
@@ -488,9 +495,8 @@ class EpochIterator:
         """Leave this iterator's epoch, unless a later iterator took it over (one made
         after this one was interrupted before it returned a batch goes on with it)."""
         if self._serial == self._consumer._iterators:
-            if self._consumer._transforms is not None:
-                self._consumer._transforms.discard()
-            self._consumer._book.abandon(self._epoch)
+            consumer = self._consumer
+            consumer._book.abandon(self._epoch, _drop_in_flight(consumer))
 
     def __len__(self) -> int:
         """Batches in the whole epoch (as ``len(consumer)``)."""

@@ -159,21 +159,23 @@ class EpochCursor:
         self.delivered += 1
         return index
 
-    def abandon(self, epoch: int, holding: bool) -> Abandon:
+    def abandon(self, epoch: int, holding: bool, dropped: bool = False) -> Abandon:
         """The iterator of `epoch` was dropped or replaced before StopIteration. An epoch
         that delivered nothing is as if never started, or, if it took batches already
         (its first next() was interrupted), goes on with them in the next iterator; one
         that delivered all its batches (a loop that takes exactly len() of them) counts as
         done; otherwise it was left mid-way and the next epoch starts at the producer's
-        next one."""
+        next one. dropped: batches taken were dropped undelivered (a transform's in
+        flight, no longer counted in `delivered`): the epoch is then neither done nor
+        kept (the next iterator would go on past them), but left."""
         if not self.in_epoch or self.epoch != epoch:
             return Abandon.NOTHING
         if self.fresh():
             self.in_epoch = False
             return Abandon.UNSTARTED
-        if self.delivered == 0:
+        if self.delivered == 0 and not dropped:
             return Abandon.KEPT
-        complete = self.complete(holding)
+        complete = self.complete(holding) and not dropped
         self.end()
         if complete:
             return Abandon.COMPLETE

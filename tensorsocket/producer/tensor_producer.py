@@ -201,7 +201,7 @@ class TensorProducer:
         device_fallback: bool | Unset = UNSET,
         release_timeout: float | None | Unset = UNSET,
         worker_heap_pad: int | Unset = UNSET,
-        cache_bytes: int | Unset = UNSET,
+        cache_bytes: int | str | Unset = UNSET,
     ) -> None:
         arguments = dict(locals())  # the parameters by name, for the settings
         epochs = self._epochs = LoaderEpochs(data_loader)
