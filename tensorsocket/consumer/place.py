@@ -20,6 +20,7 @@ from ..control.client import ControlClient
 from ..data import diagnosis
 from ..data.delivery import Delivery
 from ..data.epoch_cursor import EpochCursor, InFlight
+from ..data.listings import EpochListing
 from ..errors import ConsumerDetached, LagWarning, ProducerFailed, ProducerFinished, \
     ProducerNotFound, TensorSocketError
 from .options import ConsumerOptions
@@ -140,6 +141,14 @@ class RingPlace:
                 f"process {os.getpid()}, a fork of it (its place in the producer's ring and its "
                 "socket belong to the parent). Create a TensorConsumer in the child instead; "
                 "batches the parent had received when it forked stay valid in the child")
+
+    def list_epoch(self) -> EpochListing | str:
+        """The order of the epoch this consumer reads first, as the producer will deliver
+        it, or why the producer has none (ControlClient.list_epoch)."""
+        if self.closed or self.in_forked_child():
+            return "the consumer is closed" if self.closed else \
+                "the consumer was made in another process (this is a fork of it)"
+        return self.client.list_epoch()
 
     def in_forked_child(self) -> bool:
         """Whether this process is a fork of the one the consumer was made in."""

@@ -16,6 +16,7 @@ import warnings
 from typing import Any, Callable
 
 from ..errors import TensorSocketWarning
+from ..data.listings import EpochListing
 from .book import ResumeBook
 from .epoch_state import EpochState
 from .options import ConsumerOptions, SharedLoader
@@ -108,22 +109,18 @@ class SamplerView:
         return [list(batch) for batch in [*delivered, *pending]]
 
     def _rank_batches(self) -> list[list[int]]:
-        """The caller's own loader's batches of indices as this consumer receives them:
-        rank r of a group of W takes batches r, r + W, ... of the first len // W * W
-        (EpochCursor), and a consumer with its own batch_size cuts the samples of those
-        into batches of that size (the last one short unless drop_last)."""
+        """This consumer's batches of the epoch it reads first, before it reads it: its
+        rank's part of the producer's order of that epoch (rank r of a group of W takes
+        batches r, r + W, ... of the first len // W * W, as EpochCursor deals them), cut
+        into batches of its own size if it has one (the last one short unless drop_last).
+        Where the producer cannot list that epoch, the caller's own loader's batches (a
+        rank of a group: only where they are the same in every rank, unshuffled)."""
         surface = self._surface
-        local = surface.local_loader
-        inner = getattr(local, "batch_sampler", None)
-        if inner is None and getattr(local, "sampler", None) is not None:
-            inner = ([index] for index in local.sampler)  # batch_size=None: one per batch
-        if inner is None:
-            raise TypeError(
-                "the samples of a tensorsocket consumer are chosen by the shared producer's "
-                "loader, and this consumer has no loader of its own to describe them (not "
-                "made by share(), or its loader has no batch_sampler); iterate the consumer "
-                "itself for its batches")
-        batches = [list(batch) for batch in inner]
+        listed = surface.first_epoch_listing()
+        if isinstance(listed, str):
+            batches = self._own_loader_batches(listed)
+        else:
+            batches = listed.batch_lists()
         world, rank = surface.world_size, surface.rank
         if world > 1:
             batches = batches[rank:len(batches) // world * world:world]
@@ -136,10 +133,48 @@ class SamplerView:
             cut.pop()
         return cut
 
+    def _own_loader_batches(self, unlisted: str) -> list[list[int]]:
+        """The caller's own loader's batches of indices, where the producer cannot list its
+        epoch (unlisted: why); TypeError where they would not be this consumer's."""
+        surface = self._surface
+        local = surface.local_loader
+        inner = getattr(local, "batch_sampler", None)
+        if inner is None and getattr(local, "sampler", None) is not None:
+            inner = ([index] for index in local.sampler)  # batch_size=None: one per batch
+        if inner is None:
+            raise TypeError(
+                "the samples of a tensorsocket consumer are chosen by the shared producer's "
+                f"loader, which cannot list them ahead ({unlisted}), and this consumer has no "
+                "loader of its own to describe them (not made by share(), or its loader has "
+                "no batch_sampler); iterate the consumer itself for its batches")
+        if surface.world_size > 1 and not _same_in_every_rank(local):
+            raise TypeError(
+                f"rank {surface.rank} of {surface.world_size} cannot list its batches before "
+                f"its first epoch: the shared producer cannot list that epoch ({unlisted}), "
+                "and this rank's own loader draws its order from this process's RNG, so the "
+                "ranks' parts would overlap. Iterate the consumer itself (each rank receives "
+                "its own part), or list its batches once it has read a batch or loaded a "
+                "state (load_state_dict)")
+        return [list(batch) for batch in inner]
+
     def __repr__(self) -> str:
         """What this is, for logs."""
         kind = "batch_sampler" if self._batches else "sampler"
         return f"<tensorsocket {kind} view of consumer {self._surface.index}>"
+
+
+def _same_in_every_rank(loader: Any) -> bool:
+    """Whether `loader`'s sampling is the same in every process: a SequentialSampler,
+    under a BatchSampler or not (another one may draw from the process's RNG)."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(loader, "sampler", None)
+    if type(batch_sampler) is BatchSampler:
+        sampler = batch_sampler.sampler
+    elif batch_sampler is not None:
+        return False
+    return type(sampler) is SequentialSampler
 
 
 class LoaderSurface:
@@ -150,11 +185,13 @@ class LoaderSurface:
 
     def __init__(self, reader: EpochReader, book: ResumeBook, state: EpochState,
                  options: ConsumerOptions, index: Callable[[], int],
-                 shared: SharedLoader | None, producer_sets_epoch: bool) -> None:
+                 shared: SharedLoader | None, producer_sets_epoch: bool,
+                 list_epoch: Callable[[], EpochListing | str]) -> None:
         """The surface of the consumer with this reader, book and state. index: its
         index in the ring now (for logs); shared: what share() knows of its caller's
         loader; producer_sets_epoch: the producer calls set_epoch on its loader's
-        sampler itself."""
+        sampler itself; list_epoch: the producer's order of the epoch the consumer reads
+        first (RingPlace.list_epoch)."""
         self._reader = reader
         self._book = book
         self._state = state
@@ -165,6 +202,10 @@ class LoaderSurface:
         self._producer_sets_epoch = producer_sets_epoch
         self._last_set_epoch: int | None = None  # the number of the last set_epoch call
         self._set_epoch_warned = False
+        self._list_epoch = list_epoch
+        # The producer's order of the consumer's first epoch, once asked (an epoch's
+        # order does not change: the views of it all list the same batches).
+        self._first_listing: EpochListing | None = None
 
     # -- what a sampler view reads -------------------------------------------------------
 
@@ -219,6 +260,19 @@ class LoaderSurface:
     def rank_samples(self) -> int:
         """Samples one epoch brings the consumer (its rank's share in a group)."""
         return self._reader.rank_samples()
+
+    def first_epoch_listing(self) -> EpochListing | str:
+        """The producer's order of the epoch this consumer reads first, or why there is
+        none (asked once, then kept)."""
+        cursor = self._state.cursor
+        if cursor.epoch > 0 or cursor.in_epoch:
+            return "the consumer has begun reading"
+        if self._first_listing is not None:
+            return self._first_listing
+        listed = self._list_epoch()
+        if not isinstance(listed, str):
+            self._first_listing = listed
+        return listed
 
     def known_batches(self) -> tuple[list[list[int]], list[list[int]]] | None:
         """The samples of the batches delivered of the current epoch and of those still

@@ -21,6 +21,7 @@ from . import protocol
 from .auth import RECHALLENGE, ClientSecret, derive_key, new_nonce
 from .channel import GROUP_TIMEOUT, HEARTBEAT_INTERVAL, PENDING_TIMEOUT, control_socket
 from .endpoints import listener_note
+from ..data.listings import Assembly, EpochListing
 from ..errors import (
     AuthenticationError,
     ProducerFailed,
@@ -38,6 +39,7 @@ _M = TypeVar("_M", bound=protocol.Message)  # the message type a consumer waits 
 CHALLENGE_AGAIN = 0.25
 RECONNECT_MS = 10  # ms before a consumer's closed connection to the producer is tried again
 RECONNECT_MAX_MS = 100  # ... at most, refused connects backing off (libzmq's default)
+LISTING_RESTARTS = 2  # times an epoch's listing is asked for again when it went meanwhile
 PEER_TEXT_CHARS = 300  # of an error text from a peer that has not proved it is the producer
 PRODUCER_TEXT_CHARS = 1000  # ... from the producer (its own limit: server.MAX_ERROR_CHARS)
 
@@ -359,6 +361,51 @@ class ControlClient:
         if msg.held:
             self.start_heartbeats()
         return msg.held
+
+    def list_epoch(self) -> EpochListing | str:
+        """The index lists of the batches of the epoch this consumer would begin at now
+        (of its group's, for a rank), as the producer will deliver them; or why the
+        producer has none (tensorsocket.data.listings). Raises ProducerNotFound if it
+        stopped answering."""
+        beating = self._thread is not None
+        self.stop_heartbeats()  # (the heartbeat thread owns the socket)
+        try:
+            return self._listing()
+        finally:
+            if beating and not self.left:
+                self.start_heartbeats()
+
+    def _listing(self) -> EpochListing | str:
+        """list_epoch, with the socket this thread's."""
+        assembly: Assembly | None = None
+        restarts = 0
+        while restarts <= LISTING_RESTARTS:
+            epoch = -1 if assembly is None else assembly.epoch
+            first = 0 if assembly is None else assembly.received
+            self._sock.send(protocol.ListEpoch(self.consumer, self.token, epoch=epoch,
+                                               first=first).encode())
+            msg = self._receive(PENDING_TIMEOUT, protocol.EpochBatches)
+            if msg is None:
+                raise ProducerNotFound(f"the producer at {self.address} stopped answering")
+            if msg.unlisted is not None:
+                if assembly is None:
+                    return msg.unlisted
+                assembly = None  # its epoch went while the parts came: the next one's
+                restarts += 1
+                continue
+            if assembly is None:
+                assembly = Assembly(msg.epoch, msg.batches)
+            if msg.epoch != assembly.epoch or msg.first != assembly.received:
+                raise ProtocolError(f"bad reply from {self._speaker()}: the parts of an "
+                                    "epoch's listing do not follow each other")
+            try:
+                if msg.batches:
+                    assembly.add(msg.sizes, msg.ids)
+            except ValueError as e:
+                raise ProtocolError(f"bad reply from {self._speaker()}: {e}") from None
+            if assembly.complete:
+                return assembly.listing()
+        return "the producer's epochs moved on while their order was read"
 
     def request_leave(self) -> None:
         """Leave the ring soon, from the heartbeat thread (which owns the socket): safe

@@ -35,6 +35,7 @@ class Peer:
     ready_align: bool | None = None  # a rank's "ready", held until its group is complete
     held_until: float | None = None  # parked with its place in the ring kept until then
     start_seq: int | None = None  # its first entry, once started
+    first_epoch: int | None = None  # the epoch it reads first, from that entry
     unread_since: float | None = None  # holding the others back having read nothing
 
     def holds_entry(self) -> bool:

@@ -23,7 +23,8 @@ import msgpack
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 7  # 7: challenge / proof before a hello or info, which carry a proof
+PROTOCOL_VERSION = 8  # 8: list_epoch / epoch_batches (an epoch's order, before reading it);
+#                       7: 7: challenge / proof before a hello or info, which carry a proof
 #                       (an HMAC) instead of the secret (tensorsocket.control.auth); 6: info / loader_info (share() learns of the producer's loader
 #                       without attaching); 5: hello carries the producer's secret (TCP),
 #                       park{skip_epoch} (a loop left with break keeps its place at the next
@@ -110,6 +111,16 @@ class Bye(Placed):
 
 
 @dataclass(frozen=True)
+class ListEpoch(Placed):
+    """The index lists of an epoch's batches, from batch `first` on (the answer carries as
+    many as fit): of `epoch`, or (epoch -1) of the epoch a consumer beginning now begins
+    at, the same one for every rank of a group (tensorsocket.data.listings)."""
+    kind: ClassVar[str] = "list_epoch"
+    epoch: int
+    first: int
+
+
+@dataclass(frozen=True)
 class Info(Message):
     """What the producer's loader is, asked without attaching (share()); admitted as a
     hello is."""
@@ -171,6 +182,20 @@ class LoaderInfo(Message):
 
 
 @dataclass(frozen=True)
+class EpochBatches(Message):
+    """The answer to list_epoch: batches `first`, `first` + 1, ... of `epoch`, which has
+    `batches` of them: their sizes (little-endian int32) and indices (int64); epoch -1
+    and `unlisted` (why) where the producer cannot list it."""
+    kind: ClassVar[str] = "epoch_batches"
+    epoch: int
+    batches: int
+    first: int
+    sizes: bytes
+    ids: bytes
+    unlisted: str | None
+
+
+@dataclass(frozen=True)
 class Started(Message):
     """The answer to ready: the consumer's first sequence number."""
     kind: ClassVar[str] = "started"
@@ -208,7 +233,8 @@ def _schema(cls: type[Message]) -> dict[str, tuple[type, ...]]:
 
 MESSAGES: dict[str, type[Message]] = {
     cls.kind: cls for cls in (Challenge, Hello, Ready, Park, Unpark, Heartbeat, Bye, Info,
-                              Proof, Welcome, LoaderInfo, Started, Unparked, ByeOk, Error)}
+                              ListEpoch, Proof, Welcome, LoaderInfo, EpochBatches, Started,
+                              Unparked, ByeOk, Error)}
 # type -> {field: accepted python types}
 SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     kind: _schema(cls) for kind, cls in MESSAGES.items()}
@@ -267,7 +293,7 @@ def _unpack(data: bytes) -> Any:
             raw=False,
             strict_map_key=True,
             max_str_len=4096,
-            max_bin_len=0,
+            max_bin_len=MAX_MESSAGE_BYTES,  # (only an answer's schema has bytes fields)
             max_array_len=0,
             max_map_len=32,
             max_ext_len=0,

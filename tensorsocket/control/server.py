@@ -37,6 +37,8 @@ log = logging.getLogger("tensorsocket")
 HEARTBEAT_TIMEOUT = config.SETTINGS["heartbeat_timeout"].default  # then a consumer is evicted
 LIVENESS_INTERVAL = 0.25  # how often the server checks consumer processes
 MAX_ERROR_CHARS = 1000  # error replies stay well inside the protocol's string limit
+# The bytes of index lists in one epoch_batches answer (within MAX_MESSAGE_BYTES).
+LISTING_PART_BYTES = protocol.MAX_MESSAGE_BYTES - 4096
 FAREWELL_LINGER_MS = 1000  # how long a closing server tries to deliver its farewells
 # A peer's flood must not starve the server's own checks: it handles at most
 # MESSAGES_PER_TURN messages per turn of its loop, and pauses FLOOD_PAUSE seconds after
@@ -54,7 +56,8 @@ class ControlServer:
     it exists (hellos that arrive before are answered when it does). A hello is
     admitted only from a peer that tensorsocket.control.auth lets in (secret: what a peer
     without credentials must present, None: nothing). A consumer not heard from for
-    heartbeat_timeout seconds (None: never) is evicted.
+    heartbeat_timeout seconds (None: never) is evicted. listings: the producer's
+    EpochPlanner (producer/listings.py), which answers list_epoch (None: nothing listed).
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class ControlServer:
         park_hold: float = 0.0,
         secret: str | None = None,
         heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
+        listings: Any = None,
     ) -> None:
         self._ring = ring
         self._welcome_info = welcome_info
@@ -76,9 +80,11 @@ class ControlServer:
             UnprovenConnections(self._sock, 10 * MESSAGES_PER_TURN)
         self._refusals = RefusalAllowance()
         self._peers = PeerTable(ring)
-        self._places = Places(ring, self._peers, park_hold, self._send)
+        self._places = Places(ring, self._peers, park_hold, self._send,
+                              None if listings is None else listings.epoch_at)
         self._liveness = Liveness(self._peers, heartbeat_timeout)
         self._stall_watch = StallWatch()
+        self._listings = listings
         # hellos and infos that came before the ring
         self._waiting: list[tuple[bytes, protocol.Hello | protocol.Info]] = []
         self._stop = threading.Event()
@@ -88,7 +94,8 @@ class ControlServer:
         # the messages of a consumer that has a place (each handler takes its own type)
         self._handlers: dict[str, Callable[[bytes, Any], None]] = {"ready": self._ready,
                           "heartbeat": self._heartbeat, "bye": self._bye,
-                          "park": self._park, "unpark": self._unpark}
+                          "park": self._park, "unpark": self._unpark,
+                          "list_epoch": self._list_epoch}
         self._thread = threading.Thread(target=self._run, name="tensorsocket-control", daemon=True)
         self._thread.start()
 
@@ -316,6 +323,37 @@ class ControlServer:
         ring = self._ring()
         if peer is not None and ring is not None:
             self._send(ident, protocol.Unparked(held=self._places.unpark(ring, peer)))
+
+    def _list_epoch(self, ident: bytes, msg: protocol.ListEpoch) -> None:
+        """The batches of an epoch from msg.first on, as many as fit in one answer (epoch
+        -1: the one the consumer reads first, from the entry it started at: for the ranks
+        of a group, which start together, the same one)."""
+        peer = self._peer(ident, msg)
+        if peer is None:
+            return
+        listed = self._listing(peer, msg.epoch)
+        if isinstance(listed, str):
+            self._send(ident, protocol.EpochBatches(epoch=-1, batches=0, first=0, sizes=b"",
+                                                    ids=b"", unlisted=listed))
+            return
+        if not 0 <= msg.first < max(listed.batches, 1):
+            self._reject(ident, protocol.Error("protocol", f"list_epoch from batch {msg.first} "
+                                               f"of {listed.batches}"))
+            return
+        sizes, ids = listed.part(msg.first, LISTING_PART_BYTES) if listed.batches else (b"", b"")
+        self._send(ident, protocol.EpochBatches(epoch=listed.epoch, batches=listed.batches,
+                                                first=msg.first, sizes=sizes, ids=ids,
+                                                unlisted=None))
+
+    def _listing(self, peer: Peer, epoch: int) -> Any:
+        """The listing `peer` asks for (see _list_epoch), or why there is none."""
+        if self._listings is None:
+            return "this producer lists no epoch"
+        if epoch < 0:
+            if peer.first_epoch is None:
+                return "the consumer has not started reading"
+            epoch = peer.first_epoch
+        return self._listings.listing(epoch)
 
     # -- owner -------------------------------------------------------------------
 

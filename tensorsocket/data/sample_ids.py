@@ -25,7 +25,7 @@ import collections
 import logging
 import struct
 import zlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -63,7 +63,10 @@ class SampleIdRecorder:
     gives the indices of the batch just yielded (None when they are not known: not a
     DataLoader over a map-style dataset, workers out of order, keys that are not ints)."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: Callable[[Any], Iterator[Any]] | None = None) -> None:
+        """order(sampler): what the sampler yields for the running epoch, if not a pass of
+        it (the producer's EpochPlanner.items, which lists the epoch in full)."""
+        self._order = order
         self._drawn: collections.deque = collections.deque()  # drawn, oldest first
         self._recording = False  # this epoch's indices are recorded
         self._off_reason: str | None = None  # why ids are off for good (said once)
@@ -84,9 +87,18 @@ class SampleIdRecorder:
         inner = recorded_sampler(getattr(source, attribute))
         wrapper = self._wrapper
         if wrapper is None or self._wrapped_loader is not source or wrapper.wrapped is not inner:
-            wrapper = _RecordingSampler(inner, self._drawn, attribute == "batch_sampler")
+            wrapper = _RecordingSampler(inner, self._drawn, attribute == "batch_sampler",
+                                        self._order)
             self._wrapper, self._wrapped_loader = wrapper, source
         return _Recording(source, attribute, wrapper)
+
+    def sampler_of(self, source: Any) -> tuple[Any, bool] | None:
+        """(the sampler that draws the indices of `source`'s batches, whether it draws
+        index lists), or None where ids are not known for it (see next_ids)."""
+        attribute = self._sampler_attribute(source)
+        if attribute is None:
+            return None
+        return recorded_sampler(getattr(source, attribute)), attribute == "batch_sampler"
 
     def next_ids(self) -> np.ndarray | None:
         """The indices of the batch the loader just yielded (its collate_fn was given the
@@ -158,8 +170,10 @@ def recorded_sampler(sampler: Any) -> Any:
 class _RecordingSampler:
     """A sampler that draws from `inner` and notes each batch of indices it draws."""
 
-    def __init__(self, inner: Any, drawn: Any, batched: bool) -> None:
+    def __init__(self, inner: Any, drawn: Any, batched: bool,
+                 order: Callable[[Any], Iterator[Any]] | None) -> None:
         self._inner, self._drawn, self._batched = inner, drawn, batched
+        self._order = order  # see SampleIdRecorder
 
     @property
     def wrapped(self) -> Any:
@@ -168,7 +182,7 @@ class _RecordingSampler:
 
     def __iter__(self) -> Iterator[Any]:
         drawn, batched = self._drawn, self._batched
-        for item in self._inner:
+        for item in self._inner if self._order is None else self._order(self._inner):
             drawn.append(item if batched else (item,))
             yield item
 

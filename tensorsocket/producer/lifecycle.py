@@ -26,6 +26,7 @@ from ..control.producer_files import (
 from ..control.server import ControlServer
 from .failure import failure_text, signal_failure
 from .gpu_release import POOL_KEEPER, gpu_mapped, wait_gpu_released
+from .listings import EpochPlanner
 from .settings import ProducerSettings
 
 log = logging.getLogger("tensorsocket")
@@ -52,11 +53,12 @@ class ProducerState:
 
 class ProducerLifecycle:
     """The name lock, the secret, the control server (``server``, answering consumers'
-    hellos with `welcome`), and the teardown of them all, once. ``secret`` is what a
+    hellos with `welcome`, and their asks for an epoch's order from `listings`), and the teardown of them all, once. ``secret`` is what a
     consumer must present (None for ipc:// without auth_token)."""
 
     def __init__(self, owner: object, settings: ProducerSettings, files: OwnedFiles,
-                 state: ProducerState, welcome: Callable[[], dict]) -> None:
+                 state: ProducerState, welcome: Callable[[], dict],
+                 listings: EpochPlanner) -> None:
         """Take the name and start listening; the teardown runs when `owner` (the
         producer) is collected, if close() did not run it first."""
         endpoint = settings.endpoint
@@ -70,7 +72,8 @@ class ProducerLifecycle:
             self.server = ControlServer(context, endpoint.address, lambda: state.ring,
                                         welcome, park_hold=settings.park_hold,
                                         secret=self.secret,
-                                        heartbeat_timeout=settings.heartbeat_timeout)
+                                        heartbeat_timeout=settings.heartbeat_timeout,
+                                        listings=listings)
         except BaseException:
             # Nothing started: the files of the name go with the lock, which is still ours
             # (the lock file too: before issue 35 a failed bind left port<N>.lock behind).

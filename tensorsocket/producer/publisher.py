@@ -17,6 +17,7 @@ from ..loader.loader_info import describe_loader
 from .epochs import LoaderEpochs
 from .gate import ConsumerGate
 from .lifecycle import ProducerState
+from .listings import EpochPlanner
 from .ring_maker import RingMaker
 from .sample_cache import CachedBatch, CachedEpochs
 from .settings import ProducerSettings
@@ -27,8 +28,9 @@ class EpochPublisher:
     """Runs the loader's epochs into the ring; ``batches`` counts the batches published."""
 
     def __init__(self, settings: ProducerSettings, epochs: LoaderEpochs, rings: RingMaker,
-                 gate: ConsumerGate, state: ProducerState) -> None:
-        """Nothing published yet; the ring is made at the first batch."""
+                 gate: ConsumerGate, state: ProducerState, listings: EpochPlanner) -> None:
+        """Nothing published yet; the ring is made at the first batch. listings: where
+        each epoch's order is listed (shared with the control thread, which reads it)."""
         self._settings = settings
         self._epochs = epochs
         self._rings = rings
@@ -36,7 +38,8 @@ class EpochPublisher:
         self._state = state
         self.batches = 0
         self._encoder = Encoder()  # batch -> spec and leaves (keeps the last spec's bytes)
-        self._sample_ids = SampleIdRecorder()  # the dataset indices of each batch
+        self.listings = listings
+        self._sample_ids = SampleIdRecorder(self.listings.items)  # each batch's indices
         self.cache = CachedEpochs(settings)  # the decoded samples, if cache_bytes= allows
         # This process's CPU before its loader's first epoch began (imports, set-up), noted
         # in the ring header when the ring is made: status leaves it out of the loader's.
@@ -61,10 +64,13 @@ class EpochPublisher:
             t = os.times()  # children (/proc/<pid>/stat utime, stime, cutime, cstime)
             self._setup_cpu_ns = int((t.user + t.system + t.children_user
                                       + t.children_system) * 1e9)
-        source, limit = self._epochs.start()
+        with self.listings.lock:  # (its sampler's epoch is set for the epoch's listing)
+            source, limit = self._epochs.start()
+            self.listings.begin(source, self._epochs.epoch, self._sample_ids.sampler_of(source),
+                                next_too=source is self._epochs.loader)
         if self.cache.start(source, self._epochs.epoch):
-            yield from self._publish_each(source, limit, self.cache.batches(source), False,
-                                          self._publish_cached)
+            batches = self.cache.batches(source, self.listings.items)
+            yield from self._publish_each(source, limit, batches, False, self._publish_cached)
             return
         # The sampler records the indices it draws for the whole epoch: a loader whose
         # __iter__ is a generator (a DataLoader subclass such as accelerate's
@@ -155,6 +161,8 @@ class EpochPublisher:
             ) from None
         if not end:
             self.batches += 1
+            if index == 0:
+                self.listings.published(self._state.ring.info()["published"] - 1)
 
     def _end_epoch(self, index: int) -> None:
         """Publish the end-of-epoch marker after `index` batches."""

@@ -43,7 +43,7 @@ import mmap
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -420,13 +420,15 @@ class CachedEpochs:
             getattr(source, "collate_fn", None) is self._collate and \
             getattr(source, "batch_sampler", None) is not None
 
-    def batches(self, source: Any) -> Iterator[CachedBatch]:
-        """The batches of an epoch of `source` served from the cache: its batch sampler's
-        index lists, each one's rows gathered."""
+    def batches(self, source: Any,
+                order: Callable[[Any], Iterable[Any]] = iter) -> Iterator[CachedBatch]:
+        """The batches of an epoch of `source` served from the cache: the index lists its
+        batch sampler yields (order(batch_sampler): what it yields for the epoch, as the
+        producer's EpochPlanner lists it), each one's rows gathered."""
         cache = self._cache
         assert cache is not None
         _draw_as_an_iterator_would(source)
-        for indices in source.batch_sampler:
+        for indices in order(source.batch_sampler):
             ids = np.asarray(indices, dtype=np.int64).reshape(-1)
             leaves = cache.gather(ids)
             yield CachedBatch(self._structure, leaves, ids, self._batch_of(leaves))

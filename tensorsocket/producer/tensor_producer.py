@@ -18,6 +18,7 @@ from ..errors import TensorSocketError
 from .epochs import LoaderEpochs
 from .gate import ConsumerGate
 from .lifecycle import ProducerLifecycle, ProducerState
+from .listings import EpochPlanner
 from .publisher import EpochPublisher, collected_welcome, welcome_info
 from .ring_maker import RingMaker
 from .settings import ProducerSettings, setting
@@ -212,11 +213,12 @@ class TensorProducer:
         rings = self._rings = RingMaker(settings, sizing, files)
         state = self._state = ProducerState()
         welcome = functools.partial(_welcome, weakref.ref(self))
-        self._lifecycle = ProducerLifecycle(self, settings, files, state, welcome)
+        listings = EpochPlanner()  # each epoch's order in full, for consumers that ask
+        self._lifecycle = ProducerLifecycle(self, settings, files, state, welcome, listings)
         self._server = self._lifecycle.server
         self.auth_token: str | None = self._lifecycle.secret
         self._gate = ConsumerGate(settings, self._server.consumer_count)
-        self._publisher = EpochPublisher(settings, epochs, rings, self._gate, state)
+        self._publisher = EpochPublisher(settings, epochs, rings, self._gate, state, listings)
 
     # -- settings (read and written through; see the class docstring) -------------------
 

@@ -10,7 +10,9 @@ the environment), then ``accelerator.prepare(model, optimizer, loader)``, and on
 
 - ``skip``: the resume idiom of accelerate's examples, ``accelerator.skip_first_batches(
   loader, k)``, iterated to its end (ids under ``skipped``): each rank must get the rest of
-  its own part of the epoch, not of the whole dataset;
+  its own part of the epoch, not of the whole dataset; before it, ``loader.batch_sampler``
+  listed (under ``listed``), and after it one epoch of the loader itself (under ``train``,
+  epoch 0): a shared loader's first epoch is the one it listed;
 - ``interrupt``: ``accelerator.register_for_checkpointing(loader)``, train ``--stop-after``
   batches of epoch 0 (ids under ``train``), ``accelerator.save_state(DIR)``, exit;
 - ``resume``: register the loader, ``accelerator.load_state(DIR)``, then the rest of epoch
@@ -87,6 +89,7 @@ def skip() -> None:
     """accelerator.skip_first_batches(loader, k), iterated to its end."""
     record["own_loads_before_skip"] = own_loads()
     try:
+        record["listed"] = [list(map(int, batch)) for batch in loader.batch_sampler]
         skipped = accelerator.skip_first_batches(loader, args.skip)
         record["skip_meta"] = {"type": f"{type(skipped).__module__}."
                                        f"{type(skipped).__qualname__}",
@@ -96,6 +99,7 @@ def skip() -> None:
         record["skip_error"] = "".join(traceback.format_exception_only(type(e), e)).strip()
         record["skip_traceback"] = traceback.format_exc()
     record["own_loads_after_skip"] = own_loads()
+    record["train"]["0"] = [step(x, y) for x, y in loader]
 
 
 def interrupt() -> None:

@@ -1,0 +1,148 @@
+"""The producer's epochs listed in full: each epoch's order as its sampler draws it, kept
+for the consumers that ask for it before they read (tensorsocket.data.listings says why),
+and the next epoch's drawn ahead when one asks before that epoch begins.
+
+The loader's thread draws an epoch's order in full at the epoch's first draw, or takes
+the one drawn ahead; the control thread draws ahead. One lock keeps the two from drawing
+from the sampler at once, and keeps set_epoch() and the draw of an epoch together."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from itertools import chain, islice
+from typing import Any, Iterator
+
+from ..data.listings import MAX_LISTED_IDS, EpochListing, listing_of
+from ..loader.loader_info import set_sampler_epoch
+
+log = logging.getLogger("tensorsocket")
+
+KEPT_EPOCHS = 3  # listings kept: the running epoch, the next, and the one before
+
+
+class EpochPlanner:
+    """The listings of the producer's epochs (see the module docstring).
+
+    The loader's thread calls ``begin()`` with the lock held (``lock``) around the
+    epoch's set_epoch, ``items(sampler)`` where the epoch draws from its sampler, and
+    ``published()`` at the epoch's first batch out; the control thread calls
+    ``epoch_at(seq)`` as a consumer starts and ``listing(epoch)``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # held while drawing from the sampler or setting its epoch
+        self._listings: dict[int, EpochListing] = {}  # by epoch number; KEPT_EPOCHS at most
+        self._source: Any = None  # the loader of the running epoch
+        self._sampler: Any = None  # ... the sampler it draws from (None: not listed)
+        self._batched = True  # ... which yields index lists (else indices)
+        self._next_too = False  # ... and the next epoch's loader is the same one
+        self._epoch = 0  # the epoch running, or next
+        self._drawn = False  # its order was drawn
+        self._out = False  # its first batch was published
+        self._first_seq = 0  # ... as this entry of the ring
+        self._unlisted = "the producer's first epoch has not begun"  # why none, if none
+
+    # -- the loader's thread ------------------------------------------------------------
+
+    def begin(self, source: Any, epoch: int, sampler: tuple[Any, bool] | None,
+              next_too: bool) -> None:
+        """Epoch `epoch` of `source` begins (its sampler's epoch set). sampler: (the
+        sampler its order is drawn from, whether it yields index lists), None where the
+        order is not listed (not a DataLoader over a map-style dataset drawing in order);
+        next_too: the next epoch is drawn from the same loader. Called with the lock held."""
+        self._source = source
+        self._sampler, self._batched = sampler if sampler is not None else (None, True)
+        self._next_too = next_too
+        self._epoch = epoch
+        self._drawn = self._out = False
+        if sampler is None:
+            self._unlisted = ("the producer's loader is not a DataLoader over a map-style "
+                              "dataset that yields its batches in the order it draws them")
+
+    def items(self, sampler: Any) -> Iterator[Any]:
+        """What `sampler`, the running epoch's, yields for it (index lists or indices, as
+        begin() said): the listing drawn ahead if there is one, else drawn now in full
+        (at the first item asked for, where a lazy draw draws from the RNG too)."""
+        with self.lock:
+            self._drawn = True
+            listing = self._listings.get(self._epoch)
+            if listing is None:
+                listing, rest = self._draw(sampler, self._epoch, ahead=False)
+                if listing is None:
+                    return rest
+        return listing.items(self._batched)
+
+    def published(self, seq: int) -> None:
+        """The running epoch's first batch is out, as entry `seq` of the ring."""
+        self._first_seq = seq
+        self._out = True
+
+    # -- the control thread -------------------------------------------------------------
+
+    def epoch_at(self, seq: int) -> int:
+        """The epoch that a consumer starting at entry `seq` now reads first: the running
+        one if its first batch is not out yet or is that entry or later, else the next
+        (an aligned consumer that starts within an epoch skips to the next one)."""
+        if not self._out or seq <= self._first_seq:
+            return self._epoch
+        return self._epoch + 1
+
+    def listing(self, epoch: int) -> EpochListing | str:
+        """The listing of `epoch` (kept, or drawn ahead if it is the next one), or why not."""
+        with self.lock:
+            found = self._listings.get(epoch)
+            if found is not None:
+                return found
+            if self._sampler is None:
+                return self._unlisted
+            if epoch == self._epoch and not self._drawn:
+                listing, _ = self._draw(self._sampler, epoch, ahead=True)
+            elif epoch == self._epoch + 1 and self._next_too:
+                set_sampler_epoch(self._source, epoch)
+                try:
+                    listing, _ = self._draw(self._sampler, epoch, ahead=True)
+                finally:
+                    set_sampler_epoch(self._source, self._epoch)
+            elif epoch == self._epoch + 1:
+                return ("the producer's loader is a callable that makes each epoch's loader "
+                        "when that epoch begins")
+            else:
+                return (f"epoch {epoch} is not listed (the producer is at epoch "
+                        f"{self._epoch})")
+            return listing if listing is not None else self._unlisted
+
+    def _draw(self, sampler: Any, epoch: int,
+              ahead: bool) -> tuple[EpochListing | None, Iterator[Any]]:
+        """(the listing of one pass of `sampler` for `epoch`, kept; or None, and what the
+        pass yields instead, as drawn, unless `ahead`: for another time than the epoch's
+        own first draw). None: the sampler has no len(), is its own iterator (drawing ahead
+        would take from the epoch running), yields more than len() or keys that are not
+        integer indices, or its epoch is too long to hold. Called with the lock held."""
+        none: Iterator[Any] = iter(())
+        try:
+            length = len(sampler)
+        except TypeError:
+            self._unlisted = "the producer's sampler has no len()"
+            return None, none if ahead else iter(sampler)
+        per_item = getattr(sampler, "batch_size", 1) if self._batched else 1
+        if length * (per_item if isinstance(per_item, int) and per_item > 0 else 1) > \
+                MAX_LISTED_IDS:
+            self._unlisted = (f"an epoch of the producer's loader is longer than "
+                              f"{MAX_LISTED_IDS} samples")
+            return None, none if ahead else iter(sampler)
+        it = iter(sampler)
+        if ahead and it is sampler:
+            self._unlisted = "the producer's sampler is its own iterator"
+            return None, none
+        drawn = list(islice(it, length + 1))
+        try:
+            if len(drawn) > length:
+                raise ValueError(f"the producer's sampler yields more than its len() {length}")
+            listing = listing_of(epoch, drawn, self._batched)
+        except (TypeError, ValueError) as e:
+            self._unlisted = f"the producer's epoch could not be listed: {e}"
+            return None, none if ahead else chain(drawn, it)
+        self._listings[epoch] = listing
+        for old in sorted(self._listings)[:-KEPT_EPOCHS]:
+            del self._listings[old]
+        return listing, none
