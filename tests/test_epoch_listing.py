@@ -125,6 +125,7 @@ def test_the_ranks_of_a_group_list_parts_of_one_order(procs, name):
     assert not errors, errors
     try:
         listed = {rank: list(c.batch_sampler) for rank, c in consumers.items()}
+
         read: dict[int, list[list[int]]] = {}
         readers = [threading.Thread(target=lambda r=r: read.__setitem__(r, _epoch(consumers[r])))
                    for r in range(2)]

@@ -255,7 +255,7 @@ VALUES = st.recursive(
 KEYS = st.sampled_from(FIELDS) | st.text(max_size=12) | INT | st.binary(max_size=8)
 TYPES = st.sampled_from(sorted(protocol.SCHEMAS)) | st.text(max_size=12)
 GOOD = {(int,): INT.filter(lambda v: -2**31 <= v < 2**31), (str,): st.text(max_size=20),
-        (bool,): st.booleans()}
+        (bool,): st.booleans(), (bytes,): st.binary(max_size=40)}
 
 
 def _good_value(types: tuple):
@@ -378,14 +378,15 @@ def forged(index: int, token: int):
     )
     indices = st.one_of(st.just(index), st.integers(0, _core.MAX_CONSUMERS + 1))
     return st.builds(
-        peer_message, st.sampled_from(["ready", "heartbeat", "bye", "park", "unpark"]), indices, tokens,
+        peer_message, st.sampled_from(["ready", "heartbeat", "bye", "park", "unpark", "list_epoch"]), indices, tokens,
     )
 
 
 def peer_message(kind: str, consumer: int, token: int) -> bytes:
     """A well-formed message of an attached consumer (a ready asks for no alignment, a
     park to keep the place)."""
-    extra = {"ready": {"align": False}, "park": {"hold": True, "skip_epoch": False}}.get(kind, {})
+    extra = {"ready": {"align": False}, "park": {"hold": True, "skip_epoch": False},
+             "list_epoch": {"epoch": -1, "first": 0}}.get(kind, {})
     return protocol.encode(kind, consumer=consumer, token=token, **extra)
 
 

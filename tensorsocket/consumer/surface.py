@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import TensorSocketWarning
 from ..data.listings import EpochListing
 from .book import ResumeBook
 from .epoch_state import EpochState
 from .options import ConsumerOptions, SharedLoader
+from .place import RingPlace
 from .reader import EpochReader
 
 log = logging.getLogger("tensorsocket")
@@ -184,25 +185,22 @@ class LoaderSurface:
     and hands these on to it."""
 
     def __init__(self, reader: EpochReader, book: ResumeBook, state: EpochState,
-                 options: ConsumerOptions, index: Callable[[], int],
-                 shared: SharedLoader | None, producer_sets_epoch: bool,
-                 list_epoch: Callable[[], EpochListing | str]) -> None:
-        """The surface of the consumer with this reader, book and state. index: its
-        index in the ring now (for logs); shared: what share() knows of its caller's
-        loader; producer_sets_epoch: the producer calls set_epoch on its loader's
-        sampler itself; list_epoch: the producer's order of the epoch the consumer reads
-        first (RingPlace.list_epoch)."""
+                 options: ConsumerOptions, place: RingPlace,
+                 shared: SharedLoader | None, producer_sets_epoch: bool) -> None:
+        """The surface of the consumer with this reader, book, state and place in the
+        ring (its index, for logs; the producer's order of the epoch it reads first);
+        shared: what share() knows of its caller's loader; producer_sets_epoch: the
+        producer calls set_epoch on its loader's sampler itself."""
         self._reader = reader
         self._book = book
         self._state = state
         self._options = options
-        self._index = index
+        self._place = place
         self.local_loader: Any = shared.loader if shared is not None else None
         self._loader_drop_last = shared.drop_last if shared is not None else False
         self._producer_sets_epoch = producer_sets_epoch
         self._last_set_epoch: int | None = None  # the number of the last set_epoch call
         self._set_epoch_warned = False
-        self._list_epoch = list_epoch
         # The producer's order of the consumer's first epoch, once asked (an epoch's
         # order does not change: the views of it all list the same batches).
         self._first_listing: EpochListing | None = None
@@ -212,7 +210,7 @@ class LoaderSurface:
     @property
     def index(self) -> int:
         """The consumer's index in its ring."""
-        return self._index()
+        return self._place.index
 
     @property
     def rank(self) -> int:
@@ -269,7 +267,7 @@ class LoaderSurface:
             return "the consumer has begun reading"
         if self._first_listing is not None:
             return self._first_listing
-        listed = self._list_epoch()
+        listed = self._place.list_epoch()
         if not isinstance(listed, str):
             self._first_listing = listed
         return listed

@@ -199,9 +199,8 @@ class TensorConsumer:
                 shared.producer_log
             if hasattr(shared.loader, "dataset"):
                 self.dataset = shared.loader.dataset
-        self._surface = LoaderSurface(self._reader, self._book, self._state, o,
-                                      lambda: place.index, shared, self._sets_epoch,
-                                      place.list_epoch)
+        self._surface = LoaderSurface(self._reader, self._book, self._state, o, place,
+                                      shared, self._sets_epoch)
         self._transforms = TransformStage.of(transforms, lambda: place.ring)
 
     @property

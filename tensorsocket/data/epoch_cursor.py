@@ -95,6 +95,10 @@ class EpochCursor:
         self.group_taken = 0  # batches this rank took in the current epoch
         self.skip = 0
         self.resume_skip = 0  # batches of the next epoch to skip (load_state_dict)
+        # Windowed, resumed by count: the next epoch starts at a producer epoch's first
+        # batch (`from_start` while it looks for it), where the batches counted were taken.
+        self.from_start_next = False
+        self.from_start = False
         # Exact resume (load_state_dict with the samples taken): the next epoch is a
         # resumed one, and `resuming` while it is iterated. A resumed epoch reads every
         # batch (the consumer keeps the samples not yet taken): alone, from where it is
@@ -126,6 +130,7 @@ class EpochCursor:
         self.delivered = 0
         self.group_taken = 0
         self.skip, self.resume_skip = self.resume_skip, 0
+        self.from_start, self.from_start_next = self.from_start_next, False
         self.resuming, self.resume_next = self.resume_next, False
         if self.resuming:
             self.delivered = self.resume_delivered
@@ -245,6 +250,8 @@ class EpochCursor:
                 # starts with its next epoch, aligned with it from now on.
                 return Step.END, {"source_done": True, "epoch_end": (entry.epoch + 2, 0)}
             return Step.DROP, {}
+        if self.epoch_end is None and self.from_start and entry.index != 0:
+            return Step.SKIP, {}  # (a producer epoch under way: the count is of another)
         changes: dict = {"pulled": self.pulled + 1}
         if self.epoch_end is None and self.resuming:
             # A resumed epoch looks for its samples to the end of the producer epoch after
@@ -388,13 +395,16 @@ class EpochCursor:
         """load_state_dict(): continue after `epoch` epochs, `skip` batches of the next one
         taken before the state was saved. exact: the consumer knows which samples those
         were, and the next epoch is a resumed one (see __init__) that starts counting at
-        `skip`; else its first `skip` batches are skipped."""
+        `skip`; else its first `skip` batches are skipped, counted from the first batch
+        of a producer epoch (windowed, a consumer skips to the next one: the count is of
+        an epoch from its start)."""
         if self.in_epoch:
             raise RuntimeError("load_state_dict() in the middle of an epoch: call it before "
                                "iterating the consumer")
         self.epoch = epoch
         self.resume_skip = 0 if exact else skip
         self.resume_next, self.resume_delivered = exact, skip if exact else 0
+        self.from_start_next = not exact
 
 
 class InFlight:

@@ -53,7 +53,8 @@ class EpochListing:
         sampler, whose batches are one index each)."""
         if not batched:
             return iter(self.ids.tolist())
-        return iter(self.batch_lists())
+        return (self.ids[a:b].tolist() for a, b in zip([0, *self.ends[:-1].tolist()],
+                                                        self.ends.tolist()))
 
     def part(self, first: int, budget: int) -> tuple[bytes, bytes]:
         """(sizes, ids) of the batches from `first` on that fit in `budget` bytes (4 bytes

@@ -39,7 +39,7 @@ class EpochPlanner:
         self._epoch = 0  # the epoch running, or next
         self._drawn = False  # its order was drawn
         self._out = False  # its first batch was published
-        self._first_seq = 0  # ... as this entry of the ring
+        self._starts: dict[int, int] = {}  # epoch -> its first entry, of the last few
         self._unlisted = "the producer's first epoch has not begun"  # why none, if none
 
     # -- the loader's thread ------------------------------------------------------------
@@ -74,18 +74,23 @@ class EpochPlanner:
 
     def published(self, seq: int) -> None:
         """The running epoch's first batch is out, as entry `seq` of the ring."""
-        self._first_seq = seq
+        starts = {e: first for e, first in self._starts.items() if e > self._epoch - KEPT_EPOCHS}
+        starts[self._epoch] = seq
+        self._starts = starts  # (one store: the control thread reads it whole)
         self._out = True
 
     # -- the control thread -------------------------------------------------------------
 
     def epoch_at(self, seq: int) -> int:
-        """The epoch that a consumer starting at entry `seq` now reads first: the running
-        one if its first batch is not out yet or is that entry or later, else the next
-        (an aligned consumer that starts within an epoch skips to the next one)."""
-        if not self._out or seq <= self._first_seq:
-            return self._epoch
-        return self._epoch + 1
+        """The epoch that a consumer which started at entry `seq` reads first: the first
+        one whose first batch is that entry or a later one (an aligned consumer that
+        starts within an epoch skips to the next one), told from the epochs' first
+        entries, so that the answer does not depend on how far the producer went since
+        (the ranks of a group, started at one entry, are told one by one)."""
+        later = [epoch for epoch, first in self._starts.items() if first >= seq]
+        if later:
+            return min(later)
+        return self._epoch + (1 if self._out else 0)
 
     def listing(self, epoch: int) -> EpochListing | str:
         """The listing of `epoch` (kept, or drawn ahead if it is the next one), or why not."""
