@@ -45,6 +45,8 @@ class ResumeBook:
         self._left_place: SavedPlace | None = None  # of an epoch left mid-way (break)
         self._left_source: int | None = None  # the producer epoch it was left in
         self._cut_place: SavedPlace | None = None  # of an epoch the producer's end cut
+        # Loaded in the middle of an epoch: resumed from when the next epoch begins.
+        self._pending_place: SavedPlace | None = None
         # A resumed group epoch left: the sample ids read and not yet dealt, in order.
         self._left_stream: list | None = None
 
@@ -54,6 +56,9 @@ class ResumeBook:
         place of an epoch the producer's end cut short is read first, as it is reset
         here (see cut_place)."""
         state, world = self._state, self._options.world_size
+        if self._pending_place is not None and not state.cursor.in_epoch:
+            pending, self._pending_place = self._pending_place, None
+            self._resume_from(pending)
         self.cut_place()
         state.cursor.begin()
         place, self._resume_place = self._resume_place, None
@@ -116,7 +121,9 @@ class ResumeBook:
         """TensorConsumer.state_dict(): the place loaded until its epoch begins, the
         epoch left mid-way until the next begins, the epoch the producer's end cut short
         (for good), else the current place."""
-        if self._resume_place is not None and not self._state.cursor.in_epoch:
+        if self._pending_place is not None:
+            place = self._pending_place
+        elif self._resume_place is not None and not self._state.cursor.in_epoch:
             place = self._resume_place
         elif self._left_place is not None:
             place = self._left_place_now(self._left_place)
@@ -158,7 +165,10 @@ class ResumeBook:
         """TensorConsumer.load_state_dict(), for a state that is not empty (LoaderSurface
         ignores an empty one). A state that does not fit this consumer is refused
         (ValueError naming the field, resume.decode) before anything changes: the consumer
-        stays as it was."""
+        stays as it was. In the middle of an epoch, the state is for the next one (as
+        torchdata's StatefulDataLoader loads a state for the next iterator): the epoch
+        being read goes on, and the next iter() resumes from the state, which state_dict()
+        says until then."""
         shape = self.shape()
         place = resume.decode(state, shape)
         exact = place.taken is not None
@@ -175,6 +185,18 @@ class ResumeBook:
                 "of the epoch may come twice and others not at all")
             log.warning("%s", message)
             warnings.warn(message, TensorSocketWarning, stacklevel=4)
+        if self._state.cursor.in_epoch:
+            log.info("consumer %d: a state loaded in the middle of an epoch resumes the next "
+                     "one (%d epochs done, %d batches of the next taken); this one goes on",
+                     self._place.index, place.epoch, place.batches)
+            self._pending_place = place
+            return
+        self._pending_place = None
+        self._resume_from(place)
+
+    def _resume_from(self, place: SavedPlace) -> None:
+        """The next epoch resumes from `place` (a state loaded, checked already)."""
+        exact = place.taken is not None
         cursor = self._state.cursor
         # The epoch count is the job's (as a training loop's): carried as it is. It names
         # this consumer's epochs and selects no samples, and no producer's epoch bounds
@@ -192,7 +214,10 @@ class ResumeBook:
         group, look_ahead reads on to this rank's next batch when the group's batches
         taken are not all seen yet (the ranks ahead of it in the deal)."""
         cursor = self._state.cursor
-        if not cursor.in_epoch:
+        if not cursor.in_epoch or cursor.delivered == 0:
+            # Nothing delivered (iter() and no next() yet, too): the next epoch is a whole
+            # one, counted from a producer epoch's start (an empty set of samples taken
+            # would resume from wherever the producer is, in a rotated order).
             return SavedPlace(cursor.epoch, 0, None, self._reader.dataset_len)
         return self._place_in_epoch(look_ahead)
 
