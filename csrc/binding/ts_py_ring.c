@@ -566,6 +566,49 @@ static PyObject *Ring_note_setup_cpu(RingObject *self, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
+/* Ring.note_cache(budget, bytes, samples, epochs, off): note the producer's decoded-sample
+ * cache in the header (off: why there is none, "" if there is one); the text is cut to
+ * what the header holds. */
+static PyObject *Ring_note_cache(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames)
+{
+    static const char *const names[] = {"budget", "bytes", "samples", "epochs", "off"};
+    PyObject *a[5];
+    ts_cache_note note = {0};
+    if (ts_py_args("note_cache", args, nargs, kwnames, names, 5, 5, 5, a) < 0 ||
+        ts_py_u64(a[0], &note.budget) < 0 || ts_py_u64(a[1], &note.bytes) < 0 ||
+        ts_py_u64(a[2], &note.samples) < 0 || ts_py_u64(a[3], &note.epochs) < 0 ||
+        ts_role_check(self, 1) < 0)
+        return NULL;
+    Py_ssize_t len = 0;
+    const char *off = PyUnicode_AsUTF8AndSize(a[4], &len);
+    if (off == NULL) return NULL;
+    /* Cut at a character boundary: the reader decodes what fits. */
+    size_t n = (size_t)len < TS_CACHE_OFF_BYTES - 1 ? (size_t)len : TS_CACHE_OFF_BYTES - 1;
+    while (n > 0 && n < (size_t)len && ((unsigned char)off[n] & 0xC0) == 0x80) n--;
+    memcpy(note.off, off, n);
+    ts_ring_note_cache(self->ring, &note);
+    Py_RETURN_NONE;
+}
+
+/* Ring.cache(): the header's cache note as a dict (budget, bytes, samples, epochs, off:
+ * None while there is a cache or none was decided), or None if it could not be read
+ * whole. */
+static PyObject *Ring_cache(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_ring_check(self) < 0) return NULL;
+    ts_cache_note note;
+    if (!ts_ring_cache(self->ring, &note)) Py_RETURN_NONE;
+    PyObject *off = note.off[0] == '\0' ? Py_NewRef(Py_None)
+        : PyUnicode_DecodeUTF8(note.off, (Py_ssize_t)strlen(note.off), "replace");
+    if (off == NULL) return NULL;
+    PyObject *out = Py_BuildValue("{sKsKsKsKsN}", "budget", (unsigned long long)note.budget,
+                                  "bytes", (unsigned long long)note.bytes,
+                                  "samples", (unsigned long long)note.samples,
+                                  "epochs", (unsigned long long)note.epochs, "off", off);
+    return out;
+}
+
 /* What one publish call copies (the argument of its slices). */
 typedef struct ts_publish_args {
     uint32_t kind;
@@ -1055,6 +1098,10 @@ static PyMethodDef Ring_methods[] = {
      "Wait until the consumers read everything published."},
     {"finish", TS_PY_FASTCALL(Ring_finish),
      "Mark the ring finished (with the producer's failure, if it failed)."},
+    {"note_cache", TS_PY_FASTCALL(Ring_note_cache),
+     "Note the producer's decoded-sample cache in the header (status, consumers)."},
+    {"cache", (PyCFunction)Ring_cache, METH_NOARGS,
+     "The producer's decoded-sample cache as noted: budget, bytes, samples, epochs, off."},
     {"failure", (PyCFunction)Ring_failure, METH_NOARGS,
      "Why the producer failed, once the ring is finished; None after a normal end."},
     {"bind", TS_PY_FASTCALL(Ring_bind), "Bind to a consumer entry."},

@@ -1272,6 +1272,52 @@ void ts_ring_note_setup_cpu(ts_ring *ring, uint64_t ns)
     atomic_store_explicit(&ring->hdr->setup_cpu_ns, ns, memory_order_relaxed);
 }
 
+/* Note the producer's cache (see ts_ring.h): the sequence lock's writer side. */
+void ts_ring_note_cache(ts_ring *ring, const ts_cache_note *note)
+{
+    ts_header *h = ring->hdr;
+    uint32_t seq = atomic_load_explicit(&h->cache_seq, memory_order_relaxed);
+    atomic_store_explicit(&h->cache_seq, seq + 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release); /* odd before any word changes */
+    const uint64_t counts[4] = {note->budget, note->bytes, note->samples, note->epochs};
+    for (int i = 0; i < 4; i++)
+        atomic_store_explicit(&h->cache_counts[i], counts[i], memory_order_relaxed);
+    char text[TS_CACHE_OFF_BYTES] = {0};
+    memcpy(text, note->off, strnlen(note->off, TS_CACHE_OFF_BYTES - 1));
+    for (size_t i = 0; i < TS_CACHE_OFF_BYTES / 8; i++) {
+        uint64_t word;
+        memcpy(&word, text + 8 * i, 8);
+        atomic_store_explicit(&h->cache_off[i], word, memory_order_relaxed);
+    }
+    atomic_store_explicit(&h->cache_seq, seq + 2, memory_order_release);
+}
+
+/* Copy the cache note (see ts_ring.h): the sequence lock's reader side. */
+int ts_ring_cache(const ts_ring *ring, ts_cache_note *out)
+{
+    const ts_header *h = ring->hdr;
+    for (int attempt = 0; attempt < 10000; attempt++) {
+        uint32_t before = atomic_load_explicit(&h->cache_seq, memory_order_acquire);
+        if (before & 1) continue;
+        uint64_t counts[4];
+        for (int i = 0; i < 4; i++)
+            counts[i] = atomic_load_explicit(&h->cache_counts[i], memory_order_relaxed);
+        for (size_t i = 0; i < TS_CACHE_OFF_BYTES / 8; i++) {
+            uint64_t word = atomic_load_explicit(&h->cache_off[i], memory_order_relaxed);
+            memcpy(out->off + 8 * i, &word, 8);
+        }
+        atomic_thread_fence(memory_order_acquire); /* the words before the second read */
+        if (atomic_load_explicit(&h->cache_seq, memory_order_relaxed) != before) continue;
+        out->budget = counts[0];
+        out->bytes = counts[1];
+        out->samples = counts[2];
+        out->epochs = counts[3];
+        out->off[TS_CACHE_OFF_BYTES - 1] = '\0'; /* from shared memory: terminated here */
+        return 1;
+    }
+    return 0;
+}
+
 /* Number of active consumers. */
 static uint32_t ts_active_count(const ts_header *h)
 {

@@ -61,7 +61,7 @@
 #include "base/ts_fault.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
-#define TS_LAYOUT_VERSION 8 /* 8: importer claims carry the pid; no IPC events */
+#define TS_LAYOUT_VERSION 9 /* 9: the cache note; 8: importer claims carry the pid */
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_SLOTS 4096 /* most slots a ring holds */
 #define TS_MAX_NDIM 16
@@ -75,6 +75,8 @@
 #define TS_CURSOR_DETACHED (1ULL << 63)
 /* Room for the text of a producer's failure (header.failure), NUL included. */
 #define TS_FAILURE_BYTES 1024
+/* Room for the text of why a producer has no decoded-sample cache, NUL included. */
+#define TS_CACHE_OFF_BYTES 512
 
 /* Ring states (header.state). */
 enum { TS_RING_OPEN = 1, TS_RING_FINISHED = 2 };
@@ -225,6 +227,14 @@ typedef struct ts_header {
     /* Why the producer stopped, if it failed (its loader raised, say): UTF-8, NUL
      * terminated, written before state becomes FINISHED; empty after a normal end. */
     char failure[TS_FAILURE_BYTES];
+
+    /* The producer's decoded-sample cache as it last noted it (ts_ring_note_cache), for
+     * status and its consumers: a sequence lock (odd while the producer writes) over
+     * words read and written with relaxed atomics, so a reader copies it whole or tries
+     * again. cache_off holds the text of ts_cache_note.off, 8 bytes a word. */
+    _Atomic uint32_t cache_seq;
+    _Atomic uint64_t cache_counts[4]; /* budget, bytes, samples, epochs */
+    _Atomic uint64_t cache_off[TS_CACHE_OFF_BYTES / 8];
 } ts_header;
 
 /* Ring geometry chosen by the producer. */
@@ -540,6 +550,23 @@ void ts_ring_note_publish_cpu(ts_ring *ring, uint64_t ns);
 /* Set header.setup_cpu_ns: the producer process's CPU time before its loader's first
  * epoch began (what status leaves out of the loader's CPU). */
 void ts_ring_note_setup_cpu(ts_ring *ring, uint64_t ns);
+
+/* The producer's decoded-sample cache (cache_bytes=), as noted in the ring's header. */
+typedef struct ts_cache_note {
+    uint64_t budget;  /* bytes the cache may take (0: none asked for) */
+    uint64_t bytes;   /* bytes it holds now */
+    uint64_t samples; /* samples filled */
+    uint64_t epochs;  /* epochs served from it */
+    char off[TS_CACHE_OFF_BYTES]; /* why there is none, NUL terminated ("": there is one,
+                                   * or the producer has not decided yet) */
+} ts_cache_note;
+
+/* Note the producer's cache in the header (the producer's thread only). */
+void ts_ring_note_cache(ts_ring *ring, const ts_cache_note *note);
+
+/* Copy the header's cache note into out: 1, or 0 if a write under way never let a
+ * whole copy be taken (a producer killed while writing it). */
+int ts_ring_cache(const ts_ring *ring, ts_cache_note *out);
 
 /* Bytes a batch of these leaves and meta occupies in a slot. */
 uint64_t ts_ring_batch_bytes(const ts_src_leaf *leaves, uint32_t n_leaves, uint64_t meta_bytes);

@@ -2563,6 +2563,65 @@ out:
     fx_destroy(&fx);
 }
 
+/* Writer of cache_note_race: notes whose fields and text all tell the same tag k, for k
+ * = 1..j->n (the producer's thread, noting its cache as it fills). */
+static void *cache_notes_run(void *p)
+{
+    job *j = p;
+    for (uint64_t k = 1; k <= j->n; k++) {
+        ts_cache_note note = {.budget = k, .bytes = 2 * k, .samples = 3 * k, .epochs = 4 * k};
+        snprintf(note.off, sizeof note.off, "off %llu %0*llu", (unsigned long long)k,
+                 (int)(k % 400), (unsigned long long)k); /* lengths vary: stale tails show */
+        ts_ring_note_cache(j->fx->prod, &note);
+    }
+    j->done = 1;
+    return NULL;
+}
+
+/* The cache note: a consumer's copy taken while the producer writes notes is always one
+ * whole note (its counts and its text from the same write), never a mix; the text is
+ * cut to the room there is; a fresh ring's note says no budget and no text. */
+static void test_cache_note_race(void)
+{
+    fixture fx = {0};
+    consumer c = {0};
+    job j = {.fx = &fx, .n = 20000};
+    pthread_t t;
+    int started = 0;
+    ts_cache_note got;
+    REQUIRE(fx_create(&fx, 4, 4, 4096) == 0);
+    REQUIRE(consumer_add(&fx, &c, 1) == 0);
+    REQUIRE(ts_ring_cache(c.ring, &got) == 1);
+    CHECK_EQ(got.budget, 0);
+    CHECK(got.off[0] == '\0');
+    REQUIRE(pthread_create(&t, NULL, cache_notes_run, &j) == 0);
+    started = 1;
+    uint64_t copies = 0, torn = 0;
+    while (!__atomic_load_n(&j.done, __ATOMIC_ACQUIRE) || copies == 0) {
+        if (!ts_ring_cache(c.ring, &got)) continue;
+        copies++;
+        uint64_t k = got.budget;
+        char want[TS_CACHE_OFF_BYTES];
+        snprintf(want, sizeof want, "off %llu %0*llu", (unsigned long long)k, (int)(k % 400),
+                 (unsigned long long)k);
+        if (k != 0 && (got.bytes != 2 * k || got.samples != 3 * k || got.epochs != 4 * k ||
+                       strcmp(got.off, want) != 0))
+            torn++;
+    }
+    CHECK_EQ(torn, 0);
+    CHECK(copies > 0);
+    ts_cache_note last = {.budget = 7};
+    memset(last.off, 'x', sizeof last.off); /* no NUL: cut to the room there is */
+    last.off[sizeof last.off - 1] = 'x';
+    ts_ring_note_cache(fx.prod, &last);
+    REQUIRE(ts_ring_cache(c.ring, &got) == 1);
+    CHECK_EQ(strlen(got.off), TS_CACHE_OFF_BYTES - 1);
+out:
+    if (started) pthread_join(t, NULL);
+    consumer_drop(&c);
+    fx_destroy(&fx);
+}
+
 static const ts_test g_tests[] = {
     {"wrap_around", test_wrap_around},   {"slot_reuse", test_slot_reuse},
     {"bitmaps", test_bitmaps},           {"leases_dlpack", test_leases_dlpack},
@@ -2585,7 +2644,7 @@ static const ts_test g_tests[] = {
     {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
     {"try_acquire", test_try_acquire},   {"await_race", test_await_race},
     {"late_release", test_late_release}, {"late_release_race", test_late_release_race},
-    {"set_aside_rebound", test_set_aside_rebound},
+    {"set_aside_rebound", test_set_aside_rebound}, {"cache_note_race", test_cache_note_race},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */

@@ -98,6 +98,11 @@ class ProducerStatus:
     # The bottleneck over the interval, with the waits it was judged from (not in the
     # JSON document as such: its keys bottleneck and bottleneck_consumer come from it).
     bottleneck_detail: sharing_report.Bottleneck | None = field(default=None, repr=False)
+    # The producer's decoded-sample cache (cache_bytes=) as it noted it in its ring: budget
+    # (0: none asked for), bytes, samples (filled), epochs (served from it), off (why
+    # there is none: None while there is one, or before the producer decided); None: the
+    # note could not be read whole.
+    cache: dict | None = None
     consumers: list[ConsumerStatus] = field(default_factory=list)
 
     @property
@@ -233,6 +238,7 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
         info, steady = _steady_info(ring)
         entries = ring.consumers()
         next_readers = ring.next_slot()["readers"]
+        cache = ring.cache()
     finally:
         ring.close()
     alive = _core.process_alive(info["producer_pid"], info["producer_start_time"])
@@ -279,7 +285,7 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
         batches_delivered=info["batches_delivered"],
         loader_cpu_saved_seconds=sharing_report.loader_cpu_saved_seconds(
             loader_cpu, info["batches_delivered"], batches),
-        consumers=consumers,
+        cache=cache, consumers=consumers,
     )
     first = info["epoch_first_seq"]
     raw = {"t": time.monotonic(), "published": info["published"], "epochs_ended": ended,
@@ -536,6 +542,24 @@ def _sharing_lines(p: ProducerStatus, width: int | None) -> list[str]:
     return lines
 
 
+def _cache_lines(p: ProducerStatus, width: int | None) -> list[str]:
+    """The producer's decoded-sample cache, where one was asked for (cache_bytes=)."""
+    cache = p.cache
+    if not cache or not cache["budget"]:
+        return []
+    if cache["off"]:
+        return textwrap.wrap(f"decoded cache off ({human_bytes(cache['budget'])} allowed): "
+                             f"{cache['off']}", width or 1000, initial_indent="  ",
+                             subsequent_indent="    ")
+    if not cache["bytes"]:
+        return [f"  decoded cache: {human_bytes(cache['budget'])} allowed, not decided yet "
+                "(at the first batch)"]
+    return _pack([f"decoded cache {human_bytes(cache['bytes'])} of "
+                  f"{human_bytes(cache['budget'])} allowed",
+                  f"{cache['samples']} samples filled",
+                  f"{cache['epochs']} epochs served from it"], "; ", width, "  ")
+
+
 def render(producers: list[ProducerStatus], width: int | None = None,
            others: list[OtherUserSegment] | None = None) -> list[str]:
     """Lines of text showing a survey (``status`` and ``top``); a producer's fields wrap
@@ -561,6 +585,7 @@ def render(producers: list[ProducerStatus], width: int | None = None,
              f"max_lag {p.max_lag or '-'}", f"lag detaches {p.lag_detached}",
              f"waiting for slots {_pct(p.publish_wait_fraction)}"], "; ", width, "  "))
         lines.extend(_sharing_lines(p, width))
+        lines.extend(_cache_lines(p, width))
         if p.state == "dead":
             lines.extend(textwrap.wrap(
                 "the producer process is gone: `tensorsocket clean` removes what it left "

@@ -25,5 +25,21 @@ def consumer_stats(consumer: Any, place: Any, state: Any, acquirer: Any,
         "rejoins": place.rejoins, "skipped_entries": place.skipped,
         "dropped_samples": rebatcher.dropped_samples if rebatcher else 0,
         "copied_kept_batches": place.set_aside_batches,
+        **producer_cache(place),
         **({} if transforms is None else transforms.stats()),
     }
+
+
+def producer_cache(place: Any) -> dict:
+    """The producer's decoded-sample cache, as noted in its ring's header: cache_budget
+    (bytes allowed; 0: none asked for), cache_bytes, cache_samples (filled), cache_epochs
+    (served from it) and cache_off (why there is none: "not made: ..." or "dropped: ...";
+    None while there is one, or before the producer decided). All None once the consumer
+    is closed, or where the note could not be read whole."""
+    note = None if place.closed else place.ring.cache()
+    if note is None:
+        return dict.fromkeys(("cache_budget", "cache_bytes", "cache_samples", "cache_epochs",
+                              "cache_off"))
+    return {"cache_budget": note["budget"], "cache_bytes": note["bytes"],
+            "cache_samples": note["samples"], "cache_epochs": note["epochs"],
+            "cache_off": note["off"]}

@@ -16,6 +16,7 @@ from ..data.sample_ids import IdMask
 from ..errors import TensorSocketError
 from ..loader.loader_info import LoaderShape
 from .acquire import SlotAcquirer
+from .cache_notice import CacheNotice
 from .epoch_state import EpochState
 from .options import ConsumerOptions
 from .place import RingPlace
@@ -45,6 +46,7 @@ class EpochReader:
         self.loader_batch_size: int | None = welcome.loader_batch_size
         self.dataset_len: int | None = welcome.dataset_len
         self._skipped_to_align = 0  # entries skipped waiting for an epoch start
+        self._cache_notice = CacheNotice()  # what the producer's cache note told this job
 
     @property
     def batch_size(self) -> int | None:
@@ -116,6 +118,8 @@ class EpochReader:
                 self._take_end_marker()
                 cursor.end()
                 self._place.flush_releases()
+                if self._place.attached and not self._place.closed:
+                    self._cache_notice.check(self._place.ring, self._place.index)
                 raise StopIteration from None
         return flow.ready[0]  # type: ignore[index]
 

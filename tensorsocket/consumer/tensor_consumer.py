@@ -365,15 +365,14 @@ class TensorConsumer:
     def stats(self) -> dict:
         """Counters of this consumer.
 
-        batches / samples: delivered so far; loader_batches and bytes: ring
-        entries taken (bytes of tensor data and structure); wait_seconds: time
-        spent waiting for batches; lag: batches (ring entries) published but
-        not yet taken (the end marker of an epoch that ended with its last batch
-        is no batch: a finished epoch leaves lag 0); rejoins / skipped_entries:
-        re-attachments after being detached for lagging and the entries they
-        skipped; dropped_samples:
-        samples dropped by drop_last; copied_kept_batches: batches still alive
-        that were copied privately so that the consumer never waits for their slots.
+        batches / samples: delivered so far; loader_batches and bytes: ring entries taken
+        (bytes of tensor data and structure); wait_seconds: time spent waiting for batches;
+        lag: batches (ring entries) published but not yet taken (the end marker of an epoch
+        that ended with its last batch is no batch: a finished epoch leaves lag 0); rejoins
+        / skipped_entries: re-attachments after being detached for lagging and the entries
+        they skipped; dropped_samples: samples dropped by drop_last; copied_kept_batches:
+        batches still alive that were copied privately so that the consumer never waits for
+        their slots; cache_*: the producer's decoded-sample cache (counters.producer_cache).
         With transform=, also transform_seconds, transform_wait_seconds, transform_workers
         and transform_seed (see tensorsocket.augment.TransformStage.stats).
         """

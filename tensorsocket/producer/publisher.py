@@ -130,6 +130,7 @@ class EpochPublisher:
         self._gate.wait(self._state.ring, first=self.batches == 0)
         self._publish(meta, leaves, index=index)
         self.cache.offer(structure, leaves, ids, self._epochs.epoch)
+        self.cache.note_in(self._state.ring)
         self._state.ring.note_publish_cpu(time.thread_time_ns() - start)
         return batch
 
@@ -139,6 +140,7 @@ class EpochPublisher:
         start = time.thread_time_ns()
         self._gate.wait(self._state.ring, first=False)
         self._publish(with_ids(cached.structure, cached.ids), cached.leaves, index=index)
+        self.cache.note_in(self._state.ring)
         self._state.ring.note_publish_cpu(time.thread_time_ns() - start)
         return cached.batch
 

@@ -239,6 +239,7 @@ class CachedEpochs:
         self._said: set[str] = set()  # INFO lines said once
         self.epochs_served = 0
         self.off: str | None = None  # why there is no cache (not made, or dropped)
+        self._noted: tuple = ()  # what note_in() last wrote in the ring's header
 
     # -- the loader's epochs -------------------------------------------------------------
 
@@ -457,6 +458,20 @@ class CachedEpochs:
                 "cache_samples": cache.filled if cache is not None else 0,
                 "cache_epochs": self.epochs_served,
                 "cache_off": self.off}
+
+    def note_in(self, ring: Any) -> None:
+        """Note the cache in the ring's header, where `tensorsocket status` and the
+        consumers (the training processes that asked for it) read it, if it changed since
+        the last note; nothing when no cache was asked for (cache_bytes=0)."""
+        budget = self._settings.cache_bytes or 0
+        if not budget:
+            return
+        cache = self._cache
+        now = (cache.nbytes if cache is not None else 0, cache.filled if cache is not None
+               else 0, self.epochs_served, self.off or "")
+        if now != self._noted:
+            self._noted = now
+            ring.note_cache(budget, *now)
 
     def close(self) -> None:
         """Free the cache (the producer closes)."""
