@@ -43,4 +43,4 @@ class CacheNotice:
         message = (f"the shared producer's decoded-sample cache (cache_bytes="
                    f"{note['budget']}) is {off}")
         log.warning("%s", message)
-        warnings.warn(message, TensorSocketWarning, stacklevel=4)
+        warnings.warn(message, TensorSocketWarning, stacklevel=5)  # (the loop's next())
