@@ -13,7 +13,6 @@ from __future__ import annotations
 import subprocess
 import threading
 
-import pytest
 import torch
 from torch.utils.data import DataLoader
 

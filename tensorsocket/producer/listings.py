@@ -8,15 +8,12 @@ from the sampler at once, and keeps set_epoch() and the draw of an epoch togethe
 
 from __future__ import annotations
 
-import logging
 import threading
 from itertools import chain, islice
 from typing import Any, Iterator
 
 from ..data.listings import MAX_LISTED_IDS, EpochListing, listing_of
 from ..loader.loader_info import set_sampler_epoch
-
-log = logging.getLogger("tensorsocket")
 
 KEPT_EPOCHS = 3  # listings kept: the running epoch, the next, and the one before
 
