@@ -309,7 +309,7 @@ def test_transform_that_cannot_run_on_the_shared_samples(jobs, name):
         job.proc.result(JOB_TIMEOUT)
     said = str(failed.value)
     # Both sides: the transform (and what it raised), the samples' dtype and shape.
-    assert "TransformError: transform=Compose" in said, said
+    assert "TransformError(TypeError): transform=Compose" in said, said  # (issue 36: both types)
     assert "should be a float tensor" in said, said
     assert "uint8" in said and "(3, 72, 72)" in said, said
     assert wait_gone_after(job)["epochs"] == {}
