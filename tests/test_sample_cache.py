@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import Producing
 from tensorsocket import TensorConsumer, TensorProducer, config
 from tensorsocket.config import ArgumentTypeError
+from tensorsocket.errors import TensorSocketWarning
 
 SAMPLES = 100
 BATCH = 16  # the last batch of an epoch holds 4
@@ -320,8 +322,9 @@ def test_a_cached_epoch_cut_short_ends_with_its_marker(name):
 
 def test_what_cannot_be_cached_is_said_once_at_info(name, caplog):
     """A loader the cache cannot serve (a list of batches) with cache_bytes set: one INFO
-    line says why, and the epochs run as before; a DataLoader with cache_bytes=0 (the
-    default): nothing about the cache is logged."""
+    line says why, and the epochs run as before; the consumer (the job that asked) is
+    told why at its epoch's end, by a TensorSocketWarning (issue 36); a DataLoader with
+    cache_bytes=0 (the default): nothing about the cache is logged."""
     caplog.set_level(logging.INFO, logger="tensorsocket")
     data = TensorDataset(torch.arange(32))
     for loader, budget in (([torch.arange(i * 4, i * 4 + 4) for i in range(8)], 1 << 20),
@@ -331,7 +334,13 @@ def test_what_cannot_be_cached_is_said_once_at_info(name, caplog):
         producing = Producing(producer)
         producing.start()
         consumer = TensorConsumer(name=name, timeout=30)
-        got = [int(i) for b in consumer for i in (b if budget else b[0])]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = [int(i) for b in consumer for i in (b if budget else b[0])]
+        told = [str(w.message) for w in caught if issubclass(w.category, TensorSocketWarning)]
+        assert told == ([f"the shared producer's decoded-sample cache (cache_bytes={budget}) "
+                         "is not made: the data loader is a 'list', not a torch DataLoader"]
+                        if budget else []), told
         producing.join(30)
         assert producing.error is None and sorted(got) == list(range(32))
         producer.join(30)
