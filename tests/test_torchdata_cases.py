@@ -188,14 +188,25 @@ DEFAULT_KINDS = ("map-shuffle", "iterable")  # the others: -m slow
 POSITIONS = [0, 1, 5, LAST, "break"]
 
 
-@pytest.mark.parametrize("producer", ["fresh", "moved-on"])
-@pytest.mark.parametrize("position", POSITIONS, ids=lambda p: f"at-{p}")
-@pytest.mark.parametrize("kind", [
-    k if k in DEFAULT_KINDS else pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
+def _cases() -> list:
+    """(kind, position, producer) of test_interrupted_and_resumed: every position on both
+    producers for the default kinds; for the others (slow), every position on a producer
+    that moved on, and positions 1 and last on a fresh one."""
+    cases = []
+    for kind in KINDS:
+        marks = () if kind in DEFAULT_KINDS else (pytest.mark.slow,)
+        for position in POSITIONS:
+            for producer in ("fresh", "moved-on"):
+                if producer == "fresh" and position not in (1, LAST) and marks:
+                    continue
+                cases.append(pytest.param(kind, position, producer, marks=marks,
+                                          id=f"{kind}-at-{position}-{producer}"))
+    return cases
+
+
+@pytest.mark.parametrize("kind, position, producer", _cases())
 def test_interrupted_and_resumed(procs, name, kind, position, producer):
     """torchdata's _run_and_checkpoint, for each loader kind, position and producer."""
-    if producer == "fresh" and position not in (1, LAST) and kind not in DEFAULT_KINDS:
-        pytest.skip("fresh producers: positions 1 and last for the slow kinds")
     interrupted_and_resumed(Loader(procs, name, *KINDS[kind]), position, producer)
 
 
