@@ -69,6 +69,9 @@ def start_shared_loader(procs, name: str, batch_sizes: list[int]) -> tuple:
     procs.wait_ready(prod)
     consumers = [procs.start("consumer", "--name", name, "--kind", "samples", "--samples",
                              "240000", "--batch-size", str(bs)) for bs in batch_sizes]
+    # The ring is made at the first batch, after "ready": on a loaded machine later than
+    # a CLI started at once would look.
+    wait_for(lambda: shm_segments(name), what=f"the ring of producer {name!r}")
     return prod, consumers
 
 
