@@ -27,11 +27,7 @@ class Liveness:
         heartbeat_timeout; note consumers the ring detached for lagging; drop handshakes
         never finished. A rank found waiting for its group is passed to start_group."""
         for ident, peer in self._peers.items():
-            if peer.active and not peer.detached and \
-                    ring.consumer(peer.index)["state"] == _core.CONSUMER_DETACHED:
-                peer.detached = True  # the stall watch's detaches are logged there
-                log.warning("consumer %d (pid %d) fell more than max_lag batches behind and "
-                            "was detached", peer.index, peer.pid)
+            peer.note_detached(ring)
             if not _core.process_alive(peer.pid, peer.start_time):
                 self._peers.pop(ident)
                 if peer.holds_entry():

@@ -38,6 +38,16 @@ class Peer:
     first_epoch: int | None = None  # the epoch it reads first, from that entry
     unread_since: float | None = None  # holding the others back having read nothing
 
+    def note_detached(self, ring: Any) -> None:
+        """Log, once, that the ring detached this consumer for lagging, if it did (the
+        liveness check looks; so does its leaving, which may come first: the consumer
+        raised ConsumerDetached and said bye)."""
+        if self.active and not self.detached and \
+                ring.consumer(self.index)["state"] == _core.CONSUMER_DETACHED:
+            self.detached = True  # the stall watch's detaches are logged there
+            log.warning("consumer %d (pid %d) fell more than max_lag batches behind and "
+                        "was detached", self.index, self.pid)
+
     def holds_entry(self) -> bool:
         """Whether its entry in the ring is its own to give back: not parked, or parked
         with its place kept (a parked consumer's entry was retired when it parked)."""
@@ -85,6 +95,7 @@ class PeerTable:
         peer = self.pop(ident)
         ring = self._ring()
         if peer is not None and ring is not None and peer.holds_entry():
+            peer.note_detached(ring)
             ring.retire(peer.index)
             log.info("consumer %d (pid %d) left", peer.index, peer.pid)
 
