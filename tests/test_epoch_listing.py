@@ -27,10 +27,12 @@ from torch.utils.data import DataLoader
 from tensorsocket import TensorProducer
 
 name, samples, batch, slots = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+slot_bytes = 1 << 20
 torch.manual_seed(0)
 loader = DataLoader(torch.arange(samples), batch_size=batch, shuffle=True)
 producer = TensorProducer(loader, name=name, min_consumers=1, start_grace=0,
-                          start_timeout=60, ring_slots=slots, rubber_band=1)
+                          start_timeout=60, ring_slots=slots, rubber_band=1,
+                          slot_bytes=slot_bytes)
 print("ready", flush=True)
 for epoch in range(5):
     for _ in producer:
@@ -40,9 +42,10 @@ producer.close()
 """
 
 
-def _producer(procs, name: str, slots: int = 16) -> subprocess.Popen:
+def _producer(procs, name: str, slots: int = 16, samples: int = SAMPLES,
+              batch: int = BATCH) -> subprocess.Popen:
     """A producer process of the shuffling loader, once it has its name."""
-    p = procs.script(PRODUCER, name, str(SAMPLES), str(BATCH), str(slots))
+    p = procs.script(PRODUCER, name, str(samples), str(batch), str(slots))
     line = p.stdout.readline()
     assert line == "ready\n", p.communicate(timeout=30)
     return p
@@ -139,3 +142,81 @@ def test_the_ranks_of_a_group_list_parts_of_one_order(procs, name):
     assert not ids[0] & ids[1]
     assert len(ids[0]) == len(ids[1]) == SAMPLES // 2
     assert read == listed
+
+
+def test_batches_larger_than_a_control_message_are_listed(procs, name):
+    """Batches of 9,000 indices (72 KB each, over the 64 KiB a control message may hold):
+    the listing comes in parts that split batches, and is the epoch then read (before the
+    fix the answer broke the consumer's control connection: no listing, then evicted)."""
+    samples, batch = 20000, 9000
+    _producer(procs, name, samples=samples, batch=batch)
+    with TensorConsumer(name=name, timeout=30, batch_timeout=30) as consumer:
+        listed = list(consumer.batch_sampler)
+        assert [len(b) for b in listed] == [9000, 9000, 2000]
+        assert _epoch(consumer) == listed
+        assert sorted(i for b in listed for i in b) == list(range(samples))
+
+
+# -- the producer's planner alone (its rules, without processes) ---------------------
+
+class _Sampler:
+    """A batch sampler over `items` (a list the test changes), counting its passes."""
+
+    def __init__(self, items: list, fail: bool = False) -> None:
+        self.items, self.fail, self.passes = items, fail, 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        self.passes += 1
+        if self.fail:
+            raise RuntimeError("a sampler that cannot draw ahead")
+        return iter([list(b) for b in self.items])
+
+
+def test_an_epoch_run_again_under_its_number_is_drawn_anew():
+    """An epoch that yielded nothing runs again under the same number (the producer counts
+    epochs that published): its listing is drawn anew, not the empty one kept."""
+    from tensorsocket.producer.listings import EpochPlanner
+
+    planner, sampler = EpochPlanner(), _Sampler([])
+    with planner.lock:
+        planner.begin(object(), 0, (sampler, True), next_too=True)
+    assert list(planner.items(sampler)) == []
+    sampler.items = [[3, 1], [2, 0]]
+    with planner.lock:
+        planner.begin(object(), 0, (sampler, True), next_too=True)
+    assert list(planner.items(sampler)) == [[3, 1], [2, 0]]
+
+
+def test_a_draw_ahead_that_fails_is_said_once_and_not_tried_again():
+    """A sampler that raises when the control thread draws the next epoch ahead: the
+    consumer is told why (not a refused request), and later asks are answered from what
+    was noted, without drawing (each draw would take from the sampler's RNG again)."""
+    from tensorsocket.producer.listings import EpochPlanner
+
+    planner, sampler = EpochPlanner(), _Sampler([[0, 1]])
+    with planner.lock:
+        planner.begin(object(), 0, (sampler, True), next_too=True)
+    assert list(planner.items(sampler)) == [[0, 1]]
+    sampler.fail = True
+    first = planner.listing(1)
+    assert isinstance(first, str) and "RuntimeError" in first, first
+    passes = sampler.passes
+    assert planner.listing(1) == first and sampler.passes == passes
+
+
+def test_a_consumer_that_reads_from_within_an_epoch_is_not_listed_one():
+    """epoch_at: an aligned consumer that starts within epoch 0 reads epoch 1 first; one
+    that is not aligned reads on from where it started, an epoch no listing describes."""
+    from tensorsocket.producer.listings import EpochPlanner
+
+    planner, sampler = EpochPlanner(), _Sampler([[0], [1], [2]])
+    with planner.lock:
+        planner.begin(object(), 0, (sampler, True), next_too=True)
+    list(planner.items(sampler))
+    planner.published(0)
+    assert planner.epoch_at(0, True) == planner.epoch_at(0, False) == 0
+    assert planner.epoch_at(2, True) == 1
+    assert planner.epoch_at(2, False) is None

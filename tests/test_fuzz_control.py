@@ -386,7 +386,7 @@ def peer_message(kind: str, consumer: int, token: int) -> bytes:
     """A well-formed message of an attached consumer (a ready asks for no alignment, a
     park to keep the place)."""
     extra = {"ready": {"align": False}, "park": {"hold": True, "skip_epoch": False},
-             "list_epoch": {"epoch": -1, "first": 0}}.get(kind, {})
+             "list_epoch": {"epoch": -1, "first_batch": 0, "first_id": 0}}.get(kind, {})
     return protocol.encode(kind, consumer=consumer, token=token, **extra)
 
 

@@ -47,6 +47,7 @@ class EpochReader:
         self.dataset_len: int | None = welcome.dataset_len
         self._skipped_to_align = 0  # entries skipped waiting for an epoch start
         self._cache_notice = CacheNotice()  # what the producer's cache note told this job
+        self._said_waiting = False  # a resumed windowed epoch said it waits for a pass
 
     @property
     def batch_size(self) -> int | None:
@@ -257,6 +258,13 @@ class EpochReader:
             if step is Step.TAKE:
                 self._take(slot)
                 return
+            if step is Step.SKIP and not self._said_waiting:
+                self._said_waiting = True
+                log.warning("consumer %d resumes by count from the first batch of a producer "
+                            "epoch: the producer is at batch %d of its epoch %d, so it waits "
+                            "for the producer's next pass (a stream that never ends one "
+                            "never gives it: load no state for such a stream)",
+                            self._place.index, slot.index, slot.epoch)
             entry[0] = None
             slot.release()
             if step is Step.END:

@@ -15,7 +15,7 @@ import logging
 import warnings
 from typing import Any
 
-from ..errors import TensorSocketWarning
+from ..errors import TensorSocketError, TensorSocketWarning
 from ..data.listings import EpochListing
 from .book import ResumeBook
 from .epoch_state import EpochState
@@ -267,7 +267,10 @@ class LoaderSurface:
             return "the consumer has begun reading"
         if self._first_listing is not None:
             return self._first_listing
-        listed = self._place.list_epoch()
+        try:
+            listed = self._place.list_epoch()
+        except TensorSocketError as e:  # (a producer gone or refusing: unlisted, say why)
+            return f"the producer did not list it: {e}"
         if not isinstance(listed, str):
             self._first_listing = listed
         return listed

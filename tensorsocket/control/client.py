@@ -380,31 +380,32 @@ class ControlClient:
         assembly: Assembly | None = None
         restarts = 0
         while restarts <= LISTING_RESTARTS:
-            epoch = -1 if assembly is None else assembly.epoch
-            first = 0 if assembly is None else assembly.received
-            self._sock.send(protocol.ListEpoch(self.consumer, self.token, epoch=epoch,
-                                               first=first).encode())
+            self._sock.send(protocol.ListEpoch(
+                self.consumer, self.token, epoch=-1 if assembly is None else assembly.epoch,
+                first_batch=0 if assembly is None else assembly.received_batches,
+                first_id=0 if assembly is None else assembly.received_ids).encode())
             msg = self._receive(PENDING_TIMEOUT, protocol.EpochBatches)
             if msg is None:
                 raise ProducerNotFound(f"the producer at {self.address} stopped answering")
             if msg.unlisted is not None:
                 if assembly is None:
-                    return msg.unlisted
+                    return peer_text(msg.unlisted, self._proven)
                 assembly = None  # its epoch went while the parts came: the next one's
                 restarts += 1
                 continue
             if assembly is None:
-                assembly = Assembly(msg.epoch, msg.batches)
-            if msg.epoch != assembly.epoch or msg.first != assembly.received:
-                raise ProtocolError(f"bad reply from {self._speaker()}: the parts of an "
-                                    "epoch's listing do not follow each other")
+                assembly = Assembly(msg.epoch, msg.batches, msg.samples)
             try:
-                if msg.batches:
+                if msg.epoch != assembly.epoch or msg.batches != assembly.batches or \
+                        msg.first_batch != assembly.received_batches or \
+                        msg.first_id != assembly.received_ids:
+                    raise ValueError("the parts of an epoch's listing do not follow each other")
+                if not assembly.complete:
                     assembly.add(msg.sizes, msg.ids)
+                if assembly.complete:
+                    return assembly.listing()
             except ValueError as e:
                 raise ProtocolError(f"bad reply from {self._speaker()}: {e}") from None
-            if assembly.complete:
-                return assembly.listing()
         return "the producer's epochs moved on while their order was read"
 
     def request_leave(self) -> None:

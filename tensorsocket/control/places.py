@@ -21,12 +21,12 @@ class Places:
     """The consumers' places in the ring, for the server's thread. ring() is the
     producer's ring (None before it exists); send(ident, message) replies to a consumer;
     park_hold: seconds a consumer parked between epochs keeps its place once others read
-    again; epoch_at(seq): the epoch a consumer that starts at entry seq reads first (the
-    producer's EpochPlanner.epoch_at; None: not told)."""
+    again; epoch_at(seq, aligned): the epoch a consumer that starts at entry seq reads
+    first (the producer's EpochPlanner.epoch_at; None: not told)."""
 
     def __init__(self, ring: Callable[[], Any], peers: PeerTable, park_hold: float,
                  send: Callable[[bytes, protocol.Message], None],
-                 epoch_at: Callable[[int], int] | None = None) -> None:
+                 epoch_at: Callable[[int, bool], int | None] | None = None) -> None:
         self._ring = ring
         self._epoch_at = epoch_at  # the epoch a consumer starting at an entry reads first
         self._peers = peers
@@ -51,7 +51,7 @@ class Places:
         ring = self._ring()
         peer.active = True
         peer.start_seq = start
-        peer.first_epoch = None if self._epoch_at is None else self._epoch_at(start)
+        peer.first_epoch = None if self._epoch_at is None else self._epoch_at(start, align)
         peer.last_seen = time.monotonic()  # its heartbeats start now (a rank waited for its group)
         self._restart_holds(time.monotonic())
         log.info("consumer %d (pid %d%s) joined at entry %d (%d published%s)", peer.index,

@@ -112,12 +112,13 @@ class Bye(Placed):
 
 @dataclass(frozen=True)
 class ListEpoch(Placed):
-    """The index lists of an epoch's batches, from batch `first` on (the answer carries as
-    many as fit): of `epoch`, or (epoch -1) of the epoch a consumer beginning now begins
-    at, the same one for every rank of a group (tensorsocket.data.listings)."""
+    """The index lists of an epoch's batches: the sizes of its batches from `first_batch`
+    on and its indices from `first_id` on (the answer carries as many as fit), of `epoch`,
+    or (epoch -1) of the epoch the consumer reads first (tensorsocket.data.listings)."""
     kind: ClassVar[str] = "list_epoch"
     epoch: int
-    first: int
+    first_batch: int
+    first_id: int
 
 
 @dataclass(frozen=True)
@@ -183,14 +184,17 @@ class LoaderInfo(Message):
 
 @dataclass(frozen=True)
 class EpochBatches(Message):
-    """The answer to list_epoch: batches `first`, `first` + 1, ... of `epoch`, which has
-    `batches` of them: their sizes (little-endian int32) and indices (int64); epoch -1
-    and `unlisted` (why) where the producer cannot list it."""
+    """The answer to list_epoch, for `epoch` of `batches` batches and `samples` indices:
+    the sizes (little-endian int32) of batches first_batch, first_batch + 1, ... and the
+    indices (int64) from first_id on; epoch -1 and `unlisted` (why) where the producer
+    cannot list it."""
     kind: ClassVar[str] = "epoch_batches"
     epoch: int
     batches: int
-    first: int
+    samples: int
+    first_batch: int
     sizes: bytes
+    first_id: int
     ids: bytes
     unlisted: str | None
 

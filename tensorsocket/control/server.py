@@ -37,8 +37,10 @@ log = logging.getLogger("tensorsocket")
 HEARTBEAT_TIMEOUT = config.SETTINGS["heartbeat_timeout"].default  # then a consumer is evicted
 LIVENESS_INTERVAL = 0.25  # how often the server checks consumer processes
 MAX_ERROR_CHARS = 1000  # error replies stay well inside the protocol's string limit
-# The bytes of index lists in one epoch_batches answer (within MAX_MESSAGE_BYTES).
-LISTING_PART_BYTES = protocol.MAX_MESSAGE_BYTES - 4096
+# The bytes of batch sizes and of indices in one epoch_batches answer (together well
+# within MAX_MESSAGE_BYTES, which the consumer's socket enforces).
+LISTING_SIZES_BYTES = 8 * 1024
+LISTING_IDS_BYTES = 48 * 1024
 FAREWELL_LINGER_MS = 1000  # how long a closing server tries to deliver its farewells
 # A peer's flood must not starve the server's own checks: it handles at most
 # MESSAGES_PER_TURN messages per turn of its loop, and pauses FLOOD_PAUSE seconds after
@@ -325,25 +327,30 @@ class ControlServer:
             self._send(ident, protocol.Unparked(held=self._places.unpark(ring, peer)))
 
     def _list_epoch(self, ident: bytes, msg: protocol.ListEpoch) -> None:
-        """The batches of an epoch from msg.first on, as many as fit in one answer (epoch
-        -1: the one the consumer reads first, from the entry it started at: for the ranks
-        of a group, which start together, the same one)."""
+        """The sizes of an epoch's batches from msg.first_batch on and its indices from
+        msg.first_id on, as many as fit in one answer (epoch -1: the one the consumer reads
+        first, from the entry it started at: for the ranks of a group, which start
+        together, the same one)."""
         peer = self._peer(ident, msg)
         if peer is None:
             return
         listed = self._listing(peer, msg.epoch)
         if isinstance(listed, str):
-            self._send(ident, protocol.EpochBatches(epoch=-1, batches=0, first=0, sizes=b"",
-                                                    ids=b"", unlisted=listed))
+            self._send(ident, protocol.EpochBatches(
+                epoch=-1, batches=0, samples=0, first_batch=0, sizes=b"", first_id=0,
+                ids=b"", unlisted=listed[:MAX_ERROR_CHARS]))
             return
-        if not 0 <= msg.first < max(listed.batches, 1):
-            self._reject(ident, protocol.Error("protocol", f"list_epoch from batch {msg.first} "
-                                               f"of {listed.batches}"))
+        if not (0 <= msg.first_batch <= listed.batches and 0 <= msg.first_id <= listed.samples):
+            self._reject(ident, protocol.Error(
+                "protocol", f"list_epoch from batch {msg.first_batch} and index "
+                            f"{msg.first_id} of {listed.batches} and {listed.samples}"))
             return
-        sizes, ids = listed.part(msg.first, LISTING_PART_BYTES) if listed.batches else (b"", b"")
-        self._send(ident, protocol.EpochBatches(epoch=listed.epoch, batches=listed.batches,
-                                                first=msg.first, sizes=sizes, ids=ids,
-                                                unlisted=None))
+        sizes, ids = listed.part(msg.first_batch, msg.first_id, LISTING_SIZES_BYTES,
+                                 LISTING_IDS_BYTES)
+        self._send(ident, protocol.EpochBatches(
+            epoch=listed.epoch, batches=listed.batches, samples=listed.samples,
+            first_batch=msg.first_batch, sizes=sizes, first_id=msg.first_id, ids=ids,
+            unlisted=None))
 
     def _listing(self, peer: Peer, epoch: int) -> Any:
         """The listing `peer` asks for (see _list_epoch), or why there is none."""
@@ -351,7 +358,8 @@ class ControlServer:
             return "this producer lists no epoch"
         if epoch < 0:
             if peer.first_epoch is None:
-                return "the consumer has not started reading"
+                return ("the consumer does not read from an epoch's start (it joined "
+                        "within one, align_epochs=False or a loader without len())")
             epoch = peer.first_epoch
         return self._listings.listing(epoch)
 

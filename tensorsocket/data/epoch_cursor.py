@@ -131,6 +131,8 @@ class EpochCursor:
         self.group_taken = 0
         self.skip, self.resume_skip = self.resume_skip, 0
         self.from_start, self.from_start_next = self.from_start_next, False
+        if self.from_start and not self.aligned:
+            self.epoch_end = None  # (anchored at the producer epoch start it waits for)
         self.resuming, self.resume_next = self.resume_next, False
         if self.resuming:
             self.delivered = self.resume_delivered

@@ -56,19 +56,21 @@ class EpochListing:
         return (self.ids[a:b].tolist() for a, b in zip([0, *self.ends[:-1].tolist()],
                                                         self.ends.tolist()))
 
-    def part(self, first: int, budget: int) -> tuple[bytes, bytes]:
-        """(sizes, ids) of the batches from `first` on that fit in `budget` bytes (4 bytes
-        a batch, 8 an index; at least one batch, whatever its size), as little-endian
-        int32 and int64 bytes."""
-        ends = self.ends
-        start = int(ends[first - 1]) if first > 0 else 0
-        cost = (ends[first:] - start) * _IDS.itemsize + \
-            np.arange(1, ends.size - first + 1) * _SIZES.itemsize
-        count = max(int(np.searchsorted(cost, budget, side="right")), 1)
-        stop = first + min(count, ends.size - first)
-        sizes = np.diff(np.concatenate(([start], ends[first:stop])))
-        return (sizes.astype(_SIZES).tobytes(),
-                self.ids[start:int(ends[stop - 1])].astype(_IDS, copy=False).tobytes())
+    @property
+    def samples(self) -> int:
+        """Indices in the epoch (all its batches')."""
+        return int(self.ids.size)
+
+    def part(self, first_batch: int, first_id: int, size_budget: int,
+             id_budget: int) -> tuple[bytes, bytes]:
+        """(sizes, ids): the sizes of the batches from `first_batch` on and the indices from
+        `first_id` on, as many as fit in `size_budget` and `id_budget` bytes (little-endian
+        int32 and int64). The two advance apart, so that a batch larger than a part is sent
+        over several."""
+        sizes = np.diff(np.concatenate(([0], self.ends)))
+        sizes = sizes[first_batch:first_batch + max(size_budget // _SIZES.itemsize, 1)]
+        ids = self.ids[first_id:first_id + max(id_budget // _IDS.itemsize, 1)]
+        return sizes.astype(_SIZES).tobytes(), ids.astype(_IDS).tobytes()
 
 
 def listing_of(epoch: int, items: list[Any], batched: bool) -> EpochListing:
@@ -92,15 +94,15 @@ def listing_of(epoch: int, items: list[Any], batched: bool) -> EpochListing:
 
 
 class Assembly:
-    """A listing received in parts (the consumer's side of ``EpochListing.part``)."""
+    """A listing received in parts (the consumer's side of ``EpochListing.part``): the
+    batch sizes and the indices, each in order."""
 
-    def __init__(self, epoch: int, batches: int) -> None:
-        """Nothing received yet of the `batches` batches of `epoch`."""
-        self.epoch = epoch
-        self.batches = batches
+    def __init__(self, epoch: int, batches: int, samples: int) -> None:
+        """Nothing received yet of the `batches` batches (`samples` indices) of `epoch`."""
+        self.epoch, self.batches, self.samples = epoch, batches, samples
         self._sizes: list[np.ndarray] = []
         self._ids: list[np.ndarray] = []
-        self.received = 0  # batches received
+        self.received_batches = self.received_ids = 0
 
     def add(self, sizes: bytes, ids: bytes) -> None:
         """The next part; ValueError if it does not add up (a part of another listing)."""
@@ -108,20 +110,25 @@ class Assembly:
             raise ValueError("a part of a listing with a partial number")
         counts = np.frombuffer(sizes, _SIZES).astype(np.int64)
         values = np.frombuffer(ids, _IDS)
-        if counts.size == 0 or (counts < 0).any() or int(counts.sum()) != values.size or \
-                self.received + counts.size > self.batches:
+        if (counts < 0).any() or counts.size == values.size == 0 or \
+                self.received_batches + counts.size > self.batches or \
+                self.received_ids + values.size > self.samples:
             raise ValueError("a part of a listing that does not add up")
         self._sizes.append(counts)
         self._ids.append(values)
-        self.received += int(counts.size)
+        self.received_batches += int(counts.size)
+        self.received_ids += int(values.size)
 
     @property
     def complete(self) -> bool:
-        """Whether every batch was received."""
-        return self.received == self.batches
+        """Whether every batch size and every index was received."""
+        return self.received_batches == self.batches and self.received_ids == self.samples
 
     def listing(self) -> EpochListing:
-        """The listing received (once complete)."""
-        ends = np.cumsum(np.concatenate(self._sizes)) if self._sizes else np.empty(0, np.int64)
+        """The listing received (once complete); ValueError if its sizes do not add up to
+        its indices."""
+        sizes = np.concatenate(self._sizes) if self._sizes else np.empty(0, np.int64)
         ids = np.concatenate(self._ids) if self._ids else np.empty(0, np.int64)
-        return EpochListing(self.epoch, ids, ends)
+        if int(sizes.sum()) != ids.size:
+            raise ValueError("a listing whose batch sizes do not add up to its indices")
+        return EpochListing(self.epoch, ids, np.cumsum(sizes))

@@ -471,7 +471,10 @@ class CachedEpochs:
                else 0, self.epochs_served, self.off or "")
         if now != self._noted:
             self._noted = now
-            ring.note_cache(budget, *now)
+            bytes_, samples, epochs, off = now
+            # (the header holds UTF-8: a path's lone surrogates become "?")
+            ring.note_cache(budget, bytes_, samples, epochs,
+                            off.encode("utf-8", "replace").decode("utf-8"))
 
     def close(self) -> None:
         """Free the cache (the producer closes)."""
