@@ -23,8 +23,8 @@ import numpy as np
 
 _IDS = np.dtype("<i8")
 _SIZES = np.dtype("<i4")
-# A listing is not drawn ahead for an epoch of more ids than this (8 bytes each): the
-# sampler would be made to hold a whole epoch of a loader whose len() is a stream's.
+# An epoch of more ids than this (8 bytes each) is not listed: the producer would hold a
+# whole epoch of a loader whose len() is a stream's.
 MAX_LISTED_IDS = 1 << 25
 
 
@@ -44,17 +44,15 @@ class EpochListing:
 
     def batch_lists(self) -> list[list[int]]:
         """The index list of each batch."""
-        values = self.ids.tolist()
-        starts = [0, *self.ends[:-1].tolist()]
-        return [values[a:b] for a, b in zip(starts, self.ends.tolist())]
+        return list(self.items(batched=True))
 
     def items(self, batched: bool) -> Iterator[Any]:
         """What the sampler yielded: the index lists (a batch sampler) or the indices (a
-        sampler, whose batches are one index each)."""
+        sampler, whose batches are one index each); one batch at a time."""
         if not batched:
             return iter(self.ids.tolist())
-        return (self.ids[a:b].tolist() for a, b in zip([0, *self.ends[:-1].tolist()],
-                                                        self.ends.tolist()))
+        ends = self.ends.tolist()
+        return (self.ids[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends))
 
     @property
     def samples(self) -> int:
@@ -67,8 +65,9 @@ class EpochListing:
         `first_id` on, as many as fit in `size_budget` and `id_budget` bytes (little-endian
         int32 and int64). The two advance apart, so that a batch larger than a part is sent
         over several."""
-        sizes = np.diff(np.concatenate(([0], self.ends)))
-        sizes = sizes[first_batch:first_batch + max(size_budget // _SIZES.itemsize, 1)]
+        stop = first_batch + max(size_budget // _SIZES.itemsize, 1)
+        start = self.ends[first_batch - 1:first_batch] if first_batch > 0 else [0]
+        sizes = np.diff(np.concatenate((start, self.ends[first_batch:stop])))
         ids = self.ids[first_id:first_id + max(id_budget // _IDS.itemsize, 1)]
         return sizes.astype(_SIZES).tobytes(), ids.astype(_IDS).tobytes()
 
