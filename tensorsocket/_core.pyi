@@ -4,6 +4,8 @@ from typing import Any, Sequence, TypedDict, final
 
 MAX_CONSUMERS: int
 MAX_SLOTS: int  # most slots a ring holds
+MIN_SLOTS: int  # fewest slots a ring holds
+RESERVE_SLOTS: int  # slots a ring keeps beyond max_lag (ts_ring.h TS_RESERVE_SLOTS)
 MAX_NDIM: int
 DL_CPU: int  # DLPack device types (Ring.info()["device_type"], __dlpack_device__)
 DL_CUDA: int

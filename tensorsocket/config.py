@@ -61,7 +61,11 @@ __all__ = [
 ]
 
 ENV_PREFIX = "TENSORSOCKET_"
-MAX_SLOTS = _core.MAX_SLOTS  # most slots a ring holds (ring_slots, max_lag + 2)
+MAX_SLOTS = _core.MAX_SLOTS  # most slots a ring holds (ring_slots)
+MIN_SLOTS = _core.MIN_SLOTS  # fewest slots a ring holds
+# Slots a ring keeps beyond max_lag: the one the producer fills and the one a consumer
+# holds while it trains (TS_RESERVE_SLOTS in ts_ring.h, which the core checks).
+RESERVE_SLOTS = _core.RESERVE_SLOTS
 MIN_HEARTBEAT_TIMEOUT = 3.0  # seconds: three of the consumers' heartbeat intervals
 _NONE_WORDS = ("none", "inf", "forever")
 _TRUE_WORDS = ("1", "true", "yes", "on")
@@ -539,9 +543,10 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "seconds the producer waits for a free slot, then `TimeoutError`",
             _TIMEOUT),
     Setting("ring_slots", "ring_slots", "TENSORSOCKET_RING_SLOTS", "producer", None,
-            "max(4, window + 2, max_lag + 2)", f"an integer in 2..{MAX_SLOTS}",
+            f"max(4, window + {RESERVE_SLOTS}, max_lag + {RESERVE_SLOTS})",
+            f"an integer in {MIN_SLOTS}..{MAX_SLOTS}",
             "slots in the ring (`consumer_max_buffer_size=` is the same argument)",
-            Integer(2, MAX_SLOTS)),
+            Integer(MIN_SLOTS, MAX_SLOTS)),
     Setting("slot_bytes", "slot_bytes", "TENSORSOCKET_SLOT_BYTES", "producer", None,
             "first batch x 1.5", _SIZE_ACCEPTS,
             "capacity of one slot; a larger batch raises `BatchTooLarge`",
@@ -552,9 +557,10 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             "is set)",
             Size()),
     Setting("max_lag", "max_lag", "TENSORSOCKET_MAX_LAG", "producer", None,
-            "none (lossless)", f"an integer in 1..{MAX_SLOTS - 2}, or `none` (lossless)",
+            "none (lossless)",
+            f"an integer in 1..{MAX_SLOTS - RESERVE_SLOTS}, or `none` (lossless)",
             "detach a consumer more than this many batches behind the fastest one",
-            Integer(1, MAX_SLOTS - 2, none="lossless")),
+            Integer(1, MAX_SLOTS - RESERVE_SLOTS, none="lossless")),
     Setting("lag_policy", "lag_policy", "TENSORSOCKET_LAG_POLICY", "producer", "raise",
             "`raise`", "`raise` or `rejoin`",
             "what a detached laggard does: raise `ConsumerDetached`, or warn and attach "

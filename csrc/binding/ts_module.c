@@ -537,6 +537,8 @@ static int ts_module_exec(PyObject *module)
 
     if (PyModule_AddIntConstant(module, "MAX_CONSUMERS", TS_MAX_CONSUMERS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_SLOTS", TS_MAX_SLOTS) < 0 ||
+        PyModule_AddIntConstant(module, "MIN_SLOTS", TS_MIN_SLOTS) < 0 ||
+        PyModule_AddIntConstant(module, "RESERVE_SLOTS", TS_RESERVE_SLOTS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_NDIM", TS_MAX_NDIM) < 0 ||
         PyModule_AddIntConstant(module, "DL_CPU", kDLCPU) < 0 ||
         PyModule_AddIntConstant(module, "DL_CUDA", kDLCUDA) < 0 ||

@@ -408,9 +408,9 @@ ts_status ts_ring_create_on_device(const char *name, const ts_geometry *g,
     int created = 0;
     if (g->on_device && driver == NULL)
         return ts_err_set(err, TS_E_INVALID, 0, "a device ring needs the device's driver");
-    if (g->slot_count < 2 || g->slot_count > TS_MAX_SLOTS)
-        return ts_err_set(err, TS_E_INVALID, 0, "slot count %u is outside 2..%u",
-                          g->slot_count, TS_MAX_SLOTS);
+    if (g->slot_count < TS_MIN_SLOTS || g->slot_count > TS_MAX_SLOTS)
+        return ts_err_set(err, TS_E_INVALID, 0, "slot count %u is outside %u..%u",
+                          g->slot_count, TS_MIN_SLOTS, TS_MAX_SLOTS);
     if (g->max_leaves < 1 || g->max_leaves > 65536)
         return ts_err_set(err, TS_E_INVALID, 0, "max_leaves %u is outside 1..65536",
                           g->max_leaves);
@@ -646,12 +646,13 @@ ts_status ts_ring_set_policy(ts_ring *ring, uint64_t window, uint64_t max_lag, t
         return ts_err_set(err, TS_E_INVALID, 0,
                           "a window of %llu entries needs more than %u ring slots",
                           (unsigned long long)window, h->slot_count);
-    if (max_lag != 0 && (max_lag <= window || max_lag >= h->slot_count))
+    if (max_lag != 0 &&
+        (max_lag <= window || max_lag > (uint64_t)h->slot_count - TS_RESERVE_SLOTS))
         return ts_err_set(err, TS_E_INVALID, 0,
-                          "max_lag %llu must exceed the window (%llu) and be below the slot "
-                          "count (%u)",
+                          "max_lag %llu must exceed the window (%llu) and leave %u of the %u "
+                          "slots in reserve",
                           (unsigned long long)max_lag, (unsigned long long)window,
-                          h->slot_count);
+                          TS_RESERVE_SLOTS, h->slot_count);
     pthread_mutex_lock(&ring->lock);
     atomic_store_explicit(&h->window, window, memory_order_relaxed);
     atomic_store_explicit(&h->max_lag, max_lag, memory_order_relaxed);

@@ -64,6 +64,12 @@
 #define TS_LAYOUT_VERSION 9 /* 9: the cache note; 8: importer claims carry the pid */
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_SLOTS 4096 /* most slots a ring holds */
+#define TS_MIN_SLOTS 2 /* fewest slots a ring holds */
+/* Slots a ring keeps beyond the entries a consumer may fall behind (max_lag): the one the
+ * producer fills and the one a consumer holds while it trains on it. The producer's
+ * sizing, the default late-joiner window and the transform stage's batches in flight
+ * keep to it too (tensorsocket.data.ring.RESERVE_SLOTS). */
+#define TS_RESERVE_SLOTS 2
 #define TS_MAX_NDIM 16
 #define TS_SEQ_NONE UINT64_MAX
 #define TS_DATA_ALIGN 64

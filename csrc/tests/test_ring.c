@@ -808,7 +808,8 @@ out:
     fx_destroy(&fx);
 }
 
-/* set_policy: window < slot_count, max_lag 0 or window < max_lag < slot_count; else INVALID. */
+/* set_policy: window < slot_count, max_lag 0 or window < max_lag <= slot_count -
+ * TS_RESERVE_SLOTS; else INVALID. */
 static void test_policy(void)
 {
     fixture fx = {0};
@@ -818,10 +819,10 @@ static void test_policy(void)
         ts_status want;
     } cases[] = {
         {0, 0, TS_OK},           {5, 0, TS_OK},           {6, 0, TS_E_INVALID},
-        {UINT64_MAX, 0, TS_E_INVALID}, {0, 1, TS_OK},     {0, 5, TS_OK},
-        {0, 6, TS_E_INVALID},    {3, 4, TS_OK},           {3, 5, TS_OK},
+        {UINT64_MAX, 0, TS_E_INVALID}, {0, 1, TS_OK},     {0, 4, TS_OK},
+        {0, 5, TS_E_INVALID},    {3, 4, TS_OK},           {3, 5, TS_E_INVALID},
         {3, 3, TS_E_INVALID},    {3, 2, TS_E_INVALID},    {3, 6, TS_E_INVALID},
-        {4, 5, TS_OK},           {5, 5, TS_E_INVALID},    {5, 6, TS_E_INVALID},
+        {4, 5, TS_E_INVALID},    {5, 5, TS_E_INVALID},    {5, 6, TS_E_INVALID},
         {6, 7, TS_E_INVALID},    {0, UINT64_MAX, TS_E_INVALID},
     };
     REQUIRE(fx_create(&fx, 6, 2, 4096) == 0);

@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from ..config import RESERVE_SLOTS
 from ..errors import TensorSocketError, TransformError
 from .options import TransformOptions
 from .samples import Rebuild, first_sample_check, raised_here, split_inputs, \
@@ -312,7 +313,7 @@ class TransformStage:
         slots."""
         o = self.options
         slots = self._ring().info()["slot_count"]
-        self._depth = max(1, min(o.workers * o.prefetch, slots - 2))
+        self._depth = max(1, min(o.workers * o.prefetch, slots - RESERVE_SLOTS))
         if self._depth < o.workers:
             log.info("transform: %d batches in flight for %d workers (the ring has %d slots; "
                      "TensorProducer(ring_slots=) gives more)", self._depth, o.workers, slots)

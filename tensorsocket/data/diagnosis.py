@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _core
+from ..config import RESERVE_SLOTS
 
 
 # -- the consumer's side ---------------------------------------------------------------
@@ -134,7 +135,7 @@ def lag_behind_fastest(ring: Any) -> dict[int, tuple[int, bool]]:
     if len(entries) < 2:
         return {}
     lead = max(e["cursor"] for e in entries.values())
-    limit = max(2, ring.info()["slot_count"] - 2)
+    limit = max(RESERVE_SLOTS, ring.info()["slot_count"] - RESERVE_SLOTS)
     return {index: (lead - e["cursor"], lead - e["cursor"] >= limit)
             for index, e in entries.items()}
 

@@ -12,6 +12,7 @@ from ..control.endpoints import Endpoint, resolve
 from ..validation import parse_device
 
 MAX_SLOTS = config.MAX_SLOTS
+RESERVE_SLOTS = config.RESERVE_SLOTS
 DEFAULT_RUBBER_BAND_PCT = 0.005  # of an epoch's batches (sizing.DEFAULT_MAX_WINDOW caps it)
 
 
@@ -63,8 +64,9 @@ class ProducerSettings:
         """The late-joiner window's arguments, checked (sizing computes the window)."""
         if rubber_band_pct is not None and not 0 <= float(rubber_band_pct) <= 1:
             raise ValueError(f"rubber_band_pct must be in 0..1, got {rubber_band_pct}")
-        if rubber_band is not None and not 0 <= int(rubber_band) <= MAX_SLOTS - 2:
-            raise ValueError(f"rubber_band must be in 0..{MAX_SLOTS - 2} batches, got "
+        most = MAX_SLOTS - RESERVE_SLOTS
+        if rubber_band is not None and not 0 <= int(rubber_band) <= most:
+            raise ValueError(f"rubber_band must be in 0..{most} batches, got "
                              f"{rubber_band}")
         self.explicit_window = rubber_band is not None or rubber_band_pct is not None
         self.rubber_band_pct = DEFAULT_RUBBER_BAND_PCT if rubber_band_pct is None \

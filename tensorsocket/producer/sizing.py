@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .settings import MAX_SLOTS, ProducerSettings
+from .settings import MAX_SLOTS, RESERVE_SLOTS, ProducerSettings
 
 DEFAULT_SLOTS = 4
 DEFAULT_MAX_WINDOW = 8  # the default window's most batches, unless asked for explicitly
@@ -46,7 +46,7 @@ class RingSizing:
         slot_bytes = s.slot_bytes or max(MIN_SLOT_BYTES, int(size * SLOT_HEADROOM))
         slots = s.ring_slots
         if slots is None:
-            need = max(self.window + 2, (s.max_lag or 0) + 2)
+            need = max(self.window, s.max_lag or 0) + RESERVE_SLOTS
             if s.ring_bytes:
                 slots = min(MAX_SLOTS, s.ring_bytes // slot_bytes)
                 if slots < need:
@@ -70,10 +70,10 @@ def late_joiner_window(s: ProducerSettings, length: int | None) -> int:
         # The default window stays small and fits the ring the user asked for.
         window = min(window, DEFAULT_MAX_WINDOW)
         if slots is not None:
-            window = max(0, min(window, slots - 2))
+            window = max(0, min(window, slots - RESERVE_SLOTS))
         if max_lag is not None:
             window = min(window, max_lag - 1)
-    if window > MAX_SLOTS - 2:
+    if window > MAX_SLOTS - RESERVE_SLOTS:
         raise ValueError(
             f"a late-joiner window of {window} batches needs more than the "
             f"{MAX_SLOTS} slots a ring holds: lower rubber_band_pct= or rubber_band="
@@ -89,9 +89,9 @@ def late_joiner_window(s: ProducerSettings, length: int | None) -> int:
             f"{s.show('ring_slots', slots)} cannot keep a late-joiner window of "
             f"{window} batches: raise ring_slots= or lower rubber_band= / rubber_band_pct="
         )
-    if slots is not None and max_lag is not None and max_lag + 2 > slots:
+    if slots is not None and max_lag is not None and max_lag + RESERVE_SLOTS > slots:
         raise ValueError(
-            f"{s.show('max_lag', max_lag)} needs ring_slots >= max_lag + 2 "
+            f"{s.show('max_lag', max_lag)} needs ring_slots >= max_lag + {RESERVE_SLOTS} "
             f"({s.show('ring_slots', slots)}): a consumer that holds its current "
             "batch while it trains can only fall ring_slots - 1 batches behind"
         )
