@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from . import _core
+from .ring import MAX_CONSUMERS, MAX_SLOTS, MIN_SLOTS, RESERVE_SLOTS
 from .validation import check_address, check_name, check_token, exposed_address_warning, \
     parse_device
 
@@ -61,11 +61,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "TENSORSOCKET_"
-MAX_SLOTS = _core.MAX_SLOTS  # most slots a ring holds (ring_slots)
-MIN_SLOTS = _core.MIN_SLOTS  # fewest slots a ring holds
-# Slots a ring keeps beyond max_lag: the one the producer fills and the one a consumer
-# holds while it trains (TS_RESERVE_SLOTS in ts_ring.h, which the core checks).
-RESERVE_SLOTS = _core.RESERVE_SLOTS
 MIN_HEARTBEAT_TIMEOUT = 3.0  # seconds: three of the consumers' heartbeat intervals
 _NONE_WORDS = ("none", "inf", "forever")
 _TRUE_WORDS = ("1", "true", "yes", "on")
@@ -510,9 +505,9 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             Device(auto=True)),
     # -- producer ----------------------------------------------------------------------
     Setting("min_consumers", "min_consumers", "TENSORSOCKET_MIN_CONSUMERS", "producer", 1,
-            "1", f"an integer in 0..{_core.MAX_CONSUMERS}",
+            "1", f"an integer in 0..{MAX_CONSUMERS}",
             "consumers attached before the first batch is published",
-            Integer(0, _core.MAX_CONSUMERS)),
+            Integer(0, MAX_CONSUMERS)),
     Setting("start_timeout", "start_timeout", "TENSORSOCKET_START_TIMEOUT", "producer", None,
             "none (forever)", _TIMEOUT_ACCEPTS,
             "seconds the producer waits for `min_consumers` (and for one consumer while none "

@@ -6,8 +6,8 @@ ts_device_cuda.c over the dlopen'ed driver table ts_cuda_api), ring/ (the ring p
 and DLPack export), binding/ (the Python module: the only files that include Python.h).
 A file includes headers of its own folder or of a lower one; no include cycle.
 
-Python (tensorsocket/), from the bottom up: the leaves (_core, errors, validation,
-config), data/, control/, loader/, augment/ (a consumer's per-sample transforms), the public face (producer, consumer, surface),
+Python (tensorsocket/), from the bottom up: the leaves (_core, ring (the one face over
+_core: no other module but errors imports _core), errors, validation, config), data/, control/, loader/, augment/ (a consumer's per-sample transforms), the public face (producer, consumer, surface),
 sharing/ (share()), cli/, then __init__ and __main__. A module imports modules of its own
 layer or of a lower one (at any level: inside functions and under TYPE_CHECKING too); no
 import cycle. Long functions say why at their top.
@@ -30,7 +30,7 @@ INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 
 # Python layers, bottom up: a top-level module by name, a subpackage by its folder.
 PY_LAYERS = [
-    {"_core", "errors", "validation", "config"},
+    {"_core", "ring", "errors", "validation", "config"},
     {"data"},
     {"control"},
     {"loader"},
@@ -225,6 +225,19 @@ def test_no_import_cycle():
     assert cycles == [], f"modules on an import cycle: {cycles}"
 
 
+# The modules that import the compiled core: its face (tensorsocket/ring.py) and the
+# exceptions it raises (errors.py); everything else reaches it through the face, as
+# pyzmq's sugar reaches its backend.
+CORE_IMPORTERS = {"ring", "errors"}
+
+
+def test_only_the_face_imports_the_core():
+    """No module imports tensorsocket._core but the face and errors.py (CORE_IMPORTERS)."""
+    importers = {m for m in _modules() if "_core" in _imports(m)}
+    assert importers == CORE_IMPORTERS, \
+        f"import tensorsocket._core through tensorsocket.ring: {sorted(importers - CORE_IMPORTERS)}"
+
+
 def test_the_import_walk_sees_imports():
     """The walk resolves relative imports of every form (else the tests above could
     not fail)."""
@@ -236,6 +249,7 @@ def test_the_import_walk_sees_imports():
     assert {"consumer.options", "consumer.tensor_consumer"} <= _imports("consumer")
     assert "consumer" in _imports("sharing.share")
     assert "cli.main" in _imports("__main__")
+    assert "_core" in _imports("ring")  # from . import _core
 
 
 def test_the_cli_uses_the_library_segment_scan():

@@ -51,8 +51,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from ..config import RESERVE_SLOTS
 from ..errors import TensorSocketError, TransformError
+from ..ring import RESERVE_SLOTS
 from .options import TransformOptions
 from .samples import Rebuild, first_sample_check, raised_here, split_inputs, \
     transform_samples

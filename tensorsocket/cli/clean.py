@@ -30,7 +30,7 @@ import stat
 import time
 from pathlib import Path
 
-from .. import _core
+from ..ring import Ring
 from ..sharing.election import (SHARE_LOCK_SUFFIX, failed_log_owner, log_owner, release_lock,
                         share_lock_file, take_lock)
 from ..control.endpoints import lock_held, runtime_dir
@@ -133,7 +133,7 @@ def remove(item: Leftover) -> str | None:
     checked again right before, in case a producer of that name started since."""
     try:
         if item.kind == "segment":
-            _core.Ring.unlink_name("/" + Path(item.path).name)
+            Ring.unlink_name("/" + Path(item.path).name)
             return None
         if item.kind == "log":
             return _remove_log(item)

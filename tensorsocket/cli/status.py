@@ -23,20 +23,21 @@ import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 
-from .. import _core
 from ..data.segments import SHM_DIR, all_segments, pid_alive, segment_producer, segments
+from ..ring import ConsumerState, DeviceType, Ring, RingState, StopReason, process_alive, \
+    process_stat
 from . import sharing_report
 from .sharing_report import ConsumerWait
 
 _CONSUMER_STATES = {
-    _core.CONSUMER_PENDING: "joining",
-    _core.CONSUMER_ACTIVE: "active",
-    _core.CONSUMER_LEAVING: "left",
-    _core.CONSUMER_DETACHED: "detached",
+    ConsumerState.PENDING: "joining",
+    ConsumerState.ACTIVE: "active",
+    ConsumerState.LEAVING: "left",
+    ConsumerState.DETACHED: "detached",
 }
-_REASONS = {_core.REASON_LEFT: "left", _core.REASON_LAGGED: "lagged",
-            _core.REASON_DIED: "died", _core.REASON_SILENT: "silent",
-            _core.REASON_UNREAD: "unread"}
+_REASONS = {StopReason.LEFT: "left", StopReason.LAGGED: "lagged",
+            StopReason.DIED: "died", StopReason.SILENT: "silent",
+            StopReason.UNREAD: "unread"}
 
 
 @dataclass
@@ -188,7 +189,7 @@ def process_tree_cpu(pid: int) -> float | None:
 
 def _reaped_ticks(pid: int) -> int | None:
     """cutime + cstime of pid, None if it is gone."""
-    stat = _core.process_stat(pid)
+    stat = process_stat(pid)
     return None if stat is None else stat["cutime"] + stat["cstime"]
 
 
@@ -204,7 +205,7 @@ def _tree_walk(pid: int) -> tuple[float, dict[int, int]] | None:
     except OSError:
         return None
     for entry in entries:
-        stat = _core.process_stat(int(entry)) if entry.isdigit() else None
+        stat = process_stat(int(entry)) if entry.isdigit() else None
         if stat is None:
             continue  # not a process, or gone meanwhile
         p = int(entry)
@@ -229,7 +230,7 @@ def _tree_walk(pid: int) -> tuple[float, dict[int, int]] | None:
 def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | None]:
     """One reading of a segment: the status without rates, and the raw counters."""
     try:
-        ring = _core.Ring.open("/" + segment)
+        ring = Ring.open("/" + segment)
     except Exception as e:  # another version, being created, torn down meanwhile
         alive = pid_alive(pid)
         return ProducerStatus(name=name, segment=segment, pid=pid, alive=alive,
@@ -241,10 +242,10 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
         cache = ring.cache()
     finally:
         ring.close()
-    alive = _core.process_alive(info["producer_pid"], info["producer_start_time"])
+    alive = process_alive(info["producer_pid"], info["producer_start_time"])
     if not alive:
         state = "dead"
-    elif info["state"] == _core.RING_FINISHED:
+    elif info["state"] == RingState.FINISHED:
         state = "finished"
     else:
         state = "running"
@@ -253,7 +254,7 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
         st = _CONSUMER_STATES.get(c["state"], f"state {c['state']}")
         consumers.append(ConsumerStatus(
             index=c["index"], pid=c["pid"],
-            alive=_core.process_alive(c["pid"], c["start_time"]),
+            alive=process_alive(c["pid"], c["start_time"]),
             state=st, reason=_REASONS.get(c["reason"], ""),
             batch_size=c["batch_size"] or None,
             cursor=c["cursor"],
@@ -261,7 +262,7 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
             delivered_bytes=c["delivered_bytes"],
             idle_seconds=max(0.0, (time.monotonic_ns() - c["progress_ns"]) / 1e9),
         ))
-    device = "cpu" if info["device_type"] != _core.DL_CUDA else f"cuda:{info['device_ordinal']}"
+    device = "cpu" if info["device_type"] != DeviceType.CUDA else f"cuda:{info['device_ordinal']}"
     ended = _epochs_ended(info) if steady else None
     # Holes take a seq each too (ts_ring.h, Holes), but carry no batch.
     batches = None if ended is None else max(0, info["published"] - ended - info["holes"])
@@ -298,7 +299,7 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
     return status, raw
 
 
-def _steady_info(ring: _core.Ring) -> tuple[dict, bool]:
+def _steady_info(ring: Ring) -> tuple[dict, bool]:
     """ring.info(), and whether its newest entry is the one before its `published` count
     (info() loads the count twice; an entry published in between makes them disagree,
     which a second info() with the same count rules out)."""

@@ -9,7 +9,6 @@ import time
 import warnings
 from typing import Any
 
-from .. import _core
 from ..data import diagnosis
 from ..data.rebatch import EpochEnd
 from ..errors import (
@@ -19,6 +18,7 @@ from ..errors import (
     TensorSocketError,
     TensorSocketWarning,
 )
+from ..ring import StopReason
 from .epoch_state import EpochState
 from .options import ConsumerOptions
 from .place import RingPlace, producer_failed
@@ -118,10 +118,10 @@ class SlotAcquirer:
                 "the consumer was closed by another thread while this call waited"
             ) from None
         reason = diagnosis.detach_reason(place.ring, place.index, place.token)
-        if reason == _core.REASON_UNREAD and cursor.pulled == 0:
+        if reason == StopReason.UNREAD and cursor.pulled == 0:
             place.start_late()
             return False
-        if reason != _core.REASON_LAGGED or self._lag_policy != "rejoin":
+        if reason != StopReason.LAGGED or self._lag_policy != "rejoin":
             raise ConsumerDetached(
                 f"{e}; create a new TensorConsumer to attach again") from None
         place.rejoin(self._max_lag)

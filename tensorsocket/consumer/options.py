@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import _core, config
+from .. import config
 from ..control.auth import ClientSecret
 from ..control.endpoints import Endpoint, resolve
 from ..data.delivery import Delivery
 from ..data.rebatch import Rebatcher
+from ..ring import MAX_CONSUMERS
 
 
 @dataclass
@@ -104,7 +105,7 @@ def check_group(rank: int | None, world_size: int | None) -> tuple[int, int]:
     for what, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{what} must be an int, got {value!r}")
-    if not 1 <= world_size <= _core.MAX_CONSUMERS or not 0 <= rank < world_size:
+    if not 1 <= world_size <= MAX_CONSUMERS or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} and world_size={world_size}: need 0 <= rank < "
-                         f"world_size <= {_core.MAX_CONSUMERS}")
+                         f"world_size <= {MAX_CONSUMERS}")
     return rank, world_size

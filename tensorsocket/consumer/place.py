@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 import zmq
 
-from .. import _core
 from ..control.producer_watch import ProducerWatch
 from ..control.client import ControlClient
 from ..data import diagnosis
@@ -23,6 +22,7 @@ from ..data.epoch_cursor import EpochCursor, InFlight
 from ..data.listings import EpochListing
 from ..errors import ConsumerDetached, LagWarning, ProducerFailed, ProducerFinished, \
     ProducerNotFound, TensorSocketError
+from ..ring import Ring, RingState, fork_child, fork_parent, fork_prepare, process_alive
 from .options import ConsumerOptions
 
 log = logging.getLogger("tensorsocket")
@@ -39,11 +39,11 @@ _SELF_PID = [os.getpid()]
 
 
 def _after_fork_in_child() -> None:
-    _core.fork_child()
+    fork_child()
     _SELF_PID[0] = os.getpid()
 
 
-os.register_at_fork(before=_core.fork_prepare, after_in_parent=_core.fork_parent,
+os.register_at_fork(before=fork_prepare, after_in_parent=fork_parent,
                     after_in_child=_after_fork_in_child)
 
 
@@ -87,7 +87,7 @@ class RingPlace:
         try:
             welcome = self.client.hello(options.batch_size, options.group, options.rank,
                                         options.world_size, watch=watch)
-            self._ring_box[0] = ring = _core.Ring.open(welcome.segment)
+            self._ring_box[0] = ring = Ring.open(welcome.segment)
             ring.bind(welcome.consumer, welcome.token)
         except BaseException:
             self._finalizer()
@@ -223,8 +223,8 @@ class RingPlace:
         except ProducerNotFound:
             ring = self.ring
             info = ring.info()
-            if info["state"] == _core.RING_FINISHED or ring.failure() is not None or \
-                    not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
+            if info["state"] == RingState.FINISHED or ring.failure() is not None or \
+                    not process_alive(info["producer_pid"], info["producer_start_time"]):
                 return False
             raise
 
@@ -261,13 +261,13 @@ class RingPlace:
         # A producer that finished (whether its process has ended since or not) has no
         # more batches for a new place; one that failed, or died before it finished, says
         # so.
-        if failure is None and info["state"] == _core.RING_FINISHED:
+        if failure is None and info["state"] == RingState.FINISHED:
             self.cut_short()
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
         if failure is not None or \
-                not _core.process_alive(info["producer_pid"], info["producer_start_time"]):
+                not process_alive(info["producer_pid"], info["producer_start_time"]):
             self.cut_short()
             raise producer_failed(ring, options.endpoint.address, failure)
         # An entry kept from the place given up (also when an interrupt cut unpark short:
@@ -331,7 +331,7 @@ class RingPlace:
             return False
         fresh = None
         try:
-            fresh = _core.Ring.open(self.segment)  # first: a failure leaves all as it was
+            fresh = Ring.open(self.segment)  # first: a failure leaves all as it was
             if rebind:
                 fresh.bind(self.index, self.client.token)
             # Done, it puts fresh in the box itself: an interrupt as it returns cannot
@@ -375,12 +375,12 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, deliv
     except Exception as e:  # a failed release: its slot stays held until we leave
         log.warning("GPU releases at close: %s", e)
     info = ring.info()
-    producer_alive = _core.process_alive(info["producer_pid"], info["producer_start_time"])
-    client.close(say_bye=producer_alive and info["state"] == _core.RING_OPEN)
+    producer_alive = process_alive(info["producer_pid"], info["producer_start_time"])
+    client.close(say_bye=producer_alive and info["state"] == RingState.OPEN)
     context.term()
     ring.close()
     if not producer_alive:
-        _core.Ring.unlink_name(info["name"])
+        Ring.unlink_name(info["name"])
 
 
 def producer_failed(ring: Any, address: str, cause: str | None,
@@ -397,7 +397,7 @@ def producer_failed(ring: Any, address: str, cause: str | None,
         cause = ring.failure()  # the process may be seen gone after it wrote why
     if cause is not None:
         what = f"the producer (pid {pid}) failed: {cause}"
-    elif gone is not None and info["state"] == _core.RING_FINISHED:
+    elif gone is not None and info["state"] == RingState.FINISHED:
         what = gone
     else:
         what = (f"the producer process (pid {pid}) is gone without finishing, and left no "

@@ -15,8 +15,8 @@ import threading
 import weakref
 from typing import Any
 
-from .. import _core
 from ..data import diagnosis
+from ..ring import ConsumerState
 from .epoch_state import EpochState
 from .place import RingPlace
 
@@ -154,5 +154,5 @@ def _waits_on_each_other(me: ParkingMember, other: ParkingMember) -> bool:
     holders = diagnosis.holding_back(theirs)
     if not any(e["index"] == other.index and e["token"] == other.token for e in holders):
         return False
-    return any(e["pid"] in awaited and e["state"] == _core.CONSUMER_ACTIVE and e["lag"] == 0
+    return any(e["pid"] in awaited and e["state"] == ConsumerState.ACTIVE and e["lag"] == 0
                for e in theirs.consumers())

@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 
 import zmq
 
-from .. import _core
+from ..ring import process_start_time
 from . import protocol
 from .auth import RECHALLENGE, ClientSecret, derive_key, new_nonce
 from .channel import GROUP_TIMEOUT, HEARTBEAT_INTERVAL, PENDING_TIMEOUT, control_socket
@@ -135,7 +135,7 @@ class ControlClient:
     def _identity() -> tuple[int, int]:
         """This process's pid and start time, which a hello and an info carry."""
         pid = os.getpid()
-        return pid, _core.process_start_time(pid)
+        return pid, process_start_time(pid)
 
     def _deadline(self) -> float | None:
         """When a producer must have answered (None: no timeout)."""

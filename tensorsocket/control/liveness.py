@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from .. import _core
+from ..ring import ConsumerState, process_alive
 from .channel import PENDING_TIMEOUT
 from .peers import Peer, PeerTable
 
@@ -28,7 +28,7 @@ class Liveness:
         never finished. A rank found waiting for its group is passed to start_group."""
         for ident, peer in self._peers.items():
             peer.note_detached(ring)
-            if not _core.process_alive(peer.pid, peer.start_time):
+            if not process_alive(peer.pid, peer.start_time):
                 self._peers.pop(ident)
                 if peer.holds_entry():
                     ring.evict(peer.index)
@@ -49,8 +49,8 @@ class Liveness:
         clear them and the producer would wait for those slots forever. Only the server's
         thread reserves entries, so an entry seen LEAVING here cannot be reused meanwhile."""
         for entry in ring.consumers():
-            if entry["state"] == _core.CONSUMER_LEAVING and \
-                    not _core.process_alive(entry["pid"], entry["start_time"]):
+            if entry["state"] == ConsumerState.LEAVING and \
+                    not process_alive(entry["pid"], entry["start_time"]):
                 ring.evict(entry["index"])
                 log.info("consumer %d (pid %d) exited after leaving, still holding batches; "
                          "its slots were released", entry["index"], entry["pid"])

@@ -8,8 +8,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+from ..ring import ConsumerState
 
-from .. import _core
 
 log = logging.getLogger("tensorsocket")
 
@@ -43,7 +43,7 @@ class Peer:
         liveness check looks; so does its leaving, which may come first: the consumer
         raised ConsumerDetached and said bye)."""
         if self.active and not self.detached and \
-                ring.consumer(self.index)["state"] == _core.CONSUMER_DETACHED:
+                ring.consumer(self.index)["state"] == ConsumerState.DETACHED:
             self.detached = True  # the stall watch's detaches are logged there
             log.warning("consumer %d (pid %d) fell more than max_lag batches behind and "
                         "was detached", self.index, self.pid)
@@ -115,7 +115,7 @@ class PeerTable:
         if ring is None or ring.closed:
             return len(peers)
         return sum(1 for p in peers
-                   if ring.consumer(p.index)["state"] == _core.CONSUMER_ACTIVE)
+                   if ring.consumer(p.index)["state"] == ConsumerState.ACTIVE)
 
     def present_count(self) -> int:
         """Consumers of this producer: attached, or parked between epochs."""

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from .. import _core
+from ..ring import ConsumerState
 from . import protocol
 from .channel import GROUP_TIMEOUT
 from .peers import Peer, PeerTable
@@ -112,7 +112,7 @@ class Places:
         peer.parked = True
         peer.active = False
         if hold and self.park_hold > 0 and \
-                ring.consumer(peer.index)["state"] == _core.CONSUMER_ACTIVE:
+                ring.consumer(peer.index)["state"] == ConsumerState.ACTIVE:
             if skip_epoch:  # left its epoch with break: its place is the next one's
                 try:
                     ring.await_next_epoch(peer.index)
@@ -141,7 +141,7 @@ class Places:
     def unpark(self, ring: Any, peer: Peer) -> bool:
         """A parked consumer reads again: whether its place was kept (it goes on from it)."""
         held = peer.held_until is not None and \
-            ring.consumer(peer.index)["state"] == _core.CONSUMER_ACTIVE
+            ring.consumer(peer.index)["state"] == ConsumerState.ACTIVE
         if held:
             peer.held_until = None
             peer.parked = False

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .. import _core
+from ..ring import Ring
 from . import auth
 from .endpoints import Endpoint, file_is_at, open_lock_file
 from ..errors import TensorSocketError
@@ -50,7 +50,7 @@ class OwnedFiles:
         if os.getpid() != self.pid or not self.held:
             return
         if self.segment is not None:
-            _core.Ring.unlink_name(self.segment)
+            Ring.unlink_name(self.segment)
         for path in self.paths:
             path.unlink(missing_ok=True)
 
@@ -148,4 +148,4 @@ def sweep_stale_segments(name: str) -> None:
     runtime directory holds another lock, and its live segment must stay."""
     for item in stale_segments(name):
         log.info("removing stale segment %s (%s)", item.path, item.reason)
-        _core.Ring.unlink_name("/" + item.path.rsplit("/", 1)[-1])
+        Ring.unlink_name("/" + item.path.rsplit("/", 1)[-1])

@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .. import _core
+from ..ring import process_alive, process_start_time
 from .endpoints import Endpoint, lock_held
 from ..errors import ProducerFailed, ProducerGone
 
@@ -115,9 +115,9 @@ def _alive(pid: int) -> bool:
     """Whether process pid runs (a zombie does not). Where its start time cannot be read
     (this process out of fds: EMFILE), the kernel's kill(pid, 0) says: an error is no
     death."""
-    start = _core.process_start_time(pid)
+    start = process_start_time(pid)
     if start != 0:
-        return _core.process_alive(pid, start)
+        return process_alive(pid, start)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -129,5 +129,5 @@ def _alive(pid: int) -> bool:
 
 def _process_age() -> float:
     """Seconds since this process started."""
-    started = _core.process_start_time(os.getpid()) / os.sysconf("SC_CLK_TCK")
+    started = process_start_time(os.getpid()) / os.sysconf("SC_CLK_TCK")
     return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)

@@ -20,7 +20,8 @@ from typing import Any, Callable, cast
 
 import zmq
 
-from .. import _core, config
+from .. import config
+from ..ring import MAX_CONSUMERS, TooManyConsumers
 from . import protocol
 from .admission import Admission, RefusalAllowance, version_message
 from .auth import Gate
@@ -285,12 +286,12 @@ class ControlServer:
             self._peers.retire(ident)
         try:
             index, token = ring.reserve(msg.pid, msg.start_time, msg.batch_size or 0)
-        except _core.TooManyConsumers as e:
+        except TooManyConsumers as e:
             self._send(ident, protocol.Error("full", str(e)))
             return
         group = None
         if msg.world_size > 1:
-            if not 0 <= msg.rank < msg.world_size <= _core.MAX_CONSUMERS:
+            if not 0 <= msg.rank < msg.world_size <= MAX_CONSUMERS:
                 ring.retire(index)
                 self._reject(ident, protocol.Error(
                     "protocol", "hello with an impossible rank or world size"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import _core
+from ..ring import RingState, StopReason
 from ..data import diagnosis
 from .peers import Peer
 
@@ -43,7 +43,7 @@ class StallWatch:
         info, nxt = ring.info(), ring.next_slot()  # (the core says which slot is next)
         published, readers = nxt["published"], nxt["readers"]
         last, since, warned = self._held
-        if published != last or readers == 0 or info["state"] != _core.RING_OPEN:
+        if published != last or readers == 0 or info["state"] != RingState.OPEN:
             self._held = (published, now, False)
             return
         if warned or now - since < HELD_WARN_AFTER:
@@ -89,7 +89,7 @@ class StallWatch:
         if peer.unread_since is None:
             peer.unread_since = now
         elif now - peer.unread_since >= UNREAD_TIMEOUT:
-            ring.detach(peer.index, _core.REASON_UNREAD)
+            ring.detach(peer.index, StopReason.UNREAD)
             peer.detached = True
             log.warning("consumer %d (pid %d) read no batch at all while the others waited "
                         "for it for %.0f s; it was detached so that they go on",

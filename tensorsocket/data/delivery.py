@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _core
 from . import sample_ids
 from ..errors import GPUFallbackWarning, GPUUnavailable
+from ..ring import DeviceType, cuda_status
 from ..validation import parse_device
 from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
 
@@ -67,7 +67,7 @@ class Delivery:
     def attach(self, ring: Any) -> None:
         """Decide where tensors are delivered from `ring` and open what that needs."""
         info = ring.info()
-        gpu_ring = info["device_type"] == _core.DL_CUDA
+        gpu_ring = info["device_type"] == DeviceType.CUDA
         kind, index = self.kind, self.index
         if kind == "cuda" and index is None:
             index = _current_gpu()  # as torch reads "cuda": a DDP rank's own GPU
@@ -225,7 +225,7 @@ def _current_gpu() -> int:
 
 def _same_gpu(info: dict, index: int | None) -> bool:
     """True if CUDA device index of this process is the GPU holding the ring's pool."""
-    status = _core.cuda_status()
+    status = cuda_status()
     for dev in status["devices"] or ():
         if dev["ordinal"] == index:
             return dev["uuid"] == info["device_uuid"]

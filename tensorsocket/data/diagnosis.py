@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _core
-from ..config import RESERVE_SLOTS
+from ..ring import RESERVE_SLOTS, ConsumerState, RingState
 
 
 # -- the consumer's side ---------------------------------------------------------------
@@ -77,7 +76,7 @@ def kept_batches_no_memory(held: int, copied: int) -> str:
 
 
 def detach_reason(ring: Any, index: int, token: int) -> int | None:
-    """Why consumer `index` (still this token's) was detached (a _core.REASON_*), or None
+    """Why consumer `index` (still this token's) was detached (a REASON_*), or None
     where the entry is another consumer's now."""
     entry = ring.consumer(index)
     return entry["reason"] if entry["token"] == token else None
@@ -100,7 +99,7 @@ def next_slot_holders(ring: Any) -> list[dict]:
         return []
     return [e for e in ring.consumers() if readers >> e["index"] & 1
             and e["cursor"] is not None
-            and (entry_seq < e["cursor"] or e["state"] != _core.CONSUMER_ACTIVE)]
+            and (entry_seq < e["cursor"] or e["state"] != ConsumerState.ACTIVE)]
 
 
 def holding_back(ring: Any) -> list[dict]:
@@ -108,11 +107,11 @@ def holding_back(ring: Any) -> list[dict]:
     entry: the slot it must reuse holds an entry they receive and have not released
     (unread, or read and kept). Empty while the producer has a free slot. Consumers that
     receive no more (left, detached) do not count: the producer passes their slots."""
-    if ring.info()["state"] != _core.RING_OPEN:
+    if ring.info()["state"] != RingState.OPEN:
         return []
     readers = ring.next_slot()["readers"]
     return [e for e in ring.consumers()
-            if readers >> e["index"] & 1 and e["state"] == _core.CONSUMER_ACTIVE]
+            if readers >> e["index"] & 1 and e["state"] == ConsumerState.ACTIVE]
 
 
 def kept_slot_warning(waited: float, holders: list[dict]) -> str:
@@ -131,7 +130,7 @@ def lag_behind_fastest(ring: Any) -> dict[int, tuple[int, bool]]:
     whether that is (nearly) the whole ring, so that it holds the producer and the others
     back). Consumers that are all equally slow hold nobody back."""
     entries = {e["index"]: e for e in ring.consumers()
-               if e["state"] == _core.CONSUMER_ACTIVE}
+               if e["state"] == ConsumerState.ACTIVE}
     if len(entries) < 2:
         return {}
     lead = max(e["cursor"] for e in entries.values())

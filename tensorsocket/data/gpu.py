@@ -7,8 +7,8 @@ found; ``TENSORSOCKET_LIBCUDA`` names another driver library to load.
 """
 
 from __future__ import annotations
+from ..ring import cuda_status
 
-from .. import _core
 
 __all__ = ["gpu_available", "gpu_status"]
 
@@ -20,9 +20,9 @@ def gpu_status() -> dict:
     (list of dicts with ordinal, name, uuid, ipc_events; None without a
     driver), ``driver_version`` (e.g. 12040) and ``library``.
     """
-    return _core.cuda_status()
+    return cuda_status()
 
 
 def gpu_available() -> bool:
     """True if the CUDA driver loads and sees at least one GPU."""
-    return bool(_core.cuda_status()["available"])
+    return bool(cuda_status()["available"])

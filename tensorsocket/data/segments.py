@@ -16,7 +16,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from .. import _core
+from ..ring import Ring, process_alive
 from ..validation import check_name
 
 SHM_DIR = "/dev/shm"
@@ -81,7 +81,7 @@ def segment_producer(segment: str, pid: int) -> tuple[bool, int, str | None]:
     pid and start time in its header, so that a reused pid does not count; where the
     header cannot be read, by the pid in its name (`why` then says what failed)."""
     try:
-        ring = _core.Ring.open("/" + segment)
+        ring = Ring.open("/" + segment)
     except Exception as e:
         return pid_alive(pid), pid, str(e)
     try:
@@ -89,7 +89,7 @@ def segment_producer(segment: str, pid: int) -> tuple[bool, int, str | None]:
     finally:
         ring.close()
     producer = info["producer_pid"]
-    return _core.process_alive(producer, info["producer_start_time"]), producer, None
+    return process_alive(producer, info["producer_start_time"]), producer, None
 
 
 def pid_alive(pid: int) -> bool:
@@ -142,11 +142,11 @@ def stale_segments(only: str | None = None) -> list[Leftover]:
 def _consumers_alive(segment: str) -> list[int]:
     """Pids of live consumers in a segment's consumer table."""
     try:
-        ring = _core.Ring.open("/" + segment)
+        ring = Ring.open("/" + segment)
     except Exception:
         return []
     try:
         return [c["pid"] for c in ring.consumers()
-                if _core.process_alive(c["pid"], c["start_time"])]
+                if process_alive(c["pid"], c["start_time"])]
     finally:
         ring.close()

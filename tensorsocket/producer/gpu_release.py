@@ -8,8 +8,8 @@ import logging
 import threading
 import time
 from typing import Any
+from ..ring import DeviceType
 
-from .. import _core
 
 log = logging.getLogger("tensorsocket")
 
@@ -19,7 +19,7 @@ def wait_gpu_released(ring: Any, timeout: float | None) -> None:
     memory. The control thread still runs meanwhile, so consumers that die are evicted
     and stop counting."""
     info = ring.info()
-    if info["device_type"] != _core.DL_CUDA or ring.wait_released(0):
+    if info["device_type"] != DeviceType.CUDA or ring.wait_released(0):
         return
     log.info("waiting up to %s s for consumers to free the GPU batches they hold", timeout)
     if ring.wait_released(timeout):
@@ -40,7 +40,7 @@ def gpu_mapped(ring: Any) -> bool:
     the ring's close would otherwise leave the pool with nobody to free it. After the
     first call the answer can only go from True to False."""
     try:
-        return ring.info()["device_type"] == _core.DL_CUDA and ring.seal_pool() > 0
+        return ring.info()["device_type"] == DeviceType.CUDA and ring.seal_pool() > 0
     except Exception:  # a ring that cannot say keeps nothing
         return False
 

@@ -10,7 +10,7 @@ import secrets
 import warnings
 from typing import Any
 
-from .. import _core
+from ..ring import Ring
 from ..control.producer_files import OwnedFiles
 from ..errors import GPUFallbackWarning, GPUUnavailable, SharedMemoryTooSmall, TensorSocketError
 from .settings import ProducerSettings
@@ -52,7 +52,7 @@ class RingMaker:
         except BaseException:
             ring.close()
             self._files.segment = None
-            _core.Ring.unlink_name(self.segment)
+            Ring.unlink_name(self.segment)
             raise
         log.info("ring %s: %d slots of %d bytes", self.segment, slots, slot_bytes)
         return ring
@@ -88,7 +88,7 @@ class RingMaker:
         for attempt in range(SEGMENT_NAME_TRIES):
             name = base if attempt == 0 else f"{base}.{secrets.token_hex(4)}"
             try:
-                ring = _core.Ring.create(name, slots, slot_bytes, max_leaves, **kw)
+                ring = Ring.create(name, slots, slot_bytes, max_leaves, **kw)
             except FileExistsError:
                 taken.append(name)
                 log.warning("shared-memory segment name %s is taken by a file that is not "

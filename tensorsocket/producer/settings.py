@@ -8,11 +8,10 @@ from typing import Any, Callable, Mapping
 
 from .. import config
 from ..config import UNSET
+from ..ring import MAX_SLOTS, RESERVE_SLOTS
 from ..control.endpoints import Endpoint, resolve
 from ..validation import parse_device
 
-MAX_SLOTS = config.MAX_SLOTS
-RESERVE_SLOTS = config.RESERVE_SLOTS
 DEFAULT_RUBBER_BAND_PCT = 0.005  # of an epoch's batches (sizing.DEFAULT_MAX_WINDOW caps it)
 
 

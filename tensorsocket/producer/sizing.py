@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .settings import MAX_SLOTS, RESERVE_SLOTS, ProducerSettings
+from ..ring import MAX_SLOTS, RESERVE_SLOTS
+from .settings import ProducerSettings
 
 DEFAULT_SLOTS = 4
 DEFAULT_MAX_WINDOW = 8  # the default window's most batches, unless asked for explicitly

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _core
+from ..ring import ConsumerState
 from ..control.server import ControlServer
 
 STATE_NAMES = {
-    _core.CONSUMER_PENDING: "joining",
-    _core.CONSUMER_ACTIVE: "active",
-    _core.CONSUMER_LEAVING: "leaving",
-    _core.CONSUMER_DETACHED: "detached",
+    ConsumerState.PENDING: "joining",
+    ConsumerState.ACTIVE: "active",
+    ConsumerState.LEAVING: "leaving",
+    ConsumerState.DETACHED: "detached",
 }
 
 

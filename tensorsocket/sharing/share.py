@@ -69,7 +69,8 @@ from typing import Any
 import torch
 import zmq
 
-from .. import _core, config
+from ..ring import MAX_CONSUMERS, cuda_loaded
+from .. import config
 from .election import (
     lock_holder,
     producer_live,
@@ -194,9 +195,9 @@ def _check_arguments(loader: Any, name: str | None, epochs: int | None, min_cons
     given = min_consumers is not UNSET
     min_consumers = config.get("min_consumers", min_consumers)
     if isinstance(min_consumers, bool) or not isinstance(min_consumers, int) or \
-            not 1 <= min_consumers <= _core.MAX_CONSUMERS:
+            not 1 <= min_consumers <= MAX_CONSUMERS:
         knob = "min_consumers" if given else "$TENSORSOCKET_MIN_CONSUMERS"
-        raise ValueError(f"{knob} must be an int in 1..{_core.MAX_CONSUMERS} for share() "
+        raise ValueError(f"{knob} must be an int in 1..{MAX_CONSUMERS} for share() "
                          f"(a shared producer always waits for one consumer), got "
                          f"{min_consumers!r}")
     producer_kw["min_consumers"] = min_consumers
@@ -216,7 +217,7 @@ def _check_arguments(loader: Any, name: str | None, epochs: int | None, min_cons
 def _refuse_initialised_cuda() -> None:
     """RuntimeError if CUDA is initialised in this process (a forked child cannot use
     it; see the module docstring)."""
-    if torch.cuda.is_initialized() or _core.cuda_loaded():
+    if torch.cuda.is_initialized() or cuda_loaded():
         by = "torch" if torch.cuda.is_initialized() else \
             "tensorsocket (a GPU consumer, pin_memory=True or gpu_status())"
         raise RuntimeError(

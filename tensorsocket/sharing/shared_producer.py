@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import _core
+from ..ring import process_alive, process_start_time, set_process_name
 from .election import (FAILED_LOGS_KEPT, STAGED_SUFFIX, failed_log_owner, failed_log_path,
                         failed_older_path, log_owner, older_log_path, release_lock,
                         take_lock)
@@ -101,7 +101,7 @@ def _wait_ready(rfd: int, endpoint: Endpoint, log_path: Path, timeout: float | N
                         f"the shared producer {endpoint.name!r} failed before its first batch: "
                         f"{msg['error']} (its log, with the traceback: {log_path})")
             gone = eof or (pid is not None and start is not None
-                           and not _core.process_alive(pid, start))
+                           and not process_alive(pid, start))
             if gone:
                 _wait_gone(pid, start)
                 raise TensorSocketError(
@@ -129,7 +129,7 @@ def _wait_ready(rfd: int, endpoint: Endpoint, log_path: Path, timeout: float | N
 
 def _stop(pid: int | None, start: int | None) -> None:
     """SIGTERM the producer (it tears down cleanly), SIGKILL if it lingers."""
-    if pid is None or start is None or not _core.process_alive(pid, start):
+    if pid is None or start is None or not process_alive(pid, start):
         return
     os.kill(pid, signal.SIGTERM)
     if not _wait_gone(pid, start, _KILL_GRACE):
@@ -142,7 +142,7 @@ def _wait_gone(pid: int | None, start: int | None, timeout: float = 10.0) -> boo
     if pid is None or start is None:  # both come in the producer's first report
         return True
     end = time.monotonic() + timeout
-    while _core.process_alive(pid, start):
+    while process_alive(pid, start):
         if time.monotonic() >= end:
             return False
         time.sleep(0.02)
@@ -206,11 +206,11 @@ def _producer_process(loader: Any, endpoint: Endpoint, epochs: int | None,
     status = 1
     try:
         reporter = _Reporter(wfd)
-        reporter.send({"pid": os.getpid(), "start": _core.process_start_time(os.getpid())})
+        reporter.send({"pid": os.getpid(), "start": process_start_time(os.getpid())})
         producer_log = ProducerLog(log_path)
         try:
             _setup_process(producer_log)
-            _core.set_process_name(f"ts:{endpoint.name}")  # what ps and top show (15 bytes)
+            set_process_name(f"ts:{endpoint.name}")  # what ps and top show (15 bytes)
         except BaseException as e:
             reporter.error(f"cannot set up the producer process: {type(e).__name__}: {e}")
             raise
