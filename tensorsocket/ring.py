@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
+from typing import Any
 
 from . import _core
 from ._core import (  # noqa: F401 - the face re-exports the core's types and helpers
@@ -129,9 +130,18 @@ class RingInfo:
     def of(cls, ring: Ring) -> "RingInfo":
         """The info of `ring` now."""
         raw = ring.info()
-        raw["state"] = RingState(raw["state"])
-        raw["device_type"] = DeviceType(raw["device_type"])
+        raw["state"] = _member(RingState, raw["state"])
+        raw["device_type"] = _member(DeviceType, raw["device_type"])
         return cls(**{name: raw[name] for name in _FIELDS})
 
 
 _FIELDS = tuple(f.name for f in fields(RingInfo))
+
+
+def _member(kind: type[enum.IntEnum], value: int) -> Any:
+    """`value` as a member of `kind`, or the int itself where it is none (a header is
+    shared memory: status reads segments a producer may still be writing)."""
+    try:
+        return kind(value)
+    except ValueError:
+        return value

@@ -135,9 +135,13 @@ class _HostRing:
         self.flushes: list = []  # (wait_ms, stream) of each flush
 
     def info(self) -> dict:
-        from tensorsocket import _core
+        """A host ring's info (Ring.info()'s keys, as RingInfo reads them)."""
+        from dataclasses import fields
 
-        return {"device_type": _core.DL_CPU}
+        from tensorsocket.ring import DeviceType, RingInfo
+
+        return {**{f.name: 0 for f in fields(RingInfo)}, "name": "", "device_uuid": "",
+                "device_type": DeviceType.CPU}
 
     def pin_host(self, device: int) -> None:
         self.pinned_on.append(device)

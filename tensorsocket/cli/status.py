@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..data.segments import SHM_DIR, all_segments, pid_alive, segment_producer, segments
-from ..ring import ConsumerState, DeviceType, Ring, RingState, StopReason, process_alive, \
-    process_stat
+from ..ring import ConsumerState, DeviceType, Ring, RingInfo, RingState, StopReason, \
+    process_alive, process_stat
 from . import sharing_report
 from .sharing_report import ConsumerWait
 
@@ -242,10 +242,10 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
         cache = ring.cache()
     finally:
         ring.close()
-    alive = process_alive(info["producer_pid"], info["producer_start_time"])
+    alive = process_alive(info.producer_pid, info.producer_start_time)
     if not alive:
         state = "dead"
-    elif info["state"] == RingState.FINISHED:
+    elif info.state == RingState.FINISHED:
         state = "finished"
     else:
         state = "running"
@@ -262,37 +262,37 @@ def _read(segment: str, name: str, pid: int) -> tuple[ProducerStatus, dict | Non
             delivered_bytes=c["delivered_bytes"],
             idle_seconds=max(0.0, (time.monotonic_ns() - c["progress_ns"]) / 1e9),
         ))
-    device = "cpu" if info["device_type"] != DeviceType.CUDA else f"cuda:{info['device_ordinal']}"
+    device = "cpu" if info.device_type != DeviceType.CUDA else f"cuda:{info.device_ordinal}"
     ended = _epochs_ended(info) if steady else None
     # Holes take a seq each too (ts_ring.h, Holes), but carry no batch.
-    batches = None if ended is None else max(0, info["published"] - ended - info["holes"])
-    cpu = process_tree_cpu(info["producer_pid"]) if alive else None
-    publish_cpu, setup_cpu = info["publish_cpu_ns"] / 1e9, info["setup_cpu_ns"] / 1e9
+    batches = None if ended is None else max(0, info.published - ended - info.holes)
+    cpu = process_tree_cpu(info.producer_pid) if alive else None
+    publish_cpu, setup_cpu = info.publish_cpu_ns / 1e9, info.setup_cpu_ns / 1e9
     loader_cpu = sharing_report.loader_cpu_seconds(cpu, setup_cpu, publish_cpu)
     status = ProducerStatus(
-        name=name, segment=segment, pid=info["producer_pid"], alive=alive, state=state,
-        epoch=info["newest_epoch"] if info["newest_valid"] else None,
-        batch_index=info["newest_index"] if info["newest_valid"] else None,
-        published=info["published"],
+        name=name, segment=segment, pid=info.producer_pid, alive=alive, state=state,
+        epoch=info.newest_epoch if info.newest_valid else None,
+        batch_index=info.newest_index if info.newest_valid else None,
+        published=info.published,
         batches_published=batches,
-        epochs_ended=ended, slot_count=info["slot_count"],
-        occupied=info["occupied"], slot_bytes=info["slot_bytes"],
-        batch_bytes=info["newest_bytes"] if info["newest_valid"] and info["newest_bytes"]
+        epochs_ended=ended, slot_count=info.slot_count,
+        occupied=info.occupied, slot_bytes=info.slot_bytes,
+        batch_bytes=info.newest_bytes if info.newest_valid and info.newest_bytes
         else None,
-        segment_bytes=info["segment_bytes"], device=device, window=info["window"],
-        max_lag=info["max_lag"] or None, lag_detached=info["lag_detached"],
+        segment_bytes=info.segment_bytes, device=device, window=info.window,
+        max_lag=info.max_lag or None, lag_detached=info.lag_detached,
         cpu_seconds=cpu, publish_cpu_seconds=publish_cpu, setup_cpu_seconds=setup_cpu,
         loader_cpu_seconds=loader_cpu,
-        batches_delivered=info["batches_delivered"],
+        batches_delivered=info.batches_delivered,
         loader_cpu_saved_seconds=sharing_report.loader_cpu_saved_seconds(
-            loader_cpu, info["batches_delivered"], batches),
+            loader_cpu, info.batches_delivered, batches),
         cache=cache, consumers=consumers,
     )
-    first = info["epoch_first_seq"]
-    raw = {"t": time.monotonic(), "published": info["published"], "epochs_ended": ended,
+    first = info.epoch_first_seq
+    raw = {"t": time.monotonic(), "published": info.published, "epochs_ended": ended,
            "last_marker": first - 1 if first > 0 else None,
-           "publish_wait_ns": info["publish_wait_ns"],
-           "batches": batches, "batches_delivered": info["batches_delivered"],
+           "publish_wait_ns": info.publish_wait_ns,
+           "batches": batches, "batches_delivered": info.batches_delivered,
            "cpu_seconds": cpu, "loader_cpu": loader_cpu, "next_readers": next_readers,
            "consumers": {c["index"]: (c["token"], c["delivered"], c["wait_ns"], c["cursor"])
                          for c in entries}}
@@ -303,10 +303,10 @@ def _steady_info(ring: Ring) -> tuple[dict, bool]:
     """ring.info(), and whether its newest entry is the one before its `published` count
     (info() loads the count twice; an entry published in between makes them disagree,
     which a second info() with the same count rules out)."""
-    info = ring.info()
+    info = RingInfo.of(ring)
     for _ in range(3):
-        again = ring.info()
-        if again["published"] == info["published"]:
+        again = RingInfo.of(ring)
+        if again.published == info.published:
             return info, True
         info = again
     return info, False
@@ -318,11 +318,11 @@ def _epochs_ended(info: dict) -> int | None:
     A producer numbers its epochs from 0 and ends each with one marker carrying the
     epoch's number, so the newest entry tells: a batch of epoch e follows e markers, the
     marker of epoch e is the (e + 1)-th. A marker has no bytes, a batch always has some."""
-    if info["published"] == 0:
+    if info.published == 0:
         return 0
-    if not info["newest_valid"]:  # overwritten while read
+    if not info.newest_valid:  # overwritten while read
         return None
-    return info["newest_epoch"] + (0 if info["newest_bytes"] else 1)
+    return info.newest_epoch + (0 if info.newest_bytes else 1)
 
 
 def _add_rates(now: ProducerStatus, raw: dict, before: dict) -> None:

@@ -22,7 +22,7 @@ from ..data.epoch_cursor import EpochCursor, InFlight
 from ..data.listings import EpochListing
 from ..errors import ConsumerDetached, LagWarning, ProducerFailed, ProducerFinished, \
     ProducerNotFound, TensorSocketError
-from ..ring import Ring, RingState, fork_child, fork_parent, fork_prepare, process_alive
+from ..ring import Ring, RingInfo, RingState, fork_child, fork_parent, fork_prepare, process_alive
 from .options import ConsumerOptions
 
 log = logging.getLogger("tensorsocket")
@@ -222,9 +222,9 @@ class RingPlace:
             return self.client.unpark()
         except ProducerNotFound:
             ring = self.ring
-            info = ring.info()
-            if info["state"] == RingState.FINISHED or ring.failure() is not None or \
-                    not process_alive(info["producer_pid"], info["producer_start_time"]):
+            info = RingInfo.of(ring)
+            if info.state == RingState.FINISHED or ring.failure() is not None or \
+                    not process_alive(info.producer_pid, info.producer_start_time):
                 return False
             raise
 
@@ -256,18 +256,18 @@ class RingPlace:
     def attach_again(self) -> int:
         """Take a new place in the same producer's ring (a late joiner); its first seq."""
         ring, options = self.ring, self._options
-        info = ring.info()
+        info = RingInfo.of(ring)
         failure = ring.failure()
         # A producer that finished (whether its process has ended since or not) has no
         # more batches for a new place; one that failed, or died before it finished, says
         # so.
-        if failure is None and info["state"] == RingState.FINISHED:
+        if failure is None and info.state == RingState.FINISHED:
             self.cut_short()
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
         if failure is not None or \
-                not process_alive(info["producer_pid"], info["producer_start_time"]):
+                not process_alive(info.producer_pid, info.producer_start_time):
             self.cut_short()
             raise producer_failed(ring, options.endpoint.address, failure)
         # An entry kept from the place given up (also when an interrupt cut unpark short:
@@ -374,13 +374,13 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, deliv
         delivery.flush_releases(ring, RELEASE_DRAIN_MS)
     except Exception as e:  # a failed release: its slot stays held until we leave
         log.warning("GPU releases at close: %s", e)
-    info = ring.info()
-    producer_alive = process_alive(info["producer_pid"], info["producer_start_time"])
-    client.close(say_bye=producer_alive and info["state"] == RingState.OPEN)
+    info = RingInfo.of(ring)
+    producer_alive = process_alive(info.producer_pid, info.producer_start_time)
+    client.close(say_bye=producer_alive and info.state == RingState.OPEN)
     context.term()
     ring.close()
     if not producer_alive:
-        Ring.unlink_name(info["name"])
+        Ring.unlink_name(info.name)
 
 
 def producer_failed(ring: Any, address: str, cause: str | None,
@@ -391,13 +391,13 @@ def producer_failed(ring: Any, address: str, cause: str | None,
     finishing it while batches of its GPU memory were still unread here. A process gone
     without a word was killed by a signal it cannot catch or crashed: which one is not
     known here, so none is guessed."""
-    info = ring.info()
-    pid = info["producer_pid"]
+    info = RingInfo.of(ring)
+    pid = info.producer_pid
     if cause is None:
         cause = ring.failure()  # the process may be seen gone after it wrote why
     if cause is not None:
         what = f"the producer (pid {pid}) failed: {cause}"
-    elif gone is not None and info["state"] == RingState.FINISHED:
+    elif gone is not None and info.state == RingState.FINISHED:
         what = gone
     else:
         what = (f"the producer process (pid {pid}) is gone without finishing, and left no "

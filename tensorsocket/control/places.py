@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from ..ring import ConsumerState
+from ..ring import ConsumerState, RingInfo
 from . import protocol
 from .channel import GROUP_TIMEOUT
 from .peers import Peer, PeerTable
@@ -56,7 +56,7 @@ class Places:
         self._restart_holds(time.monotonic())
         log.info("consumer %d (pid %d%s) joined at entry %d (%d published%s)", peer.index,
                  peer.pid, "" if peer.group is None else f", rank {peer.rank} of {peer.group}",
-                 start, ring.info()["published"], ", aligned" if align else "")
+                 start, RingInfo.of(ring).published, ", aligned" if align else "")
         self._send(ident, protocol.Started(start_seq=start))
 
     def start_group(self, group: str, now: float) -> None:

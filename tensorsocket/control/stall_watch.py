@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..ring import RingState, StopReason
+from ..ring import RingInfo, RingState, StopReason
 from ..data import diagnosis
 from .peers import Peer
 
@@ -40,10 +40,10 @@ class StallWatch:
         """Warn once when the producer has not published for HELD_WARN_AFTER seconds and
         the slot it must reuse next is held by consumers that read its entry and keep it
         alive: a training script keeping batches stalls every consumer."""
-        info, nxt = ring.info(), ring.next_slot()  # (the core says which slot is next)
+        info, nxt = RingInfo.of(ring), ring.next_slot()  # (the core says which slot is next)
         published, readers = nxt["published"], nxt["readers"]
         last, since, warned = self._held
-        if published != last or readers == 0 or info["state"] != RingState.OPEN:
+        if published != last or readers == 0 or info.state != RingState.OPEN:
             self._held = (published, now, False)
             return
         if warned or now - since < HELD_WARN_AFTER:

@@ -19,7 +19,7 @@ import torch
 
 from . import sample_ids
 from ..errors import GPUFallbackWarning, GPUUnavailable
-from ..ring import DeviceType, cuda_status
+from ..ring import DeviceType, RingInfo, cuda_status
 from ..validation import parse_device
 from .structure import NUMPY, NUMPY_SCALAR, TORCH, Decoder
 
@@ -66,8 +66,8 @@ class Delivery:
 
     def attach(self, ring: Any) -> None:
         """Decide where tensors are delivered from `ring` and open what that needs."""
-        info = ring.info()
-        gpu_ring = info["device_type"] == DeviceType.CUDA
+        info = RingInfo.of(ring)
+        gpu_ring = info.device_type == DeviceType.CUDA
         kind, index = self.kind, self.index
         if kind == "cuda" and index is None:
             index = _current_gpu()  # as torch reads "cuda": a DDP rank's own GPU
@@ -228,5 +228,5 @@ def _same_gpu(info: dict, index: int | None) -> bool:
     status = cuda_status()
     for dev in status["devices"] or ():
         if dev["ordinal"] == index:
-            return dev["uuid"] == info["device_uuid"]
+            return dev["uuid"] == info.device_uuid
     return False

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ring import RESERVE_SLOTS, ConsumerState, RingState
+from ..ring import RESERVE_SLOTS, ConsumerState, RingInfo, RingState
 
 
 # -- the consumer's side ---------------------------------------------------------------
@@ -35,7 +35,7 @@ def may_set_aside(ring: Any, gpu_import: bool) -> bool:
 def blocking_held_slots(ring: Any, index: int, token: int) -> int:
     """Slots consumer `index` holds (entries it took whose views are alive), if one of
     them is the slot the producer must reuse for its next entry; else 0."""
-    slots = ring.info()["slot_count"]
+    slots = RingInfo.of(ring).slot_count
     nxt = ring.next_slot()
     published = nxt["published"]
     entry = ring.consumer(index)
@@ -107,7 +107,7 @@ def holding_back(ring: Any) -> list[dict]:
     entry: the slot it must reuse holds an entry they receive and have not released
     (unread, or read and kept). Empty while the producer has a free slot. Consumers that
     receive no more (left, detached) do not count: the producer passes their slots."""
-    if ring.info()["state"] != RingState.OPEN:
+    if RingInfo.of(ring).state != RingState.OPEN:
         return []
     readers = ring.next_slot()["readers"]
     return [e for e in ring.consumers()
@@ -134,7 +134,7 @@ def lag_behind_fastest(ring: Any) -> dict[int, tuple[int, bool]]:
     if len(entries) < 2:
         return {}
     lead = max(e["cursor"] for e in entries.values())
-    limit = max(RESERVE_SLOTS, ring.info()["slot_count"] - RESERVE_SLOTS)
+    limit = max(RESERVE_SLOTS, RingInfo.of(ring).slot_count - RESERVE_SLOTS)
     return {index: (lead - e["cursor"], lead - e["cursor"] >= limit)
             for index, e in entries.items()}
 

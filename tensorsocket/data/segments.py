@@ -16,7 +16,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from ..ring import Ring, process_alive
+from ..ring import Ring, RingInfo, process_alive
 from ..validation import check_name
 
 SHM_DIR = "/dev/shm"
@@ -85,11 +85,11 @@ def segment_producer(segment: str, pid: int) -> tuple[bool, int, str | None]:
     except Exception as e:
         return pid_alive(pid), pid, str(e)
     try:
-        info = ring.info()
+        info = RingInfo.of(ring)
     finally:
         ring.close()
-    producer = info["producer_pid"]
-    return process_alive(producer, info["producer_start_time"]), producer, None
+    producer = info.producer_pid
+    return process_alive(producer, info.producer_start_time), producer, None
 
 
 def pid_alive(pid: int) -> bool:

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from typing import Any
-from ..ring import DeviceType
+from ..ring import DeviceType, RingInfo
 
 
 log = logging.getLogger("tensorsocket")
@@ -18,13 +18,13 @@ def wait_gpu_released(ring: Any, timeout: float | None) -> None:
     """Wait up to timeout for no consumer to hold a batch of a GPU ring or map its device
     memory. The control thread still runs meanwhile, so consumers that die are evicted
     and stop counting."""
-    info = ring.info()
-    if info["device_type"] != DeviceType.CUDA or ring.wait_released(0):
+    info = RingInfo.of(ring)
+    if info.device_type != DeviceType.CUDA or ring.wait_released(0):
         return
     log.info("waiting up to %s s for consumers to free the GPU batches they hold", timeout)
     if ring.wait_released(timeout):
         return
-    importers = ring.info()["gpu_importers"]
+    importers = RingInfo.of(ring).gpu_importers
     if importers == 0:
         return
     log.warning(
@@ -40,7 +40,7 @@ def gpu_mapped(ring: Any) -> bool:
     the ring's close would otherwise leave the pool with nobody to free it. After the
     first call the answer can only go from True to False."""
     try:
-        return ring.info()["device_type"] == DeviceType.CUDA and ring.seal_pool() > 0
+        return RingInfo.of(ring).device_type == DeviceType.CUDA and ring.seal_pool() > 0
     except Exception:  # a ring that cannot say keeps nothing
         return False
 

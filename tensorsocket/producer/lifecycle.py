@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ..ring import RingState
+from ..ring import RingInfo, RingState
 from ..control import auth
 from ..control.producer_files import (
     OwnedFiles,
@@ -105,7 +105,7 @@ def _signalled(state: ProducerState, signum: int) -> None:
     ring finished already (the producer ended well, and is joining its consumers)."""
     ring = state.ring
     if ring is None or state.closed or ring.closed or \
-            ring.info()["state"] == RingState.FINISHED:
+            RingInfo.of(ring).state == RingState.FINISHED:
         return
     ring.finish(signal_failure(signum))
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 from ..data.sample_ids import SampleIdRecorder, with_ids
 from ..data.structure import Encoder
 from ..errors import BatchTooLarge
+from ..ring import RingInfo
 from ..loader.loader_info import describe_loader
 from .epochs import LoaderEpochs
 from .gate import ConsumerGate
@@ -164,7 +165,7 @@ class EpochPublisher:
         if not end:
             self.batches += 1
             if index == 0:
-                self.listings.published(self._state.ring.info()["published"] - 1)
+                self.listings.published(RingInfo.of(self._state.ring).published - 1)
 
     def _end_epoch(self, index: int) -> None:
         """Publish the end-of-epoch marker after `index` batches."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ring import ConsumerState
 from ..control.server import ControlServer
+from ..ring import ConsumerState, RingInfo
 
 STATE_NAMES = {
     ConsumerState.PENDING: "joining",
@@ -23,24 +23,24 @@ def producer_stats(ring: Any, server: ControlServer, closed: bool, *, epoch: int
     control server is `server`; the producer's own counters come as keywords (cache: the
     decoded-sample cache's, CachedEpochs.stats())."""
     ring = ring if ring is not None and not ring.closed else None
-    info = ring.info() if ring is not None else {}
+    info = RingInfo.of(ring) if ring is not None else None
     return {
         "epoch": epoch,
         "device": device,
-        "host_pinned": bool(info.get("producer_host_pinned", 0)),
+        "host_pinned": bool(info.producer_host_pinned) if info else False,
         "batches": batches,
-        "bytes_copied": info.get("bytes_copied", 0),
-        "wait_seconds": info.get("publish_wait_ns", 0) / 1e9,
+        "bytes_copied": info.bytes_copied if info else 0,
+        "wait_seconds": info.publish_wait_ns / 1e9 if info else 0.0,
         "consumer_wait_seconds": consumer_wait_seconds,
         "consumers": server.consumer_count() if not closed else 0,
-        "slots": info.get("slot_count", 0),
-        "slot_bytes": info.get("slot_bytes", 0),
-        "occupied": info.get("occupied", 0),
+        "slots": info.slot_count if info else 0,
+        "slot_bytes": info.slot_bytes if info else 0,
+        "occupied": info.occupied if info else 0,
         "window": window,
         "max_lag": max_lag,
-        "lag_detached": info.get("lag_detached", 0),
-        "skipped_slots": info.get("holes", 0),
-        "late_releases": info.get("late_releases", 0),
+        "lag_detached": info.lag_detached if info else 0,
+        "skipped_slots": info.holes if info else 0,
+        "late_releases": info.late_releases if info else 0,
         "rejected_messages": server.rejected,
         **cache,
         "consumer_table": consumer_table(ring, server) if ring is not None else [],
