@@ -8,8 +8,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
-from ..ring import ConsumerState
 
+from ..ring import ConsumerState
 
 log = logging.getLogger("tensorsocket")
 
