@@ -2,6 +2,7 @@
 
     python benchmarks/handoff.py [--quick] [--repeats N] [--kinds tiny,32MiB]
                                  [--consumers 1,2,4] [--json PATH] [--with-original]
+                                 [--with-iceoryx2]
 
 Runs one producer process and N consumer processes (real, separate processes
 started with ``subprocess`` and ``sys.executable``) for two batch shapes:
@@ -39,6 +40,13 @@ beyond its one copy shows apart from the copy routine's speed.
 workloads through the original TensorSocket 0.0.5 from PyPI, in its own
 cached venv) and prints one table: ours, original, ours/original, memcpy.
 
+``--with-iceoryx2`` runs iceoryx2_handoff.py's suite (the same workloads through iceoryx2
+publish-subscribe with a WaitSet, PyPI ``iceoryx2``) interleaved with ours: per repeat and
+configuration ours runs, then iceoryx2, so that drift of the machine hits both alike. It
+prints one table: batches/s of both, ours/iceoryx2, and the CPU per batch of one consumer
+and of all processes for both. Where ``import iceoryx2`` fails it says so and ours runs
+alone.
+
 JSON (``--json PATH``; original_handoff.py writes the same schema)::
 
   {
@@ -48,7 +56,8 @@ JSON (``--json PATH``; original_handoff.py writes the same schema)::
                 mem_available_gb, loadavg_start, loadavg_end, torch, numpy, pyzmq},
     "settings": {quick, repeats, kinds, consumer_counts, batches: {kind: n},
                  batch_bytes: {kind: n}, timeouts..., + implementation-specific
-                 (ring_slots here; producer_batch_size etc. for the original)},
+                 (ring_slots here; producer_batch_size etc. for the original;
+                 iceoryx2: its service settings)},
     "baselines": {kind: {gb_per_s, copies_per_s, us_per_copy,
                          rotating_gb_per_s, stream_gb_per_s, stream_is_streaming
                          (32MiB only), runs: [per repeat]}},
@@ -63,11 +72,15 @@ JSON (``--json PATH``; original_handoff.py writes the same schema)::
        "memcpy_rotating_gb_per_s", "ratio_vs_rotating_memcpy",   # 32MiB only, else null
        "stream_copy_gb_per_s", "ratio_vs_stream_copy",  # the ring's streaming copy alone,
                                # rotating over the same dsts (32MiB only, else null)
+       "cpu_us_per_batch",     # CPU of producer + consumers per delivered batch
+       "consumer_cpu_us_per_batch",  # one consumer's CPU per batch (median over
+                               # consumers, then repeats)
        "error",                # null, or the first failed repeat's error text
        "errors",               # per repeat: null or error text
        "notes",                # remarks that are not failures (e.g. a hung join())
        "runs": [{"repeat", "seconds", "error", "notes", "median_batches_per_s",
-                 "median_gb_per_s", "consumers": [per-consumer report],
+                 "median_gb_per_s", "cpu_us_per_batch", "consumer_cpu_us_per_batch",
+                 "consumers": [per-consumer report],
                  "producer": {producer report}}]}
     ],
     "verdicts": [{"target", "value", "ok"}],  # ok: true / false / null (not measurable)
@@ -78,7 +91,14 @@ JSON (``--json PATH``; original_handoff.py writes the same schema)::
                     "ours_gb_per_s", "original_gb_per_s", "ours_us_per_batch",
                     "original_us_per_batch", "memcpy_gb_per_s", "memcpy_us_per_copy",
                     "ours_ratio_vs_memcpy", "original_ratio_vs_memcpy",
-                    "ours_error", "original_error"}]
+                    "ours_error", "original_error"}],
+    # only with --with-iceoryx2:
+    "iceoryx2": {iceoryx2_handoff.py's document, or {"skipped": why, "results": [], ...}},
+    "comparison_iceoryx2": [{"kind", "consumers", "ours_batches_per_s",
+                             "iceoryx2_batches_per_s", "ours_over_iceoryx2", "ours_gb_per_s",
+                             "iceoryx2_gb_per_s", "ours_consumer_cpu_us_per_batch",
+                             "iceoryx2_consumer_cpu_us_per_batch", "ours_cpu_us_per_batch",
+                             "iceoryx2_cpu_us_per_batch", "ours_error", "iceoryx2_error"}]
   }
 
 Numbers are null where a configuration produced none (every repeat failed);
@@ -109,9 +129,10 @@ from bench_common import (  # noqa: E402
 )
 from handoff_common import (  # noqa: E402
     KINDS, RING_SLOTS, CountingLoader, Tally, add_common_options, by_key, check_reports,
-    parse_common, print_table, run_suite, short,
+    parse_common, print_table, run_suite, run_suites, short,
 )
 
+OURS = "tensorsocket (this checkout)"
 TARGET_TINY_BPS = 20000.0  # batches/s to one consumer
 TARGET_TINY_BPS_ONE = 200000.0  # issue 17: batches/s with one consumer
 TARGET_TINY_VS_FLOOR = 1.0  # issue 17: ours / shared_memory + pipes, tiny, every N
@@ -411,6 +432,87 @@ def print_comparison(rows: list[dict]) -> None:
                 print(f"{'':>12}{who} ERROR: {short(r[who + '_error'], 300)}")
 
 
+def iceoryx2_comparison(ours: dict, ice: dict) -> list[dict]:
+    """Per configuration: ours and iceoryx2's batches/s, GB/s and CPU per batch (one
+    consumer's, and producer + consumers' per delivered batch), and ours / iceoryx2."""
+    theirs = by_key(ice["results"])
+    rows = []
+    for r in ours["results"]:
+        o = theirs.get((r["kind"], r["consumers"]), {})
+        rows.append({
+            "kind": r["kind"], "consumers": r["consumers"],
+            "ours_batches_per_s": r["batches_per_s"],
+            "iceoryx2_batches_per_s": o.get("batches_per_s"),
+            "ours_over_iceoryx2": div(r["batches_per_s"], o.get("batches_per_s")),
+            "ours_gb_per_s": r["gb_per_s"],
+            "iceoryx2_gb_per_s": o.get("gb_per_s"),
+            "ours_consumer_cpu_us_per_batch": r.get("consumer_cpu_us_per_batch"),
+            "iceoryx2_consumer_cpu_us_per_batch": o.get("consumer_cpu_us_per_batch"),
+            "ours_cpu_us_per_batch": r.get("cpu_us_per_batch"),
+            "iceoryx2_cpu_us_per_batch": o.get("cpu_us_per_batch"),
+            "ours_error": r["error"],
+            "iceoryx2_error": o.get("error") or ice.get("skipped"),
+        })
+    return rows
+
+
+def print_iceoryx2_comparison(rows: list[dict], label: str) -> None:
+    print()
+    print(f"ours vs {label}, interleaved in the same run (per consumer; medians over "
+          "consumers, then repeats)")
+    hdr = (f"{'batch':>6} {'cons':>4} | {'ours b/s':>10} {'GB/s':>7} | {'iox2 b/s':>10} "
+           f"{'GB/s':>7} | {'ours/iox2':>9} | {'cons CPU us/b: ours':>19} {'iox2':>9} | "
+           f"{'all CPU us/b: ours':>18} {'iox2':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['kind']:>6} {r['consumers']:>4} | "
+              f"{fmt(r['ours_batches_per_s'], '.1f', 10)} {fmt(r['ours_gb_per_s'], '.3f', 7)} | "
+              f"{fmt(r['iceoryx2_batches_per_s'], '.1f', 10)} "
+              f"{fmt(r['iceoryx2_gb_per_s'], '.3f', 7)} | "
+              f"{fmt(r['ours_over_iceoryx2'], '.2f', 9)} | "
+              f"{fmt(r['ours_consumer_cpu_us_per_batch'], '.2f', 19)} "
+              f"{fmt(r['iceoryx2_consumer_cpu_us_per_batch'], '.2f', 9)} | "
+              f"{fmt(r['ours_cpu_us_per_batch'], '.2f', 18)} "
+              f"{fmt(r['iceoryx2_cpu_us_per_batch'], '.2f', 9)}")
+        for who in ("ours", "iceoryx2"):
+            if r[f"{who}_error"]:
+                print(f"{'':>12}{who} ERROR: {short(r[who + '_error'], 300)}")
+    print("(cons CPU us/b: one consumer's CPU time per batch, median over consumers; all CPU "
+          "us/b: producer + every consumer per batch delivered to a consumer)")
+
+
+def _run_with_iceoryx2(ours_peer: tuple, suite: dict) -> tuple[dict, dict]:
+    """Ours and iceoryx2's suite interleaved (ours, iceoryx2, ours, ... per configuration
+    and repeat); ours alone, with a skipped iceoryx2 document, where iceoryx2 does not
+    import. Returns (ours, iceoryx2's document)."""
+    ice_mod = importlib.import_module("iceoryx2_handoff")
+    reason = ice_mod.unavailable()
+    if reason:
+        print(ice_mod.skip_line(reason), flush=True)
+        return (run_suite(ours_peer[0], label=OURS, settings=ours_peer[1], **suite),
+                ice_mod.skipped(reason, **suite))
+    label = ice_mod.label()
+    docs = run_suites({OURS: ours_peer, label: (ice_mod.run_config, ice_mod.settings())},
+                      **suite)
+    return docs[OURS], docs[label]
+
+
+def _show_iceoryx2(ours: dict, ice: dict) -> None:
+    """Print iceoryx2's table and the comparison; keep both in ours ("iceoryx2",
+    "comparison_iceoryx2")."""
+    ours["iceoryx2"] = ice
+    if ice.get("skipped"):
+        print()
+        print(f"iceoryx2: skipped ({ice['skipped']})")
+        ours["comparison_iceoryx2"] = []
+        return
+    print_table(ice)
+    rows = iceoryx2_comparison(ours, ice)
+    print_iceoryx2_comparison(rows, ice["implementation"])
+    ours["comparison_iceoryx2"] = rows
+
+
 # -- main --------------------------------------------------------------------------------
 
 
@@ -420,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-original", action="store_true",
                         help="then run the same through the original TensorSocket 0.0.5 "
                              "(original_handoff.py) and print one comparison table")
+    parser.add_argument("--with-iceoryx2", action="store_true",
+                        help="run the same through iceoryx2 publish-subscribe with a WaitSet "
+                             "(iceoryx2_handoff.py), interleaved with ours per configuration "
+                             "and repeat, and print one comparison table (skipped, saying "
+                             "so, where iceoryx2 does not import)")
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the floor: the same workload through plain shared_memory "
                              "and pipes (shm_pipe_handoff.py), run after ours by default")
@@ -430,18 +537,21 @@ def main(argv: list[str] | None = None) -> int:
     def config_fn(kind, n, batches, tag):
         return run_config(kind, n, batches, tag, args.profile)
 
-    ours = run_suite(config_fn, label="tensorsocket (this checkout)", kinds=kinds,
-                     counts=counts, repeats=repeats, nbatches=nbatches, quick=args.quick,
-                     settings={"ring_slots": RING_SLOTS, "timeouts": _timeouts()})
-    print_table(ours)
     suite = {"kinds": kinds, "counts": counts, "repeats": repeats, "nbatches": nbatches,
              "quick": args.quick}
+    ours_peer = (config_fn, {"ring_slots": RING_SLOTS, "timeouts": _timeouts()})
+    ours, ice = (_run_with_iceoryx2(ours_peer, suite) if args.with_iceoryx2
+                 else (run_suite(ours_peer[0], label=OURS, settings=ours_peer[1], **suite),
+                       None))
+    print_table(ours)
     floor = None if args.no_floor else _run_beside(
         ours, "floor", "floor_comparison", "shm_pipe_handoff", "run_floor", floor_comparison,
         print_floor_comparison, suite)
     original = _run_beside(
         ours, "original", "comparison", "original_handoff", "run_original", comparison,
         print_comparison, suite) if args.with_original else None
+    if ice is not None:
+        _show_iceoryx2(ours, ice)
     checks = verdicts(ours, original, floor)
     print_verdicts(checks)
     ours["verdicts"] = checks

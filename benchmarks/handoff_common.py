@@ -210,6 +210,14 @@ def cpu_per_batch(consumers: list[dict], producer: dict | None) -> float | None:
         / delivered
 
 
+def consumer_cpu_per_batch(consumers: list[dict]) -> float | None:
+    """CPU microseconds per batch of one consumer (the median over the consumers of one
+    run): its CPU time from its first batch to its end over the batches after the first."""
+    per = [1e6 * c["cpu_seconds"] / (c["batches"] - 1) for c in consumers
+           if "cpu_seconds" in c and c.get("batches", 0) > 1]
+    return median(per) if per and len(per) == len(consumers) else None
+
+
 def check_reports(reports: list[dict], kind: str, batches: int, consumers: int) -> str | None:
     """None if every consumer got batches 0..batches-1 exactly once, intact; else why not."""
     problems = []
@@ -329,49 +337,77 @@ def run_suite(config_fn, *, label: str, kinds: list[str], counts: list[int], rep
               nbatches: dict, quick: bool, settings: dict | None = None) -> dict:
     """Run config_fn(kind, consumers, batches, tag) for every configuration and
     repeat, with the memcpy baseline; the JSON document (see the module docstring)."""
+    return run_suites({label: (config_fn, settings)}, kinds=kinds, counts=counts,
+                      repeats=repeats, nbatches=nbatches, quick=quick)[label]
+
+
+def run_suites(peers: dict, *, kinds: list[str], counts: list[int], repeats: int,
+               nbatches: dict, quick: bool) -> dict:
+    """run_suite() for several implementations at once, interleaved: every configuration
+    of every repeat runs each peer in turn (in the order of `peers`, {label: (config_fn,
+    settings)}), so that drift of the machine hits them alike; one memcpy baseline per
+    kind and repeat serves them all. Returns {label: document}."""
     machine = machine_info()
-    print(f"[{label}] python {machine['python']}, torch {machine['torch']}, "
-          f"{machine['cpus']} CPUs ({machine['cpu_model']}), load {machine['loadavg_start']}")
-    print(f"[{label}] batches per run: " + ", ".join(f"{k}={nbatches[k]}" for k in kinds)
-          + f"; consumers {','.join(map(str, counts))}; repeats={repeats}", flush=True)
-    runs: dict[tuple[str, int], list[dict]] = {(k, n): [] for k in kinds for n in counts}
+    for label in peers:
+        print(f"[{label}] python {machine['python']}, torch {machine['torch']}, "
+              f"{machine['cpus']} CPUs ({machine['cpu_model']}), load {machine['loadavg_start']}")
+        print(f"[{label}] batches per run: " + ", ".join(f"{k}={nbatches[k]}" for k in kinds)
+              + f"; consumers {','.join(map(str, counts))}; repeats={repeats}", flush=True)
+    runs: dict = {(label, k, n): [] for label in peers for k in kinds for n in counts}
     baselines: dict[str, list[dict]] = {k: [] for k in kinds}
     for rep in range(repeats):
         for kind in kinds:
             baselines[kind].append(memcpy_baseline(kind, 0.5 if quick else 1.0))
             for n in counts:
-                t0 = time.perf_counter()
-                try:
-                    res = config_fn(kind, n, nbatches[kind], f"{kind}-{n}-{rep}")
-                except Exception as e:  # never lose the whole run to one configuration
-                    res = {"consumers": [], "producer": None,
-                           "error": f"{type(e).__name__}: {e}"}
-                seconds = time.perf_counter() - t0
-                ok = res["error"] is None
-                bps = median([c["batches_per_s"] for c in res["consumers"]]) if ok else None
-                runs[(kind, n)].append({
-                    "repeat": rep,
-                    "seconds": seconds,
-                    "error": res["error"],
-                    "median_batches_per_s": bps,
-                    "cpu_us_per_batch": cpu_per_batch(res["consumers"], res["producer"])
-                    if ok else None,
-                    "median_gb_per_s": div(bps * batch_bytes(kind), 1e9) if ok else None,
-                    "consumers": res["consumers"],
-                    "producer": res["producer"],
-                    "notes": res.get("notes") or [],
-                })
-                what = f"{bps:12.1f} batches/s (median of {n})" if ok \
-                    else f"FAILED: {short(res['error'])}"
-                print(f"  [{label} {rep + 1}/{repeats}] {kind:>5} x{n}: {what} "
-                      f"(run {seconds:.1f} s)", flush=True)
-    results = [summarize(kind, n, runs[(kind, n)], baselines[kind], nbatches[kind], repeats)
+                for label, (config_fn, _) in peers.items():
+                    runs[(label, kind, n)].append(
+                        _run_one(config_fn, label, kind, n, rep, repeats, nbatches[kind]))
+    end = loadavg()
+    return {label: _document(label, settings, machine, end, kinds, counts, repeats, nbatches,
+                             quick, baselines, runs)
+            for label, (_, settings) in peers.items()}
+
+
+def _run_one(config_fn, label: str, kind: str, n: int, rep: int, repeats: int,
+             batches: int) -> dict:
+    """One repeat of one configuration of one implementation: its record in "runs"."""
+    t0 = time.perf_counter()
+    try:
+        res = config_fn(kind, n, batches, f"{kind}-{n}-{rep}")
+    except Exception as e:  # never lose the whole run to one configuration
+        res = {"consumers": [], "producer": None, "error": f"{type(e).__name__}: {e}"}
+    seconds = time.perf_counter() - t0
+    ok = res["error"] is None
+    bps = median([c["batches_per_s"] for c in res["consumers"]]) if ok else None
+    what = f"{bps:12.1f} batches/s (median of {n})" if ok \
+        else f"FAILED: {short(res['error'])}"
+    print(f"  [{label} {rep + 1}/{repeats}] {kind:>5} x{n}: {what} (run {seconds:.1f} s)",
+          flush=True)
+    return {
+        "repeat": rep,
+        "seconds": seconds,
+        "error": res["error"],
+        "median_batches_per_s": bps,
+        "cpu_us_per_batch": cpu_per_batch(res["consumers"], res["producer"]) if ok else None,
+        "consumer_cpu_us_per_batch": consumer_cpu_per_batch(res["consumers"]) if ok else None,
+        "median_gb_per_s": div(bps * batch_bytes(kind), 1e9) if ok else None,
+        "consumers": res["consumers"],
+        "producer": res["producer"],
+        "notes": res.get("notes") or [],
+    }
+
+
+def _document(label: str, settings: dict | None, machine: dict, loadavg_end, kinds: list[str],
+              counts: list[int], repeats: int, nbatches: dict, quick: bool,
+              baselines: dict, runs: dict) -> dict:
+    """One implementation's JSON document (see the module docstring of handoff.py)."""
+    results = [summarize(kind, n, runs[(label, kind, n)], baselines[kind], nbatches[kind],
+                         repeats)
                for kind in kinds for n in counts]
-    machine["loadavg_end"] = loadavg()
     return {
         "schema": SCHEMA,
         "implementation": label,
-        "machine": machine,
+        "machine": dict(machine, loadavg_end=loadavg_end),
         "settings": {
             "quick": quick,
             "repeats": repeats,
@@ -419,6 +455,9 @@ def summarize(kind: str, n: int, runs: list[dict], baselines: list[dict], batche
         # CPU of producer + consumers per delivered batch (median over repeats)
         "cpu_us_per_batch": median([r["cpu_us_per_batch"] for r in good
                                      if r.get("cpu_us_per_batch") is not None]),
+        # CPU of one consumer per batch (median over consumers, then over repeats)
+        "consumer_cpu_us_per_batch": median([r.get("consumer_cpu_us_per_batch")
+                                             for r in good]),
         "batches_per_s_runs": bps_runs,
         "gb_per_s_runs": [b * batch_bytes(kind) / 1e9 for b in bps_runs],
         "us_per_batch_runs": [div(1e6, b) for b in bps_runs],
@@ -445,7 +484,7 @@ def print_table(doc: dict) -> None:
     print(f"{doc['implementation']}: medians (per consumer: median over consumers, "
           "then over repeats)")
     hdr = (f"{'batch':>6} {'cons':>4} {'batches/s':>12} {'GB/s':>9} {'us/batch':>9} "
-           f"{'memcpy GB/s':>12} {'us/copy':>8} {'ratio':>7} {'CPU us/b':>9}")
+           f"{'memcpy GB/s':>12} {'us/copy':>8} {'ratio':>7} {'CPU us/b':>9} {'cons CPU':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in doc["results"]:
@@ -454,7 +493,8 @@ def print_table(doc: dict) -> None:
               f"{fmt(r['memcpy_gb_per_s'], '.3f', 12)} "
               f"{fmt(r['memcpy_us_per_copy'], '.2f', 8)} "
               f"{fmt(r['ratio_vs_memcpy'], '.3f', 7)} "
-              f"{fmt(r.get('cpu_us_per_batch'), '.2f', 9)}")
+              f"{fmt(r.get('cpu_us_per_batch'), '.2f', 9)} "
+              f"{fmt(r.get('consumer_cpu_us_per_batch'), '.2f', 9)}")
         if r["error"]:
             bad = sum(1 for e in r["errors"] if e)
             print(f"{'':>12}ERROR in {bad}/{len(r['errors'])} repeats: {short(r['error'], 300)}")
@@ -462,7 +502,8 @@ def print_table(doc: dict) -> None:
             print(f"{'':>12}note: {short(note, 300)}")
     print("(ratio = consumer GB/s / memcpy GB/s of the same bytes, per consumer; for tiny it is "
           "memcpy us/copy / us/batch; CPU us/b = CPU time of the producer and every consumer "
-          "per batch delivered to a consumer)")
+          "per batch delivered to a consumer; cons CPU = one consumer's CPU us per batch, median "
+          "over consumers)")
     for k, b in doc["baselines"].items():
         line = (f"memcpy baseline {k:>5}: {fmt(b['gb_per_s'], '.3f', 0)} GB/s, "
                 f"{fmt(b['us_per_copy'], '.2f', 0)} us per copy (np.copyto, 1 thread, "

@@ -4,6 +4,10 @@ Run explicitly (the default ``pytest`` run only collects ``tests/``):
 
     python -m pytest benchmarks/ --benchmark-only -n 0
 
+``test_iceoryx2_peer_counters`` is a plain test (no ``benchmark`` fixture, so
+``--benchmark-only`` skips it): ``python -m pytest benchmarks/test_handoff_bench.py -k
+iceoryx2 -n 0``.
+
 The producer is a real subprocess (``benchmarks/handoff.py _producer``) whose
 loader yields the same pre-made batch every time; the consumer is this
 process, and each timed call takes one batch and touches it. The memcpy
@@ -13,9 +17,13 @@ benchmark is the baseline to compare the 32 MiB handoff with.
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,6 +128,39 @@ def test_memcpy_32mib_baseline(benchmark):
     benchmark.extra_info["batch_bytes"] = nbytes
     median = benchmark.stats.stats.median
     benchmark.extra_info["gb_per_s"] = nbytes / median / 1e9 if median > 0 else None
+
+
+def _iceoryx2_files() -> set[str]:
+    """The iceoryx2 files and directories that iceoryx2_handoff.py's runs leave, if any."""
+    return set(glob.glob("/dev/shm/tsb-iox2-*")) | set(
+        glob.glob(os.path.join(tempfile.gettempdir(), "tsb-iox2-*")))
+
+
+def test_iceoryx2_peer_counters(tmp_path):
+    """The iceoryx2 peer (tiny, 1 consumer, --quick) delivers 0..N-1 once each, intact,
+    reports CPU per batch, and leaves no files behind."""
+    pytest.importorskip("iceoryx2")
+    before = _iceoryx2_files()
+    out = tmp_path / "iceoryx2.json"
+    proc = subprocess.run(
+        [sys.executable, str(_HERE / "iceoryx2_handoff.py"), "--quick", "--kinds", "tiny",
+         "--consumers", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == common.SCHEMA and not doc.get("skipped")
+    assert doc["implementation"].startswith("iceoryx2 ")
+    (result,) = doc["results"]
+    batches = doc["settings"]["batches"]["tiny"]
+    assert result["error"] is None, result["error"]
+    (run,) = result["runs"]
+    (consumer,) = run["consumers"]
+    assert consumer["batches"] == batches
+    assert (consumer["first_counter"], consumer["last_counter"]) == (0, batches - 1)
+    assert consumer["missing"] == consumer["duplicates"] == consumer["corrupt"] == 0
+    assert run["producer"]["batches"] == batches and run["producer"]["drained"]
+    assert result["batches_per_s"] > 0 and result["consumer_cpu_us_per_batch"] > 0
+    assert _iceoryx2_files() <= before
 
 
 if __name__ == "__main__":
