@@ -323,7 +323,7 @@ print(json.dumps({"interrupts": interrupts, "calls": hook.calls,
 
 @pytest.mark.parametrize("workers, transform, period, batch_size",
                          [(0, "pure", 300, 0), (0, "in_place", 300, 0),
-                          (2, "in_place", 800, 0), (2, "in_place", 300, 12)])
+                          (2, "in_place", 400, 0), (2, "in_place", 300, 12)])
 def test_an_interrupt_at_any_point_of_next_loses_nothing(procs, name, workers, transform,
                                                          period, batch_size):
     """Items 2 and 3: a KeyboardInterrupt at each point of next() where one can land (and

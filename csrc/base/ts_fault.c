@@ -369,6 +369,15 @@ uint32_t ts_fault_private_slots(const ts_fault_map *m)
     return n;
 }
 
+/* Whether slot of m is seen through the shared view (see ts_fault.h). */
+int ts_fault_slot_shared(const ts_fault_map *m, uint32_t slot)
+{
+    if (slot >= m->slot_count) return 0;
+    if (m->state == NULL) return 1; /* slots are never made private here */
+    return (atomic_load_explicit(&m->state[slot], memory_order_acquire) & TS_FAULT_MASK) ==
+           TS_FAULT_SHARED;
+}
+
 /* Copy every page of [p, p + n) of a private file mapping, so that none of them shows the
  * file any more: MADV_POPULATE_WRITE breaks copy-on-write without writing; where the
  * kernel lacks it (EINVAL), an atomic OR of 0 into each page does (a write that changes

@@ -97,6 +97,10 @@ int ts_fault_writable(const ts_fault_map *m);
 /* Slots of m that are private to this process now. */
 uint32_t ts_fault_private_slots(const ts_fault_map *m);
 
+/* 1 if this process sees slot of m through the shared view of the file (not a private
+ * copy, and not being made one), else 0. */
+int ts_fault_slot_shared(const ts_fault_map *m, uint32_t slot);
+
 /* Make held slot of m private, and bytes [offset, offset + bytes) of it a copy of what
  * they show now, every page spanning them copied, so that the file under them may change
  * (ts_ring_set_aside, before the slot is handed back; pages of the slot not copied must

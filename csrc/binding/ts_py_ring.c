@@ -591,6 +591,27 @@ static PyObject *Ring_note_cache(RingObject *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* Ring.locate(address): (path, offset) of the segment file's bytes at address, for another
+ * process to map them (a transform worker), or None where address is not in a slot this
+ * handle sees through the shared mapping, or the file lost its name (ts_ring_locate). */
+static PyObject *Ring_locate(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
+{
+    static const char *const names[] = {"address"};
+    PyObject *a[1];
+    uint64_t address = 0, offset = 0;
+    if (ts_py_args("locate", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
+        ts_py_u64(a[0], &address) < 0 || ts_ring_check(self) < 0)
+        return NULL;
+    char path[300];
+    int found;
+    Py_BEGIN_ALLOW_THREADS /* two stat calls */
+    found = ts_ring_locate(self->ring, address, path, sizeof path, &offset);
+    Py_END_ALLOW_THREADS
+    if (!found) Py_RETURN_NONE;
+    return Py_BuildValue("(sK)", path, (unsigned long long)offset);
+}
+
 /* Ring.cache(): the header's cache note as a dict (budget, bytes, samples, epochs, off:
  * None while there is a cache or none was decided), or None if it could not be read
  * whole. */
@@ -1100,6 +1121,8 @@ static PyMethodDef Ring_methods[] = {
      "Mark the ring finished (with the producer's failure, if it failed)."},
     {"note_cache", TS_PY_FASTCALL(Ring_note_cache),
      "Note the producer's decoded-sample cache in the header (status, consumers)."},
+    {"locate", TS_PY_FASTCALL(Ring_locate),
+     "(path, offset) of the segment file's bytes at an address of this handle, or None."},
     {"cache", (PyCFunction)Ring_cache, METH_NOARGS,
      "The producer's decoded-sample cache as noted: budget, bytes, samples, epochs, off."},
     {"failure", (PyCFunction)Ring_failure, METH_NOARGS,

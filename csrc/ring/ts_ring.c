@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1271,6 +1272,26 @@ void ts_ring_note_setup_cpu(ts_ring *ring, uint64_t ns)
 {
     /* Relaxed: written once by the producer, read alone by status. */
     atomic_store_explicit(&ring->hdr->setup_cpu_ns, ns, memory_order_relaxed);
+}
+
+/* Where address lies in the segment's file (see ts_ring.h). */
+int ts_ring_locate(const ts_ring *ring, uint64_t address, char *path, size_t path_len,
+                   uint64_t *offset)
+{
+    uintptr_t start = (uintptr_t)ring->data, at = (uintptr_t)address;
+    if (ring->is_producer || ring->fd < 0 || ring->data == NULL || at < start ||
+        at - start >= ring->data_bytes)
+        return 0;
+    uint64_t rel = (uint64_t)(at - start);
+    if (!ts_fault_slot_shared(&ring->cow, (uint32_t)(rel / ring->hdr->slot_bytes))) return 0;
+    int n = snprintf(path, path_len, "/dev/shm%s", ring->name);
+    if (n < 0 || (size_t)n >= path_len) return 0;
+    struct stat mine, named;
+    if (fstat(ring->fd, &mine) != 0 || stat(path, &named) != 0 ||
+        mine.st_dev != named.st_dev || mine.st_ino != named.st_ino)
+        return 0; /* unlinked, or the name is another segment's now */
+    *offset = ring->hdr->data_offset + rel;
+    return 1;
 }
 
 /* Note the producer's cache (see ts_ring.h): the sequence lock's writer side. */

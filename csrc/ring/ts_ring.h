@@ -567,6 +567,13 @@ typedef struct ts_cache_note {
                                    * or the producer has not decided yet) */
 } ts_cache_note;
 
+/* Where address lies in the segment's file, for another process to map the same bytes: 1
+ * with the file's path (path_len bytes at most, NUL terminated) and the offset in it, if
+ * address is in a slot this consumer handle sees through the shared mapping (not a
+ * private copy) and the segment's name still names the file this handle maps; else 0. */
+int ts_ring_locate(const ts_ring *ring, uint64_t address, char *path, size_t path_len,
+                   uint64_t *offset);
+
 /* Note the producer's cache in the header (the producer's thread only). */
 void ts_ring_note_cache(ts_ring *ring, const ts_cache_note *note);
 

@@ -1,8 +1,9 @@
 """A worker process's zero-copy view of a tensor that lies in a ring segment.
 
 A consumer's batch tensors are views of the ring segment it maps (``/dev/shm/<segment>``).
-For a worker process to read one without a copy, the consumer finds which file and offset
-the tensor's memory comes from (``/proc/self/maps``, read in this one place) and sends that;
+For a worker process to read one without a copy, the consumer asks its ring handle which
+file and offset the tensor's memory comes from (``Ring.locate``: the core knows its
+mapping, and checks that the name still names that file) and sends that;
 the worker maps those bytes of the same file for the task (copy-on-write: a transform that
 writes into its input changes only that mapping, which goes with the task) and views the
 tensor there. A tensor not in a shared file mapping (a private copy, a re-batched batch),
@@ -19,9 +20,6 @@ from typing import Any
 
 import torch
 
-_SHARED_PREFIX = "/dev/shm/"
-
-
 @dataclass(frozen=True)
 class SharedTensorRef:
     """Where a tensor's data lies in a shared file: what a worker needs to view it."""
@@ -33,36 +31,18 @@ class SharedTensorRef:
     dtype: torch.dtype
 
 
-def shared_ref(tensor: torch.Tensor) -> SharedTensorRef | None:
-    """Where `tensor` lies in a shared file that still has its name, or None (not in one:
-    send the tensor). /proc/self/maps is read afresh for every call: a ring mapped again,
-    or a private allocation at an address a ring had, must never be taken for what was
-    there before (one read is ~0.1 ms). The tensor's memory stays mapped while it lives."""
+def shared_ref(tensor: torch.Tensor, ring: Any) -> SharedTensorRef | None:
+    """Where `tensor`, a view of a slot of `ring` (the consumer's handle), lies in the
+    ring's file, or None (not in a slot seen through the shared mapping, or the file lost
+    its name: send the tensor). The tensor's memory stays mapped while it lives."""
     if tensor.device.type != "cpu":
         return None
-    found = _shared_file_at(tensor.data_ptr())
+    found = ring.locate(tensor.data_ptr())
     if found is None:
         return None
     path, offset = found
     return SharedTensorRef(path, offset, tuple(tensor.shape), tuple(tensor.stride()),
                            tensor.dtype)
-
-
-def _shared_file_at(address: int) -> tuple[str, int] | None:
-    """(path, file offset) of `address` if this process maps it from a file under
-    /dev/shm whose name still exists; else None."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            span, _, offset, _ = line.split(maxsplit=3)
-            start, end = (int(x, 16) for x in span.split("-"))
-            if not start <= address < end:
-                continue
-            parts = line.split(maxsplit=5)
-            path = parts[5].rstrip("\n") if len(parts) == 6 else ""
-            if not path.startswith(_SHARED_PREFIX) or path.endswith(" (deleted)"):
-                return None
-            return path, int(offset, 16) + address - start
-    return None
 
 
 def view_in_place(ref: SharedTensorRef) -> torch.Tensor:

@@ -293,7 +293,7 @@ class TransformStage:
             return _InFlight(index, ids, rebuild, None, batch=rebuild(out))
         pool = self._pool or self._start_workers()
         task, self._tasks = self._tasks, self._tasks + 1
-        ref = shared_ref(inputs) if via is self._ring() else None
+        ref = shared_ref(inputs, via) if via is self._ring() else None
         # (Not in the ring's file: a copy goes, since pickling moves a tensor's storage
         # into shared memory in place, where a transform that writes into its input would
         # change what a task sent again after an interrupt reads.)
