@@ -35,7 +35,7 @@ class SharedLoader:
     before_ready: Callable[[], None] | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConsumerOptions:
     """A consumer's settings as resolved, checked, and the objects made of them: its
     re-batcher (batch_size=) and its Delivery (device=, copy=, pin_memory=,
@@ -88,11 +88,14 @@ class ConsumerOptions:
         endpoint = resolve(name, port, address)
         # The name's lock file tells of a producer that died before answering; an address
         # given explicitly may belong to a producer of another name.
-        return cls(endpoint, batch_size, bool(drop_last), answer_wait, batch_wait,
-                   bool(copy), bool(with_index), bool(pin_memory), bool(peer_access),
-                   bool(align_epochs), rank, world_size, group, rebatcher, delivery,
-                   ClientSecret(endpoint, auth_token), port is not None or address is None,
-                   given.describe() if given.origins else None)
+        return cls(endpoint=endpoint, batch_size=batch_size, drop_last=bool(drop_last),
+                   answer_wait=answer_wait, batch_wait=batch_wait, copy=bool(copy),
+                   with_index=bool(with_index), pin_memory=bool(pin_memory),
+                   peer_access=bool(peer_access), align_epochs=bool(align_epochs),
+                   rank=rank, world_size=world_size, group=group, rebatcher=rebatcher,
+                   delivery=delivery, secret=ClientSecret(endpoint, auth_token),
+                   watch=port is not None or address is None,
+                   origins=given.describe() if given.origins else None)
 
 
 def check_group(rank: int | None, world_size: int | None) -> tuple[int, int]:
