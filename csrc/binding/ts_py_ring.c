@@ -300,6 +300,13 @@ static PyObject *Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(self->ring == NULL);
 }
 
+/* Ring.slot_count: the ring's slots (its geometry does not change: no info() needed). */
+static PyObject *Ring_get_slot_count(RingObject *self, void *Py_UNUSED(closure))
+{
+    if (ts_ring_check(self) < 0) return NULL;
+    return PyLong_FromUnsignedLong(ts_ring_slot_count(self->ring));
+}
+
 /* Drop the handle's reference. */
 static void Ring_dealloc(RingObject *self)
 {
@@ -1155,6 +1162,7 @@ static PyMethodDef Ring_methods[] = {
 
 static PyGetSetDef Ring_getset[] = {
     {"closed", (getter)Ring_get_closed, NULL, "True once closed.", NULL},
+    {"slot_count", (getter)Ring_get_slot_count, NULL, "The ring's slots.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

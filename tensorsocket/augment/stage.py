@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from ..errors import TensorSocketError, TransformError
-from ..ring import RESERVE_SLOTS, RingInfo
+from ..ring import RESERVE_SLOTS
 from .options import TransformOptions
 from .samples import Rebuild, first_sample_check, raised_here, split_inputs, \
     transform_samples
@@ -312,7 +312,7 @@ class TransformStage:
         """Start the worker processes; in flight: prefetch per worker, below the ring's
         slots."""
         o = self.options
-        slots = RingInfo.of(self._ring()).slot_count
+        slots = self._ring().slot_count
         self._depth = max(1, min(o.workers * o.prefetch, slots - RESERVE_SLOTS))
         if self._depth < o.workers:
             log.info("transform: %d batches in flight for %d workers (the ring has %d slots; "

@@ -18,7 +18,7 @@ from ..errors import (
     TensorSocketError,
     TensorSocketWarning,
 )
-from ..ring import RingInfo, StopReason
+from ..ring import StopReason
 from .epoch_state import EpochState
 from .options import ConsumerOptions
 from .place import RingPlace, producer_failed
@@ -184,7 +184,7 @@ class SlotAcquirer:
         held = self._place.held_slots_blocking()
         if held:
             message = diagnosis.kept_batches_warning(
-                STALL_WARN_AFTER, held, RingInfo.of(self._place.ring).slot_count)
+                STALL_WARN_AFTER, held, self._place.ring.slot_count)
             log.warning("%s", message)
             warnings.warn(message, TensorSocketWarning, stacklevel=7)
 

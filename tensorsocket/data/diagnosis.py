@@ -35,7 +35,7 @@ def may_set_aside(ring: Any, gpu_import: bool) -> bool:
 def blocking_held_slots(ring: Any, index: int, token: int) -> int:
     """Slots consumer `index` holds (entries it took whose views are alive), if one of
     them is the slot the producer must reuse for its next entry; else 0."""
-    slots = RingInfo.of(ring).slot_count
+    slots = ring.slot_count
     nxt = ring.next_slot()
     published = nxt["published"]
     entry = ring.consumer(index)
@@ -134,7 +134,7 @@ def lag_behind_fastest(ring: Any) -> dict[int, tuple[int, bool]]:
     if len(entries) < 2:
         return {}
     lead = max(e["cursor"] for e in entries.values())
-    limit = max(RESERVE_SLOTS, RingInfo.of(ring).slot_count - RESERVE_SLOTS)
+    limit = max(RESERVE_SLOTS, ring.slot_count - RESERVE_SLOTS)
     return {index: (lead - e["cursor"], lead - e["cursor"] >= limit)
             for index, e in entries.items()}
 
