@@ -16,6 +16,7 @@ from typing import Any
 
 from . import _core
 from ._core import (  # noqa: F401 - the face re-exports the core's types and helpers
+    Lane,
     Ring,
     Slot,
     SlotView,

@@ -497,10 +497,14 @@ static int ts_module_exec(PyObject *module)
     st->Ring_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &ts_py_ring_spec, NULL);
     st->Slot_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &ts_py_slot_spec, NULL);
     st->SlotView_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &ts_py_view_spec, NULL);
-    if (st->Ring_type == NULL || st->Slot_type == NULL || st->SlotView_type == NULL) goto done;
+    st->Lane_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &ts_py_lane_spec, NULL);
+    if (st->Ring_type == NULL || st->Slot_type == NULL || st->SlotView_type == NULL ||
+        st->Lane_type == NULL || ts_py_lane_names(st->lane_names) < 0)
+        goto done;
     if (PyModule_AddType(module, st->Ring_type) < 0 ||
         PyModule_AddType(module, st->Slot_type) < 0 ||
-        PyModule_AddType(module, st->SlotView_type) < 0)
+        PyModule_AddType(module, st->SlotView_type) < 0 ||
+        PyModule_AddType(module, st->Lane_type) < 0)
         goto done;
 
     if (ts_add_exception(module, &st->TensorSocketError, "TensorSocketError",
@@ -572,6 +576,7 @@ static int ts_module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->Ring_type);
     Py_VISIT(st->Slot_type);
     Py_VISIT(st->SlotView_type);
+    Py_VISIT(st->Lane_type);
     Py_VISIT(st->TensorSocketError);
     Py_VISIT(st->ProducerGone);
     Py_VISIT(st->ProducerFinished);
@@ -592,6 +597,8 @@ static int ts_module_clear(PyObject *module)
     Py_CLEAR(st->Ring_type);
     Py_CLEAR(st->Slot_type);
     Py_CLEAR(st->SlotView_type);
+    Py_CLEAR(st->Lane_type);
+    for (int i = 0; i < TS_LANE_NAMES; i++) Py_CLEAR(st->lane_names[i]);
     Py_CLEAR(st->TensorSocketError);
     Py_CLEAR(st->ProducerGone);
     Py_CLEAR(st->ProducerFinished);

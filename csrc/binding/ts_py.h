@@ -1,10 +1,12 @@
 /* ts_py.h - what the files of the CPython binding share (tensorsocket._core).
  *
  * The binding is ts_module.c (module state, errors, the device driver, module functions,
- * init), ts_py_ring.c (the Ring type) and ts_py_slot.c (Slot and SlotView): the only
- * files of the core that include Python.h. They convert between Python objects and the
- * core's structs and calls; the core does the rest. Every type is a heap type made per
- * module (multi-phase init), immutable, not subclassable, not instantiable from Python. */
+ * init), ts_py_ring.c (the Ring type), ts_py_slot.c (Slot and SlotView) and ts_py_lane.c
+ * (Lane, the common path of a consumer's next()): the only files of the core that include
+ * Python.h. They convert between Python objects and the core's structs and calls; the core
+ * does the rest. Every type is a heap type made per module (multi-phase init), immutable,
+ * not subclassable, not instantiable from Python; but Lane, the base class of the
+ * consumer's epoch iterator, made and subclassed in Python. */
 #ifndef TS_PY_H
 #define TS_PY_H
 
@@ -19,11 +21,23 @@
 #include "ring/ts_export.h"
 #include "ring/ts_ring.h"
 
+/* The attribute names the lane (ts_py_lane.c) reads and sets on the consumer's parts,
+ * interned once per module (ts_py_lane_names). */
+enum ts_lane_name {
+    TS_N_EPOCH, TS_N_IN_EPOCH, TS_N_SOURCE_DONE, TS_N_RESUMING, TS_N_SKIP, TS_N_PULLED,
+    TS_N_DELIVERED, TS_N_PRODUCER_EPOCH, TS_N_END_MARKER_UNREAD, TS_N_AFTER_END_MARKER,
+    TS_N_READY, TS_N_LOADED, TS_N_BATCHES, TS_N_SAMPLES, TS_N_LOADER_BATCHES, TS_N_BYTES,
+    TS_N_MINE, TS_N_BITS, TS_N_GROW, TS_N_MINE_SAMPLES, TS_N_KNOWN, TS_N_ATTACHED,
+    TS_N_CLOSED, TS_N_NEXT_SLOW, TS_N_WAIT_ENTRY, TS_LANE_NAMES
+};
+
 /* The module's state. */
 typedef struct ts_state {
     PyTypeObject *Ring_type;
     PyTypeObject *Slot_type;
     PyTypeObject *SlotView_type;
+    PyTypeObject *Lane_type;
+    PyObject *lane_names[TS_LANE_NAMES]; /* owns: interned attribute names (ts_lane_name) */
     PyObject *TensorSocketError;
     PyObject *ProducerGone;
     PyObject *ProducerFinished;
@@ -49,6 +63,11 @@ typedef struct RingObject {
 extern PyType_Spec ts_py_ring_spec;
 extern PyType_Spec ts_py_slot_spec;
 extern PyType_Spec ts_py_view_spec;
+extern PyType_Spec ts_py_lane_spec;
+
+/* Intern the lane's attribute names into names (TS_LANE_NAMES of them); 0, or -1 with an
+ * exception. */
+int ts_py_lane_names(PyObject **names);
 
 /* A method table entry's function and flags for a function that takes arguments. */
 #define TS_PY_FASTCALL(fn) (PyCFunction)(void (*)(void))(fn), METH_FASTCALL | METH_KEYWORDS
@@ -130,5 +149,32 @@ PyObject *ts_py_dict(const void *base, const ts_py_field *fields, size_t n);
 
 /* A new Slot for what acquire took; steals the lease reference (released on failure). */
 PyObject *ts_py_slot_new(ts_state *state, ts_lease *lease, const ts_acquired *got);
+
+/* Leaf i of lease as a new DLPack capsule (opts: versioned, copy, device, stream); NULL
+ * with an exception. */
+PyObject *ts_py_capsule(ts_state *state, ts_lease *lease, uint32_t i, const ts_export_opts *opts);
+
+/* What a Slot holds, read in place for the consumer's common path (ts_py_lane.c). */
+typedef struct ts_py_entry {
+    ts_lease *lease; /* borrowed from the Slot: valid while the Slot holds it */
+    int is_batch;    /* a loader batch (not an end-of-epoch marker) */
+    uint32_t n_leaves;
+    uint64_t seq;
+    uint64_t epoch;
+    uint64_t index;
+    uint64_t nbytes;
+    PyObject *meta; /* borrowed: the Slot's meta bytes */
+} ts_py_entry;
+
+/* Fill out from slot: 1 if it is a Slot that still holds its entry, else 0. */
+int ts_py_slot_peek(ts_state *state, PyObject *slot, ts_py_entry *out);
+
+/* ---- ts_py_ring.c ------------------------------------------------------------- */
+
+/* Take the next published entry of the consumer ring handle ring (a Ring object) into
+ * box[0] (a list [None]) without waiting: 1 when taken, 0 when there is none yet, 2 when
+ * the core says something else (finished, gone, detached, closed: the caller's waiting
+ * path says what), -1 with an exception (no memory). */
+int ts_py_ring_poll(ts_state *state, PyObject *ring, PyObject *box);
 
 #endif /* TS_PY_H */

@@ -868,6 +868,24 @@ static PyObject *Ring_try_acquire(RingObject *self, PyObject *const *args, Py_ss
     return ts_slot_out(state, self->ring, &got, box);
 }
 
+/* Take the next published entry into box[0], without waiting (see ts_py.h). */
+int ts_py_ring_poll(ts_state *state, PyObject *ring, PyObject *box)
+{
+    ts_acquired got;
+    ts_err err = {0};
+    RingObject *self = (RingObject *)ring;
+    if (!Py_IS_TYPE(ring, state->Ring_type) || self->ring == NULL ||
+        ts_ring_is_producer(self->ring))
+        return 2;
+    ts_status st = ts_ring_acquire(self->ring, TS_DEADLINE_NOW, &got, &err);
+    if (st == TS_E_TIMEOUT) return 0;
+    if (st != TS_OK) return 2;
+    PyObject *slot = ts_slot_out(state, self->ring, &got, box);
+    if (slot == NULL) return -1;
+    Py_DECREF(slot); /* box holds it */
+    return 1;
+}
+
 /* Ring.set_aside(box=None, successor=None): copy the held slots privately and hand them
  * back; reads no more. Once done, successor goes into box[0] (a list [handle]) in the same
  * call: a KeyboardInterrupt raised as the call returns cannot leave the caller reading

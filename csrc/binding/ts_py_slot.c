@@ -40,9 +40,9 @@ static void ts_capsule_destructor_versioned(PyObject *capsule)
     PyErr_Restore(type, value, tb);
 }
 
-/* Wrap leaf i of lease in a new DLPack capsule. */
-static PyObject *ts_make_capsule(ts_state *state, ts_lease *lease, uint32_t i,
-                                 const ts_export_opts *opts)
+/* Wrap leaf i of lease in a new DLPack capsule (see ts_py.h). */
+PyObject *ts_py_capsule(ts_state *state, ts_lease *lease, uint32_t i,
+                        const ts_export_opts *opts)
 {
     ts_err err = {0};
     int versioned = opts->versioned;
@@ -136,7 +136,7 @@ static PyObject *SlotView_dlpack(SlotViewObject *self, PyObject *const *args, Py
     if ((opts.copy = ts_py_bool(a[3])) < 0) return NULL;
     if (opts.copy && self->device) return ts_device_copy_refused();
     if (ts_parse_max_version(a[1], &opts) < 0) return NULL;
-    return ts_make_capsule(ts_py_state((PyObject *)self), self->lease, self->leaf, &opts);
+    return ts_py_capsule(ts_py_state((PyObject *)self), self->lease, self->leaf, &opts);
 }
 
 /* SlotView.__dlpack_device__() -> (device_type, device_id) */
@@ -268,6 +268,23 @@ PyObject *ts_py_slot_new(ts_state *state, ts_lease *lease, const ts_acquired *go
     return (PyObject *)slot;
 }
 
+/* What the Slot slot holds (see ts_py.h). */
+int ts_py_slot_peek(ts_state *state, PyObject *slot, ts_py_entry *out)
+{
+    if (!Py_IS_TYPE(slot, state->Slot_type)) return 0;
+    SlotObject *s = (SlotObject *)slot;
+    if (s->lease == NULL) return 0;
+    out->lease = s->lease;
+    out->is_batch = s->kind != TS_ENTRY_END_EPOCH;
+    out->n_leaves = s->n_leaves;
+    out->seq = s->seq;
+    out->epoch = s->epoch;
+    out->index = s->index;
+    out->nbytes = s->nbytes;
+    out->meta = s->meta;
+    return 1;
+}
+
 /* Raise if the slot was released, or (device) this consumer did not import the pool. */
 static int ts_slot_check(SlotObject *self, int device)
 {
@@ -328,7 +345,7 @@ static PyObject *Slot_capsules(SlotObject *self, PyObject *const *args, Py_ssize
     PyObject *out = PyTuple_New(self->n_leaves);
     if (out == NULL) return NULL;
     for (uint32_t i = 0; i < self->n_leaves; i++) {
-        PyObject *cap = ts_make_capsule(state, self->lease, i, &opts);
+        PyObject *cap = ts_py_capsule(state, self->lease, i, &opts);
         if (cap == NULL) {
             Py_DECREF(out);
             return NULL;

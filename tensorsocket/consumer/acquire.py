@@ -159,6 +159,11 @@ class SlotAcquirer:
         # nothing). Only while it keeps some: in short waits.
         while diagnosis.may_set_aside(place.ring, place.delivery.gpu_import):
             if place.held_slots_blocking():
+                # The producer filled every other slot: our next entry is published
+                # already, unless a kept batch older than the one just returned blocks.
+                slot = place.ring.try_acquire(box)
+                if slot is not None:
+                    return slot
                 if not place.set_aside_held(rebind=True):
                     break  # they cannot be copied here: wait for them (and say so below)
                 continue

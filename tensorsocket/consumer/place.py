@@ -106,6 +106,14 @@ class RingPlace:
         """The ring handle this consumer reads through now."""
         return self._ring_box[0]
 
+    def lane_parts(self) -> dict:
+        """What the consumer's common path (tensorsocket._core.Lane) reads of this place:
+        the place itself (attached, closed), the box of the ring handle read through now,
+        the box of the entry taken and not used, and the process the consumer reads in
+        with the box of this process's pid (a forked child sets its own)."""
+        return {"place": self, "ring_box": self._ring_box, "entry_box": self.flow.entry,
+                "pid_box": _SELF_PID, "pid": self.pid}
+
     @property
     def token(self) -> int:
         """The token of this consumer's place (the producer's name for it)."""

@@ -16,7 +16,10 @@ from ..augment import TransformOptions, TransformStage
 from ..config import UNSET, Unset
 from ..data.epoch_cursor import InFlight
 from ..data.resume import EpochTaken
+from ..data.delivery import from_capsule
+from ..data.rebatch import EpochEnd
 from ..errors import TensorSocketError
+from ..ring import Lane
 from .acquire import SlotAcquirer
 from .book import ResumeBook
 from .counters import consumer_stats
@@ -387,33 +390,61 @@ def _drop_in_flight(consumer: TensorConsumer) -> bool:
     return stage is not None and stage.leave(consumer._state.cursor) > 0
 
 
-class EpochIterator:
-    """One epoch of a TensorConsumer. Keeps no reference to the batches it returned,
-    so a batch's ring slot is released as soon as the caller drops it."""
+def _lane_setup(consumer: TensorConsumer) -> dict:
+    """The arguments of the common path (tensorsocket._core.Lane) of an iterator of
+    `consumer`'s current epoch; place None where the consumer is not a common case."""
+    place, state, options = consumer._place, consumer._state, consumer._options
+    shape = consumer._reader.shape
+    common = consumer._transforms is None and consumer.unpack_fn is None and \
+        state.rebatcher is None and options.world_size == 1 and place.aligned and \
+        place.delivery.zero_copy_host
+    size = shape.batch_size if shape.batch_size is not None and shape.length is not None \
+        else -1
+    return {**place.lane_parts(), "place": place if common else None,
+            "cursor": state.cursor, "flow": state.flow, "taken": state.taken,
+            "builder": place.delivery.common_builder, "from_dlpack": from_capsule,
+            "epoch": state.cursor.epoch, "with_index": consumer.with_index,
+            "length": -1 if state.cursor.length is None else state.cursor.length,
+            "batch_samples": size}
 
-    __slots__ = ("_consumer", "_epoch", "_serial")
+
+class EpochIterator(Lane):
+    """One epoch of a TensorConsumer. Keeps no reference to the batches it returned,
+    so a batch's ring slot is released as soon as the caller drops it.
+
+    Its next() is the core's (tensorsocket._core.Lane): in the common case (a host ring
+    read in place, the loader's batches as they are, alone, whole epochs, no transform)
+    one C call takes the next entry, builds the batch and counts it; otherwise, and for
+    the first and last batch of an epoch, _next_slow()."""
+
+    __slots__ = ("_consumer", "_serial")
 
     @property
     def serial(self) -> int:
         """Which iter() of the consumer made this iterator."""
         return self._serial
 
-    @property
-    def epoch(self) -> int:
-        """The consumer's epoch this iterator reads."""
-        return self._epoch
-
     def __init__(self, consumer: TensorConsumer, serial: int) -> None:
         """An iterator of `consumer`'s current epoch, made by its `serial`-th iter()."""
+        super().__init__(**_lane_setup(consumer))
         self._consumer = consumer
-        self._epoch = consumer.epoch
         self._serial = serial  # which iter() of the consumer made it
 
     def __iter__(self) -> "EpochIterator":
         """The iterator itself."""
         return self
 
-    def __next__(self) -> Any:
+    def _wait_entry(self) -> bool:
+        """The common path found nothing published: wait for the next entry (the
+        acquirer's waits), which goes into the entry box; False where the wait ended the
+        epoch's reading instead (a rejoin: the slow path ends the epoch)."""
+        try:
+            self._consumer._acquirer.acquire()
+        except EpochEnd:
+            return False
+        return True
+
+    def _next_slow(self) -> Any:
         """The next batch of this epoch; StopIteration at its end."""
         consumer = self._consumer
         if consumer._transforms is not None:
@@ -440,7 +471,7 @@ class EpochIterator:
         at the epoch's end (ending it unless end_epoch is False), or if the consumer is in
         another epoch than this iterator."""
         consumer = self._consumer
-        if consumer.epoch != self._epoch:
+        if consumer.epoch != self.epoch:
             raise StopIteration
         batch = consumer._reader.next_batch(end_epoch)
         if consumer.unpack_fn is not None:
@@ -495,7 +526,7 @@ class EpochIterator:
         after this one was interrupted before it returned a batch goes on with it)."""
         if self._serial == self._consumer._iterators:
             consumer = self._consumer
-            consumer._book.abandon(self._epoch, _drop_in_flight(consumer))
+            consumer._book.abandon(self.epoch, _drop_in_flight(consumer))
 
     def __len__(self) -> int:
         """Batches in the whole epoch (as ``len(consumer)``)."""

@@ -121,6 +121,20 @@ class Delivery:
         return [leaf.to(self._move_to, non_blocking=self.pin_memory) if kind == TORCH else leaf
                 for kind, leaf in zip(kinds, leaves, strict=True)]
 
+    @property
+    def zero_copy_host(self) -> bool:
+        """Whether batches are host views of the ring as they are (no copy, no device, no
+        deferred release): what the consumer's common path (tensorsocket._core.Lane)
+        delivers itself."""
+        return not (self.gpu_import or self.copy or self.defers_releases or
+                    self._move_to is not None)
+
+    def common_builder(self, structure: bytes) -> Any:
+        """The build function of a batch structure whose leaves are all torch tensors, for
+        the common path; None for another (numpy leaves: the slow path makes them)."""
+        build, kinds = self._decoder.compile(structure)
+        return build if all(kind == TORCH for kind in kinds) else None
+
     def build(self, slot: Any, count: bool = False) -> tuple[Any, int | None, Any]:
         """Turn a slot into the loader's batch structure of tensors and values. With count,
         also the batch's sample count as far as its tensors tell: dim 0 of the first tensor
@@ -133,7 +147,7 @@ class Delivery:
         if self.gpu_import:
             leaves = self._device_leaves(slot, kinds)
         elif NUMPY not in kinds and NUMPY_SCALAR not in kinds:
-            leaves = [_from_capsule(c) for c in slot.capsules(versioned=True, copy=self.copy)]
+            leaves = [from_capsule(c) for c in slot.capsules(versioned=True, copy=self.copy)]
         else:
             leaves = []
             for kind, view in zip(kinds, slot.views(), strict=True):
@@ -174,7 +188,7 @@ class Delivery:
 
 # A tensor from a DLPack capsule: torch.utils.dlpack.from_dlpack's own call for a capsule
 # (it is a Python wrapper that first asks whether its argument has __dlpack__).
-_from_capsule = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
+from_capsule = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
 
 
 def _device_tensor(view: Any) -> torch.Tensor:
@@ -188,7 +202,7 @@ def _device_tensors(slot: Any, device: torch.device) -> list[torch.Tensor]:
     this thread's current stream on ``device`` (made to wait for the producer's copy),
     without torch.from_dlpack's per-view protocol calls."""
     caps = slot.capsules(versioned=True, device=True, stream=_stream_of(device))
-    return [_from_capsule(c) for c in caps]
+    return [from_capsule(c) for c in caps]
 
 
 # The raw handle of the current stream without building a torch.cuda.Stream (a private

@@ -214,10 +214,14 @@ class IdMask:
         """Put `ids` in the set."""
         if ids.size == 0:
             return
-        top = int(ids.max()) + 1
-        if top > self.bits.size:
-            self.bits = np.concatenate([self.bits, np.zeros(top - self.bits.size, bool)])
+        self.grow(int(ids.max()) + 1)
         self.bits[ids] = True
+
+    def grow(self, size: int) -> None:
+        """Make room for the ids below `size` (the consumer's common path marks ids in
+        place, in C: tensorsocket._core.Lane)."""
+        if size > self.bits.size:
+            self.bits = np.concatenate([self.bits, np.zeros(size - self.bits.size, bool)])
 
     def copy(self) -> "IdMask":
         """A new set of the same ids."""
