@@ -85,12 +85,12 @@ def test_next_slot_names_who_holds_it_back(ring_pair):
     assert nxt == {"published": SLOTS, "slot": 0, "seq": 0, "readers": me}
     assert [e["index"] for e in diagnosis.holding_back(prod)] == [index]
     assert diagnosis.next_slot_holders(prod) == [], "unread is lag, not a kept batch"
-    assert diagnosis.blocking_held_slots(cons, index, token) == 0
+    assert diagnosis.blocking_held_slots(cons) == 0
 
     kept = cons.acquire(1)  # entry 0, in the next slot, kept alive
     assert prod.next_slot()["readers"] == me
     assert [e["index"] for e in diagnosis.next_slot_holders(prod)] == [index]
-    assert diagnosis.blocking_held_slots(cons, index, token) == 1
+    assert diagnosis.blocking_held_slots(cons) == 1
     with pytest.raises(TimeoutError):
         _publish(prod, SLOTS, timeout=0.05)  # the producer waits for exactly that slot
     assert prod.next_slot()["published"] == SLOTS, "a publish that timed out wrote nothing"

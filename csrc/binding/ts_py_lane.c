@@ -19,8 +19,6 @@
 
 #include <string.h>
 
-#include "structmember.h"
-
 #include "base/ts_dlpack.h"
 
 /* The meta blob of an entry with sample ids: the mark, the structure's length (u32 LE),
@@ -373,45 +371,52 @@ static PyObject *Lane_next(LaneObject *self)
     return PyObject_CallMethodNoArgs((PyObject *)self, self->state->lane_names[TS_N_NEXT_SLOW]);
 }
 
-/* Lane.__init__(*, place, ring_box, entry_box, cursor, flow, taken, builder, from_dlpack,
- * pid_box, pid, epoch, length, batch_samples, with_index): place None turns the common
- * path off (every next() is _next_slow()). */
-static int Lane_init(LaneObject *self, PyObject *args, PyObject *kwargs)
+/* Lane.bind_lane(*, place, ring_box, entry_box, cursor, flow, taken, builder, from_dlpack,
+ * pid_box, pid, epoch, length, batch_samples, with_index): what the common path reads and
+ * counts in (see the file's comment); place None turns it off (every next() is
+ * _next_slow()). */
+static PyObject *Lane_bind(LaneObject *self, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames)
 {
-    static char *names[] = {"place", "ring_box", "entry_box", "cursor", "flow", "taken",
-                            "builder", "from_dlpack", "pid_box", "pid", "epoch", "length",
-                            "batch_samples", "with_index", NULL};
-    PyObject *o[9];
-    long pid;
-    long long epoch, length, batch_samples;
-    int with_index;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OO!O!OOOOOO!lLLLp:Lane", names, &o[0],
-                                     &PyList_Type, &o[1], &PyList_Type, &o[2], &o[3], &o[4],
-                                     &o[5], &o[6], &o[7], &PyList_Type, &o[8], &pid, &epoch,
-                                     &length, &batch_samples, &with_index))
-        return -1;
-    if (PyList_GET_SIZE(o[1]) != 1 || PyList_GET_SIZE(o[2]) != 1 ||
-        PyList_GET_SIZE(o[8]) != 1) {
-        PyErr_SetString(PyExc_ValueError, "ring_box, entry_box and pid_box are lists of one");
-        return -1;
+    static const char *const names[] = {"place", "ring_box", "entry_box", "cursor", "flow",
+                                        "taken", "builder", "from_dlpack", "pid_box", "pid",
+                                        "epoch", "length", "batch_samples", "with_index"};
+    enum { N = 14 };
+    PyObject *a[N];
+    uint64_t pid = 0, epoch = 0, length = 0, batch_samples = 0;
+    int with_index = 0;
+    if (ts_py_args("bind_lane", args, nargs, kwnames, names, N, 0, N, a) < 0 ||
+        ts_py_u64(a[9], &pid) < 0 || ts_py_u64(a[10], &epoch) < 0 ||
+        ts_py_u64(a[11], &length) < 0 || ts_py_u64(a[12], &batch_samples) < 0 ||
+        ts_py_flag(a[13], &with_index) < 0)
+        return NULL;
+    const int boxes[] = {1, 2, 8};
+    for (int i = 0; i < 3; i++) {
+        PyObject *box = a[boxes[i]];
+        if (!PyList_CheckExact(box) || PyList_GET_SIZE(box) != 1) {
+            PyErr_Format(PyExc_TypeError, "bind_lane(): %s must be a list of one item",
+                         names[boxes[i]]);
+            return NULL;
+        }
     }
-    Py_XSETREF(self->place, Py_NewRef(o[0]));
-    Py_XSETREF(self->ring_box, Py_NewRef(o[1]));
-    Py_XSETREF(self->entry_box, Py_NewRef(o[2]));
-    Py_XSETREF(self->cursor, Py_NewRef(o[3]));
-    Py_XSETREF(self->flow, Py_NewRef(o[4]));
-    Py_XSETREF(self->taken, Py_NewRef(o[5]));
-    Py_XSETREF(self->builder, Py_NewRef(o[6]));
-    Py_XSETREF(self->from_dlpack, Py_NewRef(o[7]));
-    Py_XSETREF(self->pid_box, Py_NewRef(o[8]));
+    Py_XSETREF(self->place, Py_NewRef(a[0]));
+    Py_XSETREF(self->ring_box, Py_NewRef(a[1]));
+    Py_XSETREF(self->entry_box, Py_NewRef(a[2]));
+    Py_XSETREF(self->cursor, Py_NewRef(a[3]));
+    Py_XSETREF(self->flow, Py_NewRef(a[4]));
+    Py_XSETREF(self->taken, Py_NewRef(a[5]));
+    Py_XSETREF(self->builder, Py_NewRef(a[6]));
+    Py_XSETREF(self->from_dlpack, Py_NewRef(a[7]));
+    Py_XSETREF(self->pid_box, Py_NewRef(a[8]));
     Py_CLEAR(self->structure);
     Py_CLEAR(self->build);
-    self->pid = pid;
-    self->epoch = epoch;
-    self->length = length;
-    self->batch_samples = batch_samples;
+    /* (masked to 64 bits, as ts_py_u64 takes them: -1, "unknown", stays -1) */
+    self->pid = (long)(int64_t)pid;
+    self->epoch = (long long)(int64_t)epoch;
+    self->length = (long long)(int64_t)length;
+    self->batch_samples = (long long)(int64_t)batch_samples;
     self->with_index = with_index;
-    return 0;
+    Py_RETURN_NONE;
 }
 
 /* Lane.__new__: an object with the module of the Lane class it derives from. */
@@ -487,29 +492,39 @@ static void Lane_dealloc(LaneObject *self)
 /* next() once the object was cleared (a cycle being collected): the slow path. */
 static PyObject *Lane_next_checked(LaneObject *self)
 {
-    if (self->place == NULL || self->ring_box == NULL) {
+    if (self->place == NULL || self->ring_box == NULL || self->place == Py_None) {
         PyObject *name = self->state->lane_names[TS_N_NEXT_SLOW];
         return PyObject_CallMethodNoArgs((PyObject *)self, name);
     }
     return Lane_next(self);
 }
 
-static PyMemberDef Lane_members[] = {
-    {"epoch", T_LONGLONG, offsetof(LaneObject, epoch), READONLY,
-     "The consumer epoch this iterator reads."},
-    {NULL, 0, 0, 0, NULL},
+static PyMethodDef Lane_methods[] = {
+    {"bind_lane", TS_PY_FASTCALL(Lane_bind), "Set what the common path reads and counts in."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* Lane.epoch: the consumer epoch this iterator reads. */
+static PyObject *Lane_get_epoch(LaneObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLongLong(self->epoch);
+}
+
+static PyGetSetDef Lane_getset[] = {
+    {"epoch", (getter)Lane_get_epoch, NULL, "The consumer epoch this iterator reads.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyType_Slot Lane_slots[] = {
     {Py_tp_doc, "The common path of a consumer's next() (the epoch iterator's base class)."},
     {Py_tp_new, Lane_new},
-    {Py_tp_init, Lane_init},
+    {Py_tp_methods, Lane_methods},
     {Py_tp_dealloc, Lane_dealloc},
     {Py_tp_traverse, Lane_traverse},
     {Py_tp_clear, Lane_clear},
     {Py_tp_iter, PyObject_SelfIter},
     {Py_tp_iternext, Lane_next_checked},
-    {Py_tp_members, Lane_members},
+    {Py_tp_getset, Lane_getset},
     {0, NULL},
 };
 

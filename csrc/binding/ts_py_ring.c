@@ -923,6 +923,14 @@ static PyObject *Ring_held_slots(RingObject *self, PyObject *Py_UNUSED(ignored))
     return PyLong_FromUnsignedLong(ts_ring_held_slots(self->ring));
 }
 
+/* Ring.held_blocking() -> slots this consumer handle holds, if one is the slot the producer
+ * must reuse next (its kept batches block everyone), else 0 */
+static PyObject *Ring_held_blocking(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_role_check(self, 0) < 0) return NULL;
+    return PyLong_FromUnsignedLong(ts_ring_held_blocking(self->ring));
+}
+
 /* Ring.failure() -> str or None: why the producer failed, once the ring is finished. */
 static PyObject *Ring_failure(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -1117,6 +1125,8 @@ static PyMethodDef Ring_methods[] = {
      "hand them back; it reads no more. Once done, successor is put in box[0]."},
     {"held_slots", (PyCFunction)Ring_held_slots, METH_NOARGS,
      "Slots this consumer handle holds (views of them are alive)."},
+    {"held_blocking", (PyCFunction)Ring_held_blocking, METH_NOARGS,
+     "Held slots, if one is the slot the producer must reuse next; else 0."},
     {"reserve", TS_PY_FASTCALL(Ring_reserve), "Reserve a consumer entry."},
     {"activate", TS_PY_FASTCALL(Ring_activate), "Start delivering to a consumer."},
     {"await_next_epoch", TS_PY_FASTCALL(Ring_await_next_epoch),

@@ -2262,6 +2262,18 @@ uint32_t ts_ring_held_slots(const ts_ring *ring)
     return n;
 }
 
+/* Held slots, if the next one to reuse is among them (see ts_ring.h). */
+uint32_t ts_ring_held_blocking(const ts_ring *ring)
+{
+    ts_next_slot next;
+    if (ring->held == NULL) return 0;
+    ts_ring_next_slot(ring, &next);
+    if (next.seq == TS_SEQ_NONE ||
+        atomic_load_explicit(&ring->held[next.slot], memory_order_relaxed) == 0)
+        return 0;
+    return ts_ring_held_slots(ring);
+}
+
 /* 1 if host views of this handle may be written into. */
 int ts_ring_host_writable(const ts_ring *ring)
 {

@@ -657,6 +657,10 @@ void ts_ring_use_end(ts_ring *ring, uint32_t slot);
 /* Slots this consumer handle holds now. */
 uint32_t ts_ring_held_slots(const ts_ring *ring);
 
+/* Slots this consumer handle holds, if one of them is the slot the producer must reuse
+ * for its next entry (its kept batches block every reader); else 0. */
+uint32_t ts_ring_held_blocking(const ts_ring *ring);
+
 /* Host address of slot data. */
 uint8_t *ts_ring_slot_data(const ts_ring *ring, uint32_t slot);
 

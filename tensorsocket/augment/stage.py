@@ -42,7 +42,6 @@ sample, whatever interrupts it).
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import time
 import traceback
@@ -225,32 +224,11 @@ class TransformStage:
                 raise
             self._pending.append(started)
 
-    @contextlib.contextmanager
-    def undelivered_left_out(self, cursor: Any) -> Iterator[None]:
-        """While the block runs (state_dict()), the batches in flight, taken from the ring
-        and not delivered, do not count in the epoch cursor's delivered batches (their
-        samples are not in the samples delivered either)."""
-        undelivered = self._undelivered()
-        cursor.delivered -= undelivered
-        try:
-            yield
-        finally:
-            cursor.delivered += undelivered
-
-    def leave(self, cursor: Any) -> int:
-        """The epoch is left before its end (break, the iterator dropped): the batches in
-        flight leave the epoch cursor's delivered batches for good (the place the consumer
-        keeps counts what next() returned: a resumed job gets them), then are dropped.
-        Returns how many there were (an epoch whose last batches were in flight is not
-        complete)."""
-        undelivered = self._undelivered()
-        cursor.delivered -= undelivered
-        self.discard()
-        return undelivered
-
-    def _undelivered(self) -> int:
+    def undelivered(self) -> int:
         """Batches taken from the ring that next() has not returned, nor passed: in
-        flight, cut by an interrupt, or failed before the first sample's check passed."""
+        flight, cut by an interrupt, or failed before the first sample's check passed (the
+        consumer's BatchFlow leaves them out of state_dict(), and drops them with
+        discard() when the epoch is left)."""
         return len(self._pending) + (self._interrupted is not None) + \
             (self._unpassed is not None)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -49,6 +49,19 @@ class ResumeBook:
         self._pending_place: SavedPlace | None = None
         # A resumed group epoch left: the sample ids read and not yet dealt, in order.
         self._left_stream: list | None = None
+        # Batches counted in the cursor's delivered but not returned by next() (a
+        # transform's in flight): the consumer's BatchFlow counts them (count_in_flight).
+        self._in_flight: Callable[[], int] = lambda: 0
+
+    def count_in_flight(self, undelivered: Callable[[], int]) -> None:
+        """`undelivered()` says how many of the cursor's delivered batches next() has not
+        returned yet: the places this book says leave them out."""
+        self._in_flight = undelivered
+
+    def _delivered(self) -> int:
+        """Batches next() returned of the current epoch (the cursor's count, less those
+        still in flight)."""
+        return self._state.cursor.delivered - self._in_flight()
 
     def begin(self) -> None:
         """An epoch begins (the cursor's and the book's): what it takes is recorded from
@@ -214,7 +227,7 @@ class ResumeBook:
         group, look_ahead reads on to this rank's next batch when the group's batches
         taken are not all seen yet (the ranks ahead of it in the deal)."""
         cursor = self._state.cursor
-        if not cursor.in_epoch or cursor.delivered == 0:
+        if not cursor.in_epoch or self._delivered() == 0:
             # Nothing delivered (iter() and no next() yet, too): the next epoch is a whole
             # one, counted from a producer epoch's start (an empty set of samples taken
             # would resume from wherever the producer is, in a rotated order).
@@ -226,7 +239,7 @@ class ResumeBook:
         producer's end): the batches delivered of it and the samples they took."""
         state, world, size = self._state, self._options.world_size, self._reader.dataset_len
         cursor, taken_by = state.cursor, state.taken
-        batches = cursor.delivered
+        batches = self._delivered()
         if world > 1 and taken_by.known and size is not None and state.epoch_complete():
             # Every rank's batches of the epoch were delivered (ranks step together): all
             # of it is taken, what no rank takes (the tail a group leaves) included.

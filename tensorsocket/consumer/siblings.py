@@ -101,6 +101,8 @@ class Siblings:
         """Whether a consumer of another producer in this process is idle, or parked
         keeping its place: either holds its producer back while this process reads
         `me`."""
+        if len(self._members) < 2:
+            return False  # (the common case, one consumer in the process: at once)
         return any(c.idle() or c.keeps_place() for c in self._of(me))
 
     def park_idle(self, me: ParkingMember) -> None:

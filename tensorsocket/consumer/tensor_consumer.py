@@ -9,21 +9,19 @@ consumers of other producers (siblings), and the DataLoader surface (surface).""
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 from ..augment import TransformOptions, TransformStage
 from ..config import UNSET, Unset
 from ..data.epoch_cursor import InFlight
 from ..data.resume import EpochTaken
-from ..data.delivery import from_capsule
-from ..data.rebatch import EpochEnd
 from ..errors import TensorSocketError
-from ..ring import Lane
 from .acquire import SlotAcquirer
 from .book import ResumeBook
 from .counters import consumer_stats
 from .epoch_state import EpochState
+from .flow import BatchFlow
+from .iterator import EpochIterator
 from .options import ConsumerOptions, SharedLoader
 from .place import RingPlace
 from .reader import EpochReader
@@ -178,15 +176,16 @@ class TensorConsumer:
             drop_last=drop_last, copy=copy, with_index=with_index, pin_memory=pin_memory,
             peer_access=peer_access, align_epochs=align_epochs, rank=rank,
             world_size=world_size, group=group, auth_token=auth_token)
-        self.unpack_fn, self.with_index, self.endpoint = unpack_fn, o.with_index, o.endpoint
+        self.endpoint = o.endpoint
         # Not `timeout`: training code reads that as DataLoader.timeout (a batch fetch limit).
         self.answer_timeout, self._options = o.answer_wait, o
         self.copy, self.pin_memory, self.peer_access = o.copy, o.pin_memory, o.peer_access
-        self.align_epochs, self.group = o.align_epochs, o.group
-        self.rank, self.world_size = o.rank, o.world_size
+        self.align_epochs, self.group, self.rank = o.align_epochs, o.group, o.rank
+        self.world_size = o.world_size
         self._place = place = RingPlace(o, InFlight())
         try:
-            self._attach_parts(o, place, shared)
+            self._attach_parts(o, place, shared, unpack_fn,
+                               TransformStage.of(transforms, lambda: place.ring))
             place.ready(None if shared is None else shared.before_ready)
         except BaseException:
             place.close()
@@ -198,13 +197,11 @@ class TensorConsumer:
         if o.origins:
             log.info("consumer settings from the environment: %s", o.origins)
         if shared is not None:
-            self.started_producer, self.producer_log = shared.started_producer, \
-                shared.producer_log
+            self.started_producer, self.producer_log = shared.started_producer, shared.producer_log
             if hasattr(shared.loader, "dataset"):
                 self.dataset = shared.loader.dataset
         self._surface = LoaderSurface(self._reader, self._book, self._state, o, place,
                                       shared, self._sets_epoch)
-        self._transforms = TransformStage.of(transforms, lambda: place.ring)
 
     @property
     def batch_timeout(self) -> float | None:
@@ -215,8 +212,19 @@ class TensorConsumer:
     def batch_timeout(self, seconds: float | None) -> None:
         self._options.batch_wait = seconds
 
-    def _attach_parts(self, o: ConsumerOptions, place: RingPlace,
-                      shared: SharedLoader | None) -> None:
+    @property
+    def unpack_fn(self) -> Callable[[Any], Any] | None:
+        """The function applied to each batch before it is returned (None: none)."""
+        return self._flow.unpack_fn
+
+    @property
+    def with_index(self) -> bool:
+        """Whether next() returns (batch_index, batch) pairs."""
+        return self._flow.with_index
+
+    def _attach_parts(self, o: ConsumerOptions, place: RingPlace, shared: SharedLoader | None,
+                      unpack_fn: Callable[[Any], Any] | None,
+                      stage: TransformStage | None) -> None:
         """Make the parts of a consumer attached at `place`, and the producer's facts it
         told on attach (public attributes)."""
         w = place.welcome
@@ -228,6 +236,9 @@ class TensorConsumer:
         self._reader = EpochReader(place, state, self._acquirer, self._member, o)
         self._book = ResumeBook(place, state, self._reader, self._acquirer, o,
                                 shared.drop_last if shared is not None else False)
+        self._flow = BatchFlow(place, state, self._reader, self._acquirer, self._book, stage,
+                               o, unpack_fn)
+        self._book.count_in_flight(self._flow.undelivered)
         self.loader_batch_size: int | None = w.loader_batch_size
         self.samples_per_epoch: int | None = w.samples
         # What the producer's loader reads: its dataset's type name and length (or None).
@@ -239,7 +250,6 @@ class TensorConsumer:
         self.lag_policy: str = w.lag_policy
         self.producer_fingerprint: str | None = w.fingerprint
         self._sets_epoch: bool = w.auto_set_epoch  # the producer calls set_epoch itself
-        self._iterators = 0  # iter() calls: the last one's iterator is the current one
 
     @property
     def device(self) -> str:
@@ -270,20 +280,13 @@ class TensorConsumer:
         class docstring)."""
         return self._reader.length()
 
-    def __iter__(self) -> "EpochIterator":
+    def __iter__(self) -> EpochIterator:
         """The next epoch (an earlier iterator still mid-epoch ends here)."""
-        place, cursor = self._place, self._state.cursor
-        place.check_process()
-        if place.closed:
+        self._place.check_process()
+        if self._place.closed:
             raise TensorSocketError("this consumer is closed")
-        with place.lock:
-            if cursor.in_epoch:  # an earlier iterator is still mid-epoch: it ends here
-                self._book.abandon(self.epoch, _drop_in_flight(self))
-            if not cursor.in_epoch:  # (else its first next() was interrupted: go on)
-                _drop_in_flight(self)  # (of an epoch the producer's end cut short)
-                self._book.begin()
-            self._iterators += 1
-            return EpochIterator(self, self._iterators)
+        epoch, serial = self._flow.begin_epoch()
+        return EpochIterator(self._flow, epoch, serial)
 
     @property
     def epoch(self) -> int:
@@ -318,10 +321,7 @@ class TensorConsumer:
         taken (in a group: by the group). After a ``break``, the epoch left, until the next
         begins; right after load_state_dict(), the place loaded. JSON-serialisable
         (docs/usage.md, "Checkpoints and restarts")."""
-        if self._transforms is None:
-            return self._surface.state_dict()
-        with self._transforms.undelivered_left_out(self._state.cursor):
-            return self._surface.state_dict()
+        return self._surface.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the epoch counter is restored and the next epoch
@@ -346,8 +346,7 @@ class TensorConsumer:
 
     def close(self) -> None:
         """Leave: the producer stops sending to us. Tensors still held stay valid."""
-        if self._transforms is not None:
-            self._transforms.close()
+        self._flow.close()
         self._place.close()
 
     def __enter__(self) -> "TensorConsumer":
@@ -380,154 +379,5 @@ class TensorConsumer:
         and transform_seed (see tensorsocket.augment.TransformStage.stats).
         """
         return consumer_stats(self, self._place, self._state, self._acquirer,
-                              self._transforms)
+                              self._flow.stage)
 
-
-def _drop_in_flight(consumer: TensorConsumer) -> bool:
-    """Drop the consumer's transform's batches in flight, no longer counted as delivered
-    (see TransformStage.leave): whether there were any."""
-    stage = consumer._transforms
-    return stage is not None and stage.leave(consumer._state.cursor) > 0
-
-
-def _lane_setup(consumer: TensorConsumer) -> dict:
-    """The arguments of the common path (tensorsocket._core.Lane) of an iterator of
-    `consumer`'s current epoch; place None where the consumer is not a common case."""
-    place, state, options = consumer._place, consumer._state, consumer._options
-    shape = consumer._reader.shape
-    common = consumer._transforms is None and consumer.unpack_fn is None and \
-        state.rebatcher is None and options.world_size == 1 and place.aligned and \
-        place.delivery.zero_copy_host
-    size = shape.batch_size if shape.batch_size is not None and shape.length is not None \
-        else -1
-    return {**place.lane_parts(), "place": place if common else None,
-            "cursor": state.cursor, "flow": state.flow, "taken": state.taken,
-            "builder": place.delivery.common_builder, "from_dlpack": from_capsule,
-            "epoch": state.cursor.epoch, "with_index": consumer.with_index,
-            "length": -1 if state.cursor.length is None else state.cursor.length,
-            "batch_samples": size}
-
-
-class EpochIterator(Lane):
-    """One epoch of a TensorConsumer. Keeps no reference to the batches it returned,
-    so a batch's ring slot is released as soon as the caller drops it.
-
-    Its next() is the core's (tensorsocket._core.Lane): in the common case (a host ring
-    read in place, the loader's batches as they are, alone, whole epochs, no transform)
-    one C call takes the next entry, builds the batch and counts it; otherwise, and for
-    the first and last batch of an epoch, _next_slow()."""
-
-    __slots__ = ("_consumer", "_serial")
-
-    @property
-    def serial(self) -> int:
-        """Which iter() of the consumer made this iterator."""
-        return self._serial
-
-    def __init__(self, consumer: TensorConsumer, serial: int) -> None:
-        """An iterator of `consumer`'s current epoch, made by its `serial`-th iter()."""
-        super().__init__(**_lane_setup(consumer))
-        self._consumer = consumer
-        self._serial = serial  # which iter() of the consumer made it
-
-    def __iter__(self) -> "EpochIterator":
-        """The iterator itself."""
-        return self
-
-    def _wait_entry(self) -> bool:
-        """The common path found nothing published: wait for the next entry (the
-        acquirer's waits), which goes into the entry box; False where the wait ended the
-        epoch's reading instead (a rejoin: the slow path ends the epoch)."""
-        try:
-            self._consumer._acquirer.acquire()
-        except EpochEnd:
-            return False
-        return True
-
-    def _next_slow(self) -> Any:
-        """The next batch of this epoch; StopIteration at its end."""
-        consumer = self._consumer
-        if consumer._transforms is not None:
-            if self._serial != consumer._iterators:
-                raise StopIteration  # a newer iter() took over (its batches in flight stay)
-            index, batch = consumer._transforms.next(self)
-            return (index, batch) if consumer.with_index else batch
-        state = consumer._state
-        batch = self._ready_batch()
-        out = (state.cursor.delivered, batch) if consumer.with_index else batch
-        # Delivered: counted in one step with the return (no call in between, where a
-        # KeyboardInterrupt could land: until here the batch stays for the next next()).
-        flow = state.flow
-        # (Recorded again after an interrupt before the count: no change.)
-        state.taken.delivered(flow.ready[2])  # type: ignore[index]
-        flow.samples += flow.ready[1]  # type: ignore[index]
-        flow.ready = None
-        flow.batches += 1
-        state.cursor.delivered += 1
-        return out
-
-    def _ready_batch(self, end_epoch: bool = True) -> Any:
-        """The next batch of this epoch made ready (flow.ready), unpacked; StopIteration
-        at the epoch's end (ending it unless end_epoch is False), or if the consumer is in
-        another epoch than this iterator."""
-        consumer = self._consumer
-        if consumer.epoch != self.epoch:
-            raise StopIteration
-        batch = consumer._reader.next_batch(end_epoch)
-        if consumer.unpack_fn is not None:
-            batch = consumer.unpack_fn(batch)
-        return batch
-
-    # -- for a TransformStage (augment.stage.EpochSource) --------------------------------
-
-    def take(self, end_epoch: bool = True) -> tuple[Any, Any, int]:
-        """The next batch of this epoch, taken from the ring but not yet delivered: (batch,
-        its sample ids or None, its index in the epoch); StopIteration at the epoch's end
-        (ending it unless end_epoch is False)."""
-        state = self._consumer._state
-        batch = self._ready_batch(end_epoch)
-        flow, cursor = state.flow, state.cursor
-        ready, index = flow.ready, cursor.delivered
-        flow.samples += ready[1]  # type: ignore[index]
-        flow.ready = None
-        flow.batches += 1
-        cursor.delivered += 1
-        return batch, ready[2], index  # type: ignore[index]
-
-    def delivered(self, ids: Any) -> None:
-        """A batch taken is delivered now: its samples count as taken (state_dict())."""
-        self._consumer._state.taken.delivered(ids)
-
-    def deadline(self) -> float | None:
-        """When a transformed batch must be there (batch_timeout), or None."""
-        wait = self._consumer.batch_timeout
-        return None if wait is None else time.monotonic() + wait
-
-    def length(self) -> int | None:
-        """Batches in this epoch (len(consumer)), or None if unknown."""
-        try:
-            return len(self._consumer)
-        except TypeError:
-            return None
-
-    def close(self) -> None:
-        """Leave this epoch now (as when the iterator is dropped mid-epoch)."""
-        self._abandon()
-
-    def __del__(self) -> None:
-        """Dropped mid-epoch: leave the ring (see TensorConsumer)."""
-        try:
-            self._abandon()
-        except Exception:  # never raise from a finalizer
-            pass
-
-    def _abandon(self) -> None:
-        """Leave this iterator's epoch, unless a later iterator took it over (one made
-        after this one was interrupted before it returned a batch goes on with it)."""
-        if self._serial == self._consumer._iterators:
-            consumer = self._consumer
-            consumer._book.abandon(self.epoch, _drop_in_flight(consumer))
-
-    def __len__(self) -> int:
-        """Batches in the whole epoch (as ``len(consumer)``)."""
-        return len(self._consumer)

@@ -32,24 +32,11 @@ def may_set_aside(ring: Any, gpu_import: bool) -> bool:
     return bool(ring.held_slots()) and not gpu_import
 
 
-def blocking_held_slots(ring: Any, index: int, token: int) -> int:
-    """Slots consumer `index` holds (entries it took whose views are alive), if one of
-    them is the slot the producer must reuse for its next entry; else 0."""
-    slots = ring.slot_count
-    nxt = ring.next_slot()
-    published = nxt["published"]
-    entry = ring.consumer(index)
-    if entry["token"] != token or published == 0 or entry["cursor"] is None:
-        return 0  # not ours any more, nothing published, or nothing read yet
-    me = 1 << index
-    held = []
-    for k, readers in enumerate(ring.slot_readers()):
-        if k >= published or not readers & me:
-            continue
-        newest = published - 1 - (published - 1 - k) % slots  # the entry slot k holds
-        if newest < entry["cursor"]:
-            held.append(k)
-    return len(held) if nxt["slot"] in held else 0
+def blocking_held_slots(ring: Any) -> int:
+    """Slots this consumer handle holds (entries it took whose views are alive), if one
+    of them is the slot the producer must reuse for its next entry; else 0 (the core's
+    count: Ring.held_blocking)."""
+    return ring.held_blocking()
 
 
 def kept_batches_warning(waited: float, held: int, slot_count: int) -> str:

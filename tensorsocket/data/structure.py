@@ -39,14 +39,26 @@ class Encoder:
 
     def __init__(self) -> None:
         self._last: tuple[list | None, bytes] = (None, b"")  # (reusable spec, its bytes)
+        # The last spec was a tuple of this many torch tensors, in order (the common batch,
+        # (inputs, targets)): a batch of the same shape is flattened without a walk.
+        self._flat_tuple = -1
 
     def flatten(self, batch: Any) -> tuple[bytes, list[tuple[Any, DLType]]]:
         """As flatten(batch)."""
+        if type(batch) is tuple and len(batch) == self._flat_tuple:
+            try:
+                leaves = [torch_leaf(t) for t in batch if type(t) is torch.Tensor]
+            except TypeError:
+                leaves = []  # (the walk below says where the culprit sits)
+            if len(leaves) == self._flat_tuple:
+                return self._last[1], leaves
         spec, leaves = _split(batch)
         last_spec, packed = self._last
         if last_spec is None or spec != last_spec:
             packed = msgpack.packb(spec, use_bin_type=True)
             self._last = (spec if _reusable(spec) else None, packed)
+        flat = spec[0] == TUPLE and all(c == [TORCH, i] for i, c in enumerate(spec[1]))
+        self._flat_tuple = len(spec[1]) if flat and self._last[0] is not None else -1
         return packed, leaves
 
 
