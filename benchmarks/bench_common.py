@@ -112,9 +112,12 @@ def stop_all(procs: list, grace: float = KILL_GRACE) -> None:
 
 def remove_leftovers(name: str) -> None:
     """Remove what a tensorsocket producer of this (unique, ours only) name may leave: its
-    segment if it was killed, and the lock and socket files."""
-    from tensorsocket.cli.clean import remove_leftovers as remove
-
+    segment if it was killed, and the lock and socket files (tensorsocket.cli.clean; an
+    older tree measured beside this one through PYTHONPATH has it as tensorsocket.clean)."""
+    try:
+        from tensorsocket.cli.clean import remove_leftovers as remove
+    except ImportError:
+        from tensorsocket.clean import remove_leftovers as remove  # type: ignore
     remove(name)
 
 
