@@ -76,7 +76,7 @@ def test_next_slot_before_the_ring_wraps(ring_pair):
 def test_next_slot_names_who_holds_it_back(ring_pair):
     """Once the ring wrapped, the next slot is the one of entry published - SLOTS: unread, the
     consumer holds the producer back (lag, no kept batch); read and kept alive, it keeps a
-    batch (next_slot_holders, blocking_held_slots); released, the producer goes on."""
+    batch (next_slot_holders, Ring.held_blocking); released, the producer goes on."""
     prod, cons, index, token = ring_pair
     me = 1 << index
     for i in range(SLOTS):
@@ -85,12 +85,12 @@ def test_next_slot_names_who_holds_it_back(ring_pair):
     assert nxt == {"published": SLOTS, "slot": 0, "seq": 0, "readers": me}
     assert [e["index"] for e in diagnosis.holding_back(prod)] == [index]
     assert diagnosis.next_slot_holders(prod) == [], "unread is lag, not a kept batch"
-    assert diagnosis.blocking_held_slots(cons) == 0
+    assert cons.held_blocking() == 0
 
     kept = cons.acquire(1)  # entry 0, in the next slot, kept alive
     assert prod.next_slot()["readers"] == me
     assert [e["index"] for e in diagnosis.next_slot_holders(prod)] == [index]
-    assert diagnosis.blocking_held_slots(cons) == 1
+    assert cons.held_blocking() == 1
     with pytest.raises(TimeoutError):
         _publish(prod, SLOTS, timeout=0.05)  # the producer waits for exactly that slot
     assert prod.next_slot()["published"] == SLOTS, "a publish that timed out wrote nothing"

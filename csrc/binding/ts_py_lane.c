@@ -12,9 +12,11 @@
  * A KeyboardInterrupt cannot split the count: what can fail or run Python code (the wait,
  * the build) comes first, with the entry in the box; then the counts are set in one run of
  * attribute stores, with no Python code in between (plain and __slots__ attributes), the
- * entry used up, and the batch returned. The names it reads and sets are the consumer's
- * (tensorsocket/consumer/iterator.py, common_lane): cursor (EpochCursor), flow (InFlight),
- * taken (EpochTaken), place (RingPlace). */
+ * entry used up, and the batch returned. The cursor's placed and taken_seq are not set:
+ * they make a repeated place() of an entry answer as before, and an entry used up here is
+ * never placed again. The names it reads and sets are the consumer's parts, as
+ * BatchFlow.lane_setup (tensorsocket/consumer/flow.py) hands them over: cursor
+ * (EpochCursor), flow (InFlight), taken (EpochTaken), place (RingPlace). */
 #include "binding/ts_py.h"
 
 #include <string.h>
@@ -98,13 +100,14 @@ static int ts_attr_ll(LaneObject *self, PyObject *obj, int name, long long *out)
     return ok;
 }
 
-/* Whether the consumer is in the common case now: its process, attached, its epoch under
- * way and anchored (a batch of it taken), nothing of it in flight (entry_free: nor an
+/* Whether the consumer is in the common case now: the common path on (bound, not cleared
+ * by the GC), its process, attached, its epoch under way and anchored (a batch of it taken), nothing of it in flight (entry_free: nor an
  * entry in the box). 1/0, or -1 with an exception; *view gets what the count needs. */
 static int ts_lane_common(LaneObject *self, int entry_free, ts_lane_view *view)
 {
-    if (self->place == Py_None) return 0;
-    if (PyLong_AsLong(PyList_GET_ITEM(self->pid_box, 0)) != self->pid) return PyErr_Occurred() ? -1 : 0;
+    if (self->place == NULL || self->place == Py_None) return 0; /* (cleared, or off) */
+    if (PyLong_AsLong(PyList_GET_ITEM(self->pid_box, 0)) != self->pid)
+        return PyErr_Occurred() ? -1 : 0;
     if (entry_free && PyList_GET_ITEM(self->entry_box, 0) != Py_None) return 0;
     long long epoch = -1, skip = -1;
     int r;
@@ -243,27 +246,29 @@ static int ts_lane_mine_bits(LaneObject *self, long long top, Py_buffer *view)
     PyObject **names = self->state->lane_names;
     PyObject *mine = PyObject_GetAttr(self->taken, names[TS_N_MINE]);
     if (mine == NULL) return -1;
-    for (int tries = 0; tries < 2; tries++) {
+    for (int grown = 0;; grown = 1) {
         PyObject *bits = PyObject_GetAttr(mine, names[TS_N_BITS]);
-        if (bits == NULL) break;
-        int rc = PyObject_GetBuffer(bits, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
-        Py_DECREF(bits);
+        int rc = bits != NULL ? PyObject_GetBuffer(bits, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+                              : -1;
+        Py_XDECREF(bits);
         if (rc < 0) break;
-        if (view->itemsize == 1 && view->len >= top) {
+        if (view->itemsize != 1 || (view->len < top && grown)) {
+            PyBuffer_Release(view);
+            PyErr_SetString(PyExc_RuntimeError, "taken.mine.bits is not one byte per sample "
+                                                "id, up to the largest id delivered");
+            break;
+        }
+        if (view->len >= top) {
             Py_DECREF(mine);
             return 0;
         }
         PyBuffer_Release(view);
-        if (tries == 1) {
-            PyErr_SetString(PyExc_RuntimeError, "taken.mine did not grow to the sample ids");
-            break;
-        }
         PyObject *size = PyLong_FromLongLong(top);
-        PyObject *grown = size != NULL ? PyObject_CallMethodOneArg(mine, names[TS_N_GROW], size)
-                                       : NULL;
+        PyObject *none = size != NULL ? PyObject_CallMethodOneArg(mine, names[TS_N_GROW], size)
+                                      : NULL;
         Py_XDECREF(size);
-        if (grown == NULL) break;
-        Py_DECREF(grown);
+        if (none == NULL) break;
+        Py_DECREF(none);
     }
     Py_DECREF(mine);
     return -1;
@@ -313,7 +318,7 @@ static int ts_lane_deliver(LaneObject *self, const ts_lane_view *view, const ts_
     c.value[0] = PyLong_FromLongLong(view->pulled + 1);
     if (c.value[0] == NULL ||
         ts_attr_plus(self, self->cursor, TS_N_DELIVERED, 0, &c.value[7]) < 0 ||
-        ts_attr_plus(self, self->cursor, TS_N_DELIVERED, 1, &c.value[1]) < 0 ||
+        (c.value[1] = PyLong_FromLongLong(PyLong_AsLongLong(c.value[7]) + 1)) == NULL ||
         ts_attr_plus(self, self->flow, TS_N_BATCHES, 1, &c.value[2]) < 0 ||
         ts_attr_plus(self, self->flow, TS_N_SAMPLES, ts_lane_samples(self, e), &c.value[3]) < 0 ||
         ts_attr_plus(self, self->flow, TS_N_LOADER_BATCHES, 1, &c.value[4]) < 0 ||
@@ -489,16 +494,6 @@ static void Lane_dealloc(LaneObject *self)
     Py_DECREF(tp);
 }
 
-/* next() once the object was cleared (a cycle being collected): the slow path. */
-static PyObject *Lane_next_checked(LaneObject *self)
-{
-    if (self->place == NULL || self->ring_box == NULL || self->place == Py_None) {
-        PyObject *name = self->state->lane_names[TS_N_NEXT_SLOW];
-        return PyObject_CallMethodNoArgs((PyObject *)self, name);
-    }
-    return Lane_next(self);
-}
-
 static PyMethodDef Lane_methods[] = {
     {"bind_lane", TS_PY_FASTCALL(Lane_bind), "Set what the common path reads and counts in."},
     {NULL, NULL, 0, NULL},
@@ -523,7 +518,7 @@ static PyType_Slot Lane_slots[] = {
     {Py_tp_traverse, Lane_traverse},
     {Py_tp_clear, Lane_clear},
     {Py_tp_iter, PyObject_SelfIter},
-    {Py_tp_iternext, Lane_next_checked},
+    {Py_tp_iternext, Lane_next},
     {Py_tp_getset, Lane_getset},
     {0, NULL},
 };

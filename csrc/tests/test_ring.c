@@ -2005,6 +2005,30 @@ static int page_mapped(const volatile void *p)
     return msync((void *)((uintptr_t)p / page * page), page, MS_ASYNC) == 0;
 }
 
+/* ts_ring_held_blocking: a consumer's holds block only once one is the slot the producer
+ * must reuse next (the ring wrapped onto it); a release ends that. */
+static void test_held_blocking(void)
+{
+    fixture fx = {0};
+    consumer c = {0};
+    ts_err err = {0};
+    ts_acquired a;
+    REQUIRE(fx_create(&fx, 2, 2, 3 * 4096) == 0);
+    REQUIRE(consumer_add(&fx, &c, 1) == 0);
+    PUBLISH(0);
+    TAKE(c, 0, 0);
+    CHECK_EQ(ts_ring_held_slots(c.ring), 1);
+    CHECK_EQ(ts_ring_held_blocking(c.ring), 0); /* the producer has a free slot */
+    PUBLISH(1);
+    CHECK_EQ(ts_ring_held_blocking(c.ring), 1); /* entry 2 goes where entry 0 is held */
+    ts_ring_release(c.ring, a.slot, c.index, c.ring->incarnation);
+    CHECK_EQ(ts_ring_held_slots(c.ring), 0);
+    CHECK_EQ(ts_ring_held_blocking(c.ring), 0);
+out:
+    consumer_drop(&c);
+    fx_destroy(&fx);
+}
+
 /* Setting a handle aside: the slots it holds become private copies and go back to the
  * producer at once, so the producer refills them while the views still read what they
  * read (and stay writable); their releases then drop no bit (by then the slot is another
@@ -2641,7 +2665,7 @@ static const ts_test g_tests[] = {
     {"batches_delivered", test_batches_delivered},
     {"detach_race", test_detach_race},   {"stream_copy", test_stream_copy},
     {"copy_on_write", test_copy_on_write}, {"set_aside", test_set_aside},
-    {"set_aside_many", test_set_aside_many},
+    {"set_aside_many", test_set_aside_many}, {"held_blocking", test_held_blocking},
     {"activate_group", test_activate_group}, {"await_next_epoch", test_await_next_epoch},
     {"try_acquire", test_try_acquire},   {"await_race", test_await_race},
     {"late_release", test_late_release}, {"late_release_race", test_late_release_race},

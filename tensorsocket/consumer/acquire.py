@@ -129,7 +129,7 @@ class SlotAcquirer:
 
     def acquire_slot(self) -> Any:
         """Ring.acquire within batch_timeout; warns once if the wait is this consumer's
-        own doing (see diagnosis.blocking_held_slots). The slot is put in flow.entry."""
+        own doing (see RingPlace.held_slots_blocking). The slot is put in flow.entry."""
         place, box = self._place, self._state.flow.entry
         batch_wait = self._options.batch_wait
         deadline = None if batch_wait is None else time.monotonic() + batch_wait

@@ -181,7 +181,7 @@ class RingPlace:
 
     def held_slots_blocking(self) -> int:
         """Slots this consumer holds, if one is the slot the producer must reuse next."""
-        return diagnosis.blocking_held_slots(self.ring)
+        return self.ring.held_blocking()  # (the core counts them: ts_ring_held_blocking)
 
     # -- parking ------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ one holds the producer and the others back. Both stall everyone, and both
 are told here, read from the ring's consumer table and slot bitmaps:
 
 - the consumer's side: whether the slot the producer must reuse next holds a
-  batch this consumer keeps (it then copies its kept batches privately and
-  reads on, or warns where it cannot), and whether it was detached for
-  lagging;
+  batch this consumer keeps (the core counts that, Ring.held_blocking; it then
+  copies its kept batches privately and reads on, or warns where it cannot),
+  and whether it was detached for lagging;
 - the producer's side: which consumers keep the slot it waits for, and which
   lag behind the fastest (the control thread warns about them).
 
@@ -30,13 +30,6 @@ def may_set_aside(ring: Any, gpu_import: bool) -> bool:
     be copied privately instead (ring.set_aside): it holds slots, on a host ring (GPU
     memory has no private copy; a pinned ring refuses it in set_aside)."""
     return bool(ring.held_slots()) and not gpu_import
-
-
-def blocking_held_slots(ring: Any) -> int:
-    """Slots this consumer handle holds (entries it took whose views are alive), if one
-    of them is the slot the producer must reuse for its next entry; else 0 (the core's
-    count: Ring.held_blocking)."""
-    return ring.held_blocking()
 
 
 def kept_batches_warning(waited: float, held: int, slot_count: int) -> str:
