@@ -30,7 +30,14 @@ KINDS = ("tiny", "32MiB")
 CONSUMER_COUNTS = (1, 2, 4)
 FULL_BATCHES = {"tiny": 20000, "32MiB": 200}
 QUICK_DIVISOR = 10
-RING_SLOTS = 4
+# The peers get the same memory. iceoryx2's subscriber queue holds PEER_QUEUE samples
+# (iceoryx2_handoff.py); its publisher's data segment then holds the queue, the sample the
+# subscriber borrows and the one the publisher loans: 6 samples at one subscriber, 5N + 1
+# at N (measured: 6 x 32 MiB at 1 subscriber, 11 x 32 MiB at 2). Our ring has RING_SLOTS
+# slots whatever the consumer count (one slot serves them all: less memory than
+# iceoryx2's at 2 and 4); the floor rotates over as many buffers.
+PEER_QUEUE = 4
+RING_SLOTS = PEER_QUEUE + 2
 COUNTER_BYTES = 4  # 32 MiB batch: the counter's bytes, one at the start of each of pages 0-3
 FILL = 7  # 32 MiB batch: every other byte
 
@@ -345,8 +352,9 @@ def run_suites(peers: dict, *, kinds: list[str], counts: list[int], repeats: int
                nbatches: dict, quick: bool) -> dict:
     """run_suite() for several implementations at once, interleaved: every configuration
     of every repeat runs each peer in turn (in the order of `peers`, {label: (config_fn,
-    settings)}), so that drift of the machine hits them alike; one memcpy baseline per
-    kind and repeat serves them all. Returns {label: document}."""
+    settings)}, reversed every other repeat: neither always runs right after the other),
+    so that drift of the machine hits them alike; one memcpy baseline per kind and repeat
+    serves them all. Returns {label: document}."""
     machine = machine_info()
     for label in peers:
         print(f"[{label}] python {machine['python']}, torch {machine['torch']}, "
@@ -359,7 +367,8 @@ def run_suites(peers: dict, *, kinds: list[str], counts: list[int], repeats: int
         for kind in kinds:
             baselines[kind].append(memcpy_baseline(kind, 0.5 if quick else 1.0))
             for n in counts:
-                for label, (config_fn, _) in peers.items():
+                order = list(peers.items())
+                for label, (config_fn, _) in order if rep % 2 == 0 else order[::-1]:
                     runs[(label, kind, n)].append(
                         _run_one(config_fn, label, kind, n, rep, repeats, nbatches[kind]))
     end = loadavg()

@@ -29,8 +29,10 @@ Lossless, like ours: ``enable_safe_overflow(False)`` on the service and
 ``BackpressureStrategy.RetryUntilDelivered`` on the publisher make a send to a subscriber
 whose queue is full wait (iceoryx2's adaptive wait: sched_yield up to 10000 times, then
 sleeps of 100 us, then 10 ms) instead of dropping or overwriting the oldest sample. Each
-subscriber's queue holds SUBSCRIBER_BUFFER = handoff_common.RING_SLOTS samples (ours: 4
-ring slots) and it borrows one at a time; no history. The producer waits (START_TIMEOUT)
+subscriber's queue holds SUBSCRIBER_BUFFER = handoff_common.PEER_QUEUE (4) samples and it
+borrows one at a time, the publisher loans one: its data segment holds 6 samples at one
+subscriber, 5N + 1 at N (ours: handoff_common.RING_SLOTS = 6 ring slots at every N); no
+history. The producer waits (START_TIMEOUT)
 until all N subscribers and their listeners are connected before it sends batch 0, and
 after the last batch it notifies END_EVENT; a consumer that sees END_EVENT drains its
 queue and stops. The producer then waits (JOIN_TIMEOUT) until every subscriber has left
@@ -69,11 +71,11 @@ from bench_common import (  # noqa: E402
     write_json,
 )
 from handoff_common import (  # noqa: E402
-    KINDS, RING_SLOTS, SCHEMA, CountingLoader, Tally, add_common_options, batch_bytes,
+    KINDS, PEER_QUEUE, SCHEMA, CountingLoader, Tally, add_common_options, batch_bytes,
     check_reports, make_batch, parse_common, print_table, run_suite,
 )
 
-SUBSCRIBER_BUFFER = RING_SLOTS  # samples a subscriber's queue holds before the publisher waits
+SUBSCRIBER_BUFFER = PEER_QUEUE  # samples a subscriber's queue holds before the publisher waits
 END_EVENT = 1  # event id notified after the last batch (a plain notify(), id 0: one was sent)
 WORD = ctypes.c_uint64  # the slice's element: 8 bytes, so the payload is 8-byte aligned
 

@@ -132,7 +132,8 @@ class Slot:
 class Lane:
     """The common path of a consumer's next() (the epoch iterator's base class): next()
     takes the next ring entry, builds the batch and counts it in one call, else calls
-    self._next_slow(); it waits through self._wait_entry()."""
+    self._next_slow(); it waits up to wait_ns in the core for an entry not yet published,
+    then through self._wait_entry()."""
 
     @property
     def epoch(self) -> int: ...
@@ -153,6 +154,7 @@ class Lane:
         length: int,
         batch_samples: int,
         with_index: bool,
+        wait_ns: int,
     ) -> None: ...
     def __iter__(self) -> "Lane": ...
     def __next__(self) -> Any: ...

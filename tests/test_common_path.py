@@ -115,3 +115,89 @@ def test_common_path_gives_what_the_python_path_gives(procs, name, batches):
         assert r["slow"] == [3, 3], "the common path took every other batch"
     else:
         assert r["slow"] == [5, 5], "batches 4 and 8 went the Python path too"
+
+
+# Flat (x, ids) batches whose x is, by batch index: a plain tensor, a lazy negative view
+# (conj().imag of a complex tensor), a conjugate view (complex), a tensor that requires
+# grad, a transposed (non-contiguous) one, an empty one. The producer hands the later
+# batches of a flat tuple to the ring as DLPack capsules; the lazy views must arrive with
+# their values, not their memory. Each batch is published after a sleep, so the consumer
+# waits for most of them (in the core first: stats counts that wait). Prints what it sent.
+ODD_PRODUCER = r"""
+import json, sys, time, torch
+from tensorsocket import TensorProducer
+
+name = sys.argv[1]
+
+def x_of(k):
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * k
+    kind = k % 6
+    if kind == 1:
+        return torch.complex(torch.zeros_like(base), -base).conj().imag  # neg bit
+    if kind == 2:
+        return torch.complex(base, base + 1).conj()
+    if kind == 3:
+        return base.clone().requires_grad_(True)
+    if kind == 4:
+        return base.t().contiguous().t()
+    if kind == 5:
+        return base[:0]
+    return base
+
+def described(t):
+    t = t.detach().resolve_conj().resolve_neg()
+    values = torch.view_as_real(t).tolist() if t.is_complex() else t.tolist()
+    return [str(t.dtype), list(t.shape), values]
+
+def batches():
+    for k in range(18):
+        time.sleep(0.02)
+        yield x_of(k), torch.tensor([k])
+
+class Loader:
+    def __iter__(self):
+        return batches()
+    def __len__(self):
+        return 18
+
+p = TensorProducer(Loader(), name=name, min_consumers=1, start_timeout=60)
+print('{"ready": true}', flush=True)
+sent = []
+for x, ids in p:
+    assert x.is_neg() == (int(ids[0]) % 6 == 1) and x.is_conj() == (int(ids[0]) % 6 == 2)
+    sent.append([described(x), described(ids)])
+p.join(timeout=60)
+print(json.dumps({"sent": sent}), flush=True)
+"""
+
+ODD_CONSUMER = r"""
+import json, sys, torch
+from tensorsocket import TensorConsumer
+
+def described(t):
+    values = torch.view_as_real(t).tolist() if t.is_complex() else t.tolist()
+    return [str(t.dtype), list(t.shape), values]
+
+c = TensorConsumer(name=sys.argv[1], timeout=60)
+print(json.dumps({"ready": True}), flush=True)
+got = [[described(x), described(ids)] for x, ids in c]
+stats = c.stats()
+c.close()
+print(json.dumps({"got": got, "wait_seconds": stats["wait_seconds"]}), flush=True)
+"""
+
+
+def test_lazy_views_and_odd_tensors_of_flat_batches_arrive_as_their_values(procs, name):
+    """Negative and conjugate views (whose memory is not their values), tensors that
+    require grad, non-contiguous and empty ones, in the later batches of flat tuples: the
+    consumer gets the values the producer's loader made, batch for batch; the time it
+    waited for the slow loader's batches is in stats()."""
+    prod = procs.script(ODD_PRODUCER, name)
+    prod.wait_ready()
+    cons = procs.script(ODD_CONSUMER, name)
+    cons.wait_ready()
+    r = procs.result(cons, timeout=120)
+    sent = procs.result(prod, timeout=60)["sent"]
+    assert len(sent) == 18 and r["got"] == sent
+    # 17 waits of ~20 ms each for the loader (the first batch comes before the clock).
+    assert r["wait_seconds"] >= 17 * 0.02 * 0.5, r["wait_seconds"]

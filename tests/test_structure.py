@@ -154,3 +154,25 @@ def test_a_flat_container_inside_a_batch_keeps_only_its_own_leaves(batch):
     rebuilt, _, _ = roundtrip(batch)
     assert type(rebuilt) is type(batch) and type(rebuilt[0]) is type(batch[0])
     assert len(rebuilt[0]) == 1 and torch.equal(rebuilt[1], batch[1])
+
+
+def test_flat_tuples_go_as_capsules_only_where_their_memory_is_their_values():
+    """Encoder.flatten(capsules=True) gives a flat tuple's tensors as DLPack capsules (the
+    ring reads them); a lazy negative or conjugate view, whose memory is not its values,
+    and a tensor numpy cannot hold as it is (bfloat16) go the walk's way, as arrays."""
+    enc = Encoder()
+    x = torch.arange(4.0)
+    enc.flatten((x, x))  # (the first batch of a structure is walked)
+    _, leaves = enc.flatten((x, x.t()), capsules=True)
+    assert [type(b).__name__ for b, _ in leaves] == ["PyCapsule", "PyCapsule"]
+    neg = torch.complex(torch.zeros(4), -x).conj().imag
+    conj = torch.complex(x, x).conj()
+    for odd in (neg, conj, x.to(torch.bfloat16)):
+        _, leaves = enc.flatten((x, odd), capsules=True)
+        assert not any(type(b).__name__ == "PyCapsule" for b, _ in leaves), odd
+        back = torch.from_numpy(np.asarray(leaves[1][0]).copy())
+        if odd.dtype == torch.bfloat16:
+            back = back.view(torch.bfloat16)
+        assert torch.equal(back, odd.resolve_conj().resolve_neg())
+    _, leaves = enc.flatten((x, x))
+    assert all(isinstance(b, np.ndarray) for b, _ in leaves)

@@ -28,7 +28,7 @@ enum ts_lane_name {
     TS_N_DELIVERED, TS_N_PRODUCER_EPOCH, TS_N_END_MARKER_UNREAD, TS_N_AFTER_END_MARKER,
     TS_N_READY, TS_N_LOADED, TS_N_BATCHES, TS_N_SAMPLES, TS_N_LOADER_BATCHES, TS_N_BYTES,
     TS_N_MINE, TS_N_BITS, TS_N_GROW, TS_N_MINE_SAMPLES, TS_N_KNOWN, TS_N_ATTACHED,
-    TS_N_CLOSED, TS_N_NEXT_SLOW, TS_N_WAIT_ENTRY, TS_LANE_NAMES
+    TS_N_CLOSED, TS_N_NEXT_SLOW, TS_N_WAIT_ENTRY, TS_N_WAITED, TS_LANE_NAMES
 };
 
 /* The module's state. */
@@ -172,9 +172,13 @@ int ts_py_slot_peek(ts_state *state, PyObject *slot, ts_py_entry *out);
 /* ---- ts_py_ring.c ------------------------------------------------------------- */
 
 /* Take the next published entry of the consumer ring handle ring (a Ring object) into
- * box[0] (a list [None]) without waiting: 1 when taken, 0 when there is none yet, 2 when
- * the core says something else (finished, gone, detached, closed: the caller's waiting
- * path says what), -1 with an exception (no memory). */
-int ts_py_ring_poll(ts_state *state, PyObject *ring, PyObject *box);
+ * box[0] (a list [None]), waiting up to wait_ns for it without the GIL (0: no wait; none
+ * either while this handle's own held slots block the producer, which the caller's
+ * waiting path sets aside): 1 when taken, 0 when there is none yet (or a signal came: the
+ * caller's Python code honours it), 2 when the core says something else (finished, gone,
+ * detached, closed: the caller's waiting path says what), -1 with an exception (no
+ * memory). *waited_ns: how long it waited. */
+int ts_py_ring_poll(ts_state *state, PyObject *ring, PyObject *box, uint64_t wait_ns,
+                    uint64_t *waited_ns);
 
 #endif /* TS_PY_H */

@@ -48,6 +48,7 @@ typedef struct LaneObject {
     long long length;      /* loader batches per producer epoch (-1: unknown) */
     long long batch_samples; /* samples of a loader batch but the last (-1: dim 0 of one) */
     int with_index;        /* return (index, batch) pairs */
+    uint64_t wait_ns;      /* how long next() waits in the core before _wait_entry() */
 } LaneObject;
 
 /* What the common check read of the cursor, for the count. */
@@ -63,7 +64,8 @@ int ts_py_lane_names(PyObject **names)
         "epoch", "in_epoch", "source_done", "resuming", "skip", "pulled", "delivered",
         "producer_epoch", "end_marker_unread", "after_end_marker", "ready", "loaded",
         "batches", "samples", "loader_batches", "bytes", "mine", "bits", "grow",
-        "mine_samples", "known", "attached", "closed", "_next_slow", "_wait_entry"};
+        "mine_samples", "known", "attached", "closed", "_next_slow", "_wait_entry",
+        "waited"};
     for (int i = 0; i < TS_LANE_NAMES; i++) {
         names[i] = PyUnicode_InternFromString(text[i]);
         if (names[i] == NULL) return -1;
@@ -136,13 +138,34 @@ static int ts_lane_common(LaneObject *self, int entry_free, ts_lane_view *view)
  * Taking and building
  * ========================================================================== */
 
-/* Put the next entry in the entry box: taken at once if published, else after the
- * subclass's _wait_entry() (the consumer's waits). 1 with the entry peeked into *e, 0
+/* Add waited_ns to flow.waited (seconds the common path waited in the core: stats()'s
+ * wait_seconds counts them). 0, or -1 with an exception. */
+static int ts_lane_note_wait(LaneObject *self, uint64_t waited_ns)
+{
+    PyObject *name = self->state->lane_names[TS_N_WAITED];
+    PyObject *was = PyObject_GetAttr(self->flow, name);
+    if (was == NULL) return -1;
+    double seconds = PyFloat_AsDouble(was);
+    Py_DECREF(was);
+    if (seconds == -1.0 && PyErr_Occurred()) return -1;
+    PyObject *now = PyFloat_FromDouble(seconds + (double)waited_ns / 1e9);
+    if (now == NULL) return -1;
+    int rc = PyObject_SetAttr(self->flow, name, now);
+    Py_DECREF(now);
+    return rc;
+}
+
+/* Put the next entry in the entry box: taken at once if published, else after a short
+ * wait in the core (wait_ns, see bind_lane), else after the subclass's _wait_entry() (the
+ * consumer's waits). 1 with the entry peeked into *e, 0
  * where the slow path takes over (with or without an entry in the box), -1 with an
  * exception. */
 static int ts_lane_take(LaneObject *self, ts_lane_view *view, ts_py_entry *e)
 {
-    int r = ts_py_ring_poll(self->state, PyList_GET_ITEM(self->ring_box, 0), self->entry_box);
+    uint64_t waited_ns = 0;
+    int r = ts_py_ring_poll(self->state, PyList_GET_ITEM(self->ring_box, 0), self->entry_box,
+                            self->wait_ns, &waited_ns);
+    if (waited_ns > 0 && ts_lane_note_wait(self, waited_ns) < 0) return -1;
     if (r < 0) return -1;
     if (r == 2) return 0;
     if (r == 0) {
@@ -377,23 +400,25 @@ static PyObject *Lane_next(LaneObject *self)
 }
 
 /* Lane.bind_lane(*, place, ring_box, entry_box, cursor, flow, taken, builder, from_dlpack,
- * pid_box, pid, epoch, length, batch_samples, with_index): what the common path reads and
- * counts in (see the file's comment); place None turns it off (every next() is
- * _next_slow()). */
+ * pid_box, pid, epoch, length, batch_samples, with_index, wait_ns): what the common path
+ * reads and counts in (see the file's comment); place None turns it off (every next() is
+ * _next_slow()). wait_ns: how long next() waits in the core for an entry not yet
+ * published before it calls _wait_entry() (0: it does not). */
 static PyObject *Lane_bind(LaneObject *self, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames)
 {
     static const char *const names[] = {"place", "ring_box", "entry_box", "cursor", "flow",
                                         "taken", "builder", "from_dlpack", "pid_box", "pid",
-                                        "epoch", "length", "batch_samples", "with_index"};
-    enum { N = 14 };
+                                        "epoch", "length", "batch_samples", "with_index",
+                                        "wait_ns"};
+    enum { N = 15 };
     PyObject *a[N];
-    uint64_t pid = 0, epoch = 0, length = 0, batch_samples = 0;
+    uint64_t pid = 0, epoch = 0, length = 0, batch_samples = 0, wait_ns = 0;
     int with_index = 0;
     if (ts_py_args("bind_lane", args, nargs, kwnames, names, N, 0, N, a) < 0 ||
         ts_py_u64(a[9], &pid) < 0 || ts_py_u64(a[10], &epoch) < 0 ||
         ts_py_u64(a[11], &length) < 0 || ts_py_u64(a[12], &batch_samples) < 0 ||
-        ts_py_flag(a[13], &with_index) < 0)
+        ts_py_flag(a[13], &with_index) < 0 || ts_py_u64(a[14], &wait_ns) < 0)
         return NULL;
     const int boxes[] = {1, 2, 8};
     for (int i = 0; i < 3; i++) {
@@ -421,6 +446,7 @@ static PyObject *Lane_bind(LaneObject *self, PyObject *const *args, Py_ssize_t n
     self->length = (long long)(int64_t)length;
     self->batch_samples = (long long)(int64_t)batch_samples;
     self->with_index = with_index;
+    self->wait_ns = wait_ns;
     Py_RETURN_NONE;
 }
 

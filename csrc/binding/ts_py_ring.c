@@ -656,8 +656,49 @@ static ts_status ts_publish_fn(ts_ring *ring, void *arg, uint64_t deadline, ts_e
                            p->meta_bytes, deadline, err);
 }
 
-/* Fill src (dims: its shape and stride storage) from one (buffer, (code, bits, lanes))
- * leaf, taking the buffer into buf; 0, or -1 with an exception (buf taken only on 0). */
+/* Fill src (dims: its shape and stride storage) from a DLPack capsule ("dltensor", not
+ * consumed: its owner frees it) of a CPU tensor whose dtype is src->dtype; 0, or -1 with
+ * an exception. */
+static int ts_parse_capsule(PyObject *capsule, Py_ssize_t i, ts_src_leaf *src, int64_t *dims)
+{
+    DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+    if (m == NULL) return -1;
+    const DLTensor *t = &m->dl_tensor;
+    if (t->device.device_type != kDLCPU) {
+        PyErr_Format(PyExc_TypeError, "leaf %zd: a DLPack tensor on device type %d, not the "
+                     "CPU", i, (int)t->device.device_type);
+        return -1;
+    }
+    if (t->dtype.code != src->dtype.code || t->dtype.bits != src->dtype.bits ||
+        t->dtype.lanes != src->dtype.lanes || t->dtype.bits % 8 != 0) {
+        PyErr_Format(PyExc_ValueError, "leaf %zd: the DLPack tensor's dtype (%d, %d, %d) is "
+                     "not the leaf's (%d, %d, %d)", i, t->dtype.code, t->dtype.bits,
+                     t->dtype.lanes, src->dtype.code, src->dtype.bits, src->dtype.lanes);
+        return -1;
+    }
+    if (t->ndim < 0 || t->ndim > TS_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "a tensor has %d dimensions, at most %d are supported",
+                     t->ndim, TS_MAX_NDIM);
+        return -1;
+    }
+    uint64_t itemsize = (uint64_t)t->dtype.bits / 8 * t->dtype.lanes;
+    int64_t step = (int64_t)itemsize; /* the stride of a compact row-major tensor's dim */
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        dims[d] = t->shape[d];
+        dims[TS_MAX_NDIM + d] = t->strides != NULL ? t->strides[d] * (int64_t)itemsize : step;
+        step *= t->shape[d];
+    }
+    src->data = (const char *)t->data + t->byte_offset;
+    src->ndim = t->ndim;
+    src->shape = dims;
+    src->strides = dims + TS_MAX_NDIM;
+    src->itemsize = itemsize;
+    return 0;
+}
+
+/* Fill src (dims: its shape and stride storage) from one (buffer or DLPack capsule,
+ * (code, bits, lanes)) leaf, taking a buffer into buf; 0, or -1 with an exception (buf
+ * taken only on 0). */
 static int ts_parse_leaf(PyObject *item, Py_ssize_t i, Py_buffer *buf, ts_src_leaf *src,
                          int64_t *dims)
 {
@@ -669,6 +710,8 @@ static int ts_parse_leaf(PyObject *item, Py_ssize_t i, Py_buffer *buf, ts_src_le
     if (ts_py_ints(PyTuple_GET_ITEM(item, 1), 3, "a leaf's dtype (code, bits, lanes)", dtype) < 0)
         return -1;
     src->dtype = (DLDataType){(uint8_t)dtype[0], (uint8_t)dtype[1], (uint16_t)dtype[2]};
+    if (PyCapsule_CheckExact(PyTuple_GET_ITEM(item, 0)))
+        return ts_parse_capsule(PyTuple_GET_ITEM(item, 0), i, src, dims);
     if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 0), buf, PyBUF_RECORDS_RO) < 0) return -1;
     if (buf->ndim > TS_MAX_NDIM) {
         PyErr_Format(PyExc_ValueError, "a tensor has %d dimensions, at most %d are supported",
@@ -697,7 +740,8 @@ error:
 }
 
 /* Ring.publish(leaves, meta, *, end_of_epoch=False, epoch=0, index=0, timeout=None)
- * leaves: sequence of (buffer, (code, bits, lanes)). Returns the sequence number. */
+ * leaves: sequence of (buffer or "dltensor" capsule of a CPU tensor, (code, bits, lanes)).
+ * Returns the sequence number. */
 static PyObject *Ring_publish(RingObject *self, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames)
 {
@@ -868,19 +912,39 @@ static PyObject *Ring_try_acquire(RingObject *self, PyObject *const *args, Py_ss
     return ts_slot_out(state, self->ring, &got, box);
 }
 
-/* Take the next published entry into box[0], without waiting (see ts_py.h). */
-int ts_py_ring_poll(ts_state *state, PyObject *ring, PyObject *box)
+/* Take the next published entry into box[0], waiting up to wait_ns for it (see ts_py.h). */
+int ts_py_ring_poll(ts_state *state, PyObject *ring, PyObject *box, uint64_t wait_ns,
+                    uint64_t *waited_ns)
 {
     ts_acquired got;
     ts_err err = {0};
     RingObject *self = (RingObject *)ring;
+    *waited_ns = 0;
     if (!Py_IS_TYPE(ring, state->Ring_type) || self->ring == NULL ||
         ts_ring_is_producer(self->ring))
         return 2;
-    ts_status st = ts_ring_acquire(self->ring, TS_DEADLINE_NOW, &got, &err);
-    if (st == TS_E_TIMEOUT) return 0;
+    ts_ring *r = self->ring;
+    ts_status st = ts_ring_acquire(r, TS_DEADLINE_NOW, &got, &err);
+    if (st == TS_E_TIMEOUT && wait_ns > 0 && ts_ring_held_blocking(r) == 0) {
+        /* A short wait, without the GIL: its own reference keeps the mapping valid if
+         * another thread closes the object meanwhile (then the caller's wait says so). */
+        uint64_t start = ts_now_ns();
+        ts_ring_ref(r);
+        Py_BEGIN_ALLOW_THREADS
+        st = ts_ring_acquire(r, start + wait_ns, &got, &err);
+        Py_END_ALLOW_THREADS
+        *waited_ns = ts_now_ns() - start;
+        if (self->ring != r) {
+            if (st == TS_OK) /* closed meanwhile: nobody reads it here */
+                ts_ring_release(r, got.slot, ts_ring_consumer_index(r), ts_ring_incarnation(r));
+            ts_ring_unref(r);
+            return 2;
+        }
+        ts_ring_unref(r);
+    }
+    if (st == TS_E_TIMEOUT || st == TS_E_INTR) return 0;
     if (st != TS_OK) return 2;
-    PyObject *slot = ts_slot_out(state, self->ring, &got, box);
+    PyObject *slot = ts_slot_out(state, r, &got, box);
     if (slot == NULL) return -1;
     Py_DECREF(slot); /* box holds it */
     return 1;

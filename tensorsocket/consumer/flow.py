@@ -28,6 +28,13 @@ from .place import RingPlace
 from .reader import EpochReader
 
 
+# How long the common path waits in the core for an entry not yet published before the
+# acquirer's waits take over (what they look at between slices, Python's: kept batches
+# that block, this process's idle consumers, the warnings, need none this soon). A
+# consumer that keeps up finds its next entry within it, without leaving C.
+LANE_WAIT = 0.002
+
+
 class BatchFlow:
     """The batch flow of one consumer (see the module docstring).
 
@@ -105,12 +112,14 @@ class BatchFlow:
             state.rebatcher is None and options.world_size == 1 and place.aligned and \
             place.delivery.zero_copy_host
         known = shape.batch_size is not None and shape.length is not None
+        batch_wait = LANE_WAIT if options.batch_wait is None else options.batch_wait
         return {**place.lane_parts(), "place": place if common else None,
                 "cursor": state.cursor, "flow": state.flow, "taken": state.taken,
                 "builder": place.delivery.common_builder, "from_dlpack": from_capsule,
                 "epoch": epoch, "with_index": self.with_index,
                 "length": -1 if state.cursor.length is None else state.cursor.length,
-                "batch_samples": shape.batch_size if known else -1}
+                "batch_samples": shape.batch_size if known else -1,
+                "wait_ns": int(min(LANE_WAIT, batch_wait) * 1e9)}
 
     def wait_entry(self) -> bool:
         """The common path found nothing published: wait for the next entry (the

@@ -9,6 +9,7 @@ import torch
 
 # DLPack type codes
 _INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
+COMPLEX_CODE = _COMPLEX
 
 DLType = tuple[int, int, int]
 
@@ -33,6 +34,11 @@ for _name, _bits in (("uint16", 16), ("uint32", 32), ("uint64", 64)):
 if hasattr(torch, "complex32"):
     _TORCH[torch.complex32] = ((_COMPLEX, 32, 1), torch.int32)
 
+# torch dtype -> DLPack type, for the dtypes whose tensors numpy() exports as they are
+# (torch_leaf's common case; Encoder's flat batches read it without a call).
+NUMPY_AS_IS: dict[torch.dtype, DLType] = {d: dl for d, (dl, view) in _TORCH.items()
+                                          if view is None}
+
 _NUMPY_KINDS = {"b": _BOOL, "i": _INT, "u": _UINT, "f": _FLOAT, "c": _COMPLEX}
 
 # The DLPack dtypes a consumer's torch can import: a leaf of any other (numpy's longdouble
@@ -46,14 +52,15 @@ def torch_leaf(t: torch.Tensor) -> tuple[Any, DLType]:
     Raises TypeError for tensors that cannot be carried (other devices,
     sparse or quantized layouts, unknown dtypes).
     """
-    entry = _TORCH.get(t.dtype)
-    if entry is not None and entry[1] is None:
+    dl = NUMPY_AS_IS.get(t.dtype)
+    if dl is not None:
         # The common case, a CPU strided tensor without grad, conjugate or negative bit:
         # numpy() refuses every other (and the checks below then say why, or fix it).
         try:
-            return t.numpy(), entry[0]
+            return t.numpy(), dl
         except (RuntimeError, TypeError):
             pass
+    entry = _TORCH.get(t.dtype)
     if entry is None:
         raise TypeError(f"tensors of dtype {t.dtype} are not supported")
     if t.device.type != "cpu":

@@ -422,7 +422,8 @@ class InFlight:
     it, not yet handed on. ready: (batch, samples), the batch next() returns next.
     """
 
-    __slots__ = ("entry", "loaded", "ready", "batches", "samples", "loader_batches", "bytes")
+    __slots__ = ("entry", "loaded", "ready", "batches", "samples", "loader_batches", "bytes",
+                 "waited")
 
     def __init__(self) -> None:
         """Nothing taken yet."""
@@ -433,6 +434,7 @@ class InFlight:
         self.samples = 0  # in the batches delivered
         self.loader_batches = 0  # ring entries made into batches
         self.bytes = 0  # ... and their bytes
+        self.waited = 0.0  # seconds the common path (Lane) waited in the core for entries
 
     def drop(self) -> None:
         """Forget the batches made of the current epoch (it was left)."""

@@ -15,8 +15,9 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 import torch
+from torch.utils.dlpack import to_dlpack
 
-from .dtypes import DLType, numpy_leaf, torch_leaf
+from .dtypes import COMPLEX_CODE, NUMPY_AS_IS, DLType, numpy_leaf, torch_leaf
 
 # Spec node tags.
 TORCH, NUMPY, NUMPY_SCALAR, TUPLE, LIST, DICT, NAMEDTUPLE, VALUE = range(8)
@@ -43,14 +44,12 @@ class Encoder:
         # (inputs, targets)): a batch of the same shape is flattened without a walk.
         self._flat_tuple = -1
 
-    def flatten(self, batch: Any) -> tuple[bytes, list[tuple[Any, DLType]]]:
-        """As flatten(batch)."""
+    def flatten(self, batch: Any, capsules: bool = False) -> tuple[bytes, list[tuple[Any, DLType]]]:
+        """As flatten(batch). capsules: a flat tuple's tensors may be given as DLPack
+        capsules (which Ring.publish reads, cheaper to make than arrays) instead of arrays."""
         if type(batch) is tuple and len(batch) == self._flat_tuple:
-            try:
-                leaves = [torch_leaf(t) for t in batch if type(t) is torch.Tensor]
-            except TypeError:
-                leaves = []  # (the walk below says where the culprit sits)
-            if len(leaves) == self._flat_tuple:
+            leaves = _flat_leaves(batch, capsules)
+            if leaves is not None:
                 return self._last[1], leaves
         spec, leaves = _split(batch)
         last_spec, packed = self._last
@@ -60,6 +59,32 @@ class Encoder:
         flat = spec[0] == TUPLE and all(c == [TORCH, i] for i, c in enumerate(spec[1]))
         self._flat_tuple = len(spec[1]) if flat and self._last[0] is not None else -1
         return packed, leaves
+
+
+def _flat_leaves(batch: tuple, capsules: bool) -> list[tuple[Any, DLType]] | None:
+    """The leaves of a tuple of plain tensors (torch_leaf's common case, without its
+    call), or None if one is not (the walk then says how, and where). capsules: as
+    DLPack capsules of CPU tensors; to_dlpack exports a tensor's memory as it is, so one
+    with the negative or conjugate bit (a lazy view whose values differ from its memory)
+    goes the walk's way, which resolves it."""
+    leaves = []
+    for t in batch:
+        dl = NUMPY_AS_IS.get(t.dtype) if type(t) is torch.Tensor else None
+        if dl is None:
+            return None
+        if capsules:
+            if not t.is_cpu or t.is_neg() or (dl[0] == COMPLEX_CODE and t.is_conj()):
+                return None
+            try:
+                leaves.append((to_dlpack(t), dl))
+            except (RuntimeError, TypeError, BufferError):
+                return None
+            continue
+        try:
+            leaves.append((t.numpy(), dl))
+        except (RuntimeError, TypeError):
+            return None
+    return leaves
 
 
 def _reusable(node: list) -> bool:

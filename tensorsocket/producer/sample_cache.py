@@ -243,6 +243,11 @@ class CachedEpochs:
 
     # -- the loader's epochs -------------------------------------------------------------
 
+    @property
+    def reads_leaves(self) -> bool:
+        """Whether offer() may read the next batch's leaves (then they must be arrays)."""
+        return not self._decided or (self._cache is not None and not self._cache.complete)
+
     def offer(self, structure: bytes, leaves: list, ids: np.ndarray | None,
               epoch: int) -> None:
         """A batch the loader yielded in `epoch` (its structure blob, leaves as
