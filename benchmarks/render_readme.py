@@ -204,22 +204,34 @@ def _stream_note(doc: dict) -> str:
 def _handoff(doc: dict) -> list[str]:
     comp = {(c["kind"], c["consumers"]): c for c in doc.get("comparison") or []}
     out = [
-        "**Handoff** (`benchmarks/handoff.py --with-original`): a loader that costs nothing, "
-        "so only the handoff is timed; per consumer, median over consumers and repeats; "
-        "memcpy of the same bytes measured in the same run." + _stream_note(doc),
+        "**Handoff** (`benchmarks/handoff.py --with-original --with-iceoryx2`): a loader that "
+        "costs nothing, so only the handoff is timed; per consumer, median over consumers and "
+        "repeats; memcpy of the same bytes measured in the same run; iceoryx2's Python "
+        "publish-subscribe (a WaitSet, lossless) run interleaved with ours, with the same "
+        "memory at one consumer (benchmarks/README.md, \"Against iceoryx2\"); CPU: one "
+        "consumer's, per batch." + _stream_note(doc),
         "",
-        "| batch | N | ours batches/s | ours GB/s | vs memcpy | original batches/s | "
+        "| batch | N | ours batches/s | ours GB/s | vs memcpy | iceoryx2 batches/s | "
+        "ours / iceoryx2 | consumer CPU us/b ours / iceoryx2 | original batches/s | "
         "ours / original |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ice = {(c["kind"], c["consumers"]): c for c in doc.get("comparison_iceoryx2") or []}
     for r in doc.get("results") or []:
         c = comp.get((r["kind"], r["consumers"])) or {}
+        i = ice.get((r["kind"], r["consumers"])) or {}
         orig = c.get("original_batches_per_s")
         orig_cell = _num(orig, ",.0f") if orig is not None else (
             "failed" if c.get("original_error") else "—")
+        iox = i.get("iceoryx2_batches_per_s")
+        iox_cell = _num(iox, ",.0f") if iox is not None else (
+            "failed" if i.get("iceoryx2_error") else "—")
+        cpu = (f"{_num(i.get('ours_consumer_cpu_us_per_batch'), '.1f')} / "
+               f"{_num(i.get('iceoryx2_consumer_cpu_us_per_batch'), '.1f')}") if i else "—"
         out.append(
             f"| {r['kind']} | {r['consumers']} | {_num(r.get('batches_per_s'), ',.0f')} "
             f"| {_num(r.get('gb_per_s'), '.2f')} | {_num(r.get('ratio_vs_memcpy'), '.2f')}x "
+            f"| {iox_cell} | {_num(i.get('ours_over_iceoryx2'), '.2f')}x | {cpu} "
             f"| {orig_cell} | {_num(c.get('ours_over_original'), '.1f')}x |")
     errors = sorted({f"{c['kind']} N={c['consumers']}: {c['original_error']}"
                      for c in comp.values() if c.get("original_error")})
@@ -240,7 +252,9 @@ def render(results: dict, path: Path) -> str:
         f"{m['memory_bytes'] / 2**30:.0f} GiB, torch {m['torch']}, commit {m['commit']}, "
         "with `python benchmarks/suite.py`. Results: "
         f"[`{rel}`]({rel})." + "".join(
-            f" The {step} results were measured at commit {commit}."
+            f" The {step} results were measured at commit {commit}"
+            + (f" on {results['kept_dates'][step]}" if step in (results.get("kept_dates") or {})
+               else "") + "."
             for step, commit in sorted((results.get("kept_from") or {}).items())),
         "",
     ]

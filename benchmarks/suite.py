@@ -6,7 +6,8 @@ one run on this machine.
     python benchmarks/suite.py --quick          # a few minutes, fewer batches and repeats
     python benchmarks/suite.py --skip-original  # without the original TensorSocket
 
-It runs ``handoff.py --with-original`` and ``collocated.py`` one after the other
+It runs ``handoff.py --with-original --with-iceoryx2 --no-floor`` and ``collocated.py``
+one after the other
 (never side by side: they would measure each other), shows their progress, and
 writes ``benchmarks/results/<date>-<machine>.json`` (machine, both result sets and
 the verdicts against the targets) plus a PNG plot beside it. ``render_readme.py``
@@ -110,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--collocated-batches", type=int, metavar="N",
                     help="measured batches per consumer in collocated.py (its default: 60); "
                          "longer runs give steadier medians on a noisy machine")
+    ap.add_argument("--skip-iceoryx2", action="store_true",
+                    help="leave out iceoryx2, the handoff's peer (where it is not installed "
+                         "handoff.py skips it anyway, saying so)")
+    ap.add_argument("--keep", type=Path, metavar="RESULTS_JSON",
+                    help="take the steps not run (see --only) from this results file, "
+                         "saying which commit and date measured them")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = ap.parse_args(argv)
 
@@ -125,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, str(HERE / "handoff.py"), *quick]
         if not args.skip_original:
             cmd.append("--with-original")
+        if not args.skip_iceoryx2:
+            cmd += ["--with-iceoryx2", "--no-floor"]
         results["handoff"] = run_step("handoff", cmd, timeout=3600)
     if "collocated" in steps:
         modes = "independent,shared" + ("" if args.skip_original else ",original")
@@ -138,18 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{info['date'][:10]}-{machine_tag(info)}" + ("-quick" if args.quick else "")
     path = args.out / f"{stem}.json"
-    # Re-running one step (--only) keeps the other step of today's file on this machine,
-    # and says which commit measured it.
-    if path.exists():
-        old = json.loads(path.read_text())
+    # Re-running one step (--only) keeps the other step of today's file on this machine
+    # (or of the --keep file), and says which commit measured it, and when.
+    source = args.keep if args.keep is not None else path
+    if source.exists():
+        old = json.loads(source.read_text())
         for step in ("handoff", "collocated"):
             if step not in steps and old.get(step):
                 results[step] = old[step]
                 kept = old.get("kept_from") or {}
                 results.setdefault("kept_from", {})[step] = kept.get(
                     step, old["machine"].get("commit"))
-                print(f"{step}: kept from {_shown(path)} (commit "
-                      f"{results['kept_from'][step]})", flush=True)
+                dates = old.get("kept_dates") or {}
+                results.setdefault("kept_dates", {})[step] = dates.get(
+                    step, old["machine"]["date"][:10])
+                print(f"{step}: kept from {_shown(source)} (commit "
+                      f"{results['kept_from'][step]}, {results['kept_dates'][step]})",
+                      flush=True)
     results["verdicts"] = evaluate(results)
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nresults: {_shown(path)}")

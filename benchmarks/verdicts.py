@@ -48,7 +48,7 @@ def _per_repeat(doc: dict | None, n: int, metric: str, spec: str) -> str:
 
 def handoff_verdicts(doc: dict | None) -> list[dict]:
     """32 MiB >= 0.8x memcpy per consumer and flat in N; tiny >= 20,000 batches/s;
-    >= 10x the original on tiny and >= 2x on 32 MiB."""
+    >= 10x the original on tiny and >= 2x on 32 MiB; >= iceoryx2 per consumer."""
     doc = doc or {}
     res = doc.get("results") or []
     large = [r for r in res if r["kind"] == "32MiB" and r.get("ratio_vs_memcpy") is not None]
@@ -85,6 +85,28 @@ def handoff_verdicts(doc: dict | None) -> list[dict]:
         elif errors:
             out.append(_verdict(f"vs original TensorSocket, {kind}: >= {want:g}x", None, None,
                                 "original failed: " + "; ".join(errors)))
+    return out + _iceoryx2_verdicts(doc.get("comparison_iceoryx2") or [])
+
+
+def _iceoryx2_verdicts(rows: list[dict]) -> list[dict]:
+    """Per consumer, at every N and batch size, >= iceoryx2's rate in the same run; tiny at
+    one consumer: consumer CPU per batch <= iceoryx2's."""
+    out = []
+    for kind in ("tiny", "32MiB"):
+        mine = [c for c in rows if c["kind"] == kind and c.get("ours_over_iceoryx2")]
+        if mine:
+            worst = min(c["ours_over_iceoryx2"] for c in mine)
+            detail = ", ".join(f"N={c['consumers']}: {c['ours_over_iceoryx2']:.2f}x"
+                               for c in mine)
+            out.append(_verdict(f"vs iceoryx2, {kind}: >= 1x per consumer, every N", worst,
+                                worst >= 1.0, detail))
+    one = _row(rows, kind="tiny", consumers=1)
+    if one and one.get("ours_consumer_cpu_us_per_batch") and \
+            one.get("iceoryx2_consumer_cpu_us_per_batch"):
+        ours, theirs = one["ours_consumer_cpu_us_per_batch"], \
+            one["iceoryx2_consumer_cpu_us_per_batch"]
+        out.append(_verdict("vs iceoryx2, tiny N=1: consumer CPU per batch <= iceoryx2's",
+                            ours / theirs, ours <= theirs, f"{ours:.2f} vs {theirs:.2f} us"))
     return out
 
 

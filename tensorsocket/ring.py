@@ -5,7 +5,8 @@ reaches its compiled ``backend`` (tests/test_layering.py holds the rule): the ri
 (``Ring``, its slots and views), the limits the core checks (exported once from
 ``ts_ring.h``), its states and reasons as ``IntEnum`` s rather than bare ints, a ring's
 header and handle state as a typed ``RingInfo`` rather than a dict read by string keys,
-and the process helpers the core implements (``process_alive`` ...).
+and the process helpers the core implements (``ProcessWatch``, a process's liveness by
+pidfd; ``process_alive`` ...).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from . import _core
 from ._core import (  # noqa: F401 - the face re-exports the core's types and helpers
     Lane,
+    ProcessWatch,
     Ring,
     Slot,
     SlotView,

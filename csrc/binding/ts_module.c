@@ -506,6 +506,10 @@ static int ts_module_exec(PyObject *module)
         PyModule_AddType(module, st->SlotView_type) < 0 ||
         PyModule_AddType(module, st->Lane_type) < 0)
         goto done;
+    PyObject *watch = PyType_FromModuleAndSpec(module, &ts_py_watch_spec, NULL);
+    int added = watch != NULL ? PyModule_AddType(module, (PyTypeObject *)watch) : -1;
+    Py_XDECREF(watch); /* (the module holds it) */
+    if (added < 0) goto done;
 
     if (ts_add_exception(module, &st->TensorSocketError, "TensorSocketError",
                          PyExc_RuntimeError, "Base class of tensorsocket errors.") < 0)

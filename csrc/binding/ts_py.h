@@ -1,12 +1,13 @@
 /* ts_py.h - what the files of the CPython binding share (tensorsocket._core).
  *
  * The binding is ts_module.c (module state, errors, the device driver, module functions,
- * init), ts_py_ring.c (the Ring type), ts_py_slot.c (Slot and SlotView) and ts_py_lane.c
- * (Lane, the common path of a consumer's next()): the only files of the core that include
- * Python.h. They convert between Python objects and the core's structs and calls; the core
- * does the rest. Every type is a heap type made per module (multi-phase init), immutable,
- * not subclassable, not instantiable from Python; but Lane, the base class of the
- * consumer's epoch iterator, made and subclassed in Python. */
+ * init), ts_py_ring.c (the Ring type), ts_py_slot.c (Slot and SlotView), ts_py_lane.c
+ * (Lane, the common path of a consumer's next()) and ts_py_watch.c (ProcessWatch, a
+ * process's liveness by pidfd): the only files of the core that include Python.h. They
+ * convert between Python objects and the core's structs and calls; the core does the rest.
+ * Every type is a heap type made per module (multi-phase init), immutable, not
+ * subclassable, not instantiable from Python; but Lane, the base class of the consumer's
+ * epoch iterator, made and subclassed in Python, and ProcessWatch, made in Python. */
 #ifndef TS_PY_H
 #define TS_PY_H
 
@@ -64,6 +65,7 @@ extern PyType_Spec ts_py_ring_spec;
 extern PyType_Spec ts_py_slot_spec;
 extern PyType_Spec ts_py_view_spec;
 extern PyType_Spec ts_py_lane_spec;
+extern PyType_Spec ts_py_watch_spec;
 
 /* Intern the lane's attribute names into names (TS_LANE_NAMES of them); 0, or -1 with an
  * exception. */

@@ -995,6 +995,14 @@ static PyObject *Ring_held_blocking(RingObject *self, PyObject *Py_UNUSED(ignore
     return PyLong_FromUnsignedLong(ts_ring_held_blocking(self->ring));
 }
 
+/* Ring.producer_alive() -> whether the producer's process still runs (a consumer handle
+ * polls the pidfd it took at attach, ts_ring_producer_alive). */
+static PyObject *Ring_producer_alive(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ts_ring_check(self) < 0) return NULL;
+    return PyBool_FromLong(ts_ring_producer_alive(self->ring));
+}
+
 /* Ring.failure() -> str or None: why the producer failed, once the ring is finished. */
 static PyObject *Ring_failure(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -1189,6 +1197,8 @@ static PyMethodDef Ring_methods[] = {
      "hand them back; it reads no more. Once done, successor is put in box[0]."},
     {"held_slots", (PyCFunction)Ring_held_slots, METH_NOARGS,
      "Slots this consumer handle holds (views of them are alive)."},
+    {"producer_alive", (PyCFunction)Ring_producer_alive, METH_NOARGS,
+     "Whether the producer's process still runs (by the pidfd taken at attach)."},
     {"held_blocking", (PyCFunction)Ring_held_blocking, METH_NOARGS,
      "Held slots, if one is the slot the producer must reuse next; else 0."},
     {"reserve", TS_PY_FASTCALL(Ring_reserve), "Reserve a consumer entry."},

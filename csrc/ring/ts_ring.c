@@ -1507,9 +1507,8 @@ uint32_t ts_ring_seal_pool(ts_ring *ring)
     }
 }
 
-/* The producer's process still runs (its pid with the start time it had: not a reuse). A
- * consumer handle asks its pidfd when it has one: one poll, no /proc read (ts_proc.h). */
-static int ts_ring_producer_alive(const ts_ring *ring)
+/* The producer's process still runs (see ts_ring.h). */
+int ts_ring_producer_alive(const ts_ring *ring)
 {
     if (ring->producer_pidfd >= 0) return ts_proc_pidfd_alive(ring->producer_pidfd);
     return ts_proc_alive(ring->hdr->producer_pid, ring->hdr->producer_start_time);

@@ -657,6 +657,11 @@ void ts_ring_use_end(ts_ring *ring, uint32_t slot);
 /* Slots this consumer handle holds now. */
 uint32_t ts_ring_held_slots(const ts_ring *ring);
 
+/* Whether the producer's process still runs (its pid with the start time it had: not a
+ * reuse). A consumer handle asks the pidfd it took at attach when it has one: one poll, no
+ * /proc read (ts_proc.h). */
+int ts_ring_producer_alive(const ts_ring *ring);
+
 /* Slots this consumer handle holds, if one of them is the slot the producer must reuse
  * for its next entry (its kept batches block every reader); else 0. */
 uint32_t ts_ring_held_blocking(const ts_ring *ring);

@@ -22,7 +22,7 @@ from ..data.epoch_cursor import EpochCursor, InFlight
 from ..data.listings import EpochListing
 from ..errors import ConsumerDetached, LagWarning, ProducerFailed, ProducerFinished, \
     ProducerNotFound, TensorSocketError
-from ..ring import Ring, RingInfo, RingState, fork_child, fork_parent, fork_prepare, process_alive
+from ..ring import Ring, RingInfo, RingState, fork_child, fork_parent, fork_prepare
 from .options import ConsumerOptions
 
 log = logging.getLogger("tensorsocket")
@@ -232,7 +232,7 @@ class RingPlace:
             ring = self.ring
             info = RingInfo.of(ring)
             if info.state == RingState.FINISHED or ring.failure() is not None or \
-                    not process_alive(info.producer_pid, info.producer_start_time):
+                    not ring.producer_alive():
                 return False
             raise
 
@@ -274,8 +274,7 @@ class RingPlace:
             raise ProducerFinished(
                 "the producer finished while this consumer was away from the ring (it had "
                 "left its epoch, or was detached); no more batches will come")
-        if failure is not None or \
-                not process_alive(info.producer_pid, info.producer_start_time):
+        if failure is not None or not ring.producer_alive():
             self.cut_short()
             raise producer_failed(ring, options.endpoint.address, failure)
         # An entry kept from the place given up (also when an interrupt cut unpark short:
@@ -383,7 +382,7 @@ def _teardown(client: ControlClient, context: zmq.Context, ring_box: list, deliv
     except Exception as e:  # a failed release: its slot stays held until we leave
         log.warning("GPU releases at close: %s", e)
     info = RingInfo.of(ring)
-    producer_alive = process_alive(info.producer_pid, info.producer_start_time)
+    producer_alive = ring.producer_alive()
     client.close(say_bye=producer_alive and info.state == RingState.OPEN)
     context.term()
     ring.close()

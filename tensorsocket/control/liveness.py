@@ -28,7 +28,7 @@ class Liveness:
         never finished. A rank found waiting for its group is passed to start_group."""
         for ident, peer in self._peers.items():
             peer.note_detached(ring)
-            if not process_alive(peer.pid, peer.start_time):
+            if not peer.alive():
                 self._peers.pop(ident)
                 if peer.holds_entry():
                     ring.evict(peer.index)
@@ -47,7 +47,8 @@ class Liveness:
         its entry keeps its bits in those slots until the views die. If its process
         exits first (a script ending with its last batch in a variable), nobody would
         clear them and the producer would wait for those slots forever. Only the server's
-        thread reserves entries, so an entry seen LEAVING here cannot be reused meanwhile."""
+        thread reserves entries, so an entry seen LEAVING here cannot be reused meanwhile.
+        (Its Peer, and pidfd, went with its bye: /proc says whether it still runs.)"""
         for entry in ring.consumers():
             if entry["state"] == ConsumerState.LEAVING and \
                     not process_alive(entry["pid"], entry["start_time"]):

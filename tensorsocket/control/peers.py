@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..ring import ConsumerState
+from ..ring import ConsumerState, ProcessWatch
 
 log = logging.getLogger("tensorsocket")
 
@@ -37,6 +37,17 @@ class Peer:
     start_seq: int | None = None  # its first entry, once started
     first_epoch: int | None = None  # the epoch it reads first, from that entry
     unread_since: float | None = None  # holding the others back having read nothing
+    # Its process, watched by a pidfd taken as it said hello (each look one poll, no
+    # /proc read; closed with the Peer).
+    watch: ProcessWatch = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Take the pidfd of the consumer's process (pid and start time as it said)."""
+        self.watch = ProcessWatch(self.pid, self.start_time)
+
+    def alive(self) -> bool:
+        """Whether the consumer's process still runs."""
+        return self.watch.alive()
 
     def note_detached(self, ring: Any) -> None:
         """Log, once, that the ring detached this consumer for lagging, if it did (the
