@@ -133,7 +133,8 @@ class Slot:
 class ProcessWatch:
     """Whether one process still runs, by a pidfd taken once (else /proc/<pid>/stat)."""
 
-    def __init__(self, pid: int, start_time: int) -> None: ...
+    @classmethod
+    def of(cls, pid: int, start_time: int) -> "ProcessWatch": ...
     @property
     def pid(self) -> int: ...
     @property

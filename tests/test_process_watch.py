@@ -23,10 +23,10 @@ def test_a_watch_sees_its_process_end_and_not_another_with_its_pid():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         start = process_start_time(child.pid)
-        watch = ProcessWatch(child.pid, start)
+        watch = ProcessWatch.of(child.pid, start)
         assert watch.pidfd and watch.pid == child.pid and watch.alive()
         # The same pid with another start time is another process: never alive.
-        assert not ProcessWatch(child.pid, start + 1).alive()
+        assert not ProcessWatch.of(child.pid, start + 1).alive()
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)
         assert not watch.alive()
@@ -44,7 +44,7 @@ def test_watches_give_their_pidfds_back():
     """Each watch's fd is its own: closed when it goes, close() called or not."""
     me, start = os.getpid(), process_start_time(os.getpid())
     before = _fds()
-    watches = [ProcessWatch(me, start) for _ in range(200)]
+    watches = [ProcessWatch.of(me, start) for _ in range(200)]
     assert all(w.alive() and w.pidfd for w in watches)
     assert _fds() == before + 200
     for w in watches[:100]:

@@ -498,19 +498,16 @@ static int ts_module_exec(PyObject *module)
     st->Slot_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &ts_py_slot_spec, NULL);
     st->SlotView_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &ts_py_view_spec, NULL);
     st->Lane_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &ts_py_lane_spec, NULL);
+    st->Watch_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &ts_py_watch_spec, NULL);
     if (st->Ring_type == NULL || st->Slot_type == NULL || st->SlotView_type == NULL ||
-        st->Lane_type == NULL || ts_py_lane_names(st->lane_names) < 0)
+        st->Lane_type == NULL || st->Watch_type == NULL || ts_py_lane_names(st->lane_names) < 0)
         goto done;
     if (PyModule_AddType(module, st->Ring_type) < 0 ||
         PyModule_AddType(module, st->Slot_type) < 0 ||
         PyModule_AddType(module, st->SlotView_type) < 0 ||
-        PyModule_AddType(module, st->Lane_type) < 0)
+        PyModule_AddType(module, st->Lane_type) < 0 ||
+        PyModule_AddType(module, st->Watch_type) < 0)
         goto done;
-    PyObject *watch = PyType_FromModuleAndSpec(module, &ts_py_watch_spec, NULL);
-    int added = watch != NULL ? PyModule_AddType(module, (PyTypeObject *)watch) : -1;
-    Py_XDECREF(watch); /* (the module holds it) */
-    if (added < 0) goto done;
-
     if (ts_add_exception(module, &st->TensorSocketError, "TensorSocketError",
                          PyExc_RuntimeError, "Base class of tensorsocket errors.") < 0)
         goto done;
@@ -542,7 +539,6 @@ static int ts_module_exec(PyObject *module)
         ts_add_exception(module, &st->SharedMemoryTooSmall, "SharedMemoryTooSmall", bases,
                          "/dev/shm cannot hold the ring.") < 0)
         goto done;
-
     if (PyModule_AddIntConstant(module, "MAX_CONSUMERS", TS_MAX_CONSUMERS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_SLOTS", TS_MAX_SLOTS) < 0 ||
         PyModule_AddIntConstant(module, "MIN_SLOTS", TS_MIN_SLOTS) < 0 ||
@@ -581,6 +577,7 @@ static int ts_module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->Slot_type);
     Py_VISIT(st->SlotView_type);
     Py_VISIT(st->Lane_type);
+    Py_VISIT(st->Watch_type);
     Py_VISIT(st->TensorSocketError);
     Py_VISIT(st->ProducerGone);
     Py_VISIT(st->ProducerFinished);
@@ -602,6 +599,7 @@ static int ts_module_clear(PyObject *module)
     Py_CLEAR(st->Slot_type);
     Py_CLEAR(st->SlotView_type);
     Py_CLEAR(st->Lane_type);
+    Py_CLEAR(st->Watch_type);
     for (int i = 0; i < TS_LANE_NAMES; i++) Py_CLEAR(st->lane_names[i]);
     Py_CLEAR(st->TensorSocketError);
     Py_CLEAR(st->ProducerGone);

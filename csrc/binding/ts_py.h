@@ -7,7 +7,7 @@
  * convert between Python objects and the core's structs and calls; the core does the rest.
  * Every type is a heap type made per module (multi-phase init), immutable, not
  * subclassable, not instantiable from Python; but Lane, the base class of the consumer's
- * epoch iterator, made and subclassed in Python, and ProcessWatch, made in Python. */
+ * epoch iterator, made and subclassed in Python. */
 #ifndef TS_PY_H
 #define TS_PY_H
 
@@ -38,6 +38,7 @@ typedef struct ts_state {
     PyTypeObject *Slot_type;
     PyTypeObject *SlotView_type;
     PyTypeObject *Lane_type;
+    PyTypeObject *Watch_type;
     PyObject *lane_names[TS_LANE_NAMES]; /* owns: interned attribute names (ts_lane_name) */
     PyObject *TensorSocketError;
     PyObject *ProducerGone;

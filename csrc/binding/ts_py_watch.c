@@ -1,5 +1,5 @@
-/* ts_py_watch.c - the ProcessWatch type of tensorsocket._core (see ts_py.h): whether one
- * process still runs, by a pidfd taken once (pidfd_open(2): "a stable reference" to the
+/* ts_py_watch.c - the ProcessWatch type of tensorsocket._core (see ts_py.h), made by
+ * ProcessWatch.of(pid, start_time): whether one process still runs, by a pidfd taken once (pidfd_open(2): "a stable reference" to the
  * process, readable once it exits), so that each look is one poll and no /proc read; on
  * a kernel without pidfds (or with no fd left) each look reads /proc/<pid>/stat as
  * process_alive() does. The fd is the object's own: closed by close() or when the object
@@ -18,20 +18,24 @@ typedef struct WatchObject {
     int closed;           /* close() was called: alive() raises */
 } WatchObject;
 
-/* ProcessWatch(pid, start_time): watch the process pid that started at start_time (0: any
- * start time). A process already gone (or another one with that pid) is never alive. */
-static PyObject *Watch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+/* ProcessWatch.of(pid, start_time): watch the process pid that started at start_time (0:
+ * any start time). A process already gone (or another one with that pid) is never alive. */
+static PyObject *Watch_of(PyObject *type, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwnames)
 {
-    static char *names[] = {"pid", "start_time", NULL};
+    static const char *const names[] = {"pid", "start_time"};
+    PyObject *a[2];
     int pid = 0;
-    unsigned long long start = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iK:ProcessWatch", names, &pid, &start))
+    uint64_t start = 0;
+    if (ts_py_args("of", args, nargs, kwnames, names, 2, 2, 2, a) < 0 ||
+        ts_py_int(a[0], &pid) < 0 || ts_py_u64(a[1], &start) < 0)
         return NULL;
-    WatchObject *self = (WatchObject *)type->tp_alloc(type, 0);
+    WatchObject *self = PyObject_New(WatchObject, (PyTypeObject *)type);
     if (self == NULL) return NULL;
     self->pid = pid;
-    self->start_time = (uint64_t)start;
-    self->fd = start != 0 ? ts_proc_pidfd((pid_t)pid, (uint64_t)start) : -1;
+    self->start_time = start;
+    self->closed = 0;
+    self->fd = start != 0 ? ts_proc_pidfd((pid_t)pid, start) : -1;
     return (PyObject *)self;
 }
 
@@ -47,7 +51,7 @@ static void Watch_dealloc(WatchObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     ts_watch_close_fd(self);
-    tp->tp_free(self);
+    PyObject_Free(self);
     Py_DECREF(tp);
 }
 
@@ -84,6 +88,7 @@ static PyObject *Watch_get_pid(WatchObject *self, void *Py_UNUSED(closure))
 }
 
 static PyMethodDef Watch_methods[] = {
+    {"of", TS_PY_FASTCALL(Watch_of) | METH_CLASS, "Watch a process (pid, start_time)."},
     {"alive", (PyCFunction)Watch_alive, METH_NOARGS, "Whether the process still runs."},
     {"close", (PyCFunction)Watch_close, METH_NOARGS, "Give the pidfd back now."},
     {NULL, NULL, 0, NULL},
@@ -97,7 +102,6 @@ static PyGetSetDef Watch_getset[] = {
 
 static PyType_Slot Watch_slots[] = {
     {Py_tp_doc, "Whether one process still runs, by a pidfd taken once (else /proc)."},
-    {Py_tp_new, Watch_new},
     {Py_tp_dealloc, Watch_dealloc},
     {Py_tp_methods, Watch_methods},
     {Py_tp_getset, Watch_getset},
@@ -107,6 +111,6 @@ static PyType_Slot Watch_slots[] = {
 PyType_Spec ts_py_watch_spec = {
     .name = "tensorsocket._core.ProcessWatch",
     .basicsize = sizeof(WatchObject),
-    .flags = Py_TPFLAGS_DEFAULT,
+    .flags = TS_PY_TYPE_FLAGS,
     .slots = Watch_slots,
 };

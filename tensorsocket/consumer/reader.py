@@ -225,17 +225,23 @@ class EpochReader:
                 self._pull_window()
         return flow.loaded  # type: ignore[return-value]
 
+    def _place_next(self) -> tuple[Any, Step] | None:
+        """The next entry placed in the epoch: taken (None) if it is the next batch, else
+        (its slot, the step the cursor says) for the caller's loop."""
+        slot = self._next_entry()
+        step = self._state.cursor.place(slot)
+        if step is Step.TAKE:
+            self._take(slot)
+            return None
+        return slot, step
+
     def _pull_aligned(self) -> None:
         """pull() for aligned epochs: each epoch of this consumer is one whole epoch of
         the producer, from its first batch; a consumer that attached mid-epoch skips to
         the next epoch's start. In a group, this rank's share of it (see EpochCursor)."""
-        cursor, entry = self._state.cursor, self._state.flow.entry
-        while True:
-            slot = self._next_entry()
-            step = cursor.place(slot)
-            if step is Step.TAKE:
-                self._take(slot)
-                return
+        entry = self._state.flow.entry
+        while (placed := self._place_next()) is not None:
+            slot, step = placed
             if step is Step.END_BEFORE:
                 raise EpochEnd  # the entry stays: the next epoch's first
             if step is Step.DROP and self._options.world_size > 1 and \
@@ -251,13 +257,9 @@ class EpochReader:
     def _pull_window(self) -> None:
         """pull() with align_epochs=False: a late joiner's epoch is the next len() batches
         from where it started (see docs/usage.md)."""
-        cursor, entry = self._state.cursor, self._state.flow.entry
-        while True:
-            slot = self._next_entry()
-            step = cursor.place(slot)
-            if step is Step.TAKE:
-                self._take(slot)
-                return
+        entry = self._state.flow.entry
+        while (placed := self._place_next()) is not None:
+            slot, step = placed
             if step is Step.SKIP and not self._said_waiting:
                 self._said_waiting = True
                 log.warning("consumer %d resumes by count from the first batch of a producer "

@@ -43,7 +43,7 @@ class Peer:
 
     def __post_init__(self) -> None:
         """Take the pidfd of the consumer's process (pid and start time as it said)."""
-        self.watch = ProcessWatch(self.pid, self.start_time)
+        self.watch = ProcessWatch.of(self.pid, self.start_time)
 
     def alive(self) -> bool:
         """Whether the consumer's process still runs."""
