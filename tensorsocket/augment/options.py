@@ -41,7 +41,7 @@ class TransformOptions:
     context: str | None
 
     @classmethod
-    def resolve(cls, transform: Any, seed: Any, workers: Any, transform_input: Any,
+    def resolve(cls, *, transform: Any, seed: Any, workers: Any, transform_input: Any,
                 key: Any, prefetch: Any, context: Any) -> "TransformOptions | None":
         """The options, or None without a transform; TypeError / ValueError naming the
         argument otherwise. A transform setting given without transform= is an error (it

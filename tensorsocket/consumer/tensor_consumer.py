@@ -168,8 +168,9 @@ class TensorConsumer:
         transform_workers: int = 0, transform_prefetch: int = 2, transform_input: str = "tensor",
         transform_key: Any = None, transform_context: str | None = None,
     ) -> None:
-        transforms = TransformOptions.resolve(transform, seed, transform_workers, transform_input,
-                                              transform_key, transform_prefetch, transform_context)
+        transforms = TransformOptions.resolve(
+            transform=transform, seed=seed, workers=transform_workers, key=transform_key,
+            transform_input=transform_input, prefetch=transform_prefetch, context=transform_context)
         o = ConsumerOptions.resolve(
             port=port, address=address, name=name, timeout=timeout,
             batch_timeout=batch_timeout, device=device, batch_size=batch_size,
@@ -245,8 +246,7 @@ class TensorConsumer:
         self.producer_dataset: str | None = w.dataset
         self.producer_dataset_len: int | None = w.dataset_len
         self.producer_pid: int = w.producer_pid
-        self.window: int = w.window
-        self.max_lag: int | None = w.max_lag or None
+        self.window, self.max_lag = w.window, w.max_lag or None  # (int, int | None)
         self.lag_policy: str = w.lag_policy
         self.producer_fingerprint: str | None = w.fingerprint
         self._sets_epoch: bool = w.auto_set_epoch  # the producer calls set_epoch itself

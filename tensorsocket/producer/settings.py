@@ -4,7 +4,7 @@ producer's parts share and its public attributes read and write (``setting``).""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from .. import config
 from ..config import UNSET
@@ -20,44 +20,49 @@ class ProducerSettings:
     its docstring for each); ``resolver`` names the variable a value came from, for
     messages and the log."""
 
-    def __init__(self, arguments: Mapping[str, Any]) -> None:
-        """Resolve and check `arguments`, TensorProducer's parameters by name (ValueError,
-        TypeError for a wrong one). In the order the producer always looked them up: the
-        first wrong one is the one reported."""
-        a = arguments
+    def __init__(self, *, name: str | None, port: int | str | None, address: str | None,
+                 auth_token: str | None, min_consumers: Any, start_timeout: Any,
+                 start_grace: Any, park_hold: Any, heartbeat_timeout: Any, ring_slots: Any,
+                 consumer_max_buffer_size: int | None, slot_bytes: Any, ring_bytes: Any,
+                 max_leaves: int | None, publish_timeout: Any, rubber_band_pct: float | None,
+                 rubber_band: int | None, max_lag: Any, lag_policy: Any, device: Any,
+                 device_fallback: Any, release_timeout: Any, worker_heap_pad: Any,
+                 cache_bytes: Any, pack_fn: Callable[[Any], Any] | None) -> None:
+        """Resolve and check TensorProducer's parameters of the same names (UNSET: not
+        given; ValueError, TypeError for a wrong one). In the order the producer always
+        looked them up: the first wrong one is the one reported."""
         given = self.resolver = config.Resolver()
-        ring_slots = a["ring_slots"]
         if ring_slots is None or ring_slots is UNSET:
-            ring_slots = a["consumer_max_buffer_size"]  # the original's name for it
-        elif a["consumer_max_buffer_size"] is not None:
+            ring_slots = consumer_max_buffer_size  # the original's name for it
+        elif consumer_max_buffer_size is not None:
             raise ValueError("give ring_slots= or consumer_max_buffer_size=, not both")
         self.ring_slots: int | None = given.get("ring_slots", ring_slots)
-        self.slot_bytes: int | None = given.get("slot_bytes", a["slot_bytes"])
-        self.ring_bytes: int | None = given.get("ring_bytes", a["ring_bytes"])
-        self.max_lag: int | None = given.get("max_lag", a["max_lag"])
-        where: Any = given.get("producer_device", a["device"])
-        self._check_window(a["rubber_band_pct"], a["rubber_band"])
+        self.slot_bytes: int | None = given.get("slot_bytes", slot_bytes)
+        self.ring_bytes: int | None = given.get("ring_bytes", ring_bytes)
+        self.max_lag: int | None = given.get("max_lag", max_lag)
+        where: Any = given.get("producer_device", device)
+        self._check_window(rubber_band_pct, rubber_band)
         kind, ordinal = parse_device(where)
         # The device of the ring's slots: "cuda:N" or "cpu" (ring_maker falls back to cpu).
         self.device_ordinal: int | None = (ordinal or 0) if kind == "cuda" else None
         self.device = "cpu" if self.device_ordinal is None else f"cuda:{self.device_ordinal}"
-        self.device_fallback: bool = given.get("device_fallback", a["device_fallback"])
-        self.release_timeout: float | None = given.get("release_timeout", a["release_timeout"])
-        self.worker_heap_pad: int = given.get("worker_heap_pad", a["worker_heap_pad"])
-        self.cache_bytes: int = given.get("cache_bytes", a["cache_bytes"])
-        self.lag_policy: str = given.get("lag_policy", a["lag_policy"])
-        self.pack_fn: Callable[[Any], Any] | None = a["pack_fn"]
-        self.min_consumers: int = given.get("min_consumers", a["min_consumers"])
-        self.start_timeout: float | None = given.get("start_timeout", a["start_timeout"])
-        self.start_grace = float(given.get("start_grace", a["start_grace"]))
-        self.park_hold = float(given.get("park_hold", a["park_hold"]))
-        silence = given.get("heartbeat_timeout", a["heartbeat_timeout"])
+        self.device_fallback: bool = given.get("device_fallback", device_fallback)
+        self.release_timeout: float | None = given.get("release_timeout", release_timeout)
+        self.worker_heap_pad: int = given.get("worker_heap_pad", worker_heap_pad)
+        self.cache_bytes: int = given.get("cache_bytes", cache_bytes)
+        self.lag_policy: str = given.get("lag_policy", lag_policy)
+        self.pack_fn: Callable[[Any], Any] | None = pack_fn
+        self.min_consumers: int = given.get("min_consumers", min_consumers)
+        self.start_timeout: float | None = given.get("start_timeout", start_timeout)
+        self.start_grace = float(given.get("start_grace", start_grace))
+        self.park_hold = float(given.get("park_hold", park_hold))
+        silence = given.get("heartbeat_timeout", heartbeat_timeout)
         self.heartbeat_timeout: float | None = None if silence is None else float(silence)
-        self.publish_timeout: float | None = given.get("publish_timeout", a["publish_timeout"])
-        self.max_leaves: int | None = a["max_leaves"]
+        self.publish_timeout: float | None = given.get("publish_timeout", publish_timeout)
+        self.max_leaves: int | None = max_leaves
         # (never through the Resolver: the log of settings from the environment shows values)
-        self.auth_token: str | None = a["auth_token"]
-        self.endpoint: Endpoint = self._endpoint(a["name"], a["port"], a["address"])
+        self.auth_token: str | None = auth_token
+        self.endpoint: Endpoint = self._endpoint(name, port, address)
 
     def _check_window(self, rubber_band_pct: float | None, rubber_band: int | None) -> None:
         """The late-joiner window's arguments, checked (sizing computes the window)."""

@@ -172,41 +172,33 @@ class TensorProducer:
     """
 
     def __init__(
-        self,
-        data_loader: Iterable | Callable[..., Iterable],
-        port: int | str | None = None,
-        ack_port: int | str | None = None,
-        heart_ports: Any = None,
-        rubber_band_pct: float | None = None,
-        pack_fn: Callable[[Any], Any] | None = None,
-        consumer_max_buffer_size: int | None = None,
-        producer_batch_size: int = 8,
-        *,
-        name: str | None = None,
-        address: str | None = None,
-        min_consumers: int | Unset = UNSET,
-        start_timeout: float | None | Unset = UNSET,
-        start_grace: float | Unset = UNSET,
-        park_hold: float | Unset = UNSET,
-        heartbeat_timeout: float | None | Unset = UNSET,
-        auth_token: str | None = None,
-        ring_slots: int | None | Unset = UNSET,
-        slot_bytes: int | None | Unset = UNSET,
-        ring_bytes: int | None | Unset = UNSET,
-        max_leaves: int | None = None,
-        publish_timeout: float | None | Unset = UNSET,
-        rubber_band: int | None = None,
-        max_lag: int | None | Unset = UNSET,
-        lag_policy: str | Unset = UNSET,
-        device: Any = UNSET,
-        device_fallback: bool | Unset = UNSET,
-        release_timeout: float | None | Unset = UNSET,
-        worker_heap_pad: int | Unset = UNSET,
+        self, data_loader: Iterable | Callable[..., Iterable], port: int | str | None = None,
+        ack_port: int | str | None = None, heart_ports: Any = None,
+        rubber_band_pct: float | None = None, pack_fn: Callable[[Any], Any] | None = None,
+        consumer_max_buffer_size: int | None = None, producer_batch_size: int = 8, *,
+        name: str | None = None, address: str | None = None,
+        min_consumers: int | Unset = UNSET, start_timeout: float | None | Unset = UNSET,
+        start_grace: float | Unset = UNSET, park_hold: float | Unset = UNSET,
+        heartbeat_timeout: float | None | Unset = UNSET, auth_token: str | None = None,
+        ring_slots: int | None | Unset = UNSET, slot_bytes: int | None | Unset = UNSET,
+        ring_bytes: int | None | Unset = UNSET, max_leaves: int | None = None,
+        publish_timeout: float | None | Unset = UNSET, rubber_band: int | None = None,
+        max_lag: int | None | Unset = UNSET, lag_policy: str | Unset = UNSET,
+        device: Any = UNSET, device_fallback: bool | Unset = UNSET,
+        release_timeout: float | None | Unset = UNSET, worker_heap_pad: int | Unset = UNSET,
         cache_bytes: int | str | Unset = UNSET,
     ) -> None:
-        arguments = dict(locals())  # the parameters by name, for the settings
         epochs = self._epochs = LoaderEpochs(data_loader)
-        settings = self._settings = ProducerSettings(arguments)
+        settings = self._settings = ProducerSettings(
+            name=name, port=port, address=address, auth_token=auth_token,
+            min_consumers=min_consumers, start_timeout=start_timeout, start_grace=start_grace,
+            park_hold=park_hold, heartbeat_timeout=heartbeat_timeout, ring_slots=ring_slots,
+            consumer_max_buffer_size=consumer_max_buffer_size, slot_bytes=slot_bytes,
+            ring_bytes=ring_bytes, max_leaves=max_leaves, publish_timeout=publish_timeout,
+            rubber_band_pct=rubber_band_pct, rubber_band=rubber_band, max_lag=max_lag,
+            lag_policy=lag_policy, device=device, device_fallback=device_fallback,
+            release_timeout=release_timeout, worker_heap_pad=worker_heap_pad,
+            cache_bytes=cache_bytes, pack_fn=pack_fn)
         self.producer_batch_size = producer_batch_size
         sizing = self._sizing = RingSizing(settings, epochs.length())
         files = OwnedFiles(settings.endpoint)
