@@ -165,9 +165,12 @@ static int ts_lane_take(LaneObject *self, ts_lane_view *view, ts_py_entry *e)
     uint64_t waited_ns = 0;
     int r = ts_py_ring_poll(self->state, PyList_GET_ITEM(self->ring_box, 0), self->entry_box,
                             self->wait_ns, &waited_ns);
-    if (waited_ns > 0 && ts_lane_note_wait(self, waited_ns) < 0) return -1;
-    if (r < 0) return -1;
+    if (r < 0 || (waited_ns > 0 && ts_lane_note_wait(self, waited_ns) < 0)) return -1;
     if (r == 2) return 0;
+    /* Other threads ran during a wait (a park, a close): look again, as after a wait in
+     * Python; an entry taken stays in the box for the slow path if this is no longer the
+     * common case. */
+    if (r == 1 && waited_ns > 0 && (r = ts_lane_common(self, 0, view)) != 1) return r;
     if (r == 0) {
         PyObject *got = PyObject_CallMethodNoArgs((PyObject *)self,
                                                   self->state->lane_names[TS_N_WAIT_ENTRY]);

@@ -926,23 +926,33 @@ int ts_py_ring_poll(ts_state *state, PyObject *ring, PyObject *box, uint64_t wai
     ts_ring *r = self->ring;
     ts_status st = ts_ring_acquire(r, TS_DEADLINE_NOW, &got, &err);
     if (st == TS_E_TIMEOUT && wait_ns > 0 && ts_ring_held_blocking(r) == 0) {
-        /* A short wait, without the GIL: its own reference keeps the mapping valid if
-         * another thread closes the object meanwhile (then the caller's wait says so). */
+        /* A short wait, without the GIL. Other threads run meanwhile: the Ring object and
+         * the box are held here (a set-aside may replace and close the object), and the
+         * core ring by its own reference, which keeps the mapping valid if the object is
+         * closed (then the caller's wait says so). */
         uint64_t start = ts_now_ns();
+        Py_INCREF(ring);
+        Py_INCREF(box);
         ts_ring_ref(r);
         Py_BEGIN_ALLOW_THREADS
         st = ts_ring_acquire(r, start + wait_ns, &got, &err);
         Py_END_ALLOW_THREADS
         *waited_ns = ts_now_ns() - start;
-        if (self->ring != r) {
-            if (st == TS_OK) /* closed meanwhile: nobody reads it here */
-                ts_ring_release(r, got.slot, ts_ring_consumer_index(r), ts_ring_incarnation(r));
-            ts_ring_unref(r);
-            return 2;
-        }
-        ts_ring_unref(r);
+        int closed = self->ring != r;
+        if (closed && st == TS_OK) /* closed meanwhile: nobody reads it here */
+            ts_ring_release(r, got.slot, ts_ring_consumer_index(r), ts_ring_incarnation(r));
+        ts_ring_unref_nogil(r);
+        PyObject *slot = NULL;
+        if (!closed && st == TS_OK) slot = ts_slot_out(state, r, &got, box);
+        Py_DECREF(box);
+        Py_DECREF(ring);
+        if (closed || (st != TS_OK && st != TS_E_TIMEOUT && st != TS_E_INTR)) return 2;
+        if (st != TS_OK) return 0;
+        if (slot == NULL) return -1;
+        Py_DECREF(slot); /* box holds it */
+        return 1;
     }
-    if (st == TS_E_TIMEOUT || st == TS_E_INTR) return 0;
+    if (st == TS_E_TIMEOUT) return 0;
     if (st != TS_OK) return 2;
     PyObject *slot = ts_slot_out(state, r, &got, box);
     if (slot == NULL) return -1;

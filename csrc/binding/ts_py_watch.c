@@ -19,7 +19,8 @@ typedef struct WatchObject {
 } WatchObject;
 
 /* ProcessWatch.of(pid, start_time): watch the process pid that started at start_time (0:
- * any start time). A process already gone (or another one with that pid) is never alive. */
+ * unknown: no pidfd, each look reads /proc as process_alive() does). A process already
+ * gone (or another one with that pid) is never alive. */
 static PyObject *Watch_of(PyObject *type, PyObject *const *args, Py_ssize_t nargs,
                           PyObject *kwnames)
 {

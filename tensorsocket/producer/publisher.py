@@ -25,9 +25,10 @@ from .settings import ProducerSettings
 from .sizing import RingSizing
 
 
-# The publishing CPU is measured on one batch in CPU_SAMPLE_STRIDE (the first, then every
-# CPU_SAMPLE_STRIDE-th), counted for all of them: a thread CPU clock read is a system call
-# (about 0.6 us here), two a batch cost more than a tiny batch's whole publish.
+# The publishing CPU is measured on one batch in CPU_SAMPLE_STRIDE, counted for all of
+# them (batches 1, 1 + CPU_SAMPLE_STRIDE, ...; the first batch, which walks the structure,
+# is measured and counted on its own): a thread CPU clock read is a system call (about
+# 0.6 us here), two a batch cost more than a tiny batch's whole publish.
 CPU_SAMPLE_STRIDE = 16
 
 
@@ -124,8 +125,9 @@ class EpochPublisher:
         where `tensorsocket status` tells it from the loader's (the C publish cannot see
         the encoding done here; waits for consumers or slots sleep, costing no CPU).
         Returns the batch (as the loader yielded it)."""
-        sampled = self.batches % CPU_SAMPLE_STRIDE == 0
-        start = time.thread_time_ns() if sampled else 0
+        weight = 1 if self.batches == 0 else \
+            CPU_SAMPLE_STRIDE if self.batches % CPU_SAMPLE_STRIDE == 1 else 0
+        start = time.thread_time_ns() if weight else 0
         packed = batch if self._settings.pack_fn is None else self._settings.pack_fn(batch)
         structure, leaves = self._encoder.flatten(packed, capsules=not self.cache.reads_leaves)
         ids = self._sample_ids.next_ids()
@@ -140,9 +142,8 @@ class EpochPublisher:
         self._publish(meta, leaves, index=index)
         self.cache.offer(structure, leaves, ids, self._epochs.epoch)
         self.cache.note_in(self._state.ring)
-        if sampled:
-            spent = time.thread_time_ns() - start
-            self._state.ring.note_publish_cpu(spent * CPU_SAMPLE_STRIDE)
+        if weight:
+            self._state.ring.note_publish_cpu((time.thread_time_ns() - start) * weight)
         return batch
 
     def _publish_cached(self, cached: CachedBatch, index: int) -> Any:
