@@ -128,8 +128,8 @@ from bench_common import (  # noqa: E402
     unwind_on_sigterm, write_json,
 )
 from handoff_common import (  # noqa: E402
-    KINDS, RING_SLOTS, CountingLoader, Tally, add_common_options, by_key, check_reports,
-    parse_common, print_table, run_suite, run_suites, short,
+    RING_SLOTS, CountingLoader, Tally, add_common_options, by_key, check_reports,
+    child_parser, parse_common, print_errors, print_table, run_suite, run_suites, short,
 )
 
 OURS = "tensorsocket (this checkout)"
@@ -404,8 +404,7 @@ def print_floor_comparison(rows: list[dict]) -> None:
               f"{fmt(r['floor_batches_per_s'], '.1f', 10)} {fmt(r['ours_over_floor'], '.2f', 10)}"
               f" | {fmt(r['ours_cpu_us_per_batch'], '.2f', 13)} "
               f"{fmt(r['floor_cpu_us_per_batch'], '.2f', 14)}")
-        if r["floor_error"]:
-            print(f"{'':>12}floor ERROR: {short(r['floor_error'], 300)}")
+        print_errors(r, ("floor",))
 
 
 def print_comparison(rows: list[dict]) -> None:
@@ -427,9 +426,7 @@ def print_comparison(rows: list[dict]) -> None:
               f"{fmt(r['ours_over_original'], '.1f', 9)} | "
               f"{fmt(r['memcpy_gb_per_s'], '.3f', 11)} {fmt(r['memcpy_us_per_copy'], '.2f', 7)} "
               f"{fmt(r['ours_ratio_vs_memcpy'], '.3f', 11)}")
-        for who in ("ours", "original"):
-            if r[f"{who}_error"]:
-                print(f"{'':>12}{who} ERROR: {short(r[who + '_error'], 300)}")
+        print_errors(r, ("ours", "original"))
 
 
 def iceoryx2_comparison(ours: dict, ice: dict) -> list[dict]:
@@ -475,16 +472,14 @@ def print_iceoryx2_comparison(rows: list[dict], label: str) -> None:
               f"{fmt(r['iceoryx2_consumer_cpu_us_per_batch'], '.2f', 9)} | "
               f"{fmt(r['ours_cpu_us_per_batch'], '.2f', 18)} "
               f"{fmt(r['iceoryx2_cpu_us_per_batch'], '.2f', 9)}")
-        for who in ("ours", "iceoryx2"):
-            if r[f"{who}_error"]:
-                print(f"{'':>12}{who} ERROR: {short(r[who + '_error'], 300)}")
+        print_errors(r, ("ours", "iceoryx2"))
     print("(cons CPU us/b: one consumer's CPU time per batch, median over consumers; all CPU "
           "us/b: producer + every consumer per batch delivered to a consumer)")
 
 
 def _run_with_iceoryx2(ours_peer: tuple, suite: dict) -> tuple[dict, dict]:
-    """Ours and iceoryx2's suite interleaved (ours, iceoryx2, ours, ... per configuration
-    and repeat); ours alone, with a skipped iceoryx2 document, where iceoryx2 does not
+    """Ours and iceoryx2's suite interleaved (per configuration and repeat, in turn:
+    handoff_common.run_suites); ours alone, with a skipped iceoryx2 document, where iceoryx2 does not
     import. Returns (ours, iceoryx2's document)."""
     ice_mod = importlib.import_module("iceoryx2_handoff")
     reason = ice_mod.unavailable()
@@ -585,10 +580,7 @@ def _timeouts() -> dict:
 def _child_main(argv: list[str]) -> int:
     role = argv[0]
     unwind_on_sigterm()
-    parser = argparse.ArgumentParser(prog=f"handoff.py {role}")
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--kind", required=True, choices=KINDS)
-    parser.add_argument("--batches", type=int, default=0)
+    parser = child_parser("handoff.py", role)
     parser.add_argument("--consumers", type=int, default=1)
     parser.add_argument("--profile", default=None)
     args = parser.parse_args(argv[1:])

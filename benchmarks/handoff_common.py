@@ -319,6 +319,23 @@ def memcpy_baseline(kind: str, min_seconds: float) -> dict:
 # -- the suite ---------------------------------------------------------------------------
 
 
+def child_parser(script: str, role: str) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark child (producer or consumer) of `script` in
+    `role`: the run's --name, --kind and --batches; the script adds its own."""
+    parser = argparse.ArgumentParser(prog=f"{script} {role}")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--kind", required=True, choices=KINDS)
+    parser.add_argument("--batches", type=int, default=0)
+    return parser
+
+
+def print_errors(row: dict, peers: tuple[str, ...]) -> None:
+    """Under a comparison table's row: each peer's error (row["<peer>_error"]), if any."""
+    for who in peers:
+        if row[f"{who}_error"]:
+            print(f"{'':>12}{who} ERROR: {short(row[who + '_error'], 300)}")
+
+
 def parse_common(parser: argparse.ArgumentParser, argv: list[str] | None):
     """Parse the options both scripts share; return (args, kinds, counts, repeats, nbatches)."""
     args = parser.parse_args(argv)

@@ -71,8 +71,8 @@ from bench_common import (  # noqa: E402
     write_json,
 )
 from handoff_common import (  # noqa: E402
-    KINDS, PEER_QUEUE, SCHEMA, CountingLoader, Tally, add_common_options, batch_bytes,
-    check_reports, make_batch, parse_common, print_table, run_suite,
+    PEER_QUEUE, SCHEMA, CountingLoader, Tally, add_common_options, batch_bytes,
+    check_reports, child_parser, make_batch, parse_common, print_table, run_suite,
 )
 
 SUBSCRIBER_BUFFER = PEER_QUEUE  # samples a subscriber's queue holds before the publisher waits
@@ -426,10 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 def _child_main(argv: list[str]) -> int:
     role = argv[0]
     unwind_on_sigterm()
-    parser = argparse.ArgumentParser(prog=f"iceoryx2_handoff.py {role}")
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--kind", required=True, choices=KINDS)
-    parser.add_argument("--batches", type=int, default=0)
+    parser = child_parser("iceoryx2_handoff.py", role)
     parser.add_argument("--consumers", type=int, default=1)
     args = parser.parse_args(argv[1:])
     return run_producer(args) if role == "_iproducer" else run_consumer(args)

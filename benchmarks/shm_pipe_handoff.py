@@ -37,8 +37,8 @@ from bench_common import (  # noqa: E402
     cpu_seconds, dispatch, harness, report, stop_all, tail, unwind_on_sigterm, write_json,
 )
 from handoff_common import (  # noqa: E402
-    KINDS, RING_SLOTS, CountingLoader, Tally, add_common_options, check_reports, make_batch,
-    parse_common, print_table, run_suite,
+    RING_SLOTS, CountingLoader, Tally, add_common_options, check_reports, child_parser,
+    make_batch, parse_common, print_table, run_suite,
 )
 
 LABEL = "shared_memory + pipes (floor)"
@@ -224,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 def _child_main(argv: list[str]) -> int:
     role = argv[0]
     unwind_on_sigterm()
-    parser = argparse.ArgumentParser(prog=f"shm_pipe_handoff.py {role}")
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--kind", required=True, choices=KINDS)
-    parser.add_argument("--batches", type=int, default=0)
+    parser = child_parser("shm_pipe_handoff.py", role)
     parser.add_argument("--out-fds", default="")
     parser.add_argument("--ack-fds", default="")
     parser.add_argument("--in-fd", default="")

@@ -925,7 +925,9 @@ int ts_py_ring_poll(ts_state *state, PyObject *ring, PyObject *box, uint64_t wai
         return 2;
     ts_ring *r = self->ring;
     ts_status st = ts_ring_acquire(r, TS_DEADLINE_NOW, &got, &err);
-    if (st == TS_E_TIMEOUT && wait_ns > 0 && ts_ring_held_blocking(r) == 0) {
+    int waits = st == TS_E_TIMEOUT && wait_ns > 0 && ts_ring_held_blocking(r) == 0;
+    int closed = 0;
+    if (waits) {
         /* A short wait, without the GIL. Other threads run meanwhile: the Ring object and
          * the box are held here (a set-aside may replace and close the object), and the
          * core ring by its own reference, which keeps the mapping valid if the object is
@@ -938,26 +940,26 @@ int ts_py_ring_poll(ts_state *state, PyObject *ring, PyObject *box, uint64_t wai
         st = ts_ring_acquire(r, start + wait_ns, &got, &err);
         Py_END_ALLOW_THREADS
         *waited_ns = ts_now_ns() - start;
-        int closed = self->ring != r;
+        closed = self->ring != r;
         if (closed && st == TS_OK) /* closed meanwhile: nobody reads it here */
             ts_ring_release(r, got.slot, ts_ring_consumer_index(r), ts_ring_incarnation(r));
         ts_ring_unref_nogil(r);
-        PyObject *slot = NULL;
-        if (!closed && st == TS_OK) slot = ts_slot_out(state, r, &got, box);
+    }
+    int rc = 1;
+    if (closed || (st != TS_OK && st != TS_E_TIMEOUT && st != TS_E_INTR)) {
+        rc = 2;
+    } else if (st != TS_OK) {
+        rc = 0;
+    } else {
+        PyObject *slot = ts_slot_out(state, r, &got, box);
+        if (slot == NULL) rc = -1;
+        Py_XDECREF(slot); /* box holds it */
+    }
+    if (waits) {
         Py_DECREF(box);
         Py_DECREF(ring);
-        if (closed || (st != TS_OK && st != TS_E_TIMEOUT && st != TS_E_INTR)) return 2;
-        if (st != TS_OK) return 0;
-        if (slot == NULL) return -1;
-        Py_DECREF(slot); /* box holds it */
-        return 1;
     }
-    if (st == TS_E_TIMEOUT) return 0;
-    if (st != TS_OK) return 2;
-    PyObject *slot = ts_slot_out(state, r, &got, box);
-    if (slot == NULL) return -1;
-    Py_DECREF(slot); /* box holds it */
-    return 1;
+    return rc;
 }
 
 /* Ring.set_aside(box=None, successor=None): copy the held slots privately and hand them

@@ -62,27 +62,24 @@ class Encoder:
 
 
 def _flat_leaves(batch: tuple, capsules: bool) -> list[tuple[Any, DLType]] | None:
-    """The leaves of a tuple of plain tensors (torch_leaf's common case, without its
-    call), or None if one is not (the walk then says how, and where). capsules: as
-    DLPack capsules of CPU tensors; to_dlpack exports a tensor's memory as it is, so one
-    with the negative or conjugate bit (a lazy view whose values differ from its memory)
-    goes the walk's way, which resolves it."""
+    """The leaves of a tuple of plain tensors, or None if one is not (the walk then says
+    how, and where). capsules: as DLPack capsules of CPU tensors; to_dlpack exports a
+    tensor's memory as it is, so one with the negative or conjugate bit (a lazy view whose
+    values differ from its memory) goes the walk's way, which resolves it."""
+    if not capsules:
+        try:
+            leaves = [torch_leaf(t) for t in batch if type(t) is torch.Tensor]
+        except TypeError:
+            return None
+        return leaves if len(leaves) == len(batch) else None
     leaves = []
     for t in batch:
         dl = NUMPY_AS_IS.get(t.dtype) if type(t) is torch.Tensor else None
-        if dl is None:
+        if dl is None or not t.is_cpu or t.is_neg() or (dl[0] == COMPLEX_CODE and t.is_conj()):
             return None
-        if capsules:
-            if not t.is_cpu or t.is_neg() or (dl[0] == COMPLEX_CODE and t.is_conj()):
-                return None
-            try:
-                leaves.append((to_dlpack(t), dl))
-            except (RuntimeError, TypeError, BufferError):
-                return None
-            continue
         try:
-            leaves.append((t.numpy(), dl))
-        except (RuntimeError, TypeError):
+            leaves.append((to_dlpack(t), dl))
+        except (RuntimeError, TypeError, BufferError):
             return None
     return leaves
 

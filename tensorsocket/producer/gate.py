@@ -33,8 +33,7 @@ class ConsumerGate:
             return
         want = s.min_consumers if first else 1
         if ring.wait_consumers(want, 0):
-            if first:
-                self._start_grace(first)
+            self._start_grace(first)
             return
         if not first:
             log.info("no consumer attached: pausing until one attaches")
