@@ -149,7 +149,11 @@ def test_batches_larger_than_a_control_message_are_listed(procs, name):
     the listing comes in parts that split batches, and is the epoch then read (before the
     fix the answer broke the consumer's control connection: no listing, then evicted)."""
     samples, batch = 20000, 9000
-    _producer(procs, name, samples=samples, batch=batch)
+    # 3 slots: the producer waits in epoch 0 (at its end marker) until the consumer reads,
+    # so the listing asked for right after attaching is of the epoch it runs (with 16, on a
+    # loaded machine it could publish two whole epochs of 3 batches before the control
+    # thread answered: "epoch 0 is not listed (the producer is at epoch 2)").
+    _producer(procs, name, slots=3, samples=samples, batch=batch)
     with TensorConsumer(name=name, timeout=30, batch_timeout=30) as consumer:
         listed = list(consumer.batch_sampler)
         assert [len(b) for b in listed] == [9000, 9000, 2000]
