@@ -9,60 +9,25 @@ from __future__ import annotations
 
 import logging
 
+from . import errors
 from .augment.split import split_transform
 from .consumer import TensorConsumer
-from .errors import (
-    AuthenticationError,
-    BatchTooLarge,
-    ConsumerDetached,
-    CudaError,
-    GPUFallbackWarning,
-    GPUUnavailable,
-    LagWarning,
-    ProducerFailed,
-    ProducerFinished,
-    ProducerGone,
-    ProducerNotFound,
-    ProtocolError,
-    SharedMemoryTooSmall,
-    TensorSocketError,
-    TensorSocketWarning,
-    TooManyConsumers,
-    TransformError,
-    VersionMismatch,
-)
 from .data.gpu import gpu_available, gpu_status
+from .errors import *  # every error and warning (errors.__all__)
 from .producer import TensorProducer
 from .sharing.share import share
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuthenticationError",
-    "BatchTooLarge",
-    "ConsumerDetached",
-    "CudaError",
-    "GPUFallbackWarning",
-    "GPUUnavailable",
-    "LagWarning",
-    "ProducerFailed",
-    "ProducerFinished",
-    "ProducerGone",
-    "ProducerNotFound",
-    "ProtocolError",
-    "SharedMemoryTooSmall",
     "TensorConsumer",
     "TensorProducer",
-    "TensorSocketError",
-    "TensorSocketWarning",
-    "TooManyConsumers",
-    "TransformError",
-    "VersionMismatch",
     "__version__",
     "gpu_available",
     "gpu_status",
     "share",
     "split_transform",
 ]
+__all__ += errors.__all__
 
 logging.getLogger("tensorsocket").addHandler(logging.NullHandler())

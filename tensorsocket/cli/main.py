@@ -177,6 +177,20 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return config_command.run(markdown_page=args.markdown)
 
 
+def _command(sub: Any, debug: argparse.ArgumentParser, name: str,
+             run: Callable[[argparse.Namespace], int], *, summary: str, description: str,
+             by_name: bool = False) -> argparse.ArgumentParser:
+    """The subparser of command `name`, which `run` carries out (by_name: with --name,
+    which picks one producer)."""
+    command = sub.add_parser(name, parents=[debug], help=summary, description=description)
+    if by_name:
+        command.add_argument(
+            "--name", metavar="NAME",
+            help="only the producer of this name= (default: every producer of this user)")
+    command.set_defaults(func=run)
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subparser per subcommand."""
     from .. import __version__
@@ -192,26 +206,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
                                 parser_class=_Parser)
 
-    name_help = "only the producer of this name= (default: every producer of this user)"
-    status = sub.add_parser(
-        "status", parents=[debug], help="show every producer on this machine and its consumers",
+    status = _command(
+        sub, debug, "status", _cmd_status, by_name=True,
+        summary="show every producer on this machine and its consumers",
         description="Read every tensorsocket ring segment of this user (no daemon needed) and "
                     "show each producer (pid, epoch, batch rate, ring occupancy, bytes per "
                     "batch, loader CPU) and its consumers (pid, batch size, cursor, lag, rate). "
                     "Rates are measured over --interval seconds.")
     status.add_argument("--json", action="store_true",
                         help="print a JSON document (format 1, see docs/cli.md) for scripts")
-    status.add_argument("--name", metavar="NAME", help=name_help)
     status.add_argument("--interval", type=_option(Seconds()), default=0.5, metavar="SECONDS",
                         help="measure rates over this long (default: 0.5; 0: no rates)")
-    status.set_defaults(func=_cmd_status)
 
-    top = sub.add_parser(
-        "top", parents=[debug], help="the status, refreshed live (q quits)",
+    top = _command(
+        sub, debug, "top", _cmd_top, by_name=True,
+        summary="the status, refreshed live (q quits)",
         description="Show `tensorsocket status` full-screen, refreshed every --interval "
                     "seconds (curses). Keys: q quits, + and - change the refresh. When "
                     "standard output is not a terminal, print a snapshot per refresh.")
-    top.add_argument("--name", metavar="NAME", help=name_help)
     refresh = Seconds(above=True, at_minimum="0 is refused: the view would be redrawn "
                                              "without pause")
     top.add_argument("--interval", type=_option(refresh), default=1.0, metavar="SECONDS",
@@ -220,11 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop after N refreshes (default: run until q or Ctrl-C)")
     top.add_argument("--plain", action="store_true",
                      help="print snapshots instead of the full-screen view")
-    top.set_defaults(func=_cmd_top)
 
-    clean = sub.add_parser(
-        "clean", parents=[debug],
-        help="remove segments, sockets and logs left by dead producers",
+    clean = _command(
+        sub, debug, "clean", _cmd_clean, by_name=True,
+        summary="remove segments, sockets and logs left by dead producers",
         description="Remove the shared-memory segments, sockets and lock files that producers "
                     "killed without cleaning up left behind, and the logs that share()'s "
                     "producers that failed or were killed left for reading. Never touches a "
@@ -234,18 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "the name.")
     clean.add_argument("--dry-run", action="store_true",
                        help="list what would be removed, remove nothing")
-    clean.add_argument("--name", metavar="NAME", help=name_help)
-    clean.set_defaults(func=_cmd_clean)
 
-    config = sub.add_parser(
-        "config", parents=[debug], help="the settings environment variables give here",
+    config = _command(
+        sub, debug, "config", _cmd_config,
+        summary="the settings environment variables give here",
         description="List every TENSORSOCKET_* setting, its value in this environment (or "
                     "its default) and the argument that overrides it; exit 1 if a variable "
                     "does not parse or is no setting (a typo). A value that is likely a "
                     "mistake (an address other machines reach) gets a warning.")
     config.add_argument("--markdown", action="store_true",
                         help="print docs/configuration.md (the one table of settings)")
-    config.set_defaults(func=_cmd_config)
     return parser
 
 

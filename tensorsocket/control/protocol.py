@@ -55,18 +55,23 @@ class Challenge(Message):
 
 
 @dataclass(frozen=True)
-class Hello(Message):
-    """A consumer asks for a place in the ring. proof: its answer to the producer's
-    proof (tensorsocket.control.auth), which a TCP producer requires."""
-    kind: ClassVar[str] = "hello"
+class Admission(Message):
+    """What a consumer's hello and info carry (no message of its own): its protocol and
+    process, and its proof (tensorsocket.control.auth), which a TCP producer requires."""
     protocol: int
     pid: int
     start_time: int
+    proof: str | None
+
+
+@dataclass(frozen=True)
+class Hello(Admission):
+    """A consumer asks for a place in the ring."""
+    kind: ClassVar[str] = "hello"
     batch_size: int | None
     group: str | None
     rank: int
     world_size: int
-    proof: str | None
 
 
 @dataclass(frozen=True)
@@ -122,14 +127,10 @@ class ListEpoch(Placed):
 
 
 @dataclass(frozen=True)
-class Info(Message):
+class Info(Admission):
     """What the producer's loader is, asked without attaching (share()); admitted as a
     hello is."""
     kind: ClassVar[str] = "info"
-    protocol: int
-    pid: int
-    start_time: int
-    proof: str | None
 
 
 # producer -> consumer
@@ -144,23 +145,29 @@ class Proof(Message):
 
 
 @dataclass(frozen=True)
-class Welcome(Message):
-    """The answer to a hello: the consumer's place, the segment, what the producer tells
-    of its loader and its settings."""
-    kind: ClassVar[str] = "welcome"
+class LoaderAnswer(Message):
+    """What the producer tells of its loader (tensorsocket.loader.loader_info.describe_loader)
+    in a welcome and a loader_info (no message of its own)."""
     protocol: int
-    consumer: int
-    token: int
-    segment: str
-    length: int | None  # what it tells of its loader: tensorsocket.loader.loader_info.describe_loader
+    producer_pid: int
+    length: int | None
     loader_batch_size: int | None
     samples: int | None
     samples_exact: bool
     dataset: str | None
     dataset_len: int | None
     fingerprint: str | None
+
+
+@dataclass(frozen=True)
+class Welcome(LoaderAnswer):
+    """The answer to a hello: the consumer's place, the segment, what the producer tells
+    of its loader and its settings."""
+    kind: ClassVar[str] = "welcome"
+    consumer: int
+    token: int
+    segment: str
     epoch: int
-    producer_pid: int
     window: int
     max_lag: int
     lag_policy: str
@@ -168,18 +175,9 @@ class Welcome(Message):
 
 
 @dataclass(frozen=True)
-class LoaderInfo(Message):
+class LoaderInfo(LoaderAnswer):
     """The answer to info: the loader fields of a welcome."""
     kind: ClassVar[str] = "loader_info"
-    protocol: int
-    producer_pid: int
-    length: int | None  # what it tells of its loader: tensorsocket.loader.loader_info.describe_loader
-    loader_batch_size: int | None
-    samples: int | None
-    samples_exact: bool
-    dataset: str | None
-    dataset_len: int | None
-    fingerprint: str | None
 
 
 @dataclass(frozen=True)
