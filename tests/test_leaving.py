@@ -10,12 +10,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import torch
 
-from conftest import ROOT, shm_segments, popen
+from conftest import ROOT, popen, shm_segments
 from tensorsocket import TensorConsumer, TensorProducer
 from tensorsocket.control.endpoints import runtime_dir
+from tensorsocket.ring import ConsumerState
 
 HOLD_AND_EXIT = textwrap.dedent("""
     import os, sys
@@ -23,6 +25,18 @@ HOLD_AND_EXIT = textwrap.dedent("""
     c = TensorConsumer(name=sys.argv[1], timeout=30)
     kept = [next(iter(c))]   # holds its slot
     c.close()                # says bye: no longer a peer of the control server
+    os._exit(0)              # exits without the views ever being freed
+""")
+
+
+HOLD_LEAVE_WAIT = textwrap.dedent("""
+    import os, sys
+    from tensorsocket import TensorConsumer
+    c = TensorConsumer(name=sys.argv[1], timeout=30)
+    kept = [next(iter(c))]   # holds its slot
+    c.close()                # says bye
+    print("left", flush=True)
+    sys.stdin.readline()     # lives on (holding the batch) until told
     os._exit(0)              # exits without the views ever being freed
 """)
 
@@ -43,6 +57,7 @@ def test_consumer_exiting_after_bye_with_a_held_batch_does_not_stall_the_ring(na
         except Exception as e:  # reported by the assertion below
             errors.append(e)
 
+    pidfds_before = _pidfds()
     thread = threading.Thread(target=produce)
     thread.start()
     holder = popen([sys.executable, "-c", HOLD_AND_EXIT, name], cwd=ROOT)
@@ -56,6 +71,71 @@ def test_consumer_exiting_after_bye_with_a_held_batch_does_not_stall_the_ring(na
         thread.join(60)
         producer.close()
     assert not thread.is_alive() and errors == []
+    # The pidfds of the consumers (the producer's watch of each) are given back by close().
+    assert _pidfds() == pidfds_before
+
+
+def test_entry_left_holding_a_batch_is_freed_once_its_process_exits(name):
+    """A consumer that said bye holding a batch leaves its entry LEAVING (its bit stays in
+    that slot); the producer's liveness check watches its process (a pidfd taken when it
+    first sees the entry leaving) and evicts the entry once the process is gone, while the
+    producer goes on publishing; the watch's pidfd is given back."""
+    loader = [torch.full((4,), float(i)) for i in range(8)]
+    # (min_consumers=0: epochs go on, for nobody once the holder left)
+    producer = TensorProducer(loader, name=name, min_consumers=0, ring_slots=4,
+                              publish_timeout=30)
+    stop = threading.Event()
+    errors: list = []
+
+    def produce() -> None:
+        try:
+            while not stop.is_set():
+                for _ in producer:
+                    pass
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    pidfds_before = _pidfds()
+    thread = threading.Thread(target=produce)
+    thread.start()
+    try:
+        holder = popen([sys.executable, "-c", HOLD_LEAVE_WAIT, name], cwd=ROOT,
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline() == "left\n"
+        # While its process lives, the entry stays (its batch may still be read): the
+        # liveness check (every 0.25 s) looks at it several times meanwhile.
+        for _ in range(8):
+            entries = [c for c in producer.ring.consumers() if c["pid"] == holder.pid]
+            assert [c["state"] for c in entries] == [ConsumerState.LEAVING], entries
+            time.sleep(0.1)
+        holder.stdin.write("exit\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            entries = [c for c in producer.ring.consumers() if c["pid"] == holder.pid]
+            if not any(c["state"] == ConsumerState.LEAVING for c in entries):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the entry of the exited holder stays LEAVING: {entries}")
+    finally:
+        stop.set()
+        thread.join(60)
+        producer.close()
+    assert not thread.is_alive() and errors == []
+    assert _pidfds() == pidfds_before  # (given back by close())
+
+
+def _pidfds() -> int:
+    """This process's open pidfds."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+        except OSError:  # (the listing's own fd, closed meanwhile)
+            pass
+    return count
 
 
 # A plain producer script (not share()): it says where its files are once its ring exists,

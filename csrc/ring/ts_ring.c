@@ -157,27 +157,15 @@ static void ts_signal(_Atomic uint32_t *word, _Atomic uint32_t *waiters)
 
 /* Clear bit in a slot's readers; wake the producer if the slot became free, or if the bits
  * left may all be holds of consumers that receive no more (none of them is in active_mask):
- * then it may put a hole there (see ts_ring_publish). paced: a release in reading order
- * (a batch let go), which frees a slot for the producer only once it frees the entry the
- * producer sleeps for, free_wake_seq, or a later one (ts_wait_slot_free); other drops
- * (detaches, set-asides, byes) always wake it. The entry's seq is read while the bit still
- * holds the slot (the producer rewrites only a free one). seq_cst: with the producer's
- * store of free_wake_seq and its look at the readers after a fence, either it sees this
- * release or this release sees its free_wake_seq. */
-static void ts_slot_drop(ts_header *h, ts_slot *s, uint64_t bit, int paced)
+ * then it may put a hole there (see ts_ring_publish). */
+static void ts_slot_drop(ts_header *h, ts_slot *s, uint64_t bit)
 {
-    uint64_t seq = paced ? atomic_load_explicit(&s->seq, memory_order_relaxed) : 0;
-    uint64_t old = atomic_fetch_and_explicit(&s->readers, ~bit, memory_order_seq_cst);
+    uint64_t old = atomic_fetch_and_explicit(&s->readers, ~bit, memory_order_acq_rel);
     uint64_t rest = old & ~bit;
-    if ((old & bit) == 0) return;
-    if (rest == 0) {
-        if (!paced || seq == TS_SEQ_NONE ||
-            seq >= atomic_load_explicit(&h->free_wake_seq, memory_order_seq_cst))
-            ts_signal(&h->free_word, &h->free_waiters);
-    } else if (atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0 &&
-               (rest & atomic_load_explicit(&h->active_mask, memory_order_seq_cst)) == 0) {
+    if ((old & bit) != 0 &&
+        (rest == 0 || (atomic_load_explicit(&h->free_waiters, memory_order_seq_cst) != 0 &&
+                       (rest & atomic_load_explicit(&h->active_mask, memory_order_seq_cst)) == 0)))
         ts_signal(&h->free_word, &h->free_waiters);
-    }
 }
 
 /* ==========================================================================
@@ -211,15 +199,14 @@ static void ts_release_leave(ts_consumer *c)
 
 /* Clear bit of consumer entry index in slot s for a hold of incarnation inc; a release of
  * an older incarnation is counted and clears nothing. */
-static void ts_slot_drop_as(ts_header *h, ts_slot *s, uint32_t index, uint64_t inc,
-                            int paced)
+static void ts_slot_drop_as(ts_header *h, ts_slot *s, uint32_t index, uint64_t inc)
 {
     ts_consumer *c = &h->consumers[index];
     if (!ts_release_enter(c, inc)) {
         atomic_fetch_add_explicit(&h->late_releases, 1, memory_order_relaxed);
         return;
     }
-    ts_slot_drop(h, s, 1ULL << index, paced);
+    ts_slot_drop(h, s, 1ULL << index);
     ts_release_leave(c);
 }
 
@@ -797,7 +784,7 @@ static void ts_stop_locked(ts_ring *ring, uint32_t index, uint32_t reason)
     for (uint32_t i = 0; i < h->slot_count; i++) {
         ts_slot *s = ts_ring_slot(ring, i);
         uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
-        if (seq != TS_SEQ_NONE && seq >= cursor && seq < published) ts_slot_drop(h, s, bit, 0);
+        if (seq != TS_SEQ_NONE && seq >= cursor && seq < published) ts_slot_drop(h, s, bit);
     }
 }
 
@@ -919,7 +906,7 @@ ts_status ts_ring_await_next_epoch(ts_ring *ring, uint32_t index, ts_err *err)
     for (uint32_t i = 0; i < h->slot_count; i++) {
         ts_slot *s = ts_ring_slot(ring, i);
         uint64_t seq = atomic_load_explicit(&s->seq, memory_order_acquire);
-        if (seq != TS_SEQ_NONE && seq >= cursor && seq < next) ts_slot_drop(h, s, bit, 0);
+        if (seq != TS_SEQ_NONE && seq >= cursor && seq < next) ts_slot_drop(h, s, bit);
     }
 done:
     pthread_mutex_unlock(&ring->lock);
@@ -945,7 +932,7 @@ void ts_ring_evict_for(ts_ring *ring, uint32_t index, uint32_t reason)
     atomic_fetch_and_explicit(&h->active_mask, ~bit, memory_order_seq_cst);
     atomic_fetch_or_explicit(&c->cursor, TS_CURSOR_DETACHED, memory_order_seq_cst);
     ts_gate_bump(c); /* first: from here on, its late releases clear nothing */
-    for (uint32_t i = 0; i < h->slot_count; i++) ts_slot_drop(h, ts_ring_slot(ring, i), bit, 0);
+    for (uint32_t i = 0; i < h->slot_count; i++) ts_slot_drop(h, ts_ring_slot(ring, i), bit);
     atomic_store_explicit(&c->state, TS_CONSUMER_FREE, memory_order_release);
     pthread_mutex_unlock(&ring->lock);
     ts_signal(&h->roster_word, &h->roster_waiters);
@@ -1130,33 +1117,8 @@ static ts_status ts_detach_laggards_between(ts_ring *ring, const void *unused, t
     return TS_OK;
 }
 
-/* The longest a producer sleeps for a paced wake (free_wake_seq) before any release wakes
- * it again: the entry it waits for may be one a consumer keeps (a batch set aside later,
- * or never: see ts_wait_slot_free). */
-#define TS_PACE_NS 1000000ULL
-/* The most entries a paced wake waits to see released. */
-#define TS_PACE_SLOTS 8u
-
-/* The entry whose release in reading order wakes the producer waiting to publish seq:
- * pace entries on from the one its slot holds (half the ring, at most TS_PACE_SLOTS), so
- * consumers that keep up wake it once per that many batches, not once per batch; 0 (any
- * release) where the ring is too small to pace or not yet full. */
-static uint64_t ts_pace_seq(const ts_header *h, uint64_t seq)
-{
-    uint64_t n = h->slot_count;
-    uint64_t pace = n / 2 < TS_PACE_SLOTS ? n / 2 : TS_PACE_SLOTS;
-    if (pace <= 1 || seq < n) return 0;
-    return seq - n + pace - 1;
-}
-
-/* Wait until slot s, for entry seq, has no readers, or may get a hole. Paced first: for
- * up to TS_PACE_NS only the release of entry ts_pace_seq (or a later one) in reading
- * order wakes us (consumers release in order: the slots before it are free by then, and
- * are filled without a wait); then, or where that ends the wait no sooner, any release. A
- * wake-up costs a consumer a system call and both an interrupt of the other core: with
- * tiny batches, one per batch took a quarter of the consumer's time. */
-static ts_status ts_wait_slot_free(ts_ring *ring, ts_slot *s, uint64_t seq,
-                                   uint64_t deadline, ts_err *err)
+/* Wait until the slot for the next entry has no readers, or may get a hole. */
+static ts_status ts_wait_slot_free(ts_ring *ring, ts_slot *s, uint64_t deadline, ts_err *err)
 {
     ts_header *h = ring->hdr;
     if (ts_slot_usable(ring, s)) return TS_OK;
@@ -1164,19 +1126,7 @@ static ts_status ts_wait_slot_free(ts_ring *ring, ts_slot *s, uint64_t seq,
     ts_detach_laggards(ring);
     const ts_waiter w = {&h->free_word, &h->free_waiters, ts_slot_usable,
                          ts_detach_laggards_between, s, "consumers to release a slot"};
-    ts_status st = TS_E_TIMEOUT;
-    uint64_t wake = ts_pace_seq(h, seq), paced_end = t0 + TS_PACE_NS;
-    if (wake != 0 && paced_end < deadline) {
-        ts_err paced_err; /* a paced wait that times out goes on unpaced */
-        atomic_store_explicit(&h->free_wake_seq, wake, memory_order_seq_cst);
-        atomic_thread_fence(memory_order_seq_cst); /* (see ts_slot_drop) */
-        st = ts_wait_for(ring, &w, paced_end, &paced_err);
-        atomic_store_explicit(&h->free_wake_seq, 0, memory_order_seq_cst);
-        atomic_thread_fence(memory_order_seq_cst); /* a release that saw wake sees 0 or
-                                                    * is seen by the wait below */
-        if (st != TS_OK && st != TS_E_TIMEOUT) *err = paced_err;
-    }
-    if (st == TS_E_TIMEOUT) st = ts_wait_for(ring, &w, deadline, err);
+    ts_status st = ts_wait_for(ring, &w, deadline, err);
     atomic_fetch_add_explicit(&h->publish_wait_ns, ts_now_ns() - t0, memory_order_relaxed);
     return st;
 }
@@ -1211,7 +1161,7 @@ static ts_status ts_publish_slot(ts_ring *ring, uint64_t deadline, uint64_t *seq
         *seq = atomic_load_explicit(&h->published, memory_order_relaxed);
         *k = ts_seq_slot(h, *seq);
         ts_slot *s = ts_ring_slot(ring, *k);
-        ts_status st = ts_wait_slot_free(ring, s, *seq, deadline, err);
+        ts_status st = ts_wait_slot_free(ring, s, deadline, err);
         if (st != TS_OK) return st;
         if (ts_slot_is_free(ring, s)) return TS_OK;
         ts_publish_hole(ring, s, *seq);
@@ -1929,7 +1879,7 @@ static ts_status ts_acquire_try(ts_ring *ring, ts_consumer *c, ts_acquired *out,
             if (atomic_compare_exchange_strong_explicit(&c->cursor, &cursor, cursor + 1,
                                                         memory_order_seq_cst,
                                                         memory_order_seq_cst))
-                ts_slot_drop_as(h, s, ring->consumer, ring->incarnation, 1);
+                ts_slot_drop_as(h, s, ring->consumer, ring->incarnation);
             continue;
         }
         /* A batch of a GPU ring lives in the producer's device memory (see
@@ -2082,7 +2032,7 @@ void ts_ring_release(ts_ring *ring, uint32_t slot, uint32_t consumer, uint64_t i
      * last tensor of its batch is stopped, not made private after the restore). A handle
      * can hold one slot twice (ts_fault_give_begin says when): only the last hold restores. */
     int locked = ts_fault_give_begin(&ring->cow, slot);
-    ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, slot), consumer, incarnation, 1);
+    ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, slot), consumer, incarnation);
     ts_fault_give_end(&ring->cow, slot, locked);
     pthread_mutex_unlock(&ring->hold_lock);
 }
@@ -2293,7 +2243,7 @@ ts_status ts_ring_set_aside(ts_ring *ring, ts_err *err)
         uint64_t bits = atomic_exchange_explicit(&ring->held[k], 0, memory_order_relaxed);
         for (uint32_t i = 0; bits != 0; i++, bits >>= 1)
             if (bits & 1) /* an entry of an earlier bind keeps that bind's incarnation */
-                ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, k), i, ring->bound_as[i], 0);
+                ts_slot_drop_as(ring->hdr, ts_ring_slot(ring, k), i, ring->bound_as[i]);
     }
     ts_ring_trim_aside(ring, was_held);
 done:

@@ -61,8 +61,7 @@
 #include "base/ts_fault.h"
 
 #define TS_MAGIC 0x315445434f535354ULL /* "TSSOCET1" little-endian */
-#define TS_LAYOUT_VERSION 10 /* 10: free_wake_seq; 9: the cache note; 8: importer claims
-                             * carry the pid */
+#define TS_LAYOUT_VERSION 9 /* 9: the cache note; 8: importer claims carry the pid */
 #define TS_MAX_CONSUMERS 64
 #define TS_MAX_SLOTS 4096 /* most slots a ring holds */
 #define TS_MIN_SLOTS 2 /* fewest slots a ring holds */
@@ -206,10 +205,6 @@ typedef struct ts_header {
     _Atomic uint32_t pub_waiters;
     _Atomic uint32_t free_word;    /* futex: bumped when a slot becomes free */
     _Atomic uint32_t free_waiters;
-    _Atomic uint64_t free_wake_seq; /* a consumer's release in reading order wakes the
-                                     * producer waiting for a slot only once the entry it
-                                     * frees is this one or later (0: any; see
-                                     * ts_wait_slot_free) */
     _Atomic uint32_t roster_word;  /* futex: bumped when consumers come or go */
     _Atomic uint32_t roster_waiters;
     _Atomic uint64_t published;    /* entries published so far */

@@ -312,70 +312,6 @@ out:
     fx_destroy(&fx);
 }
 
-/* Paced wakes: with the producer asleep for entry free_wake_seq, releases in reading order
- * of earlier entries do not wake it, that entry's does, and so does any drop that is no
- * reading-order release (a retire); a producer whose paced entry a consumer keeps still
- * publishes as soon as its own slot is free, well within its deadline. */
-static void test_paced_wake(void)
-{
-    fixture fx = {0};
-    consumer c = {0};
-    ts_err err = {0};
-    ts_acquired a;
-    job pj = {.fx = &fx, .n = 8};
-    pthread_t th;
-    REQUIRE(fx_create(&fx, 8, 2, 4096) == 0);
-    REQUIRE(consumer_add(&fx, &c, 1) == 0);
-    ts_header *h = fx.prod->hdr;
-    for (uint64_t t = 0; t < 8; t++) PUBLISH(t);
-    for (uint64_t i = 0; i < 8; i++) TAKE(c, i, 0); /* all 8 kept */
-
-    /* The gate, as a producer paced for entry 3 (half of 8 slots on from entry 0) sets it. */
-    atomic_store(&h->free_wake_seq, 3);
-    uint32_t word = atomic_load(&h->free_word);
-    for (uint32_t k = 0; k < 3; k++) {
-        ts_ring_release(c.ring, k, c.index, c.ring->incarnation);
-        CHECK_EQ(readers_of(fx.prod, k), 0);
-        CHECK_EQ(atomic_load(&h->free_word), word); /* freed, producer left asleep */
-    }
-    ts_ring_release(c.ring, 3, c.index, c.ring->incarnation);
-    CHECK_EQ(atomic_load(&h->free_word), word + 1);
-    atomic_store(&h->free_wake_seq, 0);
-    ts_ring_release(c.ring, 4, c.index, c.ring->incarnation);
-    CHECK_EQ(atomic_load(&h->free_word), word + 2); /* 0: any release wakes */
-    for (uint64_t t = 8; t < 13; t++) PUBLISH(t); /* into slots 0..4; 5..7 still kept */
-    for (uint64_t i = 8; i < 13; i++) TAKE(c, i, 0);
-
-    /* A producer waiting to publish entry 13 (slot 5) is paced for entry 8 (slot 0), which
-     * the consumer keeps: the pace ends by itself (TS_PACE_NS, 1 ms; a second allowed
-     * here), and the producer, still waiting, is then woken by the release of slot 5. */
-    pj.n = 13;
-    REQUIRE(pthread_create(&th, NULL, pub_run, &pj) == 0);
-    for (int i = 0; i < 5000 && atomic_load(&h->free_waiters) == 0; i++) sleep_ms(1);
-    int unpaced = 0;
-    for (int i = 0; i < 1000 && !unpaced; i++) {
-        unpaced = atomic_load(&h->free_wake_seq) == 0 && atomic_load(&h->free_waiters) != 0;
-        if (!unpaced) sleep_ms(1);
-    }
-    CHECK(unpaced);
-    CHECK_EQ(published(&fx), 13); /* still waiting */
-    ts_ring_release(c.ring, 5, c.index, c.ring->incarnation);
-    pthread_join(th, NULL);
-    CHECK_ST(pj.st, TS_OK);
-    CHECK_EQ(published(&fx), 14);
-    CHECK_EQ(seq_of(fx.prod, 5), 13);
-
-    /* A retire drops every bit of the consumer's at once: it wakes a paced producer. */
-    atomic_store(&h->free_wake_seq, UINT64_MAX - 1);
-    word = atomic_load(&h->free_word);
-    ts_ring_retire(fx.prod, c.index);
-    CHECK(atomic_load(&h->free_word) != word);
-    atomic_store(&h->free_wake_seq, 0);
-out:
-    consumer_drop(&c);
-    fx_destroy(&fx);
-}
-
 /* readers bitmaps follow the active mask; late joiners, retire and evict update them correctly. */
 static void test_bitmaps(void)
 {
@@ -2713,7 +2649,6 @@ out:
 
 static const ts_test g_tests[] = {
     {"wrap_around", test_wrap_around},   {"slot_reuse", test_slot_reuse},
-    {"paced_wake", test_paced_wake},
     {"bitmaps", test_bitmaps},           {"leases_dlpack", test_leases_dlpack},
     {"deadlines", test_deadlines},       {"strided_source", test_strided_source},
     {"too_big", test_too_big},           {"finish", test_finish},

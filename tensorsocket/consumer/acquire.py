@@ -35,18 +35,15 @@ log = logging.getLogger("tensorsocket")
 class SlotAcquirer:
     """Takes the next ring entry of one consumer (acquire()), into flow.entry.
 
-    lag_policy / max_lag: the producer's (a consumer detached for lagging attaches
-    again under "rejoin"). wait_s: seconds spent waiting, for stats()."""
+    wait_s: seconds spent waiting, for stats()."""
 
     def __init__(self, place: RingPlace, state: EpochState, member: ParkingMember,
-                 options: ConsumerOptions, lag_policy: str, max_lag: int | None) -> None:
+                 options: ConsumerOptions) -> None:
         """The acquirer of the consumer with this place, state and parking member."""
         self._place = place
         self._state = state
         self._member = member
         self._options = options
-        self._lag_policy = lag_policy
-        self._max_lag = max_lag
         self.wait_s = 0.0
 
     def acquire(self) -> Any:
@@ -121,10 +118,13 @@ class SlotAcquirer:
         if reason == StopReason.UNREAD and cursor.pulled == 0:
             place.start_late()
             return False
-        if reason != StopReason.LAGGED or self._lag_policy != "rejoin":
+        # The producer's lag policy (its welcome): one detached for lagging attaches again
+        # under "rejoin".
+        welcome = place.welcome
+        if reason != StopReason.LAGGED or welcome.lag_policy != "rejoin":
             raise ConsumerDetached(
                 f"{e}; create a new TensorConsumer to attach again") from None
-        place.rejoin(self._max_lag)
+        place.rejoin(welcome.max_lag or None)
         return cursor.rejoined()
 
     def acquire_slot(self) -> Any:

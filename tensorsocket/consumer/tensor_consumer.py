@@ -232,8 +232,7 @@ class TensorConsumer:
         self._state = state = EpochState(place.cursor, place.flow, EpochTaken(
             o.world_size, o.batch_size), o.rebatcher)
         self._member = ParkingMember(place, state, o.world_size)
-        self._acquirer = SlotAcquirer(place, state, self._member, o, w.lag_policy,
-                                      w.max_lag or None)
+        self._acquirer = SlotAcquirer(place, state, self._member, o)
         self._reader = EpochReader(place, state, self._acquirer, self._member, o)
         self._book = ResumeBook(place, state, self._reader, self._acquirer, o,
                                 shared.drop_last if shared is not None else False)

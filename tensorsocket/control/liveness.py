@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ..ring import ConsumerState, process_alive
+from ..ring import ConsumerState, ProcessWatch
 from .channel import PENDING_TIMEOUT
 from .peers import Peer, PeerTable
 
@@ -21,12 +21,18 @@ class Liveness:
     def __init__(self, peers: PeerTable, heartbeat_timeout: float | None) -> None:
         self._peers = peers
         self.heartbeat_timeout = heartbeat_timeout
+        # The processes of the entries left holding batches (LEAVING), by (index, pid,
+        # start time): a pidfd each, taken when the entry is first seen leaving (its Peer,
+        # and the Peer's pidfd, went with its bye or its park), closed once it is gone.
+        self._left: dict[tuple[int, int, int], ProcessWatch] = {}
 
     def check(self, ring: Any, now: float, start_group: Callable[[str, float], None]) -> None:
         """Evict consumers whose process died, and those not heard from for
         heartbeat_timeout; note consumers the ring detached for lagging; drop handshakes
         never finished. A rank found waiting for its group is passed to start_group."""
         for ident, peer in self._peers.items():
+            if self._peers.get(ident) is not peer:
+                continue  # taken off meanwhile (by a step of this loop: a group's start)
             peer.note_detached(ring)
             if not peer.alive():
                 self._peers.pop(ident)
@@ -43,18 +49,34 @@ class Liveness:
         self._release_left(ring)
 
     def _release_left(self, ring: Any) -> None:
-        """A consumer that said bye while still holding batches is no peer any more, but
-        its entry keeps its bits in those slots until the views die. If its process
-        exits first (a script ending with its last batch in a variable), nobody would
-        clear them and the producer would wait for those slots forever. Only the server's
-        thread reserves entries, so an entry seen LEAVING here cannot be reused meanwhile.
-        (Its Peer, and pidfd, went with its bye: /proc says whether it still runs.)"""
+        """A consumer that said bye (or parked) while still holding batches is no peer any
+        more, but its entry keeps its bits in those slots until the views die. If its
+        process exits first (a script ending with its last batch in a variable), nobody
+        would clear them and the producer would wait for those slots forever. Only the
+        server's thread reserves entries, so an entry seen LEAVING here cannot be reused
+        meanwhile. Each such process is watched by a pidfd (self._left), one poll a look."""
+        leaving: dict[tuple[int, int, int], ProcessWatch] = {}
         for entry in ring.consumers():
-            if entry["state"] == ConsumerState.LEAVING and \
-                    not process_alive(entry["pid"], entry["start_time"]):
-                ring.evict(entry["index"])
-                log.info("consumer %d (pid %d) exited after leaving, still holding batches; "
-                         "its slots were released", entry["index"], entry["pid"])
+            if entry["state"] != ConsumerState.LEAVING:
+                continue
+            key = (entry["index"], entry["pid"], entry["start_time"])
+            watch = self._left.pop(key, None) or ProcessWatch.of(key[1], key[2])
+            if watch.alive():
+                leaving[key] = watch
+                continue
+            watch.close()
+            ring.evict(entry["index"])
+            log.info("consumer %d (pid %d) exited after leaving, still holding batches; "
+                     "its slots were released", entry["index"], entry["pid"])
+        for gone in self._left.values():  # entries no longer leaving (released, reused)
+            gone.close()
+        self._left = leaving
+
+    def close(self) -> None:
+        """Give back the pidfds of the left consumers watched (the server stops)."""
+        for watch in self._left.values():
+            watch.close()
+        self._left = {}
 
     def _silent(self, peer: Peer, now: float) -> bool:
         """Whether a consumer whose heartbeat thread runs (it started reading, or parked)

@@ -38,7 +38,7 @@ class Peer:
     first_epoch: int | None = None  # the epoch it reads first, from that entry
     unread_since: float | None = None  # holding the others back having read nothing
     # Its process, watched by a pidfd taken as it said hello (each look one poll, no
-    # /proc read; closed with the Peer).
+    # /proc read; closed when it is off the table, PeerTable.pop).
     watch: ProcessWatch = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,8 +98,19 @@ class PeerTable:
             self._peers[ident] = peer
 
     def pop(self, ident: bytes) -> Peer | None:
+        """The consumer on `ident` is off the table: its process watch's pidfd is given
+        back (its alive() raises from then on)."""
         with self._lock:
-            return self._peers.pop(ident, None)
+            peer = self._peers.pop(ident, None)
+        if peer is not None:
+            peer.watch.close()
+        return peer
+
+    def close(self) -> None:
+        """The server stops: every consumer's pidfd is given back."""
+        with self._lock:
+            for peer in self._peers.values():
+                peer.watch.close()
 
     def retire(self, ident: bytes) -> None:
         """The consumer on `ident` leaves: off the table, and its entry off the ring."""

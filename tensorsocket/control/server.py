@@ -140,6 +140,8 @@ class ControlServer:
             log.exception("tensorsocket control thread failed")
         finally:
             said = self._say_farewell()
+            self._liveness.close()
+            self._peers.close()
             if connections is not None:
                 connections.close()
             self._sock.close(FAREWELL_LINGER_MS if said else 0)
