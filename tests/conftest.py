@@ -266,19 +266,29 @@ def procs(name):
 
 
 class Producing(threading.Thread):
-    """Iterate a producer (one epoch) in a thread; errors are kept for the test."""
+    """Iterate a producer in a thread: one epoch, or (forever) epochs until stop(); errors
+    are kept for the test."""
 
-    def __init__(self, producer: Any) -> None:
+    def __init__(self, producer: Any, forever: bool = False) -> None:
         super().__init__(daemon=True, name="producer")
         self.producer = producer
+        self.forever = forever
+        self.stopping = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            for _ in self.producer:
-                pass
+            while True:
+                for _ in self.producer:
+                    pass
+                if not self.forever or self.stopping.is_set():
+                    break
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
+
+    def stop(self) -> None:
+        """No epoch after the one running (forever)."""
+        self.stopping.set()
 
 
 # The test files that add rows to the fault table (docs/faults.md).

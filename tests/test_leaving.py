@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from conftest import ROOT, popen, shm_segments
+from conftest import ROOT, Producing, popen, shm_segments
 from tensorsocket import TensorConsumer, TensorProducer
 from tensorsocket.control.endpoints import runtime_dir
 from tensorsocket.ring import ConsumerState
@@ -84,20 +84,9 @@ def test_entry_left_holding_a_batch_is_freed_once_its_process_exits(name):
     # (min_consumers=0: epochs go on, for nobody once the holder left)
     producer = TensorProducer(loader, name=name, min_consumers=0, ring_slots=4,
                               publish_timeout=30)
-    stop = threading.Event()
-    errors: list = []
-
-    def produce() -> None:
-        try:
-            while not stop.is_set():
-                for _ in producer:
-                    pass
-        except Exception as e:  # reported by the assertion below
-            errors.append(e)
-
     pidfds_before = _pidfds()
-    thread = threading.Thread(target=produce)
-    thread.start()
+    producing = Producing(producer, forever=True)
+    producing.start()
     try:
         holder = popen([sys.executable, "-c", HOLD_LEAVE_WAIT, name], cwd=ROOT,
                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -120,10 +109,10 @@ def test_entry_left_holding_a_batch_is_freed_once_its_process_exits(name):
         else:
             raise AssertionError(f"the entry of the exited holder stays LEAVING: {entries}")
     finally:
-        stop.set()
-        thread.join(60)
+        producing.stop()
+        producing.join(60)
         producer.close()
-    assert not thread.is_alive() and errors == []
+    assert not producing.is_alive() and producing.error is None
     assert _pidfds() == pidfds_before  # (given back by close())
 
 
