@@ -182,14 +182,25 @@ p.join(timeout=120)
 # no point where a signal's exception can land in between), catches every
 # KeyboardInterrupt and goes on with the same iterator (kept in `state`, so that an
 # interrupt landing in its own handler, caught by an outer one, comes back to it too); a
-# new epoch's iterator after each StopIteration.
+# new epoch's iterator after each StopIteration. Its SIGINT handler raises
+# KeyboardInterrupt (as Python's own does) while run() may be under way ("armed"); a
+# signal that lands on the outer loop's own jump back, outside every try, is counted and
+# passed over (it would end the script, not test next()).
 STORM_CONSUMER = r"""
 import json, signal, sys, torch
 from tensorsocket import ProducerFinished, TensorConsumer
 
 name, epochs, batches, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 seen = torch.zeros(epochs * batches * 16, dtype=torch.int32)
-state = {"done": 0, "interrupts": 0, "error": None, "ready": False, "it": None}
+state = {"done": 0, "interrupts": 0, "error": None, "ready": False, "it": None,
+         "armed": False, "passed": 0}
+
+def on_sigint(signum, frame):
+    if state["armed"]:
+        raise KeyboardInterrupt
+    state["passed"] += 1
+
+signal.signal(signal.SIGINT, on_sigint)
 c = TensorConsumer(name=name, timeout=60, batch_size=None if batch_size == "-" else int(batch_size))
 
 def run():
@@ -211,13 +222,16 @@ def run():
 
 while True:
     try:
+        state["armed"] = True
         try:
             run()
         except ProducerFinished as e:  # it came too soon: epochs were skipped
             state["error"] = str(e)
+        state["armed"] = False
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: the storm may go on
         break
     except KeyboardInterrupt:
+        state["armed"] = False
         state["interrupts"] += 1
 stats = c.stats()
 c.close()
