@@ -187,7 +187,7 @@ p.join(timeout=120)
 # signal that lands on the outer loop's own jump back, outside every try, is counted and
 # passed over (it would end the script, not test next()).
 STORM_CONSUMER = r"""
-import json, signal, sys, torch
+import json, signal, sys, time, torch
 from tensorsocket import ProducerFinished, TensorConsumer
 
 name, epochs, batches, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -211,6 +211,8 @@ def run():
             if not state["ready"]:  # (said again if a signal lands in between: harmless)
                 print(json.dumps({"ready": True}), flush=True)
                 state["ready"] = True
+            while state["interrupts"] == 0:  # the storm begins before the reading does
+                time.sleep(0.001)  # (on a loaded machine it could end before the first)
             if state["it"] is None:
                 state["it"] = iter(c)
             for batch in state["it"]:
