@@ -1,12 +1,12 @@
-"""The C core's sources for the C-level test programs: every file of csrc/base, csrc/device
-and csrc/ring (the binding, csrc/binding, includes Python.h and is left out)."""
+"""The C core's sources for the C-level test programs: every file of csrc/base, csrc/device,
+csrc/ring and csrc/store (the binding, csrc/binding, includes Python.h and is left out)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE_DIRS = ("base", "device", "ring")
+CORE_DIRS = ("base", "device", "ring", "store")
 
 
 def core_sources() -> list[str]:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 PACKAGE = ROOT / "tensorsocket"
 
-C_LAYERS = ["base", "device", "ring", "binding"]
+C_LAYERS = ["base", "device", "ring", "store", "binding"]
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 
 # Python layers, bottom up: a top-level module by name, a subpackage by its folder.

@@ -1,0 +1,126 @@
+/* ts_store.h - a store of decoded samples in one shared-memory segment (issue 38; see
+ * docs/decoded-store.md). Work in progress: not yet in the binding.
+ *
+ * One segment per dataset prefix, mode 0600. Samples are keyed by their index in the
+ * dataset. A writer reserves an entry (FILLING, its pid and start time recorded), copies
+ * the sample into the entry's block, and commits it (READY, release order); readers see
+ * READY entries only, and pin them while their views live (one bit per attached job). All
+ * changes to the index, the entries' states and the arena's allocator go under one robust
+ * process-shared mutex; a process that died holding it leaves a state that the next
+ * locker rebuilds from the entry table (ts_store_repair). */
+#ifndef TS_STORE_H
+#define TS_STORE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "base/ts_error.h"
+
+#define TS_STORE_MAGIC 0x3145524f545354ULL /* "TSTORE1" little-endian */
+#define TS_STORE_LAYOUT_VERSION 1
+#define TS_STORE_MIN_ORDER 12u /* the smallest block: 4 KiB */
+#define TS_STORE_MAX_ORDER 30u /* the largest block: 1 GiB */
+#define TS_STORE_ORDERS (TS_STORE_MAX_ORDER - TS_STORE_MIN_ORDER + 1)
+#define TS_STORE_MAX_JOBS 64
+#define TS_STORE_NONE UINT32_MAX
+
+/* An entry's state. FREE: unused; FILLING: a writer copies a sample in (invisible);
+ * READY: complete, readable. */
+enum { TS_STORE_FREE = 0, TS_STORE_FILLING = 1, TS_STORE_READY = 2 };
+
+/* What a reserve found (ts_store_reserve). */
+typedef enum {
+    TS_STORE_RESERVED = 0, /* an entry is this writer's to fill */
+    TS_STORE_PRESENT,      /* the sample is READY already (read it) */
+    TS_STORE_RACED,        /* another live writer fills it now (decode privately) */
+    TS_STORE_NO_ROOM,      /* no room without evicting a pinned sample (keep it private) */
+} ts_store_outcome;
+
+/* One sample's entry. */
+typedef struct ts_store_entry {
+    _Atomic uint32_t state; /* TS_STORE_FREE / FILLING / READY */
+    uint32_t order;         /* its block: 2^order bytes */
+    uint64_t sample;        /* its index in the dataset */
+    uint64_t offset;        /* its block's offset in the arena */
+    uint64_t bytes;         /* the sample's bytes (<= 2^order) */
+    int32_t writer_pid;     /* FILLING: the writer, and its start time */
+    uint32_t pad;
+    uint64_t writer_start;
+    _Atomic uint64_t pins;  /* one bit per attached job with views of it */
+    uint64_t last_use;      /* the store's clock at its last get or commit */
+} ts_store_entry;
+
+/* An attached job: a process reading and writing samples. */
+typedef struct ts_store_job {
+    int32_t pid; /* 0: free */
+    uint32_t pad;
+    uint64_t start_time;
+} ts_store_job;
+
+/* The header at offset 0 of the segment; the tables follow it (offsets below). */
+typedef struct ts_store_header {
+    uint64_t magic;
+    uint32_t layout_version;
+    uint32_t max_order;      /* of the arena's top blocks */
+    uint64_t segment_bytes;
+    uint64_t arena_offset;   /* where the arena starts (page aligned) */
+    uint64_t arena_bytes;    /* a whole number of top blocks */
+    uint64_t samples;        /* the dataset's length: the keys are 0..samples-1 */
+    uint32_t entries;        /* entry table capacity */
+    uint32_t index_slots;    /* open-addressing slots, a power of two (>= 2 x entries) */
+    uint64_t entry_offset, index_offset, uses_offset, map_offset, links_offset;
+    pthread_mutex_t lock;    /* robust, process-shared: every change below */
+    uint64_t clock;          /* bumped by each get and commit (under lock) */
+    uint32_t free_head[TS_STORE_ORDERS]; /* per order: first free block (min-block no.) */
+    uint32_t min_blocks;     /* arena_bytes >> TS_STORE_MIN_ORDER */
+    uint64_t used_bytes;     /* bytes in blocks of FILLING and READY entries */
+    uint32_t used_entries;
+    ts_store_job jobs[TS_STORE_MAX_JOBS];
+    _Atomic uint64_t hits, misses, commits, evictions, races, no_room, repairs;
+} ts_store_header;
+
+/* A process's handle on a store. */
+typedef struct ts_store {
+    ts_store_header *hdr;   /* the mapping (owned) */
+    uint64_t map_bytes;
+    int fd;                 /* owned */
+    uint32_t job;           /* this process's job slot (TS_STORE_NONE before attach) */
+    char name[128];
+} ts_store;
+
+/* Create store `name` for a dataset of `samples` samples, its arena at most budget bytes
+ * (rounded down to whole top blocks; at least one 4 KiB block). */
+ts_status ts_store_create(const char *name, uint64_t samples, uint64_t budget,
+                          ts_store **out, ts_err *err);
+/* Open existing store `name`. */
+ts_status ts_store_open(const char *name, ts_store **out, ts_err *err);
+/* Close the handle (the segment stays until unlinked). */
+void ts_store_close(ts_store *st);
+/* Take a job slot for this process; TS_E_FULL if none is free. */
+ts_status ts_store_attach(ts_store *st, ts_err *err);
+
+/* Reserve room for `bytes` of sample `sample`: on TS_STORE_RESERVED, *entry is this
+ * writer's (FILLING) and *data where to copy the sample; on PRESENT, *entry is READY. */
+ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
+                           ts_store_outcome *outcome, uint32_t *entry, void **data, ts_err *err);
+/* Make a reserved entry READY: visible to every reader from now on. */
+ts_status ts_store_commit(ts_store *st, uint32_t entry, ts_err *err);
+/* Give a reserved entry back unfilled. */
+ts_status ts_store_abort(ts_store *st, uint32_t entry, ts_err *err);
+/* The READY entry of `sample`, pinned for this job: *entry, *data, *bytes; TS_E_NOT_FOUND
+ * on a miss. */
+ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const void **data,
+                       uint64_t *bytes, ts_err *err);
+/* Drop this job's pin of entry (its last view went). Touches no lock. */
+void ts_store_unpin(ts_store *st, uint32_t entry);
+/* Add delta to the remaining uses of each of n samples (a job's epoch: +1 each at its
+ * start, -1 at each visit). */
+ts_status ts_store_count_uses(ts_store *st, const uint64_t *samples, uint64_t n, int delta,
+                              ts_err *err);
+
+/* The entry table (for tests and status). */
+ts_store_entry *ts_store_entries(const ts_store *st);
+
+#endif /* TS_STORE_H */

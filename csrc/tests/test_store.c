@@ -1,0 +1,305 @@
+/* test_store.c - C unit tests of the decoded-sample store (csrc/store, issue 38, work in
+ * progress). Build: cc -std=c11 -Wall -Wextra -Werror -pthread -Icsrc csrc/tests/test_store.c
+ * csrc/store/ts_store.c csrc/base/ts_*.c csrc/device/ts_*.c csrc/ring/ts_*.c -lrt -ldl */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include "base/ts_clock.h"
+#include "base/ts_error.h"
+#include "base/ts_segment.h"
+#include "store/ts_store.h"
+#include "ts_check.h"
+
+static int g_stores;
+
+/* A fresh store name of this process. */
+static void store_name(char *buf, size_t cap)
+{
+    snprintf(buf, cap, "/tensorsocket-cstore-%d-%d", (int)getpid(), g_stores++);
+    ts_segment_unlink(buf, NULL);
+}
+
+/* Fill n bytes at p with the pattern of sample s. */
+static void fill(void *p, uint64_t n, uint64_t s)
+{
+    for (uint64_t i = 0; i < n; i++) ((uint8_t *)p)[i] = (uint8_t)(s * 31 + i);
+}
+
+/* Whether n bytes at p hold the pattern of sample s. */
+static int filled(const void *p, uint64_t n, uint64_t s)
+{
+    for (uint64_t i = 0; i < n; i++)
+        if (((const uint8_t *)p)[i] != (uint8_t)(s * 31 + i)) return 0;
+    return 1;
+}
+
+/* Reserve, fill and commit sample s of n bytes; 1 on success. */
+static int put(ts_store *st, uint64_t s, uint64_t n)
+{
+    ts_err err = {0};
+    ts_store_outcome o;
+    uint32_t e;
+    void *p = NULL;
+    if (!CHECK_ST(ts_store_reserve(st, s, n, &o, &e, &p, &err), TS_OK) ||
+        !CHECK_EQ(o, TS_STORE_RESERVED))
+        return 0;
+    fill(p, n, s);
+    return CHECK_ST(ts_store_commit(st, e, &err), TS_OK);
+}
+
+/* Whether sample s is READY with n bytes of its pattern (pinned, then unpinned). */
+static int has(ts_store *st, uint64_t s, uint64_t n)
+{
+    ts_err err = {0};
+    uint32_t e;
+    const void *p;
+    uint64_t bytes;
+    if (ts_store_get(st, s, &e, &p, &bytes, &err) != TS_OK) return 0;
+    int ok = bytes == n && filled(p, n, s);
+    ts_store_unpin(st, e);
+    return ok;
+}
+
+/* A sample is visible only once committed, with its bytes; a second reserve finds it. */
+static void test_put_get(void)
+{
+    char name[64];
+    ts_store *st = NULL;
+    ts_err err = {0};
+    ts_store_outcome o;
+    uint32_t e, e2;
+    void *p;
+    const void *q;
+    uint64_t bytes;
+    store_name(name, sizeof name);
+    REQUIRE_OK(ts_store_create(name, 100, 1 << 20, &st, &err));
+    REQUIRE_OK(ts_store_attach(st, &err));
+    REQUIRE_OK(ts_store_reserve(st, 3, 5000, &o, &e, &p, &err));
+    REQUIRE(CHECK_EQ(o, TS_STORE_RESERVED));
+    fill(p, 5000, 3);
+    CHECK_ST(ts_store_get(st, 3, &e2, &q, &bytes, &err), TS_E_NOT_FOUND); /* FILLING */
+    REQUIRE_OK(ts_store_commit(st, e, &err));
+    REQUIRE_OK(ts_store_get(st, 3, &e2, &q, &bytes, &err));
+    CHECK_EQ(e2, e);
+    CHECK_EQ(bytes, 5000);
+    CHECK(filled(q, 5000, 3));
+    ts_store_unpin(st, e2);
+    REQUIRE_OK(ts_store_reserve(st, 3, 5000, &o, &e2, &p, &err));
+    CHECK_EQ(o, TS_STORE_PRESENT);
+    CHECK_ST(ts_store_reserve(st, 100, 10, &o, &e2, &p, &err), TS_E_INVALID);
+    CHECK_ST(ts_store_commit(st, e, &err), TS_E_INVALID); /* READY: not this writer's now */
+    CHECK_EQ(st->hdr->hits, 1);
+    CHECK_EQ(st->hdr->misses, 1);
+out:
+    ts_store_close(st);
+    ts_segment_unlink(name, NULL);
+}
+
+/* The arena's blocks split and merge: after samples of mixed sizes come and go, one
+ * sample of the whole arena fits again. */
+static void test_buddy(void)
+{
+    char name[64];
+    ts_store *st = NULL;
+    ts_err err = {0};
+    ts_store_outcome o;
+    uint32_t e[8];
+    void *p;
+    store_name(name, sizeof name);
+    REQUIRE_OK(ts_store_create(name, 100, 1 << 16, &st, &err)); /* one 64 KiB top block */
+    REQUIRE_OK(ts_store_attach(st, &err));
+    const uint64_t sizes[8] = {4096, 100, 8192, 3000, 16384, 4097, 1, 4096};
+    for (uint32_t i = 0; i < 8; i++) {
+        REQUIRE_OK(ts_store_reserve(st, i, sizes[i], &o, &e[i], &p, &err));
+        REQUIRE(CHECK_EQ(o, TS_STORE_RESERVED));
+        fill(p, sizes[i], i);
+    }
+    CHECK_EQ(st->hdr->used_bytes, 4096 * 3 + 8192 * 2 + 16384 + 4096 * 2);
+    for (uint32_t i = 0; i < 8; i += 2) REQUIRE_OK(ts_store_commit(st, e[i], &err));
+    for (uint32_t i = 1; i < 8; i += 2) REQUIRE_OK(ts_store_abort(st, e[i], &err));
+    for (uint32_t i = 0; i < 8; i += 2) CHECK(has(st, i, sizes[i]));
+    CHECK(put(st, 50, 1 << 16)); /* the whole arena: every committed one evicted, merged */
+    CHECK_EQ(st->hdr->used_entries, 1);
+    CHECK_EQ(st->hdr->evictions, 4);
+    CHECK(has(st, 50, 1 << 16));
+out:
+    ts_store_close(st);
+    ts_segment_unlink(name, NULL);
+}
+
+/* Eviction takes the sample fewest jobs still need, then the least recently used; a pinned
+ * sample is never evicted, and an insert that would need one is refused (NO_ROOM). */
+static void test_eviction(void)
+{
+    char name[64];
+    ts_store *st = NULL;
+    ts_err err = {0};
+    ts_store_outcome o;
+    uint32_t e, pinned[16];
+    void *p;
+    const void *q;
+    uint64_t bytes;
+    store_name(name, sizeof name);
+    REQUIRE_OK(ts_store_create(name, 100, 1 << 16, &st, &err)); /* 16 blocks of 4 KiB */
+    REQUIRE_OK(ts_store_attach(st, &err));
+    uint64_t all[16];
+    for (uint64_t s = 0; s < 16; s++) all[s] = s;
+    REQUIRE_OK(ts_store_count_uses(st, all, 16, +1, &err));
+    REQUIRE_OK(ts_store_count_uses(st, all, 16, +1, &err)); /* two jobs need each */
+    uint64_t done[2] = {5, 9};
+    REQUIRE_OK(ts_store_count_uses(st, done, 2, -1, &err)); /* one job read 5 and 9 */
+    for (uint64_t s = 0; s < 16; s++) REQUIRE(put(st, s, 4096));
+    CHECK(has(st, 5, 4096)); /* 5 used last: 9 is the older of the two needed least */
+    REQUIRE(put(st, 20, 4096));
+    CHECK(!has(st, 9, 4096));
+    CHECK(has(st, 5, 4096));
+    REQUIRE(put(st, 21, 4096)); /* 20, which no job counted, goes before 5 */
+    CHECK(!has(st, 20, 4096));
+    CHECK(has(st, 5, 4096));
+    for (uint64_t s = 0; s < 16; s++) pinned[s] = TS_STORE_NONE;
+    uint32_t n = 0;
+    for (uint64_t s = 0; s < 22 && n < 16; s++)
+        if (ts_store_get(st, s, &pinned[n], &q, &bytes, &err) == TS_OK) n++;
+    CHECK_EQ(n, 16);
+    REQUIRE_OK(ts_store_reserve(st, 30, 4096, &o, &e, &p, &err));
+    CHECK_EQ(o, TS_STORE_NO_ROOM);
+    CHECK_EQ(st->hdr->no_room, 1);
+    ts_store_unpin(st, pinned[0]);
+    REQUIRE_OK(ts_store_reserve(st, 30, 4096, &o, &e, &p, &err));
+    CHECK_EQ(o, TS_STORE_RESERVED);
+    REQUIRE_OK(ts_store_abort(st, e, &err));
+out:
+    ts_store_close(st);
+    ts_segment_unlink(name, NULL);
+}
+
+/* Run fn(st, arg) in a child process with its own handle on store `name`; the child's exit
+ * status (it exits by _exit in fn, or 0). */
+static int in_child(const char *name, void (*fn)(ts_store *, int), int arg)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        ts_store *st = NULL;
+        ts_err err = {0};
+        if (ts_store_open(name, &st, &err) != TS_OK || ts_store_attach(st, &err) != TS_OK)
+            _exit(90);
+        fn(st, arg);
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+/* A writer that dies mid-insert: reserve sample `arg`, never commit. */
+static void die_filling(ts_store *st, int arg)
+{
+    ts_err err = {0};
+    ts_store_outcome o;
+    uint32_t e;
+    void *p;
+    if (ts_store_reserve(st, (uint64_t)arg, 4096, &o, &e, &p, &err) != TS_OK ||
+        o != TS_STORE_RESERVED)
+        _exit(91);
+    memset(p, 0xee, 100); /* half written */
+    _exit(0);
+}
+
+/* A process that dies holding the store's lock. */
+static void die_locked(ts_store *st, int arg)
+{
+    (void)arg;
+    if (pthread_mutex_lock(&st->hdr->lock) != 0) _exit(92);
+    st->hdr->free_head[0] = 12345; /* a change left half done */
+    _exit(0);
+}
+
+/* A writer SIGKILLed mid-insert leaves no torn sample (never visible) and no leak: the
+ * next reserve of it frees its entry and takes it; a process that dies holding the lock
+ * leaves a state rebuilt from the entries (EOWNERDEAD), with every committed sample kept. */
+static void test_dead_processes(void)
+{
+    char name[64];
+    ts_store *st = NULL;
+    ts_err err = {0};
+    ts_store_outcome o;
+    uint32_t e;
+    void *p;
+    const void *q;
+    uint64_t bytes;
+    store_name(name, sizeof name);
+    REQUIRE_OK(ts_store_create(name, 100, 1 << 16, &st, &err));
+    REQUIRE_OK(ts_store_attach(st, &err));
+    REQUIRE(put(st, 1, 5000));
+    REQUIRE(CHECK_EQ(in_child(name, die_filling, 7), 0));
+    CHECK_ST(ts_store_get(st, 7, &e, &q, &bytes, &err), TS_E_NOT_FOUND);
+    CHECK_EQ(st->hdr->used_entries, 2);
+    REQUIRE_OK(ts_store_reserve(st, 7, 4096, &o, &e, &p, &err));
+    CHECK_EQ(o, TS_STORE_RESERVED); /* the dead writer's entry was freed */
+    CHECK_EQ(st->hdr->used_entries, 2);
+    fill(p, 4096, 7);
+    REQUIRE_OK(ts_store_commit(st, e, &err));
+
+    REQUIRE(CHECK_EQ(in_child(name, die_filling, 8), 0));
+    REQUIRE(CHECK_EQ(in_child(name, die_locked, 0), 0));
+    CHECK(has(st, 1, 5000)); /* the lock's next taker repaired the state */
+    CHECK_EQ(st->hdr->repairs, 1);
+    CHECK(has(st, 7, 4096));
+    CHECK_EQ(st->hdr->used_entries, 2); /* 1, 7: the dead writer's 8 went in the repair */
+    CHECK(put(st, 9, 1 << 15)); /* the arena's lists work: half of it in one block */
+    CHECK(has(st, 9, 1 << 15));
+out:
+    ts_store_close(st);
+    ts_segment_unlink(name, NULL);
+}
+
+/* A sample another live process fills is RACED: decoded privately, not waited for. */
+static void test_race(void)
+{
+    char name[64];
+    ts_store *st = NULL;
+    ts_err err = {0};
+    ts_store_outcome o;
+    uint32_t e;
+    void *p;
+    store_name(name, sizeof name);
+    REQUIRE_OK(ts_store_create(name, 100, 1 << 16, &st, &err));
+    REQUIRE_OK(ts_store_attach(st, &err));
+    /* This process's own reserve stands for the live other writer. */
+    REQUIRE_OK(ts_store_reserve(st, 4, 4096, &o, &e, &p, &err));
+    REQUIRE(CHECK_EQ(o, TS_STORE_RESERVED));
+    uint32_t e2;
+    REQUIRE_OK(ts_store_reserve(st, 4, 4096, &o, &e2, &p, &err));
+    CHECK_EQ(o, TS_STORE_RACED);
+    CHECK_EQ(st->hdr->races, 1);
+    REQUIRE_OK(ts_store_abort(st, e, &err));
+    REQUIRE(CHECK_EQ(in_child(name, die_filling, 5), 0)); /* a writer that is gone */
+    REQUIRE_OK(ts_store_reserve(st, 5, 4096, &o, &e2, &p, &err));
+    CHECK_EQ(o, TS_STORE_RESERVED);
+out:
+    ts_store_close(st);
+    ts_segment_unlink(name, NULL);
+}
+
+static const ts_test g_tests[] = {
+    {"store_put_get", test_put_get},
+    {"store_buddy", test_buddy},
+    {"store_eviction", test_eviction},
+    {"store_dead_processes", test_dead_processes},
+    {"store_race", test_race},
+};
+
+/* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
+int main(int argc, char **argv)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    return ts_run_tests(g_tests, sizeof g_tests / sizeof g_tests[0], argc > 1 ? argv[1] : NULL,
+                        ts_run_here);
+}
