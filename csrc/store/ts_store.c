@@ -357,7 +357,8 @@ ts_status ts_store_create(const char *name, uint64_t samples, uint64_t budget,
     if (min_blocks >= TS_STORE_NONE)
         return ts_err_set(err, TS_E_INVALID, 0, "a sample store budget of %llu bytes is too "
                           "large", (unsigned long long)budget);
-    uint32_t entries = (uint32_t)min_blocks, slots = 1;
+    /* An entry per block, but never more than there are samples. */
+    uint32_t entries = (uint32_t)(min_blocks < samples ? min_blocks : samples), slots = 1;
     while (slots < 2 * (uint64_t)entries) slots <<= 1;
     uint64_t off = ts_align(sizeof(ts_store_header), 64);
     uint64_t entry_off = off;
