@@ -308,6 +308,8 @@ def test_a_killed_worker_is_an_error_not_a_hang(name, producer):
         assert c.stats()["transform_workers"] == []
         c._place.flush_releases()
         assert c.ring.held_slots() == 0
+        os.write(gate[1], b"x" * SAMPLES * 2)  # (the new workers' transforms pass the gate)
+        read_out(c, 1)
 
 
 def test_break_drops_the_batches_in_flight(name, producer):

@@ -315,9 +315,12 @@ def test_write_into_a_released_batch_names_the_cause(procs, name, faulthandler):
     import signal
     import sys
 
-    # Slow enough that the producer still runs when the second consumer comes.
+    # The producer still runs when the second consumer comes: with 3 slots it cannot
+    # publish the epoch's 6 batches for the first consumer, which reads one and dies, and
+    # with none attached it waits for the next before its next batch (however slow the
+    # machine is).
     p = procs.start("producer", "--name", name, "--kind", "tuple", "--batches", "6",
-                    "--delay", "0.5")
+                    "--delay", "0.5", "--slots", "3")
     procs.wait_ready(p)
     flags = ["-X", "faulthandler"] if faulthandler else []
     r = run_python([sys.executable, *flags, "-c", RELEASED, name], capture_output=True,

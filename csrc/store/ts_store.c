@@ -620,3 +620,14 @@ ts_status ts_store_count_uses(ts_store *st, const uint64_t *samples, uint64_t n,
     ts_store_unlock(st);
     return TS_OK;
 }
+
+ts_status ts_store_reap(ts_store *st, uint32_t *writers, uint32_t *jobs, ts_err *err)
+{
+    ts_status s = ts_store_lock(st, err);
+    if (s != TS_OK) return s;
+    uint32_t w = ts_reap_writers(st->hdr), j = ts_reap_jobs(st->hdr);
+    ts_store_unlock(st);
+    if (writers != NULL) *writers = w;
+    if (jobs != NULL) *jobs = j;
+    return TS_OK;
+}

@@ -120,6 +120,10 @@ void ts_store_unpin(ts_store *st, uint32_t entry);
 ts_status ts_store_count_uses(ts_store *st, const uint64_t *samples, uint64_t n, int delta,
                               ts_err *err);
 
+/* Free the entries of writers that died mid-insert and the pins of jobs that died; how
+ * many of each went, in *writers and *jobs (either may be NULL). */
+ts_status ts_store_reap(ts_store *st, uint32_t *writers, uint32_t *jobs, ts_err *err);
+
 /* The entry table (for tests and status). */
 ts_store_entry *ts_store_entries(const ts_store *st);
 

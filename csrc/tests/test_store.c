@@ -4,6 +4,8 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -288,12 +290,119 @@ out:
     ts_segment_unlink(name, NULL);
 }
 
+/* One worker of the stress test: random reserves (filled with the sample's pattern, then
+ * committed, or aborted one time in 8), gets (each read checked whole while pinned, and
+ * again after a yield: a pinned sample is never rewritten), over a store small enough to
+ * evict all the time. Exits 0, or 94 on wrong data, 95 on an error. */
+static void stress_worker(ts_store *st, int seed)
+{
+    ts_err err = {0};
+    uint64_t x = (uint64_t)seed * 0x9E3779B97F4A7C15ULL + 1;
+    for (int i = 0; i < 3000; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        uint64_t s = x % 64, n = 512 + (x >> 8) % 12000;
+        n = n - n % 7 + s % 7; /* its length tells its sample too */
+        uint32_t e;
+        if ((x >> 32) & 1) {
+            ts_store_outcome o;
+            void *p;
+            if (ts_store_reserve(st, s, n, &o, &e, &p, &err) != TS_OK) _exit(95);
+            if (o != TS_STORE_RESERVED) continue;
+            fill(p, n, s);
+            if (((x >> 40) & 7) == 0) {
+                if (ts_store_abort(st, e, &err) != TS_OK) _exit(95);
+            } else if (ts_store_commit(st, e, &err) != TS_OK) {
+                _exit(95);
+            }
+        } else {
+            const void *q;
+            uint64_t bytes;
+            ts_status r = ts_store_get(st, s, &e, &q, &bytes, &err);
+            if (r == TS_E_NOT_FOUND) continue;
+            if (r != TS_OK) _exit(95);
+            if (bytes % 7 != s % 7 || !filled(q, bytes, s)) _exit(94);
+            sched_yield();
+            if (!filled(q, bytes, s)) _exit(94);
+            ts_store_unpin(st, e);
+        }
+    }
+}
+
+/* Four processes at once over a store that evicts all the time, one of them SIGKILLed in
+ * the middle (holding the lock, filling an entry or pinning one, wherever it was) and
+ * another started: no wrong data anywhere, and afterwards the store's accounting matches
+ * its entries and every READY sample reads back whole. */
+static void test_stress(void)
+{
+    char name[64];
+    ts_store *st = NULL;
+    ts_err err = {0};
+    pid_t kids[5] = {0};
+    store_name(name, sizeof name);
+    REQUIRE_OK(ts_store_create(name, 64, 1 << 17, &st, &err)); /* 128 KiB: ~10 samples */
+    REQUIRE_OK(ts_store_attach(st, &err));
+    fflush(NULL);
+    for (int k = 0; k < 5; k++) {
+        if (k == 4) { /* one of the first four killed meanwhile, a fifth in its place */
+            sleep_ms(20);
+            kill(kids[0], SIGKILL);
+            /* and one that dies holding the lock, a change half done, while they run */
+            CHECK_EQ(in_child(name, die_locked, 0), 0);
+        }
+        kids[k] = fork();
+        REQUIRE(kids[k] >= 0);
+        if (kids[k] == 0) {
+            ts_store *mine = NULL;
+            ts_err e2 = {0};
+            if (ts_store_open(name, &mine, &e2) != TS_OK || ts_store_attach(mine, &e2) != TS_OK)
+                _exit(90);
+            stress_worker(mine, k + 1);
+            ts_store_close(mine);
+            _exit(0);
+        }
+    }
+    for (int k = 0; k < 5; k++) {
+        int status = 0;
+        waitpid(kids[k], &status, 0);
+        if (k == 0) CHECK(WIFEXITED(status) || WTERMSIG(status) == SIGKILL);
+        else CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+    /* The killed one's entry and pins go; then a walk of the whole table checks. */
+    uint32_t writers = 0, jobs = 0;
+    REQUIRE_OK(ts_store_reap(st, &writers, &jobs, &err));
+    CHECK(writers <= 1 && jobs <= 1);
+    uint64_t used = 0;
+    uint32_t live = 0;
+    ts_store_entry *entries = ts_store_entries(st);
+    for (uint32_t i = 0; i < st->hdr->entries; i++) {
+        uint32_t state = atomic_load(&entries[i].state);
+        if (state == TS_STORE_FREE) continue;
+        CHECK_EQ(state, TS_STORE_READY); /* no FILLING left: its writer is gone */
+        used += 1ULL << entries[i].order;
+        live++;
+        CHECK(has(st, entries[i].sample, entries[i].bytes));
+    }
+    CHECK_EQ(st->hdr->used_bytes, used);
+    CHECK_EQ(st->hdr->used_entries, live);
+    CHECK(st->hdr->evictions > 0);
+    CHECK(st->hdr->repairs >= 1);
+    printf("  stress: %llu commits, %llu evictions, %llu races, %llu no room, %llu repairs, "
+           "%u writers and %u jobs reaped\n", (unsigned long long)st->hdr->commits,
+           (unsigned long long)st->hdr->evictions, (unsigned long long)st->hdr->races,
+           (unsigned long long)st->hdr->no_room, (unsigned long long)st->hdr->repairs,
+           writers, jobs);
+out:
+    ts_store_close(st);
+    ts_segment_unlink(name, NULL);
+}
+
 static const ts_test g_tests[] = {
     {"store_put_get", test_put_get},
     {"store_buddy", test_buddy},
     {"store_eviction", test_eviction},
     {"store_dead_processes", test_dead_processes},
     {"store_race", test_race},
+    {"store_stress", test_stress},
 };
 
 /* Run the tests whose name contains argv[1] (all without it); non-zero if any failed. */
