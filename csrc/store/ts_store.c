@@ -36,13 +36,13 @@ static uint32_t ts_order_for(uint64_t bytes)
 /* The table pointers of a mapped header. */
 static ts_store_entry *ts_entries_of(ts_store_header *h)
 {
-    return (ts_store_entry *)((char *)h + h->entry_offset);
+    return (ts_store_entry *)((char *)h + h->layout.entry_offset);
 }
-static uint32_t *ts_index_of(ts_store_header *h) { return (uint32_t *)((char *)h + h->index_offset); }
-static uint16_t *ts_uses_of(ts_store_header *h) { return (uint16_t *)((char *)h + h->uses_offset); }
-static uint8_t *ts_map_of(ts_store_header *h) { return (uint8_t *)h + h->map_offset; }
+static uint32_t *ts_index_of(ts_store_header *h) { return (uint32_t *)((char *)h + h->layout.index_offset); }
+static uint16_t *ts_uses_of(ts_store_header *h) { return (uint16_t *)((char *)h + h->layout.uses_offset); }
+static uint8_t *ts_map_of(ts_store_header *h) { return (uint8_t *)h + h->layout.map_offset; }
 /* links[2 * b] / [2 * b + 1]: next / prev free block of free block b's list. */
-static uint32_t *ts_links_of(ts_store_header *h) { return (uint32_t *)((char *)h + h->links_offset); }
+static uint32_t *ts_links_of(ts_store_header *h) { return (uint32_t *)((char *)h + h->layout.links_offset); }
 
 ts_store_entry *ts_store_entries(const ts_store *st) { return ts_entries_of(st->hdr); }
 
@@ -77,8 +77,8 @@ static void ts_free_unlink(ts_store_header *h, uint32_t b, uint32_t k)
 static uint32_t ts_block_take(ts_store_header *h, uint32_t k)
 {
     uint32_t j = k;
-    while (j <= h->max_order && h->free_head[j - TS_STORE_MIN_ORDER] == TS_STORE_NONE) j++;
-    if (j > h->max_order) return TS_STORE_NONE;
+    while (j <= h->layout.max_order && h->free_head[j - TS_STORE_MIN_ORDER] == TS_STORE_NONE) j++;
+    if (j > h->layout.max_order) return TS_STORE_NONE;
     uint32_t b = h->free_head[j - TS_STORE_MIN_ORDER];
     ts_free_unlink(h, b, j);
     while (j > k) { /* split: the upper half goes back free */
@@ -94,9 +94,9 @@ static void ts_block_give(ts_store_header *h, uint32_t b, uint32_t k)
 {
     uint8_t *map = ts_map_of(h);
     map[b] = 0;
-    while (k < h->max_order) {
+    while (k < h->layout.max_order) {
         uint32_t buddy = b ^ (1u << (k - TS_STORE_MIN_ORDER));
-        if (buddy >= h->min_blocks || map[buddy] != (TS_MAP_FREE | (k - TS_STORE_MIN_ORDER)))
+        if (buddy >= h->layout.min_blocks || map[buddy] != (TS_MAP_FREE | (k - TS_STORE_MIN_ORDER)))
             break;
         ts_free_unlink(h, buddy, k);
         if (buddy < b) b = buddy;
@@ -129,15 +129,15 @@ static void ts_blocks_rebuild(ts_store_header *h, uint32_t b, uint32_t k)
 static uint32_t ts_index_home(const ts_store_header *h, uint64_t s)
 {
     uint64_t x = s * 0x9E3779B97F4A7C15ULL;
-    return (uint32_t)(x >> 32) & (h->index_slots - 1);
+    return (uint32_t)(x >> 32) & (h->layout.index_slots - 1);
 }
 
 /* The entry of sample s, or TS_STORE_NONE (*slot: where it is, if found). */
 static uint32_t ts_index_find(ts_store_header *h, uint64_t s, uint32_t *slot)
 {
-    uint32_t *index = ts_index_of(h), mask = h->index_slots - 1;
+    uint32_t *index = ts_index_of(h), mask = h->layout.index_slots - 1;
     ts_store_entry *entries = ts_entries_of(h);
-    for (uint32_t i = ts_index_home(h, s), n = 0; n < h->index_slots; i = (i + 1) & mask, n++) {
+    for (uint32_t i = ts_index_home(h, s), n = 0; n < h->layout.index_slots; i = (i + 1) & mask, n++) {
         uint32_t v = index[i];
         if (v == TS_INDEX_EMPTY) return TS_STORE_NONE;
         if (v != TS_INDEX_GONE && entries[v - 1].sample == s) {
@@ -151,7 +151,7 @@ static uint32_t ts_index_find(ts_store_header *h, uint64_t s, uint32_t *slot)
 /* Index entry e under its sample (it is not indexed yet). */
 static void ts_index_add(ts_store_header *h, uint32_t e)
 {
-    uint32_t *index = ts_index_of(h), mask = h->index_slots - 1;
+    uint32_t *index = ts_index_of(h), mask = h->layout.index_slots - 1;
     uint32_t i = ts_index_home(h, ts_entries_of(h)[e].sample);
     while (index[i] != TS_INDEX_EMPTY && index[i] != TS_INDEX_GONE) i = (i + 1) & mask;
     index[i] = e + 1;
@@ -184,7 +184,7 @@ static uint32_t ts_reap_writers(ts_store_header *h)
 {
     uint32_t n = 0;
     ts_store_entry *entries = ts_entries_of(h);
-    for (uint32_t e = 0; e < h->entries; e++)
+    for (uint32_t e = 0; e < h->layout.entries; e++)
         if (atomic_load_explicit(&entries[e].state, memory_order_relaxed) == TS_STORE_FILLING &&
             !ts_writer_alive(&entries[e])) {
             ts_entry_free(h, e);
@@ -204,7 +204,7 @@ static uint32_t ts_reap_jobs(ts_store_header *h)
         }
     if (dead == 0) return 0;
     ts_store_entry *entries = ts_entries_of(h);
-    for (uint32_t e = 0; e < h->entries; e++)
+    for (uint32_t e = 0; e < h->layout.entries; e++)
         atomic_fetch_and_explicit(&entries[e].pins, ~dead, memory_order_acq_rel);
     return (uint32_t)__builtin_popcountll(dead);
 }
@@ -216,7 +216,7 @@ static uint32_t ts_victim(ts_store_header *h)
     ts_store_entry *entries = ts_entries_of(h);
     const uint16_t *uses = ts_uses_of(h);
     uint32_t best = TS_STORE_NONE;
-    for (uint32_t e = 0; e < h->entries; e++) {
+    for (uint32_t e = 0; e < h->layout.entries; e++) {
         ts_store_entry *en = &entries[e];
         if (atomic_load_explicit(&en->state, memory_order_relaxed) != TS_STORE_READY ||
             atomic_load_explicit(&en->pins, memory_order_acquire) != 0)
@@ -254,7 +254,7 @@ static uint32_t ts_block_room(ts_store *st, uint32_t k)
 static uint32_t ts_entry_take(ts_store_header *h)
 {
     ts_store_entry *entries = ts_entries_of(h);
-    for (uint32_t e = 0; e < h->entries; e++)
+    for (uint32_t e = 0; e < h->layout.entries; e++)
         if (atomic_load_explicit(&entries[e].state, memory_order_relaxed) == TS_STORE_FREE)
             return e;
     return TS_STORE_NONE;
@@ -268,13 +268,13 @@ static uint32_t ts_entry_take(ts_store_header *h)
  * entries of dead writers: every step of a change leaves the table valid. */
 static void ts_store_repair(ts_store_header *h)
 {
-    memset(ts_map_of(h), 0, h->min_blocks);
-    memset(ts_index_of(h), 0, (size_t)h->index_slots * sizeof(uint32_t));
+    memset(ts_map_of(h), 0, h->layout.min_blocks);
+    memset(ts_index_of(h), 0, (size_t)h->layout.index_slots * sizeof(uint32_t));
     for (uint32_t i = 0; i < TS_STORE_ORDERS; i++) h->free_head[i] = TS_STORE_NONE;
     h->used_bytes = 0;
     h->used_entries = 0;
     ts_store_entry *entries = ts_entries_of(h);
-    for (uint32_t e = 0; e < h->entries; e++) {
+    for (uint32_t e = 0; e < h->layout.entries; e++) {
         ts_store_entry *en = &entries[e];
         uint32_t s = atomic_load_explicit(&en->state, memory_order_relaxed);
         if (s == TS_STORE_FREE) continue;
@@ -289,8 +289,8 @@ static void ts_store_repair(ts_store_header *h)
         h->used_bytes += 1ULL << en->order;
         h->used_entries++;
     }
-    uint32_t top = 1u << (h->max_order - TS_STORE_MIN_ORDER);
-    for (uint32_t b = 0; b < h->min_blocks; b += top) ts_blocks_rebuild(h, b, h->max_order);
+    uint32_t top = 1u << (h->layout.max_order - TS_STORE_MIN_ORDER);
+    for (uint32_t b = 0; b < h->layout.min_blocks; b += top) ts_blocks_rebuild(h, b, h->layout.max_order);
     atomic_fetch_add_explicit(&h->repairs, 1, memory_order_relaxed);
 }
 
@@ -343,61 +343,62 @@ static ts_status ts_store_map(const char *name, int fd, uint64_t bytes, ts_store
     return TS_OK;
 }
 
-ts_status ts_store_create(const char *name, uint64_t samples, uint64_t budget,
-                          ts_store **out, ts_err *err)
+/* Plan the segment of a store of `samples` samples whose arena takes at most budget bytes
+ * (whole top blocks): where each table and the arena go. */
+static ts_status ts_store_plan(uint64_t samples, uint64_t budget, ts_store_layout *l,
+                               ts_err *err)
 {
     if (budget < (1ULL << TS_STORE_MIN_ORDER) || samples == 0)
         return ts_err_set(err, TS_E_INVALID, 0, "a sample store needs a budget of at least "
                           "4096 bytes and at least one sample (budget %llu, samples %llu)",
                           (unsigned long long)budget, (unsigned long long)samples);
-    uint32_t max_order = TS_STORE_MAX_ORDER;
-    while ((1ULL << max_order) > budget) max_order--;
-    uint64_t arena = (budget >> max_order) << max_order;
-    uint64_t min_blocks = arena >> TS_STORE_MIN_ORDER;
+    memset(l, 0, sizeof *l);
+    l->max_order = TS_STORE_MAX_ORDER;
+    while ((1ULL << l->max_order) > budget) l->max_order--;
+    l->arena_bytes = (budget >> l->max_order) << l->max_order;
+    uint64_t min_blocks = l->arena_bytes >> TS_STORE_MIN_ORDER;
     if (min_blocks >= TS_STORE_NONE)
         return ts_err_set(err, TS_E_INVALID, 0, "a sample store budget of %llu bytes is too "
                           "large", (unsigned long long)budget);
+    l->min_blocks = (uint32_t)min_blocks;
+    l->samples = samples;
     /* An entry per block, but never more than there are samples. */
-    uint32_t entries = (uint32_t)(min_blocks < samples ? min_blocks : samples), slots = 1;
-    while (slots < 2 * (uint64_t)entries) slots <<= 1;
+    l->entries = (uint32_t)(min_blocks < samples ? min_blocks : samples);
+    l->index_slots = 1;
+    while (l->index_slots < 2 * (uint64_t)l->entries) l->index_slots <<= 1;
     uint64_t off = ts_align(sizeof(ts_store_header), 64);
-    uint64_t entry_off = off;
-    off = ts_align(off + (uint64_t)entries * sizeof(ts_store_entry), 64);
-    uint64_t index_off = off;
-    off = ts_align(off + (uint64_t)slots * sizeof(uint32_t), 64);
-    uint64_t uses_off = off;
+    l->entry_offset = off;
+    off = ts_align(off + (uint64_t)l->entries * sizeof(ts_store_entry), 64);
+    l->index_offset = off;
+    off = ts_align(off + (uint64_t)l->index_slots * sizeof(uint32_t), 64);
+    l->uses_offset = off;
     off = ts_align(off + samples * sizeof(uint16_t), 64);
-    uint64_t map_off = off;
+    l->map_offset = off;
     off = ts_align(off + min_blocks, 64);
-    uint64_t links_off = off;
-    off = ts_align(off + min_blocks * 2 * sizeof(uint32_t), 4096);
-    uint64_t total = off + arena;
+    l->links_offset = off;
+    l->arena_offset = ts_align(off + min_blocks * 2 * sizeof(uint32_t), 4096);
+    l->segment_bytes = l->arena_offset + l->arena_bytes;
+    return TS_OK;
+}
 
-    int fd = -1;
-    ts_status s = ts_segment_create(name, total, &fd, err);
+ts_status ts_store_create(const char *name, uint64_t samples, uint64_t budget,
+                          ts_store **out, ts_err *err)
+{
+    ts_store_layout layout;
+    ts_status s = ts_store_plan(samples, budget, &layout, err);
     if (s != TS_OK) return s;
-    if ((s = ts_store_map(name, fd, total, out, err)) != TS_OK) {
+    int fd = -1;
+    if ((s = ts_segment_create(name, layout.segment_bytes, &fd, err)) != TS_OK) return s;
+    if ((s = ts_store_map(name, fd, layout.segment_bytes, out, err)) != TS_OK) {
         ts_segment_unlink(name, NULL);
         return s;
     }
     ts_store_header *h = (*out)->hdr;
     h->layout_version = TS_STORE_LAYOUT_VERSION;
-    h->max_order = max_order;
-    h->segment_bytes = total;
-    h->arena_offset = total - arena;
-    h->arena_bytes = arena;
-    h->samples = samples;
-    h->entries = entries;
-    h->index_slots = slots;
-    h->entry_offset = entry_off;
-    h->index_offset = index_off;
-    h->uses_offset = uses_off;
-    h->map_offset = map_off;
-    h->links_offset = links_off;
-    h->min_blocks = (uint32_t)min_blocks;
+    h->layout = layout;
     for (uint32_t i = 0; i < TS_STORE_ORDERS; i++) h->free_head[i] = TS_STORE_NONE;
-    uint32_t top = 1u << (max_order - TS_STORE_MIN_ORDER);
-    for (uint32_t b = 0; b < h->min_blocks; b += top) ts_free_push(h, b, max_order);
+    uint32_t top = 1u << (layout.max_order - TS_STORE_MIN_ORDER);
+    for (uint32_t b = 0; b < layout.min_blocks; b += top) ts_free_push(h, b, layout.max_order);
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
@@ -429,7 +430,7 @@ ts_status ts_store_open(const char *name, ts_store **out, ts_err *err)
     if ((s = ts_store_map(name, fd, bytes, out, err)) != TS_OK) return s;
     ts_store_header *h = (*out)->hdr;
     if (h->magic != TS_STORE_MAGIC || h->layout_version != TS_STORE_LAYOUT_VERSION ||
-        h->segment_bytes != bytes) {
+        h->layout.segment_bytes != bytes) {
         ts_store_close(*out);
         *out = NULL;
         return ts_err_set(err, TS_E_VERSION, 0, "%s is no sample store of layout %d", name,
@@ -444,7 +445,7 @@ void ts_store_close(ts_store *st)
     if (st->job != TS_STORE_NONE && ts_store_lock(st, NULL) == TS_OK) {
         uint64_t bit = 1ULL << st->job;
         ts_store_entry *entries = ts_entries_of(st->hdr);
-        for (uint32_t e = 0; e < st->hdr->entries; e++)
+        for (uint32_t e = 0; e < st->hdr->layout.entries; e++)
             atomic_fetch_and_explicit(&entries[e].pins, ~bit, memory_order_acq_rel);
         st->hdr->jobs[st->job].pid = 0;
         ts_store_unlock(st);
@@ -482,9 +483,9 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
                            ts_store_outcome *outcome, uint32_t *entry, void **data, ts_err *err)
 {
     ts_store_header *h = st->hdr;
-    if (sample >= h->samples)
+    if (sample >= h->layout.samples)
         return ts_err_set(err, TS_E_INVALID, 0, "sample %llu of a store of %llu samples",
-                          (unsigned long long)sample, (unsigned long long)h->samples);
+                          (unsigned long long)sample, (unsigned long long)h->layout.samples);
     ts_status s = ts_store_lock(st, err);
     if (s != TS_OK) return s;
     uint32_t e = ts_index_find(h, sample, NULL);
@@ -510,7 +511,7 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
         ts_entry_free(h, e);
         atomic_fetch_add_explicit(&h->evictions, 1, memory_order_relaxed);
     }
-    if (k <= h->max_order && e != TS_STORE_NONE) b = ts_block_room(st, k);
+    if (k <= h->layout.max_order && e != TS_STORE_NONE) b = ts_block_room(st, k);
     if (b == TS_STORE_NONE) {
         atomic_fetch_add_explicit(&h->no_room, 1, memory_order_relaxed);
         *outcome = TS_STORE_NO_ROOM;
@@ -532,7 +533,7 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
     h->used_entries++;
     *outcome = TS_STORE_RESERVED;
     *entry = e;
-    *data = (char *)h + h->arena_offset + en->offset;
+    *data = (char *)h + h->layout.arena_offset + en->offset;
     ts_store_unlock(st);
     return TS_OK;
 }
@@ -540,7 +541,7 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
 /* Entry e if it is a FILLING entry of this process, else NULL (err set). */
 static ts_store_entry *ts_own_filling(ts_store *st, uint32_t e, ts_err *err)
 {
-    ts_store_entry *en = e < st->hdr->entries ? &ts_entries_of(st->hdr)[e] : NULL;
+    ts_store_entry *en = e < st->hdr->layout.entries ? &ts_entries_of(st->hdr)[e] : NULL;
     if (en == NULL || atomic_load_explicit(&en->state, memory_order_relaxed) != TS_STORE_FILLING ||
         en->writer_pid != getpid()) {
         ts_err_set(err, TS_E_INVALID, 0, "entry %u is no entry this process fills", e);
@@ -592,7 +593,7 @@ ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const voi
     en->last_use = ++h->clock;
     atomic_fetch_add_explicit(&h->hits, 1, memory_order_relaxed);
     *entry = e;
-    *data = (const char *)h + h->arena_offset + en->offset;
+    *data = (const char *)h + h->layout.arena_offset + en->offset;
     *bytes = en->bytes;
     ts_store_unlock(st);
     return TS_OK;
@@ -600,7 +601,7 @@ ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const voi
 
 void ts_store_unpin(ts_store *st, uint32_t e)
 {
-    if (e >= st->hdr->entries || st->job == TS_STORE_NONE) return;
+    if (e >= st->hdr->layout.entries || st->job == TS_STORE_NONE) return;
     atomic_fetch_and_explicit(&ts_entries_of(st->hdr)[e].pins, ~(1ULL << st->job),
                               memory_order_acq_rel);
 }
@@ -613,7 +614,7 @@ ts_status ts_store_count_uses(ts_store *st, const uint64_t *samples, uint64_t n,
     if (s != TS_OK) return s;
     uint16_t *uses = ts_uses_of(h);
     for (uint64_t i = 0; i < n; i++) {
-        if (samples[i] >= h->samples) continue;
+        if (samples[i] >= h->layout.samples) continue;
         int v = (int)uses[samples[i]] + delta;
         uses[samples[i]] = (uint16_t)(v < 0 ? 0 : v > UINT16_MAX ? UINT16_MAX : v);
     }

@@ -59,22 +59,29 @@ typedef struct ts_store_job {
     uint64_t start_time;
 } ts_store_job;
 
-/* The header at offset 0 of the segment; the tables follow it (offsets below). */
-typedef struct ts_store_header {
-    uint64_t magic;
-    uint32_t layout_version;
+/* Where everything is in a store's segment, planned once at its creation
+ * (ts_store_plan). */
+typedef struct ts_store_layout {
     uint32_t max_order;      /* of the arena's top blocks */
+    uint32_t entries;        /* entry table capacity */
     uint64_t segment_bytes;
     uint64_t arena_offset;   /* where the arena starts (page aligned) */
     uint64_t arena_bytes;    /* a whole number of top blocks */
     uint64_t samples;        /* the dataset's length: the keys are 0..samples-1 */
-    uint32_t entries;        /* entry table capacity */
     uint32_t index_slots;    /* open-addressing slots, a power of two (>= 2 x entries) */
+    uint32_t min_blocks;     /* arena_bytes >> TS_STORE_MIN_ORDER */
     uint64_t entry_offset, index_offset, uses_offset, map_offset, links_offset;
+} ts_store_layout;
+
+/* The header at offset 0 of the segment; the tables follow it (layout). */
+typedef struct ts_store_header {
+    uint64_t magic;
+    uint32_t layout_version;
+    uint32_t pad;
+    ts_store_layout layout;
     pthread_mutex_t lock;    /* robust, process-shared: every change below */
     uint64_t clock;          /* bumped by each get and commit (under lock) */
     uint32_t free_head[TS_STORE_ORDERS]; /* per order: first free block (min-block no.) */
-    uint32_t min_blocks;     /* arena_bytes >> TS_STORE_MIN_ORDER */
     uint64_t used_bytes;     /* bytes in blocks of FILLING and READY entries */
     uint32_t used_entries;
     ts_store_job jobs[TS_STORE_MAX_JOBS];

@@ -27,6 +27,31 @@ static void store_name(char *buf, size_t cap)
     ts_segment_unlink(buf, NULL);
 }
 
+/* A store made for a test, attached: its name and this process's handle. */
+typedef struct fixture {
+    char name[64];
+    ts_store *st;
+} fixture;
+
+/* Create and attach store fx of `samples` samples and an arena of budget bytes; 0 on
+ * success. */
+static int fx_create(fixture *fx, uint64_t samples, uint64_t budget)
+{
+    ts_err err = {0};
+    store_name(fx->name, sizeof fx->name);
+    int ok = CHECK_ST(ts_store_create(fx->name, samples, budget, &fx->st, &err), TS_OK) &&
+             CHECK_ST(ts_store_attach(fx->st, &err), TS_OK);
+    return ok ? 0 : -1;
+}
+
+/* Close the handle of fx and remove its store. */
+static void fx_destroy(fixture *fx)
+{
+    ts_store_close(fx->st);
+    fx->st = NULL;
+    ts_segment_unlink(fx->name, NULL);
+}
+
 /* Fill n bytes at p with the pattern of sample s. */
 static void fill(void *p, uint64_t n, uint64_t s)
 {
@@ -71,17 +96,15 @@ static int has(ts_store *st, uint64_t s, uint64_t n)
 /* A sample is visible only once committed, with its bytes; a second reserve finds it. */
 static void test_put_get(void)
 {
-    char name[64];
-    ts_store *st = NULL;
+    fixture fx = {0};
     ts_err err = {0};
     ts_store_outcome o;
     uint32_t e, e2;
     void *p;
     const void *q;
     uint64_t bytes;
-    store_name(name, sizeof name);
-    REQUIRE_OK(ts_store_create(name, 100, 1 << 20, &st, &err));
-    REQUIRE_OK(ts_store_attach(st, &err));
+    REQUIRE(fx_create(&fx, 100, 1 << 20) == 0);
+    ts_store *st = fx.st;
     REQUIRE_OK(ts_store_reserve(st, 3, 5000, &o, &e, &p, &err));
     REQUIRE(CHECK_EQ(o, TS_STORE_RESERVED));
     fill(p, 5000, 3);
@@ -99,23 +122,20 @@ static void test_put_get(void)
     CHECK_EQ(st->hdr->hits, 1);
     CHECK_EQ(st->hdr->misses, 1);
 out:
-    ts_store_close(st);
-    ts_segment_unlink(name, NULL);
+    fx_destroy(&fx);
 }
 
 /* The arena's blocks split and merge: after samples of mixed sizes come and go, one
  * sample of the whole arena fits again. */
 static void test_buddy(void)
 {
-    char name[64];
-    ts_store *st = NULL;
+    fixture fx = {0};
     ts_err err = {0};
     ts_store_outcome o;
     uint32_t e[8];
     void *p;
-    store_name(name, sizeof name);
-    REQUIRE_OK(ts_store_create(name, 100, 1 << 16, &st, &err)); /* one 64 KiB top block */
-    REQUIRE_OK(ts_store_attach(st, &err));
+    REQUIRE(fx_create(&fx, 100, 1 << 16) == 0); /* one 64 KiB top block */
+    ts_store *st = fx.st;
     const uint64_t sizes[8] = {4096, 100, 8192, 3000, 16384, 4097, 1, 4096};
     for (uint32_t i = 0; i < 8; i++) {
         REQUIRE_OK(ts_store_reserve(st, i, sizes[i], &o, &e[i], &p, &err));
@@ -131,25 +151,22 @@ static void test_buddy(void)
     CHECK_EQ(st->hdr->evictions, 4);
     CHECK(has(st, 50, 1 << 16));
 out:
-    ts_store_close(st);
-    ts_segment_unlink(name, NULL);
+    fx_destroy(&fx);
 }
 
 /* Eviction takes the sample fewest jobs still need, then the least recently used; a pinned
  * sample is never evicted, and an insert that would need one is refused (NO_ROOM). */
 static void test_eviction(void)
 {
-    char name[64];
-    ts_store *st = NULL;
+    fixture fx = {0};
     ts_err err = {0};
     ts_store_outcome o;
     uint32_t e, pinned[16];
     void *p;
     const void *q;
     uint64_t bytes;
-    store_name(name, sizeof name);
-    REQUIRE_OK(ts_store_create(name, 100, 1 << 16, &st, &err)); /* 16 blocks of 4 KiB */
-    REQUIRE_OK(ts_store_attach(st, &err));
+    REQUIRE(fx_create(&fx, 100, 1 << 16) == 0); /* 16 blocks of 4 KiB */
+    ts_store *st = fx.st;
     uint64_t all[16];
     for (uint64_t s = 0; s < 16; s++) all[s] = s;
     REQUIRE_OK(ts_store_count_uses(st, all, 16, +1, &err));
@@ -177,8 +194,7 @@ static void test_eviction(void)
     CHECK_EQ(o, TS_STORE_RESERVED);
     REQUIRE_OK(ts_store_abort(st, e, &err));
 out:
-    ts_store_close(st);
-    ts_segment_unlink(name, NULL);
+    fx_destroy(&fx);
 }
 
 /* Run fn(st, arg) in a child process with its own handle on store `name`; the child's exit
@@ -228,19 +244,17 @@ static void die_locked(ts_store *st, int arg)
  * leaves a state rebuilt from the entries (EOWNERDEAD), with every committed sample kept. */
 static void test_dead_processes(void)
 {
-    char name[64];
-    ts_store *st = NULL;
+    fixture fx = {0};
     ts_err err = {0};
     ts_store_outcome o;
     uint32_t e;
     void *p;
     const void *q;
     uint64_t bytes;
-    store_name(name, sizeof name);
-    REQUIRE_OK(ts_store_create(name, 100, 1 << 16, &st, &err));
-    REQUIRE_OK(ts_store_attach(st, &err));
+    REQUIRE(fx_create(&fx, 100, 1 << 16) == 0);
+    ts_store *st = fx.st;
     REQUIRE(put(st, 1, 5000));
-    REQUIRE(CHECK_EQ(in_child(name, die_filling, 7), 0));
+    REQUIRE(CHECK_EQ(in_child(fx.name, die_filling, 7), 0));
     CHECK_ST(ts_store_get(st, 7, &e, &q, &bytes, &err), TS_E_NOT_FOUND);
     CHECK_EQ(st->hdr->used_entries, 2);
     REQUIRE_OK(ts_store_reserve(st, 7, 4096, &o, &e, &p, &err));
@@ -249,8 +263,8 @@ static void test_dead_processes(void)
     fill(p, 4096, 7);
     REQUIRE_OK(ts_store_commit(st, e, &err));
 
-    REQUIRE(CHECK_EQ(in_child(name, die_filling, 8), 0));
-    REQUIRE(CHECK_EQ(in_child(name, die_locked, 0), 0));
+    REQUIRE(CHECK_EQ(in_child(fx.name, die_filling, 8), 0));
+    REQUIRE(CHECK_EQ(in_child(fx.name, die_locked, 0), 0));
     CHECK(has(st, 1, 5000)); /* the lock's next taker repaired the state */
     CHECK_EQ(st->hdr->repairs, 1);
     CHECK(has(st, 7, 4096));
@@ -258,22 +272,19 @@ static void test_dead_processes(void)
     CHECK(put(st, 9, 1 << 15)); /* the arena's lists work: half of it in one block */
     CHECK(has(st, 9, 1 << 15));
 out:
-    ts_store_close(st);
-    ts_segment_unlink(name, NULL);
+    fx_destroy(&fx);
 }
 
 /* A sample another live process fills is RACED: decoded privately, not waited for. */
 static void test_race(void)
 {
-    char name[64];
-    ts_store *st = NULL;
+    fixture fx = {0};
     ts_err err = {0};
     ts_store_outcome o;
     uint32_t e;
     void *p;
-    store_name(name, sizeof name);
-    REQUIRE_OK(ts_store_create(name, 100, 1 << 16, &st, &err));
-    REQUIRE_OK(ts_store_attach(st, &err));
+    REQUIRE(fx_create(&fx, 100, 1 << 16) == 0);
+    ts_store *st = fx.st;
     /* This process's own reserve stands for the live other writer. */
     REQUIRE_OK(ts_store_reserve(st, 4, 4096, &o, &e, &p, &err));
     REQUIRE(CHECK_EQ(o, TS_STORE_RESERVED));
@@ -282,12 +293,11 @@ static void test_race(void)
     CHECK_EQ(o, TS_STORE_RACED);
     CHECK_EQ(st->hdr->races, 1);
     REQUIRE_OK(ts_store_abort(st, e, &err));
-    REQUIRE(CHECK_EQ(in_child(name, die_filling, 5), 0)); /* a writer that is gone */
+    REQUIRE(CHECK_EQ(in_child(fx.name, die_filling, 5), 0)); /* a writer that is gone */
     REQUIRE_OK(ts_store_reserve(st, 5, 4096, &o, &e2, &p, &err));
     CHECK_EQ(o, TS_STORE_RESERVED);
 out:
-    ts_store_close(st);
-    ts_segment_unlink(name, NULL);
+    fx_destroy(&fx);
 }
 
 /* One worker of the stress test: random reserves (filled with the sample's pattern, then
@@ -334,27 +344,25 @@ static void stress_worker(ts_store *st, int seed)
  * its entries and every READY sample reads back whole. */
 static void test_stress(void)
 {
-    char name[64];
-    ts_store *st = NULL;
+    fixture fx = {0};
     ts_err err = {0};
     pid_t kids[5] = {0};
-    store_name(name, sizeof name);
-    REQUIRE_OK(ts_store_create(name, 64, 1 << 17, &st, &err)); /* 128 KiB: ~10 samples */
-    REQUIRE_OK(ts_store_attach(st, &err));
+    REQUIRE(fx_create(&fx, 64, 1 << 17) == 0); /* 128 KiB: ~10 samples */
+    ts_store *st = fx.st;
     fflush(NULL);
     for (int k = 0; k < 5; k++) {
         if (k == 4) { /* one of the first four killed meanwhile, a fifth in its place */
             sleep_ms(20);
             kill(kids[0], SIGKILL);
             /* and one that dies holding the lock, a change half done, while they run */
-            CHECK_EQ(in_child(name, die_locked, 0), 0);
+            CHECK_EQ(in_child(fx.name, die_locked, 0), 0);
         }
         kids[k] = fork();
         REQUIRE(kids[k] >= 0);
         if (kids[k] == 0) {
             ts_store *mine = NULL;
             ts_err e2 = {0};
-            if (ts_store_open(name, &mine, &e2) != TS_OK || ts_store_attach(mine, &e2) != TS_OK)
+            if (ts_store_open(fx.name, &mine, &e2) != TS_OK || ts_store_attach(mine, &e2) != TS_OK)
                 _exit(90);
             stress_worker(mine, k + 1);
             ts_store_close(mine);
@@ -374,7 +382,7 @@ static void test_stress(void)
     uint64_t used = 0;
     uint32_t live = 0;
     ts_store_entry *entries = ts_store_entries(st);
-    for (uint32_t i = 0; i < st->hdr->entries; i++) {
+    for (uint32_t i = 0; i < st->hdr->layout.entries; i++) {
         uint32_t state = atomic_load(&entries[i].state);
         if (state == TS_STORE_FREE) continue;
         CHECK_EQ(state, TS_STORE_READY); /* no FILLING left: its writer is gone */
@@ -392,8 +400,7 @@ static void test_stress(void)
            (unsigned long long)st->hdr->no_room, (unsigned long long)st->hdr->repairs,
            writers, jobs);
 out:
-    ts_store_close(st);
-    ts_segment_unlink(name, NULL);
+    fx_destroy(&fx);
 }
 
 static const ts_test g_tests[] = {
