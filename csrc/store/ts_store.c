@@ -40,6 +40,11 @@ static ts_store_entry *ts_entries_of(ts_store_header *h)
 }
 static uint32_t *ts_index_of(ts_store_header *h) { return (uint32_t *)((char *)h + h->layout.index_offset); }
 static uint16_t *ts_uses_of(ts_store_header *h) { return (uint16_t *)((char *)h + h->layout.uses_offset); }
+/* Job slot j's bitmap of the samples it still needs. */
+static uint64_t *ts_needs_of(ts_store_header *h, uint32_t j)
+{
+    return (uint64_t *)((char *)h + h->layout.needs_offset) + (uint64_t)j * h->layout.needs_words;
+}
 static uint8_t *ts_map_of(ts_store_header *h) { return (uint8_t *)h + h->layout.map_offset; }
 /* links[2 * b] / [2 * b + 1]: next / prev free block of free block b's list. */
 static uint32_t *ts_links_of(ts_store_header *h) { return (uint32_t *)((char *)h + h->layout.links_offset); }
@@ -193,13 +198,28 @@ static uint32_t ts_reap_writers(ts_store_header *h)
     return n;
 }
 
-/* Clear the pins of jobs whose process died, and free their slots; how many. */
+/* Job slot j's needs go: each sample it still needed has one use fewer. */
+static void ts_job_needs_drop(ts_store_header *h, uint32_t j)
+{
+    uint64_t *needs = ts_needs_of(h, j);
+    uint16_t *uses = ts_uses_of(h);
+    for (uint64_t w = 0; w < h->layout.needs_words; w++) {
+        for (uint64_t bits = needs[w]; bits != 0; bits &= bits - 1) {
+            uint16_t *u = &uses[w * 64 + (uint64_t)__builtin_ctzll(bits)];
+            if (*u > 0) (*u)--;
+        }
+        needs[w] = 0;
+    }
+}
+
+/* Clear the pins and needs of jobs whose process died, and free their slots; how many. */
 static uint32_t ts_reap_jobs(ts_store_header *h)
 {
     uint64_t dead = 0;
     for (uint32_t j = 0; j < TS_STORE_MAX_JOBS; j++)
         if (h->jobs[j].pid != 0 && !ts_proc_alive(h->jobs[j].pid, h->jobs[j].start_time)) {
             dead |= 1ULL << j;
+            ts_job_needs_drop(h, j);
             h->jobs[j].pid = 0;
         }
     if (dead == 0) return 0;
@@ -373,6 +393,9 @@ static ts_status ts_store_plan(uint64_t samples, uint64_t budget, ts_store_layou
     off = ts_align(off + (uint64_t)l->index_slots * sizeof(uint32_t), 64);
     l->uses_offset = off;
     off = ts_align(off + samples * sizeof(uint16_t), 64);
+    l->needs_offset = off;
+    l->needs_words = (samples + 63) / 64;
+    off = ts_align(off + TS_STORE_MAX_JOBS * l->needs_words * sizeof(uint64_t), 64);
     l->map_offset = off;
     off = ts_align(off + min_blocks, 64);
     l->links_offset = off;
@@ -447,6 +470,7 @@ void ts_store_close(ts_store *st)
         ts_store_entry *entries = ts_entries_of(st->hdr);
         for (uint32_t e = 0; e < st->hdr->layout.entries; e++)
             atomic_fetch_and_explicit(&entries[e].pins, ~bit, memory_order_acq_rel);
+        ts_job_needs_drop(st->hdr, st->job);
         st->hdr->jobs[st->job].pid = 0;
         ts_store_unlock(st);
     }
@@ -606,18 +630,36 @@ void ts_store_unpin(ts_store *st, uint32_t e)
                               memory_order_acq_rel);
 }
 
-ts_status ts_store_count_uses(ts_store *st, const uint64_t *samples, uint64_t n, int delta,
-                              ts_err *err)
+ts_status ts_store_need(ts_store *st, const uint64_t *samples, uint64_t n, ts_err *err)
 {
     ts_store_header *h = st->hdr;
+    if (st->job == TS_STORE_NONE)
+        return ts_err_set(err, TS_E_INVALID, 0, "attach to the sample store before its needs");
     ts_status s = ts_store_lock(st, err);
     if (s != TS_OK) return s;
+    uint64_t *needs = ts_needs_of(h, st->job);
     uint16_t *uses = ts_uses_of(h);
     for (uint64_t i = 0; i < n; i++) {
-        if (samples[i] >= h->layout.samples) continue;
-        int v = (int)uses[samples[i]] + delta;
-        uses[samples[i]] = (uint16_t)(v < 0 ? 0 : v > UINT16_MAX ? UINT16_MAX : v);
+        uint64_t x = samples[i], bit = 1ULL << (x % 64);
+        if (x >= h->layout.samples || (needs[x / 64] & bit)) continue;
+        needs[x / 64] |= bit;
+        if (uses[x] < UINT16_MAX) uses[x]++;
     }
+    ts_store_unlock(st);
+    return TS_OK;
+}
+
+ts_status ts_store_visited(ts_store *st, uint64_t x, ts_err *err)
+{
+    ts_store_header *h = st->hdr;
+    if (st->job == TS_STORE_NONE || x >= h->layout.samples) return TS_OK;
+    uint64_t *word = &ts_needs_of(h, st->job)[x / 64], bit = 1ULL << (x % 64);
+    if (!(*word & bit)) return TS_OK; /* (read by this job only: no lock to look) */
+    ts_status s = ts_store_lock(st, err);
+    if (s != TS_OK) return s;
+    *word &= ~bit;
+    uint16_t *u = &ts_uses_of(h)[x];
+    if (*u > 0) (*u)--;
     ts_store_unlock(st);
     return TS_OK;
 }

@@ -71,6 +71,8 @@ typedef struct ts_store_layout {
     uint32_t index_slots;    /* open-addressing slots, a power of two (>= 2 x entries) */
     uint32_t min_blocks;     /* arena_bytes >> TS_STORE_MIN_ORDER */
     uint64_t entry_offset, index_offset, uses_offset, map_offset, links_offset;
+    uint64_t needs_offset;   /* per job slot, a bitmap of the samples it still needs */
+    uint64_t needs_words;    /* 64-bit words of one job's bitmap */
 } ts_store_layout;
 
 /* The header at offset 0 of the segment; the tables follow it (layout). */
@@ -122,10 +124,12 @@ ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const voi
                        uint64_t *bytes, ts_err *err);
 /* Drop this job's pin of entry (its last view went). Touches no lock. */
 void ts_store_unpin(ts_store *st, uint32_t entry);
-/* Add delta to the remaining uses of each of n samples (a job's epoch: +1 each at its
- * start, -1 at each visit). */
-ts_status ts_store_count_uses(ts_store *st, const uint64_t *samples, uint64_t n, int delta,
-                              ts_err *err);
+/* This job needs each of n samples (again) in its epoch: a job's epoch order, at its start.
+ * A sample's remaining uses are the jobs that still need it (eviction takes the fewest);
+ * a job's needs go when it closes or dies. */
+ts_status ts_store_need(ts_store *st, const uint64_t *samples, uint64_t n, ts_err *err);
+/* This job visited sample s: it needs it no more this epoch. */
+ts_status ts_store_visited(ts_store *st, uint64_t s, ts_err *err);
 
 /* Free the entries of writers that died mid-insert and the pins of jobs that died; how
  * many of each went, in *writers and *jobs (either may be NULL). */

@@ -159,6 +159,7 @@ out:
 static void test_eviction(void)
 {
     fixture fx = {0};
+    ts_store *other = NULL;
     ts_err err = {0};
     ts_store_outcome o;
     uint32_t e, pinned[16];
@@ -169,10 +170,12 @@ static void test_eviction(void)
     ts_store *st = fx.st;
     uint64_t all[16];
     for (uint64_t s = 0; s < 16; s++) all[s] = s;
-    REQUIRE_OK(ts_store_count_uses(st, all, 16, +1, &err));
-    REQUIRE_OK(ts_store_count_uses(st, all, 16, +1, &err)); /* two jobs need each */
-    uint64_t done[2] = {5, 9};
-    REQUIRE_OK(ts_store_count_uses(st, done, 2, -1, &err)); /* one job read 5 and 9 */
+    REQUIRE_OK(ts_store_open(fx.name, &other, &err)); /* a second job */
+    REQUIRE_OK(ts_store_attach(other, &err));
+    REQUIRE_OK(ts_store_need(st, all, 16, &err));
+    REQUIRE_OK(ts_store_need(other, all, 16, &err));
+    REQUIRE_OK(ts_store_visited(st, 5, &err)); /* this one read 5 and 9 */
+    REQUIRE_OK(ts_store_visited(st, 9, &err));
     for (uint64_t s = 0; s < 16; s++) REQUIRE(put(st, s, 4096));
     CHECK(has(st, 5, 4096)); /* 5 used last: 9 is the older of the two needed least */
     REQUIRE(put(st, 20, 4096));
@@ -194,6 +197,7 @@ static void test_eviction(void)
     CHECK_EQ(o, TS_STORE_RESERVED);
     REQUIRE_OK(ts_store_abort(st, e, &err));
 out:
+    ts_store_close(other);
     fx_destroy(&fx);
 }
 
@@ -227,6 +231,15 @@ static void die_filling(ts_store *st, int arg)
         o != TS_STORE_RESERVED)
         _exit(91);
     memset(p, 0xee, 100); /* half written */
+    _exit(0);
+}
+
+/* A job that needs sample `arg` and dies. */
+static void need_and_die(ts_store *st, int arg)
+{
+    ts_err err = {0};
+    uint64_t x = (uint64_t)arg;
+    if (ts_store_need(st, &x, 1, &err) != TS_OK) _exit(96);
     _exit(0);
 }
 
@@ -272,6 +285,43 @@ static void test_dead_processes(void)
     CHECK(put(st, 9, 1 << 15)); /* the arena's lists work: half of it in one block */
     CHECK(has(st, 9, 1 << 15));
 out:
+    fx_destroy(&fx);
+}
+
+/* A sample's remaining uses are the jobs that still need it: needing it twice counts once,
+ * a visit takes the job's need away, and a job's needs go when it closes or dies. */
+static void test_needs(void)
+{
+    fixture fx = {0};
+    ts_store *other = NULL;
+    ts_err err = {0};
+    REQUIRE(fx_create(&fx, 200, 1 << 16) == 0);
+    ts_store *st = fx.st;
+    const uint16_t *uses = (const uint16_t *)((char *)st->hdr + st->hdr->layout.uses_offset);
+    uint64_t some[4] = {3, 64, 199, 3};
+    REQUIRE_OK(ts_store_need(st, some, 4, &err));
+    CHECK_EQ(uses[3], 1);
+    CHECK_EQ(uses[64], 1);
+    REQUIRE_OK(ts_store_open(fx.name, &other, &err));
+    REQUIRE_OK(ts_store_attach(other, &err));
+    REQUIRE_OK(ts_store_need(other, some, 2, &err));
+    CHECK_EQ(uses[3], 2);
+    REQUIRE_OK(ts_store_visited(st, 3, &err));
+    REQUIRE_OK(ts_store_visited(st, 3, &err)); /* (a second visit: nothing more to take) */
+    CHECK_EQ(uses[3], 1);
+    ts_store_close(other);
+    other = NULL;
+    CHECK_EQ(uses[3], 0);
+    CHECK_EQ(uses[64], 1);
+    REQUIRE(CHECK_EQ(in_child(fx.name, need_and_die, 150), 0));
+    CHECK_EQ(uses[150], 1); /* a dead job's needs stay until it is reaped */
+    uint32_t writers = 0, jobs = 0;
+    REQUIRE_OK(ts_store_reap(st, &writers, &jobs, &err));
+    CHECK_EQ(jobs, 1);
+    CHECK_EQ(uses[150], 0);
+    CHECK_EQ(uses[199], 1);
+out:
+    ts_store_close(other);
     fx_destroy(&fx);
 }
 
@@ -407,6 +457,7 @@ static const ts_test g_tests[] = {
     {"store_put_get", test_put_get},
     {"store_buddy", test_buddy},
     {"store_eviction", test_eviction},
+    {"store_needs", test_needs},
     {"store_dead_processes", test_dead_processes},
     {"store_race", test_race},
     {"store_stress", test_stress},
