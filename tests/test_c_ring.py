@@ -44,13 +44,14 @@ def _compile(sources: list[str], out: Path, extra: list[str]) -> subprocess.Comp
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
 
 
-def _build(out_dir: Path, extra: list[str]) -> Path:
-    """Compile test_ring.c with the core; fail the test with the compiler output."""
-    binary = out_dir / "test_ring"
-    proc = _compile([str(TEST_SRC.relative_to(ROOT)), *core_sources()], binary, extra)
+def _build(out_dir: Path, extra: list[str], source: Path = TEST_SRC) -> Path:
+    """Compile a C test program (test_ring.c unless `source` says) with the core; fail the
+    test with the compiler output."""
+    binary = out_dir / source.stem
+    proc = _compile([str(source.relative_to(ROOT)), *core_sources()], binary, extra)
     if proc.returncode != 0:
         pytest.fail(
-            f"compiling the C ring tests failed:\n{shlex.join(proc.args)}\n"
+            f"compiling {source.name} failed:\n{shlex.join(proc.args)}\n"
             f"{proc.stdout}{proc.stderr}"
         )
     return binary

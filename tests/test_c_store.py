@@ -5,18 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-from c_sources import core_sources
-from test_c_ring import ASAN_FLAGS, _check_output, _compile, _run
+from test_c_ring import ASAN_FLAGS, CSRC, _build, _check_output, _run
 
 SEGMENTS = "tensorsocket-cstore-*"  # the test program's stores, in /dev/shm
 
 
 def test_c_store(tmp_path: Path) -> None:
-    binary = tmp_path / "test_store"
-    proc = _compile(["csrc/tests/test_store.c", *core_sources()], binary, ASAN_FLAGS)
-    if proc.returncode != 0:
-        pytest.fail(f"compiling the C store tests failed:\n{proc.stdout}{proc.stderr}")
+    binary = _build(tmp_path, ASAN_FLAGS, CSRC / "tests" / "test_store.c")
     before = set(Path("/dev/shm").glob(SEGMENTS))
     try:
         rc, out = _run([str(binary)], {"UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"})

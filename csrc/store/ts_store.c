@@ -212,20 +212,28 @@ static void ts_job_needs_drop(ts_store_header *h, uint32_t j)
     }
 }
 
-/* Clear the pins and needs of jobs whose process died, and free their slots; how many. */
+/* The jobs of `mask` leave (closed, or dead): their pins and needs go, their slots are
+ * free. */
+static void ts_jobs_drop(ts_store_header *h, uint64_t mask)
+{
+    ts_store_entry *entries = ts_entries_of(h);
+    for (uint32_t e = 0; e < h->layout.entries; e++)
+        atomic_fetch_and_explicit(&entries[e].pins, ~mask, memory_order_acq_rel);
+    for (uint32_t j = 0; j < TS_STORE_MAX_JOBS; j++)
+        if (mask & (1ULL << j)) {
+            ts_job_needs_drop(h, j);
+            h->jobs[j].pid = 0;
+        }
+}
+
+/* Drop the jobs whose process died (ts_jobs_drop); how many. */
 static uint32_t ts_reap_jobs(ts_store_header *h)
 {
     uint64_t dead = 0;
     for (uint32_t j = 0; j < TS_STORE_MAX_JOBS; j++)
-        if (h->jobs[j].pid != 0 && !ts_proc_alive(h->jobs[j].pid, h->jobs[j].start_time)) {
+        if (h->jobs[j].pid != 0 && !ts_proc_alive(h->jobs[j].pid, h->jobs[j].start_time))
             dead |= 1ULL << j;
-            ts_job_needs_drop(h, j);
-            h->jobs[j].pid = 0;
-        }
-    if (dead == 0) return 0;
-    ts_store_entry *entries = ts_entries_of(h);
-    for (uint32_t e = 0; e < h->layout.entries; e++)
-        atomic_fetch_and_explicit(&entries[e].pins, ~dead, memory_order_acq_rel);
+    if (dead != 0) ts_jobs_drop(h, dead);
     return (uint32_t)__builtin_popcountll(dead);
 }
 
@@ -466,12 +474,7 @@ void ts_store_close(ts_store *st)
 {
     if (st == NULL) return;
     if (st->job != TS_STORE_NONE && ts_store_lock(st, NULL) == TS_OK) {
-        uint64_t bit = 1ULL << st->job;
-        ts_store_entry *entries = ts_entries_of(st->hdr);
-        for (uint32_t e = 0; e < st->hdr->layout.entries; e++)
-            atomic_fetch_and_explicit(&entries[e].pins, ~bit, memory_order_acq_rel);
-        ts_job_needs_drop(st->hdr, st->job);
-        st->hdr->jobs[st->job].pid = 0;
+        ts_jobs_drop(st->hdr, 1ULL << st->job);
         ts_store_unlock(st);
     }
     munmap(st->hdr, st->map_bytes);
@@ -542,7 +545,6 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
         ts_store_unlock(st);
         return TS_OK;
     }
-    e = ts_entry_take(h); /* (an eviction may have freed a lower one: any is fine) */
     ts_store_entry *en = &ts_entries_of(h)[e];
     en->order = k;
     en->sample = sample;
