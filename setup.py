@@ -11,7 +11,7 @@ from glob import glob
 from setuptools import Extension, setup
 
 # csrc/base (OS primitives, errors), csrc/device (the device interface, the CUDA backend),
-# csrc/ring (the ring, DLPack export), csrc/binding (the module: the only Python.h user).
+# csrc/ring (the ring, DLPack export), csrc/store (the decoded-sample store), csrc/binding (the module: the only Python.h user).
 SOURCES = sorted(glob("csrc/*/ts_*.c"))
 
 compile_args = ["-std=c11", "-Wall", "-Wextra", "-O2", "-fvisibility=hidden"]

@@ -6,7 +6,8 @@ reaches its compiled ``backend`` (tests/test_layering.py holds the rule): the ri
 ``ts_ring.h``), its states and reasons as ``IntEnum`` s rather than bare ints, a ring's
 header and handle state as a typed ``RingInfo`` rather than a dict read by string keys,
 and the process helpers the core implements (``ProcessWatch``, a process's liveness by
-pidfd; ``process_alive`` ...).
+pidfd; ``process_alive`` ...), and the store of decoded samples (``Store``, what a put
+found as a ``StoreOutcome``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from ._core import (  # noqa: F401 - the face re-exports the core's types and he
     Ring,
     Slot,
     SlotView,
+    Store,
     TooManyConsumers,
+    VersionMismatch,
     copy_stream,
     cuda_loaded,
     cuda_status,
@@ -44,6 +47,18 @@ MIN_SLOTS: int = _core.MIN_SLOTS  # fewest slots a ring holds
 RESERVE_SLOTS: int = _core.RESERVE_SLOTS
 MAX_NDIM: int = _core.MAX_NDIM  # dimensions of a leaf
 LAYOUT_VERSION: int = _core.LAYOUT_VERSION  # of the segment (another version's is refused)
+
+
+STORE_MAX_JOBS: int = _core.STORE_MAX_JOBS  # processes a store's job table holds
+
+
+class StoreOutcome(enum.IntEnum):
+    """What Store.put found."""
+
+    STORED = _core.STORE_STORED  # copied in and committed: every job sees it
+    PRESENT = _core.STORE_PRESENT  # another process stored it first
+    RACED = _core.STORE_RACED  # another process stores it now
+    NO_ROOM = _core.STORE_NO_ROOM  # the budget is taken by pinned samples, or it was dropped
 
 
 class RingState(enum.IntEnum):
@@ -130,7 +145,7 @@ class RingInfo:
     gpu_importers: int
 
     @classmethod
-    def of(cls, ring: Ring) -> "RingInfo":
+    def of(cls, ring: Ring) -> RingInfo:
         """The info of `ring` now."""
         raw = ring.info()
         raw["state"] = _member(RingState, raw["state"])

@@ -1,5 +1,5 @@
 """Builds csrc/tests/test_store.c with the C core under ASan+UBSan and runs it: the C unit
-tests of the decoded-sample store (issue 38, being built: docs/decoded-store.md)."""
+tests of the decoded-sample store (issue 38: docs/decoded-store.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_c_store(tmp_path: Path) -> None:
     before = set(Path("/dev/shm").glob(SEGMENTS))
     try:
         rc, out = _run([str(binary)], {"UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"})
-        _check_output(rc, out, expect_passed=7)
+        _check_output(rc, out, expect_passed=9)
         left = set(Path("/dev/shm").glob(SEGMENTS)) - before
         assert not left, f"the store tests left segments: {sorted(left)}"
     finally:

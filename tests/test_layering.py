@@ -36,7 +36,7 @@ PY_LAYERS = [
     {"loader"},
     {"augment"},
     {"producer", "consumer", "surface"},
-    {"sharing"},
+    {"sharing", "store"},
     {"cli"},
     {"__init__", "__main__"},
 ]

@@ -506,7 +506,7 @@ static int ts_module_exec(PyObject *module)
         PyModule_AddType(module, st->Slot_type) < 0 ||
         PyModule_AddType(module, st->SlotView_type) < 0 ||
         PyModule_AddType(module, st->Lane_type) < 0 ||
-        PyModule_AddType(module, st->Watch_type) < 0)
+        PyModule_AddType(module, st->Watch_type) < 0 || ts_py_store_add(module, st) < 0)
         goto done;
     if (ts_add_exception(module, &st->TensorSocketError, "TensorSocketError",
                          PyExc_RuntimeError, "Base class of tensorsocket errors.") < 0)
@@ -578,6 +578,7 @@ static int ts_module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->SlotView_type);
     Py_VISIT(st->Lane_type);
     Py_VISIT(st->Watch_type);
+    Py_VISIT(st->Store_type);
     Py_VISIT(st->TensorSocketError);
     Py_VISIT(st->ProducerGone);
     Py_VISIT(st->ProducerFinished);
@@ -600,6 +601,7 @@ static int ts_module_clear(PyObject *module)
     Py_CLEAR(st->SlotView_type);
     Py_CLEAR(st->Lane_type);
     Py_CLEAR(st->Watch_type);
+    Py_CLEAR(st->Store_type);
     for (int i = 0; i < TS_LANE_NAMES; i++) Py_CLEAR(st->lane_names[i]);
     Py_CLEAR(st->TensorSocketError);
     Py_CLEAR(st->ProducerGone);

@@ -2,8 +2,8 @@
  *
  * The binding is ts_module.c (module state, errors, the device driver, module functions,
  * init), ts_py_ring.c (the Ring type), ts_py_slot.c (Slot and SlotView), ts_py_lane.c
- * (Lane, the common path of a consumer's next()) and ts_py_watch.c (ProcessWatch, a
- * process's liveness by pidfd): the only files of the core that include Python.h. They
+ * (Lane, the common path of a consumer's next()), ts_py_watch.c (ProcessWatch, a
+ * process's liveness by pidfd) and ts_py_store.c (Store, the decoded-sample store): the only files of the core that include Python.h. They
  * convert between Python objects and the core's structs and calls; the core does the rest.
  * Every type is a heap type made per module (multi-phase init), immutable, not
  * subclassable, not instantiable from Python; but Lane, the base class of the consumer's
@@ -39,6 +39,7 @@ typedef struct ts_state {
     PyTypeObject *SlotView_type;
     PyTypeObject *Lane_type;
     PyTypeObject *Watch_type;
+    PyTypeObject *Store_type;
     PyObject *lane_names[TS_LANE_NAMES]; /* owns: interned attribute names (ts_lane_name) */
     PyObject *TensorSocketError;
     PyObject *ProducerGone;
@@ -147,6 +148,12 @@ typedef struct ts_py_field {
 
 /* A new dict of the n fields of the struct at base. */
 PyObject *ts_py_dict(const void *base, const ts_py_field *fields, size_t n);
+
+/* ---- ts_py_store.c ------------------------------------------------------------ */
+
+/* Make the Store type into state and add it and the store's constants to module; 0, or -1
+ * with an exception. */
+int ts_py_store_add(PyObject *module, ts_state *state);
 
 /* ---- ts_py_slot.c ------------------------------------------------------------- */
 

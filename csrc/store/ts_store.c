@@ -1,12 +1,14 @@
 /* ts_store.c - the decoded-sample store: segment, index, buddy arena, entries, pins.
- * Work in progress (issue 38): see ts_store.h and docs/decoded-store.md. */
+ * See ts_store.h and docs/decoded-store.md. */
 #define _GNU_SOURCE
 #include "store/ts_store.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/ts_proc.h"
@@ -108,6 +110,21 @@ static void ts_block_give(ts_store_header *h, uint32_t b, uint32_t k)
         k++;
     }
     ts_free_push(h, b, k);
+}
+
+/* Call fn on each top block of the arena (its first min-block and its order): whole
+ * blocks of max_order, then the rest's powers of two, largest first. Each lies aligned to
+ * its size, so the buddy of any block inside one is inside it too, and a top block's
+ * buddy is never a free block of its order: merges stay within top blocks. */
+static void ts_tops_each(ts_store_header *h, void (*fn)(ts_store_header *, uint32_t, uint32_t))
+{
+    uint64_t off = 0, top = 1ULL << h->layout.max_order, arena = h->layout.arena_bytes;
+    for (; off + top <= arena; off += top) fn(h, (uint32_t)(off >> TS_STORE_MIN_ORDER), h->layout.max_order);
+    for (uint32_t k = h->layout.max_order; k-- > TS_STORE_MIN_ORDER;)
+        if ((arena - off) & (1ULL << k)) {
+            fn(h, (uint32_t)(off >> TS_STORE_MIN_ORDER), k);
+            off += 1ULL << k;
+        }
 }
 
 /* Free blocks for [b, b + 2^k) around the used heads marked in the map (repair). */
@@ -317,15 +334,23 @@ static void ts_store_repair(ts_store_header *h)
         h->used_bytes += 1ULL << en->order;
         h->used_entries++;
     }
-    uint32_t top = 1u << (h->layout.max_order - TS_STORE_MIN_ORDER);
-    for (uint32_t b = 0; b < h->layout.min_blocks; b += top) ts_blocks_rebuild(h, b, h->layout.max_order);
+    ts_tops_each(h, ts_blocks_rebuild);
     atomic_fetch_add_explicit(&h->repairs, 1, memory_order_relaxed);
 }
 
-/* Take the store's lock; a holder that died is repaired after. */
+/* Take the store's lock, waiting at most TS_STORE_LOCK_SECONDS (its holders hold it for
+ * a few table steps: a longer wait is a holder stopped, SIGSTOP or a debugger); a holder
+ * that died is repaired after. */
 static ts_status ts_store_lock(ts_store *st, ts_err *err)
 {
-    int rc = pthread_mutex_lock(&st->hdr->lock);
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += TS_STORE_LOCK_SECONDS;
+    int rc = pthread_mutex_timedlock(&st->hdr->lock, &deadline);
+    if (rc == ETIMEDOUT)
+        return ts_err_set(err, TS_E_TIMEOUT, rc, "the sample store's lock was held for more "
+                          "than %d s (a process of a job that shares it is stopped?)",
+                          TS_STORE_LOCK_SECONDS);
     if (rc == EOWNERDEAD) {
         ts_store_repair(st->hdr);
         rc = pthread_mutex_consistent(&st->hdr->lock);
@@ -357,7 +382,8 @@ static ts_status ts_store_map(const char *name, int fd, uint64_t bytes, ts_store
         return ts_err_set(err, TS_E_SYS, e, "mmap of the sample store: %s", strerror(e));
     }
     ts_store *st = calloc(1, sizeof *st);
-    if (st == NULL) {
+    if (st == NULL || pthread_mutex_init(&st->pin_lock, NULL) != 0) {
+        free(st);
         munmap(p, bytes);
         close(fd);
         return ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory");
@@ -371,6 +397,16 @@ static ts_status ts_store_map(const char *name, int fd, uint64_t bytes, ts_store
     return TS_OK;
 }
 
+/* Allocate the handle's per-entry pin counts (the layout is known). */
+static ts_status ts_store_counts_alloc(ts_store *st, ts_err *err)
+{
+    st->pin_counts = calloc(st->hdr->layout.entries, sizeof *st->pin_counts);
+    if (st->pin_counts == NULL)
+        return ts_err_set(err, TS_E_SYS, ENOMEM, "out of memory for %u pin counts",
+                          st->hdr->layout.entries);
+    return TS_OK;
+}
+
 /* Plan the segment of a store of `samples` samples whose arena takes at most budget bytes
  * (whole top blocks): where each table and the arena go. */
 static ts_status ts_store_plan(uint64_t samples, uint64_t budget, ts_store_layout *l,
@@ -381,9 +417,11 @@ static ts_status ts_store_plan(uint64_t samples, uint64_t budget, ts_store_layou
                           "4096 bytes and at least one sample (budget %llu, samples %llu)",
                           (unsigned long long)budget, (unsigned long long)samples);
     memset(l, 0, sizeof *l);
+    /* The arena is the budget in whole 4 KiB blocks, cut into top blocks (ts_tops_each):
+     * as many of the largest order as fit, then the rest's powers of two. */
     l->max_order = TS_STORE_MAX_ORDER;
     while ((1ULL << l->max_order) > budget) l->max_order--;
-    l->arena_bytes = (budget >> l->max_order) << l->max_order;
+    l->arena_bytes = budget & ~((1ULL << TS_STORE_MIN_ORDER) - 1);
     uint64_t min_blocks = l->arena_bytes >> TS_STORE_MIN_ORDER;
     if (min_blocks >= TS_STORE_NONE)
         return ts_err_set(err, TS_E_INVALID, 0, "a sample store budget of %llu bytes is too "
@@ -427,9 +465,14 @@ ts_status ts_store_create(const char *name, uint64_t samples, uint64_t budget,
     ts_store_header *h = (*out)->hdr;
     h->layout_version = TS_STORE_LAYOUT_VERSION;
     h->layout = layout;
+    if ((s = ts_store_counts_alloc(*out, err)) != TS_OK) {
+        ts_store_close(*out);
+        *out = NULL;
+        ts_segment_unlink(name, NULL);
+        return s;
+    }
     for (uint32_t i = 0; i < TS_STORE_ORDERS; i++) h->free_head[i] = TS_STORE_NONE;
-    uint32_t top = 1u << (layout.max_order - TS_STORE_MIN_ORDER);
-    for (uint32_t b = 0; b < layout.min_blocks; b += top) ts_free_push(h, b, layout.max_order);
+    ts_tops_each(h, ts_free_push);
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
@@ -467,18 +510,25 @@ ts_status ts_store_open(const char *name, ts_store **out, ts_err *err)
         return ts_err_set(err, TS_E_VERSION, 0, "%s is no sample store of layout %d", name,
                           TS_STORE_LAYOUT_VERSION);
     }
-    return TS_OK;
+    if ((s = ts_store_counts_alloc(*out, err)) != TS_OK) {
+        ts_store_close(*out);
+        *out = NULL;
+    }
+    return s;
 }
 
 void ts_store_close(ts_store *st)
 {
     if (st == NULL) return;
-    if (st->job != TS_STORE_NONE && ts_store_lock(st, NULL) == TS_OK) {
+    /* (A forked child's copy of a handle leaves its parent's job alone.) */
+    if (st->job != TS_STORE_NONE && st->owner == getpid() && ts_store_lock(st, NULL) == TS_OK) {
         ts_jobs_drop(st->hdr, 1ULL << st->job);
         ts_store_unlock(st);
     }
     munmap(st->hdr, st->map_bytes);
     close(st->fd);
+    pthread_mutex_destroy(&st->pin_lock);
+    free(st->pin_counts);
     free(st);
 }
 
@@ -493,7 +543,11 @@ ts_status ts_store_attach(ts_store *st, ts_err *err)
             pid_t pid = getpid();
             h->jobs[j].start_time = ts_proc_start_time(pid);
             h->jobs[j].pid = pid;
+            atomic_store_explicit(&h->jobs[j].epoch, 0, memory_order_relaxed);
+            atomic_store_explicit(&h->jobs[j].position, 0, memory_order_relaxed);
+            atomic_store_explicit(&h->jobs[j].length, 0, memory_order_relaxed);
             st->job = j;
+            st->owner = pid;
             ts_store_unlock(st);
             return TS_OK;
         }
@@ -515,6 +569,11 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
                           (unsigned long long)sample, (unsigned long long)h->layout.samples);
     ts_status s = ts_store_lock(st, err);
     if (s != TS_OK) return s;
+    if (atomic_load_explicit(&h->dropped, memory_order_relaxed)) {
+        *outcome = TS_STORE_NO_ROOM;
+        ts_store_unlock(st);
+        return TS_OK;
+    }
     uint32_t e = ts_index_find(h, sample, NULL);
     if (e != TS_STORE_NONE) {
         ts_store_entry *en = &ts_entries_of(h)[e];
@@ -610,12 +669,16 @@ ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const voi
     if (s != TS_OK) return s;
     uint32_t e = ts_index_find(h, sample, NULL);
     ts_store_entry *en = e == TS_STORE_NONE ? NULL : &ts_entries_of(h)[e];
-    if (en == NULL || atomic_load_explicit(&en->state, memory_order_acquire) != TS_STORE_READY) {
+    if (en == NULL || atomic_load_explicit(&en->state, memory_order_acquire) != TS_STORE_READY ||
+        atomic_load_explicit(&h->dropped, memory_order_relaxed)) {
         atomic_fetch_add_explicit(&h->misses, 1, memory_order_relaxed);
         ts_store_unlock(st);
         return TS_E_NOT_FOUND;
     }
-    atomic_fetch_or_explicit(&en->pins, 1ULL << st->job, memory_order_acq_rel);
+    pthread_mutex_lock(&st->pin_lock);
+    if (st->pin_counts[e]++ == 0)
+        atomic_fetch_or_explicit(&en->pins, 1ULL << st->job, memory_order_acq_rel);
+    pthread_mutex_unlock(&st->pin_lock);
     en->last_use = ++h->clock;
     atomic_fetch_add_explicit(&h->hits, 1, memory_order_relaxed);
     *entry = e;
@@ -628,18 +691,32 @@ ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const voi
 void ts_store_unpin(ts_store *st, uint32_t e)
 {
     if (e >= st->hdr->layout.entries || st->job == TS_STORE_NONE) return;
-    atomic_fetch_and_explicit(&ts_entries_of(st->hdr)[e].pins, ~(1ULL << st->job),
-                              memory_order_acq_rel);
+    pthread_mutex_lock(&st->pin_lock);
+    if (st->pin_counts[e] > 0 && --st->pin_counts[e] == 0)
+        atomic_fetch_and_explicit(&ts_entries_of(st->hdr)[e].pins, ~(1ULL << st->job),
+                                  memory_order_acq_rel);
+    pthread_mutex_unlock(&st->pin_lock);
 }
 
-ts_status ts_store_need(ts_store *st, const uint64_t *samples, uint64_t n, ts_err *err)
+/* TS_OK if job names an attached job slot, else TS_E_INVALID (err set). */
+static ts_status ts_job_check(ts_store_header *h, uint32_t job, ts_err *err)
+{
+    if (job < TS_STORE_MAX_JOBS && h->jobs[job].pid != 0) return TS_OK;
+    return ts_err_set(err, TS_E_INVALID, 0, "job slot %u of the sample store is not attached",
+                      job);
+}
+
+ts_status ts_store_need(ts_store *st, uint32_t job, const uint64_t *samples, uint64_t n,
+                        ts_err *err)
 {
     ts_store_header *h = st->hdr;
-    if (st->job == TS_STORE_NONE)
-        return ts_err_set(err, TS_E_INVALID, 0, "attach to the sample store before its needs");
     ts_status s = ts_store_lock(st, err);
     if (s != TS_OK) return s;
-    uint64_t *needs = ts_needs_of(h, st->job);
+    if ((s = ts_job_check(h, job, err)) != TS_OK) {
+        ts_store_unlock(st);
+        return s;
+    }
+    uint64_t *needs = ts_needs_of(h, job);
     uint16_t *uses = ts_uses_of(h);
     for (uint64_t i = 0; i < n; i++) {
         uint64_t x = samples[i], bit = 1ULL << (x % 64);
@@ -651,19 +728,50 @@ ts_status ts_store_need(ts_store *st, const uint64_t *samples, uint64_t n, ts_er
     return TS_OK;
 }
 
-ts_status ts_store_visited(ts_store *st, uint64_t x, ts_err *err)
+ts_status ts_store_visited(ts_store *st, uint32_t job, uint64_t x, ts_err *err)
 {
     ts_store_header *h = st->hdr;
-    if (st->job == TS_STORE_NONE || x >= h->layout.samples) return TS_OK;
-    uint64_t *word = &ts_needs_of(h, st->job)[x / 64], bit = 1ULL << (x % 64);
-    if (!(*word & bit)) return TS_OK; /* (read by this job only: no lock to look) */
-    ts_status s = ts_store_lock(st, err);
+    if (job >= TS_STORE_MAX_JOBS || x >= h->layout.samples) return TS_OK;
+    ts_status s = ts_store_lock(st, err); /* (a job's workers visit for it: the lock) */
     if (s != TS_OK) return s;
-    *word &= ~bit;
-    uint16_t *u = &ts_uses_of(h)[x];
-    if (*u > 0) (*u)--;
+    uint64_t *word = &ts_needs_of(h, job)[x / 64], bit = 1ULL << (x % 64);
+    if (*word & bit) {
+        *word &= ~bit;
+        uint16_t *u = &ts_uses_of(h)[x];
+        if (*u > 0) (*u)--;
+    }
     ts_store_unlock(st);
     return TS_OK;
+}
+
+void ts_store_progress(ts_store *st, uint64_t epoch, uint64_t position, uint64_t length)
+{
+    if (st->job == TS_STORE_NONE) return;
+    ts_store_job *j = &st->hdr->jobs[st->job];
+    atomic_store_explicit(&j->epoch, epoch, memory_order_relaxed);
+    atomic_store_explicit(&j->position, position, memory_order_relaxed);
+    atomic_store_explicit(&j->length, length, memory_order_relaxed);
+}
+
+ts_status ts_store_drop(ts_store *st, const char *reason, ts_err *err)
+{
+    ts_store_header *h = st->hdr;
+    ts_status s = ts_store_lock(st, err);
+    if (s != TS_OK) return s;
+    if (!atomic_load_explicit(&h->dropped, memory_order_relaxed)) {
+        snprintf(h->drop_reason, sizeof h->drop_reason, "%s", reason);
+        atomic_store_explicit(&h->dropped, 1, memory_order_release);
+    }
+    ts_store_unlock(st);
+    return TS_OK;
+}
+
+int ts_store_dropped(const ts_store *st, char *reason, size_t cap)
+{
+    const ts_store_header *h = st->hdr;
+    if (!atomic_load_explicit(&h->dropped, memory_order_acquire)) return 0;
+    if (cap > 0) snprintf(reason, cap, "%s", h->drop_reason);
+    return 1;
 }
 
 ts_status ts_store_reap(ts_store *st, uint32_t *writers, uint32_t *jobs, ts_err *err)

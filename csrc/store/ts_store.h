@@ -1,5 +1,5 @@
 /* ts_store.h - a store of decoded samples in one shared-memory segment (issue 38; see
- * docs/decoded-store.md). Work in progress: not yet in the binding.
+ * docs/decoded-store.md). Reached from Python through the binding's Store type.
  *
  * One segment per dataset prefix, mode 0600. Samples are keyed by their index in the
  * dataset. A writer reserves an entry (FILLING, its pid and start time recorded), copies
@@ -19,12 +19,14 @@
 #include "base/ts_error.h"
 
 #define TS_STORE_MAGIC 0x3145524f545354ULL /* "TSTORE1" little-endian */
-#define TS_STORE_LAYOUT_VERSION 1
+#define TS_STORE_LAYOUT_VERSION 2
 #define TS_STORE_MIN_ORDER 12u /* the smallest block: 4 KiB */
 #define TS_STORE_MAX_ORDER 30u /* the largest block: 1 GiB */
 #define TS_STORE_ORDERS (TS_STORE_MAX_ORDER - TS_STORE_MIN_ORDER + 1)
 #define TS_STORE_MAX_JOBS 64
 #define TS_STORE_NONE UINT32_MAX
+#define TS_STORE_REASON_BYTES 256
+#define TS_STORE_LOCK_SECONDS 10 /* the longest wait for the store's lock */
 
 /* An entry's state. FREE: unused; FILLING: a writer copies a sample in (invisible);
  * READY: complete, readable. */
@@ -57,6 +59,8 @@ typedef struct ts_store_job {
     int32_t pid; /* 0: free */
     uint32_t pad;
     uint64_t start_time;
+    /* Where the job is (ts_store_progress; written by the job, read by status). */
+    _Atomic uint64_t epoch, position, length;
 } ts_store_job;
 
 /* Where everything is in a store's segment, planned once at its creation
@@ -88,6 +92,8 @@ typedef struct ts_store_header {
     uint32_t used_entries;
     ts_store_job jobs[TS_STORE_MAX_JOBS];
     _Atomic uint64_t hits, misses, commits, evictions, races, no_room, repairs;
+    _Atomic uint32_t dropped; /* set once (ts_store_drop): readers decode privately */
+    char drop_reason[TS_STORE_REASON_BYTES]; /* written before dropped is set */
 } ts_store_header;
 
 /* A process's handle on a store. */
@@ -96,6 +102,9 @@ typedef struct ts_store {
     uint64_t map_bytes;
     int fd;                 /* owned */
     uint32_t job;           /* this process's job slot (TS_STORE_NONE before attach) */
+    pid_t owner;            /* the process that attached (a forked child is not it) */
+    pthread_mutex_t pin_lock; /* this process's: pin_counts and its pin bits change together */
+    uint32_t *pin_counts;   /* owned: per entry, this process's pins (its bit set while > 0) */
     char name[128];
 } ts_store;
 
@@ -118,18 +127,28 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
 ts_status ts_store_commit(ts_store *st, uint32_t entry, ts_err *err);
 /* Give a reserved entry back unfilled. */
 ts_status ts_store_abort(ts_store *st, uint32_t entry, ts_err *err);
-/* The READY entry of `sample`, pinned for this job: *entry, *data, *bytes; TS_E_NOT_FOUND
- * on a miss. */
+/* The READY entry of `sample`, pinned for this job (once more: pins are counted per
+ * process): *entry, *data, *bytes; TS_E_NOT_FOUND on a miss. */
 ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const void **data,
                        uint64_t *bytes, ts_err *err);
-/* Drop this job's pin of entry (its last view went). Touches no lock. */
+/* Drop one of this process's pins of entry; the last clears its job's bit. Takes only the
+ * process's own pin lock (never the store's): a deleter may call it on any thread. */
 void ts_store_unpin(ts_store *st, uint32_t entry);
-/* This job needs each of n samples (again) in its epoch: a job's epoch order, at its start.
- * A sample's remaining uses are the jobs that still need it (eviction takes the fewest);
- * a job's needs go when it closes or dies. */
-ts_status ts_store_need(ts_store *st, const uint64_t *samples, uint64_t n, ts_err *err);
-/* This job visited sample s: it needs it no more this epoch. */
-ts_status ts_store_visited(ts_store *st, uint64_t s, ts_err *err);
+/* Job slot `job` (this process's or the job whose worker this process is) needs each of n
+ * samples (again) in its epoch: its epoch order, at the epoch's start. A sample's
+ * remaining uses are the jobs that still need it (eviction takes the fewest); a job's
+ * needs go when it closes or dies. */
+ts_status ts_store_need(ts_store *st, uint32_t job, const uint64_t *samples, uint64_t n,
+                        ts_err *err);
+/* Job slot `job` visited sample s: it needs it no more this epoch. */
+ts_status ts_store_visited(ts_store *st, uint32_t job, uint64_t s, ts_err *err);
+/* Record where this job is: epoch, batches taken of it, its length (for status). */
+void ts_store_progress(ts_store *st, uint64_t epoch, uint64_t position, uint64_t length);
+/* Drop the store for every job (a prefix found not deterministic: reason says how); the
+ * first reason stays. Gets miss from now on and reserves find no room. */
+ts_status ts_store_drop(ts_store *st, const char *reason, ts_err *err);
+/* Whether the store was dropped; its reason copied into reason (cap bytes, NUL ended). */
+int ts_store_dropped(const ts_store *st, char *reason, size_t cap);
 
 /* Free the entries of writers that died mid-insert and the pins of jobs that died; how
  * many of each went, in *writers and *jobs (either may be NULL). */

@@ -1,5 +1,5 @@
-/* test_store.c - C unit tests of the decoded-sample store (csrc/store, issue 38, work in
- * progress). Build: cc -std=c11 -Wall -Wextra -Werror -pthread -Icsrc csrc/tests/test_store.c
+/* test_store.c - C unit tests of the decoded-sample store (csrc/store, issue 38; see
+ * docs/decoded-store.md). Build: cc -std=c11 -Wall -Wextra -Werror -pthread -Icsrc csrc/tests/test_store.c
  * csrc/store/ts_store.c csrc/base/ts_*.c csrc/device/ts_*.c csrc/ring/ts_*.c -lrt -ldl */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -172,10 +172,10 @@ static void test_eviction(void)
     for (uint64_t s = 0; s < 16; s++) all[s] = s;
     REQUIRE_OK(ts_store_open(fx.name, &other, &err)); /* a second job */
     REQUIRE_OK(ts_store_attach(other, &err));
-    REQUIRE_OK(ts_store_need(st, all, 16, &err));
-    REQUIRE_OK(ts_store_need(other, all, 16, &err));
-    REQUIRE_OK(ts_store_visited(st, 5, &err)); /* this one read 5 and 9 */
-    REQUIRE_OK(ts_store_visited(st, 9, &err));
+    REQUIRE_OK(ts_store_need(st, st->job, all, 16, &err));
+    REQUIRE_OK(ts_store_need(other, other->job, all, 16, &err));
+    REQUIRE_OK(ts_store_visited(st, st->job, 5, &err)); /* this one read 5 and 9 */
+    REQUIRE_OK(ts_store_visited(st, st->job, 9, &err));
     for (uint64_t s = 0; s < 16; s++) REQUIRE(put(st, s, 4096));
     CHECK(has(st, 5, 4096)); /* 5 used last: 9 is the older of the two needed least */
     REQUIRE(put(st, 20, 4096));
@@ -239,7 +239,7 @@ static void need_and_die(ts_store *st, int arg)
 {
     ts_err err = {0};
     uint64_t x = (uint64_t)arg;
-    if (ts_store_need(st, &x, 1, &err) != TS_OK) _exit(96);
+    if (ts_store_need(st, st->job, &x, 1, &err) != TS_OK) _exit(96);
     _exit(0);
 }
 
@@ -299,15 +299,15 @@ static void test_needs(void)
     ts_store *st = fx.st;
     const uint16_t *uses = (const uint16_t *)((char *)st->hdr + st->hdr->layout.uses_offset);
     uint64_t some[4] = {3, 64, 199, 3};
-    REQUIRE_OK(ts_store_need(st, some, 4, &err));
+    REQUIRE_OK(ts_store_need(st, st->job, some, 4, &err));
     CHECK_EQ(uses[3], 1);
     CHECK_EQ(uses[64], 1);
     REQUIRE_OK(ts_store_open(fx.name, &other, &err));
     REQUIRE_OK(ts_store_attach(other, &err));
-    REQUIRE_OK(ts_store_need(other, some, 2, &err));
+    REQUIRE_OK(ts_store_need(other, other->job, some, 2, &err));
     CHECK_EQ(uses[3], 2);
-    REQUIRE_OK(ts_store_visited(st, 3, &err));
-    REQUIRE_OK(ts_store_visited(st, 3, &err)); /* (a second visit: nothing more to take) */
+    REQUIRE_OK(ts_store_visited(st, st->job, 3, &err));
+    REQUIRE_OK(ts_store_visited(st, st->job, 3, &err)); /* (a second visit: nothing more to take) */
     CHECK_EQ(uses[3], 1);
     ts_store_close(other);
     other = NULL;
@@ -453,13 +453,90 @@ out:
     fx_destroy(&fx);
 }
 
+/* A budget that is no power of two is used whole: its top blocks are its powers of two
+ * (128 KiB + 64 KiB + 4 KiB here), every 4 KiB of it holds a sample, and blocks merge up
+ * to each top block's size again. */
+static void test_odd_budget(void)
+{
+    fixture fx = {0};
+    REQUIRE(fx_create(&fx, 100, (128 + 64 + 4) << 10) == 0);
+    ts_store *st = fx.st;
+    CHECK_EQ(st->hdr->layout.arena_bytes, (128 + 64 + 4) << 10);
+    for (uint64_t s = 0; s < 49; s++) REQUIRE(put(st, s, 4096));
+    CHECK_EQ(st->hdr->evictions, 0);
+    CHECK_EQ(st->hdr->used_bytes, 49 * 4096);
+    REQUIRE(put(st, 60, 4096)); /* full: one goes */
+    CHECK_EQ(st->hdr->evictions, 1);
+    REQUIRE(put(st, 61, 128 << 10)); /* a whole top block, merged from 32 small ones */
+    CHECK(has(st, 61, 128 << 10));
+    CHECK(put(st, 62, 64 << 10));
+    CHECK(has(st, 62, 64 << 10));
+    CHECK_EQ(st->hdr->used_bytes, (128 + 64 + 4) << 10);
+out:
+    fx_destroy(&fx);
+}
+
+/* Pins are counted per process: of two gets of one sample, the first unpin leaves it
+ * pinned (an insert that needs its room evicts nothing); the second frees it. A dropped
+ * store misses every get and stores nothing, and keeps its first reason. A forked child's
+ * copy of the handle, closed, leaves the parent's job attached. */
+static void test_pins_drop_fork(void)
+{
+    fixture fx = {0};
+    ts_err err = {0};
+    ts_store_outcome o;
+    uint32_t e1, e2, e3;
+    const void *q;
+    void *p;
+    uint64_t bytes;
+    char why[TS_STORE_REASON_BYTES];
+    REQUIRE(fx_create(&fx, 10, 8192) == 0); /* two 4 KiB blocks */
+    ts_store *st = fx.st;
+    REQUIRE(put(st, 1, 4096) && put(st, 2, 4096));
+    REQUIRE_OK(ts_store_get(st, 1, &e1, &q, &bytes, &err));
+    REQUIRE_OK(ts_store_get(st, 1, &e2, &q, &bytes, &err));
+    REQUIRE_OK(ts_store_get(st, 2, &e3, &q, &bytes, &err));
+    ts_store_unpin(st, e1); /* one of two pins of sample 1 */
+    REQUIRE_OK(ts_store_reserve(st, 3, 4096, &o, &e1, &p, &err));
+    CHECK_EQ(o, TS_STORE_NO_ROOM);
+    ts_store_unpin(st, e2);
+    REQUIRE_OK(ts_store_reserve(st, 3, 4096, &o, &e1, &p, &err));
+    CHECK_EQ(o, TS_STORE_RESERVED); /* sample 1 went for it */
+    REQUIRE_OK(ts_store_abort(st, e1, &err));
+    CHECK(!has(st, 1, 4096));
+    CHECK(has(st, 2, 4096));
+    ts_store_unpin(st, e3);
+    CHECK(!ts_store_dropped(st, why, sizeof why));
+    REQUIRE_OK(ts_store_drop(st, "sample 2 decoded twice differs", &err));
+    REQUIRE_OK(ts_store_drop(st, "a later reason", &err));
+    CHECK(ts_store_dropped(st, why, sizeof why));
+    CHECK(strcmp(why, "sample 2 decoded twice differs") == 0);
+    CHECK_ST(ts_store_get(st, 2, &e1, &q, &bytes, &err), TS_E_NOT_FOUND);
+    REQUIRE_OK(ts_store_reserve(st, 4, 4096, &o, &e1, &p, &err));
+    CHECK_EQ(o, TS_STORE_NO_ROOM);
+    pid_t child = fork();
+    if (child == 0) {
+        ts_store_close(st); /* the child's copy */
+        _exit(0);
+    }
+    int status = 0;
+    REQUIRE(waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK_EQ(st->hdr->jobs[st->job].pid, (int32_t)getpid());
+    CHECK_ST(ts_store_need(st, 63, &bytes, 1, &err), TS_E_INVALID); /* no such job */
+out:
+    fx_destroy(&fx);
+}
+
 static const ts_test g_tests[] = {
     {"store_put_get", test_put_get},
     {"store_buddy", test_buddy},
+    {"store_odd_budget", test_odd_budget},
     {"store_eviction", test_eviction},
     {"store_needs", test_needs},
     {"store_dead_processes", test_dead_processes},
     {"store_race", test_race},
+    {"store_pins_drop_fork", test_pins_drop_fork},
     {"store_stress", test_stress},
 };
 

@@ -91,6 +91,30 @@ def split_transform(pipeline: Any) -> tuple[Any, Any]:
     return kind(shared), kind(rest)
 
 
+def store_split(transform: Any) -> tuple[Any, Any]:
+    """(shared, per_job) of a dataset's transform for the decoded-sample store, never
+    refusing: a Compose is cut as split_transform() cuts it, but wholly shared when every
+    step is (per_job None) and, when its first step is not shareable, shared as
+    AsTensor() alone (the decoded image) with every step the job's; a single transform
+    (not a Compose) is shared when no step of it is random by name (random_steps), else
+    the job's, after AsTensor(). None: (None, None)."""
+    if transform is None:
+        return None, None
+    steps = getattr(transform, "transforms", None)
+    if not isinstance(steps, (list, tuple)) or not steps:
+        if random_steps(transform):
+            return AsTensor(), transform
+        return transform, None
+    if not random_steps(transform) and all(type(s).__name__ in SHAREABLE for s in steps):
+        return transform, None
+    if type(steps[0]).__name__ not in SHAREABLE:
+        return AsTensor(), type(transform)(_job_part_on_tensors(list(steps)))
+    try:
+        return split_transform(transform)
+    except ValueError:  # every step shareable by class, some random by name: the job's
+        return AsTensor(), type(transform)(_job_part_on_tensors(list(steps)))
+
+
 def _job_part_on_tensors(rest: list[Any]) -> list[Any]:
     """The job's steps `rest`, made to take the uint8 CHW tensor AsTensor() gives where they
     took a PIL image, with the same outputs:

@@ -46,11 +46,13 @@ import contextlib
 import functools
 import hashlib
 import json
+import os
 import random
 import re
 import sys
 import types
-from typing import Any, Collection, Iterator
+from collections.abc import Collection, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -92,6 +94,9 @@ _LABELS = {
     "batch_sampler": "batch_sampler",
     "sample": "first sample (dataset[0] structure)",
 }
+# Attributes that say where a dataset's data is (dataset_identity).
+_IDENTITY_ATTRIBUTES = ("root", "split", "train", "path", "data_dir", "data_path", "name",
+                        "version", "mode", "download")
 _NOT_COMPARED = frozenset({"format", "kind"})
 
 
@@ -124,6 +129,24 @@ def differences(mine: str | None, theirs: str | None, *,
         found.append(f"{_LABELS.get(key, key)}: this script's {ours}, the producer's "
                      f"{producers}")
     return found
+
+
+def dataset_identity(dataset: Any, transforms: dict[str, Any]) -> str:
+    """What names one dataset and what is made of its samples, as JSON: its type, length,
+    the attributes that say where its data is (_IDENTITY_ATTRIBUTES: a folder dataset's
+    root, a split's name; not every attribute: a counter a dataset keeps would tell two
+    jobs of one dataset apart), and `transforms`
+    (attribute -> transform, those applied to its samples) in words. The decoded-sample
+    store's key: two jobs whose datasets read the same files through the same shared
+    transforms get one store. (Data that changes on disk under one root is the content
+    check's to find, not this.)"""
+    fields: dict[str, Any] = {"dataset": _type_name(dataset), "len": _length(dataset)}
+    for name in _IDENTITY_ATTRIBUTES:
+        value = _attribute(dataset, name)
+        if value is not _MISSING and (_is_plain(value) or isinstance(value, os.PathLike)):
+            fields[name] = str(value) if isinstance(value, os.PathLike) else value
+    fields.update({attr: _callable_text(value) for attr, value in sorted(transforms.items())})
+    return json.dumps(fields, separators=(",", ":"), sort_keys=True)
 
 
 def records_first_sample(description: str | None) -> bool:

@@ -69,21 +69,11 @@ from typing import Any
 import torch
 import zmq
 
-from ..ring import MAX_CONSUMERS, cuda_loaded
 from .. import config
-from .election import (
-    lock_holder,
-    producer_live,
-    producer_log_path,
-    release_lock,
-    share_lock_path,
-    take_lock,
-)
-from .shared_producer import start_producer
-from ..control.auth import ClientSecret
 from ..config import UNSET
 from ..consumer import SharedLoader, TensorConsumer
 from ..consumer.surface import ForwardsLoaderAttributes
+from ..control.auth import ClientSecret
 from ..control.client import ControlClient
 from ..control.endpoints import Endpoint, resolve
 from ..errors import (
@@ -93,8 +83,24 @@ from ..errors import (
     ProducerNotFound,
     TensorSocketError,
 )
-from ..loader.loader_info import LoaderShape, batch_size_of, data_identity, drop_last_of, is_iterable
+from ..loader.loader_info import (
+    LoaderShape,
+    batch_size_of,
+    data_identity,
+    drop_last_of,
+    is_iterable,
+)
 from ..producer import TensorProducer
+from ..ring import MAX_CONSUMERS, cuda_loaded
+from .election import (
+    lock_holder,
+    producer_live,
+    producer_log_path,
+    release_lock,
+    share_lock_path,
+    take_lock,
+)
+from .shared_producer import start_producer
 
 __all__ = ["share"]
 
@@ -114,10 +120,13 @@ def share(
     min_consumers: int = UNSET,
     start_grace: float = UNSET,
     cache_bytes: int | str = UNSET,
+    store: bool = False,
     producer_options: dict | None = None,
     **consumer_options: Any,
-) -> TensorConsumer:
+) -> Any:
     """Share ``loader`` between the processes that call share() with the same name.
+
+    (Long: this docstring is the reference of every argument.)
 
     The first caller of ``name`` (elected under a file lock, race-free across
     processes) starts a producer process that runs ``loader``; every caller,
@@ -148,6 +157,16 @@ def share(
       never, it then ends only after ``epochs``). A consumer that leaves the
       ring (break out of an epoch, close(), exit) and comes back later than
       this finds it gone.
+    store: True: jobs share a store of decoded samples instead of a producer's ring
+      (docs/decoded-store.md, docs/usage.md). Each job runs its own DataLoader (its
+      sampler, subset, seed, batch size, speed and start time: its batches are exactly
+      those of its own loader), over its dataset read through a shared-memory store of
+      the samples' deterministic part (the decode and the leading deterministic steps of
+      the dataset's transform); the random rest runs in the job, seeded per sample. The
+      returned object is that DataLoader (a StoreLoader). Needs a DataLoader over a
+      map-style dataset; cache_bytes is the store's budget (default: what every sample
+      takes, within half of the memory the machine has free). The other options of this
+      call (producer and consumer ones, epochs) are the ring's and are refused with it.
     producer_options: further TensorProducer keywords (``max_lag``,
       ``ring_slots``, ``rubber_band``, ``device``, ...). share() sets
       ``name``, ``min_consumers`` and the pause itself.
@@ -170,6 +189,11 @@ def share(
     publish its first batch within ``timeout``; TypeError / ValueError for a
     bad argument, naming it; RuntimeError if CUDA is initialised here.
     """
+    if store:
+        return _share_store(loader, name, cache_bytes, epochs=epochs,
+                            idle_timeout=idle_timeout, min_consumers=min_consumers,
+                            start_grace=start_grace, producer_options=producer_options,
+                            **consumer_options)
     producer_kw, consumer_kw = _check_options(producer_options, consumer_options)
     name = _check_arguments(loader, name, epochs, min_consumers, start_grace, cache_bytes,
                             producer_kw, consumer_kw)
@@ -185,6 +209,24 @@ def share(
             consumer.close()
             raise
     return consumer
+
+
+def _share_store(loader: Any, name: str | None, cache_bytes: Any, **ring_options: Any) -> Any:
+    """share(..., store=True): the job's own DataLoader over the decoded-sample store of
+    `name` (store.store_loader). The ring's options are refused, naming the first."""
+    from ..store import store_loader
+
+    defaults = {"epochs": None, "idle_timeout": UNSET, "min_consumers": UNSET,
+                "start_grace": UNSET, "producer_options": None}
+    for key, value in ring_options.items():
+        if value is not defaults.get(key, UNSET) and not (key == "producer_options"
+                                                          and not value):
+            raise TypeError(
+                f"share(..., store=True) takes no {key}=: with the store each job runs its "
+                "own DataLoader as it is (batch size, epochs and all); that option is the "
+                "producer's ring's (leave store= off to use it)")
+    budget = config.get("cache_bytes", cache_bytes)
+    return store_loader(loader, resolve(name).name, int(budget or 0))
 
 
 def _check_arguments(loader: Any, name: str | None, epochs: int | None, min_consumers: int,
@@ -534,14 +576,14 @@ class _SharedEpoch:
     """One epoch of a shared consumer: the consumer's epoch iterator, with the shared
     producer's log named in ProducerFinished / ProducerGone."""
 
-    __slots__ = ("_it", "_consumer")
+    __slots__ = ("_consumer", "_it")
 
     def __init__(self, it: Any, consumer: _SharedConsumer) -> None:
         """Wrap the epoch iterator `it` of `consumer`."""
         self._it = it
         self._consumer = consumer
 
-    def __iter__(self) -> "_SharedEpoch":
+    def __iter__(self) -> _SharedEpoch:
         """One epoch, with the shared producer named in its end-of-stream errors."""
         return self
 

@@ -1,0 +1,219 @@
+"""StoreDataset: a job's dataset read through the store of decoded samples.
+
+The job's own DataLoader (store.loader) reads this dataset, in its own process or in its
+workers. Its indices come as ``(index, epoch)`` from the job's EpochOrder (a plain index
+from anyone else: epoch 0). For each:
+
+- the base dataset's sample (store.parts) is looked up in the store: a hit is a private
+  copy of the stored block, decoded (store.codec);
+- a miss decodes it here (the base dataset's ``__getitem__`` with the shared transform)
+  and offers it to the store, which keeps it if the budget allows (evicting samples no job
+  needs soon): whoever first needs a sample decodes it, no process waits for another;
+- the job's own part of the transform runs on it, seeded from (the job's seed, the epoch,
+  the sample): the same output whichever process runs it, in any order.
+
+A dataset whose shared part is not deterministic (random draws in ``__getitem__``, data
+that changes) would hand every job the first decode forever. It is found by content: a
+sample decoded twice (two processes missing it together, or the job's check of a few
+stored samples at each epoch start, ``check``) must give the same bytes; if not, the
+store is dropped for every job (``Store.drop``: gets miss, puts find no room) and each
+job warns once and decodes privately from then on.
+
+Each process opens its own handle (a forked worker does not use its parent's) and
+attaches as a process of the job: its pins are its own, its visits are the job's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset, get_worker_info
+
+from ..augment.seeding import callers_generators_kept, sample_seed, seed_everything
+from ..errors import TensorSocketWarning
+from ..ring import Store, StoreOutcome, TooManyConsumers
+from .codec import SampleDecoder, encode, encoded_bytes
+from .parts import DatasetParts, apply_to_inputs
+from .segment import attach_worker
+
+log = logging.getLogger("tensorsocket")
+
+CHECKED_SAMPLES = 4  # stored samples decoded again at each epoch start (check)
+
+
+class StoreDataset(Dataset):
+    """The job's dataset through the store (module docstring). Attributes the user's
+    dataset has (``classes``, ``samples`` ...) are read through."""
+
+    def __init__(self, dataset: Any, parts: DatasetParts, key: str, job: int,
+                 job_seed: int, store: Store) -> None:
+        self.dataset = dataset  # the user's (its attributes are read through)
+        self._parts = parts
+        self._key = key
+        self._job = job  # the job's slot: its needs, which this process's visits take
+        self._seed = job_seed
+        self._store: Store | None = store
+        self._pid = os.getpid()
+        self._decoder = SampleDecoder()
+        self._said: set[str] = set()
+        self._private = False  # samples of this dataset cannot be stored: decode here
+        self.hits = 0  # this process's, for tests and the job's summary
+        self.decodes = 0
+
+    # -- a process's handle --------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        """What goes to a spawned worker: no handle (it opens its own)."""
+        state = dict(self.__dict__)
+        state["_store"], state["_pid"], state["_decoder"] = None, -1, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._decoder = SampleDecoder()
+
+    def __getattr__(self, name: str) -> Any:
+        """The user's dataset's attribute `name` (not for private names, which would
+        recurse while unpickling)."""
+        inner = self.__dict__.get("dataset")
+        if name.startswith("_") or inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def _handle(self) -> Store | None:
+        """This process's handle (opened and attached once per process); None when there is
+        none to be had (the job decodes privately)."""
+        if self._pid == os.getpid():
+            return self._store
+        self._pid = os.getpid()
+        self._store = None
+        try:
+            self._store = attach_worker(self._key)
+        except TooManyConsumers as e:
+            self._say("full", f"decoded-sample store: this process ({os.getpid()}) "
+                      f"decodes on its own: {e}")
+        except OSError as e:
+            self._say("open", f"decoded-sample store: this process ({os.getpid()}) "
+                      f"decodes on its own: the store could not be opened: {e}")
+        return self._store
+
+    def close(self) -> None:
+        """Leave the store in this process (a worker's; the job's own handle is the
+        loader's to close)."""
+        store, self._store = self._store, None
+        if store is not None and self._pid == os.getpid() and get_worker_info() is not None:
+            store.close()
+
+    # -- samples --------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._parts.length
+
+    def __getitem__(self, key: Any) -> Any:
+        """The sample of the job's index (an int, or (index, epoch) from EpochOrder)."""
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        i = self._parts.base_index(int(index))
+        sample = self._load(i)
+        suffix = self._parts.suffix
+        if suffix is None:
+            return sample
+        seed = sample_seed(self._seed, int(epoch), i)
+        if get_worker_info() is not None:  # a worker's generators are its own
+            seed_everything(seed)
+            return apply_to_inputs(sample, suffix)
+        with callers_generators_kept():  # the job's training keeps its randomness
+            seed_everything(seed)
+            return apply_to_inputs(sample, suffix)
+
+    def _load(self, i: int) -> Any:
+        """Base sample i: from the store, else decoded here (and offered to the store)."""
+        store = None if self._private else self._handle()
+        if store is None:
+            return self._decode(i)
+        block = store.get(i)
+        if block is not None:
+            self.hits += 1
+            store.visited(self._job, i)
+            return self._decoder.decode(block)
+        sample = self._decode(i)
+        try:
+            nbytes, pieces = encode(sample)
+        except TypeError as e:
+            self._private = True
+            self._say("type", f"decoded-sample store off for this job: its dataset's "
+                      f"samples cannot be stored ({e}); each sample is decoded where it is "
+                      "read, as without the store")
+            return sample
+        outcome = store.put(i, nbytes, pieces)
+        if outcome == StoreOutcome.PRESENT:
+            self._compare(store, i, sample, "decoded by two processes")
+        store.visited(self._job, i)
+        return sample
+
+    def _decode(self, i: int) -> Any:
+        """Base sample i decoded in this process."""
+        self.decodes += 1
+        return self._parts.base[i]
+
+    def _compare(self, store: Store, i: int, sample: Any, how: str) -> bool:
+        """Whether the store's block of sample i is `sample`'s; if not, the store is
+        dropped for every job (and this process says so)."""
+        block = store.get(i)
+        if block is None or bytes(block) == encoded_bytes(sample):
+            return True
+        reason = (f"sample {i} of {type(self._parts.base).__name__}, {how}, gave other "
+                  "bytes than the store holds: the dataset's shared part is not "
+                  "deterministic (random draws in __getitem__ or its shared transform, or "
+                  "data that changed); move random steps after the deterministic ones of the "
+                  "transform")
+        store.drop(reason)
+        self.warn_dropped(reason)
+        return False
+
+    # -- the job's checks (its own process) ----------------------------------------------
+
+    def check(self, epoch: int, indices: np.ndarray) -> None:
+        """At an epoch's start: decode again up to CHECKED_SAMPLES of this epoch's samples
+        that the store holds, picked by a generator of its own, and compare (the caller's
+        generators are kept: the decode may draw from them)."""
+        store = self._handle()
+        if store is None or store.dropped is not None or not indices.size:
+            return
+        picker = random.Random(sample_seed(self._seed, epoch, 0x636865636B))
+        tried = 0
+        for _ in range(4 * CHECKED_SAMPLES):
+            i = int(indices[picker.randrange(indices.size)])
+            block = store.get(i)
+            if block is None:
+                continue
+            with callers_generators_kept():
+                fresh = self._parts.base[i]
+            if not self._compare(store, i, fresh, f"decoded again at the start of epoch "
+                                 f"{epoch}"):
+                return
+            tried += 1
+            if tried == CHECKED_SAMPLES:
+                return
+
+    def warn_dropped(self, reason: str | None = None) -> None:
+        """Say once in this process that the store was dropped, and why."""
+        store = self._store
+        reason = reason or (store.dropped if store is not None else None)
+        if reason is None:
+            return
+        self._say("dropped", f"decoded-sample store dropped: {reason}. Every job decodes "
+                  "its samples itself from now on", warn=True)
+
+    def _say(self, what: str, message: str, warn: bool = False) -> None:
+        """Log `message` once per process (and warn it, with warn=True)."""
+        if what in self._said:
+            return
+        self._said.add(what)
+        log.warning("%s", message)
+        if warn:
+            warnings.warn(message, TensorSocketWarning, stacklevel=3)

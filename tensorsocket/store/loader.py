@@ -1,0 +1,245 @@
+"""A job's own DataLoader over the store of decoded samples: what
+``share(loader, name, store=True)`` returns.
+
+``store_loader`` rebuilds the user's DataLoader with the user's own arguments (its
+sampler or batch sampler, batch size, drop_last, collate_fn, workers, worker_init_fn,
+generator, pin_memory, persistent_workers, prefetch_factor, timeout), reading a
+StoreDataset (store.dataset) of the user's dataset, its indices through an EpochOrder:
+
+- EpochOrder draws the epoch's order from the user's sampler when the loader first asks
+  for an index, as the user's loader draws it then (torch's samplers draw their
+  randomness at that moment: RandomSampler one seed of the global generator, or its own
+  generator, and its permutation; WeightedRandomSampler all its draws), so the job's
+  indices are those its own DataLoader would give with the same seed, checked index for
+  index by the tests. (A custom sampler that draws from the global generator lazily, item
+  by item, would see the training's draws in between in the user's loader and not here.)
+- With the order it tells the store what the job needs this epoch (the store evicts what
+  no job needs soon), has the dataset check a few stored samples by decoding them again,
+  and records where the job is (``tensorsocket status``); each index goes to the dataset
+  with its epoch, which seeds the job's own part of the transform.
+
+The loader's ``sampler``, ``batch_size`` and ``drop_last`` read as the user's;
+``dataset`` is the StoreDataset, whose attributes read through to the user's dataset.
+``close()`` (or the loader's collection, or the interpreter's exit) leaves the store; the
+last job to leave removes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+from ..augment.seeding import sample_seed
+from ..errors import TensorSocketError
+from ..loader.fingerprint import dataset_identity
+from ..producer.memory_room import memory_room
+from ..ring import Store
+from .codec import encode
+from .dataset import StoreDataset
+from .parts import DatasetParts, split_dataset
+from .segment import join, leave, sweep
+
+log = logging.getLogger("tensorsocket")
+
+MIN_BUDGET = 1 << 20  # the smallest store budget taken
+
+
+class EpochOrder(Sampler):
+    """The job's sampler (or batch sampler) with each epoch's order drawn whole at its
+    first index, told to the store, and handed out as (index, epoch) (module docstring).
+    Other attributes (``set_epoch``, ``sampler`` ...) are the user's sampler's."""
+
+    def __init__(self, inner: Any, batched: bool, dataset: StoreDataset, store: Store,
+                 parts: DatasetParts) -> None:
+        self.inner = inner
+        self.batched = batched
+        self._dataset = dataset
+        self._store = store
+        self._parts = parts
+        self.epoch = -1  # of the order drawn last
+        self.last_order: list | None = None  # the job's indices of that epoch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("inner")
+        if name.startswith("_") or inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._epoch()
+
+    def _epoch(self) -> Iterator[Any]:
+        """One epoch's indices, with their epoch."""
+        order = list(self.inner)
+        self.epoch += 1
+        epoch = self.epoch
+        self.last_order = order
+        flat = list(itertools.chain.from_iterable(order)) if self.batched else order
+        try:
+            indices = np.asarray(flat, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"the loader's sampler yields {type(flat[0]).__name__} items, not dataset "
+                "indices: store=True needs a sampler of integer indices (a map-style dataset)"
+            ) from None
+        store = self._store
+        live = not store.closed
+        if live:
+            base = self._parts.base_indices(indices)
+            store.need(store.job, base)
+            self._dataset.check(epoch, base)
+            store.progress(epoch, 0, len(order))
+        for k, item in enumerate(order):
+            if live and not store.closed:
+                if k % 16 == 0 and store.dropped is not None:
+                    self._dataset.warn_dropped()
+                store.progress(epoch, k, len(order))
+            yield [(i, epoch) for i in item] if self.batched else (item, epoch)
+        if live and not store.closed:
+            store.progress(epoch, len(order), len(order))
+
+
+class StoreLoader(DataLoader):
+    """The user's DataLoader rebuilt over the store (module docstring)."""
+
+    def __init__(self, loader: DataLoader, dataset: StoreDataset, order: EpochOrder,
+                 store: Store, key: str) -> None:
+        kwargs: dict[str, Any] = dict(
+            num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory, timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator, persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device)
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        if hasattr(loader, "in_order"):
+            kwargs["in_order"] = loader.in_order
+        if order.batched:
+            super().__init__(dataset, batch_sampler=order, **kwargs)
+            # (DataLoader forbids setting these after __init__; they read as the user's.)
+            object.__setattr__(self, "sampler", loader.sampler)
+            object.__setattr__(self, "batch_size", loader.batch_size)
+            object.__setattr__(self, "drop_last", loader.drop_last)
+        else:
+            super().__init__(dataset, batch_size=None, sampler=order, **kwargs)
+        object.__setattr__(self, "order", order)
+        object.__setattr__(self, "store", store)
+        object.__setattr__(self, "store_key", key)
+        object.__setattr__(self, "_leave", weakref.finalize(self, _leave, key, store))
+
+    def close(self) -> None:
+        """Leave the store now (the last job to leave removes it); iterating afterwards
+        decodes every sample in the job's processes."""
+        self._leave()
+
+    def store_info(self) -> dict[str, Any]:
+        """The store's figures (Store.info) and this job's: ``epoch`` (the last drawn),
+        ``job`` (its slot); {} once closed."""
+        if self.store.closed:
+            return {}
+        return {**self.store.info(), "epoch": self.order.epoch, "job": self.store.job}
+
+
+def _leave(key: str, store: Store) -> None:
+    """A job's handle leaves the store (finalizer: never raises)."""
+    try:
+        if not store.closed:
+            leave(key, store)
+    except Exception as e:  # (at exit, say, with the runtime directory gone)
+        log.warning("leaving the decoded-sample store %s: %s", key, e)
+
+
+def store_key(name: str, parts: DatasetParts) -> str:
+    """The store's key: a digest of the share() name and the base dataset's identity with
+    its shared transforms."""
+    text = f"{name}\0{dataset_identity(parts.base, parts.transforms)}"
+    return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def _block_bytes(sample: Any) -> int:
+    """The arena block a sample takes: its encoded bytes rounded up to a power of two (at
+    least 4 KiB)."""
+    nbytes, _ = encode(sample)
+    return 1 << max(12, (nbytes - 1).bit_length())
+
+
+def _budget(parts: DatasetParts, asked: int) -> int:
+    """The store's budget: `asked` (0: the default), no more than every sample needs
+    (estimated from sample 0's block) and than the machine can give (ValueError naming
+    cache_bytes when the asked budget is more than that)."""
+    from ..augment.seeding import callers_generators_kept
+
+    with callers_generators_kept():
+        whole = len(parts.base) * _block_bytes(parts.base[0])
+    room = memory_room()
+    if asked:
+        refusal = room.refusal(asked)
+        if refusal is not None:
+            raise ValueError(f"cache_bytes={asked} for the decoded-sample store is {refusal}: "
+                             "give a smaller cache_bytes (the store evicts what does not fit)")
+        return max(MIN_BUDGET, min(asked, 2 * whole))
+    bound = room.tightest
+    usable = bound.usable // 2 if bound is not None else whole
+    budget = max(MIN_BUDGET, min(whole, usable))
+    log.info("decoded-sample store: budget %d bytes (the %d samples take about %d; set "
+             "cache_bytes= to choose)", budget, len(parts.base), whole)
+    return budget
+
+
+def _job_seed(loader: DataLoader) -> int:
+    """The seed of the job's own transforms: from the next draw of the generator the
+    loader's sampler draws from (the loader's, else torch's global one), peeked at without
+    taking it, so the job's indices stay those of its own DataLoader."""
+    peek = torch.Generator()
+    source = loader.generator
+    peek.set_state(source.get_state() if source is not None else torch.get_rng_state())
+    drawn = int(torch.empty((), dtype=torch.int64).random_(generator=peek).item())
+    return sample_seed(drawn, 0x73746F7265, 0)
+
+
+def store_loader(loader: Any, name: str, cache_bytes: int = 0) -> StoreLoader:
+    """The job's own DataLoader over the store of `name` (module docstring).
+    TypeError / ValueError naming the knob for a loader the store cannot serve."""
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"store=True takes a torch DataLoader, got {type(loader).__name__}: "
+                        "other loaders share through the producer's ring (leave store= off)")
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError("store=True needs a map-style dataset (indexed samples); an "
+                         "IterableDataset's stream shares through the producer's ring "
+                         "(leave store= off)")
+    try:
+        samples = len(loader.dataset)
+    except TypeError:
+        raise ValueError("store=True needs a dataset with a length") from None
+    if samples == 0:
+        raise ValueError("store=True: the loader's dataset is empty")
+    parts = split_dataset(loader.dataset)
+    key = store_key(name, parts)
+    sweep(keep=key)
+    budget = _budget(parts, int(cache_bytes or 0))
+    try:
+        joined = join(key, len(parts.base), budget)
+    except OSError as e:
+        raise TensorSocketError(f"the decoded-sample store of {name!r} could not be made "
+                                f"({budget} bytes): {e}; give a smaller cache_bytes") from e
+    store = joined.store
+    log.info("decoded-sample store %s: %s, budget %d bytes, job slot %s", store.name,
+             "made" if joined.created else "joined", joined.budget, store.job)
+    dataset = StoreDataset(loader.dataset, parts, key, int(store.job or 0), _job_seed(loader),
+                           store)
+    batched = loader.batch_sampler is not None
+    order = EpochOrder(loader.batch_sampler if batched else loader.sampler, batched, dataset,
+                       store, parts)
+    return StoreLoader(loader, dataset, order, store, key)

@@ -1,0 +1,205 @@
+"""The store segments of this user in /dev/shm: making, joining and leaving one.
+
+A store of decoded samples is one POSIX shared-memory segment (mode 0600) named
+``tensorsocket-store-<uid>-<key>``, the key a digest of the share() name and the dataset's
+identity with its shared transform (store.identity). Jobs open it (the first creates it,
+with its budget), each process of a job (the job's own, each of its DataLoader workers)
+attaches to it as a job slot, and the last job to leave unlinks it. Opening, creating and
+unlinking go under an flock of ``store-<key>.store-lock`` in the private runtime
+directory, so that a job arriving never maps a segment that the last one leaving is
+unlinking. A segment whose every process died (SIGKILL) is reused by the next job of the
+same key (its samples are still good: they are complete, or reaped) and removed by the
+next job of any key, by ``tensorsocket clean``, or listed by ``tensorsocket status``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..control.endpoints import runtime_dir
+from ..errors import TensorSocketError
+from ..ring import Store, VersionMismatch
+from ..sharing.election import release_lock, take_lock
+
+log = logging.getLogger("tensorsocket")
+
+SHM_DIR = "/dev/shm"
+LOCK_SECONDS = 30.0  # the longest wait for a store's flock (held for an open or an unlink)
+_SEGMENT = re.compile(r"tensorsocket-store-(?P<uid>[0-9]{1,10})-(?P<key>[0-9a-f]{16})")
+
+
+def segment_name(key: str) -> str:
+    """The POSIX shm name of the store of `key` (with its leading '/')."""
+    return f"/tensorsocket-store-{os.getuid()}-{key}"
+
+
+def lock_path(key: str) -> Path:
+    """The flock file of the store of `key`."""
+    return runtime_dir() / f"store-{key}.store-lock"
+
+
+def store_keys() -> list[str]:
+    """The keys of this user's store segments in /dev/shm (regular files of this user
+    under a name a store takes; anyone may create files there)."""
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except OSError:
+        return []
+    keys = []
+    for entry in entries:
+        m = _SEGMENT.fullmatch(entry)
+        if m is None or int(m.group("uid")) != os.getuid():
+            continue
+        try:
+            st = os.lstat(f"{SHM_DIR}/{entry}")
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            keys.append(m.group("key"))
+    return keys
+
+
+class _Locked:
+    """The flock of a store's key, held for a `with` block (TensorSocketError if another
+    process holds it longer than LOCK_SECONDS)."""
+
+    def __init__(self, key: str) -> None:
+        self._path = lock_path(key)
+        self._fd: int | None = None
+
+    def __enter__(self) -> _Locked:
+        self._fd = take_lock(self._path, time.monotonic() + LOCK_SECONDS)
+        if self._fd is None:
+            raise TensorSocketError(
+                f"the sample store's lock {self._path} was held for more than {LOCK_SECONDS:g} s "
+                "by another process (a job stopped while it opened or left the store?)")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            release_lock(self._fd, self._path)
+            self._fd = None
+
+
+def _live_jobs(store: Store) -> int:
+    """The processes attached to `store` once the dead were reaped."""
+    store.reap()
+    return len(store.jobs())
+
+
+@dataclass
+class Joined:
+    """What joining a store gave: the handle (attached), whether this call made the
+    segment, and the budget it has (the first job's)."""
+
+    store: Store
+    created: bool
+    budget: int
+
+
+def join(key: str, samples: int, budget: int) -> Joined:
+    """Open the store of `key` (creating it for `samples` samples and `budget` bytes if
+    there is none, or replacing one no live process uses that cannot serve: another
+    layout, another number of samples) and attach this process to it."""
+    name = segment_name(key)
+    with _Locked(key):
+        store, created = None, False
+        try:
+            store = Store.open(name)
+        except FileNotFoundError:
+            pass
+        except VersionMismatch:
+            _unlink(name)  # (a store of another tensorsocket's layout; its jobs use their own)
+        if store is not None and store.info()["samples"] != samples:
+            if _live_jobs(store):
+                store.close()
+                raise TensorSocketError(
+                    f"the sample store {name} holds a dataset of {store.info()['samples']} "
+                    f"samples, this job's has {samples}, and jobs still use it: give this "
+                    "job another share() name")
+            store.close()
+            _unlink(name)
+            store = None
+        if store is None:
+            store = Store.create(name, samples, budget)
+            created = True
+        try:
+            store.attach()
+        except BaseException:
+            store.close()
+            raise
+        return Joined(store, created, int(store.info()["budget"]))
+
+
+def attach_worker(key: str) -> Store | None:
+    """The store of `key` opened and attached in a process of a job that joined it (a
+    DataLoader worker); None if it is gone (the job decodes privately then)."""
+    try:
+        store = Store.open(segment_name(key))
+    except (FileNotFoundError, VersionMismatch):
+        return None
+    try:
+        store.attach()
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def leave(key: str, store: Store) -> bool:
+    """This job leaves the store of `key`; the segment is unlinked if no live process uses
+    it any more. Whether it was."""
+    with _Locked(key):
+        store.close()
+        try:
+            probe = Store.open(segment_name(key))
+        except (FileNotFoundError, VersionMismatch):
+            return False
+        try:
+            alone = _live_jobs(probe) == 0
+        finally:
+            probe.close()
+        if alone:
+            _unlink(segment_name(key))
+        return alone
+
+
+def sweep(keep: str | None = None) -> list[str]:
+    """Unlink this user's stores (but `keep`) that no live process uses: what jobs killed
+    together left. The keys removed."""
+    removed = []
+    for key in store_keys():
+        if key == keep:
+            continue
+        try:
+            with _Locked(key):
+                try:
+                    store = Store.open(segment_name(key))
+                except VersionMismatch:
+                    continue  # (another tensorsocket's: its own sweep decides)
+                except FileNotFoundError:
+                    continue
+                try:
+                    unused = _live_jobs(store) == 0
+                finally:
+                    store.close()
+                if unused:
+                    _unlink(segment_name(key))
+                    removed.append(key)
+        except (OSError, TensorSocketError) as e:
+            log.debug("sample store %s left alone: %s", key, e)
+    return removed
+
+
+def _unlink(name: str) -> None:
+    """Remove a store's name (gone already: nothing)."""
+    try:
+        os.unlink(f"{SHM_DIR}{name}")
+    except FileNotFoundError:
+        pass
