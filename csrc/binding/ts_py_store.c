@@ -325,16 +325,18 @@ done:
     return result;
 }
 
-/* get(sample) -> a bytearray copy of the sample's bytes, or None when the store does not
- * hold it (or was dropped). */
+/* get(sample, *, counted=True) -> a bytearray copy of the sample's bytes, or None when
+ * the store does not hold it (or was dropped). counted=False: the look is no hit nor miss
+ * (a check's). */
 static PyObject *Store_get(StoreObject *self, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames)
 {
-    static const char *const names[] = {"sample"};
-    PyObject *a[1];
+    static const char *const names[] = {"sample", "counted"};
+    PyObject *a[2];
     uint64_t sample = 0;
-    if (ts_py_args("get", args, nargs, kwnames, names, 1, 1, 1, a) < 0 ||
-        ts_py_u64(a[0], &sample) < 0)
+    int counted = 1;
+    if (ts_py_args("get", args, nargs, kwnames, names, 2, 1, 1, a) < 0 ||
+        ts_py_u64(a[0], &sample) < 0 || (a[1] != NULL && ts_py_flag(a[1], &counted) < 0))
         return NULL;
     ts_store *st = ts_store_of(self);
     if (st == NULL) return NULL;
@@ -349,7 +351,7 @@ static PyObject *Store_get(StoreObject *self, PyObject *const *args, Py_ssize_t 
     uint64_t bytes = 0;
     self->in_use++;
     Py_BEGIN_ALLOW_THREADS
-    s = ts_store_get(st, sample, &entry, &data, &bytes, &err);
+    s = ts_store_get(st, sample, counted, &entry, &data, &bytes, &err);
     Py_END_ALLOW_THREADS
     if (s != TS_OK) {
         ts_store_obj_done(self);

@@ -659,8 +659,8 @@ ts_status ts_store_abort(ts_store *st, uint32_t e, ts_err *err)
     return en != NULL ? TS_OK : TS_E_INVALID;
 }
 
-ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const void **data,
-                       uint64_t *bytes, ts_err *err)
+ts_status ts_store_get(ts_store *st, uint64_t sample, int counted, uint32_t *entry,
+                       const void **data, uint64_t *bytes, ts_err *err)
 {
     ts_store_header *h = st->hdr;
     if (st->job == TS_STORE_NONE)
@@ -671,7 +671,7 @@ ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const voi
     ts_store_entry *en = e == TS_STORE_NONE ? NULL : &ts_entries_of(h)[e];
     if (en == NULL || atomic_load_explicit(&en->state, memory_order_acquire) != TS_STORE_READY ||
         atomic_load_explicit(&h->dropped, memory_order_relaxed)) {
-        atomic_fetch_add_explicit(&h->misses, 1, memory_order_relaxed);
+        if (counted) atomic_fetch_add_explicit(&h->misses, 1, memory_order_relaxed);
         ts_store_unlock(st);
         return TS_E_NOT_FOUND;
     }
@@ -680,7 +680,7 @@ ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const voi
         atomic_fetch_or_explicit(&en->pins, 1ULL << st->job, memory_order_acq_rel);
     pthread_mutex_unlock(&st->pin_lock);
     en->last_use = ++h->clock;
-    atomic_fetch_add_explicit(&h->hits, 1, memory_order_relaxed);
+    if (counted) atomic_fetch_add_explicit(&h->hits, 1, memory_order_relaxed);
     *entry = e;
     *data = (const char *)h + h->layout.arena_offset + en->offset;
     *bytes = en->bytes;

@@ -128,9 +128,10 @@ ts_status ts_store_commit(ts_store *st, uint32_t entry, ts_err *err);
 /* Give a reserved entry back unfilled. */
 ts_status ts_store_abort(ts_store *st, uint32_t entry, ts_err *err);
 /* The READY entry of `sample`, pinned for this job (once more: pins are counted per
- * process): *entry, *data, *bytes; TS_E_NOT_FOUND on a miss. */
-ts_status ts_store_get(ts_store *st, uint64_t sample, uint32_t *entry, const void **data,
-                       uint64_t *bytes, ts_err *err);
+ * process): *entry, *data, *bytes; TS_E_NOT_FOUND on a miss. counted: the lookup counts
+ * as a hit or a miss (0: a check's look, which saves no decode). */
+ts_status ts_store_get(ts_store *st, uint64_t sample, int counted, uint32_t *entry,
+                       const void **data, uint64_t *bytes, ts_err *err);
 /* Drop one of this process's pins of entry; the last clears its job's bit. Takes only the
  * process's own pin lock (never the store's): a deleter may call it on any thread. */
 void ts_store_unpin(ts_store *st, uint32_t entry);

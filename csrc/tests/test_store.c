@@ -87,7 +87,7 @@ static int has(ts_store *st, uint64_t s, uint64_t n)
     uint32_t e;
     const void *p;
     uint64_t bytes;
-    if (ts_store_get(st, s, &e, &p, &bytes, &err) != TS_OK) return 0;
+    if (ts_store_get(st, s, 1, &e, &p, &bytes, &err) != TS_OK) return 0;
     int ok = bytes == n && filled(p, n, s);
     ts_store_unpin(st, e);
     return ok;
@@ -108,9 +108,9 @@ static void test_put_get(void)
     REQUIRE_OK(ts_store_reserve(st, 3, 5000, &o, &e, &p, &err));
     REQUIRE(CHECK_EQ(o, TS_STORE_RESERVED));
     fill(p, 5000, 3);
-    CHECK_ST(ts_store_get(st, 3, &e2, &q, &bytes, &err), TS_E_NOT_FOUND); /* FILLING */
+    CHECK_ST(ts_store_get(st, 3, 1, &e2, &q, &bytes, &err), TS_E_NOT_FOUND); /* FILLING */
     REQUIRE_OK(ts_store_commit(st, e, &err));
-    REQUIRE_OK(ts_store_get(st, 3, &e2, &q, &bytes, &err));
+    REQUIRE_OK(ts_store_get(st, 3, 1, &e2, &q, &bytes, &err));
     CHECK_EQ(e2, e);
     CHECK_EQ(bytes, 5000);
     CHECK(filled(q, 5000, 3));
@@ -187,7 +187,7 @@ static void test_eviction(void)
     for (uint64_t s = 0; s < 16; s++) pinned[s] = TS_STORE_NONE;
     uint32_t n = 0;
     for (uint64_t s = 0; s < 22 && n < 16; s++)
-        if (ts_store_get(st, s, &pinned[n], &q, &bytes, &err) == TS_OK) n++;
+        if (ts_store_get(st, s, 1, &pinned[n], &q, &bytes, &err) == TS_OK) n++;
     CHECK_EQ(n, 16);
     REQUIRE_OK(ts_store_reserve(st, 30, 4096, &o, &e, &p, &err));
     CHECK_EQ(o, TS_STORE_NO_ROOM);
@@ -268,7 +268,7 @@ static void test_dead_processes(void)
     ts_store *st = fx.st;
     REQUIRE(put(st, 1, 5000));
     REQUIRE(CHECK_EQ(in_child(fx.name, die_filling, 7), 0));
-    CHECK_ST(ts_store_get(st, 7, &e, &q, &bytes, &err), TS_E_NOT_FOUND);
+    CHECK_ST(ts_store_get(st, 7, 1, &e, &q, &bytes, &err), TS_E_NOT_FOUND);
     CHECK_EQ(st->hdr->used_entries, 2);
     REQUIRE_OK(ts_store_reserve(st, 7, 4096, &o, &e, &p, &err));
     CHECK_EQ(o, TS_STORE_RESERVED); /* the dead writer's entry was freed */
@@ -377,7 +377,7 @@ static void stress_worker(ts_store *st, int seed)
         } else {
             const void *q;
             uint64_t bytes;
-            ts_status r = ts_store_get(st, s, &e, &q, &bytes, &err);
+            ts_status r = ts_store_get(st, s, 1, &e, &q, &bytes, &err);
             if (r == TS_E_NOT_FOUND) continue;
             if (r != TS_OK) _exit(95);
             if (bytes % 7 != s % 7 || !filled(q, bytes, s)) _exit(94);
@@ -493,9 +493,9 @@ static void test_pins_drop_fork(void)
     REQUIRE(fx_create(&fx, 10, 8192) == 0); /* two 4 KiB blocks */
     ts_store *st = fx.st;
     REQUIRE(put(st, 1, 4096) && put(st, 2, 4096));
-    REQUIRE_OK(ts_store_get(st, 1, &e1, &q, &bytes, &err));
-    REQUIRE_OK(ts_store_get(st, 1, &e2, &q, &bytes, &err));
-    REQUIRE_OK(ts_store_get(st, 2, &e3, &q, &bytes, &err));
+    REQUIRE_OK(ts_store_get(st, 1, 1, &e1, &q, &bytes, &err));
+    REQUIRE_OK(ts_store_get(st, 1, 1, &e2, &q, &bytes, &err));
+    REQUIRE_OK(ts_store_get(st, 2, 1, &e3, &q, &bytes, &err));
     ts_store_unpin(st, e1); /* one of two pins of sample 1 */
     REQUIRE_OK(ts_store_reserve(st, 3, 4096, &o, &e1, &p, &err));
     CHECK_EQ(o, TS_STORE_NO_ROOM);
@@ -511,7 +511,7 @@ static void test_pins_drop_fork(void)
     REQUIRE_OK(ts_store_drop(st, "a later reason", &err));
     CHECK(ts_store_dropped(st, why, sizeof why));
     CHECK(strcmp(why, "sample 2 decoded twice differs") == 0);
-    CHECK_ST(ts_store_get(st, 2, &e1, &q, &bytes, &err), TS_E_NOT_FOUND);
+    CHECK_ST(ts_store_get(st, 2, 1, &e1, &q, &bytes, &err), TS_E_NOT_FOUND);
     REQUIRE_OK(ts_store_reserve(st, 4, 4096, &o, &e1, &p, &err));
     CHECK_EQ(o, TS_STORE_NO_ROOM);
     pid_t child = fork();

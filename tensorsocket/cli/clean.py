@@ -1,4 +1,5 @@
-"""Find and remove what dead producers left behind: ring segments, sockets, locks, logs.
+"""Find and remove what dead producers left behind: ring segments, sockets, locks, logs;
+and the stores of decoded samples of jobs that were all killed.
 
 A producer removes its segment, socket and lock file when it stops; one that
 was killed (SIGKILL, OOM killer, a crashed node agent) cannot. Its segment is
@@ -35,6 +36,8 @@ from ..sharing.election import (SHARE_LOCK_SUFFIX, failed_log_owner, log_owner, 
                         share_lock_file, take_lock)
 from ..control.endpoints import lock_held, runtime_dir
 from ..data.segments import Leftover, stale_segments
+from ..store.segment import SHM_DIR, segment_name
+from ..store.survey import remove_unused, unused_stores
 
 LOG_REASON = "no producer of this name runs"
 FAILED_LOG_REASON = "a failed producer's log"
@@ -122,10 +125,16 @@ def _remove_log(item: Leftover) -> str | None:
         release_lock(fd, election)
 
 
+def _stale_stores() -> list[Leftover]:
+    """Stores of decoded samples that no live process uses (jobs killed together)."""
+    return [Leftover("store", key, f"{SHM_DIR}{segment_name(key)}", "no live job uses it")
+            for key in unused_stores()]
+
+
 def leftovers(rdir: Path | None = None) -> list[Leftover]:
-    """Everything dead producers of this user left (nothing of a live one)."""
+    """Everything dead producers and jobs of this user left (nothing of a live one)."""
     rdir = rdir if rdir is not None else runtime_dir()
-    return stale_segments() + _stale_files(rdir) + _stale_logs(rdir)
+    return stale_segments() + _stale_stores() + _stale_files(rdir) + _stale_logs(rdir)
 
 
 def remove(item: Leftover) -> str | None:
@@ -137,6 +146,9 @@ def remove(item: Leftover) -> str | None:
             return None
         if item.kind == "log":
             return _remove_log(item)
+        if item.kind == "store":
+            return None if remove_unused(item.name) else \
+                "a job attached to it meanwhile; left alone"
         if item.kind in ("socket", "lock"):
             lock = Path(item.path) if item.kind == "lock" else \
                 Path(item.path).with_suffix(".lock")

@@ -112,22 +112,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
     """Print every producer of this user and its consumers, or a JSON document."""
     import json
 
+    from ..store.survey import survey_stores
     from .status import as_json, no_producer_named, other_users, render, survey
 
     _check_name(args.name)
     producers = survey(args.interval, args.name)
     others = other_users(args.name)
+    stores = survey_stores() if args.name is None else []
     missing = args.name is not None and not producers
     line, hint = no_producer_named(args.name) if missing else ("", "")
     if args.json:
-        json.dump(as_json(producers, args.interval, others), sys.stdout, indent=2)
+        json.dump(as_json(producers, args.interval, others, stores), sys.stdout, indent=2)
         print()
     elif missing:
         print(line)
         if others:  # another user's producer of that name
             print("\n".join(render([], _width(), others)[1:]))
     else:
-        print("\n".join(render(producers, _width(), others)))
+        print("\n".join(render(producers, _width(), others, stores)))
     if hint:
         print(f"hint: {hint}", file=sys.stderr)
     return 1 if missing else 0

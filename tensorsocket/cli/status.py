@@ -23,6 +23,7 @@ import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 
+from ..store.survey import StoreStatus
 from ..data.segments import SHM_DIR, all_segments, pid_alive, segment_producer, segments
 from ..ring import ConsumerState, DeviceType, Ring, RingInfo, RingState, StopReason, \
     process_alive, process_stat
@@ -414,7 +415,8 @@ def survey(interval: float = 0.5, name: str | None = None) -> list[ProducerStatu
 
 
 def as_json(producers: list[ProducerStatus], interval: float,
-            others: list[OtherUserSegment] | None = None) -> dict:
+            others: list[OtherUserSegment] | None = None,
+            stores: list[StoreStatus] | None = None) -> dict:
     """A JSON-ready document of a survey (the ``status --json`` format, version 1;
     docs/cli.md describes every key)."""
     docs = []
@@ -426,7 +428,8 @@ def as_json(producers: list[ProducerStatus], interval: float,
         d["bottleneck_consumer"] = p.bottleneck_consumer
         docs.append(d)
     return {"format": 1, "interval": interval, "time": time.time(), "producers": docs,
-            "other_users": [asdict(o) for o in others or []]}
+            "other_users": [asdict(o) for o in others or []],
+            "stores": [{**asdict(s), "hit_rate": s.hit_rate} for s in stores or []]}
 
 
 def no_producer_named(name: str) -> tuple[str, str]:
@@ -561,13 +564,38 @@ def _cache_lines(p: ProducerStatus, width: int | None) -> list[str]:
                   f"{cache['epochs']} epochs served from it"], "; ", width, "  ")
 
 
+def _store_lines(s: StoreStatus, width: int | None) -> list[str]:
+    """A store of decoded samples: its figures, then a row per job."""
+    rate = "-" if s.hit_rate is None else f"{100 * s.hit_rate:.0f}%"
+    lines = _pack([f"decoded-sample store {s.key}",
+                   f"{s.stored}/{s.samples} samples, {human_bytes(s.used_bytes)} of "
+                   f"{human_bytes(s.budget)}", f"hit rate {rate}",
+                   f"decodes saved {s.hits}", f"decodes stored {s.commits}",
+                   f"evictions {s.evictions}", f"races {s.races}"], "  ", width)
+    if s.dropped is not None:
+        lines.extend(textwrap.wrap(f"dropped: {s.dropped}", width or 1000,
+                                   initial_indent="  ", subsequent_indent="    "))
+    if not s.jobs:
+        lines.append("  no job attached (`tensorsocket clean` removes it)")
+    for j in s.jobs:
+        lines.extend(_pack([f"job pid {j.pid}", f"epoch {j.epoch}",
+                            f"batch {j.position}/{j.length}", f"{j.workers} workers"], "  ",
+                           width, "  "))
+    return lines
+
+
 def render(producers: list[ProducerStatus], width: int | None = None,
-           others: list[OtherUserSegment] | None = None) -> list[str]:
+           others: list[OtherUserSegment] | None = None,
+           stores: list[StoreStatus] | None = None) -> list[str]:
     """Lines of text showing a survey (``status`` and ``top``); a producer's fields wrap
     onto more lines where one would be wider than `width` (None: never)."""
     lines: list[str] = []
-    if not producers:
+    if not producers and not stores:
         lines.append("no tensorsocket producer on this machine (for this user)")
+    for store in stores or []:
+        if lines:
+            lines.append("")
+        lines.extend(_store_lines(store, width))
     for p in producers:
         if lines:
             lines.append("")

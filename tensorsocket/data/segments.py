@@ -107,8 +107,8 @@ def pid_alive(pid: int) -> bool:
 class Leftover:
     """One file a dead producer left."""
 
-    kind: str  # "segment", "socket", "lock", "log" (clean.py)
-    name: str  # producer name
+    kind: str  # "segment", "socket", "lock", "log", "store" (clean.py)
+    name: str  # producer name (a store's: its key)
     path: str  # what to remove
     reason: str  # why it is stale
 

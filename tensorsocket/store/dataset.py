@@ -163,7 +163,7 @@ class StoreDataset(Dataset):
     def _compare(self, store: Store, i: int, sample: Any, how: str) -> bool:
         """Whether the store's block of sample i is `sample`'s; if not, the store is
         dropped for every job (and this process says so)."""
-        block = store.get(i)
+        block = store.get(i, counted=False)
         if block is None or bytes(block) == encoded_bytes(sample):
             return True
         reason = (f"sample {i} of {type(self._parts.base).__name__}, {how}, gave other "
@@ -188,7 +188,7 @@ class StoreDataset(Dataset):
         tried = 0
         for _ in range(4 * CHECKED_SAMPLES):
             i = int(indices[picker.randrange(indices.size)])
-            block = store.get(i)
+            block = store.get(i, counted=False)
             if block is None:
                 continue
             with callers_generators_kept():

@@ -140,8 +140,12 @@ class StoreLoader(DataLoader):
         object.__setattr__(self, "_leave", weakref.finalize(self, _leave, key, store))
 
     def close(self) -> None:
-        """Leave the store now (the last job to leave removes it); iterating afterwards
-        decodes every sample in the job's processes."""
+        """Stop the loader's persistent workers and leave the store now (the last job to
+        leave removes it); iterating afterwards decodes every sample in the job's
+        processes."""
+        iterator = self.__dict__.get("_iterator")
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
         self._leave()
 
     def store_info(self) -> dict[str, Any]:
@@ -168,34 +172,45 @@ def store_key(name: str, parts: DatasetParts) -> str:
     return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:16]
 
 
-def _block_bytes(sample: Any) -> int:
-    """The arena block a sample takes: its encoded bytes rounded up to a power of two (at
-    least 4 KiB)."""
-    nbytes, _ = encode(sample)
+def _block_bytes(nbytes: int) -> int:
+    """The arena block a sample of `nbytes` takes: a power of two, at least 4 KiB."""
     return 1 << max(12, (nbytes - 1).bit_length())
 
 
-def _budget(parts: DatasetParts, asked: int) -> int:
+def _budget(parts: DatasetParts, asked: int, first: tuple[int, list]) -> int:
     """The store's budget: `asked` (0: the default), no more than every sample needs
-    (estimated from sample 0's block) and than the machine can give (ValueError naming
-    cache_bytes when the asked budget is more than that)."""
-    from ..augment.seeding import callers_generators_kept
-
-    with callers_generators_kept():
-        whole = len(parts.base) * _block_bytes(parts.base[0])
+    (estimated from the job's first sample, `first`: its encoded bytes and pieces) and
+    than the machine can give (ValueError naming cache_bytes when the asked budget is more
+    than that)."""
+    whole = len(parts.base) * _block_bytes(first[0])
     room = memory_room()
     if asked:
         refusal = room.refusal(asked)
         if refusal is not None:
             raise ValueError(f"cache_bytes={asked} for the decoded-sample store is {refusal}: "
                              "give a smaller cache_bytes (the store evicts what does not fit)")
-        return max(MIN_BUDGET, min(asked, 2 * whole))
+        return min(asked, 2 * whole)
     bound = room.tightest
     usable = bound.usable // 2 if bound is not None else whole
     budget = max(MIN_BUDGET, min(whole, usable))
     log.info("decoded-sample store: budget %d bytes (the %d samples take about %d; set "
              "cache_bytes= to choose)", budget, len(parts.base), whole)
     return budget
+
+
+def _first_sample(parts: DatasetParts) -> tuple[int, tuple[int, list] | None]:
+    """The job's first sample (its base index, and its encoded bytes and pieces; None if
+    it cannot be stored), decoded here with the caller's generators kept: it sizes the
+    budget and goes into the store once it is joined."""
+    from ..augment.seeding import callers_generators_kept
+
+    index = parts.base_index(0)
+    with callers_generators_kept():
+        sample = parts.base[index]
+    try:
+        return index, encode(sample)
+    except TypeError:
+        return index, None
 
 
 def _job_seed(loader: DataLoader) -> int:
@@ -228,13 +243,21 @@ def store_loader(loader: Any, name: str, cache_bytes: int = 0) -> StoreLoader:
     parts = split_dataset(loader.dataset)
     key = store_key(name, parts)
     sweep(keep=key)
-    budget = _budget(parts, int(cache_bytes or 0))
+    decoded: list = []  # the first sample, if making the store needed it
+
+    def budget() -> int:
+        decoded.append(_first_sample(parts))
+        first = decoded[0][1]
+        return _budget(parts, int(cache_bytes or 0), first or (1 << 12, []))
+
     try:
         joined = join(key, len(parts.base), budget)
     except OSError as e:
-        raise TensorSocketError(f"the decoded-sample store of {name!r} could not be made "
-                                f"({budget} bytes): {e}; give a smaller cache_bytes") from e
+        raise TensorSocketError(f"the decoded-sample store of {name!r} could not be made: "
+                                f"{e}; give a smaller cache_bytes") from e
     store = joined.store
+    if decoded and decoded[0][1] is not None:
+        store.put(decoded[0][0], *decoded[0][1])
     log.info("decoded-sample store %s: %s, budget %d bytes, job slot %s", store.name,
              "made" if joined.created else "joined", joined.budget, store.job)
     dataset = StoreDataset(loader.dataset, parts, key, int(store.job or 0), _job_seed(loader),

@@ -21,10 +21,11 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..control.endpoints import runtime_dir
 from ..errors import TensorSocketError
-from ..ring import Store, VersionMismatch
+from ..ring import Store, VersionMismatch, process_stat
 from ..sharing.election import release_lock, take_lock
 
 log = logging.getLogger("tensorsocket")
@@ -87,10 +88,16 @@ class _Locked:
             self._fd = None
 
 
-def _live_jobs(store: Store) -> int:
-    """The processes attached to `store` once the dead were reaped."""
+def _live_jobs(store: Store, leaving: int | None = None) -> int:
+    """The processes attached to `store` once the dead were reaped, but the workers of
+    process `leaving` (its children: a job's DataLoader workers end with it)."""
     store.reap()
-    return len(store.jobs())
+    count = 0
+    for _slot, pid, *_ in store.jobs():
+        stat = process_stat(pid) if leaving is not None else None
+        if stat is None or stat["ppid"] != leaving:
+            count += 1
+    return count
 
 
 @dataclass
@@ -103,8 +110,8 @@ class Joined:
     budget: int
 
 
-def join(key: str, samples: int, budget: int) -> Joined:
-    """Open the store of `key` (creating it for `samples` samples and `budget` bytes if
+def join(key: str, samples: int, budget: Callable[[], int]) -> Joined:
+    """Open the store of `key` (creating it for `samples` samples and budget() bytes if
     there is none, or replacing one no live process uses that cannot serve: another
     layout, another number of samples) and attach this process to it."""
     name = segment_name(key)
@@ -127,7 +134,7 @@ def join(key: str, samples: int, budget: int) -> Joined:
             _unlink(name)
             store = None
         if store is None:
-            store = Store.create(name, samples, budget)
+            store = Store.create(name, samples, budget())
             created = True
         try:
             store.attach()
@@ -154,7 +161,7 @@ def attach_worker(key: str) -> Store | None:
 
 def leave(key: str, store: Store) -> bool:
     """This job leaves the store of `key`; the segment is unlinked if no live process uses
-    it any more. Whether it was."""
+    it any more (this job's own workers, ending with it, aside). Whether it was."""
     with _Locked(key):
         store.close()
         try:
@@ -162,12 +169,29 @@ def leave(key: str, store: Store) -> bool:
         except (FileNotFoundError, VersionMismatch):
             return False
         try:
-            alone = _live_jobs(probe) == 0
+            alone = _live_jobs(probe, leaving=os.getpid()) == 0
         finally:
             probe.close()
         if alone:
             _unlink(segment_name(key))
         return alone
+
+
+def remove_unused(key: str) -> bool:
+    """Unlink the store of `key` if no live process uses it (checked under its flock);
+    whether it was."""
+    with _Locked(key):
+        try:
+            store = Store.open(segment_name(key))
+        except (FileNotFoundError, VersionMismatch):
+            return False  # (gone; or another tensorsocket's: its own sweep decides)
+        try:
+            unused = _live_jobs(store) == 0
+        finally:
+            store.close()
+        if unused:
+            _unlink(segment_name(key))
+        return unused
 
 
 def sweep(keep: str | None = None) -> list[str]:
@@ -178,20 +202,8 @@ def sweep(keep: str | None = None) -> list[str]:
         if key == keep:
             continue
         try:
-            with _Locked(key):
-                try:
-                    store = Store.open(segment_name(key))
-                except VersionMismatch:
-                    continue  # (another tensorsocket's: its own sweep decides)
-                except FileNotFoundError:
-                    continue
-                try:
-                    unused = _live_jobs(store) == 0
-                finally:
-                    store.close()
-                if unused:
-                    _unlink(segment_name(key))
-                    removed.append(key)
+            if remove_unused(key):
+                removed.append(key)
         except (OSError, TensorSocketError) as e:
             log.debug("sample store %s left alone: %s", key, e)
     return removed
