@@ -333,7 +333,7 @@ def _shmem_kb() -> int:
     return 0
 
 
-class _TreePoller(Poller):
+class TreePoller(Poller):
     """collocated_poller.Poller over every process below this one (share()'s producer is
     re-parented here, to the subreaper, so it and its workers are found), and the peak of
     /proc/meminfo's Shmem."""
@@ -396,7 +396,7 @@ class ModeRun:
             "cache-bytes": args.cache_bytes if mode == "shared+cache" else 0,
             "timeout": timeout + 30}
         self.procs: list = []
-        self.poller = _TreePoller()
+        self.poller = TreePoller()
 
     def spawn(self, index: int):
         argv = [sys.executable, str(Path(__file__).resolve()), "_job", "--index", str(index)]

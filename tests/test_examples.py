@@ -441,3 +441,21 @@ def test_demo_panel_counts_batches_not_epoch_ends():
     assert [panel.batches_taken(n) for n in (0, 32, 33, 34, 65, 66)] == [0, 32, 32, 33, 64, 64]
     panel.finished(4242, 64, {4242: "consumer 1"})
     assert f"[{'#' * 24}]   64/64 batches" in out.getvalue()
+
+
+def test_store_text_three_selections_share_the_tokenization(runner, tmp_path):
+    """examples/store_text.py: three fine-tuning jobs on all, a random half and a fixed
+    quarter of one corpus, each its own DataLoader through share(..., store=True): each
+    job's batches are its own loader's, and the jobs together tokenized each line about
+    once (the check decodes a few again at each epoch start; a job that started after the
+    others had left would tokenize its own), far fewer than three jobs on their own."""
+    pytest.importorskip("tokenizers")
+    summary = tmp_path / "summary.json"
+    out = runner.run("store_text.py", "--lines", "600", "--epochs", "2", "--stagger", "0",
+                     "--json", str(summary), timeout=300)
+    doc = json.loads(summary.read_text())
+    assert [j["ids_equal"] for j in doc["jobs"]] == [True] * 3, out
+    assert [j["samples"] for j in doc["jobs"]] == [1200, 600, 300], out
+    assert doc["tokenizations_own"] == 2100
+    assert 600 <= doc["tokenizations_shared"] <= 600 + 3 * 2 * 4 + 300, out
+    assert "tokenizations:" in out

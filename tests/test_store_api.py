@@ -355,3 +355,40 @@ def test_store_handle_errors():
         os.unlink(f"/dev/shm{name}")
     with pytest.raises(ValueError, match="closed"):
         store.get(1)
+
+
+def test_the_jobs_own_transform_and_seed():
+    """share(..., store=True, transform=, seed=): the job's own part runs on each sample's
+    inputs after the store, seeded per (seed, epoch, sample): the same outputs on a hit as
+    on a miss, other ones in another epoch; the caller's generators draw what the job's
+    own DataLoader would have drawn (its base seed per epoch), no more."""
+    from tensorsocket.augment.seeding import sample_seed
+
+    def noise(x):
+        return x.float() + torch.rand(x.shape)
+
+    loader = ts.share(DataLoader(Numbers(12), batch_size=4), name="own-part", store=True,
+                      transform=noise, seed=42)
+    try:
+        assert loader.job_seed == 42
+        state = torch.get_rng_state()
+        own = DataLoader(Numbers(12), batch_size=4)
+        for _ in range(2):
+            list(own)
+        after_own = torch.get_rng_state()
+        torch.set_rng_state(state)
+        epochs = [[(x.clone(), y.clone()) for x, y in loader] for _ in range(2)]
+        assert torch.equal(torch.get_rng_state(), after_own)
+        for epoch, batches in enumerate(epochs):
+            for x, y in batches:
+                for row, i in enumerate(y.tolist()):
+                    torch.manual_seed(sample_seed(42, epoch, i))
+                    want = torch.full((3, 16, 16), i % 251, dtype=torch.uint8).float() + \
+                        torch.rand(3, 16, 16)
+                    assert torch.equal(x[row], want)
+        assert not torch.equal(epochs[0][0][0], epochs[1][0][0])
+        assert loader.store_info()["hits"] >= 12
+    finally:
+        loader.close()
+    with pytest.raises(TypeError, match="transform= must be callable"):
+        ts.share(DataLoader(Numbers(4)), name="own-part", store=True, transform=3)

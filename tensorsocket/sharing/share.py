@@ -165,8 +165,10 @@ def share(
       the dataset's transform); the random rest runs in the job, seeded per sample. The
       returned object is that DataLoader (a StoreLoader). Needs a DataLoader over a
       map-style dataset; cache_bytes is the store's budget (default: what every sample
-      takes, within half of the memory the machine has free). The other options of this
-      call (producer and consumer ones, epochs) are the ring's and are refused with it.
+      takes, within half of the memory the machine has free); ``transform=`` (and
+      ``seed=``) is the job's own part, run on each sample's inputs after the store, seeded
+      per (seed, epoch, sample) as with the ring. The other options of this call
+      (producer and consumer ones, epochs) are the ring's and are refused with it.
     producer_options: further TensorProducer keywords (``max_lag``,
       ``ring_slots``, ``rubber_band``, ``device``, ...). share() sets
       ``name``, ``min_consumers`` and the pause itself.
@@ -211,22 +213,29 @@ def share(
     return consumer
 
 
-def _share_store(loader: Any, name: str | None, cache_bytes: Any, **ring_options: Any) -> Any:
+def _share_store(loader: Any, name: str | None, cache_bytes: Any, **options: Any) -> Any:
     """share(..., store=True): the job's own DataLoader over the decoded-sample store of
-    `name` (store.store_loader). The ring's options are refused, naming the first."""
+    `name` (store.store_loader), with the job's own ``transform=`` and ``seed=``. The
+    ring's options are refused, naming the first."""
     from ..store import store_loader
 
+    transform, seed = options.pop("transform", None), options.pop("seed", None)
     defaults = {"epochs": None, "idle_timeout": UNSET, "min_consumers": UNSET,
                 "start_grace": UNSET, "producer_options": None}
-    for key, value in ring_options.items():
+    for key, value in options.items():
         if value is not defaults.get(key, UNSET) and not (key == "producer_options"
                                                           and not value):
             raise TypeError(
                 f"share(..., store=True) takes no {key}=: with the store each job runs its "
                 "own DataLoader as it is (batch size, epochs and all); that option is the "
                 "producer's ring's (leave store= off to use it)")
+    if transform is not None and not callable(transform):
+        raise TypeError(f"transform= must be callable, got {type(transform).__name__}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed= must be an int, got {type(seed).__name__}")
     budget = config.get("cache_bytes", cache_bytes)
-    return store_loader(loader, resolve(name).name, int(budget or 0))
+    return store_loader(loader, resolve(name).name, int(budget or 0), transform=transform,
+                        seed=seed)
 
 
 def _check_arguments(loader: Any, name: str | None, epochs: int | None, min_consumers: int,

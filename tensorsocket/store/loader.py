@@ -137,6 +137,7 @@ class StoreLoader(DataLoader):
         object.__setattr__(self, "order", order)
         object.__setattr__(self, "store", store)
         object.__setattr__(self, "store_key", key)
+        object.__setattr__(self, "job_seed", dataset._seed)  # of the job's own part
         object.__setattr__(self, "_leave", weakref.finalize(self, _leave, key, store))
 
     def close(self) -> None:
@@ -154,6 +155,19 @@ class StoreLoader(DataLoader):
         if self.store.closed:
             return {}
         return {**self.store.info(), "epoch": self.order.epoch, "job": self.store.job}
+
+
+class _Then:
+    """One transform, then another (the dataset's own part, then share()'s transform=)."""
+
+    def __init__(self, first: Callable[[Any], Any], then: Callable[[Any], Any]) -> None:
+        self.first, self.then = first, then
+
+    def __call__(self, x: Any) -> Any:
+        return self.then(self.first(x))
+
+    def __repr__(self) -> str:
+        return f"{self.first!r} then {self.then!r}"
 
 
 def _leave(key: str, store: Store) -> None:
@@ -224,8 +238,12 @@ def _job_seed(loader: DataLoader) -> int:
     return sample_seed(drawn, 0x73746F7265, 0)
 
 
-def store_loader(loader: Any, name: str, cache_bytes: int = 0) -> StoreLoader:
-    """The job's own DataLoader over the store of `name` (module docstring).
+def store_loader(loader: Any, name: str, cache_bytes: int = 0, *,
+                 transform: Callable[[Any], Any] | None = None,
+                 seed: int | None = None) -> StoreLoader:
+    """The job's own DataLoader over the store of `name` (module docstring); `transform`:
+    the job's own part, after the dataset's (if its transform was split); `seed`: of the
+    job's own part (default: from the generator its sampler draws from, peeked at).
     TypeError / ValueError naming the knob for a loader the store cannot serve."""
     if not isinstance(loader, DataLoader):
         raise TypeError(f"store=True takes a torch DataLoader, got {type(loader).__name__}: "
@@ -241,6 +259,8 @@ def store_loader(loader: Any, name: str, cache_bytes: int = 0) -> StoreLoader:
     if samples == 0:
         raise ValueError("store=True: the loader's dataset is empty")
     parts = split_dataset(loader.dataset)
+    if transform is not None:
+        parts.suffix = transform if parts.suffix is None else _Then(parts.suffix, transform)
     key = store_key(name, parts)
     sweep(keep=key)
     decoded: list = []  # the first sample, if making the store needed it
@@ -260,8 +280,8 @@ def store_loader(loader: Any, name: str, cache_bytes: int = 0) -> StoreLoader:
         store.put(decoded[0][0], *decoded[0][1])
     log.info("decoded-sample store %s: %s, budget %d bytes, job slot %s", store.name,
              "made" if joined.created else "joined", joined.budget, store.job)
-    dataset = StoreDataset(loader.dataset, parts, key, int(store.job or 0), _job_seed(loader),
-                           store)
+    job_seed = _job_seed(loader) if seed is None else int(seed)
+    dataset = StoreDataset(loader.dataset, parts, key, int(store.job or 0), job_seed, store)
     batched = loader.batch_sampler is not None
     order = EpochOrder(loader.batch_sampler if batched else loader.sampler, batched, dataset,
                        store, parts)

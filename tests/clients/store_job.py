@@ -130,7 +130,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     loader = ts.share(make_loader(args), name=args.name, store=True,
                       **({"cache_bytes": args.cache_bytes} if args.cache_bytes else {}))
-    seed = loader.dataset._seed
+    seed = loader.job_seed
     got_ids, wrong_images, wrong_targets = [], 0, 0
     started = time.monotonic()
     for epoch in range(args.epochs):
