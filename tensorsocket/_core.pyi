@@ -201,6 +201,7 @@ STORE_STORED: int
 STORE_PRESENT: int
 STORE_RACED: int
 STORE_NO_ROOM: int
+STORE_BUSY: int
 STORE_MAX_JOBS: int
 
 class Ring:

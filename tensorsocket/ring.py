@@ -59,6 +59,7 @@ class StoreOutcome(enum.IntEnum):
     PRESENT = _core.STORE_PRESENT  # another process stored it first
     RACED = _core.STORE_RACED  # another process stores it now
     NO_ROOM = _core.STORE_NO_ROOM  # the budget is taken by pinned samples, or it was dropped
+    BUSY = _core.STORE_BUSY  # its lock is held by a stopped process: nothing stored
 
 
 class RingState(enum.IntEnum):

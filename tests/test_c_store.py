@@ -15,7 +15,7 @@ def test_c_store(tmp_path: Path) -> None:
     before = set(Path("/dev/shm").glob(SEGMENTS))
     try:
         rc, out = _run([str(binary)], {"UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"})
-        _check_output(rc, out, expect_passed=9)
+        _check_output(rc, out, expect_passed=10)
         left = set(Path("/dev/shm").glob(SEGMENTS)) - before
         assert not left, f"the store tests left segments: {sorted(left)}"
     finally:

@@ -14,6 +14,8 @@ fixture), each with its DataLoader workers; every decode of the folder is logged
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -164,6 +166,26 @@ def test_a_job_killed_mid_epoch_and_restarted(jobs, name, tmp_path):
     b.wait(30)
     b2 = jobs.start("quarter-again", name=name, subset="half", seed=7, epochs=2, workers=2)
     jobs.done(b2)
+    jobs.done(a)
+    jobs.check_nothing_left()
+
+
+def test_a_paused_job_costs_the_others_nothing(jobs, name, tmp_path):
+    """A job stopped (SIGSTOP: Ctrl-Z, a debugger) in its first epoch, its workers too,
+    for as long as the other job takes to run all its epochs: the other finishes with its
+    own loader's batches; the stopped one, continued, finishes too, with its own."""
+    a = jobs.start("paused", name=name, subset="half", seed=10, epochs=2, workers=1,
+                   step=0.02)
+    jobs.event(a, "batch")
+    stopped = [a.pid, *harness.descendants(a.pid)]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        b = jobs.start("running", name=name, subset="all", seed=11, epochs=2, workers=1)
+        jobs.done(b)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
     jobs.done(a)
     jobs.check_nothing_left()
 

@@ -392,3 +392,49 @@ def test_the_jobs_own_transform_and_seed():
         loader.close()
     with pytest.raises(TypeError, match="transform= must be callable"):
         ts.share(DataLoader(Numbers(4)), name="own-part", store=True, transform=3)
+
+
+def test_a_store_whose_lock_a_stopped_job_holds(monkeypatch, caplog):
+    """Joining a store whose lock a stopped process holds (its attach times out, as
+    csrc/tests/test_store.c's store_stopped_holder shows of the core): the job does not
+    wait for it, it decodes its own samples, its batches its own loader's; the log says
+    why."""
+    from tensorsocket.store import segment
+
+    class Stopped:
+        """The real store, but its lock held by a stopped process."""
+
+        @staticmethod
+        def open(name):
+            raise FileNotFoundError(name)
+
+        @staticmethod
+        def create(name, samples, budget):
+            real = Store.create(name, samples, budget)
+
+            class Held:
+                def __getattr__(self, attr):
+                    return getattr(real, attr)
+
+                def attach(self):
+                    raise TimeoutError("the sample store's lock was held for more than "
+                                       "200 ms (a process of a job that shares it is stopped?)")
+            return Held()
+
+    monkeypatch.setattr(segment, "Store", Stopped)
+    torch.manual_seed(3)
+    want = ids(DataLoader(Numbers(20), batch_size=3, shuffle=True), 2)
+    ds = Numbers(20)
+    torch.manual_seed(3)
+    with caplog.at_level("WARNING", logger="tensorsocket"):
+        loader = ts.share(DataLoader(ds, batch_size=3, shuffle=True), name="held", store=True)
+    try:
+        assert ids(loader, 2) == want
+        assert ds.decodes == 40 + 1  # every sample, every epoch (and the budget's first)
+        assert loader.store_info() == {}
+        assert any("decodes its own samples" in r.getMessage() for r in caplog.records)
+    finally:
+        loader.close()
+        monkeypatch.undo()
+        for key in store_keys():  # (the store this test made and could not use)
+            segment.remove_unused(key)

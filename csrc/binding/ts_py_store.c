@@ -14,6 +14,8 @@
 
 #include "store/ts_store.h"
 
+#define TS_PY_STORE_BUSY (TS_STORE_NO_ROOM + 1) /* put's outcome when the lock was not to be had */
+
 typedef struct StoreObject {
     PyObject_HEAD
     ts_store *st;     /* owns the handle; NULL once closed */
@@ -189,7 +191,8 @@ static PyObject *Store_need(StoreObject *self, PyObject *const *args, Py_ssize_t
     Py_END_ALLOW_THREADS
     ts_store_obj_done(self);
     PyBuffer_Release(&view);
-    if (s != TS_OK) return ts_py_raise(ts_py_state((PyObject *)self), &err);
+    /* (A busy lock: the needs go unrecorded; eviction then knows less, nothing is wrong.) */
+    if (s != TS_OK && s != TS_E_TIMEOUT) return ts_py_raise(ts_py_state((PyObject *)self), &err);
     Py_RETURN_NONE;
 }
 
@@ -213,7 +216,7 @@ static PyObject *Store_visited(StoreObject *self, PyObject *const *args, Py_ssiz
     s = ts_store_visited(st, job, sample, &err);
     Py_END_ALLOW_THREADS
     ts_store_obj_done(self);
-    if (s != TS_OK) return ts_py_raise(ts_py_state((PyObject *)self), &err);
+    if (s != TS_OK && s != TS_E_TIMEOUT) return ts_py_raise(ts_py_state((PyObject *)self), &err);
     Py_RETURN_NONE;
 }
 
@@ -272,7 +275,8 @@ error:
  * buffer) pairs) stored, if the store has room for them: STORE_STORED (copied in and
  * committed: visible to every job), STORE_PRESENT (another process stored it first),
  * STORE_RACED (another process stores it now), STORE_NO_ROOM (the budget is taken by
- * pinned samples, or the store was dropped). Bytes between pieces are zeros. */
+ * pinned samples, or the store was dropped), STORE_BUSY (its lock is held by a stopped
+ * process: nothing stored). Bytes between pieces are zeros. */
 static PyObject *Store_put(StoreObject *self, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames)
 {
@@ -313,6 +317,10 @@ static PyObject *Store_put(StoreObject *self, PyObject *const *args, Py_ssize_t 
     Py_END_ALLOW_THREADS
     ts_store_obj_done(self);
     for (Py_ssize_t i = 0; i < n; i++) PyBuffer_Release(&views[i]);
+    if (s == TS_E_TIMEOUT) {
+        result = PyLong_FromLong(TS_PY_STORE_BUSY);
+        goto done;
+    }
     if (s != TS_OK) {
         ts_py_raise(ts_py_state((PyObject *)self), &err);
         goto done;
@@ -326,8 +334,8 @@ done:
 }
 
 /* get(sample, *, counted=True) -> a bytearray copy of the sample's bytes, or None when
- * the store does not hold it (or was dropped). counted=False: the look is no hit nor miss
- * (a check's). */
+ * the store does not hold it (or was dropped, or its lock is held by a stopped process).
+ * counted=False: the look is no hit nor miss (a check's). */
 static PyObject *Store_get(StoreObject *self, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames)
 {
@@ -355,7 +363,7 @@ static PyObject *Store_get(StoreObject *self, PyObject *const *args, Py_ssize_t 
     Py_END_ALLOW_THREADS
     if (s != TS_OK) {
         ts_store_obj_done(self);
-        if (s == TS_E_NOT_FOUND) Py_RETURN_NONE;
+        if (s == TS_E_NOT_FOUND || s == TS_E_TIMEOUT) Py_RETURN_NONE; /* (busy: a miss) */
         return ts_py_raise(ts_py_state((PyObject *)self), &err);
     }
     PyObject *copy = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)bytes);
@@ -433,7 +441,7 @@ static PyObject *Store_info(StoreObject *self, PyObject *Py_UNUSED(ignored))
     if (st == NULL) return NULL;
     const ts_store_header *h = st->hdr;
     return Py_BuildValue(
-        "{sKsKsKsIsKsIsKsKsKsKsKsKsKsN}",
+        "{sKsKsKsIsKsIsKsKsKsKsKsKsKsKsN}",
         "samples", (unsigned long long)h->layout.samples,
         "budget", (unsigned long long)h->layout.arena_bytes,
         "segment_bytes", (unsigned long long)h->layout.segment_bytes,
@@ -447,6 +455,7 @@ static PyObject *Store_info(StoreObject *self, PyObject *Py_UNUSED(ignored))
         "races", (unsigned long long)atomic_load(&h->races),
         "no_room", (unsigned long long)atomic_load(&h->no_room),
         "repairs", (unsigned long long)atomic_load(&h->repairs),
+        "busy", (unsigned long long)atomic_load(&h->busy),
         "dropped", PyBool_FromLong(atomic_load(&h->dropped) != 0));
 }
 
@@ -544,6 +553,7 @@ int ts_py_store_add(PyObject *module, ts_state *state)
         PyModule_AddIntConstant(module, "STORE_PRESENT", TS_STORE_PRESENT) < 0 ||
         PyModule_AddIntConstant(module, "STORE_RACED", TS_STORE_RACED) < 0 ||
         PyModule_AddIntConstant(module, "STORE_NO_ROOM", TS_STORE_NO_ROOM) < 0 ||
+        PyModule_AddIntConstant(module, "STORE_BUSY", TS_PY_STORE_BUSY) < 0 ||
         PyModule_AddIntConstant(module, "STORE_MAX_JOBS", TS_STORE_MAX_JOBS) < 0)
         return -1;
     return 0;

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/ts_clock.h"
 #include "base/ts_proc.h"
 #include "base/ts_segment.h"
 
@@ -338,19 +339,28 @@ static void ts_store_repair(ts_store_header *h)
     atomic_fetch_add_explicit(&h->repairs, 1, memory_order_relaxed);
 }
 
-/* Take the store's lock, waiting at most TS_STORE_LOCK_SECONDS (its holders hold it for
- * a few table steps: a longer wait is a holder stopped, SIGSTOP or a debugger); a holder
- * that died is repaired after. */
+/* Take the store's lock, waiting at most TS_STORE_LOCK_WAIT_NS; a holder that died is
+ * repaired after. A wait that times out (a holder stopped) fails TS_E_TIMEOUT, and so
+ * does every call of this handle for TS_STORE_BUSY_BACKOFF_NS after, without waiting. */
 static ts_status ts_store_lock(ts_store *st, ts_err *err)
 {
+    uint64_t now = ts_now_ns();
+    if (now < st->busy_until)
+        return ts_err_set(err, TS_E_TIMEOUT, 0, "the sample store's lock is held by a "
+                          "stopped process (backing off)");
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_sec += TS_STORE_LOCK_SECONDS;
+    deadline.tv_nsec += (long)TS_STORE_LOCK_WAIT_NS;
+    deadline.tv_sec += deadline.tv_nsec / 1000000000L;
+    deadline.tv_nsec %= 1000000000L;
     int rc = pthread_mutex_timedlock(&st->hdr->lock, &deadline);
-    if (rc == ETIMEDOUT)
+    if (rc == ETIMEDOUT) {
+        st->busy_until = ts_now_ns() + TS_STORE_BUSY_BACKOFF_NS;
+        atomic_fetch_add_explicit(&st->hdr->busy, 1, memory_order_relaxed);
         return ts_err_set(err, TS_E_TIMEOUT, rc, "the sample store's lock was held for more "
-                          "than %d s (a process of a job that shares it is stopped?)",
-                          TS_STORE_LOCK_SECONDS);
+                          "than %llu ms (a process of a job that shares it is stopped?)",
+                          (unsigned long long)(TS_STORE_LOCK_WAIT_NS / 1000000));
+    }
     if (rc == EOWNERDEAD) {
         ts_store_repair(st->hdr);
         rc = pthread_mutex_consistent(&st->hdr->lock);
@@ -534,15 +544,17 @@ void ts_store_close(ts_store *st)
 
 ts_status ts_store_attach(ts_store *st, ts_err *err)
 {
+    pid_t pid = getpid();
+    uint64_t start = ts_proc_start_time(pid); /* (read before the lock: /proc is slow) */
     ts_status s = ts_store_lock(st, err);
     if (s != TS_OK) return s;
     ts_store_header *h = st->hdr;
     ts_reap_jobs(h);
     for (uint32_t j = 0; j < TS_STORE_MAX_JOBS; j++)
         if (h->jobs[j].pid == 0) {
-            pid_t pid = getpid();
-            h->jobs[j].start_time = ts_proc_start_time(pid);
+            h->jobs[j].start_time = start;
             h->jobs[j].pid = pid;
+            st->start_time = start;
             atomic_store_explicit(&h->jobs[j].epoch, 0, memory_order_relaxed);
             atomic_store_explicit(&h->jobs[j].position, 0, memory_order_relaxed);
             atomic_store_explicit(&h->jobs[j].length, 0, memory_order_relaxed);
@@ -567,6 +579,8 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
     if (sample >= h->layout.samples)
         return ts_err_set(err, TS_E_INVALID, 0, "sample %llu of a store of %llu samples",
                           (unsigned long long)sample, (unsigned long long)h->layout.samples);
+    pid_t pid = getpid();
+    uint64_t start = pid == st->owner ? st->start_time : ts_proc_start_time(pid);
     ts_status s = ts_store_lock(st, err);
     if (s != TS_OK) return s;
     if (atomic_load_explicit(&h->dropped, memory_order_relaxed)) {
@@ -609,8 +623,8 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
     en->sample = sample;
     en->offset = (uint64_t)b << TS_STORE_MIN_ORDER;
     en->bytes = bytes;
-    en->writer_pid = getpid();
-    en->writer_start = ts_proc_start_time(en->writer_pid);
+    en->writer_pid = pid;
+    en->writer_start = start;
     atomic_store_explicit(&en->pins, 0, memory_order_relaxed);
     atomic_store_explicit(&en->state, TS_STORE_FILLING, memory_order_release);
     ts_index_add(h, e);

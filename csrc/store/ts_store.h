@@ -26,7 +26,12 @@
 #define TS_STORE_MAX_JOBS 64
 #define TS_STORE_NONE UINT32_MAX
 #define TS_STORE_REASON_BYTES 256
-#define TS_STORE_LOCK_SECONDS 10 /* the longest wait for the store's lock */
+/* The longest wait for the store's lock: its holders hold it for a few table steps, so a
+ * longer wait is a holder stopped (SIGSTOP, Ctrl-Z, a debugger). The call then fails
+ * TS_E_TIMEOUT (the caller decodes privately), and the handle does not try the lock again
+ * for TS_STORE_BUSY_BACKOFF_NS: a stopped job costs the others one wait a second. */
+#define TS_STORE_LOCK_WAIT_NS 200000000ULL
+#define TS_STORE_BUSY_BACKOFF_NS 1000000000ULL
 
 /* An entry's state. FREE: unused; FILLING: a writer copies a sample in (invisible);
  * READY: complete, readable. */
@@ -39,6 +44,7 @@ typedef enum {
     TS_STORE_RACED,        /* another live writer fills it now (decode privately) */
     TS_STORE_NO_ROOM,      /* no room without evicting a pinned sample (keep it private) */
 } ts_store_outcome;
+/* (The binding's put adds its own outcome, STORE_BUSY: the lock was not to be had.) */
 
 /* One sample's entry. */
 typedef struct ts_store_entry {
@@ -92,6 +98,7 @@ typedef struct ts_store_header {
     uint32_t used_entries;
     ts_store_job jobs[TS_STORE_MAX_JOBS];
     _Atomic uint64_t hits, misses, commits, evictions, races, no_room, repairs;
+    _Atomic uint64_t busy;    /* lock waits that timed out (a holder stopped) */
     _Atomic uint32_t dropped; /* set once (ts_store_drop): readers decode privately */
     char drop_reason[TS_STORE_REASON_BYTES]; /* written before dropped is set */
 } ts_store_header;
@@ -103,6 +110,8 @@ typedef struct ts_store {
     int fd;                 /* owned */
     uint32_t job;           /* this process's job slot (TS_STORE_NONE before attach) */
     pid_t owner;            /* the process that attached (a forked child is not it) */
+    uint64_t start_time;    /* the owner's start time (read at attach, not under the lock) */
+    uint64_t busy_until;    /* monotonic ns: the lock is not tried again before (backoff) */
     pthread_mutex_t pin_lock; /* this process's: pin_counts and its pin bits change together */
     uint32_t *pin_counts;   /* owned: per entry, this process's pins (its bit set while > 0) */
     char name[128];

@@ -476,6 +476,51 @@ out:
     fx_destroy(&fx);
 }
 
+/* A process stopped while it holds the store's lock (SIGSTOP, Ctrl-Z) costs the others
+ * one wait of TS_STORE_LOCK_WAIT_NS, then nothing until the backoff passes: their calls
+ * fail TS_E_TIMEOUT at once (they decode privately); once it runs again, the store is
+ * used as before. */
+static void test_stopped_holder(void)
+{
+    fixture fx = {0};
+    ts_err err = {0};
+    uint32_t e;
+    const void *q;
+    uint64_t bytes;
+    REQUIRE(fx_create(&fx, 10, 1 << 16) == 0);
+    ts_store *st = fx.st;
+    REQUIRE(put(st, 1, 100));
+    pid_t child = fork();
+    if (child == 0) {
+        pthread_mutex_lock(&st->hdr->lock);
+        raise(SIGSTOP);
+        pthread_mutex_unlock(&st->hdr->lock);
+        _exit(0);
+    }
+    int status = 0;
+    REQUIRE(waitpid(child, &status, WUNTRACED) == child && WIFSTOPPED(status));
+    uint64_t t0 = ts_now_ns();
+    CHECK_ST(ts_store_get(st, 1, 1, &e, &q, &bytes, &err), TS_E_TIMEOUT);
+    uint64_t waited = ts_now_ns() - t0;
+    CHECK(waited >= TS_STORE_LOCK_WAIT_NS - 10000000ULL);
+    t0 = ts_now_ns();
+    CHECK_ST(ts_store_get(st, 1, 1, &e, &q, &bytes, &err), TS_E_TIMEOUT); /* backing off */
+    CHECK(ts_now_ns() - t0 < TS_STORE_LOCK_WAIT_NS / 2);
+    CHECK_EQ(st->hdr->busy, 1);
+    kill(child, SIGCONT);
+    REQUIRE(waitpid(child, &status, 0) == child && WIFEXITED(status));
+    uint64_t deadline = ts_now_ns() + 5 * TS_STORE_BUSY_BACKOFF_NS;
+    ts_status s;
+    while ((s = ts_store_get(st, 1, 1, &e, &q, &bytes, &err)) == TS_E_TIMEOUT &&
+           ts_now_ns() < deadline)
+        usleep(10000);
+    REQUIRE_OK(s);
+    ts_store_unpin(st, e);
+    CHECK(has(st, 1, 100));
+out:
+    fx_destroy(&fx);
+}
+
 /* Pins are counted per process: of two gets of one sample, the first unpin leaves it
  * pinned (an insert that needs its room evicts nothing); the second frees it. A dropped
  * store misses every get and stores nothing, and keeps its first reason. A forked child's
@@ -537,6 +582,7 @@ static const ts_test g_tests[] = {
     {"store_dead_processes", test_dead_processes},
     {"store_race", test_race},
     {"store_pins_drop_fork", test_pins_drop_fork},
+    {"store_stopped_holder", test_stopped_holder},
     {"store_stress", test_stress},
 };
 

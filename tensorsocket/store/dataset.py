@@ -50,18 +50,20 @@ class StoreDataset(Dataset):
     """The job's dataset through the store (module docstring). Attributes the user's
     dataset has (``classes``, ``samples`` ...) are read through."""
 
-    def __init__(self, dataset: Any, parts: DatasetParts, key: str, job: int,
+    def __init__(self, dataset: Any, parts: DatasetParts, key: str, job: int | None,
                  job_seed: int, store: Store) -> None:
         self.dataset = dataset  # the user's (its attributes are read through)
         self._parts = parts
         self._key = key
-        self._job = job  # the job's slot: its needs, which this process's visits take
+        self._job = job or 0  # the job's slot: its needs, which this process's visits take
         self._seed = job_seed
         self._store: Store | None = store
         self._pid = os.getpid()
         self._decoder = SampleDecoder()
         self._said: set[str] = set()
-        self._private = False  # samples of this dataset cannot be stored: decode here
+        # Decode here, never use the store: the job could not join it (job None), or its
+        # samples cannot be stored.
+        self._private = job is None
         self.hits = 0  # this process's, for tests and the job's summary
         self.decodes = 0
 
@@ -171,7 +173,10 @@ class StoreDataset(Dataset):
                   "deterministic (random draws in __getitem__ or its shared transform, or "
                   "data that changed); move random steps after the deterministic ones of the "
                   "transform")
-        store.drop(reason)
+        try:
+            store.drop(reason)
+        except TimeoutError:  # (its lock held by a stopped process: this job stops alone)
+            self._private = True
         self.warn_dropped(reason)
         return False
 
@@ -181,8 +186,8 @@ class StoreDataset(Dataset):
         """At an epoch's start: decode again up to CHECKED_SAMPLES of this epoch's samples
         that the store holds, picked by a generator of its own, and compare (the caller's
         generators are kept: the decode may draw from them)."""
-        store = self._handle()
-        if store is None or store.dropped is not None or not indices.size:
+        store = None if self._private else self._handle()
+        if store is None or store.closed or store.dropped is not None or not indices.size:
             return
         picker = random.Random(sample_seed(self._seed, epoch, 0x636865636B))
         tried = 0
@@ -203,7 +208,8 @@ class StoreDataset(Dataset):
     def warn_dropped(self, reason: str | None = None) -> None:
         """Say once in this process that the store was dropped, and why."""
         store = self._store
-        reason = reason or (store.dropped if store is not None else None)
+        if reason is None and store is not None and not store.closed:
+            reason = store.dropped
         if reason is None:
             return
         self._say("dropped", f"decoded-sample store dropped: {reason}. Every job decodes "

@@ -276,12 +276,14 @@ def store_loader(loader: Any, name: str, cache_bytes: int = 0, *,
         raise TensorSocketError(f"the decoded-sample store of {name!r} could not be made: "
                                 f"{e}; give a smaller cache_bytes") from e
     store = joined.store
-    if decoded and decoded[0][1] is not None:
-        store.put(decoded[0][0], *decoded[0][1])
-    log.info("decoded-sample store %s: %s, budget %d bytes, job slot %s", store.name,
-             "made" if joined.created else "joined", joined.budget, store.job)
+    if not store.closed:
+        if decoded and decoded[0][1] is not None:
+            store.put(decoded[0][0], *decoded[0][1])
+        log.info("decoded-sample store %s: %s, budget %d bytes, job slot %s", store.name,
+                 "made" if joined.created else "joined", joined.budget, store.job)
     job_seed = _job_seed(loader) if seed is None else int(seed)
-    dataset = StoreDataset(loader.dataset, parts, key, int(store.job or 0), job_seed, store)
+    job = None if store.closed else store.job
+    dataset = StoreDataset(loader.dataset, parts, key, job, job_seed, store)
     batched = loader.batch_sampler is not None
     order = EpochOrder(loader.batch_sampler if batched else loader.sampler, batched, dataset,
                        store, parts)

@@ -102,7 +102,8 @@ def _live_jobs(store: Store, leaving: int | None = None) -> int:
 
 @dataclass
 class Joined:
-    """What joining a store gave: the handle (attached), whether this call made the
+    """What joining a store gave: the handle (attached; closed if its lock was held by a
+    stopped process: the job then decodes its own samples), whether this call made the
     segment, and the budget it has (the first job's)."""
 
     store: Store
@@ -136,12 +137,17 @@ def join(key: str, samples: int, budget: Callable[[], int]) -> Joined:
         if store is None:
             store = Store.create(name, samples, budget())
             created = True
+        budget_now = int(store.info()["budget"])
         try:
             store.attach()
+        except TimeoutError as e:  # a stopped job holds its lock: this job goes alone
+            log.warning("decoded-sample store %s: %s; this job decodes its own samples",
+                        name, e)
+            store.close()
         except BaseException:
             store.close()
             raise
-        return Joined(store, created, int(store.info()["budget"]))
+        return Joined(store, created, budget_now)
 
 
 def attach_worker(key: str) -> Store | None:
@@ -170,6 +176,8 @@ def leave(key: str, store: Store) -> bool:
             return False
         try:
             alone = _live_jobs(probe, leaving=os.getpid()) == 0
+        except TimeoutError:  # a stopped job holds its lock: it is not ours to remove
+            alone = False
         finally:
             probe.close()
         if alone:

@@ -35,6 +35,7 @@ class StoreStatus:
     commits: int  # samples put in (decodes shared)
     evictions: int
     races: int  # samples two processes decoded together (one kept)
+    busy: int  # lock waits that timed out (a process holding it was stopped)
     dropped: str | None  # why it was dropped (its dataset found not deterministic)
     jobs: list[StoreJob] = field(default_factory=list)
 
@@ -80,7 +81,8 @@ def _status(key: str, store: Store) -> StoreStatus:
             jobs[pid].workers = count
     return StoreStatus(key, segment_name(key), info["samples"], info["budget"],
                        info["used_bytes"], info["stored"], info["hits"], info["misses"],
-                       info["commits"], info["evictions"], info["races"], store.dropped,
+                       info["commits"], info["evictions"], info["races"], info["busy"],
+                       store.dropped,
                        sorted(jobs.values(), key=lambda j: j.pid))
 
 
