@@ -16,10 +16,12 @@ from .data.gpu import gpu_available, gpu_status
 from .errors import *  # every error and warning (errors.__all__)
 from .producer import TensorProducer
 from .sharing.share import share
+from .store import StoreLoader
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "StoreLoader",
     "TensorConsumer",
     "TensorProducer",
     "__version__",

@@ -91,6 +91,10 @@ from ..loader.loader_info import (
     is_iterable,
 )
 from ..producer import TensorProducer
+# (Imported here, not at the first share(store=True): a framework that patches the
+# DataLoader classes that exist when it builds a loader, Lightning's hooks recording their
+# arguments, must find StoreLoader among them.)
+from ..store import store_loader
 from ..ring import MAX_CONSUMERS, cuda_loaded
 from .election import (
     lock_holder,
@@ -217,8 +221,6 @@ def _share_store(loader: Any, name: str | None, cache_bytes: Any, **options: Any
     """share(..., store=True): the job's own DataLoader over the decoded-sample store of
     `name` (store.store_loader), with the job's own ``transform=`` and ``seed=``. The
     ring's options are refused, naming the first."""
-    from ..store import store_loader
-
     transform, seed = options.pop("transform", None), options.pop("seed", None)
     defaults = {"epochs": None, "idle_timeout": UNSET, "min_consumers": UNSET,
                 "start_grace": UNSET, "producer_options": None}

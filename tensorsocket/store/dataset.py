@@ -29,6 +29,7 @@ import logging
 import os
 import random
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from ..errors import TensorSocketWarning
 from ..ring import Store, StoreOutcome, TooManyConsumers
 from .codec import SampleDecoder, encode, encoded_bytes
 from .parts import DatasetParts, apply_to_inputs
-from .segment import attach_worker
+from .segment import attach_worker, leave
 
 log = logging.getLogger("tensorsocket")
 
@@ -50,29 +51,34 @@ class StoreDataset(Dataset):
     """The job's dataset through the store (module docstring). Attributes the user's
     dataset has (``classes``, ``samples`` ...) are read through."""
 
-    def __init__(self, dataset: Any, parts: DatasetParts, key: str, job: int | None,
-                 job_seed: int, store: Store) -> None:
+    def __init__(self, dataset: Any, parts: DatasetParts, key: str, job_seed: int,
+                 store: Store) -> None:
+        """Over `store`, the job's handle (attached; closed if the job could not join:
+        then it decodes its own samples), which it leaves when collected (or leave())."""
         self.dataset = dataset  # the user's (its attributes are read through)
         self._parts = parts
         self._key = key
-        self._job = job or 0  # the job's slot: its needs, which this process's visits take
+        joined = not store.closed
+        self._job = store.job if joined else 0  # its needs, which this process's visits take
         self._seed = job_seed
         self._store: Store | None = store
         self._pid = os.getpid()
         self._decoder = SampleDecoder()
         self._said: set[str] = set()
-        # Decode here, never use the store: the job could not join it (job None), or its
-        # samples cannot be stored.
-        self._private = job is None
+        # Decode here, never use the store: the job could not join it, or its samples
+        # cannot be stored.
+        self._private = not joined
+        self._leave = weakref.finalize(self, _leave, key, store)
         self.hits = 0  # this process's, for tests and the job's summary
         self.decodes = 0
 
     # -- a process's handle --------------------------------------------------------------
 
     def __getstate__(self) -> dict:
-        """What goes to a spawned worker: no handle (it opens its own)."""
+        """What goes to a spawned worker: no handle (it opens its own), no finalizer."""
         state = dict(self.__dict__)
         state["_store"], state["_pid"], state["_decoder"] = None, -1, None
+        state["_leave"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -104,12 +110,37 @@ class StoreDataset(Dataset):
                       f"decodes on its own: the store could not be opened: {e}")
         return self._store
 
-    def close(self) -> None:
-        """Leave the store in this process (a worker's; the job's own handle is the
-        loader's to close)."""
-        store, self._store = self._store, None
-        if store is not None and self._pid == os.getpid() and get_worker_info() is not None:
-            store.close()
+    # -- the job's ---------------------------------------------------------------------------
+
+    @property
+    def key(self) -> str:
+        """The store's key."""
+        return self._key
+
+    @property
+    def parts(self) -> DatasetParts:
+        """The user's dataset taken apart (store.parts)."""
+        return self._parts
+
+    @property
+    def job_seed(self) -> int:
+        """The seed of the job's own part of the transform."""
+        return self._seed
+
+    def job_store(self) -> Store | None:
+        """The job's handle (in its own process), None once it left or when it decodes its
+        own samples."""
+        store = self._store
+        if store is None or store.closed or self._pid != os.getpid():
+            return None
+        return store
+
+    def leave(self) -> None:
+        """The job leaves the store (the last job to leave removes it); its samples are
+        decoded in its processes from then on."""
+        self._private = True
+        if self._leave is not None:
+            self._leave()
 
     # -- samples --------------------------------------------------------------------------
 
@@ -223,3 +254,12 @@ class StoreDataset(Dataset):
         log.warning("%s", message)
         if warn:
             warnings.warn(message, TensorSocketWarning, stacklevel=3)
+
+
+def _leave(key: str, store: Store) -> None:
+    """A job's handle leaves the store (a finalizer: never raises)."""
+    try:
+        if not store.closed:
+            leave(key, store)
+    except Exception as e:  # noqa: BLE001 - at exit, say, with the runtime directory gone
+        log.warning("leaving the decoded-sample store %s: %s", key, e)

@@ -18,18 +18,22 @@ StoreDataset (store.dataset) of the user's dataset, its indices through an Epoch
   and records where the job is (``tensorsocket status``); each index goes to the dataset
   with its epoch, which seeds the job's own part of the transform.
 
-The loader's ``sampler``, ``batch_size`` and ``drop_last`` read as the user's;
-``dataset`` is the StoreDataset, whose attributes read through to the user's dataset.
-``close()`` (or the loader's collection, or the interpreter's exit) leaves the store; the
-last job to leave removes it.
+The StoreLoader takes DataLoader's own arguments and is made with the user's (its own
+sampler object, or batch sampler); its ``sampler``, ``batch_sampler``, ``batch_size`` and
+``drop_last`` are those, and only its ``_index_sampler`` (what the DataLoader's iterators
+draw from) is the EpochOrder over them: a framework that rebuilds the loader with
+another sampler gets a StoreLoader over the same store. ``dataset`` is the StoreDataset,
+whose attributes read through to the user's dataset.
+``close()`` (or the dataset's collection, or the interpreter's exit) leaves the store;
+the last job to leave removes it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import logging
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,13 +61,10 @@ class EpochOrder(Sampler):
     first index, told to the store, and handed out as (index, epoch) (module docstring).
     Other attributes (``set_epoch``, ``sampler`` ...) are the user's sampler's."""
 
-    def __init__(self, inner: Any, batched: bool, dataset: StoreDataset, store: Store,
-                 parts: DatasetParts) -> None:
+    def __init__(self, inner: Any, batched: bool, dataset: StoreDataset) -> None:
         self.inner = inner
         self.batched = batched
         self._dataset = dataset
-        self._store = store
-        self._parts = parts
         self.epoch = -1  # of the order drawn last
         self.last_order: list | None = None  # the job's indices of that epoch
 
@@ -93,52 +94,82 @@ class EpochOrder(Sampler):
                 f"the loader's sampler yields {type(flat[0]).__name__} items, not dataset "
                 "indices: store=True needs a sampler of integer indices (a map-style dataset)"
             ) from None
-        store = self._store
-        live = not store.closed
-        if live:
-            base = self._parts.base_indices(indices)
+        dataset = self._dataset
+        store = dataset.job_store()
+        if store is not None:
+            base = dataset.parts.base_indices(indices)
             store.need(store.job, base)
-            self._dataset.check(epoch, base)
+            dataset.check(epoch, base)
             store.progress(epoch, 0, len(order))
         for k, item in enumerate(order):
-            if live and not store.closed:
+            if store is not None and not store.closed:
                 if k % 16 == 0 and store.dropped is not None:
-                    self._dataset.warn_dropped()
+                    dataset.warn_dropped()
                 store.progress(epoch, k, len(order))
             yield [(i, epoch) for i in item] if self.batched else (item, epoch)
-        if live and not store.closed:
+        if store is not None and not store.closed:
             store.progress(epoch, len(order), len(order))
 
 
 class StoreLoader(DataLoader):
-    """The user's DataLoader rebuilt over the store (module docstring)."""
+    """A DataLoader over a StoreDataset: it takes DataLoader's own arguments and makes its
+    sampler and batch sampler from them as DataLoader does (its ``sampler``,
+    ``batch_sampler``, ``batch_size`` and ``drop_last`` are those), and reads its indices
+    through an EpochOrder over them (module docstring). A framework that rebuilds a
+    DataLoader from its arguments (Lightning putting in a DistributedSampler) gets a
+    StoreLoader again."""
 
-    def __init__(self, loader: DataLoader, dataset: StoreDataset, order: EpochOrder,
-                 store: Store, key: str) -> None:
-        kwargs: dict[str, Any] = dict(
-            num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory, timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator, persistent_workers=loader.persistent_workers,
-            pin_memory_device=loader.pin_memory_device)
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
-        if hasattr(loader, "in_order"):
-            kwargs["in_order"] = loader.in_order
-        if order.batched:
-            super().__init__(dataset, batch_sampler=order, **kwargs)
-            # (DataLoader forbids setting these after __init__; they read as the user's.)
-            object.__setattr__(self, "sampler", loader.sampler)
-            object.__setattr__(self, "batch_size", loader.batch_size)
-            object.__setattr__(self, "drop_last", loader.drop_last)
-        else:
-            super().__init__(dataset, batch_size=None, sampler=order, **kwargs)
-        object.__setattr__(self, "order", order)
-        object.__setattr__(self, "store", store)
-        object.__setattr__(self, "store_key", key)
-        object.__setattr__(self, "job_seed", dataset._seed)  # of the job's own part
-        object.__setattr__(self, "_leave", weakref.finalize(self, _leave, key, store))
+    def __init__(self, dataset: StoreDataset, batch_size: int | None = 1,
+                 shuffle: bool | None = None, sampler: Any = None, batch_sampler: Any = None,
+                 num_workers: int = 0, collate_fn: Any = None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn: Any = None,
+                 multiprocessing_context: Any = None, generator: Any = None, *,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True) -> None:
+        if not isinstance(dataset, StoreDataset):
+            raise TypeError(f"StoreLoader reads a StoreDataset, got {type(dataset).__name__}: "
+                            "make one with share(DataLoader(...), name=..., store=True)")
+        extra = {"in_order": in_order} if _TAKES_IN_ORDER else {}
+        # (By keyword: a framework that records what DataLoader.__init__ got, Lightning
+        # patching it when StoreLoader was not imported yet, rebuilds the loader with
+        # these names, its sampler in place of this one.)
+        super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                         batch_sampler=batch_sampler, num_workers=num_workers,
+                         collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
+                         timeout=timeout, worker_init_fn=worker_init_fn,
+                         multiprocessing_context=multiprocessing_context, generator=generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, **extra)
+        batched = self.batch_sampler is not None
+        # (object.__setattr__: not a set a framework records and replays on the loaders it
+        # rebuilds, as Lightning replays the sets made after DataLoader.__init__.)
+        object.__setattr__(self, "_order", EpochOrder(
+            self.batch_sampler if batched else self.sampler, batched, dataset))
+
+    @property
+    def _index_sampler(self) -> Any:
+        """What the DataLoader's iterators draw indices from: the EpochOrder."""
+        return self._order
+
+    @property
+    def order(self) -> EpochOrder:
+        """The EpochOrder of this loader (its epoch, the order it drew last)."""
+        return self._order
+
+    @property
+    def store(self) -> Store | None:
+        """The job's handle on the store (None when the job decodes its own samples)."""
+        return self.dataset.job_store()
+
+    @property
+    def store_key(self) -> str:
+        """The store's key (its segment's name ends in it)."""
+        return self.dataset.key
+
+    @property
+    def job_seed(self) -> int:
+        """The seed of the job's own part of the transform."""
+        return self.dataset.job_seed
 
     def close(self) -> None:
         """Stop the loader's persistent workers and leave the store now (the last job to
@@ -147,14 +178,18 @@ class StoreLoader(DataLoader):
         iterator = self.__dict__.get("_iterator")
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
-        self._leave()
+        self.dataset.leave()
 
     def store_info(self) -> dict[str, Any]:
         """The store's figures (Store.info) and this job's: ``epoch`` (the last drawn),
-        ``job`` (its slot); {} once closed."""
-        if self.store.closed:
+        ``job`` (its slot); {} once closed, or when the job decodes its own samples."""
+        store = self.store
+        if store is None:
             return {}
-        return {**self.store.info(), "epoch": self.order.epoch, "job": self.store.job}
+        return {**store.info(), "epoch": self._order.epoch, "job": store.job}
+
+
+_TAKES_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
 
 
 class _Then:
@@ -168,15 +203,6 @@ class _Then:
 
     def __repr__(self) -> str:
         return f"{self.first!r} then {self.then!r}"
-
-
-def _leave(key: str, store: Store) -> None:
-    """A job's handle leaves the store (finalizer: never raises)."""
-    try:
-        if not store.closed:
-            leave(key, store)
-    except Exception as e:  # (at exit, say, with the runtime directory gone)
-        log.warning("leaving the decoded-sample store %s: %s", key, e)
 
 
 def store_key(name: str, parts: DatasetParts) -> str:
@@ -282,9 +308,26 @@ def store_loader(loader: Any, name: str, cache_bytes: int = 0, *,
         log.info("decoded-sample store %s: %s, budget %d bytes, job slot %s", store.name,
                  "made" if joined.created else "joined", joined.budget, store.job)
     job_seed = _job_seed(loader) if seed is None else int(seed)
-    job = None if store.closed else store.job
-    dataset = StoreDataset(loader.dataset, parts, key, job, job_seed, store)
-    batched = loader.batch_sampler is not None
-    order = EpochOrder(loader.batch_sampler if batched else loader.sampler, batched, dataset,
-                       store, parts)
-    return StoreLoader(loader, dataset, order, store, key)
+    dataset = StoreDataset(loader.dataset, parts, key, job_seed, store)
+    return StoreLoader(dataset, **_loader_arguments(loader))
+
+
+def _loader_arguments(loader: DataLoader) -> dict[str, Any]:
+    """The arguments that make `loader` again, less its dataset: its own sampler object
+    (and batch size and drop_last) or its own batch sampler, and everything else."""
+    args: dict[str, Any] = dict(
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device)
+    if loader.num_workers > 0:
+        args["prefetch_factor"] = loader.prefetch_factor
+    if _TAKES_IN_ORDER:
+        args["in_order"] = getattr(loader, "in_order", True)
+    if loader.batch_size is None and loader.batch_sampler is not None:
+        args.update(batch_size=None, batch_sampler=loader.batch_sampler)  # the user's own
+    else:
+        args.update(batch_size=loader.batch_size, sampler=loader.sampler,
+                    drop_last=loader.drop_last)
+    return args

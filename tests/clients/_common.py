@@ -32,6 +32,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 T0 = time.time()
+# TS_TEST_STORE=1: the swap is share(loader, name=..., store=True), the store of decoded
+# samples (tests/test_store_frameworks.py), each job its own DataLoader.
+STORE = os.environ.get("TS_TEST_STORE") == "1"
 # The test sends SIGUSR1 to a job that hangs before it kills it: every thread's stack goes
 # to stderr, which the test shows.
 faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -65,7 +68,7 @@ def make_loader(loader: DataLoader, name: str, no_share: bool) -> tuple[Any, dic
     else:
         import tensorsocket
 
-        shared = tensorsocket.share(loader, name=name)
+        shared = tensorsocket.share(loader, name=name, store=STORE)
     meta = {
         "pid": os.getpid(),
         "name": name,

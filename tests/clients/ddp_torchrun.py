@@ -30,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from _common import IdDataset, dump, ids_of, make_loader  # noqa: E402
+from _common import STORE, IdDataset, dump, ids_of, make_loader  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--name", required=True)
@@ -53,7 +53,7 @@ if distributed:
     assert dist.get_rank() == rank and dist.get_world_size() == world
 
 torch.manual_seed(0)
-if args.no_share and distributed:
+if (args.no_share or STORE) and distributed:
     # The baseline: what the script does without tensorsocket, a DistributedSampler.
     from torch.utils.data.distributed import DistributedSampler
 

@@ -1,0 +1,117 @@
+"""share(..., store=True) inside the training stacks users run: the scripts of
+tests/test_frameworks.py (tests/clients/) with ``TS_TEST_STORE=1`` (their one-line swap
+becomes ``share(loader, name=..., store=True)``), each run twice: through the store, and
+without tensorsocket (``--no-share``, the baseline). With the store each job keeps its own
+DataLoader, so every rank's batches of every epoch must be the baseline's, id for id:
+Lightning's fit with a train and a val loader (and its sanity check), Lightning's DDP
+(which rebuilds the loader with a DistributedSampler: a StoreLoader again), torchrun DDP
+with a DistributedSampler per rank, and a Hugging Face ``datasets.Dataset`` in torch
+format."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_frameworks import Jobs, assert_no_problems, check_epochs, jobs  # noqa: F401 - fixture
+
+VAL_OFFSET = 10000
+
+
+def _run_both(jobs: Jobs, label: str, start, timeout: float) -> tuple[dict, dict]:
+    """Start the job through the store and its baseline (start(label, store) -> Job), one
+    after the other; their records by rank."""
+    jobs.env["TS_TEST_STORE"] = "1"
+    shared = start(f"{label}-store", True)
+    jobs.wait(timeout=timeout)
+    del jobs.env["TS_TEST_STORE"]
+    baseline = start(f"{label}-own", False)
+    jobs.wait(timeout=timeout)
+    return shared.records(), baseline.records()
+
+
+def _same_batches(label: str, got: dict, want: dict, keys: tuple[str, ...]) -> list[str]:
+    """Problems unless every rank's batches of every epoch of each key are the
+    baseline's."""
+    problems = []
+    if sorted(got) != sorted(want) or not want:
+        return [f"{label}: ranks {sorted(got)} through the store, {sorted(want)} without"]
+    for rank in sorted(want):
+        for key in keys:
+            mine, theirs = got[rank].get(key), want[rank].get(key)
+            if not theirs or mine != theirs:
+                problems.append(f"{label} rank {rank} {key}: through the store {mine}, its "
+                                f"own DataLoader {theirs}")
+    return problems
+
+
+def test_lightning_fit_train_and_val(jobs, name):
+    """Lightning's fit with a shuffled train loader and an unshuffled val loader, both
+    through the store: every train and val epoch, and the sanity check, the batches of
+    the job's own loaders."""
+    pytest.importorskip("lightning")
+    n, nv = 64, 48
+
+    def start(label: str, store: bool):
+        return jobs.python(label, "lightning_fit.py", "--name", name, "--val-name",
+                           f"{name}-val", "--samples", str(n), "--val-samples", str(nv),
+                           *([] if store else ["--no-share"]))
+
+    got, want = _run_both(jobs, "lightning", start, 120)
+    problems = _same_batches("lightning", got, want, ("train", "val", "sanity"))
+    problems += check_epochs(jobs.jobs[0], "train", n, 2)
+    assert_no_problems(problems, jobs)
+
+
+@pytest.mark.slow  # two DDP runs of Lightning: a dozen fresh interpreters
+def test_lightning_ddp_rebuilds_the_loader(jobs, name):
+    """strategy="ddp", devices=2: Lightning rebuilds the train and val loaders with a
+    DistributedSampler per rank; through the store each rank's shard is the one it has
+    without tensorsocket, epoch by epoch."""
+    pytest.importorskip("lightning")
+    n, nv = 128, 48
+
+    def start(label: str, store: bool):
+        return jobs.python(label, "lightning_fit.py", "--name", name, "--val-name",
+                           f"{name}-val", "--devices", "2", "--samples", str(n),
+                           "--val-samples", str(nv), *([] if store else ["--no-share"]))
+
+    got, want = _run_both(jobs, "lightning-ddp", start, 180)
+    problems = _same_batches("lightning-ddp", got, want, ("train", "val"))
+    problems += check_epochs(jobs.jobs[0], "train", n, 2)
+    assert_no_problems(problems, jobs)
+
+
+@pytest.mark.slow  # two torchrun jobs of two ranks
+def test_torchrun_ddp_shards(jobs, name):
+    """torchrun, 2 ranks, a DistributedSampler each (set_epoch per epoch): each rank's
+    shard through the store is its own loader's."""
+    import torch.distributed
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    n = 64
+
+    def start(label: str, store: bool):
+        return jobs.torchrun(label, 2, "ddp_torchrun.py", "--name", name, "--samples", str(n),
+                             *([] if store else ["--no-share"]))
+
+    got, want = _run_both(jobs, "torchrun", start, 180)
+    problems = _same_batches("torchrun", got, want, ("train",))
+    problems += check_epochs(jobs.jobs[0], "train", n, 2)
+    assert_no_problems(problems, jobs)
+
+
+def test_hf_datasets(jobs, name):
+    """A datasets.Dataset in torch format (dict samples; its own __getitems__, which the
+    store's dataset leaves for __getitem__): every epoch the job's own loader's batches."""
+    pytest.importorskip("datasets")
+    n = 64
+
+    def start(label: str, store: bool):
+        return jobs.python(label, "hf_datasets.py", "--name", name, "--samples", str(n),
+                           *([] if store else ["--no-share"]))
+
+    got, want = _run_both(jobs, "hf", start, 120)
+    problems = _same_batches("hf", got, want, ("train",))
+    problems += check_epochs(jobs.jobs[0], "train", n, 2)
+    assert_no_problems(problems, jobs)
