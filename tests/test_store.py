@@ -23,24 +23,14 @@ from typing import Any
 import pytest
 
 from conftest import run
+from test_augment_clients import N_IMAGES, images  # noqa: F401 - the ImageFolder fixture
 from tensorsocket.store.dataset import CHECKED_SAMPLES
 from tensorsocket.store.segment import store_keys
 from tools import harness
 
 CLIENT = Path(__file__).resolve().parent / "clients" / "store_job.py"
-IMAGES = Path(__file__).resolve().parent / "clients" / "tv_augment.py"
-N_IMAGES = 96
 JOB_TIMEOUT = 300  # s: a fresh interpreter importing torch and torchvision, loaded machine
 BLOCK = 8192  # the store's block of one sample: 3 x 40 x 40 bytes and the header, rounded
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    """The ImageFolder: 96 JPEGs of 80..140 px a side, in 3 class folders."""
-    root = tmp_path_factory.mktemp("storefolder")
-    run([sys.executable, str(IMAGES), "--write-images", str(root), "--count", str(N_IMAGES)],
-        check=True, timeout=120)
-    return root
 
 
 class Jobs:

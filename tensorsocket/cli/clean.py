@@ -35,8 +35,8 @@ from ..ring import Ring
 from ..sharing.election import (SHARE_LOCK_SUFFIX, failed_log_owner, log_owner, release_lock,
                         share_lock_file, take_lock)
 from ..control.endpoints import lock_held, runtime_dir
-from ..data.segments import Leftover, stale_segments
-from ..store.segment import SHM_DIR, segment_name
+from ..data.segments import SHM_DIR, Leftover, stale_segments
+from ..store.segment import segment_name
 from ..store.survey import remove_unused, unused_stores
 
 LOG_REASON = "no producer of this name runs"

@@ -15,11 +15,13 @@ import os
 import re
 import stat
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from ..ring import Ring, RingInfo, process_alive
 from ..validation import check_name
 
 SHM_DIR = "/dev/shm"
+T = TypeVar("T")
 
 # tensorsocket-<uid>-<name>-<pid>, with ".<tag>" (hex) where a producer found that name taken.
 _SEGMENT = re.compile(
@@ -44,18 +46,18 @@ def parse_segment_name(entry: str) -> tuple[int, str, int] | None:
     return uid, name, pid
 
 
-def all_segments() -> list[tuple[str, int, str, int, int]]:
-    """(segment, owner uid from its name, producer name, pid, owner uid of the file) of
-    every tensorsocket segment in /dev/shm, whoever's: regular files under a name a
-    producer makes (links, directories and names with an impossible pid or uid are left
-    out)."""
+def shm_files(parse: Callable[[str], T | None]) -> list[tuple[str, T, int]]:
+    """(name, parse(name), owner uid) of the regular files in /dev/shm whose name `parse`
+    takes (not None), sorted by name: the one reading of /dev/shm (ring segments here,
+    the stores of decoded samples in store/segment.py). Links, directories and files gone
+    meanwhile are left out."""
     try:
         entries = sorted(os.listdir(SHM_DIR))
     except OSError:
         return []
     out = []
     for entry in entries:
-        parsed = parse_segment_name(entry)
+        parsed = parse(entry)
         if parsed is None:
             continue
         try:
@@ -63,8 +65,16 @@ def all_segments() -> list[tuple[str, int, str, int, int]]:
         except OSError:  # gone meanwhile
             continue
         if stat.S_ISREG(st.st_mode):
-            out.append((entry, *parsed, st.st_uid))
+            out.append((entry, parsed, st.st_uid))
     return out
+
+
+def all_segments() -> list[tuple[str, int, str, int, int]]:
+    """(segment, owner uid from its name, producer name, pid, owner uid of the file) of
+    every tensorsocket segment in /dev/shm, whoever's: regular files under a name a
+    producer makes (links, directories and names with an impossible pid or uid are left
+    out)."""
+    return [(entry, *parsed, uid) for entry, parsed, uid in shm_files(parse_segment_name)]
 
 
 def segments() -> list[tuple[str, str, int]]:

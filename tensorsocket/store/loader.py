@@ -34,7 +34,7 @@ import hashlib
 import inspect
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ from ..ring import Store
 from .codec import encode
 from .dataset import StoreDataset
 from .parts import DatasetParts, split_dataset
-from .segment import join, leave, sweep
+from .segment import join, sweep
 
 log = logging.getLogger("tensorsocket")
 

@@ -17,20 +17,19 @@ from __future__ import annotations
 import logging
 import os
 import re
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..control.endpoints import runtime_dir
+from ..data.segments import SHM_DIR, shm_files
 from ..errors import TensorSocketError
 from ..ring import Store, VersionMismatch, process_stat
 from ..sharing.election import release_lock, take_lock
 
 log = logging.getLogger("tensorsocket")
 
-SHM_DIR = "/dev/shm"
 LOCK_SECONDS = 30.0  # the longest wait for a store's flock (held for an open or an unlink)
 _SEGMENT = re.compile(r"tensorsocket-store-(?P<uid>[0-9]{1,10})-(?P<key>[0-9a-f]{16})")
 
@@ -48,22 +47,8 @@ def lock_path(key: str) -> Path:
 def store_keys() -> list[str]:
     """The keys of this user's store segments in /dev/shm (regular files of this user
     under a name a store takes; anyone may create files there)."""
-    try:
-        entries = sorted(os.listdir(SHM_DIR))
-    except OSError:
-        return []
-    keys = []
-    for entry in entries:
-        m = _SEGMENT.fullmatch(entry)
-        if m is None or int(m.group("uid")) != os.getuid():
-            continue
-        try:
-            st = os.lstat(f"{SHM_DIR}/{entry}")
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
-            keys.append(m.group("key"))
-    return keys
+    return [m.group("key") for _, m, owner in shm_files(_SEGMENT.fullmatch)
+            if owner == os.getuid() and int(m.group("uid")) == os.getuid()]
 
 
 class _Locked:
