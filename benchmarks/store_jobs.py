@@ -423,6 +423,10 @@ def summarize(args: argparse.Namespace, cal: dict, ideal: float, modes: list[dic
             for other in (store,) + tuple(h for h in by["store-half"]
                                           if h["round"] == own["round"]):
                 ids_equal &= own_ids == [e["ids"] for e in other["jobs"][k]["epochs"]]
+    for mode_rec in modes:  # the ids compared: a digest of each epoch's is kept
+        for job in mode_rec.get("jobs", []):
+            for e in job["epochs"]:
+                e["ids_digest"] = _digest(e.pop("ids"))
     ratios = {}
     for mode in ("store", "store-half"):
         rounds = [(s, o) for s in by[mode] for o in by["own"] if o["round"] == s["round"]]
@@ -443,6 +447,13 @@ def summarize(args: argparse.Namespace, cal: dict, ideal: float, modes: list[dic
                        "half_budget": half_budget},
             "machine": machine_info(), "calibration": cal, "ideal_ratio": ideal,
             "modes": modes, "ratios": ratios, "ids_equal": ids_equal}
+
+
+def _digest(ids: list) -> str:
+    """A short digest of an epoch's batch ids (the document keeps it, not the ids)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
 def print_summary(doc: dict) -> None:
