@@ -151,7 +151,8 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     rdir = _runtime_dir()
     found = [item for item in leftovers(rdir) if args.name is None or item.name == args.name]
     if not found:
-        print("nothing to clean: no segment, socket, lock or log of a dead producer")
+        print("nothing to clean: no segment, socket, lock or log of a dead producer, no "
+              "store of decoded samples that no job uses")
         return 0
     failed = 0
     verb = "would remove" if args.dry_run else "removed"
