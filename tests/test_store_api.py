@@ -8,6 +8,7 @@ so a batch says which samples it holds; every decode is counted."""
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import warnings
 from pathlib import Path
@@ -23,8 +24,7 @@ from tensorsocket.errors import TensorSocketWarning
 from tensorsocket.ring import Store
 from tensorsocket.store.dataset import CHECKED_SAMPLES
 from tensorsocket.store.codec import SampleDecoder, encode, encoded_bytes
-from tensorsocket.store.loader import store_key
-from tensorsocket.store.parts import split_dataset
+from tensorsocket.store.loader import dataset_key
 from tensorsocket.store.segment import segment_name, store_keys
 
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -48,11 +48,22 @@ class Numbers(Dataset):
 
 @pytest.fixture(autouse=True)
 def private_runtime(tmp_path, monkeypatch):
-    """A runtime directory of the test's own; no store of the test left in /dev/shm."""
+    """A runtime directory of the test's own; no store this test's process joined left in
+    /dev/shm (other tests' stores, of other xdist workers, are theirs to check)."""
+    from tensorsocket.store import loader as store_loader_module
+
     monkeypatch.setenv("TENSORSOCKET_RUNTIME_DIR", str(tmp_path / "run"))
-    before = set(store_keys())
+    joined: set[str] = set()
+    real_join = store_loader_module.join
+
+    def recording_join(key, *args, **kwargs):
+        joined.add(key)
+        return real_join(key, *args, **kwargs)
+
+    monkeypatch.setattr(store_loader_module, "join", recording_join)
     yield
-    left = set(store_keys()) - before
+    gc.collect()  # (a loader a test did not close leaves when collected)
+    left = joined & set(store_keys())
     for key in left:
         os.unlink(f"/dev/shm{segment_name(key)}")
     assert not left, f"stores left in /dev/shm: {left}"
@@ -118,12 +129,13 @@ def test_same_batches_as_its_own_loader_and_one_decode_per_sample():
     loader = ts.share(DataLoader(ds, batch_size=5, shuffle=True), name="same", store=True)
     try:
         first = ids(loader)
-        # Each sample once; and the check at the epoch's start decodes again what the
-        # store holds then (the first sample: it sized the budget, and went in).
-        assert ds.decodes == 64 + 1
+        # Each sample once (the first and the last at share(): they went into the key and
+        # the store), and the check at the epoch's start decodes again some of what the
+        # store holds then (those two).
+        assert 64 <= ds.decodes <= 64 + 2
         second = ids(loader)
         assert first + second == want
-        assert ds.decodes <= 64 + 1 + CHECKED_SAMPLES  # the second epoch's check only
+        assert ds.decodes <= 64 + 2 + CHECKED_SAMPLES  # the second epoch's check only
         info = loader.store_info()
         assert info["commits"] == 64 and info["stored"] == 64 and not info["dropped"]
         assert loader.batch_size == 5 and loader.drop_last is False and len(loader) == 13
@@ -159,9 +171,9 @@ def test_two_jobs_on_subsets_share_what_they_have_in_common():
         got_b = [int(s[1]) for s in b]
         assert got_a == want_a and got_b == want_b
         odd = {i for i in got_b if i % 2}
-        # Even ones are hits; odd ones decoded once (drawn again: a hit), and B's check
-        # decodes a few stored ones again.
-        assert base.decodes - decoded <= len(odd) + CHECKED_SAMPLES
+        # Even ones are hits; odd ones decoded once (drawn again: a hit), B's check
+        # decodes a few stored ones again, and its share() the first and the last.
+        assert base.decodes - decoded <= len(odd) + CHECKED_SAMPLES + 2  # (+ the key's two)
     finally:
         b.close()
         a.close()
@@ -300,8 +312,9 @@ def test_the_last_job_out_removes_the_store_and_a_dead_ones_is_swept(tmp_path):
             os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9
-    dead = store_key("dead", split_dataset(Numbers(8)))
-    assert dead in store_keys(), "the killed job's store is in /dev/shm"
+    # (Its store is in /dev/shm now, unless a job of another test running beside this one
+    # swept it already: the same rule.)
+    dead = dataset_key("dead", Numbers(8))
     c = ts.share(DataLoader(Numbers(8)), name="alive", store=True)
     try:
         assert dead not in store_keys()
@@ -434,7 +447,7 @@ def test_a_store_whose_lock_a_stopped_job_holds(monkeypatch, caplog):
         loader = ts.share(DataLoader(ds, batch_size=3, shuffle=True), name="held", store=True)
     try:
         assert ids(loader, 2) == want
-        assert ds.decodes == 40 + 1  # every sample, every epoch (and the budget's first)
+        assert ds.decodes == 40 + 2  # every sample, every epoch (and the key's two)
         assert loader.store_info() == {}
         assert any("decodes its own samples" in r.getMessage() for r in caplog.records)
     finally:
@@ -442,3 +455,35 @@ def test_a_store_whose_lock_a_stopped_job_holds(monkeypatch, caplog):
         monkeypatch.undo()
         for key in store_keys():  # (the store this test made and could not use)
             segment.remove_unused(key)
+
+
+def test_transforms_no_name_tells_apart_get_their_own_stores():
+    """Two jobs of one name whose datasets differ only in a transform no name tells apart
+    (two closures of one function): the key holds the blocks of a few of the dataset's
+    samples, so each job gets a store of its own, and its own samples."""
+    def scale(k):
+        def f(x):
+            return x * k
+        return f
+
+    class Scaled(Numbers):
+        def __init__(self, k):
+            super().__init__(32)
+            self.transform = scale(k)
+
+        def __getitem__(self, i):
+            x, i = super().__getitem__(i)
+            return self.transform(x), i
+
+    a = ts.share(DataLoader(Scaled(1), batch_size=4), name="closures", store=True)
+    b = ts.share(DataLoader(Scaled(2), batch_size=4), name="closures", store=True)
+    try:
+        assert a.store_key != b.store_key
+        for _ in range(2):
+            for (xa, ya), (xb, yb) in zip(a, b):
+                assert torch.equal(xa, torch.stack([torch.full((3, 16, 16), i % 251,
+                                                               dtype=torch.uint8) for i in ya]))
+                assert torch.equal(xb, 2 * xa)
+    finally:
+        a.close()
+        b.close()

@@ -339,27 +339,29 @@ static void ts_store_repair(ts_store_header *h)
     atomic_fetch_add_explicit(&h->repairs, 1, memory_order_relaxed);
 }
 
-/* Take the store's lock, waiting at most TS_STORE_LOCK_WAIT_NS; a holder that died is
- * repaired after. A wait that times out (a holder stopped) fails TS_E_TIMEOUT, and so
- * does every call of this handle for TS_STORE_BUSY_BACKOFF_NS after, without waiting. */
-static ts_status ts_store_lock(ts_store *st, ts_err *err)
+/* Take the store's lock, waiting at most wait_ns; a holder that died is repaired after. A
+ * wait that times out (a holder stopped) fails TS_E_TIMEOUT. The data path's calls
+ * (backoff set) wait TS_STORE_LOCK_WAIT_NS, and after a timeout fail at once for
+ * TS_STORE_BUSY_BACKOFF_NS; the calls that end what the handle began (commit, abort,
+ * close, drop) ignore the backoff and wait TS_STORE_FINISH_WAIT_NS. */
+static ts_status ts_store_lock_wait(ts_store *st, uint64_t wait_ns, int backoff, ts_err *err)
 {
-    uint64_t now = ts_now_ns();
-    if (now < st->busy_until)
+    if (backoff && ts_now_ns() < st->busy_until)
         return ts_err_set(err, TS_E_TIMEOUT, 0, "the sample store's lock is held by a "
                           "stopped process (backing off)");
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_nsec += (long)TS_STORE_LOCK_WAIT_NS;
+    deadline.tv_sec += (time_t)(wait_ns / 1000000000ULL);
+    deadline.tv_nsec += (long)(wait_ns % 1000000000ULL);
     deadline.tv_sec += deadline.tv_nsec / 1000000000L;
     deadline.tv_nsec %= 1000000000L;
     int rc = pthread_mutex_timedlock(&st->hdr->lock, &deadline);
     if (rc == ETIMEDOUT) {
-        st->busy_until = ts_now_ns() + TS_STORE_BUSY_BACKOFF_NS;
+        if (backoff) st->busy_until = ts_now_ns() + TS_STORE_BUSY_BACKOFF_NS;
         atomic_fetch_add_explicit(&st->hdr->busy, 1, memory_order_relaxed);
         return ts_err_set(err, TS_E_TIMEOUT, rc, "the sample store's lock was held for more "
                           "than %llu ms (a process of a job that shares it is stopped?)",
-                          (unsigned long long)(TS_STORE_LOCK_WAIT_NS / 1000000));
+                          (unsigned long long)(wait_ns / 1000000));
     }
     if (rc == EOWNERDEAD) {
         ts_store_repair(st->hdr);
@@ -368,6 +370,18 @@ static ts_status ts_store_lock(ts_store *st, ts_err *err)
     if (rc != 0)
         return ts_err_set(err, TS_E_SYS, rc, "locking the sample store: %s", strerror(rc));
     return TS_OK;
+}
+
+/* The lock for the data path (ts_store_lock_wait). */
+static ts_status ts_store_lock(ts_store *st, ts_err *err)
+{
+    return ts_store_lock_wait(st, TS_STORE_LOCK_WAIT_NS, 1, err);
+}
+
+/* The lock for a call that ends what the handle began (ts_store_lock_wait). */
+static ts_status ts_store_lock_finish(ts_store *st, ts_err *err)
+{
+    return ts_store_lock_wait(st, TS_STORE_FINISH_WAIT_NS, 0, err);
 }
 
 /* Release the store's lock. */
@@ -531,7 +545,8 @@ void ts_store_close(ts_store *st)
 {
     if (st == NULL) return;
     /* (A forked child's copy of a handle leaves its parent's job alone.) */
-    if (st->job != TS_STORE_NONE && st->owner == getpid() && ts_store_lock(st, NULL) == TS_OK) {
+    if (st->job != TS_STORE_NONE && st->owner == getpid() &&
+        ts_store_lock_finish(st, NULL) == TS_OK) {
         ts_jobs_drop(st->hdr, 1ULL << st->job);
         ts_store_unlock(st);
     }
@@ -651,7 +666,7 @@ static ts_store_entry *ts_own_filling(ts_store *st, uint32_t e, ts_err *err)
 
 ts_status ts_store_commit(ts_store *st, uint32_t e, ts_err *err)
 {
-    ts_status s = ts_store_lock(st, err);
+    ts_status s = ts_store_lock_finish(st, err);
     if (s != TS_OK) return s;
     ts_store_entry *en = ts_own_filling(st, e, err);
     if (en != NULL) {
@@ -665,7 +680,7 @@ ts_status ts_store_commit(ts_store *st, uint32_t e, ts_err *err)
 
 ts_status ts_store_abort(ts_store *st, uint32_t e, ts_err *err)
 {
-    ts_status s = ts_store_lock(st, err);
+    ts_status s = ts_store_lock_finish(st, err);
     if (s != TS_OK) return s;
     ts_store_entry *en = ts_own_filling(st, e, err);
     if (en != NULL) ts_entry_free(st->hdr, e);
@@ -730,6 +745,7 @@ ts_status ts_store_need(ts_store *st, uint32_t job, const uint64_t *samples, uin
         ts_store_unlock(st);
         return s;
     }
+    ts_job_needs_drop(h, job); /* (what it did not visit of its last epoch goes) */
     uint64_t *needs = ts_needs_of(h, job);
     uint16_t *uses = ts_uses_of(h);
     for (uint64_t i = 0; i < n; i++) {
@@ -770,7 +786,7 @@ void ts_store_progress(ts_store *st, uint64_t epoch, uint64_t position, uint64_t
 ts_status ts_store_drop(ts_store *st, const char *reason, ts_err *err)
 {
     ts_store_header *h = st->hdr;
-    ts_status s = ts_store_lock(st, err);
+    ts_status s = ts_store_lock_finish(st, err);
     if (s != TS_OK) return s;
     if (!atomic_load_explicit(&h->dropped, memory_order_relaxed)) {
         snprintf(h->drop_reason, sizeof h->drop_reason, "%s", reason);

@@ -32,6 +32,9 @@
  * for TS_STORE_BUSY_BACKOFF_NS: a stopped job costs the others one wait a second. */
 #define TS_STORE_LOCK_WAIT_NS 200000000ULL
 #define TS_STORE_BUSY_BACKOFF_NS 1000000000ULL
+/* The wait of a call that ends what a handle began (commit, abort, close, drop): no
+ * backoff, a longer wait (an entry left FILLING, or a job left attached, costs more). */
+#define TS_STORE_FINISH_WAIT_NS 2000000000ULL
 
 /* An entry's state. FREE: unused; FILLING: a writer copies a sample in (invisible);
  * READY: complete, readable. */
@@ -145,7 +148,8 @@ ts_status ts_store_get(ts_store *st, uint64_t sample, int counted, uint32_t *ent
  * process's own pin lock (never the store's): a deleter may call it on any thread. */
 void ts_store_unpin(ts_store *st, uint32_t entry);
 /* Job slot `job` (this process's or the job whose worker this process is) needs each of n
- * samples (again) in its epoch: its epoch order, at the epoch's start. A sample's
+ * samples in its epoch: its epoch order, at the epoch's start; its needs of the epoch
+ * before (what it did not visit: an epoch left early) go. A sample's
  * remaining uses are the jobs that still need it (eviction takes the fewest); a job's
  * needs go when it closes or dies. */
 ts_status ts_store_need(ts_store *st, uint32_t job, const uint64_t *samples, uint64_t n,

@@ -289,7 +289,8 @@ out:
 }
 
 /* A sample's remaining uses are the jobs that still need it: needing it twice counts once,
- * a visit takes the job's need away, and a job's needs go when it closes or dies. */
+ * a visit takes the job's need away, a job's needs go when it closes or dies, and a
+ * job's next epoch's needs replace those it left unvisited. */
 static void test_needs(void)
 {
     fixture fx = {0};
@@ -320,6 +321,11 @@ static void test_needs(void)
     CHECK_EQ(jobs, 1);
     CHECK_EQ(uses[150], 0);
     CHECK_EQ(uses[199], 1);
+    uint64_t next[2] = {5, 64}; /* the next epoch: 199, never visited, is needed no more */
+    REQUIRE_OK(ts_store_need(st, st->job, next, 2, &err));
+    CHECK_EQ(uses[199], 0);
+    CHECK_EQ(uses[64], 1);
+    CHECK_EQ(uses[5], 1);
 out:
     ts_store_close(other);
     fx_destroy(&fx);
@@ -479,7 +485,7 @@ out:
 /* A process stopped while it holds the store's lock (SIGSTOP, Ctrl-Z) costs the others
  * one wait of TS_STORE_LOCK_WAIT_NS, then nothing until the backoff passes: their calls
  * fail TS_E_TIMEOUT at once (they decode privately); once it runs again, the store is
- * used as before. */
+ * used as before. A handle backing off still closes (gives its job slot back). */
 static void test_stopped_holder(void)
 {
     fixture fx = {0};
@@ -517,6 +523,14 @@ static void test_stopped_holder(void)
     REQUIRE_OK(s);
     ts_store_unpin(st, e);
     CHECK(has(st, 1, 100));
+    /* Backing off, a handle still ends what it began: its close gives its slot back. */
+    ts_store *other = NULL;
+    REQUIRE_OK(ts_store_open(fx.name, &other, &err));
+    REQUIRE_OK(ts_store_attach(other, &err));
+    uint32_t slot = other->job;
+    other->busy_until = ts_now_ns() + 10 * TS_STORE_BUSY_BACKOFF_NS;
+    ts_store_close(other);
+    CHECK_EQ(st->hdr->jobs[slot].pid, 0);
 out:
     fx_destroy(&fx);
 }

@@ -36,6 +36,7 @@ from ..sharing.election import (SHARE_LOCK_SUFFIX, failed_log_owner, log_owner, 
                         share_lock_file, take_lock)
 from ..control.endpoints import lock_held, runtime_dir
 from ..data.segments import SHM_DIR, Leftover, stale_segments
+from ..errors import TensorSocketError
 from ..store.segment import segment_name
 from ..store.survey import remove_unused, unused_stores
 
@@ -156,7 +157,7 @@ def remove(item: Leftover) -> str | None:
                 return "a producer of this name started meanwhile; left alone"
             Path(item.path).unlink(missing_ok=True)
             return None
-    except OSError as e:
+    except (OSError, TensorSocketError) as e:  # (a store's flock held too long, say)
         return str(e)
     return f"unknown kind {item.kind!r}"
 

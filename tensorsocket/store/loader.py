@@ -46,10 +46,10 @@ from ..errors import TensorSocketError
 from ..loader.fingerprint import dataset_identity
 from ..producer.memory_room import memory_room
 from ..ring import Store
-from .codec import encode
+from .codec import encode, encoded_bytes
 from .dataset import StoreDataset
 from .parts import DatasetParts, split_dataset
-from .segment import join, sweep
+from .segment import join, leave, sweep
 
 log = logging.getLogger("tensorsocket")
 
@@ -205,11 +205,16 @@ class _Then:
         return f"{self.first!r} then {self.then!r}"
 
 
-def store_key(name: str, parts: DatasetParts) -> str:
-    """The store's key: a digest of the share() name and the base dataset's identity with
-    its shared transforms."""
-    text = f"{name}\0{dataset_identity(parts.base, parts.transforms)}"
-    return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:16]
+def store_key(name: str, parts: DatasetParts, content: bytes = b"") -> str:
+    """The store's key: a digest of the share() name, the base dataset's identity with its
+    shared transforms, and `content` (the blocks of a few of its samples: _probe). Two
+    jobs share a store only if all three agree: a transform that no name tells apart (two
+    closures of one function), or in-memory data of one class and length, gives other
+    samples and so another store."""
+    digest = hashlib.sha256(f"{name}\0{dataset_identity(parts.base, parts.transforms)}\0"
+                            .encode("utf-8", "replace"))
+    digest.update(content)
+    return digest.hexdigest()[:16]
 
 
 def _block_bytes(nbytes: int) -> int:
@@ -238,19 +243,32 @@ def _budget(parts: DatasetParts, asked: int, first: tuple[int, list]) -> int:
     return budget
 
 
-def _first_sample(parts: DatasetParts) -> tuple[int, tuple[int, list] | None]:
-    """The job's first sample (its base index, and its encoded bytes and pieces; None if
-    it cannot be stored), decoded here with the caller's generators kept: it sizes the
-    budget and goes into the store once it is joined."""
+def dataset_key(name: str, dataset: Any) -> str:
+    """The key of the store that share(DataLoader(dataset), name=name, store=True) uses
+    (store_key over _probe's samples)."""
+    parts = split_dataset(dataset)
+    return store_key(name, parts, b"".join(block for _, _, block in _probe(parts)))
+
+
+def _probe(parts: DatasetParts) -> list[tuple[int, tuple[int, list] | None, bytes]]:
+    """The base dataset's first and last samples (one if it has one), decoded here with
+    the caller's generators kept: (base index, its encoded bytes and pieces or None if it
+    cannot be stored, its block as bytes). They go into the store's key, size its budget,
+    and go into the store once it is joined."""
     from ..augment.seeding import callers_generators_kept
 
-    index = parts.base_index(0)
-    with callers_generators_kept():
-        sample = parts.base[index]
-    try:
-        return index, encode(sample)
-    except TypeError:
-        return index, None
+    n = len(parts.base)
+    out = []
+    for index in sorted({0, n - 1}):
+        with callers_generators_kept():
+            sample = parts.base[index]
+        try:
+            nbytes, pieces = encode(sample)
+        except TypeError:
+            out.append((index, None, repr(type(sample)).encode()))
+            continue
+        out.append((index, (nbytes, pieces), encoded_bytes(sample)))
+    return out
 
 
 def _job_seed(loader: DataLoader) -> int:
@@ -287,28 +305,30 @@ def store_loader(loader: Any, name: str, cache_bytes: int = 0, *,
     parts = split_dataset(loader.dataset)
     if transform is not None:
         parts.suffix = transform if parts.suffix is None else _Then(parts.suffix, transform)
-    key = store_key(name, parts)
+    probe = _probe(parts)
+    key = store_key(name, parts, b"".join(block for _, _, block in probe))
     sweep(keep=key)
-    decoded: list = []  # the first sample, if making the store needed it
-
-    def budget() -> int:
-        decoded.append(_first_sample(parts))
-        first = decoded[0][1]
-        return _budget(parts, int(cache_bytes or 0), first or (1 << 12, []))
-
+    first = probe[0][1]
     try:
-        joined = join(key, len(parts.base), budget)
+        joined = join(key, len(parts.base),
+                      lambda: _budget(parts, int(cache_bytes or 0), first or (1 << 12, [])))
     except OSError as e:
         raise TensorSocketError(f"the decoded-sample store of {name!r} could not be made: "
                                 f"{e}; give a smaller cache_bytes") from e
     store = joined.store
-    if not store.closed:
-        if decoded and decoded[0][1] is not None:
-            store.put(decoded[0][0], *decoded[0][1])
-        log.info("decoded-sample store %s: %s, budget %d bytes, job slot %s", store.name,
-                 "made" if joined.created else "joined", joined.budget, store.job)
-    job_seed = _job_seed(loader) if seed is None else int(seed)
-    dataset = StoreDataset(loader.dataset, parts, key, job_seed, store)
+    try:
+        if not store.closed:
+            for index, encoded, _ in probe:  # (decoded already: into the store)
+                if encoded is not None:
+                    store.put(index, *encoded)
+            log.info("decoded-sample store %s: %s, budget %d bytes, job slot %s", store.name,
+                     "made" if joined.created else "joined", joined.budget, store.job)
+        job_seed = _job_seed(loader) if seed is None else int(seed)
+        dataset = StoreDataset(loader.dataset, parts, key, job_seed, store)
+    except BaseException:  # (Ctrl-C, say): the job leaves the store it joined
+        if not store.closed:
+            leave(key, store)
+        raise
     return StoreLoader(dataset, **_loader_arguments(loader))
 
 

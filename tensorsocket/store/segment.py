@@ -25,7 +25,7 @@ from typing import Callable
 from ..control.endpoints import runtime_dir
 from ..data.segments import SHM_DIR, shm_files
 from ..errors import TensorSocketError
-from ..ring import Store, VersionMismatch, process_stat
+from ..ring import Store, TooManyConsumers, VersionMismatch, process_stat
 from ..sharing.election import release_lock, take_lock
 
 log = logging.getLogger("tensorsocket")
@@ -73,12 +73,15 @@ class _Locked:
             self._fd = None
 
 
-def _live_jobs(store: Store, leaving: int | None = None) -> int:
-    """The processes attached to `store` once the dead were reaped, but the workers of
-    process `leaving` (its children: a job's DataLoader workers end with it)."""
+def _live_jobs(store: Store, leaving: int | None = None, slot: int | None = None) -> int:
+    """The processes attached to `store` once the dead were reaped, but the children of
+    process `leaving` (a job's DataLoader workers end with it) and job slot `slot` (the
+    leaving job's own, if its close could not take the lock to give it back)."""
     store.reap()
     count = 0
-    for _slot, pid, *_ in store.jobs():
+    for row_slot, pid, *_ in store.jobs():
+        if slot is not None and row_slot == slot:
+            continue
         stat = process_stat(pid) if leaving is not None else None
         if stat is None or stat["ppid"] != leaving:
             count += 1
@@ -125,12 +128,15 @@ def join(key: str, samples: int, budget: Callable[[], int]) -> Joined:
         budget_now = int(store.info()["budget"])
         try:
             store.attach()
-        except TimeoutError as e:  # a stopped job holds its lock: this job goes alone
+        except (TimeoutError, TooManyConsumers) as e:
+            # (a stopped job holds its lock, or its job table is full: this job goes alone)
             log.warning("decoded-sample store %s: %s; this job decodes its own samples",
                         name, e)
             store.close()
         except BaseException:
             store.close()
+            if created:
+                _unlink(name)
             raise
         return Joined(store, created, budget_now)
 
@@ -154,13 +160,14 @@ def leave(key: str, store: Store) -> bool:
     """This job leaves the store of `key`; the segment is unlinked if no live process uses
     it any more (this job's own workers, ending with it, aside). Whether it was."""
     with _Locked(key):
+        slot = None if store.closed else store.job
         store.close()
         try:
             probe = Store.open(segment_name(key))
         except (FileNotFoundError, VersionMismatch):
             return False
         try:
-            alone = _live_jobs(probe, leaving=os.getpid()) == 0
+            alone = _live_jobs(probe, leaving=os.getpid(), slot=slot) == 0
         except TimeoutError:  # a stopped job holds its lock: it is not ours to remove
             alone = False
         finally:
