@@ -112,13 +112,14 @@ def join(key: str, samples: int, budget: Callable[[], int]) -> Joined:
             pass
         except VersionMismatch:
             _unlink(name)  # (a store of another tensorsocket's layout; its jobs use their own)
-        if store is not None and store.info()["samples"] != samples:
+        held = None if store is None else store.info()["samples"]
+        if store is not None and held != samples:
             if _live_jobs(store):
                 store.close()
                 raise TensorSocketError(
-                    f"the sample store {name} holds a dataset of {store.info()['samples']} "
-                    f"samples, this job's has {samples}, and jobs still use it: give this "
-                    "job another share() name")
+                    f"the sample store {name} holds a dataset of {held} samples, this job's "
+                    f"has {samples}, and jobs still use it: give this job another share() "
+                    "name")
             store.close()
             _unlink(name)
             store = None
