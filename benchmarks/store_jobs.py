@@ -227,7 +227,7 @@ def calibrate(root: Path, batch: int, samples: int = 24) -> dict:
     the bytes of one stored sample's block."""
     import torch
 
-    from tensorsocket.store.codec import encode
+    from tensorsocket.store.codec import arena_block, encode
 
     _set_threads()
     w = _workload()
@@ -254,7 +254,7 @@ def calibrate(root: Path, batch: int, samples: int = 24) -> dict:
             trainer.step(x, y)
         t.append((time.thread_time() - c0) / 2 / batch)
     nbytes, _ = encode(decoded[0])
-    block = 1 << max(12, (nbytes - 1).bit_length())
+    block = arena_block(nbytes)
     return {"ld_ms": 1000 * ld, "la_ms": [1000 * v for v in la], "t_ms": [1000 * v for v in t],
             "sample_bytes": nbytes, "block_bytes": block}
 

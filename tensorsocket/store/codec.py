@@ -74,14 +74,25 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
-def encoded_bytes(sample: Any) -> bytes:
-    """The block of `sample` as bytes (to compare a decode with what the store holds)."""
-    nbytes, pieces = encode(sample)
+def block_bytes(nbytes: int, pieces: list[tuple[int, Any]]) -> bytes:
+    """The block that encode()'s (nbytes, pieces) make, as bytes (what Store.put writes,
+    zeros between the pieces: to compare a decode with what the store holds)."""
     block = bytearray(nbytes)
     for offset, piece in pieces:
         data = memoryview(piece).cast("B")
         block[offset:offset + len(data)] = data
     return bytes(block)
+
+
+def encoded_bytes(sample: Any) -> bytes:
+    """The block of `sample` as bytes."""
+    return block_bytes(*encode(sample))
+
+
+def arena_block(nbytes: int) -> int:
+    """The bytes of the store's arena a block of `nbytes` takes: a power of two, at least
+    4 KiB (the buddy allocator's orders, TS_STORE_MIN_ORDER in csrc/store/ts_store.h)."""
+    return 1 << max(12, (nbytes - 1).bit_length())
 
 
 class SampleDecoder:

@@ -25,6 +25,7 @@ attaches as a process of the job: its pins are its own, its visits are the job's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -38,7 +39,7 @@ from torch.utils.data import Dataset, get_worker_info
 from ..augment.seeding import callers_generators_kept, sample_seed, seed_everything
 from ..errors import TensorSocketWarning
 from ..ring import Store, StoreOutcome, TooManyConsumers
-from .codec import SampleDecoder, encode, encoded_bytes
+from .codec import SampleDecoder, block_bytes, encode, encoded_bytes
 from .parts import DatasetParts, apply_to_inputs
 from .segment import attach_worker, leave
 
@@ -69,8 +70,6 @@ class StoreDataset(Dataset):
         # cannot be stored.
         self._private = not joined
         self._leave = weakref.finalize(self, _leave, key, store)
-        self.hits = 0  # this process's, for tests and the job's summary
-        self.decodes = 0
 
     # -- a process's handle --------------------------------------------------------------
 
@@ -155,25 +154,22 @@ class StoreDataset(Dataset):
         suffix = self._parts.suffix
         if suffix is None:
             return sample
-        seed = sample_seed(self._seed, int(epoch), i)
-        if get_worker_info() is not None:  # a worker's generators are its own
-            seed_everything(seed)
-            return apply_to_inputs(sample, suffix)
-        with callers_generators_kept():  # the job's training keeps its randomness
-            seed_everything(seed)
+        # (A worker's generators are its own; the job's training keeps its randomness.)
+        in_worker = get_worker_info() is not None
+        with contextlib.nullcontext() if in_worker else callers_generators_kept():
+            seed_everything(sample_seed(self._seed, int(epoch), i))
             return apply_to_inputs(sample, suffix)
 
     def _load(self, i: int) -> Any:
         """Base sample i: from the store, else decoded here (and offered to the store)."""
         store = None if self._private else self._handle()
         if store is None:
-            return self._decode(i)
+            return self._parts.base[i]
         block = store.get(i)
         if block is not None:
-            self.hits += 1
             store.visited(self._job, i)
             return self._decoder.decode(block)
-        sample = self._decode(i)
+        sample = self._parts.base[i]
         try:
             nbytes, pieces = encode(sample)
         except TypeError as e:
@@ -184,20 +180,17 @@ class StoreDataset(Dataset):
             return sample
         outcome = store.put(i, nbytes, pieces)
         if outcome == StoreOutcome.PRESENT:
-            self._compare(store, i, sample, "decoded by two processes")
+            self._compare(store, i, store.get(i, counted=False), block_bytes(nbytes, pieces),
+                          "decoded by two processes")
         store.visited(self._job, i)
         return sample
 
-    def _decode(self, i: int) -> Any:
-        """Base sample i decoded in this process."""
-        self.decodes += 1
-        return self._parts.base[i]
-
-    def _compare(self, store: Store, i: int, sample: Any, how: str) -> bool:
-        """Whether the store's block of sample i is `sample`'s; if not, the store is
-        dropped for every job (and this process says so)."""
-        block = store.get(i, counted=False)
-        if block is None or bytes(block) == encoded_bytes(sample):
+    def _compare(self, store: Store, i: int, block: bytearray | None, fresh: bytes,
+                 how: str) -> bool:
+        """Whether `block`, the store's of sample i (None: it holds none now), is `fresh`,
+        a decode's block; if not, the store is dropped for every job (and this process
+        says so)."""
+        if block is None or bytes(block) == fresh:
             return True
         reason = (f"sample {i} of {type(self._parts.base).__name__}, {how}, gave other "
                   "bytes than the store holds: the dataset's shared part is not "
@@ -228,9 +221,9 @@ class StoreDataset(Dataset):
             if block is None:
                 continue
             with callers_generators_kept():
-                fresh = self._parts.base[i]
-            if not self._compare(store, i, fresh, f"decoded again at the start of epoch "
-                                 f"{epoch}"):
+                fresh = encoded_bytes(self._parts.base[i])
+            if not self._compare(store, i, block, fresh, f"decoded again at the start of "
+                                 f"epoch {epoch}"):
                 return
             tried += 1
             if tried == CHECKED_SAMPLES:

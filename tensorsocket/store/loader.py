@@ -41,12 +41,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from ..augment.seeding import sample_seed
+from ..augment.seeding import callers_generators_kept, sample_seed
 from ..errors import TensorSocketError
 from ..loader.fingerprint import dataset_identity
 from ..producer.memory_room import memory_room
 from ..ring import Store
-from .codec import encode, encoded_bytes
+from .codec import arena_block, block_bytes, encode
 from .dataset import StoreDataset
 from .parts import DatasetParts, split_dataset
 from .segment import join, leave, sweep
@@ -66,7 +66,6 @@ class EpochOrder(Sampler):
         self.batched = batched
         self._dataset = dataset
         self.epoch = -1  # of the order drawn last
-        self.last_order: list | None = None  # the job's indices of that epoch
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -85,7 +84,6 @@ class EpochOrder(Sampler):
         order = list(self.inner)
         self.epoch += 1
         epoch = self.epoch
-        self.last_order = order
         flat = list(itertools.chain.from_iterable(order)) if self.batched else order
         try:
             indices = np.asarray(flat, dtype=np.int64).reshape(-1)
@@ -205,29 +203,25 @@ class _Then:
         return f"{self.first!r} then {self.then!r}"
 
 
-def store_key(name: str, parts: DatasetParts, content: bytes = b"") -> str:
+def store_key(name: str, parts: DatasetParts, probe: list) -> str:
     """The store's key: a digest of the share() name, the base dataset's identity with its
-    shared transforms, and `content` (the blocks of a few of its samples: _probe). Two
-    jobs share a store only if all three agree: a transform that no name tells apart (two
-    closures of one function), or in-memory data of one class and length, gives other
-    samples and so another store."""
+    shared transforms, and the blocks of a few of its samples (_probe). Two jobs share a
+    store only if all three agree: a transform that no name tells apart (two closures of
+    one function), or in-memory data of one class and length, gives other samples and so
+    another store."""
     digest = hashlib.sha256(f"{name}\0{dataset_identity(parts.base, parts.transforms)}\0"
                             .encode("utf-8", "replace"))
-    digest.update(content)
+    for _, _, block in probe:
+        digest.update(block)
     return digest.hexdigest()[:16]
-
-
-def _block_bytes(nbytes: int) -> int:
-    """The arena block a sample of `nbytes` takes: a power of two, at least 4 KiB."""
-    return 1 << max(12, (nbytes - 1).bit_length())
 
 
 def _budget(parts: DatasetParts, asked: int, first: tuple[int, list]) -> int:
     """The store's budget: `asked` (0: the default), no more than every sample needs
-    (estimated from the job's first sample, `first`: its encoded bytes and pieces) and
-    than the machine can give (ValueError naming cache_bytes when the asked budget is more
-    than that)."""
-    whole = len(parts.base) * _block_bytes(first[0])
+    (estimated from the base dataset's first sample, `first`: its encoded bytes and
+    pieces) and than the machine can give (ValueError naming cache_bytes when the asked
+    budget is more than that)."""
+    whole = len(parts.base) * arena_block(first[0])
     room = memory_room()
     if asked:
         refusal = room.refusal(asked)
@@ -247,7 +241,7 @@ def dataset_key(name: str, dataset: Any) -> str:
     """The key of the store that share(DataLoader(dataset), name=name, store=True) uses
     (store_key over _probe's samples)."""
     parts = split_dataset(dataset)
-    return store_key(name, parts, b"".join(block for _, _, block in _probe(parts)))
+    return store_key(name, parts, _probe(parts))
 
 
 def _probe(parts: DatasetParts) -> list[tuple[int, tuple[int, list] | None, bytes]]:
@@ -255,8 +249,6 @@ def _probe(parts: DatasetParts) -> list[tuple[int, tuple[int, list] | None, byte
     the caller's generators kept: (base index, its encoded bytes and pieces or None if it
     cannot be stored, its block as bytes). They go into the store's key, size its budget,
     and go into the store once it is joined."""
-    from ..augment.seeding import callers_generators_kept
-
     n = len(parts.base)
     out = []
     for index in sorted({0, n - 1}):
@@ -267,7 +259,7 @@ def _probe(parts: DatasetParts) -> list[tuple[int, tuple[int, list] | None, byte
         except TypeError:
             out.append((index, None, repr(type(sample)).encode()))
             continue
-        out.append((index, (nbytes, pieces), encoded_bytes(sample)))
+        out.append((index, (nbytes, pieces), block_bytes(nbytes, pieces)))
     return out
 
 
@@ -306,7 +298,7 @@ def store_loader(loader: Any, name: str, cache_bytes: int = 0, *,
     if transform is not None:
         parts.suffix = transform if parts.suffix is None else _Then(parts.suffix, transform)
     probe = _probe(parts)
-    key = store_key(name, parts, b"".join(block for _, _, block in probe))
+    key = store_key(name, parts, probe)
     sweep(keep=key)
     first = probe[0][1]
     try:
