@@ -346,9 +346,11 @@ static void ts_store_repair(ts_store_header *h)
  * close, drop) ignore the backoff and wait TS_STORE_FINISH_WAIT_NS. */
 static ts_status ts_store_lock_wait(ts_store *st, uint64_t wait_ns, int backoff, ts_err *err)
 {
-    if (backoff && ts_now_ns() < st->busy_until)
+    if (backoff && ts_now_ns() < st->busy_until) {
+        atomic_fetch_add_explicit(&st->hdr->busy, 1, memory_order_relaxed);
         return ts_err_set(err, TS_E_TIMEOUT, 0, "the sample store's lock is held by a "
                           "stopped process (backing off)");
+    }
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
     deadline.tv_sec += (time_t)(wait_ns / 1000000000ULL);
@@ -607,6 +609,7 @@ ts_status ts_store_reserve(ts_store *st, uint64_t sample, uint64_t bytes,
     if (e != TS_STORE_NONE) {
         ts_store_entry *en = &ts_entries_of(h)[e];
         if (atomic_load_explicit(&en->state, memory_order_relaxed) == TS_STORE_READY) {
+            atomic_fetch_add_explicit(&h->races, 1, memory_order_relaxed);
             *outcome = TS_STORE_PRESENT;
             *entry = e;
             ts_store_unlock(st);

@@ -34,8 +34,8 @@ class StoreStatus:
     misses: int
     commits: int  # samples put in (decodes shared)
     evictions: int
-    races: int  # samples two processes decoded together (one kept)
-    busy: int  # lock waits that timed out (a process holding it was stopped)
+    races: int  # decodes that came second (the sample stored, or being stored, already)
+    busy: int  # calls refused for a busy lock (a process holding it was stopped)
     dropped: str | None  # why it was dropped (its dataset found not deterministic)
     jobs: list[StoreJob] = field(default_factory=list)
 
