@@ -295,7 +295,7 @@ class Producing(threading.Thread):
 FAULT_TABLE_FILES = ("tests/test_faults.py", "tests/test_fork.py", "tests/test_kept_batches.py",
                      "tests/test_interrupted_pulls.py", "tests/test_hostile_tcp.py",
                      "tests/test_tcp_flood.py", "tests/test_transform_faults.py",
-                     "tests/test_cache_faults.py")
+                     "tests/test_cache_faults.py", "tests/test_store.py")
 
 
 class FaultTable:

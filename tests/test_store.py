@@ -145,7 +145,7 @@ def test_store_at_half_the_union(jobs, name):
     jobs.check_nothing_left()
 
 
-def test_a_job_killed_mid_epoch_and_restarted(jobs, name, tmp_path):
+def test_a_job_killed_mid_epoch_and_restarted(jobs, name, tmp_path, fault_table):
     """A job SIGKILLed in its first epoch (its workers too, one of them maybe mid-insert)
     and started again: it gets its own loader's batches from the start; the job that ran
     beside it all along did not stop nor get a wrong sample; the dead job's pins, needs
@@ -159,12 +159,21 @@ def test_a_job_killed_mid_epoch_and_restarted(jobs, name, tmp_path):
     b.kill_tree()
     b.wait(30)
     b2 = jobs.start("quarter-again", name=name, subset="half", seed=7, epochs=2, workers=2)
-    jobs.done(b2)
-    jobs.done(a)
+    again = jobs.done(b2)
+    survivor = jobs.done(a)
     jobs.check_nothing_left()
+    fault_table.add(
+        "decoded-sample store: a job SIGKILLed in its first epoch with its 2 DataLoader "
+        "workers (one maybe mid-insert), then started again, while another job runs",
+        "- (no one waits for a dead job: its slot, pins, needs and half-written samples "
+        "are reaped when an insert finds no room, or a job joins or leaves)",
+        f"the other job: every batch its own loader's, its longest next() "
+        f"{survivor['longest_next']:.2f} s; the restarted job: every batch its own "
+        f"loader's from the start ({again['info']['hits']} hits)",
+        "nothing: the store removed by the last job out")
 
 
-def test_a_paused_job_costs_the_others_nothing(jobs, name, tmp_path):
+def test_a_paused_job_costs_the_others_nothing(jobs, name, tmp_path, fault_table):
     """A job stopped (SIGSTOP: Ctrl-Z, a debugger) in its first epoch, its workers too,
     for as long as the other job takes to run all its epochs: the other finishes with its
     own loader's batches; the stopped one, continued, finishes too, with its own."""
@@ -176,15 +185,24 @@ def test_a_paused_job_costs_the_others_nothing(jobs, name, tmp_path):
         os.kill(pid, signal.SIGSTOP)
     try:
         b = jobs.start("running", name=name, subset="all", seed=11, epochs=2, workers=1)
-        jobs.done(b)
+        running = jobs.done(b)
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
-    jobs.done(a)
+    paused = jobs.done(a)
     jobs.check_nothing_left()
+    fault_table.add(
+        "decoded-sample store: a job SIGSTOPped with its DataLoader worker in its first "
+        "epoch, for as long as another job takes to run its 2 epochs",
+        "- (nothing waits for it: no job waits for another's decode or room; a lock it "
+        "held when stopped is waited for 200 ms, then the store is skipped for 1 s)",
+        f"the running job: every batch its own loader's, its longest next() "
+        f"{running['longest_next']:.2f} s; the paused one, continued: every batch its own "
+        f"loader's", "nothing: the store removed by the last job out")
+    assert paused["ids_equal"]
 
 
-def test_a_dataset_with_random_draws_is_refused(jobs, name):
+def test_a_dataset_with_random_draws_is_refused(jobs, name, fault_table):
     """Noise drawn in ``__getitem__`` (after the transform): the job's check at its second
     epoch decodes stored samples again and gets other bytes: the store is dropped, the job
     warns (a TensorSocketWarning naming the sample), and goes on decoding its samples
@@ -196,6 +214,13 @@ def test_a_dataset_with_random_draws_is_refused(jobs, name):
     assert len(said) == 1 and "not deterministic" in said[0] and "sample" in said[0], said
     assert record["info"]["dropped"]
     jobs.check_nothing_left()
+    fault_table.add(
+        "decoded-sample store: a dataset whose __getitem__ draws random numbers (noise "
+        "from torch's generator), a job of 2 epochs with 1 DataLoader worker",
+        f"at the start of epoch 2: up to {CHECKED_SAMPLES} stored samples decoded again "
+        "give other bytes; the store dropped for every job, a TensorSocketWarning naming "
+        "the sample", "the job: every batch its own loader's, each sample decoded where "
+        "it is read from then on", "nothing: the store removed by the last job out")
 
 
 def test_status_shows_the_store_and_each_job(jobs, name, tmp_path):

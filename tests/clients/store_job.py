@@ -24,7 +24,7 @@ random half, shuffled with a generator of its own), ``quarter`` (a
 s) until FILE exists. ``--random-getitem`` adds noise drawn from torch's generator in
 ``__getitem__`` (a dataset whose samples are not deterministic): images are then not
 checked. Prints a JSON line per batch ({"event": "batch", ...}) and a last one with the
-record.
+record (with the longest next() of the shared run, for the fault table).
 """
 
 from __future__ import annotations
@@ -132,10 +132,15 @@ def main() -> None:
                       **({"cache_bytes": args.cache_bytes} if args.cache_bytes else {}))
     seed = loader.job_seed
     got_ids, wrong_images, wrong_targets = [], 0, 0
+    longest_next = 0.0  # s: the longest next() of the shared run, an epoch's first included
     started = time.monotonic()
     for epoch in range(args.epochs):
         ids_epoch = []
-        for k, (images, targets, ids) in enumerate(loader):
+        batches = iter(loader)
+        for k in range(len(loader)):
+            asked = time.monotonic()
+            images, targets, ids = next(batches)
+            longest_next = max(longest_next, time.monotonic() - asked)
             ids_epoch.append(ids.tolist())
             for row, i in enumerate(ids.tolist()):
                 if int(targets[row]) != plain.targets[i]:
@@ -153,12 +158,14 @@ def main() -> None:
                 wait_for(args.hold)
             if args.step:
                 time.sleep(args.step)
+        assert next(batches, None) is None, "the loader gave more than len(loader) batches"
         got_ids.append(ids_epoch)
     info = loader.store_info()
     harness.emit({"event": "done", "ids_equal": got_ids == expected_ids,
                   "ids": got_ids, "expected": expected_ids, "wrong_images": wrong_images,
                   "wrong_targets": wrong_targets, "info": info, "pid": os.getpid(),
-                  "seconds": time.monotonic() - started, "warnings": warned,
+                  "seconds": time.monotonic() - started, "longest_next": longest_next,
+                  "warnings": warned,
                   "log": records, "len": len(loader), "key": loader.store_key})
     loader.close()
 
