@@ -487,3 +487,60 @@ def test_transforms_no_name_tells_apart_get_their_own_stores():
     finally:
         a.close()
         b.close()
+
+
+class Noisy(Dataset):
+    """Numbers with the job's random transform in its own __getitem__ (the user's own
+    dataset, whose loader the store's run is compared with)."""
+
+    def __init__(self, n: int, transform) -> None:
+        self.inner, self.transform = Numbers(n), transform
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        x, y = self.inner[i]
+        return self.transform(x), y
+
+
+def _noise(x):
+    return x.float() + torch.rand(x.shape)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_accelerate_prepare_reads_the_store_with_the_loaders_draws(workers):
+    """accelerator.prepare() makes a DataLoader of its own over the store's dataset and the
+    user's batch sampler (plain indices, no epoch): each sample comes from the store and
+    the job's own part draws from the caller's generators, as in the user's own loader
+    (before: seeded by epoch 0 every epoch, the same augmentation in each). Two epochs
+    through the store equal, batch for batch and value for value, the same prepare() of
+    the user's own DataLoader; each sample's draws differ from one epoch to the next."""
+    accelerate = pytest.importorskip("accelerate")
+    options = dict(batch_size=4, shuffle=True, num_workers=workers,
+                   persistent_workers=workers > 0)
+
+    def two_epochs(loader):
+        prepared = accelerate.Accelerator(cpu=True).prepare(loader)
+        return [[(x.clone(), y.clone()) for x, y in prepared] for _ in range(2)]
+
+    torch.manual_seed(5)
+    want = two_epochs(DataLoader(Noisy(24, _noise), **options))
+    torch.manual_seed(5)
+    loader = ts.share(DataLoader(Numbers(24), **options), name="accelerate", store=True,
+                      transform=_noise)
+    try:
+        got = two_epochs(loader)
+        info = loader.store_info()
+    finally:
+        loader.close()
+    assert [[y.tolist() for _, y in epoch] for epoch in got] == \
+        [[y.tolist() for _, y in epoch] for epoch in want]
+    for mine, theirs in zip(got, want):
+        for (x, _), (w, _) in zip(mine, theirs):
+            assert torch.equal(x, w)
+    first = {int(i): x[row] for x, y in got[0] for row, i in enumerate(y)}
+    second = {int(i): x[row] for x, y in got[1] for row, i in enumerate(y)}
+    assert sorted(first) == list(range(24)) and sorted(second) == list(range(24))
+    assert not any(torch.equal(first[i], second[i]) for i in range(24))
+    assert info["commits"] == 24 and info["hits"] >= 24, info

@@ -5,14 +5,17 @@ without tensorsocket (``--no-share``, the baseline). With the store each job kee
 DataLoader, so every rank's batches of every epoch must be the baseline's, id for id:
 Lightning's fit with a train and a val loader (and its sanity check), Lightning's DDP
 (which rebuilds the loader with a DistributedSampler: a StoreLoader again), torchrun DDP
-with a DistributedSampler per rank, and a Hugging Face ``datasets.Dataset`` in torch
-format."""
+with a DistributedSampler per rank, a Hugging Face ``datasets.Dataset`` in torch format,
+and Accelerate's prepare() and skip_first_batches(), in one process and under
+``accelerate launch`` (which make DataLoaders of their own over the store's dataset and
+the user's batch sampler)."""
 
 from __future__ import annotations
 
 import pytest
 
 from test_frameworks import Jobs, assert_no_problems, check_epochs, jobs  # noqa: F401 - fixture
+from test_resume_frameworks import accelerate_launch
 
 VAL_OFFSET = 10000
 
@@ -26,7 +29,12 @@ def _run_both(jobs: Jobs, label: str, start, timeout: float) -> tuple[dict, dict
     del jobs.env["TS_TEST_STORE"]
     baseline = start(f"{label}-own", False)
     jobs.wait(timeout=timeout)
-    return shared.records(), baseline.records()
+    got = shared.records()
+    for rank, record in got.items():  # (the swap made StoreLoaders: the store was read)
+        metas = record["meta"].values() if "train" in record["meta"] else [record["meta"]]
+        types = [m["type"] for m in metas]
+        assert types and all(t.endswith(".StoreLoader") for t in types), (label, rank, types)
+    return got, baseline.records()
 
 
 def _same_batches(label: str, got: dict, want: dict, keys: tuple[str, ...]) -> list[str]:
@@ -114,4 +122,39 @@ def test_hf_datasets(jobs, name):
     got, want = _run_both(jobs, "hf", start, 120)
     problems = _same_batches("hf", got, want, ("train",))
     problems += check_epochs(jobs.jobs[0], "train", n, 2)
+    assert_no_problems(problems, jobs)
+
+
+def test_accelerate_prepare_and_skip_first_batches(jobs, name):
+    """accelerator.prepare(model, optimizer, loader) through the store, two epochs, then
+    accelerator.skip_first_batches(loader, 3) for a third: every batch the baseline's."""
+    pytest.importorskip("accelerate")
+    n = 64
+
+    def start(label: str, store: bool):
+        return jobs.python(label, "accelerate_prepare.py", "--name", name, "--samples",
+                           str(n), *([] if store else ["--no-share"]))
+
+    got, want = _run_both(jobs, "accelerate", start, 120)
+    problems = _same_batches("accelerate", got, want, ("train", "skipped"))
+    problems += check_epochs(jobs.jobs[0], "train", n, 2)
+    assert_no_problems(problems, jobs)
+
+
+@pytest.mark.slow  # two accelerate launches of two processes
+def test_accelerate_launch_shards(jobs, name):
+    """accelerate launch, 2 processes, a shuffled loader through the store (both ranks in
+    one store): each rank's shard of its first epoch and of skip_first_batches(loader, 2)
+    the one it has without tensorsocket."""
+    pytest.importorskip("accelerate")
+    n = 128
+
+    def start(label: str, store: bool):
+        return accelerate_launch(jobs, label, "accelerate_resume.py", "--name", name,
+                                 "--mode", "skip", "--samples", str(n), "--batch-size",
+                                 "16", "--skip", "2", "--shuffle",
+                                 *([] if store else ["--no-share"]))
+
+    got, want = _run_both(jobs, "accelerate-launch", start, 180)
+    problems = _same_batches("accelerate-launch", got, want, ("listed", "skipped", "train"))
     assert_no_problems(problems, jobs)

@@ -1,8 +1,9 @@
 """StoreDataset: a job's dataset read through the store of decoded samples.
 
 The job's own DataLoader (store.loader) reads this dataset, in its own process or in its
-workers. Its indices come as ``(index, epoch)`` from the job's EpochOrder (a plain index
-from anyone else: epoch 0). For each:
+workers. Its indices come as ``(index, epoch)`` from the job's EpochOrder; a plain index
+comes from a loader the job's framework made over this dataset (accelerate's
+``prepare``, which keeps the user's batch sampler) or from ``dataset[i]``. For each:
 
 - the base dataset's sample (store.parts) is looked up in the store: a hit is a private
   copy of the stored block, decoded (store.codec);
@@ -10,7 +11,10 @@ from anyone else: epoch 0). For each:
   and offers it to the store, which keeps it if the budget allows (evicting samples no job
   needs soon): whoever first needs a sample decodes it, no process waits for another;
 - the job's own part of the transform runs on it, seeded from (the job's seed, the epoch,
-  the sample): the same output whichever process runs it, in any order.
+  the sample): the same output whichever process runs it, in any order. For a plain
+  index the epoch is not known: the own part draws from the caller's generators, as
+  the user's dataset does in the user's DataLoader (a worker's seeded per epoch by the
+  loader), so each epoch gets fresh draws and they are the user's loader's.
 
 A dataset whose shared part is not deterministic (random draws in ``__getitem__``, data
 that changes) would hand every job the first decode forever. It is found by content: a
@@ -147,13 +151,16 @@ class StoreDataset(Dataset):
         return self._parts.length
 
     def __getitem__(self, key: Any) -> Any:
-        """The sample of the job's index (an int, or (index, epoch) from EpochOrder)."""
-        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        """The sample of the job's index: (index, epoch) from EpochOrder, or a plain index
+        (module docstring)."""
+        index, epoch = key if isinstance(key, tuple) else (key, None)
         i = self._parts.base_index(int(index))
         sample = self._load(i)
         suffix = self._parts.suffix
         if suffix is None:
             return sample
+        if epoch is None:  # (the caller's generators draw, as in the user's own loader)
+            return apply_to_inputs(sample, suffix)
         # (A worker's generators are its own; the job's training keeps its randomness.)
         in_worker = get_worker_info() is not None
         with contextlib.nullcontext() if in_worker else callers_generators_kept():
