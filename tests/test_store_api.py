@@ -241,6 +241,41 @@ def test_bad_arguments_name_the_knob():
         ts.share(DataLoader(Numbers(0)), name="bad", store=True)
 
 
+class BatchesDoubled(DataLoader):
+    """A DataLoader subclass with behaviour of its own (a loader made again from its
+    arguments would not double its batches)."""
+
+    def __iter__(self):
+        for x, y in super().__iter__():
+            yield x * 2, y
+
+
+class ShuffledBy4(DataLoader):
+    """A DataLoader subclass that only sets arguments."""
+
+    def __init__(self, dataset):
+        super().__init__(dataset, batch_size=4, shuffle=True)
+
+
+def test_loader_subclasses_and_shared_loaders():
+    """A DataLoader subclass whose own behaviour a loader made again from its arguments
+    would lose is refused, naming what it adds; one that only sets arguments is made
+    again, its batches its own; a loader share() made is refused as share()'s already."""
+    with pytest.raises(TypeError, match=r"BatchesDoubled is a DataLoader subclass whose "
+                                        r"own __iter__ would be lost"):
+        ts.share(BatchesDoubled(Numbers(8), batch_size=4), name="sub", store=True)
+    torch.manual_seed(2)
+    want = ids(ShuffledBy4(Numbers(8)), 2)
+    torch.manual_seed(2)
+    loader = ts.share(ShuffledBy4(Numbers(8)), name="sub", store=True)
+    try:
+        assert ids(loader, 2) == want
+        with pytest.raises(TypeError, match=r"share\(\)'s already"):
+            ts.share(loader, name="sub", store=True)
+    finally:
+        loader.close()
+
+
 def test_a_sample_that_cannot_be_stored_is_decoded_privately():
     """A dataset whose samples hold objects no batch can carry: the job warns in its log
     once and decodes every sample itself, batches as its own loader's."""
@@ -527,8 +562,8 @@ def test_accelerate_prepare_reads_the_store_with_the_loaders_draws(workers):
     torch.manual_seed(5)
     want = two_epochs(DataLoader(Noisy(24, _noise), **options))
     torch.manual_seed(5)
-    loader = ts.share(DataLoader(Numbers(24), **options), name="accelerate", store=True,
-                      transform=_noise)
+    loader = ts.share(DataLoader(Numbers(24), **options), name=f"accelerate-{workers}",
+                      store=True, transform=_noise)
     try:
         got = two_epochs(loader)
         info = loader.store_info()
