@@ -349,7 +349,10 @@ def _subclass_behaviour(loader: DataLoader) -> list[str]:
     for cls in type(loader).__mro__:
         if cls is DataLoader:
             break
-        added += sorted(name for name in vars(cls) if name not in _CLASS_BOOKKEEPING)
+        # (__old__init__ and the like: Lightning's patches, while it records the
+        # arguments of the loaders a train_dataloader() makes.)
+        added += sorted(name for name in vars(cls)
+                        if name not in _CLASS_BOOKKEEPING and not name.startswith("__old"))
     return added
 
 
