@@ -204,16 +204,17 @@ def test_distributed_sampler_shards_and_set_epoch():
 
 
 def test_workers_persistent_and_not():
-    """With workers (their own handles, a process each), persistent or not, the ids are
-    the user's loader's; the second epoch reads from the store."""
-    for persistent in (False, True):
+    """With workers (their own handles, a process each), persistent or not, forked or
+    spawned (the dataset pickled without its handle: the worker opens its own), the ids
+    are the user's loader's; the second epoch reads from the store."""
+    for persistent, context in ((False, None), (True, None), (True, "spawn")):
         def make():
             return DataLoader(Numbers(40), batch_size=4, shuffle=True, num_workers=2,
-                              persistent_workers=persistent)
+                              persistent_workers=persistent, multiprocessing_context=context)
         torch.manual_seed(11)
         want = ids(make(), 2)
         torch.manual_seed(11)
-        loader = ts.share(make(), name=f"workers{persistent}", store=True)
+        loader = ts.share(make(), name=f"workers{persistent}{context}", store=True)
         try:
             assert ids(loader, 2) == want
             info = loader.store_info()
