@@ -58,6 +58,17 @@ def _publish(prod: _core.Ring, i: int, timeout: float | None = None) -> int:
                         timeout=timeout)
 
 
+def test_an_acquire_past_its_deadline_at_the_first_look_times_out(ring_pair):
+    """acquire() with nothing published, its deadline passed by the time it first looks
+    (timeout=0, or a GPU consumer's 50 ms step on a machine that did not run it for that
+    long): TimeoutError saying what it waited for, which the consumer's wait loop takes as
+    a step's end. Before, an empty TensorSocketError, which ended the consumer."""
+    _, cons, _, _ = ring_pair
+    for timeout in (0, 1e-9):
+        with pytest.raises(TimeoutError, match="timed out waiting for the next batch"):
+            cons.acquire(timeout)
+
+
 # -- which slot is reused next ---------------------------------------------------------------
 
 

@@ -1939,7 +1939,9 @@ ts_status ts_ring_acquire(ts_ring *ring, uint64_t deadline, ts_acquired *out, ts
         if ((st = ts_acquire_try(ring, c, out, &seen, err)) != TS_E_TIMEOUT) return st;
         if (atomic_load_explicit(&h->state, memory_order_acquire) == TS_RING_FINISHED)
             return ts_err_set(err, TS_E_FINISHED, 0, "the producer has finished");
-        if (deadline == TS_DEADLINE_NOW) return TS_E_TIMEOUT; /* a try: the caller waits */
+        if (deadline == TS_DEADLINE_NOW) /* a try: the caller waits, or times out with this */
+            return ts_err_set(err, TS_E_TIMEOUT, ETIMEDOUT, "timed out waiting for the next "
+                              "batch");
         const ts_waiter w = {&h->pub_word, &h->pub_waiters, ts_acquire_news,
                              ts_acquire_between, &seen, "the next batch"};
         uint64_t t0 = ts_now_ns();
