@@ -37,6 +37,18 @@ def _run_both(jobs: Jobs, label: str, start, timeout: float) -> tuple[dict, dict
     return got, baseline.records()
 
 
+def _same_as_without(jobs: Jobs, label: str, start, timeout: float, keys: tuple[str, ...],
+                     samples: int | None = None) -> None:
+    """Run the job through the store and without tensorsocket (_run_both): every rank's
+    batches of each key the same; with `samples`, the store's run's two train epochs each
+    every sample once."""
+    got, want = _run_both(jobs, label, start, timeout)
+    problems = _same_batches(label, got, want, keys)
+    if samples is not None:
+        problems += check_epochs(jobs.jobs[0], "train", samples, 2)
+    assert_no_problems(problems, jobs)
+
+
 def _same_batches(label: str, got: dict, want: dict, keys: tuple[str, ...]) -> list[str]:
     """Problems unless every rank's batches of every epoch of each key are the
     baseline's."""
@@ -64,10 +76,7 @@ def test_lightning_fit_train_and_val(jobs, name):
                            f"{name}-val", "--samples", str(n), "--val-samples", str(nv),
                            *([] if store else ["--no-share"]))
 
-    got, want = _run_both(jobs, "lightning", start, 120)
-    problems = _same_batches("lightning", got, want, ("train", "val", "sanity"))
-    problems += check_epochs(jobs.jobs[0], "train", n, 2)
-    assert_no_problems(problems, jobs)
+    _same_as_without(jobs, "lightning", start, 120, ("train", "val", "sanity"), samples=n)
 
 
 @pytest.mark.slow  # two DDP runs of Lightning: a dozen fresh interpreters
@@ -83,10 +92,7 @@ def test_lightning_ddp_rebuilds_the_loader(jobs, name):
                            f"{name}-val", "--devices", "2", "--samples", str(n),
                            "--val-samples", str(nv), *([] if store else ["--no-share"]))
 
-    got, want = _run_both(jobs, "lightning-ddp", start, 180)
-    problems = _same_batches("lightning-ddp", got, want, ("train", "val"))
-    problems += check_epochs(jobs.jobs[0], "train", n, 2)
-    assert_no_problems(problems, jobs)
+    _same_as_without(jobs, "lightning-ddp", start, 180, ("train", "val"), samples=n)
 
 
 @pytest.mark.slow  # two torchrun jobs of two ranks
@@ -103,10 +109,7 @@ def test_torchrun_ddp_shards(jobs, name):
         return jobs.torchrun(label, 2, "ddp_torchrun.py", "--name", name, "--samples", str(n),
                              *([] if store else ["--no-share"]))
 
-    got, want = _run_both(jobs, "torchrun", start, 180)
-    problems = _same_batches("torchrun", got, want, ("train",))
-    problems += check_epochs(jobs.jobs[0], "train", n, 2)
-    assert_no_problems(problems, jobs)
+    _same_as_without(jobs, "torchrun", start, 180, ("train",), samples=n)
 
 
 def test_hf_datasets(jobs, name):
@@ -119,10 +122,7 @@ def test_hf_datasets(jobs, name):
         return jobs.python(label, "hf_datasets.py", "--name", name, "--samples", str(n),
                            *([] if store else ["--no-share"]))
 
-    got, want = _run_both(jobs, "hf", start, 120)
-    problems = _same_batches("hf", got, want, ("train",))
-    problems += check_epochs(jobs.jobs[0], "train", n, 2)
-    assert_no_problems(problems, jobs)
+    _same_as_without(jobs, "hf", start, 120, ("train",), samples=n)
 
 
 def test_accelerate_prepare_and_skip_first_batches(jobs, name):
@@ -135,10 +135,7 @@ def test_accelerate_prepare_and_skip_first_batches(jobs, name):
         return jobs.python(label, "accelerate_prepare.py", "--name", name, "--samples",
                            str(n), *([] if store else ["--no-share"]))
 
-    got, want = _run_both(jobs, "accelerate", start, 120)
-    problems = _same_batches("accelerate", got, want, ("train", "skipped"))
-    problems += check_epochs(jobs.jobs[0], "train", n, 2)
-    assert_no_problems(problems, jobs)
+    _same_as_without(jobs, "accelerate", start, 120, ("train", "skipped"), samples=n)
 
 
 @pytest.mark.slow  # two accelerate launches of two processes
@@ -155,6 +152,4 @@ def test_accelerate_launch_shards(jobs, name):
                                  "16", "--skip", "2", "--shuffle",
                                  *([] if store else ["--no-share"]))
 
-    got, want = _run_both(jobs, "accelerate-launch", start, 180)
-    problems = _same_batches("accelerate-launch", got, want, ("listed", "skipped", "train"))
-    assert_no_problems(problems, jobs)
+    _same_as_without(jobs, "accelerate-launch", start, 180, ("listed", "skipped", "train"))
