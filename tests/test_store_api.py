@@ -7,6 +7,7 @@ so a batch says which samples it holds; every decode is counted."""
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import gc
@@ -252,20 +253,48 @@ class BatchesDoubled(DataLoader):
             yield x * 2, y
 
 
-class ShuffledBy4(DataLoader):
-    """A DataLoader subclass that only sets arguments."""
+class Logging:
+    """A mixin with a method the training calls."""
 
-    def __init__(self, dataset):
-        super().__init__(dataset, batch_size=4, shuffle=True)
+    def log_batches(self) -> str:
+        return "logged"
+
+
+class LoggingLoader(DataLoader, Logging):
+    """The mixin after DataLoader in the MRO."""
+
+
+class ShuffledBy4(DataLoader, abc.ABC):
+    """A DataLoader subclass that only sets arguments (with a private helper, a class
+    constant, an attribute of its own, and markers: no behaviour)."""
+
+    __slots__ = ()
+    unit = "samples"
+
+    def __init__(self, dataset, vocab=None):
+        super().__init__(dataset, batch_size=4, sampler=self._sampler(dataset))
+        self.vocab = vocab
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+
+    @staticmethod
+    def _sampler(dataset):
+        return torch.utils.data.RandomSampler(dataset)
 
 
 def test_loader_subclasses_and_shared_loaders():
     """A DataLoader subclass whose own behaviour a loader made again from its arguments
-    would lose is refused, naming what it adds; one that only sets arguments is made
-    again, its batches its own; a loader share() made is refused as share()'s already."""
+    would lose is refused, naming what it adds (its __iter__, a mixin's method); one that
+    only sets arguments is made again, its batches its own, its public data (a class
+    constant, what its __init__ kept) carried over. A loader over a store's dataset (one
+    share() returned, or a DataLoader over its dataset) and a loader that only passes for
+    a DataLoader (accelerate's prepared loaders) are refused, saying what to do."""
     with pytest.raises(TypeError, match=r"BatchesDoubled is a DataLoader subclass whose "
                                         r"own __iter__ would be lost"):
         ts.share(BatchesDoubled(Numbers(8), batch_size=4), name="sub", store=True)
+    with pytest.raises(TypeError, match=r"own log_batches would be lost"):
+        ts.share(LoggingLoader(Numbers(8), batch_size=4), name="sub", store=True)
     torch.manual_seed(2)
     want = ids(ShuffledBy4(Numbers(8)), 2)
     torch.manual_seed(2)
@@ -275,13 +304,20 @@ def test_loader_subclasses_and_shared_loaders():
     except ImportError:
         recorded = contextlib.nullcontext()
     with recorded:
-        loader = ts.share(ShuffledBy4(Numbers(8)), name="sub", store=True)
+        loader = ts.share(ShuffledBy4(Numbers(8), vocab={"a": 1}), name="sub", store=True)
     try:
         assert ids(loader, 2) == want
-        with pytest.raises(TypeError, match=r"share\(\)'s already"):
-            ts.share(loader, name="sub", store=True)
+        assert loader.vocab == {"a": 1} and loader.unit == "samples"
+        for again in (loader, DataLoader(loader.dataset),
+                      DataLoader(Subset(loader.dataset, [1, 2]))):
+            with pytest.raises(TypeError, match="the loader's dataset is a store's already"):
+                ts.share(again, name="sub", store=True)
     finally:
         loader.close()
+    accelerate = pytest.importorskip("accelerate")
+    prepared = accelerate.Accelerator(cpu=True).prepare(DataLoader(Numbers(8)))
+    with pytest.raises(TypeError, match=r"DataLoaderShard wraps one \(accelerate's prepare"):
+        ts.share(prepared, name="sub", store=True)
 
 
 def test_a_sample_that_cannot_be_stored_is_decoded_privately():

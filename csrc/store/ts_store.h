@@ -100,11 +100,11 @@ typedef struct ts_store_header {
     uint64_t used_bytes;     /* bytes in blocks of FILLING and READY entries */
     uint32_t used_entries;
     ts_store_job jobs[TS_STORE_MAX_JOBS];
-    _Atomic uint64_t hits, misses, commits, evictions, no_room, repairs;
-    _Atomic uint64_t races;   /* reserves of a sample READY or FILLING by a live writer: a
-                               * decode that came second (its copy not kept) */
-    _Atomic uint64_t busy;    /* data-path calls refused for a busy lock: waits that timed
-                               * out (a holder stopped), and calls in the backoff after */
+    /* races: reserves of a sample READY or FILLING by a live writer, a decode that came
+     * second (its copy not kept). (The order is the layout's: TS_STORE_LAYOUT_VERSION.) */
+    _Atomic uint64_t hits, misses, commits, evictions, races, no_room, repairs;
+    _Atomic uint64_t busy;    /* calls refused for a busy lock: waits that timed out (a
+                               * holder stopped), and the calls in the backoff after */
     _Atomic uint32_t dropped; /* set once (ts_store_drop): readers decode privately */
     char drop_reason[TS_STORE_REASON_BYTES]; /* written before dropped is set */
 } ts_store_header;

@@ -571,7 +571,8 @@ def _store_lines(s: StoreStatus, width: int | None) -> list[str]:
                    f"{s.stored}/{s.samples} samples, {human_bytes(s.used_bytes)} of "
                    f"{human_bytes(s.budget)}", f"hit rate {rate}",
                    f"decodes saved {s.hits}", f"decodes stored {s.commits}",
-                   f"evictions {s.evictions}", f"races {s.races}"], "  ", width)
+                   f"evictions {s.evictions}", f"races {s.races}", f"busy {s.busy}"], "  ",
+                  width)
     if s.dropped is not None:
         lines.extend(textwrap.wrap(f"dropped: {s.dropped}", width or 1000,
                                    initial_indent="  ", subsequent_indent="    "))

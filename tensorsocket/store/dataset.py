@@ -13,8 +13,9 @@ comes from a loader the job's framework made over this dataset (accelerate's
 - the job's own part of the transform runs on it, seeded from (the job's seed, the epoch,
   the sample): the same output whichever process runs it, in any order. For a plain
   index the epoch is not known: the own part draws from the caller's generators, as
-  the user's dataset does in the user's DataLoader (a worker's seeded per epoch by the
-  loader), so each epoch gets fresh draws and they are the user's loader's.
+  the user's dataset does in the user's DataLoader (in a worker, the generators the
+  DataLoader seeded for it), so each epoch gets fresh draws and they are the user's
+  loader's.
 
 A dataset whose shared part is not deterministic (random draws in ``__getitem__``, data
 that changes) would hand every job the first decode forever. It is found by content: a

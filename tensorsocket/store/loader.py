@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from ..augment.seeding import callers_generators_kept, sample_seed
 from ..errors import TensorSocketError
@@ -48,6 +48,7 @@ from ..producer.memory_room import memory_room
 from ..ring import Store
 from .codec import arena_block, block_bytes, encode
 from .dataset import StoreDataset
+from .loader_checks import check_loader, public_data
 from .parts import DatasetParts, split_dataset
 from .segment import join, leave, sweep
 
@@ -281,24 +282,7 @@ def store_loader(loader: Any, name: str, cache_bytes: int = 0, *,
     the job's own part, after the dataset's (if its transform was split); `seed`: of the
     job's own part (default: from the generator its sampler draws from, peeked at).
     TypeError / ValueError naming the knob for a loader the store cannot serve."""
-    if not isinstance(loader, DataLoader):
-        raise TypeError(f"store=True takes a torch DataLoader, got {type(loader).__name__}: "
-                        "other loaders share through the producer's ring (leave store= off)")
-    if isinstance(loader, StoreLoader):
-        raise TypeError("this loader is share()'s already (a StoreLoader over the store of "
-                        f"{loader.store_key}): iterate it as it is")
-    added = _subclass_behaviour(loader)
-    if added:
-        raise TypeError(
-            f"store=True makes the job's DataLoader again over the store; a "
-            f"{type(loader).__qualname__} is a DataLoader subclass whose own "
-            f"{', '.join(added)} would be lost: pass a torch DataLoader (and apply what the "
-            "subclass adds to the loader share() returns), or leave store= off (the "
-            "producer's ring runs any loader as it is)")
-    if isinstance(loader.dataset, IterableDataset):
-        raise ValueError("store=True needs a map-style dataset (indexed samples); an "
-                         "IterableDataset's stream shares through the producer's ring "
-                         "(leave store= off)")
+    check_loader(loader)
     try:
         samples = len(loader.dataset)
     except TypeError:
@@ -332,28 +316,10 @@ def store_loader(loader: Any, name: str, cache_bytes: int = 0, *,
         if not store.closed:
             leave(key, store)
         raise
-    return StoreLoader(dataset, **_loader_arguments(loader))
-
-
-# What a class body holds that is no behaviour of its instances.
-_CLASS_BOOKKEEPING = frozenset({"__init__", "__module__", "__qualname__", "__doc__", "__dict__",
-                                "__weakref__", "__annotations__", "__firstlineno__",
-                                "__static_attributes__", "__orig_bases__", "__parameters__"})
-
-
-def _subclass_behaviour(loader: DataLoader) -> list[str]:
-    """The members a DataLoader subclass of `loader` defines beyond __init__ (what a loader
-    made again from its arguments would not have); [] for a DataLoader or a subclass that
-    only sets arguments in its __init__."""
-    added: list[str] = []
-    for cls in type(loader).__mro__:
-        if cls is DataLoader:
-            break
-        # (__old__init__ and the like: Lightning's patches, while it records the
-        # arguments of the loaders a train_dataloader() makes.)
-        added += sorted(name for name in vars(cls)
-                        if name not in _CLASS_BOOKKEEPING and not name.startswith("__old"))
-    return added
+    made = StoreLoader(dataset, **_loader_arguments(loader))
+    for attribute, value in public_data(loader, made).items():  # (self.vocab, say)
+        setattr(made, attribute, value)
+    return made
 
 
 def _loader_arguments(loader: DataLoader) -> dict[str, Any]:
