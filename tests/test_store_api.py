@@ -12,6 +12,7 @@ import collections
 import contextlib
 import gc
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -399,6 +400,36 @@ def test_the_last_job_out_removes_the_store_and_a_dead_ones_is_swept(tmp_path):
         assert dead not in store_keys()
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("size", [0, 1 << 16], ids=["no-size-yet", "no-magic-yet"])
+def test_a_store_left_half_made_is_waited_for_then_replaced(size, caplog):
+    """A store's segment as its maker leaves it if it dies while making it (its size not
+    set yet, or its magic not stored): opening it reads "not there yet", so a job waits
+    MAKING_SECONDS for the maker to finish (a job of another runtime directory, whose flock
+    is not this one's, may be making it), then replaces it, saying so; its batches are
+    its own loader's. Before, the job's share() raised ValueError ("no sample store"), or
+    took the half-made store for another layout's and removed it at once."""
+    from tensorsocket.store.segment import MAKING_SECONDS
+
+    path = f"/dev/shm{segment_name(dataset_key('half-made', Numbers(8)))}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    with pytest.raises(FileNotFoundError, match="being made"):
+        Store.open(path[len("/dev/shm"):])
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="tensorsocket"):
+        loader = ts.share(DataLoader(Numbers(8), batch_size=4), name="half-made", store=True)
+    try:
+        assert time.monotonic() - started >= MAKING_SECONDS
+        assert any("left half made" in r.getMessage() for r in caplog.records)
+        assert ids(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert loader.store_info()["commits"] == 8
+    finally:
+        loader.close()
 
 
 def test_a_forked_child_cannot_use_its_parents_handle():

@@ -511,8 +511,8 @@ ts_status ts_store_create(const char *name, uint64_t samples, uint64_t budget,
         ts_segment_unlink(name, NULL);
         return ts_err_set(err, TS_E_SYS, rc, "a robust shared mutex: %s", strerror(rc));
     }
-    atomic_thread_fence(memory_order_release);
-    h->magic = TS_STORE_MAGIC; /* last: a store is valid once it has its magic */
+    /* Last: a store is valid once it has its magic (an opener sees it being made before). */
+    atomic_store_explicit(&h->magic, TS_STORE_MAGIC, memory_order_release);
     return TS_OK;
 }
 
@@ -522,14 +522,22 @@ ts_status ts_store_open(const char *name, ts_store **out, ts_err *err)
     uint64_t bytes = 0;
     ts_status s = ts_segment_open(name, &fd, &bytes, err);
     if (s != TS_OK) return s;
+    /* A segment another process is making (its size not set yet, or its magic not
+     * stored) is not there yet: TS_E_NOT_FOUND, as before it was created. */
     if (bytes < sizeof(ts_store_header)) {
         close(fd);
-        return ts_err_set(err, TS_E_INVALID, 0, "%s is no sample store (%llu bytes)", name,
-                          (unsigned long long)bytes);
+        return ts_err_set(err, TS_E_NOT_FOUND, 0, "%s is being made (%llu bytes so far)",
+                          name, (unsigned long long)bytes);
     }
     if ((s = ts_store_map(name, fd, bytes, out, err)) != TS_OK) return s;
     ts_store_header *h = (*out)->hdr;
-    if (h->magic != TS_STORE_MAGIC || h->layout_version != TS_STORE_LAYOUT_VERSION ||
+    uint64_t magic = atomic_load_explicit(&h->magic, memory_order_acquire);
+    if (magic == 0) {
+        ts_store_close(*out);
+        *out = NULL;
+        return ts_err_set(err, TS_E_NOT_FOUND, 0, "%s is being made", name);
+    }
+    if (magic != TS_STORE_MAGIC || h->layout_version != TS_STORE_LAYOUT_VERSION ||
         h->layout.segment_bytes != bytes) {
         ts_store_close(*out);
         *out = NULL;

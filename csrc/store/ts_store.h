@@ -90,7 +90,7 @@ typedef struct ts_store_layout {
 
 /* The header at offset 0 of the segment; the tables follow it (layout). */
 typedef struct ts_store_header {
-    uint64_t magic;
+    _Atomic uint64_t magic; /* TS_STORE_MAGIC once made (stored last, release) */
     uint32_t layout_version;
     uint32_t pad;
     ts_store_layout layout;

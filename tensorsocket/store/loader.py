@@ -42,6 +42,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ..augment.seeding import callers_generators_kept, sample_seed
+from ..control.endpoints import runtime_dir
 from ..errors import TensorSocketError
 from ..loader.fingerprint import dataset_identity
 from ..producer.memory_room import memory_room
@@ -205,12 +206,15 @@ class _Then:
 
 
 def store_key(name: str, parts: DatasetParts, probe: list) -> str:
-    """The store's key: a digest of the share() name, the base dataset's identity with its
-    shared transforms, and the blocks of a few of its samples (_probe). Two jobs share a
-    store only if all three agree: a transform that no name tells apart (two closures of
-    one function), or in-memory data of one class and length, gives other samples and so
+    """The store's key: a digest of the runtime directory, the share() name, the base
+    dataset's identity with its shared transforms, and the blocks of a few of its samples
+    (_probe). Two jobs share a store only if all agree: jobs share a store where they
+    would share a ring, in one runtime directory (whose flock orders the store's joins and
+    leaves: store.segment); a transform that no name tells apart (two closures of one
+    function), or in-memory data of one class and length, gives other samples and so
     another store."""
-    digest = hashlib.sha256(f"{name}\0{dataset_identity(parts.base, parts.transforms)}\0"
+    digest = hashlib.sha256(f"{runtime_dir()}\0{name}\0"
+                            f"{dataset_identity(parts.base, parts.transforms)}\0"
                             .encode("utf-8", "replace"))
     for _, _, block in probe:
         digest.update(block)

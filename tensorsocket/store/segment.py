@@ -31,6 +31,9 @@ from ..sharing.election import release_lock, take_lock
 log = logging.getLogger("tensorsocket")
 
 LOCK_SECONDS = 30.0  # the longest wait for a store's flock (held for an open or an unlink)
+# A store being made by a job whose flock is not this one's (another runtime directory)
+# is waited for this long; one still half made then was left by a maker that died.
+MAKING_SECONDS = 2.0
 _SEGMENT = re.compile(r"tensorsocket-store-(?P<uid>[0-9]{1,10})-(?P<key>[0-9a-f]{16})")
 
 
@@ -105,7 +108,32 @@ def join(key: str, samples: int, budget: Callable[[], int]) -> Joined:
     layout, another number of samples) and attach this process to it."""
     name = segment_name(key)
     with _Locked(key):
-        store, created = None, False
+        store, created = _open_or_make(name, samples, budget)
+        budget_now = int(store.info()["budget"])
+        try:
+            store.attach()
+        except (TimeoutError, TooManyConsumers) as e:
+            # (a stopped job holds its lock, or its job table is full: this job goes alone)
+            log.warning("decoded-sample store %s: %s; this job decodes its own samples",
+                        name, e)
+            store.close()
+        except BaseException:
+            store.close()
+            if created:
+                _unlink(name)
+            raise
+        return Joined(store, created, budget_now)
+
+
+def _open_or_make(name: str, samples: int, budget: Callable[[], int]) -> tuple[Store, bool]:
+    """The store `name`, opened or made (whether made) for a dataset of `samples` (join).
+    A job whose flock is another (its runtime directory is another) may be making it
+    meanwhile: a store being made reads as not there, and making it then finds it made,
+    so both are tried again until it is made (MAKING_SECONDS; a store half made for that
+    long is replaced)."""
+    deadline = time.monotonic() + MAKING_SECONDS
+    while True:
+        store = None
         try:
             store = Store.open(name)
         except FileNotFoundError:
@@ -123,23 +151,18 @@ def join(key: str, samples: int, budget: Callable[[], int]) -> Joined:
             store.close()
             _unlink(name)
             store = None
-        if store is None:
-            store = Store.create(name, samples, budget())
-            created = True
-        budget_now = int(store.info()["budget"])
+        if store is not None:
+            return store, False
         try:
-            store.attach()
-        except (TimeoutError, TooManyConsumers) as e:
-            # (a stopped job holds its lock, or its job table is full: this job goes alone)
-            log.warning("decoded-sample store %s: %s; this job decodes its own samples",
-                        name, e)
-            store.close()
-        except BaseException:
-            store.close()
-            if created:
-                _unlink(name)
-            raise
-        return Joined(store, created, budget_now)
+            return Store.create(name, samples, budget()), True
+        except FileExistsError:
+            if time.monotonic() < deadline:
+                time.sleep(0.01)  # (made meanwhile, or being made: open it)
+                continue
+            log.warning("decoded-sample store %s was left half made (its maker died?): "
+                        "replaced", name)
+            _unlink(name)
+            deadline = time.monotonic() + MAKING_SECONDS
 
 
 def attach_worker(key: str) -> Store | None:
