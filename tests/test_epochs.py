@@ -192,10 +192,13 @@ def test_ranks_of_a_group_split_the_stream(name, jobs):
 
 def _producer_thread(producer: TensorProducer, epochs: int) -> threading.Thread:
     def run() -> None:
-        for _ in range(epochs):
-            for _ in producer:
-                pass
-        producer.join(timeout=60)
+        try:
+            for _ in range(epochs):
+                for _ in producer:
+                    pass
+            producer.join(timeout=60)
+        except TensorSocketError:  # closed by the test while waiting for consumers
+            pass
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -277,7 +280,10 @@ def test_state_dict_resumes_mid_epoch(name):
     with pytest.raises(ValueError, match="not a tensorsocket consumer state"):
         c2.load_state_dict({"epoch": 1})
     c2.close()
+    # (Epoch 2 has no reader: the producer, left with none, may be waiting for one.)
+    producer.close()
     t.join(timeout=60)
+    assert not t.is_alive()
 
 
 def test_set_epoch_back_warns_where_order_is_by_epoch(name, jobs):
