@@ -49,6 +49,11 @@ class Numbers(Dataset):
         return torch.full(self.shape, i % 251, dtype=torch.uint8), i
 
 
+def noise(x):
+    """A job's random transform: uniform noise drawn from torch's generator."""
+    return x.float() + torch.rand(x.shape)
+
+
 @pytest.fixture(autouse=True)
 def private_runtime(tmp_path, monkeypatch):
     """A runtime directory of the test's own; no store this test's process joined left in
@@ -406,9 +411,8 @@ def test_the_last_job_out_removes_the_store_and_a_dead_ones_is_swept(tmp_path):
 def test_a_store_left_half_made_is_waited_for_then_replaced(size, caplog):
     """A store's segment as its maker leaves it if it dies while making it (its size not
     set yet, or its magic not stored): opening it reads "not there yet", so a job waits
-    MAKING_SECONDS for the maker to finish (a job of another runtime directory, whose flock
-    is not this one's, may be making it), then replaces it, saying so; its batches are
-    its own loader's. Before, the job's share() raised ValueError ("no sample store"), or
+    MAKING_SECONDS for the maker to finish (one whose flock is not this one's may be making
+    it), then replaces it, saying so; its batches are its own loader's. Before, the job's share() raised ValueError ("no sample store"), or
     took the half-made store for another layout's and removed it at once."""
     from tensorsocket.store.segment import MAKING_SECONDS
 
@@ -490,9 +494,6 @@ def test_the_jobs_own_transform_and_seed():
     on a miss, other ones in another epoch; the caller's generators draw what the job's
     own DataLoader would have drawn (its base seed per epoch), no more."""
     from tensorsocket.augment.seeding import sample_seed
-
-    def noise(x):
-        return x.float() + torch.rand(x.shape)
 
     loader = ts.share(DataLoader(Numbers(12), batch_size=4), name="own-part", store=True,
                       transform=noise, seed=42)
@@ -614,10 +615,6 @@ class Noisy(Dataset):
         return self.transform(x), y
 
 
-def _noise(x):
-    return x.float() + torch.rand(x.shape)
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_accelerate_prepare_reads_the_store_with_the_loaders_draws(workers):
     """accelerator.prepare() makes a DataLoader of its own over the store's dataset and the
@@ -635,10 +632,10 @@ def test_accelerate_prepare_reads_the_store_with_the_loaders_draws(workers):
         return [[(x.clone(), y.clone()) for x, y in prepared] for _ in range(2)]
 
     torch.manual_seed(5)
-    want = two_epochs(DataLoader(Noisy(24, _noise), **options))
+    want = two_epochs(DataLoader(Noisy(24, noise), **options))
     torch.manual_seed(5)
     loader = ts.share(DataLoader(Numbers(24), **options), name=f"accelerate-{workers}",
-                      store=True, transform=_noise)
+                      store=True, transform=noise)
     try:
         got = two_epochs(loader)
         info = loader.store_info()

@@ -31,8 +31,9 @@ from ..sharing.election import release_lock, take_lock
 log = logging.getLogger("tensorsocket")
 
 LOCK_SECONDS = 30.0  # the longest wait for a store's flock (held for an open or an unlink)
-# A store being made by a job whose flock is not this one's (another runtime directory)
-# is waited for this long; one still half made then was left by a maker that died.
+# A store being made by a job whose flock is not this one's (the same runtime directory's
+# path in another mount namespace sharing /dev/shm: a container) is waited for this long;
+# one still half made then was left by a maker that died.
 MAKING_SECONDS = 2.0
 _SEGMENT = re.compile(r"tensorsocket-store-(?P<uid>[0-9]{1,10})-(?P<key>[0-9a-f]{16})")
 
@@ -127,10 +128,10 @@ def join(key: str, samples: int, budget: Callable[[], int]) -> Joined:
 
 def _open_or_make(name: str, samples: int, budget: Callable[[], int]) -> tuple[Store, bool]:
     """The store `name`, opened or made (whether made) for a dataset of `samples` (join).
-    A job whose flock is another (its runtime directory is another) may be making it
-    meanwhile: a store being made reads as not there, and making it then finds it made,
-    so both are tried again until it is made (MAKING_SECONDS; a store half made for that
-    long is replaced)."""
+    Under the key's flock a store half made was left by a maker that died; one whose flock
+    is another (MAKING_SECONDS) may be making it meanwhile: a store being made reads as
+    not there, and making it then finds it made, so both are tried again until it is
+    made (a store half made for MAKING_SECONDS is replaced)."""
     deadline = time.monotonic() + MAKING_SECONDS
     while True:
         store = None
