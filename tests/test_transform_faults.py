@@ -395,30 +395,35 @@ c = TensorConsumer(name=name, timeout=60, batch_timeout=20, transform=add,
                    transform_workers=workers)
 signal.signal(signal.SIGINT, on_sigint)
 print(json.dumps({"ready": True}), flush=True)
-while state["done"] < epochs:
-    try:
-        state["outside"] = False
-        if state["it"] is None:
-            state["it"] = iter(c)
-        for batch in state["it"]:
-            seen[batch["id"]] += 1
-            wrong.add_((batch["x"] != (batch["id"][:, None] + 1000)).sum())
-        state["outside"] = True
-        state["it"] = None
-        state["done"] += 1
-    except KeyboardInterrupt:
-        state["outside"] = True
-        state["interrupts"] += 1
-    except TimeoutError as e:  # a batch that never comes: a hang, bounded here
-        state["outside"] = True
-        state["timeout"] = str(e)
-        break
+try:
+    while state["done"] < epochs:
+        try:
+            state["outside"] = False
+            if state["it"] is None:
+                state["it"] = iter(c)
+            for batch in state["it"]:
+                seen[batch["id"]] += 1
+                wrong.add_((batch["x"] != (batch["id"][:, None] + 1000)).sum())
+            state["outside"] = True
+            state["it"] = None
+            state["done"] += 1
+        except KeyboardInterrupt:
+            state["outside"] = True
+            state["interrupts"] += 1
+        except TimeoutError as e:  # a batch that never comes: a hang, bounded here
+            state["outside"] = True
+            state["timeout"] = str(e)
+            break
+except BaseException:  # what the loop did not catch: reported whole, first
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (not cut by the storm going on)
+    raise
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: the storm may go on
 stats = c.stats()
 c.close()
 print(json.dumps({"epochs": state["done"], "interrupts": state["interrupts"],
                   "held_off": state["held_off"], "timeout": state["timeout"],
                   "n_missing": int((seen == 0).sum()), "n_twice": int((seen > 1).sum()),
+                  "missing": (seen == 0).nonzero().flatten()[:16].tolist(),
                   "wrong": int(wrong), "batches": stats["batches"],
                   "set_aside": stats["copied_kept_batches"]}), flush=True)
 """

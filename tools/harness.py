@@ -158,11 +158,26 @@ def _parse_line(line: str, marker: str = "") -> dict | None:
 
 
 def _tail(text: str | bytes | None, lines: int = 30, chars: int = 4000) -> str:
+    """The last `lines` lines of `text` (at most `chars` characters)."""
     if not text:
         return ""
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
     return "\n".join(text.rstrip().splitlines()[-lines:])[-chars:]
+
+
+def _ends(text: str | bytes | None, head: int = 25, tail: int = 30) -> str:
+    """`text`'s first `head` and last `tail` lines: a child's first traceback (what went
+    wrong) and its last (how it ended), with how many lines lie between them."""
+    if not text:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    rows = text.rstrip().splitlines()
+    if len(rows) <= head + tail:
+        return _tail(text, head + tail, 8000)
+    return "\n".join(rows[:head])[:4000] + f"\n[... {len(rows) - head - tail} lines ...]\n" \
+        + _tail(text, tail)
 
 
 # -- process trees ------------------------------------------------------------------------
@@ -415,7 +430,7 @@ class ChildProcess(subprocess.Popen):
         if out:
             parts.append("stdout:\n" + _tail(out))
         if err:
-            parts.append("stderr:\n" + _tail(err))
+            parts.append("stderr:\n" + _ends(err))
         return ("\n" + "\n".join(parts)) if parts else ""
 
 

@@ -113,7 +113,8 @@ def _worker_main(transform: Callable[[Any], Any], pil: bool, tasks: Any, results
 def _run_task(transform: Callable[[Any], Any], pil: bool, message: bytes,
               worker: int) -> Any:
     """The stacked outputs of one task (a pickled (inputs, seeds)), a SendTensor if its
-    inputs' file is gone, or the WorkerFailure of the transform."""
+    inputs cannot be viewed in their file (gone, or not the size it was: the worker stays,
+    the consumer sends the tensor), or the WorkerFailure of the transform."""
     try:
         source, seeds = ForkingPickler.loads(message)
     except Exception as e:
@@ -121,7 +122,7 @@ def _run_task(transform: Callable[[Any], Any], pil: bool, message: bytes,
                              f"{e}", traceback.format_exc(), worker)
     try:
         inputs = materialise(source)
-    except OSError:
+    except (OSError, ValueError):  # (mmap's ValueError: the file is shorter than that)
         return SendTensor()
     del source
     try:
