@@ -575,3 +575,23 @@ def test_transform_workers_in_a_process_with_many_files_open(procs, name):
     assert r["top_fd"] >= 1024, r
     assert (r["once"], r["samples"], r["wrong"]) == (epochs * batches * BS,) * 2 + (0,), r
     assert procs.result(prod, timeout=60)["done"]
+
+
+# -- a worker's inputs it cannot view in their file ---------------------------------------
+
+
+def test_a_worker_asks_for_the_tensor_when_its_inputs_file_is_gone_or_short(tmp_path):
+    """A task whose inputs' file lost its name, or is shorter than the view (mmap's
+    ValueError: before, the worker died of it, and next() raised 'transform worker exited
+    unexpectedly'), is answered with SendTensor: the consumer sends the tensor itself."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from tensorsocket.augment.shared_views import SharedTensorRef
+    from tensorsocket.augment.workers import SendTensor, _run_task
+
+    short = tmp_path / "short"
+    short.write_bytes(b"\0" * 64)
+    for path, offset in ((tmp_path / "gone", 0), (short, 1 << 20)):
+        ref = SharedTensorRef(str(path), offset, (8, 4), (4, 1), torch.int32)
+        message = bytes(ForkingPickler.dumps((ref, list(range(8)))))
+        assert isinstance(_run_task(lambda row: row + 1, False, message, 0), SendTensor), path
