@@ -595,3 +595,41 @@ def test_a_worker_asks_for_the_tensor_when_its_inputs_file_is_gone_or_short(tmp_
         ref = SharedTensorRef(str(path), offset, (8, 4), (4, 1), torch.int32)
         message = bytes(ForkingPickler.dumps((ref, list(range(8)))))
         assert isinstance(_run_task(lambda row: row + 1, False, message, 0), SendTensor), path
+
+
+def test_interrupts_held_hands_the_signal_on_after_the_block():
+    """interrupts_held(): a SIGINT in the block reaches the handler it replaced once the
+    block is done (default_int_handler: KeyboardInterrupt; a handler of the job's: called
+    once; SIG_IGN: nothing), and the handler is back; in another thread it holds nothing."""
+    from tensorsocket.augment.workers import interrupts_held
+
+    def interrupt_inside() -> bool:
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):  # (the handler runs at the next check of the eval loop)
+                time.sleep(0.001)
+        return True
+
+    before = signal.getsignal(signal.SIGINT)
+    calls: list[int] = []
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with pytest.raises(KeyboardInterrupt):
+            interrupt_inside()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+        assert interrupt_inside() and calls == [signal.SIGINT]
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert interrupt_inside() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        seen: list = []
+
+        def in_a_thread() -> None:
+            with interrupts_held():
+                seen.append(signal.getsignal(signal.SIGINT))
+
+        t = threading.Thread(target=in_a_thread)
+        t.start()
+        t.join()
+        assert seen == [signal.SIG_IGN]
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -57,7 +57,7 @@ from .samples import Rebuild, first_sample_check, raised_here, split_inputs, \
     transform_samples
 from .seeding import callers_generators_kept, sample_keys, sample_seed
 from .shared_views import shared_ref
-from .workers import WorkerPool
+from .workers import WorkerPool, interrupts_held
 
 log = logging.getLogger("tensorsocket")
 
@@ -295,7 +295,8 @@ class TransformStage:
         if self._depth < o.workers:
             log.info("transform: %d batches in flight for %d workers (the ring has %d slots; "
                      "TensorProducer(ring_slots=) gives more)", self._depth, o.workers, slots)
-        self._pool = WorkerPool(o.transform, o.pil, o.workers, o.context)
+        with interrupts_held():  # (a pool made whole, and kept, or none: see interrupts_held)
+            self._pool = WorkerPool(o.transform, o.pil, o.workers, o.context)
         log.info("transform: %d worker processes %s, %d batches in flight", o.workers,
                  self._pool.pids, self._depth)
         return self._pool

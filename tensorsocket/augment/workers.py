@@ -19,12 +19,15 @@ message in two nor leave a queue's lock held: what the main thread does is appen
 deque, reading the filed results and waiting on a pipe the courier writes to. A result
 that cannot be received (its worker was killed after sending it) is filed as lost, and
 told as the TensorSocketError naming that worker. A worker ends when told (None), when its
-parent is gone, or with its parent (daemon processes).
+parent is gone, or with its parent (daemon processes). Starting the pool, and the steps of
+stopping it that take the task queue's lock, hold Ctrl-C back until they are done
+(interrupts_held): cut there, they leaked workers or hung the process at its exit.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -37,7 +40,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.multiprocessing as tmp
@@ -327,6 +330,32 @@ def _courier_main(tasks: Any, outbox: collections.deque, readers: list, done: di
             _poke(woken)
 
 
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C held back for the block, then handled as it would have been: for the steps
+    that an interrupt must not cut in two (a pool half started leaks the workers it forked;
+    a KeyboardInterrupt inside a queue's put() can leave the queue's lock held, and its
+    feeder thread, then the process at exit, waits for it for ever). SIGINT's handler is
+    replaced for the block by one that notes the signal; the one it replaced then gets the
+    first signal noted. Workers forked meanwhile inherit the noting handler until they
+    ignore SIGINT. Nothing is held outside the main thread (no handler runs there), nor
+    where SIGINT's handler was not set from Python."""
+    held: list = []
+    previous: Any = None
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is not None:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+            if held and callable(previous):
+                previous(signal.SIGINT, held[0])  # (raises KeyboardInterrupt, as a rule)
+            elif held and previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+
+
 def _class_named(origin: tuple[str, str] | None) -> type | None:
     """The class a worker's transform raised, found here by its (module, qualified name)
     among the modules imported (a spawned worker's __main__ is named __mp_main__); None if
@@ -377,11 +406,12 @@ def _stop_workers(owner: int, procs: list, tasks: Any, courier: threading.Thread
     stopping.set()
     _poke(fds[1])
     try:
-        for _ in procs:
-            try:
-                tasks.put(None)
-            except (OSError, ValueError):
-                break
+        with interrupts_held():  # (see interrupts_held: a put() cut short hangs the exit)
+            for _ in procs:
+                try:
+                    tasks.put(None)
+                except (OSError, ValueError):
+                    break
         end = time.monotonic() + 5.0
         for p in procs:
             p.join(max(0.0, end - time.monotonic()))
@@ -391,11 +421,12 @@ def _stop_workers(owner: int, procs: list, tasks: Any, courier: threading.Thread
         if courier.ident is not None:  # (started)
             courier.join(5.0)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        tasks.close()
-        tasks.cancel_join_thread()
+        with interrupts_held():
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            tasks.close()  # (its feeder thread takes the queue's lock)
+            tasks.cancel_join_thread()
     if courier.is_alive():  # (still in recv() from a worker that will not end: its fds
         return  # stay, for it)
     for r in readers:
